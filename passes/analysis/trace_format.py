@@ -1,0 +1,182 @@
+"""The routing-trace file format (`.npz`, version 1): the contract between tracing and planning.
+
+| array          | shape        | meaning                                                       |
+| experts        | int [T,L,K]  | expert chosen by token t at MoE layer l, k-th choice, heaviest first; -1 = none |
+| weights        | f32 [T,L,K]  | gate weights (optional; default 1/K)                          |
+| token_ids      | int [T]      | vocabulary id (optional)                                      |
+| positions      | int [T]      | position in its sequence (optional)                           |
+| sequence       | int [T]      | request/sequence id (optional)                                |
+| attention_ids  | int [T,L]    | token id receiving the highest summed attention before layer l (optional) |
+| num_experts    | int scalar   | experts per MoE layer (optional; else max id + 1)             |
+| version        | int scalar   | format version, 1                                             |
+
+Every read validates shapes, dtypes and ranges, and reports the first problem as a `UserError`.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from moeplan.planner.atomic import atomic_path
+from moeplan.planner.errors import UserError
+
+TRACE_VERSION = 1
+OPTIONAL_PER_TOKEN = ("token_ids", "positions", "sequence")
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """A validated routing trace; arrays are read-only numpy arrays."""
+
+    experts: np.ndarray  # int32 [T, L, K]
+    weights: np.ndarray  # float32 [T, L, K]
+    num_experts: int
+    token_ids: Optional[np.ndarray] = None
+    positions: Optional[np.ndarray] = None
+    sequence: Optional[np.ndarray] = None
+    attention_ids: Optional[np.ndarray] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[2]
+
+    def select(self, rows: np.ndarray) -> "Trace":
+        """The sub-trace of the given token rows (a mask or indices), e.g. a train/held-out split."""
+        def pick(a):
+            return None if a is None else a[rows]
+        return make_trace(
+            self.experts[rows], pick(self.weights), num_experts=self.num_experts,
+            token_ids=pick(self.token_ids), positions=pick(self.positions),
+            sequence=pick(self.sequence), attention_ids=pick(self.attention_ids),
+        )
+
+
+def _int_array(name: str, value, ndim: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != ndim:
+        raise UserError(f"trace array '{name}' must have {ndim} dimensions, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise UserError(f"trace array '{name}' must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64 if name in ("token_ids", "attention_ids") else np.int32)
+
+
+def make_trace(
+    experts,
+    weights=None,
+    *,
+    num_experts: Optional[int] = None,
+    token_ids=None,
+    positions=None,
+    sequence=None,
+    attention_ids=None,
+) -> Trace:
+    """Build a `Trace`, validating every array; raises `UserError` naming the first problem."""
+    experts = _int_array("experts", experts, 3)
+    T, L, K = experts.shape
+    if L == 0 or K == 0:
+        raise UserError(f"trace array 'experts' has shape {experts.shape}: it needs at least one MoE layer and one choice")
+    if experts.size and experts.min() < -1:
+        raise UserError("trace array 'experts' holds ids below -1; use -1 for 'no expert'")
+    max_id = int(experts.max()) if experts.size else -1
+    if num_experts is None:
+        num_experts = max(max_id + 1, 1)
+    num_experts = int(num_experts)
+    if num_experts <= 0:
+        raise UserError(f"trace 'num_experts' must be positive, got {num_experts}")
+    if max_id >= num_experts:
+        layer = int(np.argwhere(experts >= num_experts)[0][1])
+        raise UserError(
+            f"trace holds expert id {max_id} at MoE layer {layer} but the model has "
+            f"{num_experts} experts per layer (ids must be < {num_experts}); was it traced from another model?"
+        )
+    if weights is None:
+        weights = np.where(experts >= 0, np.float32(1.0 / K), np.float32(0.0))
+    weights = np.asarray(weights)
+    if weights.shape != experts.shape:
+        raise UserError(f"trace array 'weights' has shape {weights.shape}, expected {experts.shape} like 'experts'")
+    if not np.issubdtype(weights.dtype, np.floating):
+        raise UserError(f"trace array 'weights' must hold floats, got dtype {weights.dtype}")
+    weights = weights.astype(np.float32)
+    if not np.all(np.isfinite(weights)):
+        raise UserError("trace array 'weights' holds NaN or infinite values")
+
+    extras = {}
+    for name, value in (("token_ids", token_ids), ("positions", positions), ("sequence", sequence)):
+        if value is None:
+            extras[name] = None
+            continue
+        arr = _int_array(name, value, 1)
+        if arr.shape[0] != T:
+            raise UserError(f"trace array '{name}' has {arr.shape[0]} entries but 'experts' has {T} tokens")
+        extras[name] = arr
+    if attention_ids is not None:
+        attention_ids = _int_array("attention_ids", attention_ids, 2)
+        if attention_ids.shape != (T, L):
+            raise UserError(f"trace array 'attention_ids' has shape {attention_ids.shape}, expected {(T, L)}")
+
+    arrays = [experts, weights, attention_ids, *extras.values()]
+    for arr in arrays:
+        if arr is not None:
+            arr.setflags(write=False)
+    return Trace(experts=experts, weights=weights, num_experts=num_experts,
+                 attention_ids=attention_ids, **extras)
+
+
+def load_trace(path: str | os.PathLike) -> Trace:
+    """Read and validate a trace file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"trace file '{path}' does not exist; record one with 'moeplan trace MODEL --data TEXT --out {path}'")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+        raise UserError(f"trace file '{path}' is not a readable .npz archive ({exc.__class__.__name__}); re-record it with 'moeplan trace'")
+    if "experts" not in arrays:
+        raise UserError(f"trace file '{path}' has no 'experts' array; it is not a moeplan routing trace")
+    version = int(arrays.pop("version", TRACE_VERSION))
+    if version != TRACE_VERSION:
+        raise UserError(f"trace file '{path}' is format version {version}; this moeplan reads version {TRACE_VERSION}")
+    num_experts = arrays.pop("num_experts", None)
+    if num_experts is not None:
+        if np.asarray(num_experts).ndim != 0 or not np.issubdtype(np.asarray(num_experts).dtype, np.integer):
+            raise UserError(f"trace file '{path}': 'num_experts' must be an integer scalar")
+        num_experts = int(num_experts)
+    known = {"experts", "weights", "token_ids", "positions", "sequence", "attention_ids"}
+    unknown = sorted(set(arrays) - known)
+    if unknown:
+        raise UserError(f"trace file '{path}' has unknown arrays {unknown}; expected only {sorted(known | {'num_experts', 'version'})}")
+    try:
+        return make_trace(num_experts=num_experts, **arrays)
+    except UserError as exc:
+        raise UserError(f"trace file '{path}': {exc}") from None
+
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> None:
+    """Write a trace atomically; optional arrays that are absent are not written."""
+    arrays = {
+        "version": np.int64(TRACE_VERSION),
+        "num_experts": np.int64(trace.num_experts),
+        "experts": trace.experts,
+        "weights": trace.weights,
+    }
+    for name in (*OPTIONAL_PER_TOKEN, "attention_ids"):
+        value = getattr(trace, name)
+        if value is not None:
+            arrays[name] = value
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as fh:
+            np.savez_compressed(fh, **arrays)

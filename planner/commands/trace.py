@@ -1,0 +1,35 @@
+"""`moeplan trace`: record a routing trace from a model, or import, synthesise and summarise traces.
+
+`moeplan trace MODEL --data TEXT --out T.npz` records; the named subcommands (`import`, `stats`,
+and later ones) take precedence when the first argument is one of their names.
+"""
+from __future__ import annotations
+
+import click
+
+
+class DefaultToRecordGroup(click.Group):
+    """A group whose first argument is a MODEL unless it names a subcommand."""
+
+    default_command = "record"
+
+    def parse_args(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
+            args = [self.default_command, *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=DefaultToRecordGroup)
+def trace():
+    """Record (MODEL --data TEXT --out T.npz), import, synthesise or summarise routing traces."""
+
+
+def _register():
+    from moeplan.planner.commands import trace_record, trace_import, trace_stats
+
+    trace.add_command(trace_record.record)
+    trace.add_command(trace_import.import_log)
+    trace.add_command(trace_stats.stats)
+
+
+_register()

@@ -1,0 +1,26 @@
+"""Importers: every supported model source becomes a `ModelIR` (and, where it can run, a model).
+
+`load_model(spec)` accepts
+* `package.module:factory` - a Python callable returning an `nn.Module`;
+* a directory with `config.json`: either a moeplan model directory (its config names a loader,
+  `"moeplan_loader": "model.py:load"`, as `examples/tiny_moe/` does) or a Hugging Face model
+  directory (config + optional safetensors);
+* a Hugging Face `config.json` file alone: the model is built on the `meta` device at full size;
+* an `.onnx` file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from moeplan.planner.ir import ModelIR
+
+
+@dataclass
+class LoadedModel:
+    """The IR plus what can execute the model: an `nn.Module` (maybe on meta) or an ONNX path."""
+
+    ir: ModelIR
+    module: Optional[Any] = None  # torch.nn.Module
+    onnx_path: Optional[str] = None
+    has_weights: bool = True  # False for meta-device models built from a config alone
