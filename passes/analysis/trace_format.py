@@ -178,5 +178,14 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
         if value is not None:
             arrays[name] = value
     with atomic_path(path) as tmp:
-        with open(tmp, "wb") as fh:
-            np.savez_compressed(fh, **arrays)
+        _write_npz_deterministic(tmp, arrays)
+
+
+def _write_npz_deterministic(path: Path, arrays: dict) -> None:
+    """Like `np.savez_compressed`, but with fixed zip timestamps so equal traces are equal bytes."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name in sorted(arrays):
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            with archive.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asarray(arrays[name]), allow_pickle=False)
