@@ -24,3 +24,8 @@ class LoadedModel:
     module: Optional[Any] = None  # torch.nn.Module
     onnx_path: Optional[str] = None
     has_weights: bool = True  # False for meta-device models built from a config alone
+
+
+from moeplan.planner.importers.resolve import load_model  # noqa: E402  (needs LoadedModel above)
+
+__all__ = ["LoadedModel", "load_model"]

@@ -1,0 +1,365 @@
+"""Stage rules: parameter names and shapes -> stages. The one rule the torch and ONNX imports share.
+
+Both importers see the same thing, the model's parameters by fully qualified name (torch module
+paths; ONNX initializer names keep them) with shapes and dtypes. Deriving stages from that alone,
+in one place, is what makes a torch import and an ONNX import of the same model equal.
+
+The rule, applied to the parameters in the order given (torch: `named_parameters()`, which is
+registration order; a torch.onnx export keeps it in its initializer list):
+
+1. **MoE blocks, by structure** (shallowest module path first; a match claims its whole subtree).
+   A module path P is an MoE block when two of its children are
+   * an *expert container* X with E >= 2 experts: either a list of identical modules
+     (`P.X.0.*` ... `P.X.<E-1>.*`, same names and shapes under every index, e.g. TinyMoE's
+     `experts` ModuleList) or fused stacked weights (every parameter under `P.X` has leading
+     dimension E and at least one is 3-D, e.g. HF `gate_up_proj` [E, 2I, D]);
+   * a *router* R: every parameter under `P.R` has leading dimension E and one is a 2-D weight
+     [E, D] whose D appears among the experts' dimensions.
+   Ties prefer an expert container whose name says `expert` but not `shared`, and a router named
+   `gate`/`router`. Everything else under P (shared experts, their gates) is the shared part.
+2. **Dense stages, by name.** The remaining parameters are classified by the outermost component
+   of their path that names a kind, checked per component in this order:
+   norm (`norm`, `ln_*`), embedding (`embed`, `wte`, `wpe`), head (`lm_head`, `head`, `output`,
+   `classifier`, `score`, `*_head`), attention (`attn`, `attention`), mlp (`mlp`, `ffn`,
+   `feed_forward`). The stage is the path up to and including that component. A parameter no
+   component classifies forms an `other` stage named by its module path.
+3. **Order**: stages appear in the order of their first parameter.
+
+Figures (`build_model_ir`): params and bytes from shapes x dtype sizes, tied aliases counted once
+(under the parameter they alias) but still charged FLOPs where they are used (a tied head
+multiplies through the embedding matrix); a stage's dtype is the dtype holding most of its
+elements; FLOPs and activation bytes follow `planner/costs.py`. An MoE stage's expert figures are
+one routed expert's (container / E); its shared-expert count is the number of modules in a shared
+list, else the shared parameters divided by one expert's (rounded; DeepSeek's fused shared MLP of
+width n x I counts n), at least 1. Hidden size = the first embedding's width (else the first
+router's D); vocabulary = the head's rows (else the first embedding's).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
+
+from moeplan.planner.costs import (
+    activation_bytes_per_token,
+    dense_flops_per_token,
+    moe_flops_per_token,
+)
+from moeplan.planner.ir import DenseStage, ModelIR, MoEStage, dtype_bytes
+
+
+@dataclass(frozen=True)
+class Param:
+    """One named parameter. `tied_to` names the parameter it aliases (then it owns no storage)."""
+
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+    tied_to: str = ""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    @property
+    def owned_numel(self) -> int:
+        return 0 if self.tied_to else self.numel
+
+    @property
+    def owned_bytes(self) -> float:
+        return self.owned_numel * dtype_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """The parameters of one stage, before figures are computed. MoE groups name their parts."""
+
+    name: str
+    kind: str
+    params: tuple
+    router: str = ""  # MoE only: module path of the router
+    experts: str = ""  # MoE only: module path of the routed-expert container
+    num_experts: int = 0
+    shared_list_len: int = 0  # MoE only: modules in a shared-expert list, 0 if none is a list
+
+    @property
+    def is_moe(self) -> bool:
+        return self.kind == "moe"
+
+    def part(self, path: str) -> tuple:
+        prefix = path + "."
+        return tuple(p for p in self.params if p.name.startswith(prefix))
+
+
+_DENSE_KIND_RULES = (
+    ("norm", re.compile(r"norm|^ln(_|\d|$)|_ln(_|\d|$)")),
+    ("embedding", re.compile(r"embed|^wte$|^wpe$")),
+    ("head", re.compile(r"^(lm_head|head|output|classifier|score)$|_head$")),
+    ("attention", re.compile(r"attn|attention")),
+    ("mlp", re.compile(r"mlp|ffn|feed_?forward")),
+)
+
+
+def _as_param(item) -> Param:
+    if isinstance(item, Param):
+        return item
+    name, shape, *rest = item
+    return Param(name, tuple(int(d) for d in shape), *rest)
+
+
+def _children(prefix: str, params: Sequence[Param]) -> dict:
+    """Child component name -> [(path below the child, param)], in first-appearance order."""
+    out: dict = {}
+    cut = len(prefix) + 1 if prefix else 0
+    for p in params:
+        child, _, rest = p.name[cut:].partition(".")
+        if rest:
+            out.setdefault(child, []).append((rest, p))
+    return out
+
+
+def _listed_experts(entries) -> int:
+    """E if entries are `<i>.<same names/shapes>` for i in 0..E-1 with E >= 2, else 0."""
+    signatures: dict = {}
+    for rest, p in entries:
+        index, _, below = rest.partition(".")
+        if not index.isdigit() or not below:
+            return 0
+        signatures.setdefault(int(index), []).append((below, p.shape))
+    count = len(signatures)
+    if count < 2 or sorted(signatures) != list(range(count)):
+        return 0
+    first = sorted(signatures[0])
+    return count if all(sorted(s) == first for s in signatures.values()) else 0
+
+
+def _fused_experts(entries) -> int:
+    """E if every parameter has leading dimension E >= 2 and one is (at least) 3-D, else 0."""
+    shapes = [p.shape for _, p in entries]
+    if not all(len(s) >= 2 for s in shapes) or not any(len(s) >= 3 for s in shapes):
+        return 0
+    leading = {s[0] for s in shapes}
+    return leading.pop() if len(leading) == 1 and shapes[0][0] >= 2 else 0
+
+
+def _is_router(entries, num_experts: int, expert_dims: set) -> bool:
+    shapes = [p.shape for _, p in entries]
+    if not shapes or not all(s and s[0] == num_experts for s in shapes):
+        return False
+    return any(len(s) == 2 and s[1] in expert_dims for s in shapes)
+
+
+def _prefer(names: list, good: tuple, bad: tuple = ()) -> str:
+    for n in names:
+        low = n.lower()
+        if any(g in low for g in good) and not any(b in low for b in bad):
+            return n
+    return names[0]
+
+
+def _match_moe(prefix: str, params: Sequence[Param]) -> Optional[StageGroup]:
+    children = _children(prefix, params)
+    if len(children) < 2:
+        return None
+    candidates = []
+    for child, entries in children.items():
+        count = _listed_experts(entries) or _fused_experts(entries)
+        if count:
+            candidates.append((child, count))
+    matches = {}
+    for child, count in candidates:
+        dims = {d for _, p in children[child] for d in p.shape[1:]}
+        routers = [r for r in children if r != child and _is_router(children[r], count, dims)]
+        if routers:
+            matches[child] = (count, _prefer(routers, ("gate", "router")))
+    if not matches:
+        return None
+    experts = _prefer(list(matches), ("expert",), ("shared",))
+    count, router = matches[experts]
+    shared_lists = [
+        _listed_experts(entries) for child, entries in children.items() if child not in (experts, router)
+    ]
+    join = (lambda c: f"{prefix}.{c}") if prefix else (lambda c: c)
+    return StageGroup(
+        name=prefix,
+        kind="moe",
+        params=tuple(params),
+        router=join(router),
+        experts=join(experts),
+        num_experts=count,
+        shared_list_len=sum(shared_lists),
+    )
+
+
+def _module_prefixes(params: Sequence[Param]) -> list:
+    """Every module path that holds parameters, shallowest first, then by first appearance."""
+    seen: dict = {}
+    for p in params:
+        parts = p.name.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            seen.setdefault(".".join(parts[:depth]), depth)
+    return sorted(seen, key=lambda path: seen[path])  # sorted() is stable
+
+
+def _dense_stage_of(name: str) -> tuple:
+    """(stage path, kind) for a parameter outside MoE blocks, by the first component naming a kind."""
+    parts = name.split(".")
+    for depth, component in enumerate(parts[:-1], start=1):
+        low = component.lower()
+        for kind, pattern in _DENSE_KIND_RULES:
+            if pattern.search(low):
+                return ".".join(parts[:depth]), kind
+    module = ".".join(parts[:-1])
+    return (module or name), "other"
+
+
+def classify_parameter_groups(params: Iterable) -> list:
+    """Group parameters (`Param`s or (name, shape[, dtype[, tied_to]]) tuples) into stages.
+
+    See the module docstring for the rule. Returns `StageGroup`s in stage order.
+    """
+    params = [_as_param(p) for p in params]
+    moe_groups: dict = {}
+    for prefix in _module_prefixes(params):
+        if any(prefix == m or prefix.startswith(m + ".") for m in moe_groups):
+            continue
+        under = [p for p in params if p.name.startswith(prefix + ".")]
+        group = _match_moe(prefix, under)
+        if group is not None:
+            moe_groups[prefix] = group
+
+    order: dict = {}
+    dense: dict = {}
+    for p in params:
+        owner = next((m for m in moe_groups if p.name.startswith(m + ".")), None)
+        if owner is not None:
+            key = ("moe", owner)
+        else:
+            path, kind = _dense_stage_of(p.name)
+            key = (kind, path)
+            dense.setdefault(key, []).append(p)
+        order.setdefault(key, None)
+    groups = []
+    for kind, path in order:
+        if kind == "moe":
+            groups.append(moe_groups[path])
+        else:
+            groups.append(StageGroup(name=path, kind=kind, params=tuple(dense[(kind, path)])))
+    return groups
+
+
+def _main_dtype(params: Sequence[Param]) -> str:
+    counts: Counter = Counter()
+    for p in params:
+        counts[p.dtype] += p.numel
+    return max(sorted(counts), key=lambda d: counts[d])
+
+
+def _bytes(params: Sequence[Param]) -> int:
+    return int(round(sum(p.owned_bytes for p in params)))
+
+
+def _owned(params: Sequence[Param]) -> int:
+    return sum(p.owned_numel for p in params)
+
+
+def _first_2d(groups, kind: str):
+    for g in groups:
+        if g.kind == kind:
+            for p in g.params:
+                if len(p.shape) == 2:
+                    return p.shape
+    return None
+
+
+def _shared_count(group: StageGroup, shared_params: int, expert_params: int) -> int:
+    if shared_params == 0:
+        return 0
+    if group.shared_list_len:
+        return group.shared_list_len
+    return max(1, round(shared_params / expert_params)) if expert_params else 1
+
+
+def build_model_ir(
+    groups: Sequence[StageGroup],
+    *,
+    name: str,
+    architecture: str,
+    top_k: Mapping[str, int],
+    hidden_size: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    source_format: str = "",
+    sources: Optional[Mapping[str, str]] = None,
+) -> ModelIR:
+    """Compute every stage's figures from its parameters. `top_k` maps MoE stage name -> k."""
+    sources = sources or {}
+    if hidden_size is None:
+        emb = _first_2d(groups, "embedding")
+        router = next((g.part(g.router) for g in groups if g.is_moe), ())
+        router_w = next((p.shape for p in router if len(p.shape) == 2), None)
+        hidden_size = emb[1] if emb else (router_w[1] if router_w else 0)
+    if vocab_size is None:
+        head = _first_2d(groups, "head") or _first_2d(groups, "embedding")
+        vocab_size = head[0] if head else 0
+    all_params = [p for g in groups for p in g.params]
+    stages = []
+    moe_index = 0
+    for g in groups:
+        dtype = _main_dtype(g.params)
+        source = sources.get(g.name, g.name)
+        if not g.is_moe:
+            params = _owned(g.params)
+            used = sum(p.numel for p in g.params)
+            stages.append(DenseStage(
+                name=g.name,
+                kind=g.kind,
+                params=params,
+                param_bytes=_bytes(g.params),
+                flops_per_token=dense_flops_per_token(g.kind, used, hidden_size),
+                activation_bytes_per_token=activation_bytes_per_token(g.kind, hidden_size, vocab_size, dtype),
+                dtype=dtype,
+                source=source,
+            ))
+            continue
+        router = g.part(g.router)
+        experts = g.part(g.experts)
+        params = _owned(g.params)
+        router_params = _owned(router)
+        expert_total = _owned(experts)
+        expert_params = expert_total // g.num_experts
+        shared_params = params - router_params - expert_total
+        k = int(top_k[g.name])
+        stage_hidden = next(p.shape[1] for p in router if len(p.shape) == 2)
+        stages.append(MoEStage(
+            name=g.name,
+            moe_index=moe_index,
+            params=params,
+            param_bytes=_bytes(g.params),
+            flops_per_token=moe_flops_per_token(router_params, expert_params, k, shared_params),
+            activation_bytes_per_token=activation_bytes_per_token("moe", stage_hidden, vocab_size, dtype),
+            dtype=dtype,
+            hidden_size=stage_hidden,
+            num_experts=g.num_experts,
+            top_k=k,
+            expert_params=expert_params,
+            expert_param_bytes=_bytes(experts) // g.num_experts,
+            expert_flops_per_token=2 * expert_params,
+            router_params=router_params,
+            shared_experts=_shared_count(g, shared_params, expert_params),
+            shared_expert_params=shared_params,
+            source=source,
+        ))
+        moe_index += 1
+    return ModelIR(
+        name=name,
+        architecture=architecture,
+        hidden_size=int(hidden_size),
+        vocab_size=int(vocab_size),
+        dtype=_main_dtype([p for p in all_params if not p.tied_to] or all_params),
+        stages=tuple(stages),
+        source_format=source_format,
+    )
