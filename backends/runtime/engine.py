@@ -1,0 +1,241 @@
+"""Greedy generation under expert parallelism: context-coherent (ExFlow) or standard EP.
+
+Requests are owned round-robin (request i by rank i % world). A token enters layer 0 on its
+owner rank. Per MoE layer:
+
+* **standard EP**: attention on the owner (it holds the request's KV cache); dispatch all-to-all
+  of the token to the ranks of its k experts; combine all-to-all of the weighted expert outputs
+  back to the owner.
+* **context-coherent EP**: every rank holds every request's context, so attention runs wherever
+  the token is. One dispatch all-to-all moves the token from its current rank to the ranks of its
+  experts; the combine happens on the rank of its highest-weight expert, which becomes its
+  current rank for the next layer's attention. With top-k > 1 the other experts' weighted
+  outputs (only those computed off that rank) reach it through a smaller `merge` exchange.
+
+Attention state (ExFlow leaves it open): after each layer's attention norm, the normed hidden
+state h of every token processed this step is sent to every other rank (`context` phase), and
+each rank projects the keys and values itself from its replicated attention weights, so every
+rank keeps the full KV cache of all requests and can run any token's attention. h is D floats
+per token and destination, half of shipping K and V. This costs (world - 1) x D x 4 bytes per
+token per layer, independent of placement, and is counted honestly in the `context` phase, apart
+from the all-to-all phases. The final hidden state never returns to the owner: the current rank
+computes the logits and the greedy token, and the per-step AllGather of new tokens (which context
+coherence needs anyway) tells every rank, the owner included.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .exchange import pack, unpack
+
+COHERENT, STANDARD = "coherent", "standard"
+
+
+class Engine:
+    """One rank's share of expert-parallel greedy generation."""
+
+    def __init__(self, arch, table, exchanger, counters, rank: int, world_size: int, mode: str, device):
+        if mode not in (COHERENT, STANDARD):
+            raise ValueError(f"mode must be '{COHERENT}' or '{STANDARD}', got {mode!r}")
+        self.arch, self.table, self.ex, self.counters = arch, table, exchanger, counters
+        self.rank, self.world, self.mode, self.device = rank, world_size, mode, device
+        self.local_experts = {(l, e) for l, e in table.experts_on(rank)}
+        self.logit_keys, self.logit_rows = [], []
+        self.trace = []  # (layer, keys [n], expert ids [n, k], weights [n, k])
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    def owner(self, seq: int) -> int:
+        return seq % self.world
+
+    def key(self, seq, pos):
+        return seq * self.max_len + pos
+
+    def _to_all_others(self, rows: torch.Tensor) -> list:
+        empty = rows[:0]
+        return [empty if d == self.rank else rows for d in range(self.world)]
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, prompts: list, new_tokens: int) -> dict:
+        """Greedy-generate `new_tokens` tokens for every prompt; returns this rank's results."""
+        arch = self.arch
+        self.max_len = max(len(p) for p in prompts) + new_tokens
+        if self.max_len > arch.max_positions:
+            raise ValueError(f"prompt + new tokens = {self.max_len} exceeds the model's {arch.max_positions} positions")
+        B = len(prompts)
+        shape = (B, arch.num_heads, self.max_len, arch.head_dim)
+        self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(arch.num_layers)]
+        self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(arch.num_layers)]
+        own = [s for s in range(B) if self.owner(s) == self.rank]
+        contexts = {s: list(prompts[s]) for s in own}
+        if self.mode == COHERENT:
+            contexts = self._sync_prompts(prompts, own)
+        generated = {s: [] for s in contexts}
+        start = time.perf_counter()
+        step_tokens = [(s, p) for s in own for p in range(len(prompts[s]))]
+        for step in range(new_tokens):
+            seqs = torch.tensor([s for s, _ in step_tokens], dtype=torch.int64)
+            poss = torch.tensor([p for _, p in step_tokens], dtype=torch.int64)
+            ids = torch.tensor([contexts[s][p] for s, p in step_tokens], dtype=torch.int64)
+            last = {s: len(c) - 1 for s, c in contexts.items()}
+            new = self._forward_step(seqs, poss, ids, last)
+            if self.mode == COHERENT:
+                new = self._sync_tokens(new)
+            for s, t in sorted(new.items()):
+                contexts[s].append(t)
+                generated[s].append(t)
+            step_tokens = [(s, len(contexts[s]) - 1) for s in own]
+        elapsed = time.perf_counter() - start
+        return {
+            "generated": {int(s): g for s, g in generated.items()},
+            "elapsed_s": elapsed,
+            "counters": self.counters.to_dict(),
+        }
+
+    def _sync_prompts(self, prompts: list, own: list) -> dict:
+        """AllGather of the prompts: every rank learns every request's context from its owner."""
+        meta = torch.tensor([[s, p, t] for s in own for p, t in enumerate(prompts[s])], dtype=torch.int64).reshape(-1, 3)
+        rows = pack(torch.zeros(meta.shape[0], 0), meta)
+        contexts = {s: list(prompts[s]) for s in own}
+        for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "prompt_sync"):
+            _, m = unpack(got.cpu(), 0)
+            for s, p, t in m.tolist():
+                contexts.setdefault(s, []).append((p, t))
+        for s, entries in contexts.items():
+            if s not in own:
+                contexts[s] = [t for _, t in sorted(entries)]
+        return {s: contexts[s] for s in sorted(contexts)}
+
+    def _sync_tokens(self, new: dict) -> dict:
+        """AllGather of the tokens just generated on this rank."""
+        meta = torch.tensor(sorted(new.items()), dtype=torch.int64).reshape(-1, 2)
+        rows = pack(torch.zeros(meta.shape[0], 0), meta)
+        merged = dict(new)
+        for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "token_sync"):
+            _, m = unpack(got.cpu(), 0)
+            merged.update({s: t for s, t in m.tolist()})
+        return merged
+
+    # --- one forward step ------------------------------------------------------------------
+    def _forward_step(self, seq, pos, token_ids, last_pos: dict) -> dict:
+        """Run the tokens entering on this rank through every layer; returns {seq: next token}
+        for the sequences whose last token of this step (position last_pos[seq]) ends here."""
+        arch, dev = self.arch, self.device
+        x = arch.embed(token_ids.to(dev), pos.to(dev))
+        for layer in range(arch.num_layers):
+            x = x + self._attention(layer, seq, pos, x)
+            seq, pos, x = self._moe(layer, seq, pos, x)
+        logits = arch.logits(x)
+        keys = self.key(seq, pos)
+        self.logit_keys.append(keys.cpu())
+        self.logit_rows.append(logits.detach().cpu())
+        new = {}
+        for i, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
+            if p == last_pos[s]:
+                new[s] = int(torch.argmax(logits[i]).item())
+        return new
+
+    def _attention(self, layer, seq, pos, x):
+        arch, dev = self.arch, self.device
+        h = arch.attention_input(layer, x)
+        all_h, all_seq, all_pos = h, seq, pos
+        if self.mode == COHERENT:
+            rows = pack(h, torch.stack([seq, pos], dim=1))
+            got = self.ex.exchange(self._to_all_others(rows), rows.shape[1], layer, "context")
+            parts = [unpack(g, arch.hidden) for g in got if g.shape[0]]
+            if parts:
+                all_h = torch.cat([h] + [p for p, _ in parts])
+                m = torch.cat([torch.stack([seq, pos], 1)] + [m.cpu() for _, m in parts])
+                all_seq, all_pos = m[:, 0], m[:, 1]
+        q, k, v = arch.qkv(layer, all_h)
+        self.k_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = k
+        self.v_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = v
+        q = q[: x.shape[0]]
+        y = torch.empty_like(q)
+        for s in torch.unique(seq).tolist():
+            idx = (seq == s).nonzero().flatten()
+            p = pos[idx].to(dev)
+            span = int(p.max()) + 1
+            keys, values = self.k_cache[layer][s, :, :span], self.v_cache[layer][s, :, :span]
+            scores = torch.einsum("mhd,hpd->hmp", q[idx.to(dev)], keys) / math.sqrt(arch.head_dim)
+            future = torch.arange(span, device=dev)[None, :] > p[:, None]
+            scores = scores.masked_fill(future[None], float("-inf"))
+            y[idx.to(dev)] = torch.einsum("hmp,hpd->mhd", torch.softmax(scores, dim=-1), values)
+        return arch.attention_output(layer, y)
+
+    def _moe(self, layer, seq, pos, x):
+        arch, dev, k = self.arch, self.device, self.arch.top_k
+        n = x.shape[0]
+        ids, weights = arch.route(layer, x)
+        ids = ids.cpu()
+        dest = self.table.choose(layer, ids, torch.full((n,), self.rank, dtype=torch.int64))
+        keys = self.key(seq, pos)
+        self.trace.append((layer, keys, ids, weights.detach().cpu()))
+        if layer >= 1:
+            lay = self.counters.layers[layer]
+            lay["local_slots"] += int((dest == self.rank).sum())
+            lay["slots"] += n * k
+        payload = torch.cat([x, weights], dim=1)
+        meta = torch.cat([torch.stack([seq, pos], 1), ids, dest], dim=1)
+        rows = pack(payload, meta)
+        sent_idx = [(dest == d).any(dim=1).nonzero().flatten() for d in range(self.world)]
+        got = self.ex.exchange([rows[i.to(dev)] for i in sent_idx], rows.shape[1], layer, "dispatch")
+        width = arch.hidden + k
+        parts = [unpack(g, width) for g in got]
+        rx = torch.cat([p for p, _ in parts])
+        rmeta = torch.cat([m.cpu() for _, m in parts])
+        sources = torch.cat([torch.full((p.shape[0],), src, dtype=torch.int64) for src, (p, _) in enumerate(parts)])
+        r_x, r_w = rx[:, : arch.hidden], rx[:, arch.hidden:]
+        r_seq, r_pos, r_ids, r_dest = rmeta[:, 0], rmeta[:, 1], rmeta[:, 2:2 + k], rmeta[:, 2 + k:]
+        partial = self._experts(layer, r_x, r_w, r_ids, r_dest)
+        if self.mode == STANDARD:
+            back = [partial[(sources == d).nonzero().flatten().to(dev)] for d in range(self.world)]
+            returned = self.ex.exchange(back, arch.hidden, layer, "combine")
+            out = x + arch.shared(layer, x)
+            for d in range(self.world):
+                if sent_idx[d].numel():
+                    out = out.index_add(0, sent_idx[d].to(dev), returned[d][:, : arch.hidden])
+            return seq, pos, out
+        # coherent: combine on the rank of the highest-weight expert
+        primary = r_dest[:, 0]
+        mine = (primary == self.rank).nonzero().flatten()
+        send = []
+        for d in range(self.world):
+            idx = ((primary == d) & (primary != self.rank)).nonzero().flatten()
+            send.append(pack(partial[idx.to(dev)], torch.stack([r_seq[idx], r_pos[idx]], 1)))
+        merged = self.ex.exchange(send, arch.hidden + 4, layer, "merge")
+        m_seq, m_pos = r_seq[mine], r_pos[mine]
+        base = r_x[mine.to(dev)]
+        out = base + partial[mine.to(dev)] + arch.shared(layer, base)
+        row_of = {kk: i for i, kk in enumerate(self.key(m_seq, m_pos).tolist())}
+        for g in merged:
+            if g.shape[0] == 0:
+                continue
+            p, m = unpack(g, arch.hidden)
+            rows_at = torch.tensor([row_of[kk] for kk in self.key(m[:, 0].cpu(), m[:, 1].cpu()).tolist()], dtype=torch.int64)
+            out = out.index_add(0, rows_at.to(dev), p)
+        order = torch.argsort(self.key(m_seq, m_pos))
+        return m_seq[order], m_pos[order], out[order.to(dev)]
+
+    def _experts(self, layer, x, w, ids, dest):
+        """Sum over this rank's slots of weight x expert(x) for received rows (zero elsewhere)."""
+        out = torch.zeros_like(x)
+        here = dest == self.rank
+        for e in sorted(set(ids[here].tolist())):
+            rows, slots = ((ids == e) & here).nonzero(as_tuple=True)
+            if (layer, e) not in self.local_experts:
+                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of layer {layer} it does not hold")
+            dev_rows = rows.to(x.device)
+            y = self.arch.expert(layer, e, x[dev_rows]) * w[dev_rows, slots.to(x.device)].unsqueeze(-1)
+            out = out.index_add(0, dev_rows, y)
+        return out
+
+    # --- results ---------------------------------------------------------------------------
+    def logits(self) -> tuple:
+        """(keys [T], logits [T, V]) of every token whose forward pass ended on this rank."""
+        if not self.logit_keys:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0)
+        return torch.cat(self.logit_keys), torch.cat(self.logit_rows)
+

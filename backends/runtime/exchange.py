@@ -1,0 +1,59 @@
+"""Dynamic-gating exchange: send each rank exactly its rows, no capacity padding, no drops.
+
+First every rank tells every other how many rows it will send (an all-to-all of counts), then one
+variable-size `all_to_all_single` moves the rows. Rows are packed as one float32 tensor: the
+hidden payload followed by int64 metadata reinterpreted bit-for-bit as float32 pairs, so a token
+and its routing travel in one message. gloo implements `all_to_all_single` with split sizes in
+torch >= 2.x (checked on 2.13), as does nccl, so the same code runs on CPU and GPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def pack(payload: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """[n, W] float32 payload and [n, M] int64 metadata -> [n, W + 2M] float32 rows."""
+    meta = meta.to(torch.int64).contiguous()
+    as_float = meta.view(torch.float32).reshape(meta.shape[0], 2 * meta.shape[1])
+    return torch.cat([payload.to(torch.float32), as_float.to(payload.device)], dim=1)
+
+
+def unpack(rows: torch.Tensor, width: int) -> tuple:
+    """Inverse of `pack`: ([n, width] float32, [n, M] int64)."""
+    payload = rows[:, :width]
+    tail = rows[:, width:].contiguous()
+    meta = tail.view(torch.int64) if tail.shape[1] else torch.zeros(rows.shape[0], 0, dtype=torch.int64)
+    return payload, meta
+
+
+class Exchanger:
+    """Variable-size all-to-all over the default process group, counting what leaves the rank."""
+
+    def __init__(self, rank: int, world_size: int, counters, device: torch.device):
+        self.rank = rank
+        self.world = world_size
+        self.counters = counters
+        self.device = device
+
+    def exchange(self, rows_by_dest: list, row_width: int, layer, phase: str) -> list:
+        """Send rows_by_dest[d] ([n_d, row_width] float32) to rank d; return the rows from each source."""
+        send_counts = [int(r.shape[0]) for r in rows_by_dest]
+        if self.world == 1:
+            return list(rows_by_dest)
+        counts_out = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+        counts_in = torch.empty_like(counts_out)
+        dist.all_to_all_single(counts_in, counts_out)
+        recv_counts = counts_in.tolist()
+        send = torch.cat([r.to(self.device, torch.float32) for r in rows_by_dest], dim=0)
+        if send.shape[0] == 0:
+            send = send.reshape(0, row_width)
+        recv = torch.empty(sum(recv_counts), row_width, dtype=torch.float32, device=self.device)
+        dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
+        off_rank = [c for d, c in enumerate(send_counts) if d != self.rank]
+        row_bytes = row_width * 4
+        self.counters.add(layer, phase, nbytes=sum(off_rank) * row_bytes,
+                          messages=sum(1 for c in off_rank if c > 0),
+                          control_bytes=8 * (self.world - 1), control_messages=self.world - 1)
+        # layer None: a once-per-step exchange (prompt or new-token sync), counted under `step`
+        return list(torch.split(recv, recv_counts, dim=0))

@@ -1,0 +1,82 @@
+"""Entry point of a bundle's ranks: `torchrun ... -m runtime.serve --prompts FILE --out DIR`.
+
+Each rank loads its shard, joins the process group (nccl on GPUs, gloo on CPU), generates
+greedily with the chosen expert-parallel mode and writes `rank-<r>.pt` (its logits, routing and
+counters) to --out; rank 0 then merges them into `result.json` and prints the generated text.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import results
+from .bundle_io import BundleError, architecture, bundle_root, load_rank_weights, read_json, world_size_of
+from .counters import Counters
+from .engine import Engine
+from .exchange import Exchanger
+from .expert_table import ExpertTable
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--mode", choices=("coherent", "standard"), default="coherent")
+    ap.add_argument("--out", required=True, help="directory for rank results and result.json")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    root = bundle_root()
+    try:
+        plan = read_json(root, "plan.json")
+        placement = read_json(root, "placement.json")
+        if world != world_size_of(plan):
+            raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
+                              f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
+        arch_mod = architecture(plan)
+        config = read_json(root, plan["model"]["config"])
+        use_cuda = torch.cuda.is_available()
+        device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+        weights = load_rank_weights(root, plan, rank, device)
+    except BundleError as exc:
+        print(f"error: rank {rank}: {exc}", file=sys.stderr)
+        return 2
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        arch = arch_mod.Arch(config, weights)
+        table = ExpertTable.from_placement(placement)
+        counters = Counters(arch.num_layers)
+        engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, args.mode, device)
+        with open(args.prompts, encoding="utf-8") as fh:
+            prompts = [arch_mod.encode(line.rstrip("\n")) for line in fh if line.strip()]
+        dist.barrier()
+        out = engine.generate(prompts, args.new_tokens)
+        os.makedirs(args.out, exist_ok=True)
+        results.write_rank(args.out, rank, engine, out, args.mode)
+        dist.barrier()
+        if rank == 0:
+            summary = results.merge(args.out, world, prompts, arch_mod.decode)
+            for i, text in enumerate(summary["texts"]):
+                print(f"[{i}] {text!r}")
+            print(f"{summary['generated_tokens']} tokens in {summary['elapsed_s']:.3f} s "
+                  f"({summary['tokens_per_second']:.1f} tokens/s), mode {args.mode}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The torchrun target: a Plan + weights become a self-contained expert-parallel bundle."""

@@ -1,0 +1,88 @@
+"""Write a torchrun bundle from a Plan, the source weights and the model's own files.
+
+Layout: plan.json, placement.json, launch.sh, README.md, model/ (config + source file),
+runtime/ (copied from moeplan.backends.runtime), shards/rank-NNNNN.safetensors, manifest.json.
+Every byte is a function of the inputs (no timestamps, sorted JSON, fixed shard metadata), so
+compiling twice gives identical bundles. The caller writes into a temporary directory and renames
+it on success (`planner.atomic.atomic_path`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from moeplan.backends.runtime.tiny_moe import is_expert_tensor
+from moeplan.backends.torchrun.manifest import write_manifest
+from moeplan.backends.torchrun.shards import shard_name, split_state_dict, write_shard
+
+RUNTIME_PACKAGE = "moeplan.backends.runtime"
+EXPERT_TENSORS = {"tiny_moe": is_expert_tensor}
+
+
+def shard_names(world_size: int) -> list:
+    return [shard_name(r) for r in range(world_size)]
+
+
+def _templates() -> jinja2.Environment:
+    root = resources.files("moeplan.templates") / "torchrun"
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, autoescape=False)
+
+
+def _write(path: Path, text: str, executable: bool = False) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    os.chmod(path, 0o755 if executable else 0o644)
+
+
+def copy_runtime(dest: Path) -> None:
+    """Copy the runtime's python files (only those: no caches) into dest."""
+    src = resources.files(RUNTIME_PACKAGE)
+    for entry in sorted(src.iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".py"):
+            _write(dest / entry.name, entry.read_text())
+
+
+def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
+    """Write the bundle into `out` (which must not exist yet); returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True)
+    arch = plan.model["architecture"]
+    if arch not in EXPERT_TENSORS:
+        raise ValueError(f"no runtime for architecture {arch!r}")
+    placement = plan.placement
+    plan_doc = plan.to_json()
+    _write(out / "plan.json", plan_doc)
+    _write(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
+    for rel, content in sorted(model_files.items()):
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+        os.chmod(path, 0o644)
+    for rank, tensors in enumerate(split_state_dict(state, placement, EXPERT_TENSORS[arch])):
+        write_shard(out / plan.shards[rank], tensors, rank)
+        os.chmod(out / plan.shards[rank], 0o644)
+    copy_runtime(out / "runtime")
+    env = _templates()
+    topo = plan.topology
+    context = {
+        "model_name": plan.model["name"], "nodes": int(topo["nodes"]), "gpus_per_node": int(topo["gpus_per_node"]),
+        "world_size": plan.world_size, "plan_version": plan.version, "policy": placement.get("policy", "unknown"),
+        "mode": plan.communication["mode"],
+        "gpu_local": plan.to_dict()["predicted"].get("gpu_local_fraction", "n/a"),
+        "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
+        "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
+        "ranks": [
+            {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
+             "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}
+            for r in range(plan.world_size)
+        ],
+    }
+    _write(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
+    _write(out / "README.md", env.get_template("README.md.j2").render(**context))
+    return write_manifest(out)

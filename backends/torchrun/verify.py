@@ -1,0 +1,79 @@
+"""Check a bundle run against the single-process source model shipped in the bundle.
+
+The reference is the model's own source file (`model/model.py`) with the weights reassembled
+from the shards; their hash must equal the plan's `weights_sha256` of the source state dict, so
+the reference is the source model and not merely the shards. The reference generates greedily
+with full recomputation, then one forward over prompt + generated tokens (all but the last)
+gives the logits of every position the runtime processed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from moeplan.backends.torchrun.shards import state_dict_sha256
+
+
+class VerifyError(Exception):
+    """The bundle cannot be verified (e.g. weights differ from the source model)."""
+
+
+def load_reference(root: Path, plan: dict):
+    """The source model rebuilt from the bundle: its source file, config and all shards."""
+    source = root / plan["model"]["source"]
+    name = f"moeplan_bundle_model_{abs(hash(str(source.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    state = {}
+    for rel in plan["shards"]:
+        state.update(load_file(str(root / rel)))
+    expected = plan["model"].get("weights_sha256")
+    if expected and state_dict_sha256(state) != expected:
+        raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
+    config = json.loads((root / plan["model"]["config"]).read_text())
+    model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_generate(model, prompt: list, new_tokens: int) -> tuple:
+    """(generated ids, logits [len(prompt) + new_tokens - 1, V]) by full recomputation."""
+    ids = list(prompt)
+    generated = []
+    for _ in range(new_tokens):
+        logits = model(torch.tensor([ids]))[0]
+        nxt = int(torch.argmax(logits[-1]))
+        generated.append(nxt)
+        ids.append(nxt)
+    final = model(torch.tensor([ids[:-1]]))[0]
+    return generated, final
+
+
+def compare(root: Path, plan: dict, out_dir: Path, prompts: list, new_tokens: int) -> dict:
+    """max |logit diff| over every processed position, and whether greedy tokens match."""
+    torch.set_num_threads(1)
+    model = load_reference(root, plan)
+    run = torch.load(out_dir / "logits.pt", weights_only=False)
+    result = json.loads((out_dir / "result.json").read_text())
+    keys, logits, max_len = run["keys"], run["logits"], run["max_len"]
+    by_key = {int(k): i for i, k in enumerate(keys.tolist())}
+    max_diff, tokens_match = 0.0, True
+    for s, prompt in enumerate(prompts):
+        gen, ref_logits = reference_generate(model, prompt, new_tokens)
+        tokens_match &= gen == result["generated"][s]
+        for p in range(ref_logits.shape[0]):
+            i = by_key.get(s * max_len + p)
+            if i is None:
+                return {"max_abs_logit_diff": float("inf"), "tokens_match": False}
+            max_diff = max(max_diff, float((logits[i] - ref_logits[p]).abs().max()))
+    if len(by_key) != sum(len(p) + new_tokens - 1 for p in prompts):
+        tokens_match = False
+    return {"max_abs_logit_diff": max_diff, "tokens_match": bool(tokens_match)}
