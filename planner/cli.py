@@ -35,6 +35,11 @@ def _register():
 
     main.add_command(inspect)
     main.add_command(trace)
+    from moeplan.planner.commands.compile import compile_cmd
+    from moeplan.planner.commands.run import run
+
+    main.add_command(compile_cmd)
+    main.add_command(run)
 
 
 _register()
