@@ -105,8 +105,9 @@ def model_name(data: dict, config_path: Path) -> str:
 
 def load_config_file(config_path: Path, data: dict) -> LoadedModel:
     """A config.json alone: the full-size model on `meta`, imported with no weights."""
+    dtype = model_dtype(data, str(config_path))
     config = make_config(data, str(config_path))
-    module = build_model(config, model_dtype(data, str(config_path)), meta=True)
+    module = build_model(config, dtype, meta=True)
     ir = import_module(module, name=model_name(data, config_path), config=config, source_format="hf-config")
     return LoadedModel(ir=ir, module=module, has_weights=False)
 
@@ -121,8 +122,8 @@ def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]
     config_path = directory / "config.json"
     if weights is None and not sorted(directory.glob("*.safetensors")):
         return load_config_file(config_path, data)
-    config = make_config(data, str(config_path))
     dtype = model_dtype(data, str(config_path))
+    config = make_config(data, str(config_path))
     if weights is None:
         try:
             module = _auto_class(config).from_pretrained(

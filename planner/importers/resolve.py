@@ -180,8 +180,10 @@ def _loaded(module, *, name: str, config=None) -> LoadedModel:
 
 
 def _load_factory(spec: str, target: str, attr: str) -> LoadedModel:
+    name = spec
     if target.endswith(".py"):
         module = _import_file(Path(target).expanduser())
+        name = f"{Path(target).stem}:{attr}"
     else:
         with _cwd_importable():
             try:
@@ -194,7 +196,7 @@ def _load_factory(spec: str, target: str, attr: str) -> LoadedModel:
             except Exception as exc:
                 raise UserError(f"importing {target!r} failed: {_describe(exc)}") from None
     factory = _callable(module, attr, repr(target))
-    return _loaded(_as_module(_call(factory, spec), spec), name=spec)
+    return _loaded(_as_module(_call(factory, spec), spec), name=name)
 
 
 def _load_moeplan_dir(directory: Path, data: dict, checkpoint: Path | None = None) -> LoadedModel:
