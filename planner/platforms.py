@@ -1,0 +1,131 @@
+"""Serverless platform model: the constants that turn a sizing decision into seconds and dollars.
+
+Why data and not code: prices, limits and bandwidths change and differ per region and account,
+so the defaults live in `planner/platform_data/<name>.yaml` (each value with its source) and a
+user overrides any subset of them from their own YAML file without touching moeplan.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from moeplan.planner.errors import UserError
+
+BUILTIN = ("aws_lambda",)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One serverless platform; see `platform_data/aws_lambda.yaml` for units and sources."""
+
+    name: str
+    memory_options_mb: tuple
+    mb_per_vcpu: float
+    max_vcpus: float
+    price_per_gb_s: float
+    price_per_request: float
+    billing_granularity_s: float
+    payload_limit_bytes: int
+    s3_bandwidth_bytes_per_s: float
+    s3_latency_s: float
+    f2f_bandwidth_bytes_per_s: float
+    warm_start_s: float
+    max_replicas: int
+    runtime_memory_mb: float
+    dense_function_memory_mb: float
+    cpu_cluster_price_per_hour: float
+    cpu_cluster_cores: int
+
+    def vcpus(self, memory_mb: float) -> float:
+        """vCPU share of a function with this much memory (proportional, capped)."""
+        return min(memory_mb / self.mb_per_vcpu, self.max_vcpus)
+
+    def billed_seconds(self, seconds: float) -> float:
+        """Duration as billed: rounded up to the billing granularity."""
+        g = self.billing_granularity_s
+        if g <= 0:
+            return seconds
+        return math.ceil(seconds / g - 1e-9) * g
+
+    def invocation_cost(self, memory_mb: float, seconds: float) -> float:
+        """Dollars for one invocation of `seconds` at `memory_mb` (duration + request fee)."""
+        return self.billed_seconds(seconds) * memory_mb / 1024.0 * self.price_per_gb_s + self.price_per_request
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory_options_mb"] = list(self.memory_options_mb)
+        return d
+
+
+def _builtin_values(name: str) -> dict:
+    text = resources.files("moeplan.planner").joinpath("platform_data", f"{name}.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def load_platform(override: Optional[str | Path] = None, base: str = "aws_lambda", **values) -> Platform:
+    """The built-in platform `base`, with keys from the YAML file `override` and `values` replaced.
+
+    Unknown keys and bad values are user errors naming the key.
+    """
+    if base not in BUILTIN:
+        raise UserError(f"unknown platform '{base}'; known: {', '.join(BUILTIN)}")
+    data = _builtin_values(base)
+    if override is not None:
+        path = Path(override)
+        if not path.is_file():
+            raise UserError(f"platform file '{path}' does not exist; pass a YAML file of platform keys to override")
+        try:
+            extra = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise UserError(f"platform file '{path}' is not valid YAML ({exc.__class__.__name__})")
+        if not isinstance(extra, dict):
+            raise UserError(f"platform file '{path}' must hold a mapping of keys to values")
+        data.update(extra)
+    data.update(values)
+    return platform_from_dict(data)
+
+
+def platform_from_dict(data: dict) -> Platform:
+    """Validate a complete mapping of platform keys into a `Platform`."""
+    names = [f.name for f in fields(Platform)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise UserError(f"unknown platform key(s) {unknown}; known keys: {', '.join(names)}")
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise UserError(f"platform is missing key(s) {missing}")
+    out = {}
+    for f in fields(Platform):
+        value = data[f.name]
+        if f.name == "name":
+            out[f.name] = str(value)
+        elif f.name == "memory_options_mb":
+            if not isinstance(value, (list, tuple)) or not value:
+                raise UserError("platform key 'memory_options_mb' must be a non-empty list of MB values")
+            opts = sorted({_number(f.name, v) for v in value})
+            if opts[0] <= 0:
+                raise UserError("platform key 'memory_options_mb' must hold positive values")
+            out[f.name] = tuple(opts)
+        else:
+            num = _number(f.name, value)
+            if num < 0 or (num == 0 and f.name in _POSITIVE):
+                raise UserError(f"platform key '{f.name}' must be {'positive' if f.name in _POSITIVE else 'non-negative'}, got {value}")
+            out[f.name] = int(num) if f.name in ("max_replicas", "payload_limit_bytes", "cpu_cluster_cores") else num
+    return Platform(**out)
+
+
+_POSITIVE = {
+    "mb_per_vcpu", "max_vcpus", "payload_limit_bytes", "s3_bandwidth_bytes_per_s",
+    "f2f_bandwidth_bytes_per_s", "max_replicas", "cpu_cluster_cores",
+}
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise UserError(f"platform key '{key}' must be a finite number, got {value!r}")
+    return float(value)
