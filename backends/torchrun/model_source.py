@@ -1,0 +1,34 @@
+"""Which runtime family a model belongs to, and the model files a bundle ships with it.
+
+The runtime implements TinyMoE-family models (moeplan's reference architecture): a model
+directory whose config.json says `"model_type": "tiny_moe"` and names its loader file
+(`"moeplan_loader": "model.py:load"`). The bundle ships that config and that source file, so
+`moeplan run --verify` can rebuild the source model without the original directory.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeplan.planner.errors import UserError
+
+SUPPORTED = ("tiny_moe",)
+
+
+def model_files(model_spec: str) -> tuple:
+    """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
+    path = Path(model_spec)
+    config_path = path / "config.json" if path.is_dir() else path
+    hint = ("the torchrun target runs TinyMoE-family models: a model directory whose config.json has "
+            "\"model_type\": \"tiny_moe\" and a \"moeplan_loader\" (see examples/tiny_moe)")
+    if not config_path.is_file() or config_path.name != "config.json":
+        raise UserError(f"cannot compile '{model_spec}' for torchrun; {hint}")
+    config = json.loads(config_path.read_text())
+    arch = config.get("model_type")
+    loader = str(config.get("moeplan_loader", ""))
+    if arch not in SUPPORTED or ":" not in loader:
+        raise UserError(f"cannot compile '{model_spec}' (model_type {arch!r}) for torchrun; {hint}")
+    source = config_path.parent / loader.split(":", 1)[0]
+    if not source.is_file():
+        raise UserError(f"model source '{source}' named by moeplan_loader in {config_path} does not exist")
+    return arch, {"model/config.json": config_path.read_bytes(), "model/model.py": source.read_bytes()}

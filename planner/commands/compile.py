@@ -1,0 +1,51 @@
+"""`moeplan compile MODEL --trace T --target torchrun --nodes N --gpus-per-node G --out DIR`.
+
+Import -> affinity -> placement -> plan -> codegen through the PassManager; the bundle appears at
+--out only when every pass succeeded. `--json` prints a summary object as the last line.
+"""
+from __future__ import annotations
+
+import json
+
+import click
+
+from moeplan.planner.compile_pipeline import compile_bundle
+
+
+@click.command("compile")
+@click.argument("model")
+@click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
+@click.option("--target", type=click.Choice(["torchrun"]), default="torchrun", show_default=True)
+@click.option("--nodes", type=int, default=1, show_default=True)
+@click.option("--gpus-per-node", type=int, default=1, show_default=True)
+@click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
+@click.option("--redundant", type=int, default=0, show_default=True, help="extra expert replicas per layer")
+@click.option("--balance", type=float, default=None, help="max device load over mean allowed by placement")
+@click.option("--time-limit", type=float, default=30.0, show_default=True, help="solver time limit, seconds")
+@click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
+              help="expert-parallel mode the bundle runs by default")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
+@click.option("--quiet", is_flag=True, help="no progress output")
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, mode, out,
+                as_json, quiet):
+    """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
+    options = {"policy": policy, "redundant": redundant, "time_limit": time_limit}
+    if balance is not None:
+        options["balance"] = balance
+    facts, timings = compile_bundle(model, trace_path, nodes, gpus_per_node, out, options, mode=mode,
+                                    quiet=quiet or as_json)
+    plan = facts["plan"].to_dict()
+    summary = {
+        "out": str(out), "target": target, "world_size": nodes * gpus_per_node,
+        "policy": plan["placement"].get("policy", policy), "mode": mode,
+        "predicted": {k: plan["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")},
+        "files": len(facts["manifest"]["files"]), "passes": timings,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+    elif not quiet:
+        p = summary["predicted"]
+        click.echo(f"wrote {out}: {summary['world_size']} ranks, {summary['files']} files; predicted gpu_local_fraction "
+                   f"{p['gpu_local_fraction']:.3f}, node_local_fraction {p['node_local_fraction']:.3f}, "
+                   f"max/mean load {p['max_over_mean_load']:.3f}")

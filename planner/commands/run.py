@@ -1,0 +1,152 @@
+"""`moeplan run DIR --verify`: launch a bundle locally with torchrun and check it.
+
+The bundle is validated first (manifest hashes, shards, world size) so a tampered bundle stops
+with one line before any rank starts. The ranks run as `torchrun --standalone` on this machine
+(gloo on CPU, nccl if GPUs are visible), from the bundle's own `runtime/`. With --verify the
+outputs are compared with the source model shipped in the bundle (max |logit diff| <= 1e-4,
+identical greedy tokens), and in coherent mode the measured gpu_local_fraction must equal the
+planner's metric on the routing of the same tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from moeplan.planner.errors import UserError
+
+DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")
+LOGIT_TOLERANCE = 1e-4
+
+
+def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: str, out_dir: Path,
+           timeout: float) -> subprocess.CompletedProcess:
+    """torchrun --standalone with the bundle's runtime; returns the finished process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTHONPATH", None)  # the bundle must run from its own runtime/
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "runtime.serve", "--prompts", str(prompts_file.resolve()), "--new-tokens", str(new_tokens),
+           "--mode", mode, "--out", str(out_dir.resolve())]
+    try:
+        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens")
+
+
+def predicted_locality(root: Path, out_dir: Path) -> float:
+    """The planner's gpu_local_fraction for the tokens this run routed, under the bundle's placement."""
+    import torch
+
+    from moeplan.passes.analysis.trace_format import make_trace
+    from moeplan.passes.optimize.placement_metrics import score_placement
+    from moeplan.passes.optimize.placement_types import placement_from_dict
+
+    placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
+    routing = torch.load(out_dir / "routing.pt", weights_only=False)
+    trace = make_trace(routing["experts"].numpy(), routing["weights"].numpy(), num_experts=placement.num_experts)
+    return score_placement(trace, placement.hosts(), placement.topology).gpu_local_fraction
+
+
+def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, mode: str, verify: bool,
+               results: str | None, timeout: float) -> dict:
+    from moeplan.backends.torchrun.manifest import BundleCheckError, check_bundle
+
+    root = Path(bundle)
+    try:
+        plan = check_bundle(root, nproc)
+    except BundleCheckError as exc:
+        raise UserError(str(exc)) from None
+    world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
+    if new_tokens < 1:
+        raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
+    with tempfile.TemporaryDirectory(prefix="moeplan-run-") as scratch:
+        scratch = Path(scratch)
+        if prompts_path is None:
+            prompts_file = scratch / "prompts.txt"
+            prompts_file.write_text("\n".join(p.replace("\n", " ") for p in DEFAULT_PROMPTS) + "\n")
+        else:
+            prompts_file = Path(prompts_path)
+            if not prompts_file.is_file():
+                raise UserError(f"prompts file '{prompts_file}' does not exist; give a text file with one prompt per line")
+        prompt_texts = [l.rstrip("\n") for l in prompts_file.read_text(encoding="utf-8").splitlines() if l.strip()]
+        if not prompt_texts:
+            raise UserError(f"prompts file '{prompts_file}' holds no prompt; write one prompt per line")
+        out_dir = Path(results) if results else scratch / "results"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        proc = launch(root, world, prompts_file, new_tokens, mode, out_dir, timeout)
+        if proc.returncode != 0:
+            lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.startswith("error:")]
+            reason = lines[0] if lines else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
+        summary = json.loads((out_dir / "result.json").read_text())
+        report = {
+            "mode": mode, "world_size": world, "texts": summary["texts"],
+            "gpu_local_fraction": summary["gpu_local_fraction"],
+            "predicted_gpu_local_fraction": predicted_locality(root, out_dir),
+            "bytes_per_token": summary["bytes_per_token"],
+            "messages_per_token": summary["messages_per_token"],
+            "total_bytes_per_token": summary["total_bytes_per_token"],
+            "tokens_per_second": summary["tokens_per_second"],
+            "per_layer": summary["per_layer"], "totals": summary["totals"],
+        }
+        if verify:
+            from moeplan.backends.torchrun.verify import VerifyError, compare
+
+            prompts = [list(t.encode("utf-8")) for t in prompt_texts]
+            try:
+                report.update(compare(root, plan, out_dir, prompts, new_tokens))
+            except VerifyError as exc:
+                raise UserError(str(exc)) from None
+            locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
+            report["locality_matches_prediction"] = locality_ok
+            report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok)
+    return report
+
+
+@click.command("run")
+@click.argument("bundle", type=click.Path())
+@click.option("--verify", is_flag=True, help="compare logits and tokens with the source model")
+@click.option("--nproc", type=int, default=None, help="ranks to launch (must equal the plan's world size)")
+@click.option("--prompts", "prompts_path", default=None, help="text file, one prompt per line")
+@click.option("--new-tokens", type=int, default=8, show_default=True)
+@click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True)
+@click.option("--results", default=None, type=click.Path(file_okay=False), help="keep the ranks' results here")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds before the run is abandoned")
+@click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
+def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, as_json):
+    """Launch BUNDLE locally (torchrun standalone) and report throughput and communication."""
+    report = run_bundle(bundle, nproc, prompts_path, new_tokens, mode, verify, results, timeout)
+    if as_json:
+        keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
+                "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
+                "world_size", "locality_matches_prediction")
+        click.echo(json.dumps({k: report[k] for k in keys if k in report} | {"per_layer": report["per_layer"]}, sort_keys=True))
+    else:
+        _print(report, verify)
+    if verify and not report["verified"]:
+        sys.exit(1)
+
+
+def _print(report: dict, verify: bool) -> None:
+    click.echo(f"{report['world_size']} ranks, mode {report['mode']}: {report['tokens_per_second']:.1f} tokens/s")
+    for i, text in enumerate(report["texts"]):
+        click.echo(f"  [{i}] {text!r}")
+    click.echo("  layer  all-to-all bytes  messages  context bytes  local slots")
+    for layer in report["per_layer"]:
+        local = f"{layer['local_slots']}/{layer['slots']}" if layer["slots"] else "-"
+        click.echo(f"  {layer['layer']:>5}  {layer['all_to_all_bytes']:>16}  {layer['all_to_all_messages']:>8}"
+                   f"  {layer['context_bytes']:>13}  {local:>11}")
+    click.echo(f"  all-to-all bytes per generated token {report['bytes_per_token']:.0f} "
+               f"({report['messages_per_token']:.2f} messages); all traffic {report['total_bytes_per_token']:.0f}")
+    click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
+               f"predicted {report['predicted_gpu_local_fraction']:.4f}")
+    if verify:
+        verdict = "PASS" if report["verified"] else "FAIL"
+        click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {LOGIT_TOLERANCE:g}), "
+                   f"tokens {'identical' if report['tokens_match'] else 'DIFFER'}"
+                   + ("" if report["locality_matches_prediction"] else ", gpu_local_fraction differs from the prediction"))

@@ -1,0 +1,143 @@
+"""`moeplan compile` as passes: import -> trace -> affinity -> placement -> plan -> codegen.
+
+Each pass is a small function over named facts, run by the PassManager (timed, cached by input
+hash, progress per pass). The placement itself is the placement pass of
+`passes/optimize/placement.py`; this file only wires it. The codegen pass writes the bundle into
+a temporary directory that is renamed onto --out only when everything succeeded.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from moeplan.planner.errors import UserError
+from moeplan.planner.pass_manager import Pass, PassManager
+from moeplan.planner.plan import Plan
+
+
+def _import(facts):
+    from moeplan.backends.torchrun.model_source import model_files
+    from moeplan.planner.importers import load_model
+
+    arch, files = model_files(facts["model_spec"])
+    loaded = load_model(facts["model_spec"])
+    if loaded.module is None or not loaded.has_weights:
+        raise UserError(f"model '{facts['model_spec']}' has no weights to ship; the torchrun target needs a runnable model")
+    return {"model": loaded, "model_files": {"architecture": arch, "files": files}}
+
+
+def _trace(facts):
+    from moeplan.passes.analysis.trace_format import load_trace
+
+    path = Path(facts["trace_path"])
+    trace = load_trace(path)
+    return {"trace": trace, "trace_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def _affinity(facts):
+    from moeplan.passes.analysis.affinity import top1_affinity
+
+    return {"affinity": np.asarray(top1_affinity(facts["trace"]))}
+
+
+def check_trace_matches(ir, trace) -> None:
+    moe = ir.moe_stages
+    if trace.num_layers != len(moe):
+        raise UserError(f"the trace has {trace.num_layers} MoE layers but the model has {len(moe)}; record the trace from this model")
+    if trace.num_experts > moe[0].num_experts:
+        raise UserError(f"the trace routes to {trace.num_experts} experts but the model has {moe[0].num_experts} per layer")
+
+
+def _placement(facts):
+    from moeplan.passes.optimize.placement_types import Topology
+
+    topo = facts["topology"]
+    options = facts["placement_options"]
+    return {"placement": run_placement(facts["trace"], Topology(topo["nodes"], topo["gpus_per_node"]), **options)}
+
+
+def run_placement(trace, topology, **options):
+    """The placement helper's entry point (passes/optimize/placement.py)."""
+    try:
+        from moeplan.passes.optimize import placement as placement_pass
+    except ImportError as exc:
+        raise UserError(f"placement is not available in this installation ({exc})") from None
+    return placement_pass.place(trace, topology, **options)
+
+
+def _plan(facts):
+    from moeplan.backends.torchrun.codegen import shard_names
+    from moeplan.backends.torchrun.shards import state_dict_sha256
+    from moeplan.passes.optimize.placement_metrics import score_placement
+    from moeplan.passes.optimize.placement_types import Topology
+
+    loaded, trace, placement = facts["model"], facts["trace"], facts["placement"]
+    check_trace_matches(loaded.ir, trace)
+    topo = facts["topology"]
+    topology = Topology(topo["nodes"], topo["gpus_per_node"])
+    score = score_placement(trace, placement.hosts(), topology).as_dict()
+    import json
+
+    placement_doc = json.loads(placement.to_json())
+    ir = loaded.ir
+    plan = Plan(
+        target="torchrun",
+        model={
+            "name": ir.name, "architecture": facts["model_files"]["architecture"],
+            "config": "model/config.json", "source": "model/model.py",
+            "weights_sha256": state_dict_sha256(loaded.module.state_dict()),
+            "moe_layers": len(ir.moe_stages), "num_experts": ir.moe_stages[0].num_experts,
+            "top_k": ir.moe_stages[0].top_k, "ir": ir.to_dict(),
+        },
+        topology={"nodes": topology.nodes, "gpus_per_node": topology.gpus_per_node},
+        placement=placement_doc,
+        communication={
+            "mode": facts["mode"], "gating": "dynamic",
+            "layers": [{"layer": l, "all_to_all": "variable-size", "exchanges": (["dispatch", "merge"] if facts["mode"] == "coherent" else ["dispatch", "combine"])}
+                       for l in range(len(ir.moe_stages))],
+            "attention_state": "replicated KV cache: normed hidden state of every token sent to every rank each layer" if facts["mode"] == "coherent" else "home rank",
+        },
+        predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]]},
+        shards=shard_names(topology.devices),
+        inputs={"trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
+                "options": facts["placement_options"]},
+    )
+    return {"plan": plan}
+
+
+def _codegen(facts):
+    from moeplan.backends.torchrun.codegen import write_bundle
+    from moeplan.planner.atomic import atomic_path
+
+    out = Path(facts["out"])
+    with atomic_path(out) as tmp:
+        manifest = write_bundle(tmp, facts["plan"], facts["model"].module.state_dict(), facts["model_files"]["files"])
+    return {"manifest": manifest}
+
+
+def compile_passes() -> list:
+    return [
+        Pass("import", ("model_spec",), ("model", "model_files"), _import),
+        Pass("trace", ("trace_path",), ("trace", "trace_sha256"), _trace, cacheable=False),
+        Pass("affinity", ("trace",), ("affinity",), _affinity),
+        Pass("placement", ("trace", "topology", "placement_options"), ("placement",), _placement),
+        Pass("plan", ("model", "model_files", "trace", "trace_sha256", "placement", "topology", "affinity",
+                      "placement_options", "mode"), ("plan",), _plan),
+        Pass("codegen", ("plan", "model", "model_files", "out"), ("manifest",), _codegen, cacheable=False),
+    ]
+
+
+def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str,
+                   placement_options: dict, mode: str = "coherent", quiet: bool = False) -> tuple:
+    """Run the pipeline; returns (facts, pass timings)."""
+    if nodes < 1 or gpus_per_node < 1:
+        raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
+    manager = PassManager(compile_passes(), quiet=quiet)
+    facts = manager.run({
+        "model_spec": str(model_spec), "trace_path": str(trace_path),
+        "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node},
+        "placement_options": placement_options, "mode": mode, "out": str(out),
+    })
+    return facts, manager.timings()
