@@ -91,6 +91,11 @@ class Expert(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+def _exporting() -> bool:
+    """True while torch.export / torch.onnx capture the model (they need a static graph)."""
+    return torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export()
+
+
 class MoELayer(nn.Module):
     """Softmax router, top-k experts with renormalised weights, optional shared experts."""
 
@@ -121,12 +126,20 @@ class MoELayer(nn.Module):
         if self.training:
             self.last_router_probs, self.last_ids = probs, ids
         out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(ids == e)
-            if token_idx.numel() == 0:
-                continue
-            y = expert(flat[token_idx]) * weights[token_idx, slot].unsqueeze(-1)
-            out = out.index_add(0, token_idx, y)
+        if _exporting():
+            # Graph export cannot express data-dependent dispatch, so the exported graph runs
+            # every expert on every token and weights it by a dense [N, E] matrix that is zero
+            # outside the top-k: the same sums as below (unchosen experts add exact zeros).
+            dense = torch.zeros_like(probs).scatter(1, ids, weights)
+            for e, expert in enumerate(self.experts):
+                out = out + expert(flat) * dense[:, e : e + 1]
+        else:
+            for e, expert in enumerate(self.experts):
+                token_idx, slot = torch.where(ids == e)
+                if token_idx.numel() == 0:
+                    continue
+                y = expert(flat[token_idx]) * weights[token_idx, slot].unsqueeze(-1)
+                out = out.index_add(0, token_idx, y)
         for shared in self.shared_experts:
             out = out + shared(flat)
         return out.reshape(shape)
