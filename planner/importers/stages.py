@@ -195,14 +195,24 @@ def _match_moe(prefix: str, params: Sequence[Param]) -> Optional[StageGroup]:
     )
 
 
-def _module_prefixes(params: Sequence[Param]) -> list:
-    """Every module path that holds parameters, shallowest first, then by first appearance."""
-    seen: dict = {}
+def _params_by_module(params: Sequence[Param]) -> dict:
+    """Module path -> the parameters under it; shallowest paths first, then by first appearance."""
+    under: dict = {}
     for p in params:
         parts = p.name.split(".")[:-1]
         for depth in range(1, len(parts) + 1):
-            seen.setdefault(".".join(parts[:depth]), depth)
-    return sorted(seen, key=lambda path: seen[path])  # sorted() is stable
+            under.setdefault(".".join(parts[:depth]), []).append(p)
+    return dict(sorted(under.items(), key=lambda item: item[0].count(".")))  # sorted() is stable
+
+
+def _claimed_by(path: str, moe_groups: Mapping) -> Optional[str]:
+    """The MoE block path that `path` lies in (or is), if any."""
+    parts = path.split(".")
+    for depth in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        if prefix in moe_groups:
+            return prefix
+    return None
 
 
 def _dense_stage_of(name: str) -> tuple:
@@ -224,18 +234,16 @@ def classify_parameter_groups(params: Iterable) -> list:
     """
     params = [_as_param(p) for p in params]
     moe_groups: dict = {}
-    for prefix in _module_prefixes(params):
-        if any(prefix == m or prefix.startswith(m + ".") for m in moe_groups):
-            continue
-        under = [p for p in params if p.name.startswith(prefix + ".")]
-        group = _match_moe(prefix, under)
-        if group is not None:
-            moe_groups[prefix] = group
+    for prefix, under in _params_by_module(params).items():
+        if _claimed_by(prefix, moe_groups) is None:
+            group = _match_moe(prefix, under)
+            if group is not None:
+                moe_groups[prefix] = group
 
     order: dict = {}
     dense: dict = {}
     for p in params:
-        owner = next((m for m in moe_groups if p.name.startswith(m + ".")), None)
+        owner = _claimed_by(p.name.rpartition(".")[0], moe_groups) if "." in p.name else None
         if owner is not None:
             key = ("moe", owner)
         else:
