@@ -1,0 +1,174 @@
+"""One entry point for the mixed-integer programs moeplan solves, in matrix form.
+
+Why: models are built as scipy.sparse matrices (fast at any size) and handed to HiGHS (free,
+embedded, the default) or Gurobi (`gurobipy`, optional, imported only when asked). The pip
+Gurobi licence is size-limited (about 2000 variables or constraints): such a model, or a missing
+or unlicensed gurobipy, falls back to HiGHS with a note saying why. Every solve has a time
+limit, may be warm-started, and returns its incumbent, objective, best bound and gap.
+
+Model: minimise c @ x subject to row_lower <= A @ x <= row_upper, lower <= x <= upper,
+x[integer] integral.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import scipy.sparse as sp
+
+GUROBI_SIZE_LIMIT = 2000
+
+
+@dataclass
+class MilpResult:
+    x: Optional[np.ndarray]  # best incumbent (None when none was found)
+    objective: float
+    bound: float
+    status: str  # "optimal", "time_limit", "infeasible", "other"
+    seconds: float
+    notes: list = field(default_factory=list)
+
+    @property
+    def gap(self) -> float:
+        return relative_gap(self.objective, self.bound)
+
+
+def relative_gap(objective: float, bound: float) -> float:
+    """(objective - bound) / |objective| for a minimisation; 0 when both are 0."""
+    if not np.isfinite(objective):
+        return float("inf")
+    if abs(objective) < 1e-9:
+        return 0.0 if bound >= objective - 1e-9 else float("inf")
+    return max(0.0, (objective - bound) / abs(objective))
+
+
+def solve_milp(
+    c: np.ndarray,
+    A: sp.spmatrix,
+    row_lower: np.ndarray,
+    row_upper: np.ndarray,
+    lower: np.ndarray,
+    upper: np.ndarray,
+    integer: np.ndarray,
+    *,
+    time_limit: float,
+    warm_start: Optional[np.ndarray] = None,
+    solver: str = "highs",
+    mip_gap: float = 1e-4,
+) -> MilpResult:
+    """Solve the model above; `integer` is a bool mask over columns."""
+    notes = []
+    if solver == "gurobi":
+        result = _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes)
+        if result is not None:
+            return result
+    elif solver != "highs":
+        raise ValueError(f"unknown solver {solver!r}")
+    result = _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap)
+    result.notes = notes + result.notes
+    return result
+
+
+def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap) -> MilpResult:
+    import highspy
+
+    start = time.perf_counter()
+    A = sp.csc_matrix(A)
+    n_rows, n_cols = A.shape
+    lp = highspy.HighsLp()
+    lp.num_col_ = n_cols
+    lp.num_row_ = n_rows
+    lp.col_cost_ = np.asarray(c, dtype=np.float64)
+    lp.col_lower_ = np.asarray(lower, dtype=np.float64)
+    lp.col_upper_ = np.asarray(upper, dtype=np.float64)
+    lp.row_lower_ = np.asarray(row_lower, dtype=np.float64)
+    lp.row_upper_ = np.asarray(row_upper, dtype=np.float64)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = A.indptr.astype(np.int32)
+    lp.a_matrix_.index_ = A.indices.astype(np.int32)
+    lp.a_matrix_.value_ = A.data.astype(np.float64)
+    is_mip = bool(np.any(integer))
+    if is_mip:
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", 1)
+    h.setOptionValue("random_seed", 0)
+    h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
+    h.setOptionValue("mip_rel_gap", float(mip_gap))
+    h.passModel(lp)
+    if warm_start is not None and is_mip:
+        sol = highspy.HighsSolution()
+        sol.col_value = np.asarray(warm_start, dtype=np.float64)
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    seconds = time.perf_counter() - start
+    name = {
+        highspy.HighsModelStatus.kOptimal: "optimal",
+        highspy.HighsModelStatus.kTimeLimit: "time_limit",
+        highspy.HighsModelStatus.kInfeasible: "infeasible",
+    }.get(status, "other")
+    has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
+    x = np.asarray(h.getSolution().col_value) if has_solution else None
+    objective = float(info.objective_function_value) if has_solution else float("inf")
+    if is_mip:
+        bound = float(info.mip_dual_bound)
+        if not np.isfinite(bound):
+            bound = -float("inf")
+    else:
+        bound = objective if name == "optimal" else -float("inf")
+    if name == "optimal" and x is not None and is_mip:
+        bound = max(bound, objective - abs(objective) * mip_gap)
+    return MilpResult(x, objective, bound, name, seconds)
+
+
+def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes):
+    n_rows, n_cols = A.shape
+    try:
+        import gurobipy as gp
+    except ImportError:
+        notes.append("gurobipy is not installed; solved with HiGHS instead (pip install gurobipy and a licence to use Gurobi)")
+        return None
+    start = time.perf_counter()
+    try:
+        env = gp.Env(empty=True)
+        env.setParam("OutputFlag", 0)
+        env.start()
+        model = gp.Model(env=env)
+        vtype = np.where(integer, gp.GRB.INTEGER, gp.GRB.CONTINUOUS)
+        x = model.addMVar(n_cols, lb=lower, ub=upper, vtype=vtype)
+        A = sp.csr_matrix(A)
+        finite_hi = np.isfinite(row_upper)
+        finite_lo = np.isfinite(row_lower)
+        if finite_hi.any():
+            model.addMConstr(A[finite_hi], x, "<", np.asarray(row_upper)[finite_hi])
+        if finite_lo.any():
+            model.addMConstr(A[finite_lo], x, ">", np.asarray(row_lower)[finite_lo])
+        model.setObjective(np.asarray(c) @ x, gp.GRB.MINIMIZE)
+        model.Params.TimeLimit = float(max(time_limit, 0.01))
+        model.Params.MIPGap = mip_gap
+        model.Params.Threads = 1
+        model.Params.Seed = 0
+        if warm_start is not None:
+            x.Start = np.asarray(warm_start)
+        model.optimize()
+    except gp.GurobiError as exc:
+        if getattr(exc, "errno", None) == 10010 or "size-limited" in str(exc).lower():
+            notes.append(
+                f"the Gurobi licence is size-limited (model has {n_cols} variables, {n_rows} constraints; "
+                f"limit about {GUROBI_SIZE_LIMIT}); solved with HiGHS instead"
+            )
+        else:
+            notes.append(f"Gurobi failed ({exc}); solved with HiGHS instead")
+        return None
+    seconds = time.perf_counter() - start
+    status = {gp.GRB.OPTIMAL: "optimal", gp.GRB.TIME_LIMIT: "time_limit", gp.GRB.INFEASIBLE: "infeasible"}.get(model.Status, "other")
+    if model.SolCount == 0:
+        return MilpResult(None, float("inf"), -float("inf"), status, seconds, notes)
+    bound = float(model.ObjBound) if bool(np.any(integer)) else float(model.ObjVal)
+    return MilpResult(np.asarray(x.X), float(model.ObjVal), bound, status, seconds, notes)

@@ -1,0 +1,146 @@
+"""Expert placement: decide, per MoE layer, which GPU hosts which experts (and replicas).
+
+Policies, all returning a `Placement` scored by `placement_metrics.score_placement`:
+- `contiguous`: expert i on device i // (E / D) at every layer (DeepSpeed-MoE's default);
+- `eplb`: DeepSeek's Expert Parallelism Load Balancer, our implementation (`placement_eplb`);
+- `ilp`: ExFlow's staged affinity ILP with a load cap and redundant slots (`placement_ilp`),
+  reporting objective (cross-GPU transitions), a valid lower bound (`placement_bound`) and gap.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeplan.passes.analysis.affinity import transition_counts
+from moeplan.passes.analysis.trace_format import Trace
+from moeplan.passes.optimize.milp import relative_gap
+from moeplan.passes.optimize.placement_bound import transition_lower_bound
+from moeplan.passes.optimize.placement_eplb import eplb_placement
+from moeplan.passes.optimize.placement_ilp import BALANCE_BASES, staged_placement
+from moeplan.passes.optimize.placement_metrics import score_placement
+from moeplan.passes.optimize.placement_types import Placement, Topology
+from moeplan.planner.errors import UserError
+
+POLICIES = ("ilp", "eplb", "contiguous")
+SOLVERS = ("highs", "gurobi")
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    topology: Topology
+    policy: str = "ilp"
+    redundant: int = 0
+    balance: float = 0.1
+    balance_base: str = "mean"
+    solver: str = "highs"
+    time_limit: float = 60.0
+    expert_groups: int = 0
+
+
+def expert_loads(trace: Trace) -> np.ndarray:
+    """float [L, E]: (token, choice) assignments per expert per layer."""
+    E = trace.num_experts
+    return np.stack([
+        np.bincount(layer[layer >= 0], minlength=E) for layer in np.moveaxis(trace.experts, 1, 0).reshape(trace.num_layers, -1)
+    ]).astype(np.float64)
+
+
+def check_request(trace: Trace, request: PlacementRequest) -> None:
+    """Reject requests no placement can satisfy, naming the constraint."""
+    E, D = trace.num_experts, request.topology.devices
+    if request.topology.nodes < 1 or request.topology.gpus_per_node < 1:
+        raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {request.topology.nodes} and {request.topology.gpus_per_node}")
+    if request.policy not in POLICIES:
+        raise UserError(f"--policy must be one of {', '.join(POLICIES)}, got {request.policy!r}")
+    if request.solver not in SOLVERS:
+        raise UserError(f"--solver must be one of {', '.join(SOLVERS)}, got {request.solver!r}")
+    if request.balance_base not in BALANCE_BASES:
+        raise UserError(f"--balance-base must be one of {', '.join(BALANCE_BASES)}, got {request.balance_base!r}")
+    if request.redundant < 0:
+        raise UserError(f"--redundant must be >= 0, got {request.redundant}")
+    if request.balance < 0:
+        raise UserError(f"--balance must be >= 0, got {request.balance}")
+    if request.time_limit <= 0:
+        raise UserError(f"--time-limit must be positive, got {request.time_limit}")
+    if request.policy == "contiguous":
+        if request.redundant:
+            raise UserError("the contiguous policy places no replicas; drop --redundant or use --policy eplb/ilp")
+        if E % D:
+            raise UserError(f"contiguous placement needs the experts per layer ({E}) divisible by the devices ({D} = {request.topology.nodes} nodes x {request.topology.gpus_per_node} GPUs)")
+        return
+    slots = E + request.redundant
+    if slots % D:
+        raise UserError(
+            f"{E} experts + {request.redundant} redundant slots = {slots} expert slots per layer do not divide evenly "
+            f"over {D} devices ({request.topology.nodes} nodes x {request.topology.gpus_per_node} GPUs); "
+            f"pick --redundant so that experts + redundant is a multiple of {D}"
+        )
+    if slots < D:
+        raise UserError(f"{slots} expert slots per layer cannot fill {D} devices; use fewer devices or more --redundant slots")
+
+
+def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
+    """Run the requested policy and return the placement with its metrics."""
+    check_request(trace, request)
+    start = time.perf_counter()
+    topology = request.topology
+    L, E = trace.num_layers, trace.num_experts
+    loads = expert_loads(trace)
+    extra = {}
+    if request.policy == "contiguous":
+        hosts = contiguous_placement(L, E, topology)
+    elif request.policy == "eplb":
+        hosts = eplb_placement(loads, topology, request.redundant, request.expert_groups)
+    else:
+        hosts, extra = _ilp(trace, loads, request, start)
+    score = score_placement(trace, hosts, topology)
+    metrics = {
+        "gpu_local_fraction": score.gpu_local_fraction,
+        "node_local_fraction": score.node_local_fraction,
+        "max_over_mean_load": score.max_over_mean_load,
+        "transitions": score.transitions,
+        "redundant": request.redundant,
+    }
+    if request.policy == "ilp":
+        objective = float(score.cross_gpu_transitions)
+        bound = min(extra.pop("bound"), objective)
+        metrics.update(objective=objective, bound=bound, gap=relative_gap(objective, bound),
+                       solve_seconds=time.perf_counter() - start, **extra)
+        metrics["balance"] = request.balance
+        metrics["balance_base"] = request.balance_base
+    return Placement.from_hosts(request.policy, topology, hosts, metrics)
+
+
+def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: float):
+    topology = request.topology
+    D = topology.devices
+    counts = transition_counts(trace, "current")
+    limit = request.time_limit
+    solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
+                                request.solver, deadline=start + 0.8 * limit, per_mip_limit=max(0.2, min(1.0, limit / 50)))
+    slots = (trace.num_experts + request.redundant) // D
+    bound_budget = max(0.0, start + 0.97 * limit - time.perf_counter())
+    bound, method = transition_lower_bound(counts, D, slots, int(solution.replicas.max()), bound_budget)
+    extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps}
+    if solution.notes:
+        extra["notes"] = list(solution.notes)
+    return solution.hosts, extra
+
+
+def contiguous_placement(num_layers: int, num_experts: int, topology: Topology) -> np.ndarray:
+    """bool [L, E, D]: expert i on device i // (E / D) at every layer (DeepSpeed-MoE's default)."""
+    D = topology.devices
+    hosts = np.zeros((num_layers, num_experts, D), dtype=bool)
+    hosts[:, np.arange(num_experts), np.arange(num_experts) // (num_experts // D)] = True
+    return hosts
+
+
+def evaluate_placement(placement: Placement, trace: Trace) -> dict:
+    """Score an existing placement on another trace (held-out generalisation)."""
+    if placement.num_experts < trace.num_experts:
+        raise UserError(f"the placement covers {placement.num_experts} experts per layer but the trace routes to {trace.num_experts}")
+    score = score_placement(trace, placement.hosts(), placement.topology)
+    return {"gpu_local_fraction": score.gpu_local_fraction, "node_local_fraction": score.node_local_fraction,
+            "max_over_mean_load": score.max_over_mean_load, "transitions": score.transitions}
