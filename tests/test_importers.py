@@ -17,8 +17,11 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 sys.path.insert(0, str(EXAMPLE))
 from model import TinyMoE, TinyMoEConfig  # noqa: E402
 
-# TinyMoE defaults, by hand: D=128, V=256, 256 positions, 6 blocks, 16 SwiGLU experts of width 128.
+# A TinyMoE with every size spelled out, counted by hand: D=128, V=256, 256 positions, 6 blocks,
+# 16 SwiGLU experts of width 128.
 D, V, POS, LAYERS, E, I = 128, 256, 256, 6, 16, 128
+SIZES = dict(vocab_size=V, hidden_size=D, num_layers=LAYERS, num_heads=4, num_experts=E, top_k=2,
+             expert_hidden=I, shared_experts=0, max_positions=POS)
 EMBED = V * D
 ATTN = D * 3 * D + D * D
 NORM = D
@@ -29,15 +32,23 @@ HEAD = V * D
 TOTAL = EMBED + POS * D + LAYERS * (NORM + ATTN + NORM + MOE) + NORM + HEAD
 
 
+def hand_count(c: dict) -> int:
+    """TinyMoE parameters from its config, by the same hand formula."""
+    d, e = c["hidden_size"], c["num_experts"]
+    expert = 3 * d * c["expert_hidden"]
+    block = 2 * d + 4 * d * d + e * d + (e + c.get("shared_experts", 0)) * expert
+    return (c["vocab_size"] + c["max_positions"]) * d + c["num_layers"] * block + d + c["vocab_size"] * d
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
-    return TinyMoE(TinyMoEConfig()).eval()
+    return TinyMoE(TinyMoEConfig(**SIZES)).eval()
 
 
 def test_tiny_moe_figures_match_hand_counts(tiny):
     ir = import_module(tiny, name="tiny_moe")
-    assert TOTAL == 5_224_064
+    assert TOTAL == 5_224_064 == hand_count(SIZES)
     assert ir.total_params == TOTAL == sum(p.numel() for p in tiny.parameters())
     assert ir.total_param_bytes == 4 * TOTAL
     assert (ir.hidden_size, ir.vocab_size, ir.dtype, ir.architecture) == (D, V, "float32", "TinyMoE")
@@ -130,7 +141,9 @@ def test_load_example_directory():
     loaded = load_model(str(EXAMPLE))
     assert loaded.ir.name == "tiny_moe"
     assert loaded.has_weights and loaded.module is not None and loaded.onnx_path is None
-    assert loaded.ir.total_params == TOTAL
+    config = json.loads((EXAMPLE / "config.json").read_text())
+    assert loaded.ir.total_params == hand_count(config)
+    assert len(loaded.ir.moe_stages) == config["num_layers"]
 
 
 def _small_model_dir(tmp_path):
