@@ -8,6 +8,7 @@ a temporary directory that is renamed onto --out only when everything succeeded.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +60,14 @@ def _placement(facts):
 
 
 def run_placement(trace, topology, **options):
-    """The placement helper's entry point (passes/optimize/placement.py)."""
-    try:
-        from moeplan.passes.optimize import placement as placement_pass
-    except ImportError as exc:
-        raise UserError(f"placement is not available in this installation ({exc})") from None
-    return placement_pass.place(trace, topology, **options)
+    """The placement pass of passes/optimize/placement.py for the compile flags."""
+    from moeplan.passes.optimize.placement import PlacementRequest, plan_placement
+
+    return plan_placement(trace, PlacementRequest(topology=topology, **options))
+
+
+# Metrics that measure the solve rather than the placement; they would make bundle bytes differ.
+NONDETERMINISTIC_METRICS = ("solve_seconds",)
 
 
 def _plan(facts):
@@ -78,9 +81,9 @@ def _plan(facts):
     topo = facts["topology"]
     topology = Topology(topo["nodes"], topo["gpus_per_node"])
     score = score_placement(trace, placement.hosts(), topology).as_dict()
-    import json
-
     placement_doc = json.loads(placement.to_json())
+    for key in NONDETERMINISTIC_METRICS:
+        placement_doc.get("metrics", {}).pop(key, None)
     ir = loaded.ir
     plan = Plan(
         target="torchrun",

@@ -22,8 +22,10 @@ def pack(payload: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
 def unpack(rows: torch.Tensor, width: int) -> tuple:
     """Inverse of `pack`: ([n, width] float32, [n, M] int64)."""
     payload = rows[:, :width]
-    tail = rows[:, width:].contiguous()
-    meta = tail.view(torch.int64) if tail.shape[1] else torch.zeros(rows.shape[0], 0, dtype=torch.int64)
+    columns = (rows.shape[1] - width) // 2
+    if rows.shape[0] == 0 or columns == 0:
+        return payload, torch.zeros(rows.shape[0], columns, dtype=torch.int64, device=rows.device)
+    meta = rows[:, width:].contiguous().clone().view(torch.int64)  # fresh storage, reinterpretable
     return payload, meta
 
 
