@@ -83,6 +83,8 @@ def test_hf_directory_with_safetensors_loads_weights(tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(theirs[name], tensor), name
     assert loaded.ir == import_module(model, name=loaded.ir.name)
+    only_config = load_model(str(tmp_path / "config.json"))  # the file alone: meta, same figures
+    assert not only_config.has_weights and only_config.ir == loaded.ir
 
 
 def test_hf_directory_without_weights_is_built_on_meta(tmp_path):

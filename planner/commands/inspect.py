@@ -20,7 +20,15 @@ def _common(values) -> int:
 
 
 def summarize(ir) -> dict:
-    """Model-level figures from the IR. Per-layer MoE figures are the most common layer's."""
+    """Model-level figures from the IR. Per-layer MoE figures are the most common layer's.
+
+    Keys: name, architecture, source_format, dtype, hidden_size, vocab_size, stages (count),
+    moe_layers, num_experts (routed, per layer), top_k, shared_experts (per layer),
+    uniform_moe_layers (all MoE layers alike), total_params, total_param_bytes, expert_params and
+    expert_param_bytes (one routed expert), routed_expert_params/_bytes (all routed experts),
+    dense_params/dense_param_bytes (everything but routed experts: what every replica carries),
+    active_params_per_token (dense + top_k experts per layer), flops_per_token (IR total).
+    """
     moe = ir.moe_stages
     active = sum(s.params for s in ir.dense_stages) + sum(
         s.router_params + s.top_k * s.expert_params + s.shared_expert_params for s in moe

@@ -112,6 +112,11 @@ def load_config_file(config_path: Path, data: dict) -> LoadedModel:
     return LoadedModel(ir=ir, module=module, has_weights=False)
 
 
+def _weight_files(directory: Path) -> list:
+    """The checkpoint files transformers would load from `directory` (safetensors or torch .bin)."""
+    return sorted(directory.glob("*.safetensors")) + sorted(directory.glob("pytorch_model*.bin"))
+
+
 def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]] = None) -> LoadedModel:
     """A Hugging Face model directory: with safetensors, the model with its weights; else on meta.
 
@@ -120,7 +125,7 @@ def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]
     knows each architecture's checkpoint layout (sharding, per-expert tensor names).
     """
     config_path = directory / "config.json"
-    if weights is None and not sorted(directory.glob("*.safetensors")):
+    if weights is None and not _weight_files(directory):
         return load_config_file(config_path, data)
     dtype = model_dtype(data, str(config_path))
     config = make_config(data, str(config_path))

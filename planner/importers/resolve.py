@@ -64,7 +64,7 @@ def _load_path(path: Path) -> LoadedModel:
         config = path / "config.json"
         if not config.is_file():
             raise UserError(f"directory {path} has no config.json; {USAGE}")
-        return _load_config(config, read_json_object(config))
+        return _load_config(config, read_json_object(config), is_dir_spec=True)
     suffix = path.suffix.lower()
     if suffix == ".json":
         return _load_config(path, read_json_object(path))
@@ -75,13 +75,17 @@ def _load_path(path: Path) -> LoadedModel:
     raise UserError(f"{path}: unsupported model file type {suffix or '(none)'!r}; {USAGE}")
 
 
-def _load_config(config_path: Path, data: dict) -> LoadedModel:
-    """A config.json: moeplan model directory if it names a loader, else a Hugging Face config."""
+def _load_config(config_path: Path, data: dict, is_dir_spec: bool = False) -> LoadedModel:
+    """A config.json: moeplan model directory if it names a loader, else a Hugging Face config.
+
+    A Hugging Face config given as a file is built on `meta` even if weights lie beside it (the
+    cheap, explicit choice); give the directory to load them.
+    """
     if LOADER_KEY in data:
         return _load_moeplan_dir(config_path.parent, data)
     from moeplan.planner.importers import hf_config
 
-    if config_path.name == "config.json":
+    if is_dir_spec:
         return hf_config.load_directory(config_path.parent, data)
     return hf_config.load_config_file(config_path, data)
 
