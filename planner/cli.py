@@ -35,6 +35,7 @@ def _register():
 
     main.add_command(inspect)
     main.add_command(trace)
+    from moeplan.planner.commands.export_onnx import export_onnx_cmd; main.add_command(export_onnx_cmd)
     from moeplan.planner.commands.compile import compile_cmd
     from moeplan.planner.commands.run import run
 

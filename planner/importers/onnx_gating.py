@@ -1,0 +1,245 @@
+"""Find the MoE gates (and attention probabilities) in an ONNX graph, for import and for tracing.
+
+An MoE layer shows itself in ONNX in one of two ways:
+
+* the **gating pattern** of an exported model: a router MatMul (or Gemm) with a weight
+  initializer, then Softmax, then TopK (or TopK on the logits, then Softmax, as Mixtral does).
+  Cast, Reshape, Squeeze/Unsqueeze, Flatten, Identity and a bias Add may sit in between;
+* onnxruntime's fused contrib op `com.microsoft.MoE` / `QMoE`, whose attribute `k` is the top-k
+  and whose expert weights are stacked initializers [E, ...].
+
+Attention probabilities are the other Softmax nodes whose output feeds a MatMul (probs @ V).
+Both the importer (`onnx_graph.py`) and the tracer (`passes/analysis/trace_onnx.py`) read the
+graph through this one module so that they agree on which nodes are gates and in what order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+PASS_THROUGH = {"Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
+WEIGHT_PASS_THROUGH = {"Transpose", "Cast", "Identity", "Reshape"}
+CONTRIB_MOE_OPS = {"MoE", "QMoE"}
+CONTRIB_DOMAIN = "com.microsoft"
+SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+class GraphIndex:
+    """Producers, consumers, initializers and constant values of one graph, built once."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.producer = {}
+        self.consumers: dict = {}
+        self.position = {}
+        for i, node in enumerate(graph.node):
+            self.position[id(node)] = i
+            for out in node.output:
+                if out:
+                    self.producer[out] = node
+            for inp in node.input:
+                if inp:
+                    self.consumers.setdefault(inp, []).append(node)
+
+    def constant(self, name: str) -> Optional[np.ndarray]:
+        """The value of a tensor that is an initializer or a Constant node's output, else None."""
+        from onnx import numpy_helper
+
+        if name in self.initializers:
+            tensor = self.initializers[name]
+            if tensor.data_location == tensor.EXTERNAL:
+                return None
+            return numpy_helper.to_array(tensor)
+        node = self.producer.get(name)
+        if node is not None and node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    return numpy_helper.to_array(attr.t)
+                if attr.name == "value_int":
+                    return np.array(attr.i)
+                if attr.name == "value_ints":
+                    return np.array(list(attr.ints))
+        if node is not None and node.op_type in ("Cast", "Reshape", "Squeeze", "Unsqueeze", "Identity"):
+            return self.constant(node.input[0])
+        return None
+
+    def is_constant(self, name: str) -> bool:
+        if name in self.initializers:
+            return True
+        node = self.producer.get(name)
+        return node is not None and node.op_type == "Constant"
+
+    def skip_back(self, name: str, ops=PASS_THROUGH):
+        """The producer of `name`, looking through pass-through ops (and a constant bias Add)."""
+        node = self.producer.get(name)
+        while node is not None:
+            if node.op_type in ops:
+                name = node.input[0]
+            elif node.op_type == "Add" and len(node.input) == 2 and any(self.is_constant(i) for i in node.input):
+                name = next(i for i in node.input if not self.is_constant(i))
+            else:
+                return node
+            node = self.producer.get(name)
+        return None
+
+    def weight_initializer(self, name: str) -> Optional[str]:
+        """The initializer a MatMul/Gemm weight input comes from (through Transpose/Cast), if any."""
+        while name not in self.initializers:
+            node = self.producer.get(name)
+            if node is None or node.op_type not in WEIGHT_PASS_THROUGH:
+                return None
+            name = node.input[0]
+        return name
+
+    def skip_forward(self, name: str) -> list:
+        """Tensors reachable from `name` through pass-through ops only (itself included)."""
+        out, stack = [], [name]
+        while stack:
+            current = stack.pop()
+            out.append(current)
+            for node in self.consumers.get(current, ()):
+                if node.op_type in PASS_THROUGH:
+                    stack.append(node.output[0])
+        return out
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One MoE layer's gate as found in the graph.
+
+    `topk` is the TopK node (pattern) or the contrib MoE node; `router_weight` the initializer of
+    the router MatMul/Gemm (None if the router logits come from elsewhere); `router_transposed`
+    is True when the weight is stored [E, D] (Gemm transB=1), False when stored [D, E].
+    `weights_output` is the tensor holding the final per-token gate weights [.., K] (after a
+    renormalising Div when the model has one); `indices_output` the chosen experts [.., K].
+    """
+
+    node: object
+    kind: str  # "pattern" or "contrib"
+    top_k: int
+    router_node: Optional[object]
+    router_weight: Optional[str]
+    router_transposed: bool
+    indices_output: str = ""
+    weights_output: str = ""
+    softmax_after_topk: bool = False
+
+
+def node_module_path(node) -> str:
+    """The torch module path a node came from: dynamo metadata, else a legacy `/a/b/Op` name."""
+    for prop in node.metadata_props:
+        if prop.key == SCOPES_KEY:
+            scopes = [s.strip("'\" ") for s in prop.value.strip("[]").split(",")]
+            scopes = [s for s in scopes if s]
+            return scopes[-2] if len(scopes) >= 2 else ""
+    name = node.name or ""
+    if name.startswith("/") and name.count("/") >= 2:
+        return ".".join(p for p in name.strip("/").split("/")[:-1] if p)
+    return ""
+
+
+def _k_of(index: GraphIndex, node) -> Optional[int]:
+    for attr in node.attribute:
+        if attr.name == "k":
+            return int(attr.i)
+    if len(node.input) > 1:
+        value = index.constant(node.input[1])
+        if value is not None and value.size == 1:
+            return int(value.reshape(-1)[0])
+    return None
+
+
+def _router(index: GraphIndex, logits: str):
+    """(router node, weight initializer, transposed) for router logits `logits`, else Nones."""
+    node = index.skip_back(logits)
+    if node is None or node.op_type not in ("MatMul", "Gemm"):
+        return None, None, False
+    weight = index.weight_initializer(node.input[1]) if len(node.input) > 1 else None
+    if weight is None:
+        return None, None, False
+    transposed = False
+    if node.op_type == "Gemm":
+        transposed = any(a.name == "transB" and a.i == 1 for a in node.attribute)
+    feeding = index.producer.get(node.input[1])
+    if feeding is not None and feeding.op_type == "Transpose":
+        transposed = not transposed
+    return node, weight, transposed
+
+
+def _renormalised(index: GraphIndex, values: str) -> str:
+    """`values / ReduceSum(values)` downstream of the TopK values, if the model renormalises."""
+    for name in index.skip_forward(values):
+        for node in index.consumers.get(name, ()):
+            if node.op_type == "Div" and node.input[0] == name:
+                divisor = index.producer.get(node.input[1])
+                if divisor is not None and divisor.op_type == "ReduceSum" and divisor.input[0] == name:
+                    return node.output[0]
+    return values
+
+
+def find_gates(model) -> list:
+    """Every MoE gate in the main graph, in graph (topological) order."""
+    index = GraphIndex(model.graph)
+    gates = []
+    for node in model.graph.node:
+        if node.op_type in CONTRIB_MOE_OPS and node.domain == CONTRIB_DOMAIN:
+            k = next((int(a.i) for a in node.attribute if a.name == "k"), 1)
+            router_node, weight, transposed = _router(index, node.input[1])
+            gates.append(Gate(node, "contrib", k, router_node, weight, transposed))
+            continue
+        if node.op_type != "TopK":
+            continue
+        k = _k_of(index, node)
+        source = index.skip_back(node.input[0])
+        if source is None or k is None:
+            continue
+        values, indices = node.output[0], node.output[1]
+        if source.op_type == "Softmax":
+            router_node, weight, transposed = _router(index, source.input[0])
+            if weight is not None:
+                gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
+                                  indices, _renormalised(index, values)))
+        elif source.op_type in ("MatMul", "Gemm"):
+            softmax = next(
+                (c for name in index.skip_forward(values) for c in index.consumers.get(name, ())
+                 if c.op_type == "Softmax"),
+                None,
+            )
+            router_node, weight, transposed = _router(index, node.input[0])
+            if softmax is not None and weight is not None:
+                gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
+                                  indices, softmax.output[0], softmax_after_topk=True))
+    return gates
+
+
+def find_attention_softmaxes(model, gates) -> list:
+    """Softmax nodes that are not part of a gate and whose output feeds a MatMul (probs @ V)."""
+    index = GraphIndex(model.graph)
+    gate_softmaxes = set()
+    for gate in gates:
+        if gate.kind != "pattern":
+            continue
+        if gate.softmax_after_topk:
+            gate_softmaxes.add(gate.weights_output)
+        else:
+            gate_softmaxes.add(index.skip_back(gate.node.input[0]).output[0])
+    out = []
+    for node in model.graph.node:
+        if node.op_type != "Softmax" or node.output[0] in gate_softmaxes:
+            continue
+        feeds_matmul = any(
+            c.op_type == "MatMul" and c.input[0] == name
+            for name in index.skip_forward(node.output[0])
+            for c in index.consumers.get(name, ())
+        )
+        if feeds_matmul:
+            out.append(node)
+    return out
+
+
+def node_position(model) -> dict:
+    """id(node) -> index in the graph's node list (a topological order)."""
+    return {id(n): i for i, n in enumerate(model.graph.node)}
