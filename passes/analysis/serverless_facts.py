@@ -33,14 +33,14 @@ def build_facts(ir: ModelIR, profile: Profile, platform: Platform) -> Serverless
         dense_bytes += int(stage.router_params * dtype_bytes(stage.dtype))
         prev = k
         act = int(stage.hidden_size * dtype_bytes(stage.dtype))
-        table = tuple(_round(u_per_token(expert["s_per_token"], threads, platform.vcpus(m)))
-                      for m in platform.memory_options_mb)
+        table = tuple(_round(row) for row in expert["s_per_token"])
         dense = u_per_token(groups[f"layer{e}.dense"]["s_per_token"], threads, dense_v)
         layers.append(LayerFacts(
             num_experts=stage.num_experts, top_k=stage.top_k, expert_param_bytes=int(stage.expert_param_bytes),
             expert_fixed_bytes=float(f"{expert['mem_fixed']:.4g}"), expert_token_bytes=float(f"{expert['mem_per_token']:.4g}"),
             d_in=act, d_out=act, dense_param_bytes=int(dense_bytes), tokens_grid=tuple(int(t) for t in profile.tokens_grid),
-            expert_s_per_token=table, dense_s_per_token=_round(dense)))
+            threads=tuple(int(t) for t in threads), expert_s_per_token=table, dense_s_per_token=_round(dense),
+            mb_per_vcpu=platform.mb_per_vcpu, max_vcpus=platform.max_vcpus))
     grid = np.asarray(profile.tokens_grid, float)
     ref = int(np.argmin(np.abs(grid - 2048)))
 

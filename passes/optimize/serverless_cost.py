@@ -46,21 +46,26 @@ class LayerFacts:
     d_out: int                     # bytes per token out of an expert
     dense_param_bytes: int         # the non-MoE function before this layer (attention + gate)
     tokens_grid: tuple             # token counts of the compute grid
-    expert_s_per_token: tuple      # [memory option][grid] seconds per token
-    dense_s_per_token: tuple       # [grid] seconds per token of the non-MoE function
+    threads: tuple                 # thread counts profiled
+    expert_s_per_token: tuple      # [threads][grid] seconds per token on this machine
+    dense_s_per_token: tuple       # [grid] seconds per token of the non-MoE function (at its memory)
+    mb_per_vcpu: float = 1769.0
+    max_vcpus: float = 6.0
 
-    def u(self, mem_idx, tokens):
-        """Per-token expert compute time at memory option(s) `mem_idx` for batch(es) `tokens`."""
+    def u(self, memory_mb, tokens):
+        """Per-token expert compute time at memory size(s) for batch(es) of `tokens`.
+
+        vCPU share v = memory / mb_per_vcpu; with t threads the time is time_t * max(1, t / v)
+        (below one vCPU a function gets a slice of one core); the best thread count wins.
+        """
         grid = np.log(np.asarray(self.tokens_grid, dtype=float))
-        table = np.asarray(self.expert_s_per_token, dtype=float)
         x = np.log(np.maximum(np.asarray(tokens, dtype=float), 1.0))
-        mem_idx = np.asarray(mem_idx)
-        out = np.empty(np.broadcast(mem_idx, x).shape)
-        mi, xi = np.broadcast_arrays(mem_idx, x)
-        for j in np.unique(mi):
-            sel = mi == j
-            out[sel] = np.interp(xi[sel], grid, table[int(j)])
-        return out
+        v = np.minimum(np.asarray(memory_mb, dtype=float) / self.mb_per_vcpu, self.max_vcpus)
+        best = None
+        for t, row in zip(self.threads, self.expert_s_per_token):
+            per = np.interp(x, grid, np.asarray(row, dtype=float)) * np.maximum(1.0, t / v)
+            best = per if best is None else np.minimum(best, per)
+        return best
 
     def dense_time(self, tokens: float) -> float:
         grid = np.log(np.asarray(self.tokens_grid, dtype=float))
@@ -95,6 +100,7 @@ class ServerlessFacts:
         for raw in d["layers"]:
             raw = dict(raw)
             raw["tokens_grid"] = tuple(raw["tokens_grid"])
+            raw["threads"] = tuple(raw["threads"])
             raw["expert_s_per_token"] = tuple(tuple(r) for r in raw["expert_s_per_token"])
             raw["dense_s_per_token"] = tuple(raw["dense_s_per_token"])
             layers.append(LayerFacts(**raw))
@@ -115,18 +121,18 @@ def memory_need_mb(p: Platform, layer: LayerFacts, tokens_per_replica):
     return p.runtime_memory_mb + body / MB
 
 
-def replica_time(p: Platform, layer: LayerFacts, method: int, mem_idx, r, beta: int = 0):
-    """t^rep: seconds one replica runs for r tokens under `method` (vectorised over mem_idx, r)."""
+def replica_time(p: Platform, layer: LayerFacts, method: int, memory_mb, r, beta: int = 0):
+    """t^rep: seconds one replica runs for r tokens under `method` (vectorised over memory, r)."""
     r = np.asarray(r, dtype=float)
     th = head_time(p, layer.expert_param_bytes)
     bs, bf, dl = p.s3_bandwidth_bytes_per_s, p.f2f_bandwidth_bytes_per_s, p.s3_latency_s
     if method == PIPELINED_S3:
         b = np.maximum(np.minimum(float(beta), r), 1.0)
         steps = np.ceil(r / b)
-        u = layer.u(mem_idx, b)
+        u = layer.u(memory_mb, b)
         step = dl + b * np.maximum(layer.d_in / bs + u, layer.d_out / bs)
         return th + dl + b * layer.d_out / bs + steps * step
-    u = layer.u(mem_idx, r)
+    u = layer.u(memory_mb, r)
     if method == S3:
         return th + 2 * dl + r * ((layer.d_in + layer.d_out) / bs + u)
     if method == DIRECT:

@@ -21,6 +21,7 @@ Infeasible inputs raise `UserError` naming the constraint and the closest feasib
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -37,9 +38,9 @@ DEFAULT_METHODS = (sc.PIPELINED_S3, sc.S3, sc.DIRECT)
 
 @dataclass(frozen=True)
 class ExpertChoice:
-    """Memory option index and replica count for one expert, with the predicted load behind it."""
+    """Memory (MB) and replica count for one expert, with the predicted load behind it."""
 
-    memory_index: int
+    memory_mb: int
     replicas: int
     tokens: int
 
@@ -74,6 +75,11 @@ class _Options:
 
 def candidate_pairs(facts: sc.ServerlessFacts, layer: int, tokens: int, method: int, beta: int) -> _Options:
     """All feasible (memory, replicas) pairs for `tokens` tokens, Pareto-pruned on (cost, latency)."""
+    return _candidate_pairs(facts, int(layer), int(tokens), int(method), int(beta))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _candidate_pairs(facts, layer, tokens, method, beta) -> _Options:
     p = facts.platform
     lf = facts.layers[layer]
     mems = np.asarray(p.memory_options_mb, dtype=float)
@@ -87,7 +93,7 @@ def candidate_pairs(facts: sc.ServerlessFacts, layer: int, tokens: int, method: 
     jj, gg, r = jj[ok], gg[ok], r[ok]
     if jj.size == 0:
         return _Options(*(np.empty(0),) * 4)
-    t_rep = sc.replica_time(p, lf, method, jj, r, beta)
+    t_rep = sc.replica_time(p, lf, method, mems[jj], r, beta)
     contrib = sc.latency_contribution(p, lf, method, t_rep, r)
     cost = sc.expert_cost(p, mems[jj], gg, t_rep)
     order = np.lexsort((gg, jj, contrib, cost))  # cheapest first, ties by latency then index
@@ -97,7 +103,7 @@ def candidate_pairs(facts: sc.ServerlessFacts, layer: int, tokens: int, method: 
             keep.append(k)
             best = contrib[k]
     keep = np.asarray(keep)
-    return _Options(jj[keep], gg[keep], cost[keep], contrib[keep])
+    return _Options(mems[jj[keep]].astype(np.int64), gg[keep], cost[keep], contrib[keep])
 
 
 def _modes_for(method: int, betas) -> list:
@@ -354,26 +360,25 @@ def _decode(facts, loads, layer_modes, z_index, w_cols, res: MilpResult, name, b
 
 
 def smallest_fitting_memory(facts: sc.ServerlessFacts, layer: int) -> int:
-    """Index of the smallest memory option that holds an expert with no token (idle experts)."""
+    """The smallest memory option (MB) that holds an expert with no token (idle experts)."""
     need = float(sc.memory_need_mb(facts.platform, facts.layers[layer], 0))
-    for j, m in enumerate(facts.platform.memory_options_mb):
+    for m in facts.platform.memory_options_mb:
         if m >= need:
-            return j
-    return len(facts.platform.memory_options_mb) - 1
+            return int(m)
+    return int(facts.platform.memory_options_mb[-1])
 
 
 def layer_cost_latency(facts, e: int, decision: LayerDecision, loads_row) -> tuple:
     """Predicted cost and latency of one layer for the decision's own tokens."""
     p = facts.platform
     lf = facts.layers[e]
-    mems = np.asarray(p.memory_options_mb, dtype=float)
     cost, contribs = 0.0, []
     for ch, d in zip(decision.experts, loads_row):
         if d <= 0:
             continue
         r = math.ceil(d / ch.replicas)
-        t = float(sc.replica_time(p, lf, decision.method, ch.memory_index, r, decision.beta))
-        cost += float(sc.expert_cost(p, mems[ch.memory_index], ch.replicas, t))
+        t = float(sc.replica_time(p, lf, decision.method, ch.memory_mb, r, decision.beta))
+        cost += float(sc.expert_cost(p, ch.memory_mb, ch.replicas, t))
         contribs.append(float(sc.latency_contribution(p, lf, decision.method, t, r)))
     lat = sc.layer_latency(p, lf, decision.method, contribs, float(np.sum(loads_row)))
     return cost, lat

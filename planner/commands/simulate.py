@@ -1,0 +1,81 @@
+"""`moeplan simulate plan.json --trace HELDOUT`: what a lambda plan costs on real routing.
+
+The held-out trace is cut into batches of the plan's batch size (a trace shorter than one batch
+is one batch scaled to that size); each batch's real per-expert loads run against the plan's
+fixed memory and replicas (overflows invoke extra replicas, as the runtime would). Prints the
+mean cost per batch, latency, throughput, SLO misses and the per-layer sizing; `--json` prints
+one JSON line.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import click
+
+from moeplan.planner.errors import UserError
+
+
+def print_layers(layers) -> None:
+    from moeplan.passes.optimize import serverless_cost as sc
+
+    click.echo("layer  method        beta  memory MB (experts)                 replicas (experts)")
+    for e, d in enumerate(layers):
+        mem = Counter(c.memory_mb for c in d.experts)
+        reps = Counter(c.replicas for c in d.experts)
+        mem_s = " ".join(f"{m}x{n}" for m, n in sorted(mem.items()))
+        rep_s = " ".join(f"{r}x{n}" for r, n in sorted(reps.items()))
+        click.echo(f"{e:>5}  {sc.METHOD_NAMES[d.method]:<12}  {d.beta:>4}  {mem_s:<34}  {rep_s}")
+
+
+@click.command("simulate")
+@click.argument("plan_path", metavar="PLAN")
+@click.option("--trace", "trace_path", required=True, help="held-out routing trace (.npz) of the planned model")
+@click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
+def simulate(plan_path, trace_path, as_json):
+    """Billed cost and latency of a lambda PLAN on the real loads of a held-out trace."""
+    from moeplan.passes.analysis.trace_format import load_trace
+    from moeplan.passes.optimize.serverless_plan import real_batches
+    from moeplan.passes.optimize.serverless_sim import simulate as run
+    from moeplan.passes.optimize.serverless_cost import METHOD_NAMES
+    from moeplan.planner.lambda_plan import read_plan
+
+    import numpy as np
+
+    plan, facts, layers, batch_tokens = read_plan(plan_path)
+    trace = load_trace(trace_path)
+    if trace.num_layers != len(layers):
+        raise UserError(f"trace '{trace_path}' has {trace.num_layers} MoE layers but the plan has {len(layers)}; was it traced from another model?")
+    experts = len(layers[0].experts) if layers else 0
+    if trace.num_experts > experts:
+        raise UserError(f"trace '{trace_path}' has {trace.num_experts} experts per layer but the plan sizes {experts}")
+    batches = real_batches(trace, np.arange(trace.num_tokens), batch_tokens)
+    if not batches:
+        raise UserError(f"trace '{trace_path}' has no tokens")
+    sims = [run(facts, layers, loads, batch_tokens) for _, loads in batches]
+    slo = plan.inputs.get("slo_s")
+    summary = {
+        "batches": len(sims),
+        "batch_tokens": batch_tokens,
+        "scaled_partial_batch": trace.num_tokens < batch_tokens,
+        "moe_cost_per_batch_usd": float(np.mean([s.moe_cost for s in sims])),
+        "total_cost_per_batch_usd": float(np.mean([s.total_cost for s in sims])),
+        "latency_s": float(np.mean([s.latency for s in sims])),
+        "max_latency_s": float(max(s.latency for s in sims)),
+        "throughput_tokens_per_s": float(np.mean([s.throughput for s in sims])),
+        "slo_s": slo,
+        "slo_violations": int(sum(s.latency > slo + 1e-9 for s in sims)) if slo else 0,
+        "overflows": int(sum(len(s.overflows) for s in sims)),
+        "methods": [METHOD_NAMES[d.method] for d in layers],
+    }
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+        return
+    note = " (trace shorter than one batch: loads scaled)" if summary["scaled_partial_batch"] else ""
+    click.echo(f"{len(sims)} batch(es) of {batch_tokens} tokens{note}")
+    click.echo(f"cost per batch: ${summary['moe_cost_per_batch_usd']:.8f} MoE layers, "
+               f"${summary['total_cost_per_batch_usd']:.8f} with non-MoE functions")
+    click.echo(f"latency {summary['latency_s']:.3f} s (max {summary['max_latency_s']:.3f} s, SLO {slo} s, "
+               f"{summary['slo_violations']} miss(es)), throughput {summary['throughput_tokens_per_s']:.1f} tokens/s, "
+               f"{summary['overflows']} overflow invocation(s)")
+    print_layers(layers)
