@@ -1,0 +1,92 @@
+"""`moeplan trace MODEL --data TEXT --out T.npz`: record the model's routing on a text file.
+
+The CLI only gathers inputs and shows progress; `passes/analysis/trace.py` does the recording and
+`trace_format.save_trace` writes the file atomically (an error leaves no file behind).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from moeplan.planner.errors import UserError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def read_text(path: Path) -> str:
+    """The --data file as text; one-line errors for missing, unreadable, binary or empty files."""
+    if not path.exists():
+        raise UserError(f"data file '{path}' does not exist; give --data a text file to trace the model on")
+    if not path.is_file():
+        raise UserError(f"data path '{path}' is not a file; give --data a text file to trace the model on")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"data file '{path}' is not UTF-8 text (bad byte at offset {exc.start}); give a UTF-8 text file") from None
+    except OSError as exc:
+        raise UserError(f"cannot read data file '{path}' ({exc.strerror or exc}); check its permissions") from None
+    if not text.strip():
+        raise UserError(f"data file '{path}' is empty; give --data a file with some text in it")
+    return text
+
+
+def hf_tokenizer(model: str):
+    """The model directory's Hugging Face tokenizer if it ships one, else None (byte-level ids)."""
+    directory = Path(model)
+    if not directory.is_dir() or not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError(f"'{model}' ships a tokenizer but transformers is not installed; pip install 'moeplan[hf]'") from None
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _progress_bar(enabled: bool):
+    """(context manager, callback) for a rich progress bar on a terminal; no-ops otherwise."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext(), None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("tracing"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                   TimeRemainingColumn(), transient=True)
+    task = bar.add_task("trace", total=None)
+
+    def update(done: int, total: int) -> None:
+        bar.update(task, completed=done, total=total)
+    return bar, update
+
+
+@click.command("record")
+@click.argument("model")
+@click.option("--data", "data", required=True, type=click.Path(path_type=Path),
+              help="UTF-8 text file to run the model on.")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Trace file to write (.npz).")
+@click.option("--max-tokens", type=int, default=None, help="Trace at most this many tokens (default: all).")
+@click.option("--batch", type=int, default=8, show_default=True, help="Sequences per forward pass.")
+@click.option("--seq-len", type=int, default=None,
+              help="Tokens per sequence (default: the model's maximum positions, at most 128).")
+@click.option("--quiet", is_flag=True, help="No progress bar and no summary line.")
+def record(model, data, out, max_tokens, batch, seq_len, quiet):
+    """Record MODEL's routing on the text in --data into a trace file (.npz)."""
+    from moeplan.passes.analysis.trace import record_trace
+    from moeplan.passes.analysis.trace_format import save_trace
+    from moeplan.planner.importers import load_model
+
+    text = read_text(data)
+    loaded = load_model(model)
+    tokenizer = hf_tokenizer(model)
+    bar, update = _progress_bar(not quiet and sys.stderr.isatty())
+    with bar:
+        trace = record_trace(loaded, text, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
+                             tokenizer=tokenizer, progress=update)
+    save_trace(trace, out)
+    if not quiet:
+        click.echo(f"wrote {out}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers, "
+                   f"top-{trace.top_k} of {trace.num_experts} experts"
+                   + ("" if trace.attention_ids is not None else " (no attention ids: the model exposes no attention probabilities)"))
