@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -34,6 +35,19 @@ def _max_positions(module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+@contextlib.contextmanager
+def _quiet_loggers(quiet: bool):
+    """Silence torch.onnx's registry chatter (e.g. "torchvision is not installed") while exporting."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _export_program(module, example):
@@ -60,7 +74,7 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
     example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.long)
     sink = io.StringIO()
     quiet_ctx = contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext()
-    with torch.no_grad(), warnings.catch_warnings(), quiet_ctx:
+    with torch.no_grad(), warnings.catch_warnings(), quiet_ctx, _quiet_loggers(quiet):
         warnings.simplefilter("ignore")
         try:
             program = _export_program(module, example)

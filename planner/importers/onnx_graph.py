@@ -13,7 +13,8 @@ torch.onnx's dynamo exporter writes them) keeps its name. One renamed by a graph
 When any weight was renamed, weights are taken in order of first use in the graph (optimizers
 append the tensors they create to the initializer list). A fused MoE op's stacked expert weights and its router weight are named
 `<layer>.experts.<input>` and `<layer>.gate.weight`, which the stage rule recognises as an MoE
-block with fused experts. Model name and class come from `moeplan.*` model metadata when the
+block with fused experts. 2-D weights get torch's [out, in] shape (a weight used as `x @ W` is
+stored [in, out]), so vocabulary and router sizes read the same as from torch. Model name and class come from `moeplan.*` model metadata when the
 file was written by `moeplan export-onnx`.
 """
 from __future__ import annotations
@@ -140,6 +141,19 @@ def _contrib_params(index: GraphIndex, gate, stage: str) -> dict:
     return out
 
 
+def _torch_layout(index: GraphIndex, name: str, shape: tuple) -> tuple:
+    """A 2-D weight's shape as torch stores it, [out, in]: `x @ W` stores it [in, out]."""
+    if len(shape) != 2:
+        return shape
+    for node in index.consumers.get(name, ()):
+        if node.op_type == "MatMul" and node.input[1] == name:
+            return (shape[1], shape[0])
+        if node.op_type == "Gemm" and node.input[1] == name:
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            return shape if trans_b else (shape[1], shape[0])
+    return shape
+
+
 def graph_params(model, gates) -> tuple:
     """(Params in initializer order, {initializer name: param name}) for every weight."""
     index = GraphIndex(model.graph)
@@ -172,7 +186,7 @@ def graph_params(model, gates) -> tuple:
                 base, n = name, 1
                 while name in taken:
                     name, n = f"{base}_{n}", n + 1
-            param = Param(name, shape, _dtype(tensor))
+            param = Param(name, _torch_layout(index, tensor.name, shape), _dtype(tensor))
         taken.add(param.name)
         names[tensor.name] = param.name
         params.append(param)
