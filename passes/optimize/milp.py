@@ -57,8 +57,12 @@ def solve_milp(
     warm_start: Optional[np.ndarray] = None,
     solver: str = "highs",
     mip_gap: float = 1e-4,
+    node_limit: Optional[int] = None,
 ) -> MilpResult:
-    """Solve the model above; `integer` is a bool mask over columns."""
+    """Solve the model above; `integer` is a bool mask over columns.
+
+    `node_limit` caps branch-and-bound nodes: a work limit, so results do not depend on machine
+    speed the way a time limit does (the time limit stays as a safety net)."""
     notes = []
     if solver == "gurobi":
         result = _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes)
@@ -66,12 +70,12 @@ def solve_milp(
             return result
     elif solver != "highs":
         raise ValueError(f"unknown solver {solver!r}")
-    result = _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap)
+    result = _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit)
     result.notes = notes + result.notes
     return result
 
 
-def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap) -> MilpResult:
+def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit=None) -> MilpResult:
     import highspy
 
     start = time.perf_counter()
@@ -98,6 +102,8 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("time_limit", float(max(time_limit, 0.01)))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
+    if node_limit is not None:
+        h.setOptionValue("mip_max_nodes", int(node_limit))
     h.passModel(lp)
     if warm_start is not None and is_mip:
         sol = highspy.HighsSolution()
@@ -111,6 +117,7 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     name = {
         highspy.HighsModelStatus.kOptimal: "optimal",
         highspy.HighsModelStatus.kTimeLimit: "time_limit",
+        highspy.HighsModelStatus.kSolutionLimit: "work_limit",
         highspy.HighsModelStatus.kInfeasible: "infeasible",
     }.get(status, "other")
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible

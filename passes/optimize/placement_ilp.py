@@ -30,6 +30,10 @@ from moeplan.passes.optimize.placement_eplb import balanced_packing
 from moeplan.planner.errors import UserError
 
 
+MIP_NODE_LIMIT = 200  # branch-and-bound nodes per layer step: a deterministic work limit
+MAX_SWEEPS = 8
+
+
 @dataclass
 class LayerProblem:
     """Inputs shared by every per-layer step."""
@@ -50,6 +54,14 @@ def assignment_mip(in_gain, out_gain, replicas, max_per_partition, slots, loads,
     Returns int [n, P] replica counts, or None when the layer is infeasible.
     """
     n, P = in_gain.shape
+    if np.all(replicas == 1):
+        quick = _assignment_with_penalties(in_gain + out_gain, slots, loads, cap)
+        if quick is not None and quick[1]:
+            return quick[0], "optimal"  # the uncapped optimum already meets the cap
+        if quick is not None and warm is not None:
+            gain = in_gain + out_gain
+            if (gain * quick[0]).sum() > (gain * warm).sum() and _fits(quick[0], loads, cap):
+                warm = quick[0]
     replicated = np.flatnonzero(np.minimum(replicas, max_per_partition) > 1)
     nm = n * P
     nw = len(replicated) * P
@@ -85,13 +97,45 @@ def assignment_mip(in_gain, out_gain, replicas, max_per_partition, slots, loads,
         w_part = (warm[replicated] > 0).astype(float).ravel() if nw else np.zeros(0)
         start = np.concatenate([warm.astype(float).ravel(), w_part])
     result = solve_milp(cost, A, np.concatenate(lo), np.concatenate(hi), np.zeros(nm + nw), upper,
-                        np.ones(nm + nw, dtype=bool), time_limit=time_limit, warm_start=start, solver=solver)
+                        np.ones(nm + nw, dtype=bool), time_limit=time_limit, warm_start=start, solver=solver,
+                        mip_gap=1e-2, node_limit=MIP_NODE_LIMIT)
     for note in result.notes:
         if note not in notes:
             notes.append(note)
     if result.x is None:
         return None, result.status
     return np.rint(result.x[:nm]).reshape(n, P).astype(np.int64), result.status
+
+
+def _fits(assign, loads, cap) -> bool:
+    return bool(np.all(loads @ assign <= cap * (1 + 1e-9)))
+
+
+def _assignment_with_penalties(gain, slots, loads, cap, rounds: int = 30):
+    """One replica per expert: a linear assignment of experts to partition slots.
+
+    Without the load cap the layer step is exactly this assignment (an integral transportation
+    problem), so if its optimum meets the cap it is the MIP's optimum: returns (assign, True).
+    Otherwise the load of overloaded partitions is priced (a Lagrangian penalty raised round by
+    round) to find a good assignment that fits, returned as (assign, False) for a warm start;
+    None if none fits."""
+    from scipy.optimize import linear_sum_assignment
+
+    n, P = gain.shape
+    columns = np.repeat(np.arange(P), slots)
+    price = np.zeros(P)
+    scale = max(float(np.abs(gain).max()), 1e-9) / max(float(loads.max()), 1e-9)
+    for round_ in range(rounds):
+        value = gain - loads[:, None] * price[None, :]
+        rows, cols = linear_sum_assignment(-value[:, columns])
+        assign = np.zeros((n, P), dtype=np.int64)
+        assign[rows, columns[cols]] = 1
+        partition_load = loads @ assign
+        if np.all(partition_load <= cap * (1 + 1e-9)):
+            return assign, round_ == 0
+        over = partition_load > cap
+        price = price + scale * 0.25 * (round_ + 1) * over * (partition_load / cap - 1 + 0.05)
+    return None
 
 
 def _objective(counts, share, present):
@@ -116,7 +160,7 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
     counts = problem.counts
     sweeps = 0
     previous = None
-    while time.perf_counter() < deadline:
+    while time.perf_counter() < deadline and sweeps < MAX_SWEEPS:
         order = range(L) if sweeps % 2 == 0 else reversed(range(L))
         for l in order:
             if time.perf_counter() >= deadline:

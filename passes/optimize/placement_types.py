@@ -4,7 +4,8 @@
 "layers": [{"layer": l, "devices": [[expert ids on device 0], ...]}], "metrics": {...}}.
 Device d sits on node d // gpus_per_node. A device's list may repeat an expert hosted by another
 device (a replica) but never twice on itself. Every expert of every layer is hosted somewhere.
-Bytes are deterministic: sorted keys, fixed indentation, floats rounded to 6 decimals.
+Bytes are deterministic: sorted keys, fixed indentation, floats rounded to 6 decimals, and no
+run-dependent figures (solve time) unless asked for.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from moeplan.planner.atomic import write_text_atomic
 from moeplan.planner.errors import UserError
 
 PLACEMENT_VERSION = 1
+RUN_DEPENDENT_METRICS = ("solve_seconds",)
 
 
 @dataclass(frozen=True)
@@ -62,19 +64,27 @@ class Placement:
                 out[l, experts, d] = True
         return out
 
-    def to_json(self) -> str:
-        doc = {
+    def to_json(self, timings: bool = False) -> str:
+        """Deterministic text: sorted keys, one line per layer (diffable), floats rounded.
+
+        Run-dependent figures (`solve_seconds`) are left out unless `timings`, so the same inputs
+        give the same bytes."""
+        metrics = {k: v for k, v in self.metrics.items() if timings or k not in RUN_DEPENDENT_METRICS}
+        head = {
             "version": PLACEMENT_VERSION,
             "policy": self.policy,
             "topology": {"nodes": self.topology.nodes, "gpus_per_node": self.topology.gpus_per_node},
             "num_experts": self.num_experts,
-            "layers": [{"layer": l, "devices": devices} for l, devices in enumerate(self.layers)],
-            "metrics": _rounded(self.metrics),
+            "metrics": _rounded(metrics),
         }
-        return json.dumps(doc, indent=1, sort_keys=True) + "\n"
+        lines = [json.dumps({"devices": devices, "layer": l}, sort_keys=True, separators=(", ", ": "))
+                 for l, devices in enumerate(self.layers)]
+        body = json.dumps(head, indent=1, sort_keys=True)
+        layers = '"layers": [\n  ' + ",\n  ".join(lines) + "\n ]"
+        return body[: body.rindex("}")].rstrip() + ",\n " + layers + "\n}\n"
 
-    def save(self, path: str | os.PathLike) -> None:
-        write_text_atomic(path, self.to_json())
+    def save(self, path: str | os.PathLike, timings: bool = False) -> None:
+        write_text_atomic(path, self.to_json(timings))
 
 
 def _rounded(value):

@@ -1,0 +1,157 @@
+"""Placement benchmark: contiguous, eplb, eplb + redundant slots, ilp, ilp + redundant slots, side by side.
+
+Cases (same trace and topology for every policy in a case):
+- example: the example model's trace (`--example-trace`, default build/demo/trace.npz), split by
+  sequence (first half of the sequences to plan on, second half held out to score), 4 GPUs in 2
+  nodes, 4 redundant slots; skipped with a note when the file is missing;
+- planted-8gpu: synthetic, affinity 0.6, 64 experts, 12 layers, top-2, Zipf 0.8, 20,000 tokens,
+  8 GPUs in 2 nodes (8 experts per GPU), 8 redundant slots;
+- planted-64gpu: the same generator with 256 experts, 64 GPUs in 8 nodes, 64 redundant slots;
+- deepseek-v3: 58 layers x 256 experts, top-8, 20,000 tokens, 64 GPUs in 8 nodes, 64 redundant
+  slots; eplb uses its hierarchical policy with DeepSeek-V3's 8 expert groups.
+Synthetic cases are scored on the trace they were planned on. `ilp` without replicas first tries
+the default cap (--balance 0.1 over the mean); when a hot expert makes that infeasible the error
+is printed and it runs with --balance-base eplb --balance 0.05 (every layer within 5% of EPLB's
+max load). `ilp` with replicas uses --balance 0.1 over the mean.
+
+    python benchmarks/placement.py [--cases planted-8gpu deepseek-v3] [--time-limit 100] [--json]
+
+With --json the last line is {"cases": [{"case", "policy", "gpu_local_fraction",
+"node_local_fraction", "max_over_mean_load", "solve_seconds", "gap"}, ...]}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    nodes: int
+    gpus_per_node: int
+    redundant: int
+    expert_groups: int = 0
+    synth: dict = None
+
+
+SYNTH_CASES = {
+    "planted-8gpu": Case("planted-8gpu", 2, 4, 8, synth=dict(layers=12, experts=64, top_k=2, tokens=20000, affinity=0.6, zipf=0.8, seed=0)),
+    "planted-64gpu": Case("planted-64gpu", 8, 8, 64, synth=dict(layers=12, experts=256, top_k=2, tokens=40000, affinity=0.6, zipf=0.8, seed=0)),
+    "deepseek-v3": Case("deepseek-v3", 8, 8, 64, expert_groups=8, synth=dict(layers=58, experts=256, top_k=8, tokens=20000, affinity=0.6, zipf=0.8, seed=0)),
+}
+EXAMPLE = Case("example", 2, 2, 4)
+
+
+def split_by_sequence(trace):
+    """(plan, held-out): first half of the sequences vs the rest (token halves without sequences)."""
+    if trace.sequence is not None and len(np.unique(trace.sequence)) >= 2:
+        ids = np.unique(trace.sequence)
+        held_out = np.isin(trace.sequence, ids[len(ids) // 2:])
+    else:
+        held_out = np.arange(trace.num_tokens) >= trace.num_tokens // 2
+    return trace.select(~held_out), trace.select(held_out)
+
+
+def run_case(case: Case, plan_trace, score_trace, time_limit: float, log) -> list:
+    from moeplan.passes.optimize.placement import PlacementRequest, evaluate_placement, plan_placement
+    from moeplan.passes.optimize.placement_types import Topology
+    from moeplan.planner.errors import UserError
+
+    topology = Topology(case.nodes, case.gpus_per_node)
+    R = case.redundant
+    runs = [
+        ("contiguous", dict(policy="contiguous")),
+        ("eplb", dict(policy="eplb", expert_groups=case.expert_groups)),
+        (f"eplb+{R}", dict(policy="eplb", redundant=R, expert_groups=case.expert_groups)),
+        ("ilp", dict(policy="ilp", balance=0.1)),
+        (f"ilp+{R}", dict(policy="ilp", redundant=R, balance=0.1)),
+    ]
+    rows = []
+    for label, options in runs:
+        request = PlacementRequest(topology, time_limit=time_limit, **options)
+        start = time.perf_counter()
+        try:
+            placement = plan_placement(plan_trace, request)
+        except UserError as exc:
+            if options["policy"] != "ilp" or R and "redundant" in options:
+                raise
+            log(f"  {case.name} ilp --balance 0.1: {exc}")
+            request = PlacementRequest(topology, time_limit=time_limit, policy="ilp", balance=0.05, balance_base="eplb")
+            label = "ilp (eplb-base 0.05)"
+            start = time.perf_counter()
+            placement = plan_placement(plan_trace, request)
+        seconds = time.perf_counter() - start
+        metrics = evaluate_placement(placement, score_trace) if score_trace is not plan_trace else placement.metrics
+        row = {
+            "case": case.name,
+            "policy": label,
+            "gpu_local_fraction": metrics["gpu_local_fraction"],
+            "node_local_fraction": metrics["node_local_fraction"],
+            "max_over_mean_load": metrics["max_over_mean_load"],
+            "solve_seconds": placement.metrics.get("solve_seconds", seconds),
+            "gap": placement.metrics.get("gap"),
+        }
+        rows.append(row)
+        log(f"  {case.name:14s} {label:22s} gpu-local {row['gpu_local_fraction']:.4f}  node-local "
+            f"{row['node_local_fraction']:.4f}  max/mean {row['max_over_mean_load']:.4f}  {row['solve_seconds']:.1f}s"
+            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else ""))
+    return rows
+
+
+def print_table(rows: list) -> None:
+    base = {r["case"]: r["gpu_local_fraction"] for r in rows if r["policy"] == "contiguous"}
+    header = f"{'case':14s} {'policy':22s} {'gpu-local':>9s} {'x contig':>8s} {'node-local':>10s} {'max/mean':>8s} {'seconds':>8s} {'gap':>6s}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = r["gpu_local_fraction"] / base[r["case"]] if base.get(r["case"]) else float("nan")
+        gap = f"{r['gap']:.3f}" if r["gap"] is not None else "-"
+        print(f"{r['case']:14s} {r['policy']:22s} {r['gpu_local_fraction']:9.4f} {ratio:8.2f} "
+              f"{r['node_local_fraction']:10.4f} {r['max_over_mean_load']:8.4f} {r['solve_seconds']:8.1f} {gap:>6s}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=["example", *SYNTH_CASES], choices=["example", *SYNTH_CASES])
+    parser.add_argument("--example-trace", type=Path, default=REPO / "build" / "demo" / "trace.npz")
+    parser.add_argument("--time-limit", type=float, default=100.0, help="ilp time limit per run (seconds)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+
+    from moeplan.passes.analysis.synth_trace import synthesize_trace
+    from moeplan.passes.analysis.trace_format import load_trace
+
+    def log(message):
+        print(message, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    rows = []
+    for name in args.cases:
+        if name == "example":
+            if not args.example_trace.is_file():
+                log(f"note: skipping the example case: {args.example_trace} is missing (record it with "
+                    f"'moeplan trace examples/tiny_moe --data examples/tiny_moe/corpus_heldout.txt --out {args.example_trace}')")
+                continue
+            plan_trace, score_trace = split_by_sequence(load_trace(args.example_trace))
+            rows += run_case(EXAMPLE, plan_trace, score_trace, args.time_limit, log)
+        else:
+            case = SYNTH_CASES[name]
+            trace = synthesize_trace(**case.synth)
+            rows += run_case(case, trace, trace, args.time_limit, log)
+    if args.json:
+        print(json.dumps({"cases": rows}, sort_keys=True))
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""`moeplan place`: decide which GPU hosts which experts, or score an existing placement.
+
+    moeplan place --trace T --nodes N --gpus-per-node G [--policy ilp|eplb|contiguous]
+                  [--redundant R] [--balance B] [--balance-base mean|eplb] [--solver highs|gurobi]
+                  [--time-limit S] --out placement.json [--json]
+    moeplan place --evaluate placement.json --trace T2 [--json]
+
+The policies live in `passes/optimize/placement.py`; this command parses flags, writes
+`placement.json` atomically and prints the metrics.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from moeplan.planner.errors import UserError
+
+METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds")
+
+
+@click.command("place")
+@click.option("--trace", "trace_path", type=click.Path(path_type=Path), required=True, help="Routing trace (.npz).")
+@click.option("--nodes", type=int, help="Server nodes.")
+@click.option("--gpus-per-node", type=int, help="GPUs per node.")
+@click.option("--policy", type=click.Choice(["ilp", "eplb", "contiguous"]), default="ilp", show_default=True)
+@click.option("--redundant", type=int, default=0, show_default=True, help="Redundant expert slots per layer (replicas).")
+@click.option("--balance", type=float, default=0.1, show_default=True,
+              help="ilp: per layer, every GPU's load <= (1 + B) x the reference load.")
+@click.option("--balance-base", type=click.Choice(["mean", "eplb"]), default="mean", show_default=True,
+              help="ilp: reference load per layer: the mean GPU load, or EPLB's max GPU load with the same replicas.")
+@click.option("--expert-groups", type=int, default=0, show_default=True,
+              help="eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy.")
+@click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True)
+@click.option("--time-limit", type=float, default=60.0, show_default=True, help="ilp: seconds for the whole solve.")
+@click.option("--out", "out", type=click.Path(path_type=Path), help="placement.json to write.")
+@click.option("--evaluate", "evaluate", type=click.Path(path_type=Path), help="Score this placement.json on --trace instead.")
+@click.option("--timings", is_flag=True, help="Also record solve_seconds in placement.json (its bytes then vary run to run).")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON object.")
+def place(trace_path, nodes, gpus_per_node, policy, redundant, balance, balance_base, expert_groups, solver,
+          time_limit, out, evaluate, timings, as_json):
+    """Place experts on GPUs from a routing trace (or --evaluate a placement on a trace)."""
+    from moeplan.passes.analysis.trace_format import load_trace
+    from moeplan.passes.optimize.placement import PlacementRequest, evaluate_placement, plan_placement
+    from moeplan.passes.optimize.placement_types import Topology, load_placement
+
+    if evaluate is not None:
+        placement = load_placement(evaluate)
+        metrics = evaluate_placement(placement, load_trace(trace_path))
+        _report({"placement": str(evaluate), "trace": str(trace_path), "policy": placement.policy, **metrics}, as_json)
+        return
+    if nodes is None or gpus_per_node is None:
+        raise UserError("--nodes and --gpus-per-node are required to place experts (or pass --evaluate placement.json)")
+    if out is None:
+        raise UserError("--out is required: where to write placement.json")
+    trace = load_trace(trace_path)
+    request = PlacementRequest(Topology(nodes, gpus_per_node), policy, redundant, balance, balance_base, solver,
+                               time_limit, expert_groups)
+    placement = plan_placement(trace, request)
+    placement.save(out, timings=timings)
+    for note in placement.metrics.get("notes", []):
+        click.echo(f"note: {note}", err=True)
+    _report({"out": str(out), "policy": policy, **placement.metrics}, as_json)
+
+
+def _report(result: dict, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    table = Table(title=f"placement ({result.get('policy')})", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in METRIC_ORDER:
+        if key in result:
+            value = result[key]
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if "out" in result:
+        console.print(f"wrote {result['out']}", highlight=False)

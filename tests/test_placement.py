@@ -1,0 +1,141 @@
+"""Placement policies: invariants (hypothesis), ILP quality and bound, infeasibility, determinism."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from moeplan.passes.analysis.synth_trace import synthesize_trace
+from moeplan.passes.analysis.trace_format import make_trace
+from moeplan.passes.optimize.placement import PlacementRequest, expert_loads, plan_placement
+from moeplan.passes.optimize.placement_types import Topology, validate_placement
+from moeplan.planner.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def planted():
+    return synthesize_trace(layers=6, experts=32, top_k=2, tokens=4000, affinity=0.7, zipf=0.5, seed=1)
+
+
+def device_loads(placement, trace):
+    hosts = placement.hosts()
+    loads = expert_loads(trace)
+    return np.stack([hosts[l].T.astype(float) @ (loads[l] / hosts[l].sum(axis=1)) for l in range(len(loads))])
+
+
+@st.composite
+def problems(draw):
+    nodes = draw(st.integers(1, 2))
+    gpus = draw(st.integers(1, 3))
+    D = nodes * gpus
+    per_device = draw(st.integers(1, 4))
+    E = D * per_device
+    redundant = D * draw(st.integers(0, 1))
+    L = draw(st.integers(1, 3))
+    K = draw(st.integers(1, min(2, E)))
+    T = draw(st.integers(5, 60))
+    seed = draw(st.integers(0, 10_000))
+    rng = np.random.default_rng(seed)
+    experts = np.stack([np.stack([rng.choice(E, size=K, replace=False) for _ in range(L)]) for _ in range(T)])
+    return make_trace(experts, num_experts=E), Topology(nodes, gpus), redundant
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from(["eplb", "ilp"]))
+def test_policy_invariants(problem, policy):
+    trace, topology, redundant = problem
+    E, D = trace.num_experts, topology.devices
+    request = PlacementRequest(topology, policy, redundant, balance=10.0, time_limit=5)
+    placement = plan_placement(trace, request)
+    validate_placement(placement)  # every expert somewhere, replicas on distinct devices
+    slots = (E + redundant) // D
+    for devices in placement.layers:
+        assert [len(d) for d in devices] == [slots] * D
+        counts = np.bincount([e for d in devices for e in d], minlength=E)
+        assert counts.min() >= 1 and counts.sum() == E + redundant
+        if redundant == 0:
+            assert np.all(counts == 1)
+    m = placement.metrics
+    for key in ("gpu_local_fraction", "node_local_fraction"):
+        assert 0.0 <= m[key] <= 1.0
+    assert m["gpu_local_fraction"] <= m["node_local_fraction"] + 1e-12
+    assert m["max_over_mean_load"] >= 1.0 - 1e-9
+    if policy == "ilp":
+        assert m["bound"] <= m["objective"] + 1e-6 and 0.0 <= m["gap"] <= 1.0
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 1000), st.sampled_from([0.1, 0.3]), st.sampled_from([0, 4]))
+def test_ilp_respects_the_balance_cap_when_feasible(seed, balance, redundant):
+    trace = synthesize_trace(layers=3, experts=16, top_k=2, tokens=400, affinity=0.6, zipf=0.3, seed=seed)
+    request = PlacementRequest(Topology(2, 2), "ilp", redundant, balance=balance, time_limit=5)
+    try:
+        placement = plan_placement(trace, request)
+    except UserError as exc:
+        assert "infeasible at MoE layer" in str(exc)
+        return
+    loads = device_loads(placement, trace)
+    caps = (1 + balance) * loads.mean(axis=1)
+    assert np.all(loads.max(axis=1) <= caps * (1 + 1e-9))
+
+
+def test_ilp_beats_contiguous_and_eplb_on_planted_affinity(planted):
+    topology = Topology(2, 2)
+    contiguous = plan_placement(planted, PlacementRequest(topology, "contiguous"))
+    eplb = plan_placement(planted, PlacementRequest(topology, "eplb"))
+    ilp = plan_placement(planted, PlacementRequest(topology, "ilp", balance=0.05, balance_base="eplb", time_limit=20))
+    assert ilp.metrics["gpu_local_fraction"] >= 2 * contiguous.metrics["gpu_local_fraction"]
+    assert ilp.metrics["gpu_local_fraction"] > eplb.metrics["gpu_local_fraction"]
+    assert ilp.metrics["max_over_mean_load"] <= 1.05 * eplb.metrics["max_over_mean_load"] + 1e-9
+    assert 0 <= ilp.metrics["bound"] <= ilp.metrics["objective"]
+    assert ilp.metrics["objective"] == planted_cross(ilp)
+
+
+def planted_cross(placement):
+    m = placement.metrics
+    return round((1 - m["gpu_local_fraction"]) * m["transitions"])
+
+
+def test_ilp_with_replicas_balances_within_cap(planted):
+    p = plan_placement(planted, PlacementRequest(Topology(2, 2), "ilp", redundant=4, balance=0.1, time_limit=20))
+    assert p.metrics["max_over_mean_load"] <= 1.1 + 1e-9
+    assert p.metrics["bound"] <= p.metrics["objective"]
+
+
+def test_same_inputs_same_bytes(planted):
+    request = PlacementRequest(Topology(2, 2), "ilp", redundant=4, time_limit=30)
+    assert plan_placement(planted, request).to_json() == plan_placement(planted, request).to_json()
+
+
+def test_hot_expert_makes_tight_balance_infeasible_naming_layer_and_expert():
+    experts = np.zeros((40, 2, 1), dtype=np.int64)
+    experts[:, 0, 0] = np.arange(40) % 4
+    experts[:, 1, 0] = np.where(np.arange(40) < 30, 2, np.arange(40) % 4)  # expert 2 hot at layer 1
+    trace = make_trace(experts, num_experts=4)
+    with pytest.raises(UserError, match=r"infeasible at MoE layer 1: expert 2 .*--redundant"):
+        plan_placement(trace, PlacementRequest(Topology(1, 4), "ilp", balance=0.1))
+    # with replicas the hot expert splits and the cap can be met
+    p = plan_placement(trace, PlacementRequest(Topology(1, 4), "ilp", redundant=4, balance=0.5, time_limit=5))
+    assert p.metrics["max_over_mean_load"] <= 1.5 + 1e-9
+
+
+@pytest.mark.parametrize("request_kwargs, message", [
+    (dict(topology=Topology(3, 1), policy="contiguous"), "divisible"),
+    (dict(topology=Topology(3, 1), policy="ilp"), "do not divide evenly"),
+    (dict(topology=Topology(1, 2), policy="contiguous", redundant=2), "no replicas"),
+])
+def test_infeasible_requests_name_the_constraint(planted, request_kwargs, message):
+    with pytest.raises(UserError, match=message):
+        plan_placement(planted, PlacementRequest(**request_kwargs))
+
+
+def test_gurobi_request_falls_back_with_a_note_when_unavailable(planted):
+    pytest.importorskip("highspy")
+    try:
+        import gurobipy  # noqa: F401
+    except ImportError:
+        p = plan_placement(planted, PlacementRequest(Topology(2, 2), "ilp", solver="gurobi", balance=0.05,
+                                                     balance_base="eplb", time_limit=10))
+        assert any("gurobipy is not installed" in note for note in p.metrics.get("notes", []))
+    else:
+        p = plan_placement(planted, PlacementRequest(Topology(2, 2), "ilp", solver="gurobi", balance=0.05,
+                                                     balance_base="eplb", time_limit=10))
+        assert p.metrics["gpu_local_fraction"] > 0
