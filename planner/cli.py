@@ -41,6 +41,7 @@ def _register():
 
     main.add_command(compile_cmd)
     main.add_command(run)
+    from moeplan.planner.commands.place import place; main.add_command(place)
     from moeplan.planner.commands.plan import plan; main.add_command(plan)
     from moeplan.planner.commands.simulate import simulate; main.add_command(simulate)
 
