@@ -106,3 +106,32 @@ def test_inspect_cli_fails_in_one_line_on_bad_onnx(tmp_path, kind):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1
     assert "Traceback" not in done.stderr and str(path) in done.stderr
+
+
+def _strip_names(src: Path, dst: Path) -> None:
+    """The same graph with anonymous initializers (W0, W1, ...) and no node names or metadata."""
+    import onnx
+
+    model = onnx.load(str(src))
+    renamed = {t.name: f"W{i}" for i, t in enumerate(model.graph.initializer)}
+    for tensor in model.graph.initializer:
+        tensor.name = renamed[tensor.name]
+    for node in model.graph.node:
+        del node.metadata_props[:]
+        node.name = ""
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+    del model.metadata_props[:]
+    onnx.save(model, str(dst))
+
+
+def test_experts_are_found_from_data_flow_when_names_are_lost(exported, tmp_path):
+    _, onnx_path = exported
+    anonymous = tmp_path / "anonymous.onnx"
+    _strip_names(onnx_path, anonymous)
+    named, blind = import_onnx(onnx_path), import_onnx(anonymous)
+    fields = ("num_experts", "top_k", "expert_params", "router_params", "params", "flops_per_token", "shared_experts")
+    assert [[getattr(s, f) for f in fields] for s in blind.moe_stages] == \
+           [[getattr(s, f) for f in fields] for s in named.moe_stages]
+    assert blind.total_params == named.total_params
+    assert [s.name for s in blind.moe_stages] == [f"moe{i}" for i in range(SMALL["num_layers"])]

@@ -10,7 +10,8 @@ Weight names: an initializer named by a module path (`blocks.0.moe.experts.3.w_u
 torch.onnx's dynamo exporter writes them) keeps its name. One renamed by a graph optimizer
 (`val_13`, `onnx::MatMul_42`) is named after the module path of the node that uses it (dynamo
 `pkg.torch.onnx.name_scopes` metadata, or a legacy `/blocks.0/attn/qkv/MatMul` node name).
-When any weight was renamed, weights are taken in order of first use in the graph (optimizers
+Where neither names nor metadata survive (anonymous initializers, stripped nodes), a gate's
+experts are found from the data flow around it (`onnx_experts.py`). When any weight was renamed, weights are taken in order of first use in the graph (optimizers
 append the tensors they create to the initializer list). A fused MoE op's stacked expert weights and its router weight are named
 `<layer>.experts.<input>` and `<layer>.gate.weight`, which the stage rule recognises as an MoE
 block with fused experts. 2-D weights get torch's [out, in] shape (a weight used as `x @ W` is
@@ -154,15 +155,19 @@ def _torch_layout(index: GraphIndex, name: str, shape: tuple) -> tuple:
     return shape
 
 
-def graph_params(model, gates) -> tuple:
-    """(Params in initializer order, {initializer name: param name}) for every weight."""
+def graph_params(model, gates, overrides=None) -> tuple:
+    """(Params in initializer order, {initializer name: param name}) for every weight.
+
+    `overrides` maps initializer names to parameter names decided elsewhere (structural experts).
+    """
     index = GraphIndex(model.graph)
+    overrides = overrides or {}
     renamed = {}
     for number, gate in enumerate(g for g in gates if g.kind == "contrib"):
         renamed.update(_contrib_params(index, gate, _contrib_stage_name(gate, number)))
     params = []
     names = {}
-    taken = {p.name for p in renamed.values()}
+    taken = {p.name for p in renamed.values()} | set(overrides.values())
     for tensor in model.graph.initializer:
         if tensor.name in renamed:
             param = renamed[tensor.name]
@@ -173,7 +178,9 @@ def graph_params(model, gates) -> tuple:
                 numel *= d
             if tensor.data_type not in FLOAT_TYPES:
                 continue
-            if FQN.match(tensor.name):
+            if tensor.name in overrides:
+                name = overrides[tensor.name]
+            elif FQN.match(tensor.name):
                 name = tensor.name
             else:
                 if numel <= 1 or tensor.name not in index.consumers:
@@ -183,6 +190,7 @@ def graph_params(model, gates) -> tuple:
                     name = f"{module}.{leaf or ('weight' if len(shape) >= 2 else 'bias')}"
                 else:
                     name = _sanitize(tensor.name) or "param"
+            if tensor.name not in overrides:
                 base, n = name, 1
                 while name in taken:
                     name, n = f"{base}_{n}", n + 1
@@ -226,6 +234,33 @@ def _model_names(model, path: Path) -> tuple:
     return name, architecture or model.graph.name or "onnx"
 
 
+def _owner(groups, names: dict, gate):
+    """The MoE stage group whose router holds the gate's router weight, else None."""
+    router_param = names.get(gate.router_weight or "", "")
+    return next((g for g in groups if g.is_moe and router_param.startswith(g.router + ".")), None)
+
+
+def _structural_names(model, gates, unowned, names: dict, params) -> dict:
+    """Initializer -> parameter names for gates whose experts are found by data flow alone."""
+    from moeplan.planner.importers.onnx_experts import expert_weight_names
+
+    index = GraphIndex(model.graph)
+    shapes = {p.name: p.shape for p in params}
+    order = sorted(gates, key=lambda g: index.position[id(g.node)])
+    overrides = {}
+    for gate in unowned:
+        at = order.index(gate)
+        later = order[at + 1] if at + 1 < len(order) else None
+        stop = len(model.graph.node)
+        if later is not None:
+            stop = index.position[id(later.router_node if later.router_node is not None else later.node)]
+        stage = node_module_path(gate.node) or f"moe{at}"
+        num_experts = shapes[names[gate.router_weight]][0]
+        overrides.update(expert_weight_names(index, gate, stage, stop, num_experts))
+        overrides[gate.router_weight] = f"{stage}.gate.weight"
+    return overrides
+
+
 def import_onnx(path) -> ModelIR:
     """The IR of the ONNX model at `path`; one-line UserError when it is not an MoE model."""
     path = Path(path)
@@ -238,11 +273,15 @@ def import_onnx(path) -> ModelIR:
         )
     params, names = graph_params(model, gates)
     groups = classify_parameter_groups(params)
+    unowned = [g for g in gates if _owner(groups, names, g) is None and g.kind == "pattern"]
+    if unowned:
+        overrides = _structural_names(model, gates, unowned, names, params)
+        params, names = graph_params(model, gates, overrides)
+        groups = classify_parameter_groups(params)
     moe_groups = [g for g in groups if g.is_moe]
     top_k, sources = {}, {}
     for gate in gates:
-        router_param = names.get(gate.router_weight or "", "")
-        owner = next((g for g in moe_groups if router_param.startswith(g.router + ".")), None)
+        owner = _owner(groups, names, gate)
         if owner is None:
             where = gate.node.name or gate.node.op_type
             raise UserError(
