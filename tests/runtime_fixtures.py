@@ -89,3 +89,41 @@ def random_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int 
     experts = np.stack([[rng.permutation(num_experts)[:top_k] for _ in range(num_layers)] for _ in range(num_tokens)])
     weights = np.sort(rng.random((num_tokens, num_layers, top_k)).astype(np.float32), axis=2)[:, :, ::-1]
     return make_trace(experts, np.ascontiguousarray(weights), num_experts=num_experts)
+
+
+def hf_model_dir(root: Path, kind: str, seed: int = 0) -> tuple:
+    """A tiny random-weight Hugging Face Mixtral or Qwen2-MoE saved with save_pretrained: (dir, model)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=16, num_local_experts=8, **common)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Qwen2MoeConfig(intermediate_size=24, moe_intermediate_size=16, num_experts=8,
+                                             shared_expert_intermediate_size=16, norm_topk_prob=False,
+                                             mlp_only_layers=[1], **common)
+        model = transformers.Qwen2MoeForCausalLM(config)
+    directory = root / kind
+    model.save_pretrained(directory)
+    return directory, model.eval()
+
+
+def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
+    from moeplan.backends.torchrun.codegen import shard_names, write_bundle
+    from moeplan.backends.torchrun.model_source import model_files
+    from moeplan.backends.torchrun.shards import state_dict_sha256
+    from moeplan.planner.plan import Plan
+
+    state = model.state_dict()
+    arch, files = model_files(str(model_dir))
+    topo = placement["topology"]
+    plan = Plan(target="torchrun",
+                model={"name": model_dir.name, "architecture": arch, "config": "model/config.json", "source": None,
+                       "weights_sha256": state_dict_sha256(state)},
+                topology=dict(topo), placement=placement, communication={"mode": "coherent", "gating": "dynamic"},
+                predicted={}, shards=shard_names(topo["nodes"] * topo["gpus_per_node"]))
+    write_bundle(out, plan, state, files)
+    return out

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from . import tiny_moe
+from . import hf_moe, tiny_moe
 
-ARCHITECTURES = {"tiny_moe": tiny_moe}
+ARCHITECTURES = {"tiny_moe": tiny_moe, "hf_moe": hf_moe}
 
 
 class BundleError(Exception):

@@ -24,7 +24,6 @@ coherence needs anyway) tells every rank, the owner included.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -65,7 +64,7 @@ class Engine:
         if self.max_len > arch.max_positions:
             raise ValueError(f"prompt + new tokens = {self.max_len} exceeds the model's {arch.max_positions} positions")
         B = len(prompts)
-        shape = (B, arch.num_heads, self.max_len, arch.head_dim)
+        shape = (B, arch.num_kv_heads, self.max_len, arch.head_dim)
         self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(arch.num_layers)]
         self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(arch.num_layers)]
         own = [s for s in range(B) if self.owner(s) == self.rank]
@@ -126,7 +125,11 @@ class Engine:
         x = arch.embed(token_ids.to(dev), pos.to(dev))
         for layer in range(arch.num_layers):
             x = x + self._attention(layer, seq, pos, x)
-            seq, pos, x = self._moe(layer, seq, pos, x)
+            moe = arch.moe_index(layer)
+            if moe is None:  # a dense feed-forward block: replicated, runs where the token is
+                x = x + arch.dense_mlp(layer, x)
+            else:
+                seq, pos, x = self._moe(layer, moe, seq, pos, x)
         logits = arch.logits(x)
         keys = self.key(seq, pos)
         self.logit_keys.append(keys.cpu())
@@ -149,7 +152,7 @@ class Engine:
                 all_h = torch.cat([h] + [p for p, _ in parts])
                 m = torch.cat([torch.stack([seq, pos], 1)] + [m.cpu() for _, m in parts])
                 all_seq, all_pos = m[:, 0], m[:, 1]
-        q, k, v = arch.qkv(layer, all_h)
+        q, k, v = arch.qkv(layer, all_h, all_pos.to(dev))
         self.k_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = k
         self.v_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = v
         q = q[: x.shape[0]]
@@ -159,21 +162,25 @@ class Engine:
             p = pos[idx].to(dev)
             span = int(p.max()) + 1
             keys, values = self.k_cache[layer][s, :, :span], self.v_cache[layer][s, :, :span]
-            scores = torch.einsum("mhd,hpd->hmp", q[idx.to(dev)], keys) / math.sqrt(arch.head_dim)
+            if arch.num_kv_heads != arch.num_heads:  # grouped-query attention
+                groups = arch.num_heads // arch.num_kv_heads
+                keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
+            scores = torch.einsum("mhd,hpd->hmp", q[idx.to(dev)], keys) * arch.attention_scale
             future = torch.arange(span, device=dev)[None, :] > p[:, None]
             scores = scores.masked_fill(future[None], float("-inf"))
             y[idx.to(dev)] = torch.einsum("hmp,hpd->mhd", torch.softmax(scores, dim=-1), values)
         return arch.attention_output(layer, y)
 
-    def _moe(self, layer, seq, pos, x):
+    def _moe(self, layer, moe, seq, pos, x):
+        """Block `layer`'s MoE, the `moe`-th MoE layer (placement and trace index)."""
         arch, dev, k = self.arch, self.device, self.arch.top_k
         n = x.shape[0]
         ids, weights = arch.route(layer, x)
         ids = ids.cpu()
-        dest = self.table.choose(layer, ids, torch.full((n,), self.rank, dtype=torch.int64))
+        dest = self.table.choose(moe, ids, torch.full((n,), self.rank, dtype=torch.int64))
         keys = self.key(seq, pos)
-        self.trace.append((layer, keys, ids, weights.detach().cpu()))
-        if layer >= 1:
+        self.trace.append((moe, keys, ids, weights.detach().cpu()))
+        if moe >= 1:
             lay = self.counters.layers[layer]
             lay["local_slots"] += int((dest == self.rank).sum())
             lay["slots"] += n * k
@@ -189,7 +196,7 @@ class Engine:
         sources = torch.cat([torch.full((p.shape[0],), src, dtype=torch.int64) for src, (p, _) in enumerate(parts)])
         r_x, r_w = rx[:, : arch.hidden], rx[:, arch.hidden:]
         r_seq, r_pos, r_ids, r_dest = rmeta[:, 0], rmeta[:, 1], rmeta[:, 2:2 + k], rmeta[:, 2 + k:]
-        partial = self._experts(layer, r_x, r_w, r_ids, r_dest)
+        partial = self._experts(layer, moe, r_x, r_w, r_ids, r_dest)
         if self.mode == STANDARD:
             back = [partial[(sources == d).nonzero().flatten().to(dev)] for d in range(self.world)]
             returned = self.ex.exchange(back, arch.hidden, layer, "combine")
@@ -219,14 +226,14 @@ class Engine:
         order = torch.argsort(self.key(m_seq, m_pos))
         return m_seq[order], m_pos[order], out[order.to(dev)]
 
-    def _experts(self, layer, x, w, ids, dest):
+    def _experts(self, layer, moe, x, w, ids, dest):
         """Sum over this rank's slots of weight x expert(x) for received rows (zero elsewhere)."""
         out = torch.zeros_like(x)
         here = dest == self.rank
         for e in sorted(set(ids[here].tolist())):
             rows, slots = ((ids == e) & here).nonzero(as_tuple=True)
-            if (layer, e) not in self.local_experts:
-                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of layer {layer} it does not hold")
+            if (moe, e) not in self.local_experts:
+                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of MoE layer {moe} it does not hold")
             dev_rows = rows.to(x.device)
             y = self.arch.expert(layer, e, x[dev_rows]) * w[dev_rows, slots.to(x.device)].unsqueeze(-1)
             out = out.index_add(0, dev_rows, y)

@@ -99,6 +99,7 @@ def merge(out_dir, world: int, prompts: list, decode) -> dict:
         "mode": ranks[0]["mode"],
         "world_size": world,
         "prompts": [decode(p) for p in prompts],
+        "prompt_ids": [list(map(int, p)) for p in prompts],
         "texts": [decode(g) for g in gen],
         "generated": gen,
         "generated_tokens": n_gen,

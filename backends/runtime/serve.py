@@ -56,12 +56,16 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
-        arch = arch_mod.Arch(config, weights)
+        try:
+            arch = arch_mod.Arch(config, weights)
+            with open(args.prompts, encoding="utf-8") as fh:
+                prompts = [arch_mod.encode(line.rstrip("\n")) for line in fh if line.strip()]
+        except (ValueError, OSError) as exc:
+            print(f"error: rank {rank}: {exc}", file=sys.stderr)
+            return 2
         table = ExpertTable.from_placement(placement)
-        counters = Counters(arch.num_layers)
+        counters = Counters(arch.num_layers)  # per block; MoE-only counts stay zero on dense blocks
         engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, args.mode, device)
-        with open(args.prompts, encoding="utf-8") as fh:
-            prompts = [arch_mod.encode(line.rstrip("\n")) for line in fh if line.strip()]
         dist.barrier()
         out = engine.generate(prompts, args.new_tokens)
         os.makedirs(args.out, exist_ok=True)

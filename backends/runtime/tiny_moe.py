@@ -20,6 +20,7 @@ class TinyMoEArch:
         self.w = weights
         self.hidden = int(config["hidden_size"])
         self.num_heads = int(config["num_heads"])
+        self.num_kv_heads = self.num_heads
         self.head_dim = self.hidden // self.num_heads
         self.num_layers = int(config["num_layers"])
         self.num_experts = int(config["num_experts"])
@@ -27,7 +28,7 @@ class TinyMoEArch:
         self.shared_experts = int(config.get("shared_experts", 0))
         self.max_positions = int(config["max_positions"])
         self.eps = float(config["norm_eps"])
-        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.attention_scale = 1.0 / math.sqrt(self.head_dim)
 
     def _norm(self, x, name):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.w[name]
@@ -39,8 +40,15 @@ class TinyMoEArch:
         """The normed hidden state that queries, keys and values are projected from."""
         return self._norm(x, f"blocks.{layer}.attn_norm.weight")
 
-    def qkv(self, layer: int, h: torch.Tensor) -> tuple:
-        """q, k, v as [n, heads, head_dim] each."""
+    def moe_index(self, layer: int):
+        """Every TinyMoE block is an MoE block."""
+        return layer
+
+    def dense_mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("TinyMoE has no dense feed-forward blocks")
+
+    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """q, k, v as [n, heads, head_dim] each (learned positions: nothing to rotate)."""
         out = F.linear(h, self.w[f"blocks.{layer}.attn.qkv.weight"]).view(-1, 3, self.num_heads, self.head_dim)
         return out[:, 0], out[:, 1], out[:, 2]
 

@@ -16,12 +16,21 @@ from pathlib import Path
 
 import jinja2
 
+from moeplan.backends.runtime import hf_moe
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
 from moeplan.backends.torchrun.manifest import write_manifest
 from moeplan.backends.torchrun.shards import shard_name, split_state_dict, write_shard
 
 RUNTIME_PACKAGE = "moeplan.backends.runtime"
-EXPERT_TENSORS = {"tiny_moe": is_expert_tensor}
+
+
+def shard_layout(arch: str, config: dict) -> tuple:
+    """(state transform, tensor name -> (MoE layer, expert) or None) for a runtime family."""
+    if arch == "tiny_moe":
+        return (lambda state: state), is_expert_tensor
+    if arch == "hf_moe":
+        return hf_moe.split_experts, hf_moe.expert_tensor_owner(config)
+    raise ValueError(f"no runtime for architecture {arch!r}")
 
 
 def shard_names(world_size: int) -> list:
@@ -53,8 +62,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     out = Path(out)
     out.mkdir(parents=True)
     arch = plan.model["architecture"]
-    if arch not in EXPERT_TENSORS:
-        raise ValueError(f"no runtime for architecture {arch!r}")
+    transform, owner = shard_layout(arch, json.loads(model_files[plan.model["config"]]))
     placement = plan.placement
     plan_doc = plan.to_json()
     _write(out / "plan.json", plan_doc)
@@ -64,7 +72,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content)
         os.chmod(path, 0o644)
-    for rank, tensors in enumerate(split_state_dict(state, placement, EXPERT_TENSORS[arch])):
+    for rank, tensors in enumerate(split_state_dict(transform(state), placement, owner)):
         write_shard(out / plan.shards[rank], tensors, rank)
         os.chmod(out / plan.shards[rank], 0o644)
     copy_runtime(out / "runtime")

@@ -3,7 +3,9 @@
 The runtime implements TinyMoE-family models (moeplan's reference architecture): a model
 directory whose config.json says `"model_type": "tiny_moe"` and names its loader file
 (`"moeplan_loader": "model.py:load"`). The bundle ships that config and that source file, so
-`moeplan run --verify` can rebuild the source model without the original directory.
+`moeplan run --verify` can rebuild the source model without the original directory. Hugging Face
+Mixtral and Qwen2-MoE directories run too (`hf_moe`); their bundle ships the config, and
+verification rebuilds the model with transformers.
 """
 from __future__ import annotations
 
@@ -13,18 +15,21 @@ from pathlib import Path
 from moeplan.planner.errors import UserError
 
 SUPPORTED = ("tiny_moe",)
+HF_SUPPORTED = ("mixtral", "qwen2_moe")
 
 
 def model_files(model_spec: str) -> tuple:
     """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
     path = Path(model_spec)
     config_path = path / "config.json" if path.is_dir() else path
-    hint = ("the torchrun target runs TinyMoE-family models: a model directory whose config.json has "
-            "\"model_type\": \"tiny_moe\" and a \"moeplan_loader\" (see examples/tiny_moe)")
+    hint = ("the torchrun target runs TinyMoE-family models (config.json with \"model_type\": \"tiny_moe\" "
+            "and a \"moeplan_loader\", see examples/tiny_moe) and Hugging Face Mixtral / Qwen2-MoE directories")
     if not config_path.is_file() or config_path.name != "config.json":
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {hint}")
     config = json.loads(config_path.read_text())
     arch = config.get("model_type")
+    if arch in HF_SUPPORTED:
+        return "hf_moe", {"model/config.json": config_path.read_bytes()}
     loader = str(config.get("moeplan_loader", ""))
     if arch not in SUPPORTED or ":" not in loader:
         raise UserError(f"cannot compile '{model_spec}' (model_type {arch!r}) for torchrun; {hint}")

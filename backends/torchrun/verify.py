@@ -23,20 +23,47 @@ class VerifyError(Exception):
     """The bundle cannot be verified (e.g. weights differ from the source model)."""
 
 
+def _hf_reference(root: Path, plan: dict, state: dict):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str((root / plan["model"]["config"]).parent))
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return _LogitsOnly(model.float().eval())
+
+
+class _LogitsOnly(torch.nn.Module):
+    """A transformers causal LM called like TinyMoE: ids [B, S] -> logits [B, S, V]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
 def load_reference(root: Path, plan: dict):
     """The source model rebuilt from the bundle: its source file, config and all shards."""
+    state = {}
+    for rel in plan["shards"]:
+        state.update(load_file(str(root / rel)))
+    if plan["model"]["architecture"] == "hf_moe":
+        from moeplan.backends.runtime.hf_moe import fuse_experts
+
+        state = fuse_experts(state)
+    expected = plan["model"].get("weights_sha256")
+    if expected and state_dict_sha256(state) != expected:
+        raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
+    if plan["model"]["architecture"] == "hf_moe":
+        return _hf_reference(root, plan, state)
     source = root / plan["model"]["source"]
     name = f"moeplan_bundle_model_{abs(hash(str(source.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, source)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the file executes
     spec.loader.exec_module(module)
-    state = {}
-    for rel in plan["shards"]:
-        state.update(load_file(str(root / rel)))
-    expected = plan["model"].get("weights_sha256")
-    if expected and state_dict_sha256(state) != expected:
-        raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
     config = json.loads((root / plan["model"]["config"]).read_text())
     model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
     model.load_state_dict({k: v.float() for k, v in state.items()})
@@ -57,12 +84,13 @@ def reference_generate(model, prompt: list, new_tokens: int) -> tuple:
     return generated, final
 
 
-def compare(root: Path, plan: dict, out_dir: Path, prompts: list, new_tokens: int) -> dict:
+def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int) -> dict:
     """max |logit diff| over every processed position, and whether greedy tokens match."""
     torch.set_num_threads(1)
     model = load_reference(root, plan)
     run = torch.load(out_dir / "logits.pt", weights_only=False)
     result = json.loads((out_dir / "result.json").read_text())
+    prompts = result["prompt_ids"]
     keys, logits, max_len = run["keys"], run["logits"], run["max_len"]
     by_key = {int(k): i for i, k in enumerate(keys.tolist())}
     max_diff, tokens_match = 0.0, True

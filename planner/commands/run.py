@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,18 @@ def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: st
         return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens")
+
+
+def failure_reason(output: str) -> str:
+    """The line that says why the ranks stopped: the runtime's own `error:` line, else a rank's exception."""
+    lines = output.splitlines()
+    own = [l for l in lines if l.startswith("error:")]
+    if own:
+        return own[0]
+    raised = [l for l in lines if re.match(r"^\[rank\d+\]: [\w.]*(Error|Exception)\b", l)]
+    if raised:
+        return raised[0]
+    return next((l for l in reversed(lines) if l.strip()), "no output")
 
 
 def predicted_locality(root: Path, out_dir: Path) -> float:
@@ -80,8 +93,7 @@ def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tok
         out_dir.mkdir(parents=True, exist_ok=True)
         proc = launch(root, world, prompts_file, new_tokens, mode, out_dir, timeout)
         if proc.returncode != 0:
-            lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.startswith("error:")]
-            reason = lines[0] if lines else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            reason = failure_reason(proc.stderr + "\n" + proc.stdout)
             raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
         summary = json.loads((out_dir / "result.json").read_text())
         report = {
@@ -97,9 +109,8 @@ def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tok
         if verify:
             from moeplan.backends.torchrun.verify import VerifyError, compare
 
-            prompts = [list(t.encode("utf-8")) for t in prompt_texts]
             try:
-                report.update(compare(root, plan, out_dir, prompts, new_tokens))
+                report.update(compare(root, plan, out_dir, new_tokens))
             except VerifyError as exc:
                 raise UserError(str(exc)) from None
             locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
