@@ -58,7 +58,7 @@ def _export_program(module, example):
     batch = torch.export.Dim("batch", min=1)
     seq = torch.export.Dim("sequence", min=1, max=seq_max) if seq_max else torch.export.Dim("sequence", min=1)
     return torch.export.export(
-        module, (example,), dynamic_shapes={INPUT_NAME: {0: batch, 1: seq}}, strict=False
+        module, (example,), dynamic_shapes=({0: batch, 1: seq},), strict=False
     )
 
 

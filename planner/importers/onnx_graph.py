@@ -9,14 +9,22 @@ imports to an IR equal to its torch import.
 Weight names: an initializer named by a module path (`blocks.0.moe.experts.3.w_up.weight`, as
 torch.onnx's dynamo exporter writes them) keeps its name. One renamed by a graph optimizer
 (`val_13`, `onnx::MatMul_42`) is named after the module path of the node that uses it (dynamo
-`pkg.torch.onnx.name_scopes` metadata, or a legacy `/blocks.0/attn/qkv/MatMul` node name).
-Where neither names nor metadata survive (anonymous initializers, stripped nodes), a gate's
-experts are found from the data flow around it (`onnx_experts.py`). When any weight was renamed, weights are taken in order of first use in the graph (optimizers
-append the tensors they create to the initializer list). A fused MoE op's stacked expert weights and its router weight are named
-`<layer>.experts.<input>` and `<layer>.gate.weight`, which the stage rule recognises as an MoE
-block with fused experts. 2-D weights get torch's [out, in] shape (a weight used as `x @ W` is
-stored [in, out]), so vocabulary and router sizes read the same as from torch. Model name and class come from `moeplan.*` model metadata when the
-file was written by `moeplan export-onnx`.
+`pkg.torch.onnx.name_scopes` metadata, or a legacy `/blocks.0/attn/qkv/MatMul` node name). Where
+neither names nor metadata survive (anonymous initializers, stripped nodes), a gate's experts are
+found from the data flow around it (`onnx_experts.py`). When any weight was renamed, weights are
+taken in order of first use in the graph (optimizers append the tensors they create to the
+initializer list).
+
+A fused MoE op's stacked expert weights and its router weight are named `<layer>.experts.<input>`
+and `<layer>.gate.weight`, which the stage rule recognises as an MoE block with fused experts;
+QMoE's packed 4/8-bit weights count as their unpacked elements at int4/int8 size. 2-D weights get
+torch's [out, in] shape (a weight used as `x @ W` is stored [in, out]), so vocabulary and router
+sizes read the same as from torch. Model name and class come from `moeplan.*` model metadata
+when the file was written by `moeplan export-onnx`, else the file name and the dynamo class
+hierarchy (or the graph name).
+
+Known limits: an optimizer that merges identical initializers (two untrained norms) makes one
+weight look like two modules' and loses the other's count; `moeplan export-onnx` does not run it.
 """
 from __future__ import annotations
 
