@@ -13,8 +13,9 @@ registration order; a torch.onnx export keeps it in its initializer list):
      (`P.X.0.*` ... `P.X.<E-1>.*`, same names and shapes under every index, e.g. TinyMoE's
      `experts` ModuleList) or fused stacked weights (every parameter under `P.X` has leading
      dimension E and at least one is 3-D, e.g. HF `gate_up_proj` [E, 2I, D]);
-   * a *router* R: every parameter under `P.R` has leading dimension E and one is a 2-D weight
-     [E, D] whose D appears among the experts' dimensions.
+   * a *router* R: exactly one parameter under `P.R` is a 2-D weight [E, D] whose D appears
+     among the experts' dimensions; any other holds at most E elements (a bias, a score
+     correction).
    Ties prefer an expert container whose name says `expert` but not `shared`, and a router named
    `gate`/`router`. Everything else under P (shared experts, their gates) is the shared part.
 2. **Dense stages, by name.** The remaining parameters are classified by the outermost component
@@ -147,10 +148,11 @@ def _fused_experts(entries) -> int:
 
 
 def _is_router(entries, num_experts: int, expert_dims: set) -> bool:
-    shapes = [p.shape for _, p in entries]
-    if not shapes or not all(s and s[0] == num_experts for s in shapes):
+    """A weight [E, D] with D an expert dimension; anything else at most E elements (biases)."""
+    weights = [p for _, p in entries if len(p.shape) == 2 and p.shape[0] == num_experts and p.shape[1] in expert_dims]
+    if len(weights) != 1:
         return False
-    return any(len(s) == 2 and s[1] in expert_dims for s in shapes)
+    return all(p is weights[0] or p.numel <= num_experts for _, p in entries)
 
 
 def _prefer(names: list, good: tuple, bad: tuple = ()) -> str:
