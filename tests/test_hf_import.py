@@ -134,3 +134,16 @@ def test_bad_dtype_in_config_is_a_user_error(tmp_path):
     (tmp_path / "m.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="unknown dtype 'float17'"):
         load_model(str(tmp_path / "m.json"))
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "ernie4_5_moe", "qwen3_next"])
+def test_other_architectures_are_recognised_by_structure(model_type):
+    """Routers with biases or score corrections and fused experts with biases, at default full size."""
+    config = CONFIG_MAPPING[model_type]()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    ir = import_module(model, config=config)
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    assert ir.moe_stages and {s.num_experts for s in ir.moe_stages} == {experts}
+    assert {s.top_k for s in ir.moe_stages} == {config.num_experts_per_tok}
+    assert ir.total_params == sum(p.numel() for p in model.parameters())
