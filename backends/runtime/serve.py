@@ -1,8 +1,8 @@
 """Entry point of a bundle's ranks: `torchrun ... -m runtime.serve --prompts FILE --out DIR`.
 
 Each rank loads its shard, joins the process group (nccl on GPUs, gloo on CPU), generates
-greedily with the chosen expert-parallel mode and writes `rank-<r>.pt` (its logits, routing and
-counters) to --out; rank 0 then merges them into `result.json` and prints the generated text.
+greedily with the chosen expert-parallel mode(s) and writes `rank-<r>.pt` (its logits, routing
+and counters) to <out>/<mode>/; rank 0 then merges them into `result.json` and prints the text.
 """
 from __future__ import annotations
 
@@ -25,14 +25,19 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", required=True, help="text file, one prompt per line")
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--mode", choices=("coherent", "standard"), default="coherent")
-    ap.add_argument("--out", required=True, help="directory for rank results and result.json")
+    ap.add_argument("--mode", default="coherent",
+                    help="coherent, standard, or both comma-separated (one launch, results per mode)")
+    ap.add_argument("--out", required=True, help="directory; each mode writes <out>/<mode>/result.json")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    bad = [m for m in args.mode.split(",") if m not in ("coherent", "standard")]
+    if bad:
+        print(f"error: --mode takes coherent and/or standard, got {bad}", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -64,19 +69,21 @@ def main(argv=None) -> int:
             print(f"error: rank {rank}: {exc}", file=sys.stderr)
             return 2
         table = ExpertTable.from_placement(placement)
-        counters = Counters(arch.num_layers)  # per block; MoE-only counts stay zero on dense blocks
-        engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, args.mode, device)
-        dist.barrier()
-        out = engine.generate(prompts, args.new_tokens)
-        os.makedirs(args.out, exist_ok=True)
-        results.write_rank(args.out, rank, engine, out, args.mode)
-        dist.barrier()
-        if rank == 0:
-            summary = results.merge(args.out, world, prompts, arch_mod.decode)
-            for i, text in enumerate(summary["texts"]):
-                print(f"[{i}] {text!r}")
-            print(f"{summary['generated_tokens']} tokens in {summary['elapsed_s']:.3f} s "
-                  f"({summary['tokens_per_second']:.1f} tokens/s), mode {args.mode}")
+        for mode in args.mode.split(","):
+            counters = Counters(arch.num_layers)  # per block; MoE-only counts stay zero on dense blocks
+            engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device)
+            dist.barrier()
+            out = engine.generate(prompts, args.new_tokens)
+            out_dir = os.path.join(args.out, mode)
+            os.makedirs(out_dir, exist_ok=True)
+            results.write_rank(out_dir, rank, engine, out, mode)
+            dist.barrier()
+            if rank == 0:
+                summary = results.merge(out_dir, world, prompts, arch_mod.decode)
+                for i, text in enumerate(summary["texts"]):
+                    print(f"[{i}] {text!r}")
+                print(f"{summary['generated_tokens']} tokens in {summary['elapsed_s']:.3f} s "
+                      f"({summary['tokens_per_second']:.1f} tokens/s), mode {mode}")
     finally:
         dist.destroy_process_group()
     return 0

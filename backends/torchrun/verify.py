@@ -84,10 +84,13 @@ def reference_generate(model, prompt: list, new_tokens: int) -> tuple:
     return generated, final
 
 
-def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int) -> dict:
+def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int, cache: dict | None = None) -> dict:
     """max |logit diff| over every processed position, and whether greedy tokens match."""
     torch.set_num_threads(1)
-    model = load_reference(root, plan)
+    cache = {} if cache is None else cache
+    if "model" not in cache:
+        cache["model"] = load_reference(root, plan)
+    model = cache["model"]
     run = torch.load(out_dir / "logits.pt", weights_only=False)
     result = json.loads((out_dir / "result.json").read_text())
     prompts = result["prompt_ids"]
@@ -95,7 +98,10 @@ def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int) -> dict:
     by_key = {int(k): i for i, k in enumerate(keys.tolist())}
     max_diff, tokens_match = 0.0, True
     for s, prompt in enumerate(prompts):
-        gen, ref_logits = reference_generate(model, prompt, new_tokens)
+        key = (tuple(prompt), new_tokens)
+        if key not in cache:
+            cache[key] = reference_generate(model, prompt, new_tokens)
+        gen, ref_logits = cache[key]
         tokens_match &= gen == result["generated"][s]
         for p in range(ref_logits.shape[0]):
             i = by_key.get(s * max_len + p)

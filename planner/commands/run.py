@@ -67,6 +67,13 @@ def predicted_locality(root: Path, out_dir: Path) -> float:
 
 def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, mode: str, verify: bool,
                results: str | None, timeout: float) -> dict:
+    """Launch, check and report one mode (see `run_modes`)."""
+    return run_modes(bundle, nproc, prompts_path, new_tokens, (mode,), verify, results, timeout)[mode]
+
+
+def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, modes: tuple, verify: bool,
+              results: str | None, timeout: float) -> dict:
+    """One torchrun launch running every mode in turn on the same prompts; {mode: report}."""
     from moeplan.backends.torchrun.manifest import BundleCheckError, check_bundle
 
     root = Path(bundle)
@@ -91,31 +98,39 @@ def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tok
             raise UserError(f"prompts file '{prompts_file}' holds no prompt; write one prompt per line")
         out_dir = Path(results) if results else scratch / "results"
         out_dir.mkdir(parents=True, exist_ok=True)
-        proc = launch(root, world, prompts_file, new_tokens, mode, out_dir, timeout)
+        proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout)
         if proc.returncode != 0:
             reason = failure_reason(proc.stderr + "\n" + proc.stdout)
             raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
-        summary = json.loads((out_dir / "result.json").read_text())
-        report = {
-            "mode": mode, "world_size": world, "texts": summary["texts"],
-            "gpu_local_fraction": summary["gpu_local_fraction"],
-            "predicted_gpu_local_fraction": predicted_locality(root, out_dir),
-            "bytes_per_token": summary["bytes_per_token"],
-            "messages_per_token": summary["messages_per_token"],
-            "total_bytes_per_token": summary["total_bytes_per_token"],
-            "tokens_per_second": summary["tokens_per_second"],
-            "per_layer": summary["per_layer"], "totals": summary["totals"],
-        }
-        if verify:
-            from moeplan.backends.torchrun.verify import VerifyError, compare
+        reference_cache = {}
+        reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache)
+                   for mode in modes}
+    return reports
 
-            try:
-                report.update(compare(root, plan, out_dir, new_tokens))
-            except VerifyError as exc:
-                raise UserError(str(exc)) from None
-            locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
-            report["locality_matches_prediction"] = locality_ok
-            report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok)
+
+def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_tokens: int, verify: bool,
+            reference_cache: dict) -> dict:
+    summary = json.loads((out_dir / "result.json").read_text())
+    report = {
+        "mode": mode, "world_size": world, "texts": summary["texts"],
+        "gpu_local_fraction": summary["gpu_local_fraction"],
+        "predicted_gpu_local_fraction": predicted_locality(root, out_dir),
+        "bytes_per_token": summary["bytes_per_token"],
+        "messages_per_token": summary["messages_per_token"],
+        "total_bytes_per_token": summary["total_bytes_per_token"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "per_layer": summary["per_layer"], "totals": summary["totals"],
+    }
+    if verify:
+        from moeplan.backends.torchrun.verify import VerifyError, compare
+
+        try:
+            report.update(compare(root, plan, out_dir, new_tokens, reference_cache))
+        except VerifyError as exc:
+            raise UserError(str(exc)) from None
+        locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
+        report["locality_matches_prediction"] = locality_ok
+        report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok)
     return report
 
 
@@ -125,21 +140,25 @@ def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tok
 @click.option("--nproc", type=int, default=None, help="ranks to launch (must equal the plan's world size)")
 @click.option("--prompts", "prompts_path", default=None, help="text file, one prompt per line")
 @click.option("--new-tokens", type=int, default=8, show_default=True)
-@click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True)
+@click.option("--mode", type=click.Choice(["coherent", "standard", "both"]), default="coherent", show_default=True,
+              help="context-coherent EP, standard EP, or both in one launch")
 @click.option("--results", default=None, type=click.Path(file_okay=False), help="keep the ranks' results here")
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds before the run is abandoned")
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, as_json):
     """Launch BUNDLE locally (torchrun standalone) and report throughput and communication."""
-    report = run_bundle(bundle, nproc, prompts_path, new_tokens, mode, verify, results, timeout)
+    modes = ("coherent", "standard") if mode == "both" else (mode,)
+    reports = run_modes(bundle, nproc, prompts_path, new_tokens, modes, verify, results, timeout)
+    keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
+            "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
+            "world_size", "locality_matches_prediction")
+    as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
-        keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
-                "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
-                "world_size", "locality_matches_prediction")
-        click.echo(json.dumps({k: report[k] for k in keys if k in report} | {"per_layer": report["per_layer"]}, sort_keys=True))
+        click.echo(json.dumps(as_dicts[mode] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
     else:
-        _print(report, verify)
-    if verify and not report["verified"]:
+        for report in reports.values():
+            _print(report, verify)
+    if verify and not all(r["verified"] for r in reports.values()):
         sys.exit(1)
 
 
