@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from moeplan.planner.commands.run import run_bundle
+    from moeplan.planner.commands.run import run_modes
     from moeplan.planner.compile_pipeline import compile_bundle
 
     runs = []
@@ -77,12 +77,14 @@ def main(argv=None) -> int:
                 compile_bundle(args.model, str(trace), nodes, per_node, str(out),
                                {"policy": policy, "time_limit": args.time_limit}, quiet=True)
                 bundles[policy] = out
+            if gpus and gpus < ranks:
+                print(f"note: {ranks} ranks on {gpus} GPU(s) cannot use nccl; skipped", file=sys.stderr)
+                continue
+            reports = {policy: run_modes(str(bundles[policy]), ranks, str(prompts_file), args.new_tokens,
+                                         ("standard", "coherent"), args.verify, None, 600)
+                       for policy in bundles}
             for policy, mode in PAIRS:
-                if gpus and gpus < ranks:
-                    print(f"note: {ranks} ranks on {gpus} GPU(s) cannot use nccl; skipped", file=sys.stderr)
-                    continue
-                r = run_bundle(str(bundles[policy]), ranks, str(prompts_file), args.new_tokens, mode,
-                               args.verify, None, 600)
+                r = reports[policy][mode]
                 runs.append({
                     "ranks": ranks, "placement": policy, "mode": mode, "device": "cuda" if gpus else "cpu",
                     "bytes_per_token": round(r["bytes_per_token"], 1),
