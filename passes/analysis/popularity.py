@@ -14,7 +14,7 @@ from what is known ahead of time - the batch's token ids and positions. Three pr
 * `LinaPredictor`: token id only, unweighted counts, MAP top-k (the baseline to beat).
 * `MarginalPredictor`: every token spread by the layer's marginal popularity.
 `assignment="map"` counts each token's top-k experts (the paper); `"expected"` adds k times the
-posterior instead (smoother loads). Metric: `load_error`, the mean absolute per-expert token-count
+posterior instead (smoother loads; the default for ours - see `BayesianPredictor`). Metric: `load_error`, the mean absolute per-expert token-count
 difference over held-out batches, layers and experts (the paper's prediction error).
 """
 from __future__ import annotations
@@ -199,20 +199,25 @@ class LinaPredictor(_Scorer):
 class BayesianPredictor(_Scorer):
     """The paper's posterior over the key-value table, made position-aware.
 
-    `position`: "none" integrates positions out (the paper's uniform P'(f2)); "joint" conditions
-    on the exact (token, position bucket) key, backing off to the token; "naive" (default)
-    combines token and position evidence as conditionally independent given the expert,
+    `position`: "none" integrates positions out (the paper's uniform P'(f2)); "joint" (default)
+    conditions on the (token, position bucket) key, backing off to the token, then to the
+    marginal; "naive" combines token and position evidence as conditionally independent given
+    the expert,
     P(i | f1, f2) ~ P(i | f1) P(i | f2) / P(i), which learns position effects from every token at
     that position instead of only from the same token there. `attention_weighting` applies the
-    paper's P'(f3) factor (counts weighted by the attention id's token frequency).
+    paper's P'(f3) factor (counts weighted by the attention id's token frequency); it is off by
+    default because it biases the posterior towards frequent attention targets and measured
+    worse on held-out batches (synthetic and TinyMoE traces; see benchmarks/serverless.py).
+    Defaults: expected-load assignment, which measured far better than MAP counting (MAP sends
+    every occurrence of a frequent token to the same k experts).
     """
 
     table: CountTable
-    position: str = "naive"
+    position: str = "joint"
     position_bucket: int = 8
     prior: float = 1.0
-    attention_weighting: bool = True
-    assignment: str = "map"
+    attention_weighting: bool = False
+    assignment: str = "expected"
     top_k: int = field(init=False)
     marginal: np.ndarray = field(init=False)
 

@@ -36,6 +36,15 @@ def solve_milp(c, A, row_lo, row_hi, col_lo, col_hi, integer, *, time_limit_s: f
                warm_start: Optional[np.ndarray] = None, solver: str = "highs", seed: int = 0) -> MilpResult:
     """min c.x s.t. row_lo <= A x <= row_hi, col_lo <= x <= col_hi, x[integer] integral."""
     A = sp.csc_matrix(A)
+    c = np.asarray(c, dtype=float)
+    # Scale the objective to O(1): solvers' absolute gap tolerances (1e-6 in HiGHS) would
+    # otherwise stop at once on dollar costs of ~1e-6.
+    scale = float(np.max(np.abs(c))) if c.size and np.max(np.abs(c)) > 0 else 1.0
+    res = _dispatch(c / scale, A, row_lo, row_hi, col_lo, col_hi, integer, time_limit_s, warm_start, solver, seed)
+    return MilpResult(res.status, res.x, res.objective * scale, res.bound * scale, res.gap, res.seconds, res.solver)
+
+
+def _dispatch(c, A, row_lo, row_hi, col_lo, col_hi, integer, time_limit_s, warm_start, solver, seed):
     if solver == "gurobi":
         return _solve_gurobi(c, A, row_lo, row_hi, col_lo, col_hi, integer, time_limit_s, warm_start)
     if solver != "highs":
@@ -55,6 +64,7 @@ def _solve_highs(c, A, row_lo, row_hi, col_lo, col_hi, integer, time_limit_s, wa
     h.setOptionValue("random_seed", int(seed))
     h.setOptionValue("threads", 1)
     h.setOptionValue("mip_rel_gap", 1e-6)
+    h.setOptionValue("mip_abs_gap", 0.0)
     lp = highspy.HighsLp()
     n, m = A.shape[1], A.shape[0]
     lp.num_col_, lp.num_row_ = n, m

@@ -26,7 +26,7 @@ from moeplan.passes.optimize.serverless_sim import simulate
 from moeplan.planner.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 10240
-DEFAULT_PREDICTOR = {"position": "joint", "attention_weighting": False, "assignment": "expected"}
+DEFAULT_PREDICTOR = {}  # BayesianPredictor's defaults
 
 
 def split_by_sequence(trace: Trace, validation_fraction: float) -> tuple:
@@ -112,7 +112,8 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
     val = real_batches(trace, val_rows, batch_tokens)
     popts = dict(DEFAULT_PREDICTOR, **(predictor_options or {}))
     errors = {}
-    for name, opts in (("ours", popts), ("lina", {"assignment": popts.get("assignment", "map")}), ("marginal", {})):
+    lina_opts = {"assignment": popts.get("assignment", pop.BayesianPredictor.assignment)}
+    for name, opts in (("ours", popts), ("lina", lina_opts), ("marginal", {})):
         kind = {"ours": "bayes"}.get(name, name)
         pr = pop.make_predictor(kind, table, **opts)
         preds = [pr.predict_loads(trace.token_ids[r], None if trace.positions is None else trace.positions[r]) * (batch_tokens / len(r)) for r, _ in val]

@@ -1,0 +1,82 @@
+"""Popularity prediction: the count table, the load metric, and ours vs the Lina-style baseline."""
+import numpy as np
+import pytest
+
+from moeplan.passes.analysis import popularity as pop
+from moeplan.passes.analysis.routing_synth import synthesize_routed_tokens
+from moeplan.passes.analysis.trace_format import make_trace
+
+
+def _tiny_trace():
+    # 4 tokens, 1 layer, top-1, 3 experts; token 7 appears twice at position 0 -> expert 2
+    experts = np.array([[[2]], [[2]], [[0]], [[1]]])
+    return make_trace(experts, num_experts=3, token_ids=[7, 7, 5, 5], positions=[0, 0, 1, 9],
+                      attention_ids=[[7], [7], [7], [5]])
+
+
+def test_count_table_counts_each_distinct_key():
+    t = pop.CountTable.from_trace(_tiny_trace())
+    rows = {(int(a), int(b), int(c), int(d), int(e)): n
+            for a, b, c, d, e, n in zip(t.token, t.position, t.attention, t.layer, t.expert, t.count)}
+    assert rows == {(7, 0, 7, 0, 2): 2, (5, 1, 7, 0, 0): 1, (5, 9, 5, 0, 1): 1}
+    assert t.token_freq == {5: 0.5, 7: 0.5}
+
+
+def test_with_values_sets_and_adds_keys():
+    t = pop.CountTable.from_trace(_tiny_trace())
+    t2 = t.with_values(np.array([[7, 0, 7, 0, 2], [9, 3, 5, 0, 1]]), np.array([5.0, 4.0]))
+    rows = {(int(a), int(b), int(c), int(d), int(e)): n
+            for a, b, c, d, e, n in zip(t2.token, t2.position, t2.attention, t2.layer, t2.expert, t2.count)}
+    assert rows[(7, 0, 7, 0, 2)] == 5 and rows[(9, 3, 5, 0, 1)] == 4 and rows[(5, 1, 7, 0, 0)] == 1
+    assert len(t.count) == 3  # the original is unchanged
+
+
+def test_true_loads_and_load_error_by_hand():
+    tr = _tiny_trace()
+    assert pop.true_loads(tr).tolist() == [[1, 1, 2]]
+    assert pop.load_error([np.array([[2, 1, 1]])], [np.array([[1, 1, 2]])]) == pytest.approx(2 / 3)
+
+
+def test_map_prediction_follows_the_table_and_unseen_tokens_use_the_marginal():
+    t = pop.CountTable.from_trace(_tiny_trace())
+    bayes = pop.make_predictor("bayes", t, assignment="map")
+    assert bayes.predict_loads([7, 7], [0, 0]).tolist() == [[0, 0, 2]]
+    # token 99 was never profiled: the marginal's most popular expert (2) takes it
+    assert bayes.predict_loads([99], [0]).tolist() == [[0, 0, 1]]
+    marginal = pop.make_predictor("marginal", t)
+    assert marginal.predict_loads([1, 2, 3, 4], [0, 1, 2, 3]).sum() == 4
+
+
+def _errors(seed, assignment):
+    tr = synthesize_routed_tokens(tokens=12000, layers=2, experts=8, top_k=2, vocab=64, seed=seed)
+    table = pop.CountTable.from_trace(tr.select(np.arange(8000)))
+    held = pop.batches(tr.num_tokens, 1000, start=8000)
+    real = [pop.true_loads(tr, b) for b in held]
+    out = {}
+    for name in ("bayes", "lina", "marginal"):
+        opts = {} if name == "marginal" else {"assignment": assignment}
+        p = pop.make_predictor(name, table, **opts)
+        out[name] = pop.load_error([p.predict_loads(tr.token_ids[b], tr.positions[b]) for b in held], real)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("assignment", ["map", "expected"])
+def test_ours_beats_lina_when_routing_depends_on_position(seed, assignment):
+    err = _errors(seed, assignment)
+    assert err["bayes"] < err["lina"], err
+
+
+def test_predictions_are_deterministic():
+    tr = synthesize_routed_tokens(tokens=3000, layers=2, experts=4, top_k=2, vocab=32, seed=3)
+    t = pop.CountTable.from_trace(tr)
+    a = pop.make_predictor("bayes", t).predict_loads(tr.token_ids[:500], tr.positions[:500])
+    b = pop.make_predictor("bayes", t).predict_loads(tr.token_ids[:500], tr.positions[:500])
+    assert np.array_equal(a, b) and abs(int(a.sum()) - 2 * 2 * 500) <= 2 * 4  # rounding per expert
+
+
+def test_trace_without_token_ids_is_a_user_error():
+    from moeplan.planner.errors import UserError
+
+    with pytest.raises(UserError, match="token_ids"):
+        pop.CountTable.from_trace(make_trace(np.zeros((3, 1, 1), dtype=int), num_experts=2))

@@ -1,0 +1,93 @@
+"""`moeplan plan --target lambda` and `moeplan simulate`: outputs, determinism, one-line errors."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from moeplan.passes.analysis.routing_synth import synthesize_routed_tokens
+from moeplan.passes.analysis.trace_format import save_trace
+from moeplan.planner.cli import main
+from test_profile import small_model_dir
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serverless")
+    model = small_model_dir(tmp)
+    tr = synthesize_routed_tokens(tokens=4000, layers=2, experts=4, top_k=2, seq_len=64, seed=0)
+    save_trace(tr, tmp / "trace.npz")
+    held = synthesize_routed_tokens(tokens=2000, layers=2, experts=4, top_k=2, seq_len=64, seed=1)
+    save_trace(held, tmp / "held.npz")
+    base = ["plan", str(model), "--trace", str(tmp / "trace.npz"), "--target", "lambda", "--batch-tokens", "1000",
+            "--profile-budget", "0", "--cache-dir", str(tmp / "cache")]
+    return tmp, base
+
+
+def run(args):
+    result = CliRunner().invoke(main, args)
+    return result.exit_code, result.output
+
+
+def test_plan_then_simulate(setup):
+    tmp, base = setup
+    code, out = run(base + ["--slo", "30", "--out", str(tmp / "plan.json"), "--json"])
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["moe_cost_per_batch_usd"] > 0 and summary["latency_s"] <= 30
+    assert set(summary["predictor_error"]) == {"ours", "lina", "marginal"}
+    plan = json.loads((tmp / "plan.json").read_text())
+    assert plan["target"] == "lambda" and plan["communication"]["serverless_version"] == 1
+    layers = plan["placement"]["layers"]
+    assert len(layers) == 2 and all(len(l["experts"]) == 4 for l in layers)
+    assert all(x["memory_mb"] in plan["inputs"]["facts"]["platform"]["memory_options_mb"] for l in layers for x in l["experts"])
+    # same inputs (profile cached) -> byte-identical plan
+    code, _ = run(base + ["--slo", "30", "--out", str(tmp / "plan2.json"), "--quiet"])
+    assert code == 0 and (tmp / "plan.json").read_bytes() == (tmp / "plan2.json").read_bytes()
+    code, out = run(["simulate", str(tmp / "plan.json"), "--trace", str(tmp / "held.npz")])
+    assert code == 0, out
+    assert "cost per batch" in out and "throughput" in out and "direct" in out or "s3" in out
+    code, out = run(["simulate", str(tmp / "plan.json"), "--trace", str(tmp / "held.npz"), "--json"])
+    sim = json.loads(out.strip().splitlines()[-1])
+    assert sim["batches"] == 2 and sim["moe_cost_per_batch_usd"] > 0 and sim["throughput_tokens_per_s"] > 0
+
+
+def test_bo_iterations_are_reported(setup):
+    tmp, base = setup
+    code, out = run(base + ["--slo", "30", "--out", str(tmp / "bo.json"), "--bo-iterations", "2", "--bo-q", "8", "--json"])
+    assert code == 0, out
+    assert 1 <= json.loads(out.strip().splitlines()[-1])["bo_iterations"] <= 2
+    bo = json.loads((tmp / "bo.json").read_text())["predicted"]["bo"]
+    assert bo["best_cost"] <= bo["baseline_cost"] and len(bo["history"]) == bo["iterations"] + 1
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--slo", "0.001"], "SLO constraint cannot be met"),
+    (["--slo", "-1"], "--slo must be a positive"),
+    (["--slo", "30", "--methods", "carrier_pigeon"], "unknown method"),
+    (["--slo", "30", "--batch-tokens", "0"], "--batch-tokens must be positive"),
+])
+def test_plan_bad_input_is_one_line_exit_2(setup, extra, words):
+    tmp, base = setup
+    out_file = tmp / "never.json"
+    code, out = run(base + extra + ["--out", str(out_file), "--quiet"])
+    assert code == 2, out
+    lines = [l for l in out.splitlines() if l.strip()]
+    assert len(lines) == 1 and words in lines[0], out
+    assert not out_file.exists()
+
+
+def test_infeasible_slo_names_the_closest_feasible_value(setup):
+    tmp, base = setup
+    code, out = run(base + ["--slo", "0.001", "--out", str(tmp / "never.json")])
+    assert code == 2 and "closest feasible: --slo " in out
+
+
+def test_simulate_bad_input_is_one_line_exit_2(setup, tmp_path):
+    tmp, _ = setup
+    code, out = run(["simulate", str(tmp_path / "missing.json"), "--trace", str(tmp / "held.npz")])
+    assert code == 2 and "does not exist" in out and len(out.strip().splitlines()) == 1
+    other = tmp_path / "torchrun.json"
+    other.write_text(json.dumps({"version": 1, "target": "torchrun", "model": {}, "topology": {}, "placement": {},
+                                 "communication": {}, "predicted": {}}))
+    code, out = run(["simulate", str(other), "--trace", str(tmp / "held.npz")])
+    assert code == 2 and "needs a lambda plan" in out and len(out.strip().splitlines()) == 1
