@@ -108,3 +108,12 @@ def test_counters_sum_across_ranks():
     total = sum_counters([a.to_dict(), b.to_dict()])
     assert total["layers"][0]["dispatch"] == {"bytes": 150, "messages": 3, "control_bytes": 16, "control_messages": 2}
     assert total["step"]["token_sync_bytes"] == 16
+
+
+def test_small_ints_pack_four_to_a_word():
+    from moeplan.backends.runtime.exchange import pack_small, unpack_small
+
+    values = torch.tensor([[0, 15, 3, 1, 32767], [7, 0, 0, 2, 5]])
+    words = pack_small(values)
+    assert words.shape == (2, 2) and words.dtype == torch.int64
+    assert torch.equal(unpack_small(words, 5), values)

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .exchange import pack, unpack
+from .exchange import pack, pack_small, unpack, unpack_small
 
 COHERENT, STANDARD = "coherent", "standard"
 
@@ -145,13 +145,13 @@ class Engine:
         h = arch.attention_input(layer, x)
         all_h, all_seq, all_pos = h, seq, pos
         if self.mode == COHERENT:
-            rows = pack(h, torch.stack([seq, pos], dim=1))
+            rows = pack(h, self.key(seq, pos)[:, None])
             got = self.ex.exchange(self._to_all_others(rows), rows.shape[1], layer, "context")
             parts = [unpack(g, arch.hidden) for g in got if g.shape[0]]
             if parts:
                 all_h = torch.cat([h] + [p for p, _ in parts])
-                m = torch.cat([torch.stack([seq, pos], 1)] + [m.cpu() for _, m in parts])
-                all_seq, all_pos = m[:, 0], m[:, 1]
+                keys = torch.cat([self.key(seq, pos)] + [m[:, 0].cpu() for _, m in parts])
+                all_seq, all_pos = keys // self.max_len, keys % self.max_len
         q, k, v = arch.qkv(layer, all_h, all_pos.to(dev))
         self.k_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = k
         self.v_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = v
@@ -185,7 +185,7 @@ class Engine:
             lay["local_slots"] += int((dest == self.rank).sum())
             lay["slots"] += n * k
         payload = torch.cat([x, weights], dim=1)
-        meta = torch.cat([torch.stack([seq, pos], 1), ids, dest], dim=1)
+        meta = torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], dim=1))], dim=1)
         rows = pack(payload, meta)
         sent_idx = [(dest == d).any(dim=1).nonzero().flatten() for d in range(self.world)]
         got = self.ex.exchange([rows[i.to(dev)] for i in sent_idx], rows.shape[1], layer, "dispatch")
@@ -195,7 +195,9 @@ class Engine:
         rmeta = torch.cat([m.cpu() for _, m in parts])
         sources = torch.cat([torch.full((p.shape[0],), src, dtype=torch.int64) for src, (p, _) in enumerate(parts)])
         r_x, r_w = rx[:, : arch.hidden], rx[:, arch.hidden:]
-        r_seq, r_pos, r_ids, r_dest = rmeta[:, 0], rmeta[:, 1], rmeta[:, 2:2 + k], rmeta[:, 2 + k:]
+        slots = unpack_small(rmeta[:, 1:], 2 * k)
+        r_seq, r_pos = rmeta[:, 0] // self.max_len, rmeta[:, 0] % self.max_len
+        r_ids, r_dest = slots[:, :k], slots[:, k:]
         partial = self._experts(layer, moe, r_x, r_w, r_ids, r_dest)
         if self.mode == STANDARD:
             back = [partial[(sources == d).nonzero().flatten().to(dev)] for d in range(self.world)]
@@ -211,8 +213,8 @@ class Engine:
         send = []
         for d in range(self.world):
             idx = ((primary == d) & (primary != self.rank)).nonzero().flatten()
-            send.append(pack(partial[idx.to(dev)], torch.stack([r_seq[idx], r_pos[idx]], 1)))
-        merged = self.ex.exchange(send, arch.hidden + 4, layer, "merge")
+            send.append(pack(partial[idx.to(dev)], self.key(r_seq[idx], r_pos[idx])[:, None]))
+        merged = self.ex.exchange(send, arch.hidden + 2, layer, "merge")
         m_seq, m_pos = r_seq[mine], r_pos[mine]
         base = r_x[mine.to(dev)]
         out = base + partial[mine.to(dev)] + arch.shared(layer, base)
@@ -221,7 +223,7 @@ class Engine:
             if g.shape[0] == 0:
                 continue
             p, m = unpack(g, arch.hidden)
-            rows_at = torch.tensor([row_of[kk] for kk in self.key(m[:, 0].cpu(), m[:, 1].cpu()).tolist()], dtype=torch.int64)
+            rows_at = torch.tensor([row_of[kk] for kk in m[:, 0].cpu().tolist()], dtype=torch.int64)
             out = out.index_add(0, rows_at.to(dev), p)
         order = torch.argsort(self.key(m_seq, m_pos))
         return m_seq[order], m_pos[order], out[order.to(dev)]

@@ -3,7 +3,9 @@
 First every rank tells every other how many rows it will send (an all-to-all of counts), then one
 variable-size `all_to_all_single` moves the rows. Rows are packed as one float32 tensor: the
 hidden payload followed by int64 metadata reinterpreted bit-for-bit as float32 pairs, so a token
-and its routing travel in one message. gloo implements `all_to_all_single` with split sizes in
+and its routing travel in one message. Metadata is kept small: a token is one int64 key
+(sequence x max length + position); its k expert ids and destination ranks travel as int16s
+packed four to an int64 word (`pack_small`). gloo implements `all_to_all_single` with split sizes in
 torch >= 2.x (checked on 2.13), as does nccl, so the same code runs on CPU and GPU.
 """
 from __future__ import annotations
@@ -27,6 +29,20 @@ def unpack(rows: torch.Tensor, width: int) -> tuple:
         return payload, torch.zeros(rows.shape[0], columns, dtype=torch.int64, device=rows.device)
     meta = rows[:, width:].contiguous().clone().view(torch.int64)  # fresh storage, reinterpretable
     return payload, meta
+
+
+def pack_small(values: torch.Tensor) -> torch.Tensor:
+    """[n, c] small non-negative ints (expert ids, ranks < 32768) -> [n, ceil(c / 4)] int64 words."""
+    n, c = values.shape
+    words = -(-c // 4)
+    padded = torch.zeros(n, words * 4, dtype=torch.int16)
+    padded[:, :c] = values.to(torch.int16)
+    return padded.view(torch.int64)
+
+
+def unpack_small(words: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of `pack_small`: [n, count] int64."""
+    return words.contiguous().view(torch.int16)[:, :count].to(torch.int64)
 
 
 class Exchanger:
