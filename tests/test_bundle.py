@@ -95,3 +95,13 @@ def test_a_plan_edited_to_another_world_size_is_refused(tmp_path, model_dir):
 def test_not_a_bundle_is_one_line(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         run_bundle(str(tmp_path / "nowhere"), None, None, 2, "coherent", True, None, 60)
+
+
+def test_launch_script_checks_the_node_count_before_starting(tmp_path, model_dir):
+    import subprocess
+
+    root = _bundle(tmp_path, model_dir, nodes=2, gpus=1)
+    assert subprocess.run(["bash", "-n", str(root / "launch.sh")]).returncode == 0
+    proc = subprocess.run(["bash", str(root / "launch.sh"), "--prompts", "p.txt", "--out", "r"],
+                          env={"NNODES": "3", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert proc.returncode == 2 and "compiled for 2 node(s) but NNODES=3" in proc.stderr
