@@ -289,6 +289,8 @@ def record_trace(
     `seq_len` defaults to the model's maximum positions capped at 128.
     """
     vocab_size, max_positions, num_experts = model_limits(loaded)
+    if max_tokens is not None and max_tokens <= 0:
+        raise UserError(f"--max-tokens must be positive, got {max_tokens}")
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, max_positions or DEFAULT_SEQ_LEN)
     if max_positions is not None and seq_len > max_positions:

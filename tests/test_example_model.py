@@ -1,0 +1,109 @@
+"""The committed TinyMoE checkpoint: small, loads as fp32, predicts held-out text and routes with
+real inter-layer affinity; training is deterministic."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeplan.passes.analysis.trace import record_trace
+from moeplan.passes.analysis.trace_stats import routing_stats
+from moeplan.planner.importers import load_model
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
+CHECKPOINT = EXAMPLE / "model.safetensors"
+HELDOUT_TOKENS = 8192
+
+
+def _import(name: str):
+    spec = importlib.util.spec_from_file_location(f"test_tiny_moe_{name}", EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained():
+    assert CHECKPOINT.is_file(), "examples/tiny_moe/model.safetensors is committed; run examples/tiny_moe/train.py"
+    return load_model(str(EXAMPLE))
+
+
+@pytest.fixture
+def restore_torch_settings():
+    """Training switches torch to deterministic algorithms and 2 threads; give other tests theirs back."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def test_checkpoint_is_small_and_matches_the_config(trained):
+    assert CHECKPOINT.stat().st_size < 8e6
+    config = json.loads((EXAMPLE / "config.json").read_text())
+    assert (config["num_layers"], config["num_experts"], config["top_k"]) == (6, 16, 2)
+    assert all(p.dtype == torch.float32 for p in trained.module.parameters())
+    assert len(trained.ir.moe_stages) == 6
+
+
+def test_checkpoint_predicts_held_out_text(trained):
+    data = (EXAMPLE / "corpus_heldout.txt").read_bytes()[: 16 * 128 + 1]
+    ids = torch.tensor(list(data))
+    with torch.no_grad():
+        logits = trained.module(ids[:-1].view(16, 128))
+    loss = F.cross_entropy(logits.reshape(-1, 256), ids[1:]).item()
+    assert loss < 0.5 * math.log(256)  # uniform guessing is ln 256 = 5.55 nats per byte
+
+
+def test_trained_routing_has_affinity_well_above_chance(trained):
+    text = (EXAMPLE / "corpus_heldout.txt").read_text(encoding="utf-8")
+    stats = routing_stats(record_trace(trained, text, max_tokens=HELDOUT_TOKENS, batch=16, seq_len=128))
+    assert stats.mean_affinity > 0.5
+    assert stats.mean_affinity > 2.5 * stats.mean_shuffled_affinity
+    assert min(stats.affinity) > 2 * max(stats.shuffled_affinity)
+    assert stats.uniform_affinity < 0.1
+    assert all(layer.idle_experts == 0 for layer in stats.loads)  # the balance loss keeps every expert in use
+
+
+TINY = dict(vocab_size=256, hidden_size=16, num_layers=6, num_heads=2, num_experts=16, top_k=2,
+            expert_hidden=8, shared_experts=0, max_positions=32, norm_eps=1e-5)
+
+
+def _train_tiny(train, seed):
+    model, _ = train.train(TINY, steps=3, seed=seed, batch=2, seq_len=16, lr=1e-2, warmup=1,
+                           weight_decay=0.01, balance_weight=0.01, log_every=0, heldout=False)
+    return model.state_dict()
+
+
+def test_training_is_deterministic(restore_torch_settings):
+    train = _import("train")
+    first, second, other = _train_tiny(train, 0), _train_tiny(train, 0), _train_tiny(train, 1)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_saved_weights_load_back_as_fp32_and_if_missing_skips(tmp_path, restore_torch_settings, capsys):
+    train = _import("train")
+    model_lib = _import("model")
+    torch.manual_seed(0)
+    model = model_lib.TinyMoE(model_lib.TinyMoEConfig.from_dict(TINY))
+    (tmp_path / "config.json").write_text(json.dumps({"moeplan_loader": "model.py:load", **TINY}))
+    path = train.save_weights(model, tmp_path)
+    loaded = model_lib.load(tmp_path)
+    for name, value in model.state_dict().items():
+        restored = loaded.state_dict()[name]
+        assert restored.dtype == torch.float32
+        assert torch.equal(restored, value.half().float())
+    before = path.read_bytes()
+    assert train.main(["--out", str(tmp_path), "--if-missing"]) == 0
+    assert "not retraining" in capsys.readouterr().out
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
