@@ -82,13 +82,24 @@ def _auto_class(config):
     return AutoModelForCausalLM if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES else AutoModel
 
 
+def _skip_weight_init():
+    """Meta tensors have no values to initialise; skipping the init calls saves ~0.3 s at 671B."""
+    import contextlib
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # an older or newer transformers without it: initialise, only slower
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
 def build_model(config, dtype, *, meta: bool):
     """The transformers model for `config`, on `meta` (no storage) or on the CPU (random weights)."""
     import torch
 
     try:
         if meta:
-            with torch.device("meta"):
+            with torch.device("meta"), _skip_weight_init():
                 return _auto_class(config).from_config(config, dtype=dtype)
         return _auto_class(config).from_config(config, dtype=dtype)
     except UserError:
