@@ -8,7 +8,6 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
