@@ -61,6 +61,11 @@ def test_tiny_hf_moe_models_import(model_type):
     assert kinds.count("mlp") == dense_layers
     first_moe = ir.moe_stages[0]
     assert first_moe.name == f"model.layers.{dense_layers}.mlp"
+    # Forward order, as the decoder layer runs them (registration order puts the norms last).
+    assert [s.name for s in ir.stages[1:5]] == [
+        "model.layers.0.input_layernorm", "model.layers.0.self_attn",
+        "model.layers.0.post_attention_layernorm", "model.layers.0.mlp"]
+    assert [s.name for s in ir.stages[-2:]] == ["model.norm", "lm_head"]
 
 
 def test_deepseek_mla_attention_and_dense_layers_are_whole_modules():

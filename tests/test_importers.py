@@ -129,6 +129,33 @@ def test_fused_experts_and_tied_head_by_structure():
     assert [p.tied_to for p in module_params(net)][-1] == "wte.weight"
 
 
+def test_stages_follow_forward_order_not_registration_order():
+    """Read from the forward code: call arguments run first, helper methods are followed."""
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+            self.gate = nn.Linear(8, 4)
+            self.top_k = 1
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = nn.Linear(8, 10)
+            self.moe = Router()
+            self.norm = nn.LayerNorm(8)
+            self.embed = nn.Embedding(10, 8)
+
+        def forward(self, ids):
+            return self.lm_head(self._body(self.embed(ids)))
+
+        def _body(self, x):
+            return self.moe(self.norm(x))
+
+    ir = import_module(Net())
+    assert [s.name for s in ir.stages] == ["embed", "norm", "moe", "lm_head"]
+
+
 def test_expert_list_needs_a_matching_router():
     groups = classify_parameter_groups([
         Param("layers.0.w", (8, 8)), Param("layers.1.w", (8, 8)), Param("proj.weight", (3, 8)),

@@ -24,7 +24,10 @@ registration order; a torch.onnx export keeps it in its initializer list):
    `classifier`, `score`, `*_head`), attention (`attn`, `attention`), mlp (`mlp`, `ffn`,
    `feed_forward`). The stage is the path up to and including that component. A parameter no
    component classifies forms an `other` stage named by its module path.
-3. **Order**: stages appear in the order of their first parameter.
+3. **Order**: stages appear in the order of their first parameter. The torch importer then
+   sorts them into forward order read from the model code (`forward_order.py`); for models whose
+   registration order is their forward order (TinyMoE) the two agree, and an ONNX importer gets
+   the same order from initializers listed in registration order or by first use in the graph.
 
 Figures (`build_model_ir`): params and bytes from shapes x dtype sizes, tied aliases counted once
 (under the parameter they alias) but still charged FLOPs where they are used (a tied head

@@ -1,15 +1,16 @@
 """nn.Module -> ModelIR: read the parameters (real or meta) and apply the shared stage rules.
 
 Only parameter names, shapes and dtypes decide the stages (`stages.py`), so that an ONNX import of
-the same model reproduces them. The module itself is consulted for one thing the parameters
-cannot say: how many experts each token picks (top-k), read from the MoE block, its router, or
-the model's config.
+the same model reproduces them. The module itself is consulted for two things the parameters
+cannot say: the order stages run in (`forward_order.py`, read from the forward code) and how
+many experts each token picks (top-k), read from the MoE block, its router, or the config.
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from moeplan.planner.errors import UserError
+from moeplan.planner.importers.forward_order import module_ranks, rank_of
 from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.planner.ir import ModelIR
 
@@ -64,6 +65,8 @@ def import_module(
     architecture = type(module).__name__
     name = name or architecture
     groups = classify_parameter_groups(module_params(module))
+    ranks = module_ranks(module)
+    groups = sorted(groups, key=lambda g: rank_of(g.name, ranks))  # stable: ties keep parameter order
     moe = [g for g in groups if g.is_moe]
     if not moe:
         raise UserError(f"model {name} has no Mixture-of-Experts layer; moeplan plans MoE models only")
