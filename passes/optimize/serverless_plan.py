@@ -80,6 +80,7 @@ class PlanOutcome:
     predictor_error: dict             # name -> load error on validation batches
     bo: Optional[dict] = None
     timings: dict = field(default_factory=dict)
+    predictor: object = None          # the (refined) predictor the plan was sized with
 
 
 def size_for(facts, loads, slo_s, batch_tokens, opts: SizingOptions):
@@ -95,8 +96,14 @@ def penalised_cost(sim, slo_s: float, penalty: float) -> float:
 def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, batch_tokens: int = DEFAULT_BATCH_TOKENS,
                     validation_fraction: float = 0.2, predictor_options: Optional[dict] = None,
                     sizing_options: SizingOptions = SizingOptions(), bo_options: Optional[BOOptions] = None,
-                    progress=None) -> PlanOutcome:
-    """Everything after profiling. `bo_options=None` skips BO refinement."""
+                    progress=None, table_rows=None, validation_rows=None, request_batches=None) -> PlanOutcome:
+    """Everything after profiling. `bo_options=None` skips BO refinement.
+
+    By default the trace is split by sequence (`validation_fraction`); `table_rows` /
+    `validation_rows` override the split, and `request_batches` (row arrays of `trace`) are the
+    expected requests whose predicted loads the final plan is sized for (default: the
+    validation batches).
+    """
     if trace.token_ids is None:
         raise UserError("the trace has no 'token_ids'; serverless planning predicts loads from token ids - re-record it with 'moeplan trace'")
     if trace.num_layers != len(facts.layers):
@@ -105,7 +112,10 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
         raise UserError(f"--slo must be a positive number of seconds, got {slo_s}")
     timings = {}
     t0 = time.perf_counter()
-    table_rows, val_rows = split_by_sequence(trace, validation_fraction)
+    if table_rows is None or validation_rows is None:
+        table_rows, val_rows = split_by_sequence(trace, validation_fraction)
+    else:
+        val_rows = validation_rows
     if len(table_rows) == 0 or len(val_rows) == 0:
         raise UserError(f"the trace has {trace.num_tokens} tokens: too few to split into a table and validation batches; trace more text")
     table = pop.CountTable.from_trace(trace.select(table_rows))
@@ -118,8 +128,9 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
         pr = pop.make_predictor(kind, table, **opts)
         preds = [pr.predict_loads(trace.token_ids[r], None if trace.positions is None else trace.positions[r]) * (batch_tokens / len(r)) for r, _ in val]
         errors[name] = pop.load_error(preds, [l for _, l in val])
+    requests = val if request_batches is None else [(r, None) for r in request_batches]
     predictor = pop.make_predictor("bayes", table, **popts)
-    loads = predicted_loads(predictor, trace, val, batch_tokens)
+    loads = predicted_loads(predictor, trace, requests, batch_tokens)
     timings["prediction_s"] = round(time.perf_counter() - t0, 3)
     bo_report = None
     if bo_options is not None:
@@ -143,7 +154,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
         bo = refine(table, evaluate, vocab_tokens=np.unique(trace.token_ids[table_rows]),
                     max_position=int(positions.max()), options=bo_options, progress=progress)
         predictor = pop.make_predictor("bayes", bo.best_table, **popts)
-        loads = predicted_loads(predictor, trace, val, batch_tokens)
+        loads = predicted_loads(predictor, trace, requests, batch_tokens)
         preds = [predictor.predict_loads(trace.token_ids[r], None if trace.positions is None else trace.positions[r]) * (batch_tokens / len(r)) for r, _ in val]
         errors["ours_after_bo"] = pop.load_error(preds, [l for _, l in val])
         bo_report = {"iterations": bo.iterations, "baseline_cost": bo.baseline_cost, "best_cost": bo.best_cost,
@@ -154,7 +165,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
     timings["sizing_s"] = round(time.perf_counter() - t2, 3)
     predicted_sim = simulate(facts, result.layers, loads, batch_tokens)
     validation = [simulate(facts, result.layers, real, batch_tokens) for _, real in val]
-    return PlanOutcome(result, loads, predicted_sim, validation, errors, bo_report, timings)
+    return PlanOutcome(result, loads, predicted_sim, validation, errors, bo_report, timings, predictor)
 
 
 def _mispredictions(trace, rows, layers, predicted, real, sim, alpha) -> list:
