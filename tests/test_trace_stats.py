@@ -101,3 +101,17 @@ def test_missing_or_garbage_trace_fails_in_one_line(tmp_path):
     garbage.write_text("not a zip")
     result = CliRunner().invoke(main, ["trace", "stats", str(garbage)])
     assert result.exit_code == 2 and "not a readable .npz" in result.output
+
+
+def test_real_process_prints_one_line_and_exits_2(tmp_path):
+    """Through the installed console script, not CliRunner: exit code 2, one stderr line, no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = _bad_npz(tmp_path / "bad.npz", experts=np.array([[[0, 9]]]), num_experts=np.int64(8))
+    script = Path(sys.executable).with_name("moeplan")
+    proc = subprocess.run([str(script), "trace", "stats", str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "expert id 9" in proc.stderr
