@@ -12,6 +12,12 @@ owner rank. Per MoE layer:
   current rank for the next layer's attention. With top-k > 1 the other experts' weighted
   outputs (only those computed off that rank) reach it through a smaller `merge` exchange.
 
+The first MoE layer needs no dispatch in coherent mode: every rank holds every context, so every
+rank embeds every new token and runs the blocks up to the first MoE router itself (identical
+inputs, identical results); each rank then serves its own experts' slots from its copy and only
+the partial outputs travel to the primary rank (`merge`). Replica choices there depend only on
+the token, so ranks agree without talking.
+
 Attention state (ExFlow leaves it open): after each layer's attention norm, the normed hidden
 state h of every token processed this step is sent to every other rank (`context` phase), and
 each rank projects the keys and values itself from its replicated attention weights, so every
@@ -73,7 +79,9 @@ class Engine:
             contexts = self._sync_prompts(prompts, own)
         generated = {s: [] for s in contexts}
         start = time.perf_counter()
-        step_tokens = [(s, p) for s in own for p in range(len(prompts[s]))]
+        # coherent: every rank holds every context, so every rank enters every token (see module)
+        entering = sorted(contexts) if self.mode == COHERENT else own
+        step_tokens = [(s, p) for s in entering for p in range(len(prompts[s]))]
         for step in range(new_tokens):
             seqs = torch.tensor([s for s, _ in step_tokens], dtype=torch.int64)
             poss = torch.tensor([p for _, p in step_tokens], dtype=torch.int64)
@@ -85,7 +93,7 @@ class Engine:
             for s, t in sorted(new.items()):
                 contexts[s].append(t)
                 generated[s].append(t)
-            step_tokens = [(s, len(contexts[s]) - 1) for s in own]
+            step_tokens = [(s, len(contexts[s]) - 1) for s in entering]
         elapsed = time.perf_counter() - start
         return {
             "generated": {int(s): g for s, g in generated.items()},
@@ -123,13 +131,15 @@ class Engine:
         for the sequences whose last token of this step (position last_pos[seq]) ends here."""
         arch, dev = self.arch, self.device
         x = arch.embed(token_ids.to(dev), pos.to(dev))
+        replicated = self.mode == COHERENT  # every rank computes the same tokens until the first MoE
         for layer in range(arch.num_layers):
-            x = x + self._attention(layer, seq, pos, x)
+            x = x + self._attention(layer, seq, pos, x, replicated)
             moe = arch.moe_index(layer)
             if moe is None:  # a dense feed-forward block: replicated, runs where the token is
                 x = x + arch.dense_mlp(layer, x)
             else:
-                seq, pos, x = self._moe(layer, moe, seq, pos, x)
+                seq, pos, x = self._moe(layer, moe, seq, pos, x, replicated)
+                replicated = False
         logits = arch.logits(x)
         keys = self.key(seq, pos)
         self.logit_keys.append(keys.cpu())
@@ -140,11 +150,11 @@ class Engine:
                 new[s] = int(torch.argmax(logits[i]).item())
         return new
 
-    def _attention(self, layer, seq, pos, x):
+    def _attention(self, layer, seq, pos, x, replicated=False):
         arch, dev = self.arch, self.device
         h = arch.attention_input(layer, x)
         all_h, all_seq, all_pos = h, seq, pos
-        if self.mode == COHERENT:
+        if self.mode == COHERENT and not replicated:
             rows = pack(h, self.key(seq, pos)[:, None])
             got = self.ex.exchange(self._to_all_others(rows), rows.shape[1], layer, "context")
             parts = [unpack(g, arch.hidden) for g in got if g.shape[0]]
@@ -171,15 +181,29 @@ class Engine:
             y[idx.to(dev)] = torch.einsum("hmp,hpd->mhd", torch.softmax(scores, dim=-1), values)
         return arch.attention_output(layer, y)
 
-    def _moe(self, layer, moe, seq, pos, x):
-        """Block `layer`'s MoE, the `moe`-th MoE layer (placement and trace index)."""
+    def _moe(self, layer, moe, seq, pos, x, replicated=False):
+        """Block `layer`'s MoE, the `moe`-th MoE layer (placement and trace index).
+
+        `replicated`: every rank holds the same tokens (the first MoE layer in coherent mode), so
+        nothing is dispatched; each rank serves its slots from its own copy and the partial
+        outputs merge on the primary rank. Replica choices then depend only on the token (the
+        secondary slots prefer the primary's rank), so all ranks agree without talking."""
         arch, dev, k = self.arch, self.device, self.arch.top_k
         n = x.shape[0]
         ids, weights = arch.route(layer, x)
         ids = ids.cpu()
-        dest = self.table.choose(moe, ids, torch.full((n,), self.rank, dtype=torch.int64))
+        if replicated:
+            first = torch.tensor([self.table.primary_rank(moe, e, -1) for e in ids[:, 0].tolist()], dtype=torch.int64)
+            dest = self.table.choose(moe, ids, first)
+        else:
+            dest = self.table.choose(moe, ids, torch.full((n,), self.rank, dtype=torch.int64))
         keys = self.key(seq, pos)
-        self.trace.append((moe, keys, ids, weights.detach().cpu()))
+        recorded = (dest[:, 0] == self.rank) if replicated else torch.ones(n, dtype=torch.bool)
+        self.trace.append((moe, keys[recorded], ids[recorded], weights.detach().cpu()[recorded]))
+        if replicated:
+            sel = (dest == self.rank).any(dim=1).nonzero().flatten()
+            partial = self._experts(layer, moe, x[sel.to(dev)], weights[sel.to(dev)], ids[sel], dest[sel])
+            return self._merge_on_primary(layer, x[sel.to(dev)], partial, seq[sel], pos[sel], dest[sel])
         if moe >= 1:
             lay = self.counters.layers[layer]
             lay["local_slots"] += int((dest == self.rank).sum())
@@ -207,7 +231,12 @@ class Engine:
                 if sent_idx[d].numel():
                     out = out.index_add(0, sent_idx[d].to(dev), returned[d][:, : arch.hidden])
             return seq, pos, out
-        # coherent: combine on the rank of the highest-weight expert
+        return self._merge_on_primary(layer, r_x, partial, r_seq, r_pos, r_dest)
+
+    def _merge_on_primary(self, layer, r_x, partial, r_seq, r_pos, r_dest):
+        """Coherent combine: each token's weighted expert outputs meet on the rank of its
+        highest-weight expert, which keeps the token (its new current rank)."""
+        arch, dev = self.arch, self.device
         primary = r_dest[:, 0]
         mine = (primary == self.rank).nonzero().flatten()
         send = []
