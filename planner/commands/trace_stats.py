@@ -34,8 +34,7 @@ def _render(path: Path, stats) -> None:
     if stats.num_layers < 2:
         console.print("affinity: needs at least two MoE layers", highlight=False)
         return
-    affinity = Table(title="top-1 transition affinity (share of tokens going to their current expert's "
-                           "most common next expert)", title_justify="left")
+    affinity = Table(title="top-1 transition affinity", title_justify="left")
     for header in ("layers", "affinity", "shuffled baseline", "ratio"):
         affinity.add_column(header, justify="right", no_wrap=True)
 
@@ -46,6 +45,8 @@ def _render(path: Path, stats) -> None:
     affinity.add_row("mean", f"{stats.mean_affinity:.3f}", f"{stats.mean_shuffled_affinity:.3f}",
                      ratio(stats.mean_affinity, stats.mean_shuffled_affinity), style="bold")
     console.print(affinity)
+    console.print("affinity: share of tokens sent to their current expert's most common next expert; "
+                  "shuffled: each layer's routing permuted over tokens (same loads)", highlight=False)
     console.print(f"uniform random router on {stats.num_tokens} tokens: {stats.uniform_affinity:.3f} "
                   f"(1/{stats.num_experts} = {1 / stats.num_experts:.3f})", highlight=False)
 
