@@ -27,11 +27,14 @@ import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement_eplb import balanced_packing
+from moeplan.passes.optimize.placement_joint import polish_windows
 from moeplan.planner.errors import UserError
 
 
 MIP_NODE_LIMIT = 200  # branch-and-bound nodes per layer step: a deterministic work limit
 MAX_SWEEPS = 8
+JOINT_SHARE = 0.05  # of a start's time, for the joint window model after each stage's sweeps
+EXACT_STEPS = True  # run the step MIP after the swaps (else the swaps' local optimum is the step)
 
 
 @dataclass
@@ -46,96 +49,143 @@ class LayerProblem:
     notes: list = field(default_factory=list)
 
 
-def assignment_mip(in_gain, out_gain, replicas, max_per_partition, slots, loads, cap, warm, time_limit, solver, notes):
-    """Place one layer's replicas on P partitions maximising in_gain*present + out_gain*count.
+def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition: int) -> np.ndarray:
+    """int [n]: most replicas of an expert one partition may take: spread them, ceil(r / P).
 
-    in_gain, out_gain: float [n, P]; replicas: int [n]; slots: int [P] (exact fill);
-    loads: float [n] load per replica; cap: float load cap per partition; warm: int [n, P] or None.
-    Returns int [n, P] replica counts, or None when the layer is infeasible.
+    With at most one replica per partition the presence of an expert there equals its count, so
+    the layer step stays linear (and exact); only experts with more replicas than partitions
+    (very hot ones, which sit on nearly every partition anyway) get a linear approximation."""
+    return np.minimum(np.maximum(1, -(-to_place // partitions)), max_per_partition)
+
+
+def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads, cap, warm, time_limit, solver, notes):
+    """Place one layer's replicas on P partitions maximising the local transitions they gain.
+
+    in_gain[e, p]: transitions into e that become local if e is present on p; out_gain[e, p]:
+    transitions out of e made local per replica of e on p. to_place: int [n] replicas per expert;
+    slots: int [P] (exact fill); loads: float [n] load per replica; cap: load cap per partition;
+    warm: int [n, P] or None. The model is a transportation problem (totally unimodular) plus
+    one load row per partition: when its optimum without the load rows fits the cap it is
+    optimal; else priced loads give a fitting warm start for the MIP. Returns (int [n, P] or
+    None, status).
     """
     n, P = in_gain.shape
-    if np.all(replicas == 1):
-        quick = _assignment_with_penalties(in_gain + out_gain, slots, loads, cap)
-        if quick is not None and quick[1]:
-            return quick[0], "optimal"  # the uncapped optimum already meets the cap
-        if quick is not None and warm is not None:
-            gain = in_gain + out_gain
-            if (gain * quick[0]).sum() > (gain * warm).sum() and _fits(quick[0], loads, cap):
-                warm = quick[0]
-    replicated = np.flatnonzero(np.minimum(replicas, max_per_partition) > 1)
+    limit = per_partition_limit(to_place, P, max_per_partition)
+    gain = out_gain + in_gain / limit[:, None]
+    quick = _flow_with_prices(gain, to_place, limit, slots, loads, cap)
+    if quick is not None and quick[1]:
+        return quick[0], "optimal"  # the optimum without load rows already meets the cap
+    if quick is not None and (warm is None or not _fits(warm, loads, cap) or (gain * quick[0]).sum() > (gain * warm).sum()):
+        warm = quick[0]
+    if warm is not None and _fits(warm, loads, cap):
+        warm = improve_by_swaps(gain, warm, limit, loads, cap)
+        if not EXACT_STEPS:
+            return warm, "heuristic"
     nm = n * P
-    nw = len(replicated) * P
-    # columns: m[e, p] (row-major), then w[j, p] for replicated experts j
-    needs_indicator = np.zeros(n, dtype=bool)
-    needs_indicator[replicated] = True
-    cost = -(out_gain + np.where(needs_indicator[:, None], 0.0, in_gain)).ravel()
-    if nw:
-        cost = np.concatenate([cost, -in_gain[replicated].ravel()])
-    upper = np.concatenate([np.minimum(replicas, max_per_partition)[:, None].repeat(P, axis=1).ravel(), np.ones(nw)])
-    m_index = np.arange(nm).reshape(n, P)
-    rows = []
-    # sum_p m[e, p] = r_e
-    rows.append(sp.csr_matrix((np.ones(nm), (np.repeat(np.arange(n), P), m_index.ravel())), shape=(n, nm + nw)))
-    # sum_e m[e, p] = slots_p
-    rows.append(sp.csr_matrix((np.ones(nm), (np.tile(np.arange(P), n), m_index.ravel())), shape=(P, nm + nw)))
-    # sum_e load_e m[e, p] <= cap
-    rows.append(sp.csr_matrix((np.repeat(loads, P), (np.tile(np.arange(P), n), m_index.ravel())), shape=(P, nm + nw)))
-    lo = [replicas.astype(float), slots.astype(float), np.full(P, -np.inf)]
-    hi = [replicas.astype(float), slots.astype(float), np.full(P, cap)]
-    if nw:
-        # w[j, p] - m[e_j, p] <= 0
-        k = np.arange(nw)
-        data = np.concatenate([np.ones(nw), -np.ones(nw)])
-        r_idx = np.concatenate([k, k])
-        c_idx = np.concatenate([nm + k, m_index[replicated].ravel()])
-        rows.append(sp.csr_matrix((data, (r_idx, c_idx)), shape=(nw, nm + nw)))
-        lo.append(np.full(nw, -np.inf))
-        hi.append(np.zeros(nw))
-    A = sp.vstack(rows).tocsc()
-    start = None
-    if warm is not None:
-        w_part = (warm[replicated] > 0).astype(float).ravel() if nw else np.zeros(0)
-        start = np.concatenate([warm.astype(float).ravel(), w_part])
-    result = solve_milp(cost, A, np.concatenate(lo), np.concatenate(hi), np.zeros(nm + nw), upper,
-                        np.ones(nm + nw, dtype=bool), time_limit=time_limit, warm_start=start, solver=solver,
-                        mip_gap=1e-2, node_limit=MIP_NODE_LIMIT)
+    cost = -gain.ravel()
+    upper = np.repeat(limit, P).astype(float)
+    index = np.arange(nm)
+    A = sp.vstack([
+        sp.csr_matrix((np.ones(nm), (np.repeat(np.arange(n), P), index)), shape=(n, nm)),  # sum_p m[e, p] = r_e
+        sp.csr_matrix((np.ones(nm), (np.tile(np.arange(P), n), index)), shape=(P, nm)),  # sum_e m[e, p] = slots_p
+        sp.csr_matrix((np.repeat(loads, P), (np.tile(np.arange(P), n), index)), shape=(P, nm)),  # load <= cap
+    ]).tocsc()
+    lo = np.concatenate([to_place, slots, np.full(P, -np.inf)]).astype(float)
+    hi = np.concatenate([to_place, slots, np.full(P, cap)]).astype(float)
+    start = None if warm is None else warm.astype(float).ravel()
+    result = solve_milp(cost, A, lo, hi, np.zeros(nm), upper, np.ones(nm, dtype=bool), time_limit=time_limit,
+                        warm_start=start, solver=solver, mip_gap=1e-2, node_limit=MIP_NODE_LIMIT)
     for note in result.notes:
         if note not in notes:
             notes.append(note)
     if result.x is None:
+        if quick is not None:
+            return quick[0], "heuristic"
         return None, result.status
-    return np.rint(result.x[:nm]).reshape(n, P).astype(np.int64), result.status
+    return np.rint(result.x).reshape(n, P).astype(np.int64), result.status
+
+
+def improve_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -> np.ndarray:
+    """Steepest-ascent exchanges: move one replica of e from p to q and one of f from q to p
+    while that gains and keeps both partitions under the cap and within the per-partition limit.
+    Deterministic (ties: lowest index) and vectorised over all unit pairs."""
+    assign = assign.copy()
+    n, P = assign.shape
+    partition_load = loads @ assign
+    for _ in range(max_rounds):
+        e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
+        # delta[i, j]: unit i = (e_i on p_i) goes to p_j, unit j = (e_j on p_j) goes to p_i
+        delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
+        ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
+        ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
+        ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
+        shift = loads[e][None, :] - loads[e][:, None]  # load change on p_i when swapping i and j
+        ok &= partition_load[p][:, None] + shift <= cap * (1 + 1e-9)
+        ok &= partition_load[p][None, :] - shift <= cap * (1 + 1e-9)
+        delta = np.where(ok, delta, -np.inf)
+        best = int(np.argmax(delta))
+        i, j = divmod(best, len(e))
+        if not delta[i, j] > 1e-9:
+            break
+        assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
+        assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
+        partition_load[p[i]] += loads[e[j]] - loads[e[i]]
+        partition_load[p[j]] += loads[e[i]] - loads[e[j]]
+    return assign
 
 
 def _fits(assign, loads, cap) -> bool:
     return bool(np.all(loads @ assign <= cap * (1 + 1e-9)))
 
 
-def _assignment_with_penalties(gain, slots, loads, cap, rounds: int = 30):
-    """One replica per expert: a linear assignment of experts to partition slots.
+def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25):
+    """The layer step without its load rows, with overloaded partitions' load priced.
 
-    Without the load cap the layer step is exactly this assignment (an integral transportation
-    problem), so if its optimum meets the cap it is the MIP's optimum: returns (assign, True).
-    Otherwise the load of overloaded partitions is priced (a Lagrangian penalty raised round by
-    round) to find a good assignment that fits, returned as (assign, False) for a warm start;
-    None if none fits."""
-    from scipy.optimize import linear_sum_assignment
-
+    Round 0 is the exact optimum of the transportation problem; if it fits the cap it solves the
+    step: (assign, True). Otherwise the price of load on overloaded partitions rises round by round
+    (a Lagrangian heuristic) until an assignment fits: (assign, False); None if none does."""
     n, P = gain.shape
-    columns = np.repeat(np.arange(P), slots)
     price = np.zeros(P)
     scale = max(float(np.abs(gain).max()), 1e-9) / max(float(loads.max()), 1e-9)
     for round_ in range(rounds):
-        value = gain - loads[:, None] * price[None, :]
-        rows, cols = linear_sum_assignment(-value[:, columns])
-        assign = np.zeros((n, P), dtype=np.int64)
-        assign[rows, columns[cols]] = 1
+        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots)
+        if assign is None:
+            return None
         partition_load = loads @ assign
         if np.all(partition_load <= cap * (1 + 1e-9)):
             return assign, round_ == 0
         over = partition_load > cap
         price = price + scale * 0.25 * (round_ + 1) * over * (partition_load / cap - 1 + 0.05)
     return None
+
+
+def _transport(value, to_place, limit, slots):
+    """int [n, P] maximising sum value * m with row sums to_place, column sums slots, m <= limit."""
+    n, P = value.shape
+    if np.all(to_place == 1):
+        from scipy.optimize import linear_sum_assignment
+
+        columns = np.repeat(np.arange(P), slots)
+        rows, cols = linear_sum_assignment(-value[:, columns])
+        assign = np.zeros((n, P), dtype=np.int64)
+        assign[rows, columns[cols]] = 1
+        return assign
+    nm = n * P
+    index = np.arange(nm)
+    A = sp.vstack([
+        sp.csr_matrix((np.ones(nm), (np.repeat(np.arange(n), P), index)), shape=(n, nm)),
+        sp.csr_matrix((np.ones(nm), (np.tile(np.arange(P), n), index)), shape=(P, nm)),
+    ]).tocsc()
+    bounds = np.concatenate([to_place, slots]).astype(float)
+    result = solve_milp(-value.ravel(), A, bounds, bounds, np.zeros(nm), np.repeat(limit, P).astype(float),
+                        np.zeros(nm, dtype=bool), time_limit=5.0)
+    if result.x is None:
+        return None
+    x = result.x.reshape(n, P)
+    rounded = np.rint(x)
+    if np.abs(x - rounded).max() > 1e-6:  # a non-vertex optimum: leave it to the MIP
+        return None
+    return rounded.astype(np.int64)
 
 
 def _objective(counts, share, present):
@@ -279,21 +329,50 @@ class StagedSolution:
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
                      solver: str, deadline: float, per_mip_limit: float = 1.0) -> StagedSolution:
-    """Stage 1 (nodes) then stage 2 (GPUs of each node); see module docstring."""
+    """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
+
+    Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
+    cap (each step a pure transportation problem, exact and fast), then lets the capped stages
+    repair the balance. Each start gets half the time; the one keeping more transitions local wins
+    (ties: A). Layers left over their cap (a step that found no fitting solution in its limits)
+    fall back to the packing, which fits whenever the cap is achievable by it."""
     from moeplan.passes.optimize.placement_eplb import replica_counts
 
     L, E = loads.shape
-    D, N, G = topology.devices, topology.nodes, topology.gpus_per_node
+    D = topology.devices
     slots = (E + redundant) // D
     replicas = np.stack([replica_counts(loads[l], E + redundant, D) for l in range(L)])
     caps = layer_caps(loads, replicas, D, slots, balance, balance_base)
     check_caps(loads, replicas, caps, D, slots, balance)
     problem = LayerProblem(counts, loads, replicas, caps, solver)
-    hosts = initial_hosts(loads, replicas, D, slots)
-    initial = hosts.copy()
+    packed = initial_hosts(loads, replicas, D, slots)
     start = time.perf_counter()
-    stage1_deadline = start + 0.45 * max(deadline - start, 0.0)
-    sweeps = {}
+    half = start + 0.5 * max(deadline - start, 0.0)
+    best = None
+    for name, presolve, until in (("packing", False, half), ("uncapped", True, deadline)):
+        sweeps = {}
+        hosts = packed.copy()
+        if presolve:
+            uncapped = hosts.astype(np.int64)
+            sweeps["uncapped"] = solve_stage(problem, uncapped, replicas, np.full(D, slots), 1, np.full(L, np.inf),
+                                             time.perf_counter() + 0.3 * max(until - time.perf_counter(), 0.0),
+                                             per_mip_limit)
+            hosts = uncapped > 0
+        hosts = _run_stages(problem, hosts, packed, topology, slots, until, per_mip_limit, sweeps)
+        hosts = _repair_layers(problem, hosts, packed, slots, per_mip_limit)
+        value = _objective(counts, hosts / replicas[:, :, None], hosts.astype(float))
+        if best is None or value > best[0] * (1 + 1e-12):
+            best = (value, hosts, {"start": name, **sweeps})
+    return StagedSolution(best[1], replicas, caps, counts, best[2], problem.notes)
+
+
+def _run_stages(problem, hosts, packed, topology, slots, deadline, per_mip_limit, sweeps) -> np.ndarray:
+    L, E, D = hosts.shape
+    N, G = topology.nodes, topology.gpus_per_node
+    caps, replicas = problem.caps, problem.replicas
+    hosts = hosts.copy()
+    start = time.perf_counter()
+    stage1_deadline = start + 0.5 * max(deadline - start, 0.0)
     node_caps = caps * G
     if N > 1:
         node_assign = hosts.reshape(L, E, N, G).sum(axis=3).astype(np.int64)
@@ -302,6 +381,9 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
                                           node_caps, stage1_deadline, per_mip_limit)
         except StageInfeasible as exc:
             raise infeasible_layer_error(problem, exc.args[0]) from None
+        joint = polish_windows(problem, node_assign, replicas, np.full(N, G * slots), node_caps,
+                               min(stage1_deadline, time.perf_counter() + JOINT_SHARE * max(deadline - start, 0.0)))
+        sweeps["joint_nodes"] = joint
     else:
         node_assign = replicas[:, :, None].astype(np.int64)
     gpu_sweeps = []
@@ -310,21 +392,27 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         for n in range(N):
             node_deadline = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (N - n)
             to_place = node_assign[:, :, n]
-            gpu_assign = _pack_within_node(loads, replicas, to_place, G, slots)
+            gpu_assign = _pack_within_node(problem.loads, replicas, to_place, G, slots)
+            current = hosts[:, :, n * G:(n + 1) * G]
+            keep = (current.sum(axis=2) == to_place).all(axis=1) & (current.sum(axis=1) == slots).all(axis=1)
+            gpu_assign[keep] = current[keep]  # the start's GPU split where it matches the node split
             try:
                 gpu_sweeps.append(solve_stage(problem, gpu_assign, to_place, np.full(G, slots), 1, caps,
                                               node_deadline, per_mip_limit))
             except StageInfeasible as exc:
                 bad_layer = exc.args[0]
                 break
+            joint = polish_windows(problem, gpu_assign, to_place, np.full(G, slots), caps,
+                                   min(node_deadline, time.perf_counter() + JOINT_SHARE * max(deadline - start, 0.0) / N))
+            sweeps["joint_gpus"] = sweeps.get("joint_gpus", 0.0) + joint["gained"]
             hosts[:, :, n * G:(n + 1) * G] = gpu_assign > 0
         if bad_layer is None:
             break
         # the node split of this layer packs badly into GPUs: tighten its node cap and redo it
         if N == 1:
             raise infeasible_layer_error(problem, bad_layer)
-        if attempt >= 5:  # fall back to the warm start's node split, which packs under the cap if anything does
-            node_assign[bad_layer] = initial.reshape(L, E, N, G).sum(axis=3)[bad_layer]
+        if attempt >= 5:  # fall back to the packing's node split, which fits if the packing does
+            node_assign[bad_layer] = packed.reshape(L, E, N, G).sum(axis=3)[bad_layer]
             continue
         node_caps = node_caps.copy()
         node_caps[bad_layer] *= 0.97
@@ -336,7 +424,27 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         except StageInfeasible:
             raise infeasible_layer_error(problem, bad_layer) from None
     sweeps["gpus"] = max(gpu_sweeps) if gpu_sweeps else 0
-    return StagedSolution(hosts, replicas, caps, counts, sweeps, problem.notes)
+    return hosts
+
+
+def _repair_layers(problem, hosts, packed, slots, per_mip_limit) -> np.ndarray:
+    """Replace any layer over its cap by the packing, or by a capped MIP with no affinity."""
+    L, E, D = hosts.shape
+    hosts = hosts.copy()
+    for l in range(L):
+        per_replica = problem.loads[l] / problem.replicas[l]
+        if (per_replica @ hosts[l]).max() <= problem.caps[l] * (1 + 1e-9):
+            continue
+        if (per_replica @ packed[l]).max() <= problem.caps[l] * (1 + 1e-9):
+            hosts[l] = packed[l]
+            continue
+        zero = np.zeros((E, D))
+        assign, status = assignment_mip(zero, zero, problem.replicas[l], 1, np.full(D, slots), per_replica,
+                                        problem.caps[l], None, 30 * per_mip_limit, problem.solver, problem.notes)
+        if assign is None or (per_replica @ assign).max() > problem.caps[l] * (1 + 1e-9):
+            raise infeasible_layer_error(problem, l)
+        hosts[l] = assign > 0
+    return hosts
 
 
 def _pack_within_node(loads, replicas, to_place, gpus, slots) -> np.ndarray:

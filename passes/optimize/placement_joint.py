@@ -1,0 +1,143 @@
+"""ExFlow's joint placement ILP (Eqs. 8-12) on aggregated counts, over windows of layers.
+
+Why: the per-layer sweeps of `placement_ilp` fix all other layers at each step; the joint model
+optimises several consecutive layers at once, so it can move a whole chain of affine experts
+together. It follows ExFlow with one cross indicator per *observed* expert pair (not per token):
+    minimise  sum_l sum_(a,b) c[l,a,b] * y[l,a,b]  -  boundary gains
+    y[l,a,b] >= x[l,a,p] - x[l+1,b,p]     for every partition p
+    sum_p x[l,e,p] = 1,  sum_e x[l,e,p] = slots_p,  sum_e load[l,e] x[l,e,p] <= cap[l]
+Layers outside the window stay fixed and enter as linear gains at its edges; a window covering
+every layer is the monolithic model, where one expert is pinned to partition 0 (partitions are
+interchangeable, so this removes symmetric copies of every solution). Used without replicas
+(each expert on exactly one partition of the level being solved), warm-started from the sweeps'
+result and accepted only when it improves it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import scipy.sparse as sp
+
+from moeplan.passes.optimize.milp import solve_milp
+
+MAX_MODEL_NONZEROS = 150_000
+JOINT_NODE_LIMIT = 500
+
+
+def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.ndarray, caps: np.ndarray,
+                   deadline: float) -> dict:
+    """Improve assign (int [L, E, P], 0/1, updated in place) window by window until the deadline."""
+    L, E, P = assign.shape
+    if np.any(to_place > 1) or np.any(problem.replicas > 1):
+        return {"windows": 0, "gained": 0.0}
+    pairs = [int(np.count_nonzero(problem.counts[l][np.ix_(to_place[l] > 0, to_place[l + 1] > 0)])) for l in range(L - 1)]
+    windows = []
+    first = 0
+    while first < L:
+        last, size = first, 0
+        while last + 1 < L and size + pairs[last] * (2 * P + 1) <= MAX_MODEL_NONZEROS:
+            size += pairs[last] * (2 * P + 1)
+            last += 1
+        if last == first:  # even one layer pair is too big for a joint model: the sweeps handle it
+            first += 1
+            continue
+        windows.append((first, last))
+        if last == L - 1:
+            break
+        first = last  # windows overlap by one layer so chains can move across their edges
+    gained = 0.0
+    solved = 0
+    for i, (first, last) in enumerate(windows):
+        left = deadline - time.perf_counter()
+        if left < 0.5:
+            break
+        gained += _solve_window(problem, assign, to_place, slots, caps, first, last, left / (len(windows) - i))
+        solved += 1
+    return {"windows": solved, "of": len(windows), "gained": gained}
+
+
+def _solve_window(problem, assign, to_place, slots, caps, first, last, time_limit) -> float:
+    L, E, P = assign.shape
+    counts = problem.counts
+    members = [np.flatnonzero(to_place[l] > 0) for l in range(first, last + 1)]
+    offsets = np.cumsum([0] + [len(m) * P for m in members])
+    n_x = int(offsets[-1])
+    column_of = {}
+    for i, m in enumerate(members):
+        for j, e in enumerate(m):
+            column_of[(first + i, int(e))] = offsets[i] + j * P
+    cost = [np.zeros(n_x)]
+    # boundary gains from the fixed neighbours
+    if first > 0:
+        share = assign[first - 1] / problem.replicas[first - 1][:, None]
+        gain = counts[first - 1][:, members[0]].T @ share
+        cost[0][offsets[0]:offsets[1]] -= gain.ravel()
+    if last < L - 1:
+        present = (assign[last + 1] > 0).astype(float)
+        gain = counts[last][members[-1]] @ present
+        cost[0][offsets[-2]:offsets[-1]] -= gain.ravel()
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+
+    def add_row(columns, values, low, high):
+        nonlocal r
+        rows.extend([r] * len(columns)); cols.extend(columns); vals.extend(values); lo.append(low); hi.append(high)
+        r += 1
+
+    for i, m in enumerate(members):
+        l = first + i
+        base = offsets[i]
+        loads = problem.loads[l][m] / problem.replicas[l][m]
+        for j in range(len(m)):
+            add_row(list(range(base + j * P, base + (j + 1) * P)), [1.0] * P, 1.0, 1.0)
+        for p in range(P):
+            idx = list(range(base + p, base + len(m) * P, P))
+            add_row(idx, [1.0] * len(m), float(slots[p]), float(slots[p]))
+            add_row(idx, list(loads), -np.inf, float(caps[l]))
+    y_cost = []
+    y_pairs = []
+    n_y = 0
+    for i in range(len(members) - 1):
+        l = first + i
+        sub = counts[l][np.ix_(members[i], members[i + 1])]
+        a_idx, b_idx = np.nonzero(sub)
+        for a_j, b_j, c in zip(a_idx, b_idx, sub[a_idx, b_idx]):
+            y = n_x + n_y
+            xa = offsets[i] + a_j * P
+            xb = offsets[i + 1] + b_j * P
+            for p in range(P):  # y - x[a,p] + x[b,p] >= 0
+                add_row([y, xa + p, xb + p], [1.0, -1.0, 1.0], 0.0, np.inf)
+            y_cost.append(c)
+            y_pairs.append((xa, xb))
+            n_y += 1
+    n = n_x + n_y
+    c_vec = np.concatenate([cost[0], np.asarray(y_cost, dtype=float)])
+    A = sp.csc_matrix((vals, (rows, cols)), shape=(r, n))
+    lower = np.zeros(n)
+    upper = np.ones(n)
+    integer = np.concatenate([np.ones(n_x, dtype=bool), np.zeros(n_y, dtype=bool)])
+    # warm start from the current assignment
+    x0 = np.concatenate([assign[first + i][m].ravel() for i, m in enumerate(members)]).astype(float)
+    whole = first == 0 and last == L - 1
+    if whole and len(members[0]):
+        # symmetry breaking: relabel partitions so the first expert of the first layer sits on 0, then pin it
+        p0 = int(np.argmax(x0[0:P]))
+        if p0 != 0 and np.all(slots == slots[0]):
+            x0 = x0.reshape(-1, P)
+            x0[:, [0, p0]] = x0[:, [p0, 0]]
+            x0 = x0.ravel()
+        if x0[0] == 1.0:
+            lower[0] = 1.0
+    y0 = np.array([max(0.0, float((x0[xa:xa + P] - x0[xb:xb + P]).max())) for xa, xb in y_pairs])
+    start = np.concatenate([x0, y0])
+    before = float(c_vec @ start)
+    result = solve_milp(c_vec, A, np.asarray(lo), np.asarray(hi), lower, upper, integer,
+                        time_limit=time_limit, warm_start=start, solver=problem.solver, mip_gap=1e-4,
+                        node_limit=JOINT_NODE_LIMIT)
+    if result.x is None or result.objective >= before - 1e-6:
+        return 0.0
+    x = np.rint(result.x[:n_x])
+    for i, m in enumerate(members):
+        assign[first + i][m] = x[offsets[i]:offsets[i + 1]].reshape(len(m), P).astype(np.int64)
+    return before - result.objective
