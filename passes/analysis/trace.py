@@ -226,6 +226,9 @@ def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray):
             attention.append(None)
         else:
             attention.append(attention_argmax_ids(last_attention, input_ids).reshape(B * S))
+    if not experts:
+        raise UserError(f"{type(module).__name__} ran without calling any of its {len(points.routers)} MoE routers; "
+                        "tracing needs the routers to run in forward()")
     experts_arr = np.stack(experts, axis=1)
     weights_arr = np.stack(weights, axis=1)
     attention_arr = None if any(a is None for a in attention) else np.stack(attention, axis=1)
@@ -325,6 +328,9 @@ def record_trace(
     done = 0
     for input_ids in batches:
         e, w, a = run_batch(input_ids)
+        if experts and e.shape[1:] != experts[0].shape[1:]:
+            raise UserError(f"the model routed through {e.shape[1]} MoE layers (top-{e.shape[2]}) in one batch and "
+                            f"{experts[0].shape[1]} (top-{experts[0].shape[2]}) in another; tracing needs a fixed layer count")
         experts.append(e)
         weights.append(w)
         attention.append(a)
