@@ -9,7 +9,9 @@ Cases (same trace and topology for every policy in a case):
 - planted-64gpu: the same generator with 256 experts, 64 GPUs in 8 nodes, 64 redundant slots;
 - deepseek-v3: 58 layers x 256 experts, top-8, 20,000 tokens, 64 GPUs in 8 nodes, 64 redundant
   slots; eplb uses its hierarchical policy with DeepSeek-V3's 8 expert groups.
-Synthetic cases are scored on the trace they were planned on. `ilp` without replicas first tries
+Synthetic cases are scored on the trace they were planned on. On the example, both ilp rows are
+capped at EPLB's max load per layer (--balance-base eplb --balance 0: equal or better balance than
+eplb with the same slots, on the planning split). Elsewhere `ilp` without replicas first tries
 the default cap (--balance 0.1 over the mean); when a hot expert makes that infeasible the error
 is printed and it runs with --balance-base eplb --balance 0.05 (every layer within 5% of EPLB's
 max load). `ilp` with replicas uses --balance 0.1 over the mean.
@@ -41,6 +43,7 @@ class Case:
     redundant: int
     expert_groups: int = 0
     synth: dict = None
+    equal_balance: bool = False  # ilp rows capped at EPLB's max load per layer (--balance-base eplb --balance 0)
 
 
 SYNTH_CASES = {
@@ -48,7 +51,7 @@ SYNTH_CASES = {
     "planted-64gpu": Case("planted-64gpu", 8, 8, 64, synth=dict(layers=12, experts=256, top_k=2, tokens=40000, affinity=0.6, zipf=0.8, seed=0)),
     "deepseek-v3": Case("deepseek-v3", 8, 8, 64, expert_groups=8, synth=dict(layers=58, experts=256, top_k=8, tokens=20000, affinity=0.6, zipf=0.8, seed=0)),
 }
-EXAMPLE = Case("example", 2, 2, 4)
+EXAMPLE = Case("example", 2, 2, 4, equal_balance=True)
 
 
 def split_by_sequence(trace):
@@ -75,6 +78,9 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log) -> lis
         ("ilp", dict(policy="ilp", balance=0.1)),
         (f"ilp+{R}", dict(policy="ilp", redundant=R, balance=0.1)),
     ]
+    if case.equal_balance:
+        runs[3:] = [("ilp (eplb-base 0)", dict(policy="ilp", balance=0.0, balance_base="eplb")),
+                    (f"ilp+{R} (eplb-base 0)", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb"))]
     rows = []
     for label, options in runs:
         request = PlacementRequest(topology, time_limit=time_limit, **options)

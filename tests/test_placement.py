@@ -139,3 +139,14 @@ def test_gurobi_request_falls_back_with_a_note_when_unavailable(planted):
         p = plan_placement(planted, PlacementRequest(Topology(2, 2), "ilp", solver="gurobi", balance=0.05,
                                                      balance_base="eplb", time_limit=10))
         assert p.metrics["gpu_local_fraction"] > 0
+
+
+def test_gurobi_size_limited_licence_falls_back_to_highs():
+    pytest.importorskip("gurobipy")
+    import scipy.sparse as sp
+    from moeplan.passes.optimize.milp import solve_milp
+    n = 3000  # over the pip licence's ~2000-variable limit
+    r = solve_milp(-np.ones(n), sp.csr_matrix(np.ones((1, n))), np.array([-np.inf]), np.array([10.0]),
+                   np.zeros(n), np.ones(n), np.ones(n, dtype=bool), time_limit=5, solver="gurobi")
+    assert r.objective == pytest.approx(-10.0)
+    assert any("size-limited" in note for note in r.notes)

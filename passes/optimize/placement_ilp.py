@@ -32,9 +32,8 @@ from moeplan.planner.errors import UserError
 
 
 MIP_NODE_LIMIT = 200  # branch-and-bound nodes per layer step: a deterministic work limit
-MAX_SWEEPS = 8
+MAX_SWEEPS = 12
 JOINT_SHARE = 0.05  # of a start's time, for the joint window model after each stage's sweeps
-EXACT_STEPS = True  # run the step MIP after the swaps (else the swaps' local optimum is the step)
 
 
 @dataclass
@@ -58,7 +57,8 @@ def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition
     return np.minimum(np.maximum(1, -(-to_place // partitions)), max_per_partition)
 
 
-def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads, cap, warm, time_limit, solver, notes):
+def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads, cap, warm, time_limit, solver, notes,
+                   exact: bool = True):
     """Place one layer's replicas on P partitions maximising the local transitions they gain.
 
     in_gain[e, p]: transitions into e that become local if e is present on p; out_gain[e, p]:
@@ -66,8 +66,9 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
     slots: int [P] (exact fill); loads: float [n] load per replica; cap: load cap per partition;
     warm: int [n, P] or None. The model is a transportation problem (totally unimodular) plus
     one load row per partition: when its optimum without the load rows fits the cap it is
-    optimal; else priced loads give a fitting warm start for the MIP. Returns (int [n, P] or
-    None, status).
+    optimal; else priced loads give a fitting start, improved by exchanges (`improve_by_swaps`),
+    which is the step when not `exact` and the MIP's warm start when `exact`. Returns
+    (int [n, P] or None, status).
     """
     n, P = in_gain.shape
     limit = per_partition_limit(to_place, P, max_per_partition)
@@ -79,7 +80,7 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
         warm = quick[0]
     if warm is not None and _fits(warm, loads, cap):
         warm = improve_by_swaps(gain, warm, limit, loads, cap)
-        if not EXACT_STEPS:
+        if not exact:
             return warm, "heuristic"
     nm = n * P
     cost = -gain.ravel()
@@ -210,6 +211,7 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
     counts = problem.counts
     sweeps = 0
     previous = None
+    exact = False  # fast sweeps (exchanges) until they stop gaining, then sweeps of exact step MIPs
     while time.perf_counter() < deadline and sweeps < MAX_SWEEPS:
         order = range(L) if sweeps % 2 == 0 else reversed(range(L))
         for l in order:
@@ -230,7 +232,7 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
             result, status = assignment_mip(
                 in_gain, out_gain, to_place[l][experts], max_per_partition, partition_slots,
                 problem.loads[l][experts] / replicas[l][experts], partition_caps[l],
-                assign[l][experts], min(per_mip_limit, left), problem.solver, problem.notes)
+                assign[l][experts], min(per_mip_limit, left), problem.solver, problem.notes, exact)
             if result is None:
                 if status == "infeasible":
                     raise StageInfeasible(l)
@@ -240,7 +242,9 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
         share = assign / problem.replicas[:, :, None]
         value = _objective(counts, share, (assign > 0).astype(float))
         if previous is not None and value <= previous * (1 + 1e-9):
-            break
+            if exact:
+                break
+            exact = True
         previous = value
     return sweeps
 
