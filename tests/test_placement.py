@@ -28,7 +28,7 @@ def problems(draw):
     D = nodes * gpus
     per_device = draw(st.integers(1, 4))
     E = D * per_device
-    redundant = D * draw(st.integers(0, 1))
+    redundant = D * draw(st.integers(0, 1)) if D > 1 else 0
     L = draw(st.integers(1, 3))
     K = draw(st.integers(1, min(2, E)))
     T = draw(st.integers(5, 60))
@@ -121,6 +121,7 @@ def test_hot_expert_makes_tight_balance_infeasible_naming_layer_and_expert():
     (dict(topology=Topology(3, 1), policy="contiguous"), "divisible"),
     (dict(topology=Topology(3, 1), policy="ilp"), "do not divide evenly"),
     (dict(topology=Topology(1, 2), policy="contiguous", redundant=2), "no replicas"),
+    (dict(topology=Topology(1, 2), policy="eplb", redundant=34), "distinct devices"),
 ])
 def test_infeasible_requests_name_the_constraint(planted, request_kwargs, message):
     with pytest.raises(UserError, match=message):

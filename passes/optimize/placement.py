@@ -77,6 +77,11 @@ def check_request(trace: Trace, request: PlacementRequest) -> None:
             f"over {D} devices ({request.topology.nodes} nodes x {request.topology.gpus_per_node} GPUs); "
             f"pick --redundant so that experts + redundant is a multiple of {D}"
         )
+    if request.redundant > E * (D - 1):
+        raise UserError(
+            f"--redundant {request.redundant} is more than the {E * (D - 1)} redundant slots {D} devices can hold: "
+            f"replicas of an expert go on distinct devices, so each of the {E} experts has at most {D} copies"
+        )
     if slots < D:
         raise UserError(f"{slots} expert slots per layer cannot fill {D} devices; use fewer devices or more --redundant slots")
 
