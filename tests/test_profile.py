@@ -88,3 +88,26 @@ def test_units_without_a_runnable_module_are_estimated(tmp_path):
     loaded = small_model(tmp_path)
     p = prof.profile_model(loaded.ir, None, tokens_grid=(8, 64), threads=(1,), budget_s=0.0, cache_dir=None)
     assert p.rows and all(r["estimated"] for r in p.rows)
+
+
+def test_onnx_nodes_are_attributed_to_the_units_whose_weights_they_read():
+    import onnx
+    from onnx import TensorProto, helper
+
+    from moeplan.passes.analysis.onnx_profile import node_units
+
+    w = lambda name: helper.make_tensor(name, TensorProto.FLOAT, [2, 2], [0.0] * 4)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "blocks.0.attn.qkv.weight"], ["a"], name="n0"),
+         helper.make_node("Relu", ["a"], ["b"], name="n1"),
+         helper.make_node("MatMul", ["b", "blocks.0.moe.experts.1.w_up.weight"], ["c"], name="n2"),
+         helper.make_node("Sigmoid", ["c"], ["d"], name="n3"),
+         helper.make_node("MatMul", ["b", "blocks.0.moe.gate.weight"], ["g"], name="n4")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])],
+        [helper.make_tensor_value_info("d", TensorProto.FLOAT, [2, 2])],
+        [w("blocks.0.attn.qkv.weight"), w("blocks.0.moe.experts.1.w_up.weight"), w("blocks.0.moe.gate.weight")])
+    units = [prof.Unit("blocks.0.attn", "dense", "layer0", 1, 1), prof.Unit("blocks.0.moe.expert1", "expert", "layer0", 1, 1),
+             prof.Unit("blocks.0.moe.expert11", "expert", "layer0", 1, 1), prof.Unit("blocks.0.moe.router", "dense", "layer0", 1, 1)]
+    got = node_units(helper.make_model(graph), units)
+    assert got == {"n0": "blocks.0.attn", "n1": "blocks.0.attn", "n2": "blocks.0.moe.expert1",
+                   "n3": "blocks.0.moe.expert1", "n4": "blocks.0.moe.router"}

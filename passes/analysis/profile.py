@@ -257,7 +257,7 @@ def model_hash(ir: ModelIR, tokens_grid, threads, budget_s) -> str:
     """Key of a profile: the model's IR and the profiling settings on this kind of machine."""
     import torch
 
-    key = json.dumps({"ir": ir.to_dict(), "tokens": list(tokens_grid), "threads": list(threads),
+    key = json.dumps({"ir": ir.to_dict(), "source_format": ir.source_format, "tokens": list(tokens_grid), "threads": list(threads),
                       "budget": budget_s, "torch": torch.__version__, "machine": pyplatform.machine(),
                       "cpus": os.cpu_count(), "version": PROFILE_VERSION}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -265,8 +265,12 @@ def model_hash(ir: ModelIR, tokens_grid, threads, budget_s) -> str:
 
 def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threads=None,
                   budget_s: float = DEFAULT_BUDGET_S, cache_dir: Optional[str | Path] = DEFAULT_CACHE_DIR,
-                  refresh: bool = False, seed: int = 0) -> Profile:
-    """Profile (or load the cached profile of) a model; `cache_dir=None` disables the cache."""
+                  refresh: bool = False, seed: int = 0, onnx_path: Optional[str] = None) -> Profile:
+    """Profile (or load the cached profile of) a model; `cache_dir=None` disables the cache.
+
+    A torch `module` is timed unit by unit; without one, an `onnx_path` is profiled with
+    onnxruntime (`onnx_profile.py`); with neither, every unit is estimated from its FLOPs.
+    """
     threads = tuple(threads or default_threads())
     tokens_grid = tuple(sorted(int(t) for t in tokens_grid))
     h = model_hash(ir, tokens_grid, threads, budget_s)
@@ -280,7 +284,14 @@ def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threa
             pass  # unreadable cache entry: profile again
     start = time.perf_counter()
     units = model_units(ir, module)
-    rows = measure(units, tokens_grid, threads, budget_s)
+    if module is None and onnx_path is not None:
+        from moeplan.passes.analysis.onnx_profile import measure_onnx
+
+        rows = measure_onnx(onnx_path, ir, units, tokens_grid, threads)
+        measured = {r["unit"] for r in rows}
+        rows += [r for r in measure([u for u in units if u.name not in measured], tokens_grid, threads, 0.0)]
+    else:
+        rows = measure(units, tokens_grid, threads, budget_s)
     seconds = time.perf_counter() - start
     X = features([r["flops_per_token"] for r in rows], [r["param_bytes"] for r in rows],
                  [r["tokens"] for r in rows], [r["threads"] for r in rows], [r["kind"] == "expert" for r in rows])

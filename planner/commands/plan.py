@@ -81,7 +81,7 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     t0 = time.perf_counter()
     say("profiling operators...")
     prof = profile_model(ir, loaded.module if loaded.has_weights else None, budget_s=profile_budget,
-                         cache_dir=None if no_cache else cache_dir, seed=seed)
+                         cache_dir=None if no_cache else cache_dir, seed=seed, onnx_path=loaded.onnx_path)
     facts = build_facts(ir, prof, platform)
     profile_s = time.perf_counter() - t0
     say(f"profile {'(cached) ' if prof.cached else ''}ready: time RMSLE {prof.time_rmsle:.3f}, memory RMSLE {prof.memory_rmsle:.3f}")
