@@ -105,3 +105,22 @@ def test_launch_script_checks_the_node_count_before_starting(tmp_path, model_dir
     proc = subprocess.run(["bash", str(root / "launch.sh"), "--prompts", "p.txt", "--out", "r"],
                           env={"NNODES": "3", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
     assert proc.returncode == 2 and "compiled for 2 node(s) but NNODES=3" in proc.stderr
+
+
+def test_run_json_prints_the_documented_keys(monkeypatch):
+    from click.testing import CliRunner
+
+    from moeplan.planner.commands import run as run_module
+
+    report = {"verified": True, "max_abs_logit_diff": 1e-6, "tokens_match": True, "gpu_local_fraction": 0.5,
+              "predicted_gpu_local_fraction": 0.5, "bytes_per_token": 100.0, "tokens_per_second": 9.0,
+              "messages_per_token": 1.0, "total_bytes_per_token": 200.0, "mode": "coherent", "world_size": 2,
+              "locality_matches_prediction": True, "per_layer": [], "texts": ["x"], "totals": {}}
+    monkeypatch.setattr(run_module, "run_modes", lambda *a, **k: {"coherent": report})
+    result = CliRunner().invoke(run_module.run, ["somewhere", "--verify", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    assert {"verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
+            "bytes_per_token", "tokens_per_second"} <= set(out)
+    monkeypatch.setattr(run_module, "run_modes", lambda *a, **k: {"coherent": dict(report, verified=False)})
+    assert CliRunner().invoke(run_module.run, ["somewhere", "--verify", "--json"]).exit_code == 1

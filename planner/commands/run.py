@@ -173,8 +173,12 @@ def _print(report: dict, verify: bool) -> None:
                    f"  {layer['context_bytes']:>13}  {local:>11}")
     click.echo(f"  all-to-all bytes per generated token {report['bytes_per_token']:.0f} "
                f"({report['messages_per_token']:.2f} messages); all traffic {report['total_bytes_per_token']:.0f}")
-    click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
-               f"predicted {report['predicted_gpu_local_fraction']:.4f}")
+    if report["mode"] == "coherent":
+        click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
+                   f"predicted {report['predicted_gpu_local_fraction']:.4f}")
+    else:
+        click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f} (slots on the home rank; "
+                   f"the planner's {report['predicted_gpu_local_fraction']:.4f} is for coherent mode)")
     if verify:
         verdict = "PASS" if report["verified"] else "FAIL"
         click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {LOGIT_TOLERANCE:g}), "
