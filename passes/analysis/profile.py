@@ -39,11 +39,12 @@ from moeplan.passes.analysis.operator_predictor import features, fit_predictors
 from moeplan.planner.atomic import write_text_atomic
 from moeplan.planner.ir import ModelIR, dtype_bytes
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 DEFAULT_TOKENS = (8, 64, 512, 2048)
 DEFAULT_BUDGET_S = 5.0
 MIN_REPS = 3
 MIN_TIME_S = 0.002
+MIN_TIME_MULTI_S = 0.05
 MAX_REPS = 25
 SEQ_LEN = 128
 DEFAULT_CACHE_DIR = "build/cache"
@@ -156,7 +157,8 @@ def _time_call(fn, inputs, threads: int = 1) -> float:
     fn(*inputs)  # warm-up
     samples, start = [], time.perf_counter()
     clock = time.process_time if threads == 1 else time.perf_counter
-    while len(samples) < MAX_REPS and (len(samples) < MIN_REPS or time.perf_counter() - start < MIN_TIME_S):
+    min_time = MIN_TIME_S if threads == 1 else MIN_TIME_MULTI_S  # a minimum needs more draws
+    while len(samples) < MAX_REPS and (len(samples) < MIN_REPS or time.perf_counter() - start < min_time):
         t0 = clock()
         fn(*inputs)
         samples.append(clock() - t0)
@@ -241,16 +243,22 @@ class Profile:
     seconds_spent: float
     groups: dict = field(default_factory=dict)  # group -> {"seconds": [threads][grid], ...}
     cached: bool = False
+    time_rmsle_by_threads: dict = field(default_factory=dict)
+    load_average: float = 0.0   # 1-minute load when measured: above the core count, timings are disturbed
 
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, "model_hash": self.model_hash, "tokens_grid": list(self.tokens_grid),
                 "threads": list(self.threads), "rows": self.rows, "time_rmsle": self.time_rmsle,
-                "memory_rmsle": self.memory_rmsle, "seconds_spent": self.seconds_spent, "groups": self.groups}
+                "memory_rmsle": self.memory_rmsle, "seconds_spent": self.seconds_spent, "groups": self.groups,
+                "time_rmsle_by_threads": {str(k): v for k, v in self.time_rmsle_by_threads.items()},
+                "load_average": self.load_average}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
         return cls(d["model_hash"], tuple(d["tokens_grid"]), tuple(d["threads"]), d["rows"], d["time_rmsle"],
-                   d["memory_rmsle"], d["seconds_spent"], d["groups"])
+                   d["memory_rmsle"], d["seconds_spent"], d["groups"],
+                   time_rmsle_by_threads={int(k): v for k, v in d.get("time_rmsle_by_threads", {}).items()},
+                   load_average=d.get("load_average", 0.0))
 
 
 def model_hash(ir: ModelIR, tokens_grid, threads, budget_s) -> str:
@@ -298,7 +306,9 @@ def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threa
     preds = fit_predictors(X, np.array([r["seconds"] for r in rows]), np.array([r["peak_bytes"] for r in rows]), seed=seed)
     groups = _derive_groups(units, preds, tokens_grid, threads)
     prof = Profile(h, tokens_grid, threads, rows, round(preds.time_rmsle, 6), round(preds.memory_rmsle, 6),
-                   round(seconds, 3), groups)
+                   round(seconds, 3), groups,
+                   time_rmsle_by_threads={k: round(v, 6) for k, v in (preds.time_rmsle_by_threads or {}).items()},
+                   load_average=round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else 0.0)
     if path is not None:
         write_text_atomic(path, json.dumps(prof.to_dict(), sort_keys=True) + "\n")
     return prof
