@@ -2,7 +2,7 @@
 
 The runtime's HF adapter must reproduce transformers' own forward pass (RoPE, grouped-query
 attention, router, fused experts split per expert, Qwen2-MoE's gated shared expert and dense
-blocks): in one process through the engine, and for Mixtral once through a 2-rank torchrun run.
+blocks): in one process through the engine, and through a 2-rank torchrun run of each.
 """
 import pytest
 import torch
@@ -49,9 +49,11 @@ def test_hf_model_through_the_engine_matches_transformers(tmp_path, kind):
                 assert (rows - ref).abs().max().item() <= 1e-4
 
 
-def test_mixtral_bundle_two_ranks_verifies(tmp_path):
-    directory, model = hf_model_dir(tmp_path, "mixtral")
-    bundle = write_hf_bundle(tmp_path / "bundle", directory, model, contiguous_placement(3, 8, 1, 2))
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_hf_bundle_two_ranks_verifies(tmp_path, kind):
+    directory, model = hf_model_dir(tmp_path, kind)
+    moe_layers = len(moe_blocks(model.config.to_dict()))
+    bundle = write_hf_bundle(tmp_path / "bundle", directory, model, contiguous_placement(moe_layers, 8, 1, 2))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(" ".join(map(str, p)) for p in PROMPTS) + "\n")
     report = run_bundle(str(bundle), 2, str(prompts), 3, "coherent", True, None, 240)
