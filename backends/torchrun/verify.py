@@ -26,6 +26,7 @@ class VerifyError(Exception):
 def _hf_reference(root: Path, plan: dict, state: dict):
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()
     config = transformers.AutoConfig.from_pretrained(str((root / plan["model"]["config"]).parent))
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config)
