@@ -100,7 +100,9 @@ def _plan(facts):
             "mode": facts["mode"], "gating": "dynamic",
             "layers": [{"layer": l, "all_to_all": "variable-size", "exchanges": (["dispatch", "merge"] if facts["mode"] == "coherent" else ["dispatch", "combine"])}
                        for l in range(len(ir.moe_stages))],
-            "attention_state": "replicated KV cache: normed hidden state of every token sent to every rank each layer" if facts["mode"] == "coherent" else "home rank",
+            "attention_state": ("replicated KV cache: every rank computes up to the first MoE router itself, then each "
+                                "token's normed hidden state is sent to every rank at every later layer")
+                               if facts["mode"] == "coherent" else "owner rank",
         },
         predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]]},
         shards=shard_names(topology.devices),
