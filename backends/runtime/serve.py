@@ -25,8 +25,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", required=True, help="text file, one prompt per line")
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--mode", default="coherent",
-                    help="coherent, standard, or both comma-separated (one launch, results per mode)")
+    ap.add_argument("--mode", default=None,
+                    help="coherent, standard, or both comma-separated (one launch, results per mode); "
+                         "default: the plan's communication mode")
     ap.add_argument("--out", required=True, help="directory; each mode writes <out>/<mode>/result.json")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     return ap.parse_args(argv)
@@ -34,7 +35,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    bad = [m for m in args.mode.split(",") if m not in ("coherent", "standard")]
+    bad = [m for m in (args.mode or "coherent").split(",") if m not in ("coherent", "standard")]
     if bad:
         print(f"error: --mode takes coherent and/or standard, got {bad}", file=sys.stderr)
         return 2
@@ -50,6 +51,7 @@ def main(argv=None) -> int:
             raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
                               f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
         arch_mod = architecture(plan)
+        modes = (args.mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
         config = read_json(root, plan["model"]["config"])
         use_cuda = torch.cuda.is_available()
         device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
             print(f"error: rank {rank}: {exc}", file=sys.stderr)
             return 2
         table = ExpertTable.from_placement(placement)
-        for mode in args.mode.split(","):
+        for mode in modes:
             counters = Counters(arch.num_layers)  # per block; MoE-only counts stay zero on dense blocks
             engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device)
             dist.barrier()
