@@ -46,7 +46,7 @@ def check_invariants(facts, loads, res, slo):
     assert res.latency <= slo + 1e-6
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(loads=loads_st, slack=st.floats(1.0, 2.0))
 def test_ods_solutions_satisfy_every_constraint(loads, slack):
     loads = np.array(loads)
