@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml setup.py
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/tiny_moe/train.py --out examples/tiny_moe --if-missing
@@ -26,6 +26,8 @@ demo: $(STAMP)
 	$(BIN)/moeplan inspect examples/tiny_moe
 	$(BIN)/moeplan trace examples/tiny_moe --data examples/tiny_moe/corpus_heldout.txt --out $(DEMO)/trace.npz
 	$(BIN)/moeplan trace stats $(DEMO)/trace.npz
+	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --out $(DEMO)/bundle
+	$(BIN)/moeplan run $(DEMO)/bundle --verify --nproc 4 --new-tokens 8 --mode both
 
 clean:
 	rm -rf $(VENV) build
