@@ -425,8 +425,8 @@ def _run_stages(problem, hosts, packed, topology, slots, deadline, per_mip_limit
         try:
             solve_stage(problem, node_assign, layer_only, np.full(N, G * slots), G, node_caps,
                         time.perf_counter() + 10 * per_mip_limit, per_mip_limit)
-        except StageInfeasible:
-            raise infeasible_layer_error(problem, bad_layer) from None
+        except StageInfeasible:  # tightened too far: take the packing's node split for this layer
+            node_assign[bad_layer] = packed.reshape(L, E, N, G).sum(axis=3)[bad_layer]
     sweeps["gpus"] = max(gpu_sweeps) if gpu_sweeps else 0
     return hosts
 
