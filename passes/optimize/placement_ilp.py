@@ -73,7 +73,10 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
     n, P = in_gain.shape
     limit = per_partition_limit(to_place, P, max_per_partition)
     gain = out_gain + in_gain / limit[:, None]
-    quick = _flow_with_prices(gain, to_place, limit, slots, loads, cap)
+    cheap = bool(np.all(to_place == 1))  # a linear assignment, else an LP per pricing round
+    warm_fits = warm is not None and _fits(warm, loads, cap)
+    rounds = 25 if cheap else (2 if warm_fits else 8)
+    quick = _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds)
     if quick is not None and quick[1]:
         return quick[0], "optimal"  # the optimum without load rows already meets the cap
     if quick is not None and (warm is None or not _fits(warm, loads, cap) or (gain * quick[0]).sum() > (gain * warm).sum()):
