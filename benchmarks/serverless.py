@@ -216,6 +216,8 @@ def main(argv=None):
         tslo = fastest * args.tight_factor
         tight = {"slo_s": tslo}
         sized = {"oracle": real_mean, "ours": predicted_loads(ours.predictor, trace, test, B),
+                 "ours_busiest_batch": predicted_loads(ours.predictor, trace, test, B, statistic="max"),
+                 "oracle_busiest_batch": np.max([l for _, l in test], axis=0),
                  "lina": predicted_loads(predictors["lina"], trace, test, B),
                  "marginal": predicted_loads(predictors["marginal"], trace, test, B)}
         for name, loads in sized.items():

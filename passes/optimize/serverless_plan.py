@@ -54,13 +54,17 @@ def real_batches(trace: Trace, rows: np.ndarray, batch_tokens: int) -> list:
     return out
 
 
-def predicted_loads(predictor, trace: Trace, batches: list, batch_tokens: int) -> np.ndarray:
-    """Mean predicted per-expert load of a `batch_tokens` batch over the given batches."""
+def predicted_loads(predictor, trace: Trace, batches: list, batch_tokens: int, statistic: str = "mean") -> np.ndarray:
+    """Predicted per-expert load of a `batch_tokens` batch: the mean (or, per expert, the max)
+    over the given batches. Sizing for the max trades cost for fewer SLO misses on busy batches."""
     preds = []
     for rows, _ in batches:
         pl = predictor.predict_loads(trace.token_ids[rows], None if trace.positions is None else trace.positions[rows])
         preds.append(pl * (batch_tokens / len(rows)))
-    return np.rint(np.mean(preds, axis=0)).astype(np.int64)
+    if statistic not in ("mean", "max"):
+        raise UserError(f"unknown load statistic '{statistic}'; use mean or max")
+    agg = np.max(preds, axis=0) if statistic == "max" else np.mean(preds, axis=0)
+    return np.rint(agg).astype(np.int64)
 
 
 @dataclass
@@ -96,7 +100,8 @@ def penalised_cost(sim, slo_s: float, penalty: float) -> float:
 def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, batch_tokens: int = DEFAULT_BATCH_TOKENS,
                     validation_fraction: float = 0.2, predictor_options: Optional[dict] = None,
                     sizing_options: SizingOptions = SizingOptions(), bo_options: Optional[BOOptions] = None,
-                    progress=None, table_rows=None, validation_rows=None, request_batches=None) -> PlanOutcome:
+                    progress=None, table_rows=None, validation_rows=None, request_batches=None,
+                    size_for_statistic: str = "mean") -> PlanOutcome:
     """Everything after profiling. `bo_options=None` skips BO refinement.
 
     By default the trace is split by sequence (`validation_fraction`); `table_rows` /
@@ -130,7 +135,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
         errors[name] = pop.load_error(preds, [l for _, l in val])
     requests = val if request_batches is None else [(r, None) for r in request_batches]
     predictor = pop.make_predictor("bayes", table, **popts)
-    loads = predicted_loads(predictor, trace, requests, batch_tokens)
+    loads = predicted_loads(predictor, trace, requests, batch_tokens, size_for_statistic)
     timings["prediction_s"] = round(time.perf_counter() - t0, 3)
     bo_report = None
     if bo_options is not None:
@@ -138,7 +143,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
 
         def evaluate(candidate):
             pr = pop.make_predictor("bayes", candidate, **popts)
-            pl = predicted_loads(pr, trace, val, batch_tokens)
+            pl = predicted_loads(pr, trace, val, batch_tokens, size_for_statistic)
             try:
                 res = size_for(facts, pl, slo_s, batch_tokens, sizing_options)
             except UserError:
@@ -154,7 +159,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
         bo = refine(table, evaluate, vocab_tokens=np.unique(trace.token_ids[table_rows]),
                     max_position=int(positions.max()), options=bo_options, progress=progress)
         predictor = pop.make_predictor("bayes", bo.best_table, **popts)
-        loads = predicted_loads(predictor, trace, requests, batch_tokens)
+        loads = predicted_loads(predictor, trace, requests, batch_tokens, size_for_statistic)
         preds = [predictor.predict_loads(trace.token_ids[r], None if trace.positions is None else trace.positions[r]) * (batch_tokens / len(r)) for r, _ in val]
         errors["ours_after_bo"] = pop.load_error(preds, [l for _, l in val])
         bo_report = {"iterations": bo.iterations, "baseline_cost": bo.baseline_cost, "best_cost": bo.best_cost,

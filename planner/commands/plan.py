@@ -39,6 +39,8 @@ def _methods(text: str) -> tuple:
 @click.option("--batch-tokens", type=int, default=10240, show_default=True, help="tokens per served batch")
 @click.option("--methods", default="pipelined_s3,s3,direct", show_default=True, help="allowed scatter-gather methods")
 @click.option("--validation-fraction", type=float, default=0.2, show_default=True, help="share of the trace held out for validation / BO")
+@click.option("--size-for", type=click.Choice(["mean", "max"]), default="mean", show_default=True,
+              help="size for the mean predicted load per batch, or per expert the busiest batch's")
 @click.option("--bo-iterations", type=int, default=0, show_default=True, help="BO refinement iterations (0 = off)")
 @click.option("--bo-q", type=int, default=64, show_default=True, help="key-value pairs adjusted per BO trial")
 @click.option("--bo-storage", default=None, help="Optuna storage URL (e.g. sqlite:///bo.db) to share the study")
@@ -50,7 +52,7 @@ def _methods(text: str) -> tuple:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
-def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, methods, validation_fraction, bo_iterations,
+def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, methods, validation_fraction, size_for, bo_iterations,
          bo_q, bo_storage, profile_budget, cache_dir, no_cache, time_limit, solver, seed, as_json, quiet):
     """Size the serverless functions of MODEL for --slo and write a lambda plan."""
     from moeplan.passes.analysis.profile import profile_model
@@ -88,7 +90,8 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     bo = BOOptions(q=bo_q, max_iterations=bo_iterations, seed=seed, storage=bo_storage) if bo_iterations > 0 else None
     outcome = plan_serverless(facts, trace, slo, batch_tokens=batch_tokens, validation_fraction=validation_fraction,
                               sizing_options=SizingOptions(methods=allowed, time_limit_s=time_limit, solver=solver),
-                              bo_options=bo, progress=lambda it, best: say(f"BO iteration {it}: best cost ${best:.8f}"))
+                              bo_options=bo, size_for_statistic=size_for,
+                              progress=lambda it, best: say(f"BO iteration {it}: best cost ${best:.8f}"))
     res = outcome.result
     sim = outcome.predicted_sim
     val_cost = sum(v.moe_cost for v in outcome.validation) / len(outcome.validation)
@@ -112,7 +115,7 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
                            "best_cost": outcome.bo["best_cost"],
                            "history": [{k: v for k, v in h.items() if k != "seconds"} for h in outcome.bo["history"]]}
     inputs = {"trace_sha256_16": trace_digest(trace), "slo_s": slo, "validation_fraction": validation_fraction,
-              "methods": list(methods.split(",")), "bo_iterations": bo_iterations, "bo_q": bo_q, "seed": seed,
+              "methods": list(methods.split(",")), "size_for": size_for, "bo_iterations": bo_iterations, "bo_q": bo_q, "seed": seed,
               "profile_hash": prof.model_hash}
     the_plan = build_plan(ir, facts, res.layers, batch_tokens=batch_tokens, predicted=predicted, inputs=inputs)
     write_text_atomic(out, plan_json(the_plan))
