@@ -1,5 +1,5 @@
 """`ilp`: ExFlow's staged placement (nodes first, then GPUs within each node), extended with a
-per-layer load cap and redundant slots, solved by exact per-layer MIPs in block-coordinate sweeps.
+per-layer load cap and redundant slots, solved by per-layer steps in block-coordinate sweeps.
 
 Objective (ExFlow Eqs. 8-12 on aggregated counts): maximise the transitions that stay local,
 where c[l, a, b] counts tokens whose heaviest expert at l is a and that choose b at l+1
@@ -12,10 +12,19 @@ highest load per replica), every partition gets its fixed slot count, replicas o
 devices, and load <= cap[l] per GPU (G * cap[l] per node in stage 1).
 
 Why coordinate sweeps: fixing every layer but l makes the objective linear in layer l's
-variables (one MIP with E x P variables, plus a presence indicator per replicated expert), so
-each step is solved exactly and the sweeps never get worse; the joint pair-variable model of
-ExFlow (see `placement_joint.py`) then polishes small instances. A valid bound for the whole
-problem comes from `placement_bound.py`.
+variables, so each step is one small model: a transportation problem (E x P variables; at most
+ceil(r / P) replicas of an expert per partition, which keeps presence = count and the step
+linear) plus one load row per partition. Steps are solved by (1) the transportation optimum,
+exact when it fits the cap; (2) otherwise priced loads (Lagrangian) for a fitting start and
+steepest exchanges; then, once the exchange sweeps stop gaining, (3) the step MIP in HiGHS
+warm-started from it. Sweeps alternate direction and never get worse. Stage 1 runs on nodes,
+stage 2 on each node's GPUs (independent subproblems). Two starts (EPLB-style packing, and an
+uncapped GPU-level solve that finds the affinity structure first) share the time; the better
+wins. The joint pair-variable model of ExFlow (`placement_joint.py`) then polishes windows of
+layers where it is small enough. A valid bound for the whole problem comes from
+`placement_bound.py`. Results are deterministic when the sweeps converge and no step MIP hits
+its time limit (a node limit bounds their work); a solve cut short by --time-limit returns its
+best placement so far.
 """
 from __future__ import annotations
 
