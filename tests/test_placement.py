@@ -151,3 +151,19 @@ def test_gurobi_size_limited_licence_falls_back_to_highs():
                    np.zeros(n), np.ones(n), np.ones(n, dtype=bool), time_limit=5, solver="gurobi")
     assert r.objective == pytest.approx(-10.0)
     assert any("size-limited" in note for note in r.notes)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10_000))
+def test_transition_bound_never_exceeds_the_true_minimum(seed):
+    """Brute force over every balanced 2-partition of two layers of 6 experts: the bound holds."""
+    import itertools
+    from moeplan.passes.optimize.placement_bound import counting_bound, dual_bound, transition_lower_bound
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 5, size=(1, 6, 6)).astype(float)
+    halves = [np.array([1 if i in combo else 0 for i in range(6)]) for combo in itertools.combinations(range(6), 3)]
+    best = min(float(counts[0][np.not_equal.outer(a, b)].sum()) for a in halves for b in halves)
+    bound, _ = transition_lower_bound(counts, partitions=2, slots_per_partition=3, time_limit=5)
+    assert counting_bound(counts[0], 3, 3) <= bound + 1e-9
+    assert dual_bound(counts[0], 3, 3) <= bound + 1e-9
+    assert bound <= best + 1e-6
