@@ -29,6 +29,12 @@ def _methods(text: str) -> tuple:
     return tuple(sorted(set(out)))
 
 
+def _u_table(facts, batch_tokens) -> dict:
+    lf = facts.layers[0]
+    tokens = max(1, batch_tokens * lf.top_k // max(lf.num_experts, 1))
+    return {str(int(m)): float(f"{float(lf.u(m, tokens)):.4g}") for m in facts.platform.memory_options_mb}
+
+
 @click.command("plan")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) with token ids, recorded from MODEL")
@@ -108,7 +114,9 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
         "predictor_error": outcome.predictor_error,
         "algorithm": res.algorithm,
         "solves": [{k: v for k, v in s.items() if k != "seconds"} for s in res.solves],
-        "profile": {"time_rmsle": prof.time_rmsle, "memory_rmsle": prof.memory_rmsle, "measurements": len(prof.rows)},
+        "profile": {"time_rmsle": prof.time_rmsle, "memory_rmsle": prof.memory_rmsle, "measurements": len(prof.rows),
+                    # U_j: per-token expert compute time at each memory option, layer 0, mean expert load
+                    "expert_u_s_per_token": _u_table(facts, batch_tokens)},
     }
     if outcome.bo:
         predicted["bo"] = {"iterations": outcome.bo["iterations"], "baseline_cost": outcome.bo["baseline_cost"],
