@@ -189,8 +189,8 @@ def main(argv=None):
     table = pop.CountTable.from_trace(trace.select(table_rows))
     predictors = {"ours": ours.predictor, "lina": pop.make_predictor("lina", table, assignment="expected"),
                   "lina_map": pop.make_predictor("lina", table, assignment="map"),
-                  "ours_map": pop.make_predictor("bayes", table, assignment="map"),
-                  "ours_paper_weighting": pop.make_predictor("bayes", table, attention_weighting=True),
+                  "ours_map": pop.make_predictor("bayes", table, assignment="map", **ours.predictor_options),
+                  "ours_paper_weighting": pop.make_predictor("bayes", table, attention_weighting=True, **ours.predictor_options),
                   "marginal": pop.make_predictor("marginal", table)}
     pred_err, pred_cost = {}, {}
     for name, pr in predictors.items():
@@ -246,6 +246,8 @@ def main(argv=None):
                                     "lambdaml": ml["throughput"], "cpu_cluster": cpu["throughput"]},
         "slo_s": slo, "ours_max_latency_s": o["max_latency"], "ours_overflow_invocations": o["overflows"],
         "methods": [sc.METHOD_NAMES[d.method] for d in ours.result.layers],
+        "predictor_options": ours.predictor_options,
+        "predictor_selection_validation_error": [[o, e] for o, e in ours.predictor_selection],
         "ods_vs_monolithic": {"ods_cost": ods_res.cost, "ods_seconds": ods_s, "monolithic_cost": mono.cost,
                               "monolithic_status": mono.solves[-1]["status"], "monolithic_gap": mono.solves[-1]["gap"],
                               "monolithic_seconds": mono_s, "exact_optimum": exact.cost},
@@ -291,7 +293,7 @@ def print_table(r, lambdaml, lambdaml_direct, rows, cpu):
           f"(target <= 1.10), vs CPU cluster {r['cost_reduction_vs_cpu_cluster']:.2%}")
     pe = r["predictor_error"]
     print("predictor error (mean |predicted - real| tokens per expert per batch): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in pe.items()))
+          + ", ".join(f"{k} {v:.1f}" for k, v in pe.items()) + f"; ours = {r['predictor_options']} (chosen on validation)")
     m = r["ods_vs_monolithic"]
     print(f"ODS ${m['ods_cost']:.8f} in {m['ods_seconds']:.1f} s; monolithic per-pair MILP ${m['monolithic_cost']:.8f} "
           f"({m['monolithic_status']}, gap {m['monolithic_gap']:.2%}) in {m['monolithic_seconds']:.1f} s; exact optimum ${m['exact_optimum']:.8f}")

@@ -47,14 +47,13 @@ def test_map_prediction_follows_the_table_and_unseen_tokens_use_the_marginal():
     assert marginal.predict_loads([1, 2, 3, 4], [0, 1, 2, 3]).sum() == 4
 
 
-def _errors(seed, assignment):
-    tr = synthesize_routed_tokens(tokens=12000, layers=2, experts=8, top_k=2, vocab=64, seed=seed)
+def _errors(tr, assignment, **ours):
     table = pop.CountTable.from_trace(tr.select(np.arange(8000)))
     held = pop.batches(tr.num_tokens, 1000, start=8000)
     real = [pop.true_loads(tr, b) for b in held]
     out = {}
     for name in ("bayes", "lina", "marginal"):
-        opts = {} if name == "marginal" else {"assignment": assignment}
+        opts = {} if name == "marginal" else {"assignment": assignment, **(ours if name == "bayes" else {})}
         p = pop.make_predictor(name, table, **opts)
         out[name] = pop.load_error([p.predict_loads(tr.token_ids[b], tr.positions[b]) for b in held], real)
     return out
@@ -63,8 +62,37 @@ def _errors(seed, assignment):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("assignment", ["map", "expected"])
 def test_ours_beats_lina_when_routing_depends_on_position(seed, assignment):
-    err = _errors(seed, assignment)
+    tr = synthesize_routed_tokens(tokens=12000, layers=2, experts=8, top_k=2, vocab=64, seed=seed)
+    err = _errors(tr, assignment, position="joint", context="none")
     assert err["bayes"] < err["lina"], err
+
+
+def _context_routed(seed):
+    """Routing driven by (token, previous token) pairs, as in a byte-level language model."""
+    rng = np.random.default_rng(seed)
+    T, E, V = 12000, 8, 16
+    tok = rng.integers(0, V, size=T)
+    pos = np.arange(T) % 64
+    prev = pop.previous_tokens(tok, pos)
+    pref = rng.normal(size=(V, V + 1, E)) * 2.0
+    logits = pref[tok, prev + 1] + 0.5 * rng.gumbel(size=(T, E))
+    experts = np.argsort(-logits, axis=1, kind="stable")[:, None, :2]
+    return make_trace(experts, num_experts=E, token_ids=tok, positions=pos)
+
+
+@pytest.mark.parametrize("assignment", ["map", "expected"])
+def test_ours_beats_lina_when_routing_depends_on_context(assignment):
+    err = _errors(_context_routed(0), assignment, context="previous", position="none")
+    assert err["bayes"] < 0.8 * err["lina"], err
+
+
+def test_options_are_selected_on_validation_batches():
+    tr = _context_routed(1)
+    table = pop.CountTable.from_trace(tr.select(np.arange(8000)))
+    val = [(b, pop.true_loads(tr, b)) for b in pop.batches(10000, 1000, start=8000)]
+    best, tried = pop.select_options(table, tr, val)
+    assert best == {"context": "previous", "position": "none"}
+    assert len(tried) == len(pop.CANDIDATE_OPTIONS) and min(e for _, e in tried) == dict(map(lambda t: (str(t[0]), t[1]), tried))[str(best)]
 
 
 def test_predictions_are_deterministic():

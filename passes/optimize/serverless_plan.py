@@ -26,7 +26,6 @@ from moeplan.passes.optimize.serverless_sim import simulate
 from moeplan.planner.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 10240
-DEFAULT_PREDICTOR = {}  # BayesianPredictor's defaults
 
 
 def split_by_sequence(trace: Trace, validation_fraction: float) -> tuple:
@@ -85,6 +84,8 @@ class PlanOutcome:
     bo: Optional[dict] = None
     timings: dict = field(default_factory=dict)
     predictor: object = None          # the (refined) predictor the plan was sized with
+    predictor_options: dict = field(default_factory=dict)
+    predictor_selection: list = field(default_factory=list)  # (options, validation error) tried
 
 
 def size_for(facts, loads, slo_s, batch_tokens, opts: SizingOptions):
@@ -125,7 +126,10 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
         raise UserError(f"the trace has {trace.num_tokens} tokens: too few to split into a table and validation batches; trace more text")
     table = pop.CountTable.from_trace(trace.select(table_rows))
     val = real_batches(trace, val_rows, batch_tokens)
-    popts = dict(DEFAULT_PREDICTOR, **(predictor_options or {}))
+    if predictor_options is None:
+        popts, selection = pop.select_options(table, trace, val)
+    else:
+        popts, selection = dict(predictor_options), []
     errors = {}
     lina_opts = {"assignment": popts.get("assignment", pop.BayesianPredictor.assignment)}
     for name, opts in (("ours", popts), ("lina", lina_opts), ("marginal", {})):
@@ -170,7 +174,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
     timings["sizing_s"] = round(time.perf_counter() - t2, 3)
     predicted_sim = simulate(facts, result.layers, loads, batch_tokens)
     validation = [simulate(facts, result.layers, real, batch_tokens) for _, real in val]
-    return PlanOutcome(result, loads, predicted_sim, validation, errors, bo_report, timings, predictor)
+    return PlanOutcome(result, loads, predicted_sim, validation, errors, bo_report, timings, predictor, popts, selection)
 
 
 def _mispredictions(trace, rows, layers, predicted, real, sim, alpha) -> list:

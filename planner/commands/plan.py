@@ -111,7 +111,8 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
         "validation": {"batches": len(outcome.validation), "moe_cost_per_batch_usd": val_cost, "latency_s": val_lat,
                        "slo_violations": sum(v.latency > slo + 1e-9 for v in outcome.validation),
                        "overflows": sum(len(v.overflows) for v in outcome.validation)},
-        "predictor_error": outcome.predictor_error,
+        "predictor_error": outcome.predictor_error,  # on the validation batches (also used to select ours)
+        "predictor_options": outcome.predictor_options,
         "algorithm": res.algorithm,
         "solves": [{k: v for k, v in s.items() if k != "seconds"} for s in res.solves],
         "profile": {"time_rmsle": prof.time_rmsle, "memory_rmsle": prof.memory_rmsle, "measurements": len(prof.rows),
