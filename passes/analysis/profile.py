@@ -62,6 +62,7 @@ class Unit:
     module: Optional[object] = None
     make_input: Optional[Callable] = None
     mandatory: bool = True
+    rank: int = 0   # how many units of the same shape come before this one
 
 
 def default_threads() -> tuple:
@@ -103,11 +104,12 @@ def model_units(ir: ModelIR, module=None) -> list:
         else:
             make = _float_input(ir.hidden_size, seq=True)
         units.append(Unit(stage.name, "dense", group, stage.flops_per_token, stage.param_bytes, mod, make))
-    seen = set()
+    seen = {}
     for u in units:  # the first unit of every distinct shape is always measured
         sig = (u.kind, u.flops_per_token, u.param_bytes, type(u.module).__name__)
         u.mandatory = sig not in seen or u.module is None
-        seen.add(sig)
+        u.rank = seen.get(sig, 0)
+        seen[sig] = u.rank + 1
     return units
 
 
@@ -191,7 +193,9 @@ def measure(units: list, tokens_grid, threads, budget_s: float) -> list:
     old = torch.get_num_threads()
     rows, peaks = [], {}
     start = time.perf_counter()
-    order = [u for u in units if u.mandatory] + [u for u in units if not u.mandatory]
+    # optional units round-robin over shapes: every shape gets a second sample before any a third
+    optional = sorted((u for u in units if not u.mandatory), key=lambda u: u.rank)
+    order = [u for u in units if u.mandatory] + optional
     try:
         for u in order:
             if not u.mandatory and time.perf_counter() - start > budget_s:
