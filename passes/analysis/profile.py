@@ -63,6 +63,7 @@ class Unit:
     make_input: Optional[Callable] = None
     mandatory: bool = True
     rank: int = 0   # how many units of the same shape come before this one
+    hidden: int = 1  # model width, for estimating intermediates of units that cannot run
 
 
 def default_threads() -> tuple:
@@ -105,6 +106,8 @@ def model_units(ir: ModelIR, module=None) -> list:
             make = _float_input(ir.hidden_size, seq=True)
         units.append(Unit(stage.name, "dense", group, stage.flops_per_token, stage.param_bytes, mod, make))
     seen = {}
+    for u in units:
+        u.hidden = ir.hidden_size
     for u in units:  # the first unit of every distinct shape is always measured
         sig = (u.kind, u.flops_per_token, u.param_bytes, type(u.module).__name__)
         u.mandatory = sig not in seen or u.module is None
@@ -221,7 +224,10 @@ def measure(units: list, tokens_grid, threads, budget_s: float) -> list:
                     key = (u.name, tokens)
                     if key not in peaks:
                         if estimated:
-                            peaks[key] = 4 * tokens * max(u.flops_per_token // max(2 * 1, 1), 1) ** 0.5 * 4
+                            # fp32 intermediates: one value per weight column a token passes
+                            # through (FLOPs / 2 / hidden) plus the hidden-sized output
+                            width = u.flops_per_token / 2 / max(u.hidden, 1) + u.hidden
+                            peaks[key] = 4.0 * tokens * width
                         else:
                             torch.set_num_threads(1)
                             peaks[key] = peak_intermediate_bytes(u.module, *inputs) * tokens / real
