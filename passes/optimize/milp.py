@@ -29,10 +29,15 @@ class MilpResult:
     status: str  # "optimal", "time_limit", "infeasible", "other"
     seconds: float
     notes: list = field(default_factory=list)
+    solver: str = "highs"
 
     @property
     def gap(self) -> float:
         return relative_gap(self.objective, self.bound)
+
+    @property
+    def feasible(self) -> bool:
+        return self.x is not None
 
 
 def relative_gap(objective: float, bound: float) -> float:
@@ -62,16 +67,27 @@ def solve_milp(
     """Solve the model above; `integer` is a bool mask over columns.
 
     `node_limit` caps branch-and-bound nodes: a work limit, so results do not depend on machine
-    speed the way a time limit does (the time limit stays as a safety net)."""
+    speed the way a time limit does (the time limit stays as a safety net).
+
+    The objective is scaled to O(1) before solving: solvers' absolute gap tolerances (1e-6 in
+    HiGHS) would otherwise stop at once on objectives such as dollar costs of ~1e-6. When the
+    limit hits before the solver finds a point, the warm start is returned as the incumbent."""
+    c = np.asarray(c, dtype=np.float64)
+    scale = float(np.max(np.abs(c))) if c.size and np.max(np.abs(c)) > 0 else 1.0
     notes = []
+    result = None
     if solver == "gurobi":
-        result = _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes)
-        if result is not None:
-            return result
+        result = _try_gurobi(c / scale, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes)
     elif solver != "highs":
         raise ValueError(f"unknown solver {solver!r}")
-    result = _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit)
+    if result is None:
+        result = _solve_highs(c / scale, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit)
     result.notes = notes + result.notes
+    if result.x is None and warm_start is not None and result.status in ("time_limit", "work_limit"):
+        result.x = np.asarray(warm_start, dtype=np.float64)
+        result.objective = float((c / scale) @ result.x)
+    result.objective *= scale
+    result.bound *= scale
     return result
 
 
@@ -176,6 +192,6 @@ def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, w
     seconds = time.perf_counter() - start
     status = {gp.GRB.OPTIMAL: "optimal", gp.GRB.TIME_LIMIT: "time_limit", gp.GRB.INFEASIBLE: "infeasible"}.get(model.Status, "other")
     if model.SolCount == 0:
-        return MilpResult(None, float("inf"), -float("inf"), status, seconds, notes)
+        return MilpResult(None, float("inf"), -float("inf"), status, seconds, notes, solver="gurobi")
     bound = float(model.ObjBound) if bool(np.any(integer)) else float(model.ObjVal)
-    return MilpResult(np.asarray(x.X), float(model.ObjVal), bound, status, seconds, notes)
+    return MilpResult(np.asarray(x.X), float(model.ObjVal), bound, status, seconds, notes, solver="gurobi")

@@ -29,10 +29,12 @@ import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize import serverless_cost as sc
-from moeplan.passes.optimize.milp_solve import MilpResult, solve_milp
+from moeplan.passes.optimize.milp import MilpResult, solve_milp
 from moeplan.planner.errors import UserError
 
 DEFAULT_BETAS = (64, 256, 1024)
+# Costs differ by fractions of a percent between sizings: solve (near) to optimality.
+SIZING_MIP_GAP = 1e-6
 DEFAULT_METHODS = (sc.PIPELINED_S3, sc.S3, sc.DIRECT)
 
 
@@ -223,7 +225,7 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
     integer[:nz + nw] = True
     x0 = _point(layer_modes, z_index, w_cols, l_cols, n, warm or {e: (fastest[e], "fastest") for e in range(L)}, facts, total_tok)
     res = solve_milp(c, A, np.asarray(lo), np.asarray(hi), col_lo, col_hi, integer,
-                     time_limit_s=time_limit_s, warm_start=x0, solver=solver)
+                     time_limit=time_limit_s, warm_start=x0, solver=solver, mip_gap=SIZING_MIP_GAP)
     if not res.feasible:
         return None
     return _decode(facts, loads, layer_modes, z_index, w_cols, res, name, batch_tokens)
@@ -283,7 +285,7 @@ def _solve_frontier(facts, loads, layer_modes, budget, total_tok, time_limit_s, 
         ks = [k for k, pt in enumerate(points) if pt[0] == e]
         x0[min(ks, key=lambda k: (points[k][2], points[k][3], k))] = 1.0
     res = solve_milp(c, A, lo, hi, np.zeros(n), np.ones(n), np.ones(n, dtype=bool),
-                     time_limit_s=time_limit_s, warm_start=x0, solver=solver)
+                     time_limit=time_limit_s, warm_start=x0, solver=solver, mip_gap=SIZING_MIP_GAP)
     if not res.feasible:
         return None
     layers = []
