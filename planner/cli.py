@@ -30,20 +30,17 @@ def main():
 
 
 def _register():
+    from moeplan.planner.commands.compile import compile_cmd
+    from moeplan.planner.commands.export_onnx import export_onnx_cmd
     from moeplan.planner.commands.inspect import inspect
+    from moeplan.planner.commands.place import place
+    from moeplan.planner.commands.plan import plan
+    from moeplan.planner.commands.run import run
+    from moeplan.planner.commands.simulate import simulate
     from moeplan.planner.commands.trace import trace
 
-    main.add_command(inspect)
-    main.add_command(trace)
-    from moeplan.planner.commands.export_onnx import export_onnx_cmd; main.add_command(export_onnx_cmd)
-    from moeplan.planner.commands.compile import compile_cmd
-    from moeplan.planner.commands.run import run
-
-    main.add_command(compile_cmd)
-    main.add_command(run)
-    from moeplan.planner.commands.place import place; main.add_command(place)
-    from moeplan.planner.commands.plan import plan; main.add_command(plan)
-    from moeplan.planner.commands.simulate import simulate; main.add_command(simulate)
+    for command in (inspect, trace, place, compile_cmd, run, plan, simulate, export_onnx_cmd):
+        main.add_command(command)
 
 
 _register()
