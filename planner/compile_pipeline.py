@@ -86,7 +86,7 @@ def _plan(facts):
         placement_doc.get("metrics", {}).pop(key, None)
     ir = loaded.ir
     plan = Plan(
-        target="torchrun",
+        target=facts["target"]["name"],
         model={
             "name": ir.name, "architecture": facts["model_files"]["architecture"],
             "config": "model/config.json", "source": "model/model.py",
@@ -117,8 +117,15 @@ def _codegen(facts):
     from moeplan.planner.atomic import atomic_path
 
     out = Path(facts["out"])
+    target = facts["target"]
     with atomic_path(out) as tmp:
         manifest = write_bundle(tmp, facts["plan"], facts["model"].module.state_dict(), facts["model_files"]["files"])
+        if target["name"] == "kubernetes":
+            from moeplan.backends.kubernetes.codegen import write_manifests
+            from moeplan.backends.torchrun.manifest import write_manifest
+
+            write_manifests(tmp, facts["plan"], image=target["image"], storage_class=target["storage_class"])
+            manifest = write_manifest(tmp)
     return {"manifest": manifest}
 
 
@@ -129,14 +136,19 @@ def compile_passes() -> list:
         Pass("affinity", ("trace",), ("affinity",), _affinity),
         Pass("placement", ("trace", "topology", "placement_options"), ("placement",), _placement),
         Pass("plan", ("model", "model_files", "trace", "trace_sha256", "placement", "topology", "affinity",
-                      "placement_options", "mode"), ("plan",), _plan),
-        Pass("codegen", ("plan", "model", "model_files", "out"), ("manifest",), _codegen, cacheable=False),
+                      "placement_options", "mode", "target"), ("plan",), _plan),
+        Pass("codegen", ("plan", "model", "model_files", "out", "target"), ("manifest",), _codegen, cacheable=False),
     ]
 
 
 def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str,
-                   placement_options: dict, mode: str = "coherent", quiet: bool = False) -> tuple:
-    """Run the pipeline; returns (facts, pass timings)."""
+                   placement_options: dict, mode: str = "coherent", quiet: bool = False,
+                   target: dict | None = None) -> tuple:
+    """Run the pipeline; returns (facts, pass timings).
+
+    `target`: {"name": "torchrun"} (default) or {"name": "kubernetes", "image", "storage_class"}:
+    the torchrun bundle plus `kubernetes/` manifests that run its launch.sh.
+    """
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
     manager = PassManager(compile_passes(), quiet=quiet)
@@ -144,5 +156,6 @@ def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: 
         "model_spec": str(model_spec), "trace_path": str(trace_path),
         "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node},
         "placement_options": placement_options, "mode": mode, "out": str(out),
+        "target": target or {"name": "torchrun"},
     })
     return facts, manager.timings()

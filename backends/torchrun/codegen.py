@@ -39,8 +39,10 @@ def shard_names(world_size: int) -> list:
 
 def _templates() -> jinja2.Environment:
     root = resources.files("moeplan.templates") / "torchrun"
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
-                              keep_trailing_newline=True, autoescape=False)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["oneline"] = lambda value: json.dumps(str(value))  # a name in a shell comment stays one inert line
+    return env
 
 
 def _write(path: Path, text: str, executable: bool = False) -> None:

@@ -10,12 +10,14 @@ import json
 import click
 
 from moeplan.planner.compile_pipeline import compile_bundle
+from moeplan.planner.errors import UserError
 
 
 @click.command("compile")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
-@click.option("--target", type=click.Choice(["torchrun"]), default="torchrun", show_default=True)
+@click.option("--target", type=click.Choice(["torchrun", "kubernetes"]), default="torchrun", show_default=True,
+              help="torchrun bundle, or the same bundle plus kubernetes/ manifests")
 @click.option("--nodes", type=int, default=1, show_default=True)
 @click.option("--gpus-per-node", type=int, default=1, show_default=True)
 @click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
@@ -24,17 +26,26 @@ from moeplan.planner.compile_pipeline import compile_bundle
 @click.option("--time-limit", type=float, default=30.0, show_default=True, help="solver time limit, seconds")
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
               help="expert-parallel mode the bundle runs by default")
+@click.option("--image", default=None, help="kubernetes: container image of the rank pods")
+@click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
-def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, mode, out,
-                as_json, quiet):
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, mode, image,
+                storage_class, out, as_json, quiet):
     """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
     options = {"policy": policy, "redundant": redundant, "time_limit": time_limit}
     if balance is not None:
         options["balance"] = balance
+    target_spec = {"name": target}
+    if target == "kubernetes":
+        from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
+
+        target_spec.update(image=image or DEFAULT_IMAGE, storage_class=storage_class)
+    elif image is not None or storage_class is not None:
+        raise UserError("--image and --storage-class apply to --target kubernetes only")
     facts, timings = compile_bundle(model, trace_path, nodes, gpus_per_node, out, options, mode=mode,
-                                    quiet=quiet or as_json)
+                                    quiet=quiet or as_json, target=target_spec)
     plan = facts["plan"].to_dict()
     summary = {
         "out": str(out), "target": target, "world_size": nodes * gpus_per_node,

@@ -1,0 +1,1 @@
+"""The kubernetes target: manifests that run a torchrun bundle as an indexed Job."""

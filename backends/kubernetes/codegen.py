@@ -1,0 +1,108 @@
+"""Kubernetes manifests for a torchrun bundle: ConfigMap, PVC, headless Service, indexed Job.
+
+Why these objects: an indexed Job gives each pod a completion index (= NODE_RANK for the bundle's
+`launch.sh`) and, with a headless Service as subdomain, a stable DNS name so pod 0 can be the
+rendezvous master; required anti-affinity on the hostname keeps one pod per node. The plan and
+launch script travel in a ConfigMap; the weights on a PersistentVolumeClaim.
+
+Every interpolated value goes through the `y` filter (JSON, which is YAML, ASCII-escaped), and
+Kubernetes names are DNS-1123 slugs derived from the model name, so a model name holding YAML or
+shell metacharacters cannot change the documents' structure. Output bytes depend only on the
+inputs (sorted keys, no timestamps).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+DEFAULT_IMAGE = "moeplan-torchrun:latest"
+BASE_IMAGE = "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime"
+MASTER_PORT = 29500
+# Python + torch + a process group per rank: the torch import alone measures ~218 MB RSS
+# (planner/platform_data/aws_lambda.yaml); doubled for the communicator buffers and activations.
+RANK_RUNTIME_MIB = 512
+SHM_SIZE = "1Gi"
+DEFAULT_PROMPTS = "The quick brown fox\nOnce upon a time\n"
+KUBERNETES_VERSION = "1.31.0"  # the schema the tests validate against
+FILES = ("configmap.yaml", "pvc.yaml", "service.yaml", "job.yaml")
+
+
+def to_yaml(value) -> str:
+    """A YAML flow value for anything JSON can hold: quoting and escaping are JSON's."""
+    return json.dumps(value, ensure_ascii=True, sort_keys=True)
+
+
+def slug(name: str, max_len: int = 40) -> str:
+    """A DNS-1123 label from any string; a hash suffix keeps distinct names distinct."""
+    base = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[: max_len - 9].strip("-") or "model"
+    if base == name:
+        return base
+    return f"{base}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
+def _env() -> jinja2.Environment:
+    root = resources.files("moeplan.templates") / "kubernetes"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["y"] = to_yaml
+    return env
+
+
+def _mib(n_bytes: float) -> int:
+    return int(math.ceil(n_bytes / 2**20))
+
+
+def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, new_tokens: int = 16) -> dict:
+    """Everything the templates read, from the written bundle and its plan."""
+    topo = plan.topology
+    nodes, gpn = int(topo["nodes"]), int(topo["gpus_per_node"])
+    name = slug(str(plan.model["name"]))
+    shard_sizes = [os.path.getsize(bundle / s) for s in plan.shards]
+    node_shards = max(sum(shard_sizes[n * gpn:(n + 1) * gpn]) for n in range(nodes))
+    memory_mib = 2 * _mib(node_shards) + gpn * RANK_RUNTIME_MIB
+    bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    storage_gib = max(1, math.ceil(bundle_bytes * 1.25 / 2**30))
+    names = {"configmap": f"{name}-plan", "pvc": f"{name}-bundle", "service": f"{name}-ranks", "job": name}
+    labels = {"app.kubernetes.io/managed-by": "moeplan", "app.kubernetes.io/name": name}
+    selector = {"moeplan.io/deployment": name}
+    stage = ("set -eu; cp -R /bundle/runtime /bundle/model /work/; ln -s /bundle/shards /work/shards; "
+             "cp /plan/plan.json /plan/placement.json /plan/prompts.txt /work/; "
+             "cp /plan/launch.sh /work/launch.sh; chmod 0755 /work/launch.sh")
+    configmap = [(k, (bundle / k).read_text()) for k in ("launch.sh", "placement.json", "plan.json")]
+    configmap.append(("prompts.txt", DEFAULT_PROMPTS))
+    return {
+        "slug": name, "names": names, "labels": labels, "selector": selector, "pod_labels": {**labels, **selector},
+        "annotations": {"moeplan.io/model-name": str(plan.model["name"]), "moeplan.io/plan-version": str(plan.version)},
+        "model_name_json": to_yaml(str(plan.model["name"])), "plan_version": plan.version,
+        "nodes": nodes, "gpus_per_node": gpn, "world_size": nodes * gpn, "image": str(image), "base_image": BASE_IMAGE,
+        "storage_class": storage_class, "storage_request": f"{storage_gib}Gi",
+        "resources": {"nvidia.com/gpu": str(gpn), "memory": f"{memory_mib}Mi", "cpu": str(gpn)},
+        "shard_mib": _mib(node_shards), "rank_runtime_mib": RANK_RUNTIME_MIB, "shm_size": SHM_SIZE,
+        "master_port": MASTER_PORT, "master_addr": f"{names['job']}-0.{names['service']}",
+        "stage_command": ["sh", "-c", stage],
+        "launch_args": ["--prompts", "/work/prompts.txt", "--new-tokens", str(int(new_tokens)), "--out", "/results"],
+        "configmap_data": sorted(configmap),
+    }
+
+
+def write_manifests(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None) -> list:
+    """Write kubernetes/ (manifests, Dockerfile, README) into a written torchrun bundle; returns paths."""
+    bundle = Path(bundle)
+    env = _env()
+    ctx = context(bundle, plan, image=image, storage_class=storage_class)
+    out = bundle / "kubernetes"
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in FILES + ("Dockerfile", "README.md"):
+        path = out / name
+        path.write_text(env.get_template(f"{name}.j2").render(**ctx))
+        os.chmod(path, 0o644)
+        written.append(path)
+    return written

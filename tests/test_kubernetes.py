@@ -1,0 +1,107 @@
+"""`moeplan compile --target kubernetes`: manifests that validate, carry the plan, and resist injection."""
+import json
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from moeplan.backends.kubernetes.codegen import FILES, KUBERNETES_VERSION, slug
+from moeplan.passes.analysis.trace_format import save_trace
+from moeplan.planner.commands.compile import compile_cmd
+from runtime_fixtures import SMALL, random_trace, small_model_dir
+
+EVIL = 'evil"name\': {x: 1}\n- $(touch /tmp/pwned) `id`; --- #\t\\ & *a !!python/object'
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("k8s")
+    save_trace(random_trace(300, SMALL["num_layers"], SMALL["num_experts"]), root / "trace.npz")
+    return root / "trace.npz"
+
+
+def _compile(model_dir, trace_path, out, *extra):
+    result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(trace_path), "--target", "kubernetes",
+                                              "--nodes", "2", "--gpus-per-node", "2", "--policy", "contiguous",
+                                              "--out", str(out), "--quiet", *extra])
+    assert result.exit_code == 0, result.output
+    return {name: list(yaml.safe_load_all((out / "kubernetes" / name).read_text())) for name in FILES}
+
+
+def _validate(docs):
+    for name, items in docs.items():
+        assert len(items) == 1, name
+        kubernetes_validate.validate(items[0], KUBERNETES_VERSION, strict=True)
+
+
+def test_manifests_validate_and_carry_the_plan(tmp_path, trace_path):
+    model_dir = small_model_dir(tmp_path)
+    out = tmp_path / "b"
+    docs = _compile(model_dir, trace_path, out)
+    _validate(docs)
+    job = docs["job.yaml"][0]
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    pod = spec["template"]["spec"]
+    service = docs["service.yaml"][0]
+    assert service["spec"]["clusterIP"] == "None" and pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    assert anti["labelSelector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    ranks = pod["containers"][0]
+    assert ranks["command"] == ["/work/launch.sh"]
+    assert ranks["resources"]["limits"]["nvidia.com/gpu"] == "2" == ranks["resources"]["requests"]["nvidia.com/gpu"]
+    shard_bytes = sum((out / f"shards/rank-0000{r}.safetensors").stat().st_size for r in (0, 1))
+    assert int(ranks["resources"]["requests"]["memory"].removesuffix("Mi")) * 2**20 >= 2 * shard_bytes + 2 * 512 * 2**20
+    env = {e["name"]: e for e in ranks["env"]}
+    assert env["NNODES"]["value"] == "2" and env["MASTER_ADDR"]["value"].startswith(job["metadata"]["name"] + "-0.")
+    assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    data = docs["configmap.yaml"][0]["data"]
+    for key in ("plan.json", "placement.json", "launch.sh"):
+        assert data[key] == (out / key).read_text()  # the same launch.sh and plan as the torchrun bundle
+    assert json.loads(data["plan.json"])["target"] == "kubernetes"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["bundle"]["persistentVolumeClaim"]["claimName"] == docs["pvc.yaml"][0]["metadata"]["name"]
+    assert volumes["plan"]["configMap"]["name"] == docs["configmap.yaml"][0]["metadata"]["name"]
+    # the manifest covers the kubernetes files, so `moeplan run` still accepts the bundle
+    files = json.loads((out / "manifest.json").read_text())["files"]
+    assert {f"kubernetes/{n}" for n in FILES + ("Dockerfile", "README.md")} <= set(files)
+    assert "kubectl apply -f kubernetes/" in (out / "kubernetes" / "README.md").read_text()
+
+
+def test_compiling_twice_gives_identical_manifests(tmp_path, trace_path):
+    model_dir = small_model_dir(tmp_path)
+    _compile(model_dir, trace_path, tmp_path / "a")
+    _compile(model_dir, trace_path, tmp_path / "b")
+    read = lambda root: {p.name: p.read_bytes() for p in sorted((root / "kubernetes").iterdir())}
+    assert read(tmp_path / "a") == read(tmp_path / "b")
+
+
+def test_a_model_name_with_yaml_and_shell_metacharacters_yields_safe_valid_output(tmp_path, trace_path):
+    model_dir = small_model_dir(tmp_path, name=EVIL)
+    out = tmp_path / "b"
+    docs = _compile(model_dir, trace_path, out, "--image", "registry.example/x:1 # $(id)")
+    _validate(docs)
+    name = slug(EVIL)
+    for items in docs.values():
+        meta = items[0]["metadata"]
+        assert meta["name"].startswith(name) and meta["annotations"]["moeplan.io/model-name"] == EVIL
+    pod = docs["job.yaml"][0]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "registry.example/x:1 # $(id)"
+    assert set(pod) == {"subdomain", "restartPolicy", "affinity", "initContainers", "containers", "volumes"}
+    launch = docs["configmap.yaml"][0]["data"]["launch.sh"]
+    assert launch == (out / "launch.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "launch.sh")]).returncode == 0
+    # the name stays inside one comment line: no line of launch.sh runs it
+    assert all(l.startswith("#") for l in launch.splitlines() if "pwned" in l)
+
+
+def test_kubernetes_flags_on_the_torchrun_target_are_refused(tmp_path, trace_path):
+    model_dir = small_model_dir(tmp_path)
+    result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(trace_path), "--image", "x",
+                                              "--policy", "contiguous", "--out", str(tmp_path / "o"), "--quiet"])
+    assert result.exit_code != 0 and "--target kubernetes" in str(result.exception)
+    assert not (tmp_path / "o").exists()
