@@ -1,0 +1,341 @@
+"""MOPAR's HyPAD on the dense (non-MoE) stages of an MoE model: which dense units share a function.
+
+Why: one function holding every dense weight is sized for the hungriest unit and pays that
+memory for all of them; one function per stage pays a start-up and a transfer per stage.
+HyPAD (MOPAR, Alg. 1) slices the chain in between. Reading used here (see docs/serverless.md):
+
+* units: the dense stages in model order with each router after its layer's norm; MoE layers
+  split the chain into *segments* (segment e runs before MoE layer e, the last one after).
+  A slice is a run of consecutive units deployed as one function; it is invoked once per
+  segment it touches (the experts run in between), each invocation loading the slice's weights
+  (T^h of the serverless-MoE cost model) and reading/writing its activations;
+* a unit's memory and time come from the profile's XGBoost predictors at the request's tokens;
+  a function needs runtime + slice weights + the largest unit's intermediates and in/out tensors,
+  rounded up to a platform memory option; time at a memory size uses its vCPU share;
+* cut inside a segment: the activations go in the invoke payload when they fit the payload
+  limit (sender pays the transfer), else through S3 (write + read, one round trip each side);
+  the transfers at MoE boundaries happen under every partition and are counted for all;
+* 1. simplify: neighbouring units of a segment whose memory differs by <= 5% merge (max memory,
+  summed time), to a fixpoint; 2. exact DP over contiguous slices of the merged chain for
+  minimum cost per request (each slice at its minimum memory, parallelism 1); 3. parallelism
+  search: while the latency exceeds the limit (default: the single function's latency, MOPAR's
+  constraint), give the slice whose next step (eta + 1 shards over the tokens, or the next
+  memory option) buys latency at the least extra cost that step; none left -> UserError.
+Cost per request = billed GB-s x price + request fees over every invocation.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from moeplan.planner.errors import UserError
+from moeplan.planner.platforms import Platform
+
+MB = 1024 * 1024
+MERGE_THRESHOLD = 0.05
+
+
+@dataclass(frozen=True)
+class DenseUnit:
+    """One dense unit (or a merged run of them) as partitioning sees it."""
+
+    names: tuple
+    segment: int
+    param_bytes: int
+    peak_bytes_per_token: float          # intermediates (max over the merged units)
+    out_bytes_per_token: int             # tensor handed to the next unit
+    in_bytes_per_token: int
+    s_per_token: tuple                   # [threads] seconds per token at the request size, 1..n threads
+    threads: tuple
+
+    def seconds(self, tokens: float, vcpus: float) -> float:
+        """Compute time for `tokens` at a vCPU share: best thread count, t / v slowdown below t vCPUs."""
+        return min(s * tokens * max(1.0, t / vcpus) for s, t in zip(self.s_per_token, self.threads))
+
+    def own_memory_bytes(self, tokens: float) -> float:
+        return self.param_bytes + tokens * (self.peak_bytes_per_token + self.in_bytes_per_token + self.out_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class Slice:
+    first: int                 # index into the unit chain
+    last: int
+    memory_mb: int
+    eta: int = 1               # parallel shards over the request's tokens
+
+
+@dataclass
+class SliceReport:
+    names: list
+    segments: list
+    memory_mb: int
+    eta: int
+    param_bytes: int
+    invocations: int
+    billed_gb_s: float
+    cost_usd: float
+    latency_s: float
+
+
+@dataclass
+class PartitionResult:
+    slices: list                 # SliceReport
+    cost_per_request_usd: float
+    latency_s: float
+    latency_limit_s: float
+    merged_units: int
+    units: int
+    steps: list = field(default_factory=list)   # parallelism-search moves taken
+    fits: bool = True            # False when a fixed memory size is below a slice's need
+
+    def to_dict(self) -> dict:
+        return {"cost_per_request_usd": self.cost_per_request_usd, "latency_s": self.latency_s,
+                "latency_limit_s": self.latency_limit_s, "units": self.units, "merged_units": self.merged_units,
+                "slices": [vars(s) for s in self.slices], "parallelism_steps": self.steps}
+
+
+class CostModel:
+    """Cost and latency of a partition of the unit chain for a request of `tokens` tokens."""
+
+    def __init__(self, units: list, platform: Platform, tokens: int, memory_options=None):
+        self.units, self.p, self.tokens = list(units), platform, int(tokens)
+        self.options = sorted(int(m) for m in (memory_options or platform.memory_options_mb))
+
+    # -- transfers -----------------------------------------------------------------------
+    def _internal_cut(self, k: int) -> bool:
+        """Is the edge after unit k a cut inside a segment (not at an MoE layer or the end)?"""
+        return k + 1 < len(self.units) and self.units[k].segment == self.units[k + 1].segment
+
+    def _s3(self, n_bytes: float) -> float:
+        return self.p.s3_latency_s + n_bytes / self.p.s3_bandwidth_bytes_per_s
+
+    def _payload_fits(self, n_bytes: float) -> bool:
+        return n_bytes <= self.p.payload_limit_bytes
+
+    def _in_time(self, k: int, tokens: float) -> float:
+        """Reading the input of unit k when a slice starts there."""
+        n = tokens * self.units[k].in_bytes_per_token
+        if k > 0 and self._internal_cut(k - 1) and self._payload_fits(n):
+            return 0.0  # arrives in the invoke payload; the sender paid the transfer
+        return self._s3(n)
+
+    def _out_time(self, k: int, tokens: float) -> float:
+        n = tokens * self.units[k].out_bytes_per_token
+        if self._internal_cut(k) and self._payload_fits(n):
+            return n / self.p.f2f_bandwidth_bytes_per_s
+        return self._s3(n)
+
+    # -- one slice -----------------------------------------------------------------------
+    def need_mb(self, first: int, last: int, eta: int = 1) -> float:
+        tokens = math.ceil(self.tokens / eta)
+        us = self.units[first:last + 1]
+        params = sum(u.param_bytes for u in us)
+        act = max(tokens * (u.peak_bytes_per_token + u.in_bytes_per_token + u.out_bytes_per_token) for u in us)
+        return self.p.runtime_memory_mb + (params + act) / MB
+
+    def min_memory(self, first: int, last: int, eta: int = 1) -> Optional[int]:
+        need = self.need_mb(first, last, eta)
+        return next((m for m in self.options if m >= need - 1e-9), None)
+
+    def invocations(self, s: Slice) -> list:
+        """Seconds of each invocation of one shard, one per segment the slice touches."""
+        tokens = math.ceil(self.tokens / s.eta)
+        v = self.p.vcpus(s.memory_mb)
+        params = sum(u.param_bytes for u in self.units[s.first:s.last + 1])
+        start = self.p.s3_latency_s + self.p.warm_start_s + params / self.p.s3_bandwidth_bytes_per_s
+        out, k = [], s.first
+        while k <= s.last:
+            seg = self.units[k].segment
+            end = k
+            while end + 1 <= s.last and self.units[end + 1].segment == seg:
+                end += 1
+            t = start + self._in_time(k, tokens) + self._out_time(end, tokens)
+            t += sum(self.units[i].seconds(tokens, v) for i in range(k, end + 1))
+            out.append(t)
+            k = end + 1
+        return out
+
+    def slice_cost(self, s: Slice) -> tuple:
+        """(dollars, billed GB-s, invocations) for all shards of a slice."""
+        gb_s, n = 0.0, 0
+        for t in self.invocations(s):
+            gb_s += s.eta * self.p.billed_seconds(t) * s.memory_mb / 1024.0
+            n += s.eta
+        return gb_s * self.p.price_per_gb_s + n * self.p.price_per_request, gb_s, n
+
+    def latency(self, slices: list) -> float:
+        """End-to-end seconds of the dense part: the slices run one after another in each segment."""
+        total = 0.0
+        for s in slices:
+            total += sum(self.invocations(s))
+        return total
+
+    def cost(self, slices: list) -> float:
+        return sum(self.slice_cost(s)[0] for s in slices)
+
+    def report(self, slices: list, limit: float, merged: int, units: int, steps=()) -> PartitionResult:
+        reports = []
+        for s in slices:
+            cost, gb_s, n = self.slice_cost(s)
+            us = self.units[s.first:s.last + 1]
+            reports.append(SliceReport([n for u in us for n in u.names], sorted({u.segment for u in us}), s.memory_mb,
+                                       s.eta, sum(u.param_bytes for u in us), n, gb_s, cost, sum(self.invocations(s))))
+        return PartitionResult(reports, self.cost(slices), self.latency(slices), limit, merged, units, list(steps))
+
+
+def simplify(units: list, tokens: int, threshold: float = MERGE_THRESHOLD) -> list:
+    """MOPAR step 1: merge neighbours of a segment whose memory differs by <= threshold."""
+    out = list(units)
+    changed = True
+    while changed:
+        changed = False
+        for k in range(len(out) - 1):
+            a, b = out[k], out[k + 1]
+            ma, mb = a.own_memory_bytes(tokens), b.own_memory_bytes(tokens)
+            if a.segment == b.segment and abs(ma - mb) <= threshold * max(ma, 1e-9):
+                out[k:k + 2] = [merge(a, b)]
+                changed = True
+                break
+    return out
+
+
+def merge(a: DenseUnit, b: DenseUnit) -> DenseUnit:
+    return DenseUnit(a.names + b.names, a.segment, a.param_bytes + b.param_bytes,
+                     max(a.peak_bytes_per_token, b.peak_bytes_per_token), b.out_bytes_per_token, a.in_bytes_per_token,
+                     tuple(x + y for x, y in zip(a.s_per_token, b.s_per_token)), a.threads)
+
+
+def vertical_split(model: CostModel) -> list:
+    """MOPAR step 2: exact DP over contiguous slices (minimum memory, eta 1) for least cost."""
+    n = len(model.units)
+    best = [0.0] + [math.inf] * n
+    arg = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(1, j + 1):
+            mem = model.min_memory(i - 1, j - 1)
+            if mem is None or best[i - 1] == math.inf:
+                continue
+            c = best[i - 1] + model.slice_cost(Slice(i - 1, j - 1, mem))[0]
+            if c < best[j] - 1e-15:
+                best[j], arg[j] = c, i
+    if best[n] == math.inf:
+        worst = max(model.need_mb(k, k) for k in range(n))
+        raise UserError(f"a dense unit needs {worst:.0f} MB, more than the largest memory option "
+                        f"({model.options[-1]} MB); raise memory_options_mb in the platform file")
+    slices, j = [], n
+    while j > 0:
+        i = arg[j]
+        slices.append(Slice(i - 1, j - 1, model.min_memory(i - 1, j - 1)))
+        j = i - 1
+    return slices[::-1]
+
+
+def parallelism_search(model: CostModel, slices: list, limit: float, max_eta: int) -> tuple:
+    """MOPAR step 3 under the latency limit: cheapest latency per dollar, one step at a time."""
+    slices, steps = list(slices), []
+    while model.latency(slices) > limit + 1e-12:
+        lat, cost = model.latency(slices), model.cost(slices)
+        best = None
+        for k, s in enumerate(slices):
+            moves = []
+            if s.eta < max_eta:
+                mem = model.min_memory(s.first, s.last, s.eta + 1)
+                if mem is not None:
+                    moves.append(replace(s, eta=s.eta + 1, memory_mb=max(mem, s.memory_mb)))
+            bigger = [m for m in model.options if m > s.memory_mb]
+            if bigger:
+                moves.append(replace(s, memory_mb=bigger[0]))
+            for mv in moves:
+                trial = slices[:k] + [mv] + slices[k + 1:]
+                gain = lat - model.latency(trial)
+                if gain <= 1e-12:
+                    continue
+                score = (model.cost(trial) - cost) / gain
+                if best is None or score < best[0] - 1e-15:
+                    best = (score, k, mv)
+        if best is None:
+            raise UserError(f"the dense stages cannot meet the latency limit {limit:.3f} s (best {lat:.3f} s at "
+                            f"{max_eta} shards and the largest memory); raise the SLO or the memory options")
+        _, k, mv = best
+        slices[k] = mv
+        steps.append({"slice": k, "eta": mv.eta, "memory_mb": mv.memory_mb})
+    return slices, steps
+
+
+def single_function(model: CostModel) -> list:
+    mem = model.min_memory(0, len(model.units) - 1)
+    if mem is None:
+        raise UserError("the dense stages together exceed the largest memory option")
+    return [Slice(0, len(model.units) - 1, mem)]
+
+
+def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Optional[float] = None,
+          memory_options=None, max_eta: Optional[int] = None, threshold: float = MERGE_THRESHOLD) -> PartitionResult:
+    """Partition the dense unit chain; the latency limit defaults to the single function's latency."""
+    if not units:
+        raise UserError("the model has no dense stage to partition")
+    merged = simplify(units, tokens, threshold)
+    model = CostModel(merged, platform, tokens, memory_options)
+    if latency_limit_s is None:
+        full = CostModel(units, platform, tokens, memory_options)
+        latency_limit_s = full.latency(single_function(full))
+    slices = vertical_split(model)
+    slices, steps = parallelism_search(model, slices, latency_limit_s,
+                                       platform.max_replicas if max_eta is None else max_eta)
+    return model.report(slices, latency_limit_s, len(merged), len(units), steps)
+
+
+def evaluate(units: list, platform: Platform, tokens: int, groups: list, memory_options=None,
+             memory_mb: Optional[int] = None) -> PartitionResult:
+    """A fixed partition (lists of consecutive unit indices) at minimum (or the given) memory: the baselines."""
+    model = CostModel(units, platform, tokens, memory_options)
+    slices = []
+    for g in groups:
+        mem = memory_mb or model.min_memory(g[0], g[-1])
+        if mem is None:
+            raise UserError(f"units {g[0]}..{g[-1]} exceed the largest memory option")
+        slices.append(Slice(g[0], g[-1], int(mem)))
+    lat = model.latency(slices)
+    result = model.report(slices, lat, len(units), len(units))
+    result.fits = all(s.memory_mb >= model.need_mb(s.first, s.last, s.eta) - 1e-9 for s in slices)
+    return result
+
+
+def fine_memory_options(platform: Platform, low: int = 128, high: int = 10240) -> list:
+    """Lambda's own configurable sizes: every MB from 128 to 10,240 (MOPAR sizes per MB)."""
+    return list(range(low, high + 1))
+
+
+def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> list:
+    """Dense units of a model with per-token time and memory predicted by the profile's XGBoost models."""
+    from moeplan.passes.analysis.operator_predictor import features, fit_predictors
+    from moeplan.passes.analysis.profile import model_units
+    from moeplan.planner.ir import dtype_bytes
+
+    rows = profile.rows
+    X = features([r["flops_per_token"] for r in rows], [r["param_bytes"] for r in rows], [r["tokens"] for r in rows],
+                 [r["threads"] for r in rows], [r["kind"] == "expert" for r in rows])
+    preds = fit_predictors(X, np.array([r["seconds"] for r in rows]), np.array([r["peak_bytes"] for r in rows]),
+                           seed=seed)
+    moe = {f"layer{s.moe_index}": s.moe_index for s in ir.moe_stages}
+    last = len(ir.moe_stages)
+    width = int(ir.hidden_size * dtype_bytes(ir.dtype))
+    kinds = {s.name: s.kind for s in ir.stages}
+    top_k = {f"{s.name}.router": s.top_k for s in ir.moe_stages}
+    out = []
+    for u in model_units(ir, module):
+        if u.kind != "dense":
+            continue
+        segment = 0 if u.group == "head" else last if u.group == "tail" else moe[u.group]
+        secs = [float(preds.time(features(u.flops_per_token, u.param_bytes, tokens, t, False))[0]) / tokens
+                for t in profile.threads]
+        peak = float(preds.memory(features(u.flops_per_token, u.param_bytes, tokens, 1, False))[0]) / tokens
+        kind = kinds.get(u.name, "router")
+        in_b = 8 if kind == "embedding" else width          # token ids (and positions) in, else hidden states
+        out_b = ir.vocab_size * 4 if kind == "head" else width + 8 * top_k.get(u.name, 0)  # routers add ids + weights
+        out.append(DenseUnit((u.name,), segment, int(u.param_bytes), peak, out_b, in_b, tuple(secs),
+                             tuple(int(t) for t in profile.threads)))
+    return out
