@@ -16,8 +16,8 @@ from moeplan.planner.errors import UserError
 @click.command("compile")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
-@click.option("--target", type=click.Choice(["torchrun", "kubernetes"]), default="torchrun", show_default=True,
-              help="torchrun bundle, or the same bundle plus kubernetes/ manifests")
+@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda"]), default="torchrun", show_default=True,
+              help="torchrun bundle, the same bundle plus kubernetes/ manifests, or an AWS Lambda (SAM) bundle")
 @click.option("--nodes", type=int, default=1, show_default=True)
 @click.option("--gpus-per-node", type=int, default=1, show_default=True)
 @click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
@@ -28,12 +28,36 @@ from moeplan.planner.errors import UserError
               help="expert-parallel mode the bundle runs by default")
 @click.option("--image", default=None, help="kubernetes: container image of the rank pods")
 @click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
+@click.option("--slo", type=float, default=None, help="lambda: end-to-end latency limit per batch, seconds")
+@click.option("--methods", default="pipelined_s3,s3,direct", show_default=True, help="lambda: allowed scatter-gather methods")
+@click.option("--batch-tokens", type=int, default=10240, show_default=True, help="lambda: tokens per request (batch)")
+@click.option("--platform", "platform_file", default=None, help="lambda: YAML file overriding platform constants")
+@click.option("--requests-per-second", type=float, default=1.0, show_default=True,
+              help="lambda: request rate the README's monthly cost is stated for")
+@click.option("--cache-dir", default="build/cache", show_default=True, help="lambda: profile cache directory")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, mode, image,
-                storage_class, out, as_json, quiet):
+                storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, out, as_json,
+                quiet):
     """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
+    if target == "lambda":
+        if slo is None:
+            raise UserError("--target lambda needs --slo SECONDS (end-to-end latency limit per batch)")
+        from moeplan.planner.lambda_compile import compile_lambda
+
+        summary = compile_lambda(model, trace_path, out, slo_s=slo, batch_tokens=batch_tokens, methods=methods,
+                                 platform_file=platform_file, cache_dir=cache_dir, time_limit=time_limit,
+                                 requests_per_second=requests_per_second)
+        if as_json:
+            click.echo(json.dumps(summary, sort_keys=True))
+        elif not quiet:
+            click.echo(f"wrote {out}: {summary['functions']} functions ({summary['dense_slices']} dense slices), "
+                       f"methods {', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request")
+        return
+    if slo is not None:
+        raise UserError("--slo applies to --target lambda only")
     options = {"policy": policy, "redundant": redundant, "time_limit": time_limit}
     if balance is not None:
         options["balance"] = balance

@@ -146,7 +146,9 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
 @click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds before the run is abandoned")
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, as_json):
-    """Launch BUNDLE locally (torchrun standalone) and report throughput and communication."""
+    """Launch BUNDLE locally (torchrun standalone, or a Lambda bundle's state machine) and report."""
+    if _target(bundle) == "lambda":
+        return _run_lambda(bundle, verify, prompts_path, new_tokens, as_json)
     modes = ("coherent", "standard") if mode == "both" else (mode,)
     reports = run_modes(bundle, nproc, prompts_path, new_tokens, modes, verify, results, timeout)
     keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
@@ -159,6 +161,48 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
         for report in reports.values():
             _print(report, verify)
     if verify and not all(r["verified"] for r in reports.values()):
+        sys.exit(1)
+
+
+def _target(bundle: str):
+    try:
+        return json.loads((Path(bundle) / "plan.json").read_text()).get("target")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
+    """Lambda bundles: the state machine runs locally (backends/lambda_/local_run.py)."""
+    from moeplan.backends.lambda_.local_run import run_lambda_bundle
+
+    if new_tokens < 1:
+        raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if prompts_path is None:
+        prompts = [p.replace("\n", " ") for p in DEFAULT_PROMPTS]
+    else:
+        path = Path(prompts_path)
+        if not path.is_file():
+            raise UserError(f"prompts file '{path}' does not exist; give a text file with one prompt per line")
+        prompts = [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
+        if not prompts:
+            raise UserError(f"prompts file '{path}' holds no prompt; write one prompt per line")
+    report = run_lambda_bundle(bundle, prompts, new_tokens, verify)
+    if as_json:
+        click.echo(json.dumps(report, sort_keys=True))
+    else:
+        for i, text in enumerate(report["texts"]):
+            click.echo(f"  [{i}] {text!r}")
+        sb = report["storage_bytes"]
+        click.echo(f"{report['requests']} request(s): {report['invocations']} invocations {report['invocations_by_kind']}, "
+                   f"{report['state_transitions']} state transitions; storage {sb['total']} bytes "
+                   f"(functions get {sb['functions_get']} / put {sb['functions_put']}), payloads {report['payload_bytes']} bytes "
+                   f"(largest {report['max_payload_bytes']} <= {report['payload_limit_bytes']})")
+        click.echo(f"billed {report['billed_gb_s']:.3f} GB-s at the planned memory (${report['billed_usd']:.8f}) "
+                   f"from {report['measured_seconds']:.2f} s measured in the handlers")
+        if verify:
+            click.echo(f"verify {'PASS' if report['verified'] else 'FAIL'}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
+                       f"(<= {LOGIT_TOLERANCE:g}), tokens {'identical' if report['tokens_match'] else 'DIFFER'}")
+    if verify and not report["verified"]:
         sys.exit(1)
 
 

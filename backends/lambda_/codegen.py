@@ -1,0 +1,186 @@
+"""Write a Lambda bundle: SAM template, state machine, handlers, per-function weights, Dockerfiles, README.
+
+Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers + one
+Dockerfile per function kind), weights/ (laid out as the S3 keys: weights/dense/slice-NN/ and
+weights/experts/layer-LLL/expert-EEE/, each with weights.safetensors + config.json), model/
+(config + source, for local verification), README.md, manifest.json.
+
+Functions: one per dense slice (`DenseNN`) and one per expert replica (`ExpertLlllEeeeRr`), each
+with the memory the plan chose. Least privilege: a function's role reads only its own weight
+prefix and reads/writes only `intermediates/`; a dense function that routes a direct-method
+layer may also invoke exactly that layer's expert functions. Every value interpolated into the
+YAML goes through the `y` filter (JSON), so names cannot change its structure; the model name
+appears only in the Description, reduced to safe characters (the full name is in plan.json). Bytes depend only on the inputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from moeplan.backends.kubernetes.codegen import to_yaml
+from moeplan.backends.lambda_.statemachine import definition
+from moeplan.backends.runtime.lambda_ops import unit_tensors
+from moeplan.backends.runtime.tiny_moe import is_expert_tensor
+from moeplan.backends.torchrun.codegen import copy_runtime
+from moeplan.backends.torchrun.manifest import write_manifest
+from moeplan.backends.torchrun.shards import write_shard
+
+KINDS = ("dense", "expert")
+TIMEOUT_S = 900
+SECONDS_PER_MONTH = 30 * 24 * 3600
+
+
+def dense_id(k: int) -> str:
+    return f"Dense{k:02d}"
+
+
+def expert_id(layer: int, expert: int, replica: int) -> str:
+    return f"ExpertL{layer:03d}E{expert:04d}R{replica}"
+
+
+def tag(layer: int, expert: int, replica: int) -> str:
+    return f"L{layer}E{expert}R{replica}"
+
+
+def safe_text(text: str, limit: int = 200) -> str:
+    """Free text for CloudFormation strings: no `${` (read as a substitution), no control characters."""
+    return re.sub(r"[^A-Za-z0-9 _.,:/@+()-]", "_", text)[:limit]
+
+
+def function_suffix(logical_id: str) -> str:
+    """Physical name = <stack>-<suffix>; handlers address direct-method experts by it."""
+    return logical_id.lower()
+
+
+def _write(path: Path, data, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    os.chmod(path, mode)
+
+
+def _env() -> jinja2.Environment:
+    root = resources.files("moeplan.templates") / "lambda"
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
+    env.filters["y"] = to_yaml
+    return env
+
+
+def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, payload_limit: int) -> list:
+    """Per dense slice, its parts (one per segment it touches) with what each reads, writes, gathers, scatters."""
+    order = [u for s in slices for u in s["units"]]
+    index = {u: i for i, u in enumerate(order)}
+    out = []
+    for k, s in enumerate(slices):
+        parts = []
+        for unit in s["units"]:
+            seg = segment_of[unit]
+            if not parts or parts[-1]["segment"] != seg:
+                parts.append({"segment": seg, "units": []})
+            parts[-1]["units"].append(unit)
+        for p in parts:
+            first, last = index[p["units"][0]], index[p["units"][-1]]
+            p["read"], p["write"] = f"state-{first:03d}", f"state-{last + 1:03d}"
+            seg = p["segment"]
+            starts_segment = first == 0 or segment_of[order[first - 1]] != seg
+            if starts_segment and seg > 0 and layers[seg - 1]["method"] != "direct":
+                p["gather"] = {"layer": seg - 1, "replicas": {str(x["expert"]): x["replicas"] for x in layers[seg - 1]["experts"]}}
+            ends_segment = last + 1 == len(order) or segment_of[order[last + 1]] != seg
+            if ends_segment and seg < num_layers:
+                L = layers[seg]
+                p["scatter"] = {"layer": seg, "method": L["method"], "payload_limit": payload_limit,
+                                "replicas": {str(x["expert"]): x["replicas"] for x in L["experts"]}}
+                if L["method"] == "direct":
+                    p["scatter"]["functions"] = {tag(seg, x["expert"], r): function_suffix(expert_id(seg, x["expert"], r))
+                                                 for x in L["experts"] for r in range(x["replicas"])}
+        out.append(parts)
+    return out
+
+
+def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_files: dict, *, segment_of: dict,
+                 payload_limit: int, requests_per_second: float) -> dict:
+    """Write the bundle into `out` (which must not exist yet) from the lambda plan; returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True)
+    _write(out / "plan.json", plan_text)
+    for rel, content in sorted(model_files.items()):
+        _write(out / rel, content)
+    config_text = model_files["model/config.json"]  # bytes
+    pl = plan_doc
+    layers = pl["placement"]["layers"]
+    slices = pl["placement"]["dense_slices"]
+    num_layers = len(layers)
+    dense_names = sorted(n for n in state if is_expert_tensor(n) is None)
+    covered = set()
+    functions = []
+    parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit)
+    for k, s in enumerate(slices):
+        tensors = {n: state[n] for u in s["units"] for n in unit_tensors(u, dense_names)}
+        covered |= set(tensors)
+        prefix = f"weights/dense/slice-{k:02d}/"
+        write_shard(out / prefix / "weights.safetensors", tensors, k)
+        _write(out / prefix / "config.json", config_text)
+        invokes = [expert_id(p["scatter"]["layer"], int(e), r) for p in parts[k] if p.get("scatter", {}).get("method") == "direct"
+                   for e, g in sorted(p["scatter"]["replicas"].items(), key=lambda kv: int(kv[0])) for r in range(g)]
+        functions.append({"id": dense_id(k), "kind": "dense", "handler": "dense_handler", "memory_mb": int(s["memory_mb"]),
+                          "weights": prefix, "spec": {"segments": parts[k]}, "invokes": invokes,
+                          "units": s["units"]})
+    missing = sorted(set(dense_names) - covered)
+    if missing:
+        raise ValueError(f"dense tensors {missing[:3]} belong to no dense unit")
+    expert_tensors = {}
+    for n in sorted(state):
+        owner = is_expert_tensor(n)
+        if owner is not None:
+            expert_tensors.setdefault(owner, {})[n] = state[n]
+    for L in layers:
+        l = int(L["layer"])
+        for x in L["experts"]:
+            e = int(x["expert"])
+            prefix = f"weights/experts/layer-{l:03d}/expert-{e:04d}/"
+            write_shard(out / prefix / "weights.safetensors", expert_tensors[(l, e)], l * 10000 + e)
+            _write(out / prefix / "config.json", config_text)
+            for r in range(int(x["replicas"])):
+                functions.append({"id": expert_id(l, e, r), "kind": "expert", "handler": "expert_handler",
+                                  "memory_mb": int(x["memory_mb"]), "weights": prefix, "invokes": [],
+                                  "spec": {"layer": l, "expert": e, "tag": tag(l, e, r), "method": L["method"],
+                                           "beta": int(L["beta"])}})
+    steps = []
+    for seg in range(num_layers + 1):
+        for k, p in enumerate(parts):
+            if any(q["segment"] == seg for q in p):
+                steps.append(("dense", dense_id(k), seg))
+        if seg < num_layers and layers[seg]["method"] != "direct":
+            steps.append(("moe", seg, [(tag(seg, int(x["expert"]), r), expert_id(seg, int(x["expert"]), r))
+                                       for x in layers[seg]["experts"] for r in range(int(x["replicas"]))]))
+    machine = definition(steps)
+    _write(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
+    copy_runtime(out / "functions" / "runtime")
+    env = _env()
+    for kind in KINDS:
+        _write(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
+    predicted = pl["predicted"]
+    per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
+    ctx = {
+        "model_name_json": to_yaml(str(pl["model"]["name"])), "description": "moeplan Lambda deployment of " + safe_text(str(pl["model"]["name"])),
+        "functions": [dict(f, spec_json=json.dumps(f["spec"], sort_keys=True, separators=(",", ":")),
+                           suffix=function_suffix(f["id"])) for f in functions],
+        "definition": machine, "timeout": TIMEOUT_S,
+        "substitutions": {f["id"]: {"Fn::GetAtt": [f["id"], "Arn"]} for f in functions},
+        "layers": layers, "slices": slices, "batch_tokens": int(pl["communication"]["batch_tokens"]),
+        "cost_per_request": per_request, "moe_cost": float(predicted.get("moe_cost_per_batch_usd", 0.0)),
+        "dense_cost": float(predicted["dense_partition"]["cost_per_request_usd"]),
+        "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
+        "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
+    }
+    _write(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
+    _write(out / "README.md", env.get_template("README.md.j2").render(**ctx))
+    return write_manifest(out)

@@ -1,0 +1,150 @@
+"""`moeplan run DIR --verify` for a Lambda bundle: greedy generation through the local state machine.
+
+Each generated token is one request: the client puts the batch (every prompt plus the tokens
+generated so far; full recomputation, as the reference) at `intermediates/<request>/state-000`,
+runs the bundle's own state machine definition (`asl.py`) against the local S3 and Lambda
+endpoints (`local_cloud.py`), and reads the logits from the last state file. The logits of the
+final request cover every position the reference computes; greedy tokens are compared too.
+Measured: invocations, bytes through storage (handlers and client), bytes in payloads, and
+billed GB-s = sum over invocations of the handler's measured seconds, rounded up to the billing
+granularity, x the function's planned memory. First invocations include loading the weights.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from moeplan.backends.lambda_.asl import ASLError, Machine
+from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
+from moeplan.backends.runtime import lambda_ops as ops
+from moeplan.backends.runtime.tiny_moe import decode, encode
+from moeplan.planner.errors import UserError
+
+LOGIT_TOLERANCE = 1e-4
+
+
+def check_files(root: Path) -> dict:
+    """Manifest hashes and the lambda plan; one-line UserErrors."""
+    from moeplan.backends.torchrun.manifest import MANIFEST, sha256_file
+
+    path = root / MANIFEST
+    if not path.is_file():
+        raise UserError(f"'{path}' is missing: this is not a complete moeplan bundle; recompile it")
+    files = json.loads(path.read_text())["files"]
+    for rel in sorted(files):
+        if not (root / rel).is_file():
+            raise UserError(f"bundle file '{rel}' listed in the manifest is missing; recompile or restore it")
+        if sha256_file(root / rel) != files[rel]:
+            raise UserError(f"bundle file '{rel}' does not match its sha256 in manifest.json (modified or corrupt); recompile the bundle")
+    return json.loads((root / "plan.json").read_text())
+
+
+def load_reference(root: Path, plan: dict):
+    """The source model rebuilt from the bundle's model/ files and every function's weights."""
+    import importlib.util
+    import sys
+
+    from safetensors.torch import load_file
+
+    from moeplan.backends.torchrun.shards import state_dict_sha256
+
+    state = {}
+    for path in sorted((root / "weights").rglob("weights.safetensors")):
+        state.update(load_file(str(path)))
+    if state_dict_sha256(state) != plan["model"]["weights_sha256"]:
+        raise UserError("the bundle's weights differ from the source model's (weights_sha256); recompile the bundle")
+    source = root / plan["model"]["source"]
+    name = f"moeplan_lambda_model_{abs(hash(str(source.resolve())))}"
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    config = json.loads((root / plan["model"]["config"]).read_text())
+    model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.eval()
+
+
+def _batch(seqs: list) -> dict:
+    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
+    positions = torch.tensor([p for s in seqs for p in range(len(s))], dtype=torch.int64)
+    seq = torch.tensor([i for i, s in enumerate(seqs) for _ in s], dtype=torch.int64)
+    return {"ids": ids, "positions": positions, "seq": seq}
+
+
+def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool) -> dict:
+    root = Path(bundle)
+    plan = check_files(root)
+    if plan.get("target") != "lambda":
+        raise UserError(f"'{root}' is not a lambda bundle")
+    platform = plan["inputs"]["facts"]["platform"]
+    units = sum(len(s["units"]) for s in plan["placement"]["dense_slices"])
+    config = json.loads((root / plan["model"]["config"]).read_text())
+    seqs = [encode(p) for p in prompts]
+    if max(len(s) for s in seqs) + new_tokens > int(config["max_positions"]):
+        raise UserError(f"prompts plus {new_tokens} new tokens exceed the model's {config['max_positions']} positions")
+    start = time.perf_counter()
+    cloud = LocalCloud(root, platform["payload_limit_bytes"])
+    try:
+        weight_bytes = cloud.upload_weights()
+        machine = Machine(cloud.definition, cloud.subs, cloud.invoke)
+        generated = [[] for _ in seqs]
+        logits = None
+        for t in range(new_tokens):
+            request = f"verify-{t:03d}"
+            current = [s + g for s, g in zip(seqs, generated)]
+            cloud.put(f"intermediates/{request}/state-000", ops.to_bytes(_batch(current)))
+            try:
+                machine.run({"request": request})
+            except (CloudError, ASLError) as exc:
+                raise UserError(f"the state machine failed at request {t}: {exc}") from None
+            state = ops.from_bytes(cloud.get(f"intermediates/{request}/state-{units:03d}"))
+            logits = state["logits"]
+            ends = torch.cumsum(torch.tensor([len(s) for s in current]), 0) - 1
+            for i, e in enumerate(ends.tolist()):
+                generated[i].append(int(torch.argmax(logits[e])))
+        wall = time.perf_counter() - start
+    finally:
+        cloud.close()
+    inv = cloud.invocations
+    g = float(platform["billing_granularity_s"])
+    billed = sum((math.ceil(i.seconds / g - 1e-9) * g if g > 0 else i.seconds) * i.memory_mb / 1024.0 for i in inv)
+    io = Counter()
+    for i in inv:
+        io.update(i.io)
+    report = {
+        "target": "lambda", "requests": new_tokens, "texts": [decode(s + g) for s, g in zip(seqs, generated)],
+        "invocations": len(inv), "invocations_by_kind": dict(sorted(Counter(i.kind for i in inv).items())),
+        "functions_used": len({i.function for i in inv}), "state_transitions": machine.transitions,
+        "storage_bytes": {"functions_get": io["get_bytes"], "functions_put": io["put_bytes"],
+                          "client_get": cloud.client_io["get_bytes"], "client_put": cloud.client_io["put_bytes"],
+                          "total": io["get_bytes"] + io["put_bytes"] + cloud.client_io["get_bytes"] + cloud.client_io["put_bytes"],
+                          "weights_uploaded": weight_bytes},
+        "payload_bytes": sum(i.request_bytes + i.response_bytes for i in inv),
+        "max_payload_bytes": max((max(i.request_bytes, i.response_bytes) for i in inv), default=0),
+        "payload_limit_bytes": int(platform["payload_limit_bytes"]),
+        "billed_gb_s": billed,
+        "billed_usd": billed * float(platform["price_per_gb_s"]) + len(inv) * float(platform["price_per_request"]),
+        "measured_seconds": sum(i.seconds for i in inv), "wall_s": wall,
+    }
+    if verify:
+        model = load_reference(root, plan)
+        from moeplan.backends.torchrun.verify import reference_generate
+
+        max_diff, match = 0.0, True
+        offset = 0
+        torch.set_num_threads(1)
+        for s, g in zip(seqs, generated):
+            ref_gen, ref_logits = reference_generate(model, s, new_tokens)
+            match &= ref_gen == g
+            mine = logits[offset:offset + len(s) + new_tokens - 1]
+            max_diff = max(max_diff, float((mine - ref_logits).abs().max()))
+            offset += len(s) + new_tokens - 1
+        report.update(max_abs_logit_diff=max_diff, tokens_match=bool(match),
+                      verified=bool(match and max_diff <= LOGIT_TOLERANCE))
+    return report
