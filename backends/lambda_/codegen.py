@@ -181,6 +181,13 @@ def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_f
         "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
     }
+    for f in ctx["functions"]:  # Lambda caps a function's environment at 4 KB
+        size = len(f["spec_json"]) + len(f["weights"]) + 200
+        if size > 4096:
+            from moeplan.planner.errors import UserError
+
+            raise UserError(f"function {f['id']} would need a {size}-byte environment, over Lambda's 4 KB; "
+                            "fewer experts per direct layer (--methods s3,pipelined_s3) keep it smaller")
     _write(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
     _write(out / "README.md", env.get_template("README.md.j2").render(**ctx))
     return write_manifest(out)
