@@ -79,8 +79,10 @@ def test_a_tight_latency_limit_buys_parallelism_or_memory_and_an_impossible_one_
 def test_a_cut_whose_tensor_exceeds_the_payload_limit_goes_through_s3():
     platform = load_platform()
     units = [unit("a", 0), unit("b", 0)]
-    small = P.CostModel(units, platform, 1000)
-    big = P.CostModel(units, platform, platform.payload_limit_bytes // 512 + 1)
+    small = P.CostModel(units, platform, 1000, payload_cuts=True)
+    big = P.CostModel(units, platform, platform.payload_limit_bytes // 512 + 1, payload_cuts=True)
+    default = P.CostModel(units, platform, 1000)  # as the bundle: every cut through S3
+    assert default._out_time(0, 1000) >= platform.s3_latency_s and default._in_time(1, 1000) >= platform.s3_latency_s
     assert small._out_time(0, small.tokens) == pytest.approx(1000 * 512 / platform.f2f_bandwidth_bytes_per_s)
     assert small._in_time(1, small.tokens) == 0.0
     assert big._out_time(0, big.tokens) >= platform.s3_latency_s and big._in_time(1, big.tokens) >= platform.s3_latency_s

@@ -12,8 +12,10 @@ HyPAD (MOPAR, Alg. 1) slices the chain in between. Reading used here (see docs/s
 * a unit's memory and time come from the profile's XGBoost predictors at the request's tokens;
   a function needs runtime + slice weights + the largest unit's intermediates and in/out tensors,
   rounded up to a platform memory option; time at a memory size uses its vCPU share;
-* cut inside a segment: the activations go in the invoke payload when they fit the payload
-  limit (sender pays the transfer), else through S3 (write + read, one round trip each side);
+* cut inside a segment: through S3 (write + read, one round trip each side), as the Lambda
+  bundle does (Step Functions passes only request ids: its state is capped at 256 KB); with
+  `payload_cuts=True` the activations go in the invoke payload when they fit the payload limit
+  (the sender pays the transfer);
   the transfers at MoE boundaries happen under every partition and are counted for all;
 * 1. simplify: neighbouring units of a segment whose memory differs by <= 5% merge (max memory,
   summed time), to a fixpoint; 2. exact DP over contiguous slices of the merged chain for
@@ -100,8 +102,8 @@ class PartitionResult:
 class CostModel:
     """Cost and latency of a partition of the unit chain for a request of `tokens` tokens."""
 
-    def __init__(self, units: list, platform: Platform, tokens: int, memory_options=None):
-        self.units, self.p, self.tokens = list(units), platform, int(tokens)
+    def __init__(self, units: list, platform: Platform, tokens: int, memory_options=None, payload_cuts: bool = False):
+        self.units, self.p, self.tokens, self.payload_cuts = list(units), platform, int(tokens), payload_cuts
         self.options = sorted(int(m) for m in (memory_options or platform.memory_options_mb))
 
     # -- transfers -----------------------------------------------------------------------
@@ -113,7 +115,7 @@ class CostModel:
         return self.p.s3_latency_s + n_bytes / self.p.s3_bandwidth_bytes_per_s
 
     def _payload_fits(self, n_bytes: float) -> bool:
-        return n_bytes <= self.p.payload_limit_bytes
+        return self.payload_cuts and n_bytes <= self.p.payload_limit_bytes
 
     def _in_time(self, k: int, tokens: float) -> float:
         """Reading the input of unit k when a slice starts there."""
@@ -334,8 +336,10 @@ def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> 
                 for t in profile.threads]
         peak = float(preds.memory(features(u.flops_per_token, u.param_bytes, tokens, 1, False))[0]) / tokens
         kind = kinds.get(u.name, "router")
-        in_b = 8 if kind == "embedding" else width          # token ids (and positions) in, else hidden states
-        out_b = ir.vocab_size * 4 if kind == "head" else width + 8 * top_k.get(u.name, 0)  # routers add ids + weights
+        # what the bundle's state file carries per token: ids, positions, sequence (24 B), the residual
+        # stream and the last norm's output (2 x width), routers add ids + weights, the head logits
+        in_b = 24 if kind == "embedding" else 24 + 2 * width
+        out_b = 24 + 2 * width + (ir.vocab_size * 4 if kind == "head" else 16 * top_k.get(u.name, 0))
         out.append(DenseUnit((u.name,), segment, int(u.param_bytes), peak, out_b, in_b, tuple(secs),
                              tuple(int(t) for t in profile.threads)))
     return out
