@@ -105,3 +105,41 @@ def test_kubernetes_flags_on_the_torchrun_target_are_refused(tmp_path, trace_pat
                                               "--policy", "contiguous", "--out", str(tmp_path / "o"), "--quiet"])
     assert result.exit_code != 0 and "--target kubernetes" in str(result.exception)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_staged_pod_layout_runs_launch_sh(tmp_path, trace_path):
+    """The init container's script, run with local paths, gives a directory the container command runs."""
+    import os
+    import socket
+    import sys
+
+    model_dir = small_model_dir(tmp_path)
+    out = tmp_path / "b"
+    result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(trace_path), "--target", "kubernetes",
+                                              "--nodes", "1", "--gpus-per-node", "1", "--policy", "contiguous",
+                                              "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    job = yaml.safe_load((out / "kubernetes" / "job.yaml").read_text())
+    config = yaml.safe_load((out / "kubernetes" / "configmap.yaml").read_text())
+    plan_dir, work = tmp_path / "plan", tmp_path / "work"
+    plan_dir.mkdir()
+    work.mkdir()
+    for key, text in config["data"].items():
+        (plan_dir / key).write_text(text)
+    pod = job["spec"]["template"]["spec"]
+    script = pod["initContainers"][0]["command"][2]
+    script = script.replace("/bundle", str(out)).replace("/plan/", f"{plan_dir}/").replace("/work", str(work))
+    subprocess.run(["sh", "-c", script], check=True)
+    container = pod["containers"][0]
+    assert container["command"] == ["/work/launch.sh"]
+    args = [a.replace("/work", str(work)).replace("/results", str(tmp_path / "results")) for a in container["args"]]
+    args[args.index("--new-tokens") + 1] = "2"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", str(work / "launch.sh"), *args], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "results" / "coherent" / "result.json").read_text())["texts"]
