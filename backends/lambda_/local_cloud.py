@@ -6,7 +6,8 @@ server on 127.0.0.1 (random port); Lambda's Invoke API is a small HTTP server on
 forwards each call to the function's own process (forked by `runtime.lambda_worker`), enforcing
 the payload limit on requests and responses. Functions come from template.yaml itself: memory,
 environment (Ref / Fn::Sub resolved for a stack named `local`), handler from the Dockerfile CMD.
-Every invocation is recorded: function, measured seconds, planned memory, payload and storage bytes.
+Every invocation is recorded: function, measured seconds, planned memory, payload and storage bytes;
+every S3 key a function used is checked against the prefixes its IAM policy in the template allows.
 """
 from __future__ import annotations
 
@@ -41,6 +42,24 @@ class Function:
     handler: str
     memory_mb: int
     env: dict
+    may_get: tuple = ()   # S3 key prefixes its IAM policy lets it read
+    may_put: tuple = ()   # ... and write
+
+    def allowed(self, op: str, key: str) -> bool:
+        return any(key.startswith(p) for p in (self.may_get if op == "get" else self.may_put))
+
+
+def _policy_prefixes(props: dict, action: str) -> tuple:
+    """Key prefixes of `${Bucket.Arn}/<prefix>*` resources granted `action` by the function's policies."""
+    out = []
+    for policy in props.get("Policies", []):
+        for st in policy.get("Statement", []) if isinstance(policy, dict) else []:
+            res = st.get("Resource")
+            sub = res.get("Fn::Sub") if isinstance(res, dict) else None
+            if st.get("Effect") == "Allow" and action in st.get("Action", []) and isinstance(sub, str) \
+                    and sub.startswith("${Bucket.Arn}/") and sub.endswith("*"):
+                out.append(sub[len("${Bucket.Arn}/"):-1])
+    return tuple(sorted(out))
 
 
 @dataclass
@@ -76,7 +95,8 @@ def read_template(root: Path, bucket: str = BUCKET) -> tuple:
             if cmd is None:
                 raise CloudError(f"{dockerfile} has no runtime.lambda_handlers CMD")
             env = {k: _resolve(v, bucket) for k, v in props["Environment"]["Variables"].items()}
-            functions[lid] = Function(lid, _resolve(props["FunctionName"], bucket), cmd.group(1), int(props["MemorySize"]), env)
+            functions[lid] = Function(lid, _resolve(props["FunctionName"], bucket), cmd.group(1), int(props["MemorySize"]), env,
+                                      _policy_prefixes(props, "s3:GetObject"), _policy_prefixes(props, "s3:PutObject"))
         elif res["Type"] == "AWS::Serverless::StateMachine":
             machine = res["Properties"]
     subs = {k: v["Fn::GetAtt"][0] for k, v in machine["DefinitionSubstitutions"].items()}
@@ -176,6 +196,9 @@ class LocalCloud:
                                                fn.memory_mb, len(body), len(result), reply.get("io", {})))
         if not reply["ok"]:
             raise CloudError(f"function {logical_id} failed: {reply['error']}")
+        for op, key in reply.get("access", []):  # the local S3 does not enforce IAM: check here
+            if not fn.allowed(op, key):
+                raise CloudError(f"function {logical_id} used {op} on '{key}', which its IAM policy does not allow")
         if len(result) > self.payload_limit:
             raise CloudError(f"response of {logical_id} is {len(result)} bytes, over the {self.payload_limit}-byte payload limit")
         return reply["result"]

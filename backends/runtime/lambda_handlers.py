@@ -25,6 +25,7 @@ from . import lambda_ops as ops
 
 _CACHE = {}
 IO = {"get_bytes": 0, "put_bytes": 0, "gets": 0, "puts": 0}  # storage traffic of this process (read by local runs)
+ACCESS = []  # (operation, key) of this invocation, so a local run can check them against the IAM policy
 
 
 def prewarm() -> None:
@@ -55,6 +56,7 @@ def _get(key: str) -> bytes:
     data = _s3().get_object(Bucket=os.environ["MOEPLAN_BUCKET"], Key=key)["Body"].read()
     IO["get_bytes"] += len(data)
     IO["gets"] += 1
+    ACCESS.append(("get", key))
     return data
 
 
@@ -62,6 +64,7 @@ def _put(key: str, data: bytes) -> None:
     _s3().put_object(Bucket=os.environ["MOEPLAN_BUCKET"], Key=key, Body=data)
     IO["put_bytes"] += len(data)
     IO["puts"] += 1
+    ACCESS.append(("put", key))
 
 
 def _weights() -> tuple:

@@ -9,7 +9,8 @@ like a warm container and serves one invocation at a time on a 127.0.0.1 socket.
 Zygote protocol (JSON lines on stdin/stdout): {"spawn": name, "handler": "dense_handler", "env": {}}
 -> {"name", "pid", "port"}; {"exit": true} ends every child. Invocation protocol (per connection):
 8-byte length + JSON event -> 8-byte length + JSON {"ok", "result" | "error", "seconds"}, where
-`seconds` is the handler's own wall time (the billed duration) and `io` its storage traffic.
+`seconds` is the handler's own wall time (the billed duration), `io` its storage traffic and
+`access` the (operation, key) pairs it used.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def _serve(module, handler_name: str, listener) -> None:
                 continue
             for k in module.IO:
                 module.IO[k] = 0
+            del module.ACCESS[:]
             start = time.perf_counter()
             try:
                 reply = {"ok": True, "result": handler(event, None)}
@@ -60,6 +62,7 @@ def _serve(module, handler_name: str, listener) -> None:
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
             reply["seconds"] = time.perf_counter() - start
             reply["io"] = dict(module.IO)
+            reply["access"] = list(module.ACCESS)
             send(conn, json.dumps(reply).encode())
 
 
