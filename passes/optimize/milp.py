@@ -63,11 +63,13 @@ def solve_milp(
     solver: str = "highs",
     mip_gap: float = 1e-4,
     node_limit: Optional[int] = None,
+    iteration_limit: Optional[int] = None,
 ) -> MilpResult:
     """Solve the model above; `integer` is a bool mask over columns.
 
     `node_limit` caps branch-and-bound nodes: a work limit, so results do not depend on machine
-    speed the way a time limit does (the time limit stays as a safety net).
+    speed the way a time limit does (the time limit stays as a safety net). `iteration_limit`
+    caps simplex iterations (LPs): also a work limit; the status is then "work_limit".
 
     The objective is scaled to O(1) before solving: solvers' absolute gap tolerances (1e-6 in
     HiGHS) would otherwise stop at once on objectives such as dollar costs of ~1e-6. When the
@@ -77,11 +79,13 @@ def solve_milp(
     notes = []
     result = None
     if solver == "gurobi":
-        result = _try_gurobi(c / scale, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes)
+        result = _try_gurobi(c / scale, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes,
+                             node_limit, iteration_limit)
     elif solver != "highs":
         raise ValueError(f"unknown solver {solver!r}")
     if result is None:
-        result = _solve_highs(c / scale, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit)
+        result = _solve_highs(c / scale, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap,
+                              node_limit, iteration_limit)
     result.notes = notes + result.notes
     if result.x is None and warm_start is not None and result.status in ("time_limit", "work_limit"):
         result.x = np.asarray(warm_start, dtype=np.float64)
@@ -91,7 +95,8 @@ def solve_milp(
     return result
 
 
-def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit=None) -> MilpResult:
+def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit=None,
+                 iteration_limit=None) -> MilpResult:
     import highspy
 
     start = time.perf_counter()
@@ -120,6 +125,8 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     if node_limit is not None:
         h.setOptionValue("mip_max_nodes", int(node_limit))
+    if iteration_limit is not None:
+        h.setOptionValue("simplex_iteration_limit", int(iteration_limit))
     h.passModel(lp)
     if warm_start is not None and is_mip:
         sol = highspy.HighsSolution()
@@ -134,6 +141,7 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
         highspy.HighsModelStatus.kOptimal: "optimal",
         highspy.HighsModelStatus.kTimeLimit: "time_limit",
         highspy.HighsModelStatus.kSolutionLimit: "work_limit",
+        highspy.HighsModelStatus.kIterationLimit: "work_limit",
         highspy.HighsModelStatus.kInfeasible: "infeasible",
     }.get(status, "other")
     has_solution = info.primal_solution_status == 2  # kSolutionStatusFeasible
@@ -150,7 +158,8 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     return MilpResult(x, objective, bound, name, seconds)
 
 
-def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes):
+def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes,
+                node_limit=None, iteration_limit=None):
     n_rows, n_cols = A.shape
     try:
         import gurobipy as gp
@@ -177,6 +186,10 @@ def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, w
         model.Params.MIPGap = mip_gap
         model.Params.Threads = 1
         model.Params.Seed = 0
+        if node_limit is not None:
+            model.Params.NodeLimit = float(node_limit)
+        if iteration_limit is not None:
+            model.Params.IterationLimit = float(iteration_limit)
         if warm_start is not None:
             x.Start = np.asarray(warm_start)
         model.optimize()
@@ -190,7 +203,8 @@ def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, w
             notes.append(f"Gurobi failed ({exc}); solved with HiGHS instead")
         return None
     seconds = time.perf_counter() - start
-    status = {gp.GRB.OPTIMAL: "optimal", gp.GRB.TIME_LIMIT: "time_limit", gp.GRB.INFEASIBLE: "infeasible"}.get(model.Status, "other")
+    status = {gp.GRB.OPTIMAL: "optimal", gp.GRB.TIME_LIMIT: "time_limit", gp.GRB.INFEASIBLE: "infeasible",
+              gp.GRB.NODE_LIMIT: "work_limit", gp.GRB.ITERATION_LIMIT: "work_limit"}.get(model.Status, "other")
     if model.SolCount == 0:
         return MilpResult(None, float("inf"), -float("inf"), status, seconds, notes, solver="gurobi")
     bound = float(model.ObjBound) if bool(np.any(integer)) else float(model.ObjVal)

@@ -5,6 +5,11 @@ Policies, all returning a `Placement` scored by `placement_metrics.score_placeme
 - `eplb`: DeepSeek's Expert Parallelism Load Balancer, our implementation (`placement_eplb`);
 - `ilp`: ExFlow's staged affinity ILP with a load cap and redundant slots (`placement_ilp`),
   reporting objective (cross-GPU transitions), a valid lower bound (`placement_bound`) and gap.
+
+`ilp` work is set by `effort` (a multiplier on sweeps, exchange moves, branch-and-bound nodes and
+LP sizes; `placement_budget`), never by the clock, so the same inputs give the same bytes on any
+machine. `time_limit` is a safety net: when it stops the solve, metrics say
+`stopped_by: "time_limit"` and a note warns that the result may not be reproducible.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace_format import Trace
 from moeplan.passes.optimize.milp import relative_gap
 from moeplan.passes.optimize.placement_bound import transition_lower_bound
+from moeplan.passes.optimize.placement_budget import DEFAULT_EFFORT, WorkBudget
 from moeplan.passes.optimize.placement_eplb import eplb_placement
 from moeplan.passes.optimize.placement_ilp import BALANCE_BASES, staged_placement
 from moeplan.passes.optimize.placement_metrics import score_placement
@@ -35,8 +41,9 @@ class PlacementRequest:
     balance: float = 0.1
     balance_base: str = "mean"
     solver: str = "highs"
-    time_limit: float = 60.0
+    time_limit: float = 60.0  # ilp: wall-clock safety net only
     expert_groups: int = 0
+    effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
 
 
 def expert_loads(trace: Trace) -> np.ndarray:
@@ -64,6 +71,8 @@ def check_request(trace: Trace, request: PlacementRequest) -> None:
         raise UserError(f"--balance must be >= 0, got {request.balance}")
     if request.time_limit <= 0:
         raise UserError(f"--time-limit must be positive, got {request.time_limit}")
+    if not request.effort > 0:
+        raise UserError(f"--effort must be positive, got {request.effort}")
     if request.policy == "contiguous":
         if request.redundant:
             raise UserError("the contiguous policy places no replicas; drop --redundant or use --policy eplb/ilp")
@@ -115,6 +124,7 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
                        solve_seconds=time.perf_counter() - start, **extra)
         metrics["balance"] = request.balance
         metrics["balance_base"] = request.balance_base
+        metrics["effort"] = request.effort
     return Placement.from_hosts(request.policy, topology, hosts, metrics)
 
 
@@ -122,15 +132,20 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     topology = request.topology
     D = topology.devices
     counts = transition_counts(trace, "current")
-    limit = request.time_limit
+    budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
     solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
-                                request.solver, deadline=start + 0.8 * limit, per_mip_limit=max(0.2, min(1.0, limit / 50)))
+                                request.solver, budget)
     slots = (trace.num_experts + request.redundant) // D
-    bound_budget = max(0.0, start + 0.97 * limit - time.perf_counter())
-    bound, method = transition_lower_bound(counts, D, slots, int(solution.replicas.max()), bound_budget)
-    extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps}
-    if solution.notes:
-        extra["notes"] = list(solution.notes)
+    bound, method = transition_lower_bound(counts, D, slots, int(solution.replicas.max()), budget=budget)
+    extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps,
+             "stopped_by": "time_limit" if budget.timed_out else "work"}
+    notes = list(solution.notes)
+    if budget.timed_out:
+        notes.append(f"--time-limit {request.time_limit:g} s stopped the solve before its work budget "
+                     f"(--effort {request.effort:g}) was spent: this placement depends on machine speed and load "
+                     f"and may not be reproducible; raise --time-limit (or lower --effort) for a deterministic result")
+    if notes:
+        extra["notes"] = notes
     return solution.hosts, extra
 
 

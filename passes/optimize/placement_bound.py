@@ -9,9 +9,12 @@ most Q * r experts of the next layer (row cap), b with at most Q * r of the prev
 cap), and the co-located pairs number at most P * Q^2 in all. The most local traffic under these
 caps is a fractional b-matching, an LP whose optimum bounds the local traffic from above;
 cross >= total - LP. Without replicas (r = 1) it is at least as strong as counting, per source,
-everything outside its Q largest successors. The LP runs per pair while time is left; pairs it
-does not reach use a feasible point of the LP's dual (`dual_bound`, weak duality: also valid,
-and in practice within 0.1% of the LP) or the row/column counting bound, whichever is larger.
+everything outside its Q largest successors. The LP runs per pair, in layer order, while the
+pairs' LP columns fit a work budget (`LP_COLUMNS` x effort) and each within a simplex iteration
+limit; pairs it does not reach use a feasible point of the LP's dual (`dual_bound`, weak duality:
+also valid, and in practice within 0.1% of the LP) or the row/column counting bound, whichever is
+larger. Work limits, not time, decide which pairs get the LP, so the reported bound is the same on
+any machine; the time limit is only a safety net.
 """
 from __future__ import annotations
 
@@ -21,6 +24,10 @@ import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
+from moeplan.passes.optimize.placement_budget import WorkBudget
+
+LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
+LP_ITERATIONS_PER_COLUMN = 4  # simplex iterations per LP column (at least 10,000), at effort 1
 
 
 def counting_bound(counts: np.ndarray, row_cap: int, col_cap: int) -> float:
@@ -32,7 +39,8 @@ def counting_bound(counts: np.ndarray, row_cap: int, col_cap: int) -> float:
     return float(total - min(best_rows, best_cols, total))
 
 
-def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: float, time_limit: float) -> float:
+def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: float, time_limit: float,
+                   iteration_limit: int = None) -> float:
     """Cross transitions >= total - max fractional b-matching (see module); None if the LP stops early."""
     E = counts.shape[0]
     a, b = np.nonzero(counts)
@@ -48,25 +56,34 @@ def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: flo
     ])
     upper = np.concatenate([np.full(E, row_cap), np.full(E, col_cap), [pair_cap]]).astype(np.float64)
     result = solve_milp(-weights, A, np.full(2 * E + 1, -np.inf), upper, np.zeros(n), np.ones(n),
-                        np.zeros(n, dtype=bool), time_limit=time_limit)
+                        np.zeros(n, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
     if result.status != "optimal":
         return None
     return float(weights.sum() + result.objective)
 
 
 def transition_lower_bound(counts: np.ndarray, partitions: int, slots_per_partition: int,
-                           max_replicas: int = 1, time_limit: float = 10.0) -> tuple[float, str]:
-    """(lower bound on cross-partition transitions summed over layer pairs, method used)."""
+                           max_replicas: int = 1, time_limit: float = 10.0,
+                           budget: WorkBudget = None) -> tuple[float, str]:
+    """(lower bound on cross-partition transitions summed over layer pairs, method used).
+
+    `budget` sets the work (and its safety deadline); without one, effort 1 and `time_limit`."""
+    if budget is None:
+        budget = WorkBudget(deadline=time.perf_counter() + time_limit)
     row_cap = col_cap = min(counts.shape[1], slots_per_partition * max(1, max_replicas))
     pair_cap = partitions * slots_per_partition ** 2
     bounds = [max(counting_bound(c, row_cap, col_cap), dual_bound(c, row_cap, col_cap)) for c in counts]
-    deadline = time.perf_counter() + time_limit
     improved = 0
+    columns_left = budget.scaled(LP_COLUMNS)
     for i, c in enumerate(counts):
-        left = deadline - time.perf_counter()
-        if left <= 0.05:
+        n = int(np.count_nonzero(c))
+        columns_left -= n
+        if columns_left < 0 or budget.expired():
             break
-        value = matching_bound(c, row_cap, col_cap, pair_cap, left)
+        iterations = budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * n))
+        value = matching_bound(c, row_cap, col_cap, pair_cap, budget.seconds_left(), iterations)
+        if value is None and budget.expired():
+            break
         if value is not None:
             bounds[i] = max(bounds[i], value)
             improved += 1

@@ -19,30 +19,36 @@ exact when it fits the cap; (2) otherwise priced loads (Lagrangian) for a fittin
 steepest exchanges; then, once the exchange sweeps stop gaining, (3) the step MIP in HiGHS
 warm-started from it. Sweeps alternate direction and never get worse. Stage 1 runs on nodes,
 stage 2 on each node's GPUs (independent subproblems). Two starts (EPLB-style packing, and an
-uncapped GPU-level solve that finds the affinity structure first) share the time; the better
-wins. The joint pair-variable model of ExFlow (`placement_joint.py`) then polishes windows of
-layers where it is small enough. A valid bound for the whole problem comes from
-`placement_bound.py`. Results are deterministic when the sweeps converge and no step MIP hits
-its time limit (a node limit bounds their work); a solve cut short by --time-limit returns its
-best placement so far.
+uncapped GPU-level solve that finds the affinity structure first) each run the same work; the
+better wins. The joint pair-variable model of ExFlow (`placement_joint.py`) then polishes windows
+of layers where it is small enough. A valid bound for the whole problem comes from
+`placement_bound.py`.
+
+Determinism: every limit that shapes the answer is a work limit scaled by --effort
+(`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
+nodes per step MIP. HiGHS runs single-threaded with a fixed seed, so the same inputs give the same
+placement on an idle or a loaded machine. The wall-clock --time-limit is only a safety net: a
+solve it cuts short returns its best placement so far and is marked `stopped_by: time_limit`.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
+from moeplan.passes.optimize.placement_budget import WorkBudget
 from moeplan.passes.optimize.placement_eplb import balanced_packing
 from moeplan.passes.optimize.placement_joint import polish_windows
 from moeplan.planner.errors import UserError
 
 
-MIP_NODE_LIMIT = 200  # branch-and-bound nodes per layer step: a deterministic work limit
-MAX_SWEEPS = 12
-JOINT_SHARE = 0.05  # of a start's time, for the joint window model after each stage's sweeps
+MIP_NODE_LIMIT = 50  # branch-and-bound nodes per layer step at effort 1: a deterministic work limit
+MAX_SWEEPS = 12  # coordinate sweeps per stage at effort 1 (fewer when they stop gaining)
+EXACT_SWEEPS = 1  # per unit of effort (rounded down): sweeps of step MIPs once the exchange sweeps
+# stop gaining; a step MIP with replicas costs ~1 s at 64 experts whatever its node limit
+SWAP_MOVES = 10_000  # exchange moves per step at effort 1
 
 
 @dataclass
@@ -55,6 +61,7 @@ class LayerProblem:
     caps: np.ndarray  # float [L] per-GPU load cap
     solver: str = "highs"
     notes: list = field(default_factory=list)
+    budget: WorkBudget = field(default_factory=WorkBudget)
 
 
 def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition: int) -> np.ndarray:
@@ -66,14 +73,14 @@ def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition
     return np.minimum(np.maximum(1, -(-to_place // partitions)), max_per_partition)
 
 
-def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads, cap, warm, time_limit, solver, notes,
+def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads, cap, warm, budget, solver, notes,
                    exact: bool = True):
     """Place one layer's replicas on P partitions maximising the local transitions they gain.
 
     in_gain[e, p]: transitions into e that become local if e is present on p; out_gain[e, p]:
     transitions out of e made local per replica of e on p. to_place: int [n] replicas per expert;
     slots: int [P] (exact fill); loads: float [n] load per replica; cap: load cap per partition;
-    warm: int [n, P] or None. The model is a transportation problem (totally unimodular) plus
+    warm: int [n, P] or None; budget: the `WorkBudget` (node and move limits, safety time). The model is a transportation problem (totally unimodular) plus
     one load row per partition: when its optimum without the load rows fits the cap it is
     optimal; else priced loads give a fitting start, improved by exchanges (`improve_by_swaps`),
     which is the step when not `exact` and the MIP's warm start when `exact`. Returns
@@ -85,13 +92,13 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
     cheap = bool(np.all(to_place == 1))  # a linear assignment, else an LP per pricing round
     warm_fits = warm is not None and _fits(warm, loads, cap)
     rounds = 25 if cheap else (2 if warm_fits else 8)
-    quick = _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds)
+    quick = _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds, budget)
     if quick is not None and quick[1]:
         return quick[0], "optimal"  # the optimum without load rows already meets the cap
     if quick is not None and (warm is None or not _fits(warm, loads, cap) or (gain * quick[0]).sum() > (gain * warm).sum()):
         warm = quick[0]
     if warm is not None and _fits(warm, loads, cap):
-        warm = improve_by_swaps(gain, warm, limit, loads, cap)
+        warm = improve_by_swaps(gain, warm, limit, loads, cap, budget.scaled(SWAP_MOVES))
         if not exact:
             return warm, "heuristic"
     nm = n * P
@@ -106,8 +113,9 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
     lo = np.concatenate([to_place, slots, np.full(P, -np.inf)]).astype(float)
     hi = np.concatenate([to_place, slots, np.full(P, cap)]).astype(float)
     start = None if warm is None else warm.astype(float).ravel()
-    result = solve_milp(cost, A, lo, hi, np.zeros(nm), upper, np.ones(nm, dtype=bool), time_limit=time_limit,
-                        warm_start=start, solver=solver, mip_gap=1e-2, node_limit=MIP_NODE_LIMIT)
+    result = solve_milp(cost, A, lo, hi, np.zeros(nm), upper, np.ones(nm, dtype=bool), time_limit=budget.seconds_left(),
+                        warm_start=start, solver=solver, mip_gap=1e-2, node_limit=budget.scaled(MIP_NODE_LIMIT))
+    budget.record(result)
     for note in result.notes:
         if note not in notes:
             notes.append(note)
@@ -151,7 +159,7 @@ def _fits(assign, loads, cap) -> bool:
     return bool(np.all(loads @ assign <= cap * (1 + 1e-9)))
 
 
-def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25):
+def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25, budget: WorkBudget = None):
     """The layer step without its load rows, with overloaded partitions' load priced.
 
     Round 0 is the exact optimum of the transportation problem; if it fits the cap it solves the
@@ -161,7 +169,7 @@ def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25
     price = np.zeros(P)
     scale = max(float(np.abs(gain).max()), 1e-9) / max(float(loads.max()), 1e-9)
     for round_ in range(rounds):
-        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots)
+        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots, budget)
         if assign is None:
             return None
         partition_load = loads @ assign
@@ -172,7 +180,7 @@ def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25
     return None
 
 
-def _transport(value, to_place, limit, slots):
+def _transport(value, to_place, limit, slots, budget: WorkBudget = None):
     """int [n, P] maximising sum value * m with row sums to_place, column sums slots, m <= limit."""
     n, P = value.shape
     if np.all(to_place == 1):
@@ -190,8 +198,10 @@ def _transport(value, to_place, limit, slots):
         sp.csr_matrix((np.ones(nm), (np.tile(np.arange(P), n), index)), shape=(P, nm)),
     ]).tocsc()
     bounds = np.concatenate([to_place, slots]).astype(float)
+    budget = budget or WorkBudget()
     result = solve_milp(-value.ravel(), A, bounds, bounds, np.zeros(nm), np.repeat(limit, P).astype(float),
-                        np.zeros(nm, dtype=bool), time_limit=5.0)
+                        np.zeros(nm, dtype=bool), time_limit=budget.seconds_left())
+    budget.record(result)
     if result.x is None:
         return None
     x = result.x.reshape(n, P)
@@ -211,8 +221,9 @@ class StageInfeasible(Exception):
 
 
 def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray, partition_slots: np.ndarray,
-                max_per_partition: int, partition_caps: np.ndarray, deadline: float, per_mip_limit: float):
-    """Coordinate sweeps over layers on one level (nodes, or the GPUs of one node).
+                max_per_partition: int, partition_caps: np.ndarray, max_sweeps: int):
+    """Coordinate sweeps over layers on one level (nodes, or the GPUs of one node), at most
+    `max_sweeps` (a work limit; the budget's safety deadline can stop them earlier).
 
     assign: int [L, E, P] replica counts per partition (updated in place); to_place: int [L, E],
     the replicas of each expert this level distributes (0 = not this level's). Raises
@@ -224,10 +235,13 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
     sweeps = 0
     previous = None
     exact = False  # fast sweeps (exchanges) until they stop gaining, then sweeps of exact step MIPs
-    while time.perf_counter() < deadline and sweeps < MAX_SWEEPS:
+    budget = problem.budget
+    exact_sweeps = 0
+    exact_budget = int(EXACT_SWEEPS * budget.effort)
+    while sweeps < max_sweeps and not budget.expired():
         order = range(L) if sweeps % 2 == 0 else reversed(range(L))
         for l in order:
-            if time.perf_counter() >= deadline:
+            if budget.expired():
                 break
             experts = np.flatnonzero(to_place[l] > 0)
             if len(experts) == 0:
@@ -240,21 +254,23 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
             if l < L - 1:
                 present_next = (assign[l + 1] > 0).astype(float)
                 out_gain = (counts[l][experts] @ present_next) / replicas[l][experts][:, None]
-            left = max(deadline - time.perf_counter(), 0.05)
             result, status = assignment_mip(
                 in_gain, out_gain, to_place[l][experts], max_per_partition, partition_slots,
                 problem.loads[l][experts] / replicas[l][experts], partition_caps[l],
-                assign[l][experts], min(per_mip_limit, left), problem.solver, problem.notes, exact)
+                assign[l][experts], budget, problem.solver, problem.notes, exact)
             if result is None:
                 if status == "infeasible":
                     raise StageInfeasible(l)
                 continue  # time ran out without an incumbent better than the warm start: keep it
             assign[l][experts] = result
         sweeps += 1
+        exact_sweeps += exact
+        if exact and exact_sweeps >= exact_budget:
+            break
         share = assign / problem.replicas[:, :, None]
         value = _objective(counts, share, (assign > 0).astype(float))
         if previous is not None and value <= previous * (1 + 1e-9):
-            if exact:
+            if exact or exact_budget == 0:
                 break
             exact = True
         previous = value
@@ -344,13 +360,13 @@ class StagedSolution:
 
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
-                     solver: str, deadline: float, per_mip_limit: float = 1.0) -> StagedSolution:
+                     solver: str, budget: WorkBudget = None) -> StagedSolution:
     """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
 
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
     cap (each step a pure transportation problem, exact and fast), then lets the capped stages
-    repair the balance. Each start gets half the time; the one keeping more transitions local wins
-    (ties: A). Layers left over their cap (a step that found no fitting solution in its limits)
+    repair the balance. Each start gets the same work budget; the one keeping more transitions
+    local wins (ties: A). Layers left over their cap (a step that found no fitting solution in its limits)
     fall back to the packing, which fits whenever the cap is achievable by it."""
     from moeplan.passes.optimize.placement_eplb import replica_counts
 
@@ -360,45 +376,41 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     replicas = np.stack([replica_counts(loads[l], E + redundant, D) for l in range(L)])
     caps = layer_caps(loads, replicas, D, slots, balance, balance_base)
     check_caps(loads, replicas, caps, D, slots, balance)
-    problem = LayerProblem(counts, loads, replicas, caps, solver)
+    budget = budget or WorkBudget()
+    problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget)
     packed = initial_hosts(loads, replicas, D, slots)
-    start = time.perf_counter()
-    half = start + 0.5 * max(deadline - start, 0.0)
     best = None
-    for name, presolve, until in (("packing", False, half), ("uncapped", True, deadline)):
+    for name, presolve in (("packing", False), ("uncapped", True)):
         sweeps = {}
         hosts = packed.copy()
         if presolve:
             uncapped = hosts.astype(np.int64)
             sweeps["uncapped"] = solve_stage(problem, uncapped, replicas, np.full(D, slots), 1, np.full(L, np.inf),
-                                             time.perf_counter() + 0.3 * max(until - time.perf_counter(), 0.0),
-                                             per_mip_limit)
+                                             budget.scaled(MAX_SWEEPS))
             hosts = uncapped > 0
-        hosts = _run_stages(problem, hosts, packed, topology, slots, until, per_mip_limit, sweeps)
-        hosts = _repair_layers(problem, hosts, packed, slots, per_mip_limit)
+        hosts = _run_stages(problem, hosts, packed, topology, slots, sweeps)
+        hosts = _repair_layers(problem, hosts, packed, slots)
         value = _objective(counts, hosts / replicas[:, :, None], hosts.astype(float))
         if best is None or value > best[0] * (1 + 1e-12):
             best = (value, hosts, {"start": name, **sweeps})
     return StagedSolution(best[1], replicas, caps, counts, best[2], problem.notes)
 
 
-def _run_stages(problem, hosts, packed, topology, slots, deadline, per_mip_limit, sweeps) -> np.ndarray:
+def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     L, E, D = hosts.shape
     N, G = topology.nodes, topology.gpus_per_node
     caps, replicas = problem.caps, problem.replicas
+    max_sweeps = problem.budget.scaled(MAX_SWEEPS)
     hosts = hosts.copy()
-    start = time.perf_counter()
-    stage1_deadline = start + 0.5 * max(deadline - start, 0.0)
     node_caps = caps * G
     if N > 1:
         node_assign = hosts.reshape(L, E, N, G).sum(axis=3).astype(np.int64)
         try:
             sweeps["nodes"] = solve_stage(problem, node_assign, replicas, np.full(N, G * slots), G,
-                                          node_caps, stage1_deadline, per_mip_limit)
+                                          node_caps, max_sweeps)
         except StageInfeasible as exc:
             raise infeasible_layer_error(problem, exc.args[0]) from None
-        joint = polish_windows(problem, node_assign, replicas, np.full(N, G * slots), node_caps,
-                               min(stage1_deadline, time.perf_counter() + JOINT_SHARE * max(deadline - start, 0.0)))
+        joint = polish_windows(problem, node_assign, replicas, np.full(N, G * slots), node_caps)
         sweeps["joint_nodes"] = joint
     else:
         node_assign = replicas[:, :, None].astype(np.int64)
@@ -406,20 +418,17 @@ def _run_stages(problem, hosts, packed, topology, slots, deadline, per_mip_limit
     for attempt in range(8):
         bad_layer = None
         for n in range(N):
-            node_deadline = time.perf_counter() + max(deadline - time.perf_counter(), 0.0) / (N - n)
             to_place = node_assign[:, :, n]
             gpu_assign = _pack_within_node(problem.loads, replicas, to_place, G, slots)
             current = hosts[:, :, n * G:(n + 1) * G]
             keep = (current.sum(axis=2) == to_place).all(axis=1) & (current.sum(axis=1) == slots).all(axis=1)
             gpu_assign[keep] = current[keep]  # the start's GPU split where it matches the node split
             try:
-                gpu_sweeps.append(solve_stage(problem, gpu_assign, to_place, np.full(G, slots), 1, caps,
-                                              node_deadline, per_mip_limit))
+                gpu_sweeps.append(solve_stage(problem, gpu_assign, to_place, np.full(G, slots), 1, caps, max_sweeps))
             except StageInfeasible as exc:
                 bad_layer = exc.args[0]
                 break
-            joint = polish_windows(problem, gpu_assign, to_place, np.full(G, slots), caps,
-                                   min(node_deadline, time.perf_counter() + JOINT_SHARE * max(deadline - start, 0.0) / N))
+            joint = polish_windows(problem, gpu_assign, to_place, np.full(G, slots), caps)
             sweeps["joint_gpus"] = sweeps.get("joint_gpus", 0.0) + joint["gained"]
             hosts[:, :, n * G:(n + 1) * G] = gpu_assign > 0
         if bad_layer is None:
@@ -435,15 +444,14 @@ def _run_stages(problem, hosts, packed, topology, slots, deadline, per_mip_limit
         layer_only = np.zeros_like(replicas)
         layer_only[bad_layer] = replicas[bad_layer]
         try:
-            solve_stage(problem, node_assign, layer_only, np.full(N, G * slots), G, node_caps,
-                        time.perf_counter() + 10 * per_mip_limit, per_mip_limit)
+            solve_stage(problem, node_assign, layer_only, np.full(N, G * slots), G, node_caps, max_sweeps)
         except StageInfeasible:  # tightened too far: take the packing's node split for this layer
             node_assign[bad_layer] = packed.reshape(L, E, N, G).sum(axis=3)[bad_layer]
     sweeps["gpus"] = max(gpu_sweeps) if gpu_sweeps else 0
     return hosts
 
 
-def _repair_layers(problem, hosts, packed, slots, per_mip_limit) -> np.ndarray:
+def _repair_layers(problem, hosts, packed, slots) -> np.ndarray:
     """Replace any layer over its cap by the packing, or by a capped MIP with no affinity."""
     L, E, D = hosts.shape
     hosts = hosts.copy()
@@ -456,7 +464,7 @@ def _repair_layers(problem, hosts, packed, slots, per_mip_limit) -> np.ndarray:
             continue
         zero = np.zeros((E, D))
         assign, status = assignment_mip(zero, zero, problem.replicas[l], 1, np.full(D, slots), per_replica,
-                                        problem.caps[l], None, 30 * per_mip_limit, problem.solver, problem.notes)
+                                        problem.caps[l], None, problem.budget, problem.solver, problem.notes)
         if assign is None or (per_replica @ assign).max() > problem.caps[l] * (1 + 1e-9):
             raise infeasible_layer_error(problem, l)
         hosts[l] = assign > 0

@@ -10,24 +10,23 @@ Layers outside the window stay fixed and enter as linear gains at its edges; a w
 every layer is the monolithic model, where one expert is pinned to partition 0 (partitions are
 interchangeable, so this removes symmetric copies of every solution). Used without replicas
 (each expert on exactly one partition of the level being solved), warm-started from the sweeps'
-result and accepted only when it improves it.
+result and accepted only when it improves it. Every window is solved (their number follows from
+the model size), each with a branch-and-bound node limit scaled by --effort: a work limit, so the
+result does not depend on machine load (the time limit only guards against runaway solves).
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
 
-MAX_MODEL_NONZEROS = 150_000
-JOINT_NODE_LIMIT = 500
+MAX_MODEL_NONZEROS = 3_000  # per window at effort 1: bigger joint models take tens of seconds whatever the node limit
+JOINT_NODE_LIMIT = 200
 
 
-def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.ndarray, caps: np.ndarray,
-                   deadline: float) -> dict:
-    """Improve assign (int [L, E, P], 0/1, updated in place) window by window until the deadline."""
+def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.ndarray, caps: np.ndarray) -> dict:
+    """Improve assign (int [L, E, P], 0/1, updated in place) window by window."""
     L, E, P = assign.shape
     if np.any(to_place > 1) or np.any(problem.replicas > 1):
         return {"windows": 0, "gained": 0.0}
@@ -36,7 +35,7 @@ def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.
     first = 0
     while first < L:
         last, size = first, 0
-        while last + 1 < L and size + pairs[last] * (2 * P + 1) <= MAX_MODEL_NONZEROS:
+        while last + 1 < L and size + pairs[last] * (2 * P + 1) <= problem.budget.scaled(MAX_MODEL_NONZEROS):
             size += pairs[last] * (2 * P + 1)
             last += 1
         if last == first:  # even one layer pair is too big for a joint model: the sweeps handle it
@@ -48,16 +47,15 @@ def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.
         first = last  # windows overlap by one layer so chains can move across their edges
     gained = 0.0
     solved = 0
-    for i, (first, last) in enumerate(windows):
-        left = deadline - time.perf_counter()
-        if left < 0.5:
+    for first, last in windows:
+        if problem.budget.expired():
             break
-        gained += _solve_window(problem, assign, to_place, slots, caps, first, last, left / (len(windows) - i))
+        gained += _solve_window(problem, assign, to_place, slots, caps, first, last)
         solved += 1
     return {"windows": solved, "of": len(windows), "gained": gained}
 
 
-def _solve_window(problem, assign, to_place, slots, caps, first, last, time_limit) -> float:
+def _solve_window(problem, assign, to_place, slots, caps, first, last) -> float:
     L, E, P = assign.shape
     counts = problem.counts
     members = [np.flatnonzero(to_place[l] > 0) for l in range(first, last + 1)]
@@ -133,8 +131,9 @@ def _solve_window(problem, assign, to_place, slots, caps, first, last, time_limi
     start = np.concatenate([x0, y0])
     before = float(c_vec @ start)
     result = solve_milp(c_vec, A, np.asarray(lo), np.asarray(hi), lower, upper, integer,
-                        time_limit=time_limit, warm_start=start, solver=problem.solver, mip_gap=1e-4,
-                        node_limit=JOINT_NODE_LIMIT)
+                        time_limit=problem.budget.seconds_left(), warm_start=start, solver=problem.solver, mip_gap=1e-4,
+                        node_limit=problem.budget.scaled(JOINT_NODE_LIMIT))
+    problem.budget.record(result)
     if result.x is None or result.objective >= before - 1e-6:
         return 0.0
     x = np.rint(result.x[:n_x])

@@ -2,11 +2,13 @@
 
     moeplan place --trace T --nodes N --gpus-per-node G [--policy ilp|eplb|contiguous]
                   [--redundant R] [--balance B] [--balance-base mean|eplb] [--solver highs|gurobi]
-                  [--time-limit S] --out placement.json [--json]
+                  [--effort X] [--time-limit S] --out placement.json [--json]
     moeplan place --evaluate placement.json --trace T2 [--json]
 
 The policies live in `passes/optimize/placement.py`; this command parses flags, writes
-`placement.json` atomically and prints the metrics.
+`placement.json` atomically and prints the metrics. `--effort` sets how much work the ilp does
+(deterministic: same inputs, same bytes on any machine); `--time-limit` is only a safety net, and
+when it stops the solve the command warns that the result may not be reproducible.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import click
 
 from moeplan.planner.errors import UserError
 
-METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds")
+METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds",
+                "stopped_by")
 
 
 @click.command("place")
@@ -34,13 +37,17 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 @click.option("--expert-groups", type=int, default=0, show_default=True,
               help="eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy.")
 @click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True)
-@click.option("--time-limit", type=float, default=60.0, show_default=True, help="ilp: seconds for the whole solve.")
+@click.option("--effort", type=float, default=1.0, show_default=True,
+              help="ilp: work multiplier (sweeps, exchange moves, branch-and-bound nodes, LP sizes); "
+                   "results depend only on it, not on machine speed. 2 = about twice the work.")
+@click.option("--time-limit", type=float, default=60.0, show_default=True,
+              help="ilp: safety net in seconds; a solve it stops is marked stopped_by=time_limit (not reproducible).")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="placement.json to write.")
 @click.option("--evaluate", "evaluate", type=click.Path(path_type=Path), help="Score this placement.json on --trace instead.")
 @click.option("--timings", is_flag=True, help="Also record solve_seconds in placement.json (its bytes then vary run to run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON object.")
 def place(trace_path, nodes, gpus_per_node, policy, redundant, balance, balance_base, expert_groups, solver,
-          time_limit, out, evaluate, timings, as_json):
+          effort, time_limit, out, evaluate, timings, as_json):
     """Place experts on GPUs from a routing trace (or --evaluate a placement on a trace)."""
     from moeplan.passes.analysis.trace_format import load_trace
     from moeplan.passes.optimize.placement import PlacementRequest, evaluate_placement, plan_placement
@@ -57,7 +64,7 @@ def place(trace_path, nodes, gpus_per_node, policy, redundant, balance, balance_
         raise UserError("--out is required: where to write placement.json")
     trace = load_trace(trace_path)
     request = PlacementRequest(Topology(nodes, gpus_per_node), policy, redundant, balance, balance_base, solver,
-                               time_limit, expert_groups)
+                               time_limit, expert_groups, effort)
     placement = plan_placement(trace, request)
     placement.save(out, timings=timings)
     for note in placement.metrics.get("notes", []):
