@@ -45,6 +45,8 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redunda
     if target == "lambda":
         if slo is None:
             raise UserError("--target lambda needs --slo SECONDS (end-to-end latency limit per batch)")
+        if image is not None or storage_class is not None:
+            raise UserError("--image and --storage-class apply to --target kubernetes only")
         from moeplan.planner.lambda_compile import compile_lambda
 
         summary = compile_lambda(model, trace_path, out, slo_s=slo, batch_tokens=batch_tokens, methods=methods,
