@@ -16,7 +16,10 @@ the default cap (--balance 0.1 over the mean); when a hot expert makes that infe
 is printed and it runs with --balance-base eplb --balance 0.05 (every layer within 5% of EPLB's
 max load). `ilp` with replicas uses --balance 0.1 over the mean.
 
-    python benchmarks/placement.py [--cases planted-8gpu deepseek-v3] [--time-limit 100] [--json]
+    python benchmarks/placement.py [--cases planted-8gpu deepseek-v3] [--effort 1] [--time-limit 300] [--json]
+
+ilp work is set by --effort (deterministic); --time-limit is only a safety net, and a row it cut
+short has stopped_by "time_limit" (not reproducible).
 
 With --json the last line is {"cases": [{"case", "policy", "gpu_local_fraction",
 "node_local_fraction", "max_over_mean_load", "solve_seconds", "gap"}, ...]}.
@@ -64,7 +67,7 @@ def split_by_sequence(trace):
     return trace.select(~held_out), trace.select(held_out)
 
 
-def run_case(case: Case, plan_trace, score_trace, time_limit: float, log) -> list:
+def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0) -> list:
     from moeplan.passes.optimize.placement import PlacementRequest, evaluate_placement, plan_placement
     from moeplan.passes.optimize.placement_types import Topology
     from moeplan.planner.errors import UserError
@@ -83,7 +86,7 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log) -> lis
                     (f"ilp+{R} (eplb-base 0)", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb"))]
     rows = []
     for label, options in runs:
-        request = PlacementRequest(topology, time_limit=time_limit, **options)
+        request = PlacementRequest(topology, time_limit=time_limit, effort=effort, **options)
         start = time.perf_counter()
         try:
             placement = plan_placement(plan_trace, request)
@@ -91,7 +94,8 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log) -> lis
             if options["policy"] != "ilp" or R and "redundant" in options:
                 raise
             log(f"  {case.name} ilp --balance 0.1: {exc}")
-            request = PlacementRequest(topology, time_limit=time_limit, policy="ilp", balance=0.05, balance_base="eplb")
+            request = PlacementRequest(topology, time_limit=time_limit, effort=effort, policy="ilp", balance=0.05,
+                                       balance_base="eplb")
             label = "ilp (eplb-base 0.05)"
             start = time.perf_counter()
             placement = plan_placement(plan_trace, request)
@@ -105,11 +109,13 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log) -> lis
             "max_over_mean_load": metrics["max_over_mean_load"],
             "solve_seconds": placement.metrics.get("solve_seconds", seconds),
             "gap": placement.metrics.get("gap"),
+            "stopped_by": placement.metrics.get("stopped_by"),
         }
         rows.append(row)
         log(f"  {case.name:14s} {label:22s} gpu-local {row['gpu_local_fraction']:.4f}  node-local "
             f"{row['node_local_fraction']:.4f}  max/mean {row['max_over_mean_load']:.4f}  {row['solve_seconds']:.1f}s"
-            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else ""))
+            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else "")
+            + ("  STOPPED BY TIME LIMIT (not reproducible)" if row["stopped_by"] == "time_limit" else ""))
     return rows
 
 
@@ -129,7 +135,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=["example", *SYNTH_CASES], choices=["example", *SYNTH_CASES])
     parser.add_argument("--example-trace", type=Path, default=REPO / "build" / "demo" / "trace.npz")
-    parser.add_argument("--time-limit", type=float, default=100.0, help="ilp time limit per run (seconds)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="ilp safety-net time limit per run (seconds)")
+    parser.add_argument("--effort", type=float, default=1.0, help="ilp work multiplier (deterministic)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -147,11 +154,11 @@ def main(argv=None) -> int:
                     f"'moeplan trace examples/tiny_moe --data examples/tiny_moe/corpus_heldout.txt --out {args.example_trace}')")
                 continue
             plan_trace, score_trace = split_by_sequence(load_trace(args.example_trace))
-            rows += run_case(EXAMPLE, plan_trace, score_trace, args.time_limit, log)
+            rows += run_case(EXAMPLE, plan_trace, score_trace, args.time_limit, log, args.effort)
         else:
             case = SYNTH_CASES[name]
             trace = synthesize_trace(**case.synth)
-            rows += run_case(case, trace, trace, args.time_limit, log)
+            rows += run_case(case, trace, trace, args.time_limit, log, args.effort)
     if args.json:
         print(json.dumps({"cases": rows}, sort_keys=True))
     else:

@@ -41,7 +41,7 @@ class PlacementRequest:
     balance: float = 0.1
     balance_base: str = "mean"
     solver: str = "highs"
-    time_limit: float = 60.0  # ilp: wall-clock safety net only
+    time_limit: float = 300.0  # ilp: wall-clock safety net only
     expert_groups: int = 0
     effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
 

@@ -12,7 +12,9 @@ interchangeable, so this removes symmetric copies of every solution). Used witho
 (each expert on exactly one partition of the level being solved), warm-started from the sweeps'
 result and accepted only when it improves it. Every window is solved (their number follows from
 the model size), each with a branch-and-bound node limit scaled by --effort: a work limit, so the
-result does not depend on machine load (the time limit only guards against runaway solves).
+result does not depend on machine load (the time limit only guards against runaway solves). The
+polish runs from --effort 2: its root LP work is not bounded by the node limit and costs seconds
+per window.
 """
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 
 MAX_MODEL_NONZEROS = 3_000  # per window at effort 1: bigger joint models take tens of seconds whatever the node limit
-JOINT_NODE_LIMIT = 200
+JOINT_MIN_EFFORT = 2.0  # HiGHS's root work on these models (cuts, heuristics) is not bounded by a node
+# limit: ~10 s per window even on the example model, so the polish runs only when asked for work
+JOINT_NODE_LIMIT = 20  # per window at effort 1: each node re-solves an LP with a row per pair and partition
 
 
 def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.ndarray, caps: np.ndarray) -> dict:
     """Improve assign (int [L, E, P], 0/1, updated in place) window by window."""
     L, E, P = assign.shape
-    if np.any(to_place > 1) or np.any(problem.replicas > 1):
+    if problem.budget.effort < JOINT_MIN_EFFORT or np.any(to_place > 1) or np.any(problem.replicas > 1):
         return {"windows": 0, "gained": 0.0}
     pairs = [int(np.count_nonzero(problem.counts[l][np.ix_(to_place[l] > 0, to_place[l + 1] > 0)])) for l in range(L - 1)]
     windows = []

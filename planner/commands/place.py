@@ -40,7 +40,7 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 @click.option("--effort", type=float, default=1.0, show_default=True,
               help="ilp: work multiplier (sweeps, exchange moves, branch-and-bound nodes, LP sizes); "
                    "results depend only on it, not on machine speed. 2 = about twice the work.")
-@click.option("--time-limit", type=float, default=60.0, show_default=True,
+@click.option("--time-limit", type=float, default=300.0, show_default=True,
               help="ilp: safety net in seconds; a solve it stops is marked stopped_by=time_limit (not reproducible).")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="placement.json to write.")
 @click.option("--evaluate", "evaluate", type=click.Path(path_type=Path), help="Score this placement.json on --trace instead.")
