@@ -48,6 +48,7 @@ MIP_NODE_LIMIT = 50  # branch-and-bound nodes per layer step at effort 1: a dete
 MAX_SWEEPS = 12  # coordinate sweeps per stage at effort 1 (fewer when they stop gaining)
 EXACT_SWEEPS = 1  # per unit of effort (rounded down): sweeps of step MIPs once the exchange sweeps
 # stop gaining; a step MIP with replicas costs ~1 s at 64 experts whatever its node limit
+EXACT_MAX_VARIABLES = 600  # per unit of effort: bigger steps (experts x partitions) skip the MIP sweeps
 SWAP_MOVES = 10_000  # exchange moves per step at effort 1
 
 
@@ -237,7 +238,8 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
     exact = False  # fast sweeps (exchanges) until they stop gaining, then sweeps of exact step MIPs
     budget = problem.budget
     exact_sweeps = 0
-    exact_budget = int(EXACT_SWEEPS * budget.effort)
+    step_size = int((to_place > 0).sum(axis=1).max(initial=0)) * assign.shape[2]
+    exact_budget = int(EXACT_SWEEPS * budget.effort) if step_size <= EXACT_MAX_VARIABLES * budget.effort else 0
     while sweeps < max_sweeps and not budget.expired():
         order = range(L) if sweeps % 2 == 0 else reversed(range(L))
         for l in order:
