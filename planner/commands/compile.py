@@ -23,7 +23,10 @@ from moeplan.planner.errors import UserError
 @click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
 @click.option("--redundant", type=int, default=0, show_default=True, help="extra expert replicas per layer")
 @click.option("--balance", type=float, default=None, help="max device load over mean allowed by placement")
-@click.option("--time-limit", type=float, default=30.0, show_default=True, help="solver time limit, seconds")
+@click.option("--time-limit", type=float, default=30.0, show_default=True,
+              help="solver time limit, seconds (a safety net for ilp placement, whose work is set by --effort)")
+@click.option("--effort", type=float, default=1.0, show_default=True,
+              help="ilp placement: work budget multiplier (deterministic; see 'moeplan place --help')")
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
               help="expert-parallel mode the bundle runs by default")
 @click.option("--image", default=None, help="kubernetes: container image of the rank pods")
@@ -38,7 +41,7 @@ from moeplan.planner.errors import UserError
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
-def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, mode, image,
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort, mode, image,
                 storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, out, as_json,
                 quiet):
     """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
@@ -60,7 +63,7 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redunda
         return
     if slo is not None:
         raise UserError("--slo applies to --target lambda only")
-    options = {"policy": policy, "redundant": redundant, "time_limit": time_limit}
+    options = {"policy": policy, "redundant": redundant, "time_limit": time_limit, "effort": effort}
     if balance is not None:
         options["balance"] = balance
     target_spec = {"name": target}
