@@ -22,7 +22,7 @@ import math
 from moeplan.passes.optimize import serverless_cost as sc
 from moeplan.passes.optimize.sizing import ExpertChoice, LayerDecision
 from moeplan.planner.errors import UserError
-from moeplan.planner.plan import PLAN_VERSION, Plan
+from moeplan.planner.plan import Plan
 
 SERVERLESS_VERSION = 1
 

@@ -13,14 +13,12 @@ inputs (sorted keys, no timestamps).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
-from importlib import resources
 from pathlib import Path
 
-import jinja2
+from moeplan.backends.templating import template_env, to_yaml
 
 DEFAULT_IMAGE = "moeplan-torchrun:latest"
 BASE_IMAGE = "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime"
@@ -34,25 +32,12 @@ KUBERNETES_VERSION = "1.31.0"  # the schema the tests validate against
 FILES = ("configmap.yaml", "pvc.yaml", "service.yaml", "job.yaml")
 
 
-def to_yaml(value) -> str:
-    """A YAML flow value for anything JSON can hold: quoting and escaping are JSON's."""
-    return json.dumps(value, ensure_ascii=True, sort_keys=True)
-
-
 def slug(name: str, max_len: int = 40) -> str:
     """A DNS-1123 label from any string; a hash suffix keeps distinct names distinct."""
     base = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[: max_len - 9].strip("-") or "model"
     if base == name:
         return base
     return f"{base}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
-
-
-def _env() -> jinja2.Environment:
-    root = resources.files("moeplan.templates") / "kubernetes"
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
-    env.filters["y"] = to_yaml
-    return env
 
 
 def _mib(n_bytes: float) -> int:
@@ -95,7 +80,7 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
 def write_manifests(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None) -> list:
     """Write kubernetes/ (manifests, Dockerfile, README) into a written torchrun bundle; returns paths."""
     bundle = Path(bundle)
-    env = _env()
+    env = template_env("kubernetes")
     ctx = context(bundle, plan, image=image, storage_class=storage_class)
     out = bundle / "kubernetes"
     out.mkdir(parents=True, exist_ok=True)

@@ -17,12 +17,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from importlib import resources
 from pathlib import Path
 
-import jinja2
 
-from moeplan.backends.kubernetes.codegen import to_yaml
+from moeplan.backends.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.runtime.lambda_ops import unit_tensors
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
@@ -64,14 +62,6 @@ def _write(path: Path, data, mode: int = 0o644) -> None:
     else:
         path.write_text(data)
     os.chmod(path, mode)
-
-
-def _env() -> jinja2.Environment:
-    root = resources.files("moeplan.templates") / "lambda"
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
-    env.filters["y"] = to_yaml
-    return env
 
 
 def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, payload_limit: int) -> list:
@@ -164,7 +154,7 @@ def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_f
     machine = definition(steps)
     _write(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
     copy_runtime(out / "functions" / "runtime")
-    env = _env()
+    env = template_env("lambda")
     for kind in KINDS:
         _write(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
     predicted = pl["predicted"]

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from importlib import resources
 from pathlib import Path
 
-import jinja2
 
 from moeplan.backends.runtime import hf_moe
+from moeplan.backends.templating import template_env
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
 from moeplan.backends.torchrun.manifest import write_manifest
 from moeplan.backends.torchrun.shards import shard_name, split_state_dict, write_shard
@@ -35,14 +34,6 @@ def shard_layout(arch: str, config: dict) -> tuple:
 
 def shard_names(world_size: int) -> list:
     return [shard_name(r) for r in range(world_size)]
-
-
-def _templates() -> jinja2.Environment:
-    root = resources.files("moeplan.templates") / "torchrun"
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)
-    env.filters["oneline"] = lambda value: json.dumps(str(value))  # a name in a shell comment stays one inert line
-    return env
 
 
 def _write(path: Path, text: str, executable: bool = False) -> None:
@@ -78,7 +69,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
         write_shard(out / plan.shards[rank], tensors, rank)
         os.chmod(out / plan.shards[rank], 0o644)
     copy_runtime(out / "runtime")
-    env = _templates()
+    env = template_env("torchrun")
     topo = plan.topology
     context = {
         "model_name": plan.model["name"], "nodes": int(topo["nodes"]), "gpus_per_node": int(topo["gpus_per_node"]),

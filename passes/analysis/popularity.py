@@ -23,7 +23,6 @@ difference over held-out batches, layers and experts (the paper's prediction err
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 

@@ -73,8 +73,6 @@ def default_threads() -> tuple:
 
 def model_units(ir: ModelIR, module=None) -> list:
     """Units of the model in IR order; dense stages grouped into head / per-layer / tail functions."""
-    import torch
-
     moe_positions = [k for k, s in enumerate(ir.stages) if s.is_moe]
     first_moe, last_moe = moe_positions[0], moe_positions[-1]
     units = []

@@ -24,7 +24,6 @@ Optuna's storage can be an RDB URL so several workers can share one study.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional

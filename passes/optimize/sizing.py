@@ -132,7 +132,6 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
     L = len(facts.layers)
     budget = slo_s - _fixed_latency(facts, batch_tokens)
     # -- enumerate
-    blocks = []  # (layer, mode_idx, expert, options)
     layer_modes = []
     for e in range(L):
         usable = []
@@ -167,7 +166,7 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
     if formulation == "frontier":
         return _solve_frontier(facts, loads, layer_modes, budget, total_tok, time_limit_s, solver, name, batch_tokens)
     # -- variables: z (per option), w (per layer-mode), L (per layer)
-    cost, col_kind = [], []
+    cost = []
     z_index = []  # (e, m, i, option position) per z column
     for e in range(L):
         for m, (_, opts) in enumerate(layer_modes[e]):
@@ -322,7 +321,6 @@ def _point(layer_modes, z_index, w_cols, l_cols, n, choice, facts, total_tok):
     for col, (e, m, i, k) in enumerate(z_index):
         if picks.get((e, m, i)) == k:
             x[col] = 1.0
-            lf = facts.layers[e]
             contrib[e] = max(contrib.get(e, 0.0), float(layer_modes[e][m][1][i].contrib[k]))
     for e, col in enumerate(l_cols):
         method = layer_modes[e][choice[e][0]][0][0]

@@ -9,7 +9,6 @@ and per-layer method, memory and replicas; `--json` prints the summary as one JS
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import click
@@ -142,5 +141,5 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     click.echo(f"wrote {out}: {res.algorithm}, ${sim.moe_cost:.8f} per {batch_tokens}-token batch (MoE layers), "
                f"latency {sim.latency:.3f} s (SLO {slo:g} s), throughput {sim.throughput:.1f} tokens/s")
     print_layers(res.layers)
-    click.echo(f"predictor error (tokens per expert): " + ", ".join(f"{k} {v:.1f}" for k, v in outcome.predictor_error.items()))
+    click.echo("predictor error (tokens per expert): " + ", ".join(f"{k} {v:.1f}" for k, v in outcome.predictor_error.items()))
     click.echo(f"planning took {total_s:.1f} s (profile {profile_s:.1f} s{', cached' if prof.cached else ''})")
