@@ -46,28 +46,17 @@ def check_files(root: Path) -> dict:
 
 def load_reference(root: Path, plan: dict):
     """The source model rebuilt from the bundle's model/ files and every function's weights."""
-    import importlib.util
-    import sys
-
     from safetensors.torch import load_file
 
     from moeplan.backends.torchrun.shards import state_dict_sha256
+    from moeplan.backends.torchrun.verify import tiny_moe_reference
 
     state = {}
     for path in sorted((root / "weights").rglob("weights.safetensors")):
         state.update(load_file(str(path)))
     if state_dict_sha256(state) != plan["model"]["weights_sha256"]:
         raise UserError("the bundle's weights differ from the source model's (weights_sha256); recompile the bundle")
-    source = root / plan["model"]["source"]
-    name = f"moeplan_lambda_model_{abs(hash(str(source.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, source)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    config = json.loads((root / plan["model"]["config"]).read_text())
-    model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model.eval()
+    return tiny_moe_reference(root, plan, state)
 
 
 def _batch(seqs: list) -> dict:

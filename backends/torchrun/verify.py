@@ -59,6 +59,11 @@ def load_reference(root: Path, plan: dict):
         raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
     if plan["model"]["architecture"] == "hf_moe":
         return _hf_reference(root, plan, state)
+    return tiny_moe_reference(root, plan, state)
+
+
+def tiny_moe_reference(root: Path, plan: dict, state: dict):
+    """TinyMoE built from the model source file and config shipped in a bundle, with `state`."""
     source = root / plan["model"]["source"]
     name = f"moeplan_bundle_model_{abs(hash(str(source.resolve())))}"
     spec = importlib.util.spec_from_file_location(name, source)
