@@ -43,12 +43,13 @@ def _affinity(facts):
     return {"affinity": np.asarray(top1_affinity(facts["trace"]))}
 
 
-def check_trace_matches(ir, trace) -> None:
+def check_trace_matches(ir, trace, trace_name: str = "the trace") -> None:
+    """A trace recorded from another model fails here, before any profiling or solving."""
     moe = ir.moe_stages
     if trace.num_layers != len(moe):
-        raise UserError(f"the trace has {trace.num_layers} MoE layers but the model has {len(moe)}; record the trace from this model")
+        raise UserError(f"{trace_name} has {trace.num_layers} MoE layers but the model has {len(moe)}; record the trace from this model")
     if trace.num_experts > moe[0].num_experts:
-        raise UserError(f"the trace routes to {trace.num_experts} experts but the model has {moe[0].num_experts} per layer")
+        raise UserError(f"{trace_name} routes to {trace.num_experts} experts but the model has {moe[0].num_experts} per layer")
 
 
 def _placement(facts):

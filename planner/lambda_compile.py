@@ -32,6 +32,7 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
     from moeplan.passes.optimize import partition as P
     from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless, trace_digest
     from moeplan.planner.atomic import atomic_path
+    from moeplan.planner.compile_pipeline import check_trace_matches
     from moeplan.planner.commands.plan import _methods
     from moeplan.planner.importers import load_model
     from moeplan.planner.lambda_plan import _sig, build_plan
@@ -50,8 +51,7 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
     if not loaded.has_weights:
         raise UserError(f"model '{model_spec}' has no weights to ship; the lambda target needs a runnable model")
     ir = loaded.ir
-    if len(ir.moe_stages) != trace.num_layers:
-        raise UserError(f"trace '{trace_path}' has {trace.num_layers} MoE layers but {ir.name} has {len(ir.moe_stages)}; record the trace from this model")
+    check_trace_matches(ir, trace, f"trace '{trace_path}'")
     prof = profile_model(ir, loaded.module, budget_s=profile_budget, cache_dir=cache_dir, seed=seed)
     facts = build_facts(ir, prof, platform)
     outcome = plan_serverless(facts, trace, slo_s, batch_tokens=batch_tokens,

@@ -66,6 +66,7 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     from moeplan.passes.optimize.bo_refine import BOOptions
     from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless, trace_digest
     from moeplan.planner.atomic import write_text_atomic
+    from moeplan.planner.compile_pipeline import check_trace_matches
     from moeplan.planner.importers import load_model
     from moeplan.planner.lambda_plan import build_plan, plan_json
     from moeplan.planner.platforms import load_platform
@@ -83,8 +84,7 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     trace = load_trace(trace_path)
     loaded = load_model(model)
     ir = loaded.ir
-    if len(ir.moe_stages) != trace.num_layers:
-        raise UserError(f"trace '{trace_path}' has {trace.num_layers} MoE layers but {ir.name} has {len(ir.moe_stages)}; was it traced from another model?")
+    check_trace_matches(ir, trace, f"trace '{trace_path}'")
     t0 = time.perf_counter()
     say("profiling operators...")
     prof = profile_model(ir, loaded.module if loaded.has_weights else None, budget_s=profile_budget,
