@@ -14,7 +14,8 @@ capped at EPLB's max load per layer (--balance-base eplb --balance 0: equal or b
 eplb with the same slots, on the planning split). Elsewhere `ilp` without replicas first tries
 the default cap (--balance 0.1 over the mean); when a hot expert makes that infeasible the error
 is printed and it runs with --balance-base eplb --balance 0.05 (every layer within 5% of EPLB's
-max load). `ilp` with replicas uses --balance 0.1 over the mean.
+max load). `ilp` with replicas uses --balance 0.1 over the mean; planted-8gpu adds a row capped at
+EPLB's max load with the same slots (the issue's "better balance than eplb with the same slots").
 
     python benchmarks/placement.py [--cases planted-8gpu deepseek-v3] [--effort 1] [--time-limit 300] [--json]
 
@@ -47,10 +48,12 @@ class Case:
     expert_groups: int = 0
     synth: dict = None
     equal_balance: bool = False  # ilp rows capped at EPLB's max load per layer (--balance-base eplb --balance 0)
+    replicas_at_eplb_balance: bool = False  # one more row: ilp + slots capped at EPLB's max load with the same slots
 
 
 SYNTH_CASES = {
-    "planted-8gpu": Case("planted-8gpu", 2, 4, 8, synth=dict(layers=12, experts=64, top_k=2, tokens=20000, affinity=0.6, zipf=0.8, seed=0)),
+    "planted-8gpu": Case("planted-8gpu", 2, 4, 8, synth=dict(layers=12, experts=64, top_k=2, tokens=20000, affinity=0.6, zipf=0.8, seed=0),
+                         replicas_at_eplb_balance=True),
     "planted-64gpu": Case("planted-64gpu", 8, 8, 64, synth=dict(layers=12, experts=256, top_k=2, tokens=40000, affinity=0.6, zipf=0.8, seed=0)),
     "deepseek-v3": Case("deepseek-v3", 8, 8, 64, expert_groups=8, synth=dict(layers=58, experts=256, top_k=8, tokens=20000, affinity=0.6, zipf=0.8, seed=0)),
 }
@@ -84,6 +87,8 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort
     if case.equal_balance:
         runs[3:] = [("ilp (eplb-base 0)", dict(policy="ilp", balance=0.0, balance_base="eplb")),
                     (f"ilp+{R} (eplb-base 0)", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb"))]
+    if case.replicas_at_eplb_balance:
+        runs.append((f"ilp+{R} (eplb-base 0)", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb")))
     rows = []
     for label, options in runs:
         request = PlacementRequest(topology, time_limit=time_limit, effort=effort, **options)

@@ -41,6 +41,7 @@ from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement_budget import WorkBudget
 from moeplan.passes.optimize.placement_eplb import balanced_packing
 from moeplan.passes.optimize.placement_joint import polish_windows
+from moeplan.passes.optimize.placement_reslot import reslot_search, tighten
 from moeplan.planner.errors import UserError
 
 
@@ -382,6 +383,9 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget)
     packed = initial_hosts(loads, replicas, D, slots)
     best = None
+    loose = None
+    reslot = reslot_applies(E + redundant, D, budget)
+    max_copies = int(replicas.max())
     for name, presolve in (("packing", False), ("uncapped", True)):
         sweeps = {}
         hosts = packed.copy()
@@ -389,13 +393,39 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
             uncapped = hosts.astype(np.int64)
             sweeps["uncapped"] = solve_stage(problem, uncapped, replicas, np.full(D, slots), 1, np.full(L, np.inf),
                                              budget.scaled(MAX_SWEEPS))
-            hosts = uncapped > 0
+            hosts = loose = uncapped > 0
+            uncapped_sweeps = sweeps["uncapped"]
         hosts = _run_stages(problem, hosts, packed, topology, slots, sweeps)
         hosts = _repair_layers(problem, hosts, packed, slots)
-        value = _objective(counts, hosts / replicas[:, :, None], hosts.astype(float))
-        if best is None or value > best[0] * (1 + 1e-12):
-            best = (value, hosts, {"start": name, **sweeps})
-    return StagedSolution(best[1], replicas, caps, counts, best[2], problem.notes)
+        if reslot:
+            hosts, sweeps["reslot_moves"] = reslot_search(hosts, counts, loads, caps, topology.gpus_per_node, budget,
+                                                          max_copies)
+        best = _better(best, counts, hosts, {"start": name, **sweeps})
+    if reslot and loose is not None:
+        # third start: the uncapped affinity structure, walked down to the caps with re-slotting
+        hosts, moves, over = tighten(loose, counts, loads, caps, topology.gpus_per_node, budget, max_copies)
+        hosts[over] = best[1][over]  # layers the walk could not fit keep the staged solution's
+        hosts, more = reslot_search(hosts, counts, loads, caps, topology.gpus_per_node, budget, max_copies)
+        best = _better(best, counts, hosts, {"start": "tightened", "uncapped": uncapped_sweeps,
+                                             "reslot_moves": moves + more, "layers_kept": len(over)})
+    return StagedSolution(best[1], best[1].sum(axis=2), caps, counts, best[2], problem.notes)
+
+
+RESLOT_MAX_SIZE = 2_000  # replica slots x devices per layer, at effort 1: above it (64-GPU scale) the
+# GPU-level local search costs minutes per stage, so it runs only at a higher --effort
+
+
+def reslot_applies(slots_per_layer: int, devices: int, budget: WorkBudget) -> bool:
+    """Run the re-slotting search (and its tightening start) when a layer step is small enough."""
+    return slots_per_layer * devices <= RESLOT_MAX_SIZE * budget.effort
+
+
+def _better(best, counts, hosts, info):
+    """Keep the placement with more local transitions (ties: the earlier one)."""
+    value = _objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float))
+    if best is None or value > best[0] * (1 + 1e-12):
+        return (value, hosts, info)
+    return best
 
 
 def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
