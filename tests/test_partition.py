@@ -105,3 +105,96 @@ def test_benchmark_prints_the_table_as_json_for_a_profiled_model(tmp_path, capsy
     assert ("14 options", "HyPAD") in schemes and ("1 MB steps", "per stage") in schemes
     assert result["ratio_vs_single"] >= 1.0 - 1e-9 and result["target_ratio"] == 2.58
     assert isinstance(result["target_met"], bool)
+    for r in result["ratios"].values():   # the floor caps every partition, HyPAD included
+        assert r["max_possible_ratio_vs_single"] >= r["ratio_vs_single"] - 1e-9
+        assert r["mopar_accounting"]["ratio"] >= 1.0 - 1e-9
+    assert result["compute_floor_usd"] > 0 and "mopar_accounting" in result
+
+
+# -- the compute floor and MOPAR's accounting ---------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def floor_cases(draw):
+    """Random units (thread counts above and below the vCPU share), a random contiguous slicing,
+    tokens, payload cuts, with or without waits; memory and eta are drawn per slice in the test."""
+    n = draw(st.integers(1, 7))
+    segments = sorted(draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+    threads = draw(st.sampled_from([(1,), (1, 2), (1, 2, 4, 8)]))
+    units = [P.DenseUnit((f"u{k}",), segments[k], draw(st.integers(0, 400 << 20)), draw(st.floats(0, 4e4)),
+                         draw(st.integers(0, 8192)), draw(st.integers(0, 8192)),
+                         tuple(draw(st.floats(1e-8, 1e-3)) for _ in threads), threads) for k in range(n)]
+    cuts = draw(st.lists(st.booleans(), min_size=n - 1, max_size=n - 1))
+    bounds = [0] + [k + 1 for k, c in enumerate(cuts) if c] + [n]
+    groups = [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
+    return units, groups, draw(st.integers(1, 20000)), draw(st.booleans()), draw(st.booleans()), draw(st.data())
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(floor_cases())
+def test_no_partition_memory_or_eta_costs_less_than_the_compute_floor(case):
+    from dataclasses import replace
+
+    units, groups, tokens, payload, bare, data = case
+    platform = replace(load_platform(), max_vcpus=data.draw(st.sampled_from([6.0, 1.5])))
+    if bare:  # no waits, no rounding, no runtime: the floor is reached, so any slack in it shows
+        platform = replace(platform, s3_latency_s=0.0, warm_start_s=0.0, s3_bandwidth_bytes_per_s=1e30,
+                           f2f_bandwidth_bytes_per_s=1e30, billing_granularity_s=0.0, runtime_memory_mb=0.0)
+    model = P.CostModel(units, platform, tokens, P.fine_memory_options(platform), payload_cuts=payload)
+    slices = []
+    for first, last in groups:
+        eta = data.draw(st.integers(1, 8))
+        need = model.min_memory(first, last, eta)
+        if need is None:  # a slice over 10,240 MB cannot be deployed at all
+            return
+        at_threads = [t * int(platform.mb_per_vcpu) for t in units[first].threads if t * platform.mb_per_vcpu >= need]
+        memory = data.draw(st.sampled_from(at_threads) if at_threads and data.draw(st.booleans())
+                           else st.integers(need, 10240))
+        slices.append(P.Slice(first, last, memory, eta))
+    # billed_seconds forgives 1e-9 of a 1 ms granule per invocation: the only slack the bound needs
+    assert P.compute_floor(units, platform, tokens) <= model.cost(slices) * (1 + 1e-9)
+
+
+def test_the_floor_is_reached_by_compute_alone_at_its_best_thread_count():
+    """Without waits or rounding, one unit at its best threads' memory costs the floor exactly."""
+    from dataclasses import replace
+
+    platform = replace(load_platform(), s3_latency_s=0.0, warm_start_s=0.0, s3_bandwidth_bytes_per_s=1e30,
+                       billing_granularity_s=0.0, runtime_memory_mb=0.0)
+    u = P.DenseUnit(("u",), 0, 0, 0.0, 0, 0, (4e-5, 1e-5), (1, 2))   # 2 threads are cheaper per vCPU-s
+    model = P.CostModel([u], platform, 1000, P.fine_memory_options(platform))
+    best = model.cost([P.Slice(0, 0, 2 * int(platform.mb_per_vcpu))])
+    assert P.compute_floor([u], platform, 1000) == pytest.approx(best, rel=1e-12)
+
+
+def test_hypad_on_the_example_model_is_no_cheaper_than_the_floor(tmp_path):
+    from pathlib import Path
+
+    from moeplan.passes.analysis.profile import profile_model
+    from moeplan.planner.importers import load_model
+
+    loaded = load_model(str(Path(__file__).parent.parent / "examples" / "tiny_moe"))
+    prof = profile_model(loaded.ir, loaded.module, budget_s=0, cache_dir=str(tmp_path), onnx_path=loaded.onnx_path)
+    platform, tokens = load_platform(), 10240
+    units = P.units_from_profile(loaded.ir, prof, tokens, loaded.module)
+    floor = P.compute_floor(units, platform, tokens)
+    for options in (None, P.fine_memory_options(platform)):
+        ours = P.hypad(units, platform, tokens, memory_options=options)
+        single = P.evaluate(units, platform, tokens, [list(range(len(units)))], options)
+        assert floor <= ours.cost_per_request_usd <= single.cost_per_request_usd + 1e-15
+
+
+def test_mopar_accounting_drops_the_runtime_and_ignores_memory_in_time():
+    platform = load_platform()
+    units = [unit("a", 0, params=100 << 20), unit("b", 0, params=1 << 20, secs=1e-4)]
+    lam = P.CostModel(units, platform, 1000, P.fine_memory_options(platform))
+    mop = P.CostModel(units, platform, 1000, P.fine_memory_options(platform), accounting="mopar")
+    assert lam.need_mb(0, 1) == pytest.approx(platform.runtime_memory_mb + (101 << 20) / P.MB + 1000 * 3024 / P.MB)
+    assert mop.need_mb(0, 1) == pytest.approx(((100 << 20) + 1000 * 3024) / P.MB)   # the largest unit alone
+    small, big = (mop.invocations(P.Slice(0, 1, m)) for m in (256, 4096))
+    assert small == big                                  # time does not depend on memory
+    assert lam.invocations(P.Slice(0, 1, 256)) > lam.invocations(P.Slice(0, 1, 4096))
+    with pytest.raises(ValueError):
+        P.CostModel(units, platform, 1000, accounting="openfaas")

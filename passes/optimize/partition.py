@@ -24,6 +24,11 @@ HyPAD (MOPAR, Alg. 1) slices the chain in between. Reading used here (see docs/s
   constraint), give the slice whose next step (eta + 1 shards over the tokens, or the next
   memory option) buys latency at the least extra cost that step; none left -> UserError.
 Cost per request = billed GB-s x price + request fees over every invocation.
+
+Two accountings (`accounting=`): "lambda" (default, above: memory includes the runtime, vCPUs
+follow memory) and "mopar", MOPAR's own (memory = the slice's largest unit, no runtime; time at
+a fixed MOPAR_VCPUS whatever the memory), kept to show where its 2.58x comes from.
+`compute_floor` bounds every partition's cost under "lambda" from below.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ from moeplan.planner.platforms import Platform
 
 MB = 1024 * 1024
 MERGE_THRESHOLD = 0.05
+ACCOUNTINGS = ("lambda", "mopar")
+MOPAR_VCPUS = 1.0   # MOPAR profiles time once, independent of the function's memory
 
 
 @dataclass(frozen=True)
@@ -102,9 +109,17 @@ class PartitionResult:
 class CostModel:
     """Cost and latency of a partition of the unit chain for a request of `tokens` tokens."""
 
-    def __init__(self, units: list, platform: Platform, tokens: int, memory_options=None, payload_cuts: bool = False):
+    def __init__(self, units: list, platform: Platform, tokens: int, memory_options=None, payload_cuts: bool = False,
+                 accounting: str = "lambda"):
+        if accounting not in ACCOUNTINGS:
+            raise ValueError(f"accounting must be one of {ACCOUNTINGS}, got {accounting!r}")
         self.units, self.p, self.tokens, self.payload_cuts = list(units), platform, int(tokens), payload_cuts
         self.options = sorted(int(m) for m in (memory_options or platform.memory_options_mb))
+        self.accounting = accounting
+
+    def vcpus(self, memory_mb: float) -> float:
+        """Lambda: the share that memory buys; MOPAR: a fixed share (its time ignores memory)."""
+        return self.p.vcpus(memory_mb) if self.accounting == "lambda" else MOPAR_VCPUS
 
     # -- transfers -----------------------------------------------------------------------
     def _internal_cut(self, k: int) -> bool:
@@ -132,8 +147,11 @@ class CostModel:
 
     # -- one slice -----------------------------------------------------------------------
     def need_mb(self, first: int, last: int, eta: int = 1) -> float:
+        """Lambda: runtime + all weights + the largest activations; MOPAR: the largest unit alone."""
         tokens = math.ceil(self.tokens / eta)
         us = self.units[first:last + 1]
+        if self.accounting == "mopar":
+            return max(u.own_memory_bytes(tokens) for u in us) / MB
         params = sum(u.param_bytes for u in us)
         act = max(tokens * (u.peak_bytes_per_token + u.in_bytes_per_token + u.out_bytes_per_token) for u in us)
         return self.p.runtime_memory_mb + (params + act) / MB
@@ -145,7 +163,7 @@ class CostModel:
     def invocations(self, s: Slice) -> list:
         """Seconds of each invocation of one shard, one per segment the slice touches."""
         tokens = math.ceil(self.tokens / s.eta)
-        v = self.p.vcpus(s.memory_mb)
+        v = self.vcpus(s.memory_mb)
         params = sum(u.param_bytes for u in self.units[s.first:s.last + 1])
         start = self.p.s3_latency_s + self.p.warm_start_s + params / self.p.s3_bandwidth_bytes_per_s
         out, k = [], s.first
@@ -275,14 +293,15 @@ def single_function(model: CostModel) -> list:
 
 
 def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Optional[float] = None,
-          memory_options=None, max_eta: Optional[int] = None, threshold: float = MERGE_THRESHOLD) -> PartitionResult:
+          memory_options=None, max_eta: Optional[int] = None, threshold: float = MERGE_THRESHOLD,
+          accounting: str = "lambda") -> PartitionResult:
     """Partition the dense unit chain; the latency limit defaults to the single function's latency."""
     if not units:
         raise UserError("the model has no dense stage to partition")
     merged = simplify(units, tokens, threshold)
-    model = CostModel(merged, platform, tokens, memory_options)
+    model = CostModel(merged, platform, tokens, memory_options, accounting=accounting)
     if latency_limit_s is None:
-        full = CostModel(units, platform, tokens, memory_options)
+        full = CostModel(units, platform, tokens, memory_options, accounting=accounting)
         latency_limit_s = full.latency(single_function(full))
     slices = vertical_split(model)
     slices, steps = parallelism_search(model, slices, latency_limit_s,
@@ -291,9 +310,9 @@ def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Opti
 
 
 def evaluate(units: list, platform: Platform, tokens: int, groups: list, memory_options=None,
-             memory_mb: Optional[int] = None) -> PartitionResult:
+             memory_mb: Optional[int] = None, accounting: str = "lambda") -> PartitionResult:
     """A fixed partition (lists of consecutive unit indices) at minimum (or the given) memory: the baselines."""
-    model = CostModel(units, platform, tokens, memory_options)
+    model = CostModel(units, platform, tokens, memory_options, accounting=accounting)
     slices = []
     for g in groups:
         mem = memory_mb or model.min_memory(g[0], g[-1])
@@ -304,6 +323,25 @@ def evaluate(units: list, platform: Platform, tokens: int, groups: list, memory_
     result = model.report(slices, lat, len(units), len(units))
     result.fits = all(s.memory_mb >= model.need_mb(s.first, s.last, s.eta) - 1e-9 for s in slices)
     return result
+
+
+def compute_floor(units: list, platform: Platform, tokens: int) -> float:
+    """Dollars per request that no partition, memory, eta or slicing can undercut (Lambda accounting).
+
+    Why: it caps what partitioning can save. Proof: an invocation of M MB bills M/1024 GB-s per
+    second, with v = vcpus(M) <= M / mb_per_vcpu and, for any M the slice fits in, M >= runtime +
+    the unit's weights; unit u at t threads takes s_t n max(1, t/v) s on n tokens, so it bills
+    >= s_t n max(M, t mb_per_vcpu) MB-s >= s_t n max(runtime + params_u, t mb_per_vcpu); shards
+    cover >= `tokens` tokens, waits (S3, warm start, weight loading) are >= 0, billing rounds up
+    (less a 1e-9-granule float tolerance), each segment costs >= 1 request fee; merging units (min
+    of a sum >= sum of mins) only adds.
+    """
+    mb_s = 0.0
+    for u in units:
+        base = platform.runtime_memory_mb + u.param_bytes / MB
+        mb_s += min(s * tokens * max(base, t * platform.mb_per_vcpu) for s, t in zip(u.s_per_token, u.threads))
+    segments = len({u.segment for u in units})
+    return mb_s / 1024.0 * platform.price_per_gb_s + segments * platform.price_per_request
 
 
 def fine_memory_options(platform: Platform, low: int = 128, high: int = 10240) -> list:
