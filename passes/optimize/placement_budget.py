@@ -22,6 +22,7 @@ class WorkBudget:
     effort: float = DEFAULT_EFFORT
     deadline: float = math.inf  # time.perf_counter() value: the safety net only
     timed_out: bool = False
+    mip_variables: int = 0  # variables of the step MIPs run so far (what the replica MIP budget meters)
 
     def scaled(self, base: float, least: int = 1) -> int:
         """A work count: `base` x effort, at least `least`."""

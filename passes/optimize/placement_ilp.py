@@ -50,6 +50,8 @@ MAX_SWEEPS = 12  # coordinate sweeps per stage at effort 1 (fewer when they stop
 EXACT_SWEEPS = 1  # per unit of effort (rounded down): sweeps of step MIPs once the exchange sweeps
 # stop gaining; a step MIP with replicas costs ~1 s at 64 experts whatever its node limit
 EXACT_MAX_VARIABLES = 600  # per unit of effort: bigger steps (experts x partitions) skip the MIP sweeps
+REPLICA_MIP_VARIABLES = 3_000  # per start at effort 1: step MIPs of layers with replicas (~0.5 s each at
+# 64-GPU scale, mostly root work no node limit bounds) stop once their variables add up to this
 SWAP_MOVES = 10_000  # exchange moves per step at effort 1
 
 
@@ -64,6 +66,7 @@ class LayerProblem:
     solver: str = "highs"
     notes: list = field(default_factory=list)
     budget: WorkBudget = field(default_factory=WorkBudget)
+    replica_mip_left: float = float("inf")  # variables the step MIPs of layers with replicas may still use
 
 
 def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition: int) -> np.ndarray:
@@ -76,7 +79,7 @@ def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition
 
 
 def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads, cap, warm, budget, solver, notes,
-                   exact: bool = True):
+                   exact: bool = True, mip: bool = True):
     """Place one layer's replicas on P partitions maximising the local transitions they gain.
 
     in_gain[e, p]: transitions into e that become local if e is present on p; out_gain[e, p]:
@@ -99,11 +102,16 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
         return quick[0], "optimal"  # the optimum without load rows already meets the cap
     if quick is not None and (warm is None or not _fits(warm, loads, cap) or (gain * quick[0]).sum() > (gain * warm).sum()):
         warm = quick[0]
+    if warm is not None and not _fits(warm, loads, cap):
+        warm = repair_by_swaps(gain, warm, limit, loads, cap, budget.scaled(SWAP_MOVES))
     if warm is not None and _fits(warm, loads, cap):
         warm = improve_by_swaps(gain, warm, limit, loads, cap, budget.scaled(SWAP_MOVES))
         if not exact:
             return warm, "heuristic"
+    if not mip:  # the caller's MIP budget is spent
+        return (warm, "heuristic") if warm is not None and _fits(warm, loads, cap) else (None, "no_fit")
     nm = n * P
+    budget.mip_variables += nm
     cost = -gain.ravel()
     upper = np.repeat(limit, P).astype(float)
     index = np.arange(nm)
@@ -149,6 +157,40 @@ def improve_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) 
         best = int(np.argmax(delta))
         i, j = divmod(best, len(e))
         if not delta[i, j] > 1e-9:
+            break
+        assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
+        assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
+        partition_load[p[i]] += loads[e[j]] - loads[e[i]]
+        partition_load[p[j]] += loads[e[i]] - loads[e[j]]
+    return assign
+
+
+def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -> np.ndarray:
+    """Exchanges that cut the load over the cap most (ties: most gain) until it fits or none cuts it.
+
+    Why: at 64-GPU scale a node's replicas, packed onto its GPUs, often miss the per-GPU cap by a
+    little; finding a fitting start by exchanges takes milliseconds where the step MIP spends
+    seconds at its root. Deterministic (ties: lowest index)."""
+    assign = assign.copy()
+    partition_load = loads @ assign
+    for _ in range(max_rounds):
+        over = np.clip(partition_load - cap, 0, None)
+        if over.sum() <= 0:
+            break
+        e, p = np.nonzero(assign)
+        shift = loads[e][None, :] - loads[e][:, None]  # load change on p_i when swapping i and j
+        new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
+        new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
+        cut = over[p][:, None] + over[p][None, :] - new_i - new_j
+        ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
+        ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
+        ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
+        delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
+        scale = max(float(np.abs(delta[ok]).max(initial=0.0)), 1.0)
+        merit = np.where(ok & (cut > 1e-9 * cap), cut * (4.0 * scale / max(float(cut.max()), 1e-12)) + delta, -np.inf)
+        best = int(np.argmax(merit))
+        i, j = divmod(best, len(e))
+        if not np.isfinite(merit[i, j]):
             break
         assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
         assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
@@ -223,13 +265,15 @@ class StageInfeasible(Exception):
 
 
 def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray, partition_slots: np.ndarray,
-                max_per_partition: int, partition_caps: np.ndarray, max_sweeps: int):
+                max_per_partition: int, partition_caps: np.ndarray, max_sweeps: int, unfit: str = "raise"):
     """Coordinate sweeps over layers on one level (nodes, or the GPUs of one node), at most
     `max_sweeps` (a work limit; the budget's safety deadline can stop them earlier).
 
     assign: int [L, E, P] replica counts per partition (updated in place); to_place: int [L, E],
-    the replicas of each expert this level distributes (0 = not this level's). Raises
-    `StageInfeasible(l)` when layer l cannot meet its cap. Returns the number of sweeps run.
+    the replicas of each expert this level distributes (0 = not this level's). With unfit
+    "raise", raises `StageInfeasible(l)` when the solver proves layer l cannot meet its cap; with
+    "keep" (or when no fitting step was found within the work limits) the layer keeps its
+    previous assignment, which the caller checks. Returns the number of sweeps run.
     """
     L = assign.shape[0]
     replicas = problem.replicas
@@ -257,12 +301,17 @@ def solve_stage(problem: LayerProblem, assign: np.ndarray, to_place: np.ndarray,
             if l < L - 1:
                 present_next = (assign[l + 1] > 0).astype(float)
                 out_gain = (counts[l][experts] @ present_next) / replicas[l][experts][:, None]
+            metered = replicas[l].max() > 1
+            mip_ok = not metered or problem.replica_mip_left >= len(experts) * assign.shape[2]
+            before = budget.mip_variables
             result, status = assignment_mip(
                 in_gain, out_gain, to_place[l][experts], max_per_partition, partition_slots,
                 problem.loads[l][experts] / replicas[l][experts], partition_caps[l],
-                assign[l][experts], budget, problem.solver, problem.notes, exact)
+                assign[l][experts], budget, problem.solver, problem.notes, exact and mip_ok, mip_ok)
+            if metered:
+                problem.replica_mip_left -= budget.mip_variables - before
             if result is None:
-                if status == "infeasible":
+                if status == "infeasible" and unfit == "raise":
                     raise StageInfeasible(l)
                 continue  # time ran out without an incumbent better than the warm start: keep it
             assign[l][experts] = result
@@ -388,6 +437,7 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     max_copies = int(replicas.max())
     for name, presolve in (("packing", False), ("uncapped", True)):
         sweeps = {}
+        problem.replica_mip_left = budget.scaled(REPLICA_MIP_VARIABLES)
         hosts = packed.copy()
         if presolve:
             uncapped = hosts.astype(np.int64)
@@ -448,39 +498,43 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
         node_assign = replicas[:, :, None].astype(np.int64)
     gpu_sweeps = []
     for attempt in range(8):
-        bad_layer = None
         for n in range(N):
             to_place = node_assign[:, :, n]
             gpu_assign = _pack_within_node(problem.loads, replicas, to_place, G, slots)
             current = hosts[:, :, n * G:(n + 1) * G]
             keep = (current.sum(axis=2) == to_place).all(axis=1) & (current.sum(axis=1) == slots).all(axis=1)
             gpu_assign[keep] = current[keep]  # the start's GPU split where it matches the node split
-            try:
-                gpu_sweeps.append(solve_stage(problem, gpu_assign, to_place, np.full(G, slots), 1, caps, max_sweeps))
-            except StageInfeasible as exc:
-                bad_layer = exc.args[0]
-                break
+            # a layer whose GPU step finds nothing under the cap keeps its packing for now (caught below)
+            gpu_sweeps.append(solve_stage(problem, gpu_assign, to_place, np.full(G, slots), 1, caps, max_sweeps,
+                                          unfit="keep"))
             joint = polish_windows(problem, gpu_assign, to_place, np.full(G, slots), caps)
             sweeps["joint_gpus"] = sweeps.get("joint_gpus", 0.0) + joint["gained"]
             hosts[:, :, n * G:(n + 1) * G] = gpu_assign > 0
-        if bad_layer is None:
-            break
-        # the node split of this layer packs badly into GPUs: tighten its node cap and redo it
-        if N == 1:
-            raise infeasible_layer_error(problem, bad_layer)
-        if attempt >= 5:  # fall back to the packing's node split, which fits if the packing does
-            node_assign[bad_layer] = packed.reshape(L, E, N, G).sum(axis=3)[bad_layer]
-            continue
-        node_caps = node_caps.copy()
-        node_caps[bad_layer] *= 0.97
-        layer_only = np.zeros_like(replicas)
-        layer_only[bad_layer] = replicas[bad_layer]
-        try:
-            solve_stage(problem, node_assign, layer_only, np.full(N, G * slots), G, node_caps, max_sweeps)
-        except StageInfeasible:  # tightened too far: take the packing's node split for this layer
-            node_assign[bad_layer] = packed.reshape(L, E, N, G).sum(axis=3)[bad_layer]
+        bad_layers = _over_cap_layers(problem, hosts)
+        if not bad_layers or N == 1:
+            break  # N == 1: _repair_layers handles what is left (or names the infeasible layer)
+        # these layers' node splits pack badly into GPUs: tighten their node caps and redo them
+        split = packed.reshape(L, E, N, G).sum(axis=3)
+        for bad_layer in bad_layers:
+            if attempt >= 5:  # fall back to the packing's node split, which fits if the packing does
+                node_assign[bad_layer] = split[bad_layer]
+                continue
+            node_caps = node_caps.copy()
+            node_caps[bad_layer] *= 0.97
+            layer_only = np.zeros_like(replicas)
+            layer_only[bad_layer] = replicas[bad_layer]
+            try:
+                solve_stage(problem, node_assign, layer_only, np.full(N, G * slots), G, node_caps, max_sweeps)
+            except StageInfeasible:  # tightened too far: take the packing's node split for this layer
+                node_assign[bad_layer] = split[bad_layer]
     sweeps["gpus"] = max(gpu_sweeps) if gpu_sweeps else 0
     return hosts
+
+
+def _over_cap_layers(problem, hosts) -> list:
+    """Layers where some GPU carries more than the layer's cap."""
+    return [l for l in range(len(hosts))
+            if ((problem.loads[l] / problem.replicas[l]) @ hosts[l]).max() > problem.caps[l] * (1 + 1e-9)]
 
 
 def _repair_layers(problem, hosts, packed, slots) -> np.ndarray:
