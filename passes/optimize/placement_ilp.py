@@ -257,7 +257,7 @@ def _transport(value, to_place, limit, slots, budget: WorkBudget = None):
 
 def _objective(counts, share, present):
     """Local transitions under the even-split model, summed over layer pairs."""
-    return float(sum(np.einsum("ab,ap,bp->", counts[l], share[l], present[l + 1]) for l in range(len(counts))))
+    return float(sum(((counts[l] @ present[l + 1]) * share[l]).sum() for l in range(len(counts))))
 
 
 class StageInfeasible(Exception):
@@ -418,7 +418,9 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
     cap (each step a pure transportation problem, exact and fast), then lets the capped stages
     repair the balance. Each start gets the same work budget; the one keeping more transitions
-    local wins (ties: A). Layers left over their cap (a step that found no fitting solution in its limits)
+    local wins (ties: A); replica runs at DeepSeek-V3 scale run start A only (`sweep_limit`). With
+    re-slotting (`reslot_applies`) each start is polished by `placement_reslot`, and a third start
+    walks B's uncapped solution down to the caps (`tighten`). Layers left over their cap (a step that found no fitting solution in its limits)
     fall back to the packing, which fits whenever the cap is achievable by it."""
     from moeplan.passes.optimize.placement_eplb import replica_counts
 
@@ -435,14 +437,17 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
     max_copies = int(replicas.max())
-    for name, presolve in (("packing", False), ("uncapped", True)):
+    starts = (("packing", False), ("uncapped", True))
+    if sweep_limit(budget, L, E, E + redundant, D) < budget.scaled(MAX_SWEEPS):
+        starts = starts[:1]  # DeepSeek-V3 scale: one start, so the run ends on its work budget in ~2 minutes
+    for name, presolve in starts:
         sweeps = {}
         problem.replica_mip_left = budget.scaled(REPLICA_MIP_VARIABLES)
         hosts = packed.copy()
         if presolve:
             uncapped = hosts.astype(np.int64)
             sweeps["uncapped"] = solve_stage(problem, uncapped, replicas, np.full(D, slots), 1, np.full(L, np.inf),
-                                             budget.scaled(MAX_SWEEPS))
+                                             sweep_limit(budget, L, E, E + redundant, D))
             hosts = loose = uncapped > 0
             uncapped_sweeps = sweeps["uncapped"]
         hosts = _run_stages(problem, hosts, packed, topology, slots, sweeps)
@@ -470,6 +475,19 @@ def reslot_applies(slots_per_layer: int, devices: int, budget: WorkBudget) -> bo
     return slots_per_layer * devices <= RESLOT_MAX_SIZE * budget.effort
 
 
+SWEEP_SIZE = 300_000  # layers x replica slots x devices up to which a replica run gets MAX_SWEEPS at effort 1
+
+
+def sweep_limit(budget: WorkBudget, layers: int, experts: int, slots_per_layer: int, devices: int) -> int:
+    """Coordinate sweeps per stage: MAX_SWEEPS x effort; with replicas (whose steps are LPs and
+    MIPs, not assignments) fewer, at least 2, beyond SWEEP_SIZE, so DeepSeek-V3-sized replica
+    runs end on their work budget in about 100 s on 2 cores instead of at the time limit."""
+    full = budget.scaled(MAX_SWEEPS)
+    if slots_per_layer <= experts:
+        return full
+    return max(2, min(full, budget.scaled(MAX_SWEEPS * SWEEP_SIZE / (layers * slots_per_layer * devices))))
+
+
 def _better(best, counts, hosts, info):
     """Keep the placement with more local transitions (ties: the earlier one)."""
     value = _objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float))
@@ -482,7 +500,7 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     L, E, D = hosts.shape
     N, G = topology.nodes, topology.gpus_per_node
     caps, replicas = problem.caps, problem.replicas
-    max_sweeps = problem.budget.scaled(MAX_SWEEPS)
+    max_sweeps = sweep_limit(problem.budget, L, E, int(problem.replicas.sum(axis=1).max()), D)
     hosts = hosts.copy()
     node_caps = caps * G
     if N > 1:
