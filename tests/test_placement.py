@@ -167,3 +167,14 @@ def test_transition_bound_never_exceeds_the_true_minimum(seed):
     assert counting_bound(counts[0], 3, 3) <= bound + 1e-9
     assert dual_bound(counts[0], 3, 3) <= bound + 1e-9
     assert bound <= best + 1e-6
+
+
+def test_replica_runs_get_fewer_sweeps_only_at_deepseek_scale():
+    from moeplan.passes.optimize.placement_budget import WorkBudget
+    from moeplan.passes.optimize.placement_ilp import MAX_SWEEPS, sweep_limit
+
+    budget = WorkBudget()
+    assert sweep_limit(budget, 58, 256, 256, 64) == MAX_SWEEPS  # no replicas: the full budget
+    assert sweep_limit(budget, 12, 64, 72, 8) == MAX_SWEEPS  # planted 8-GPU case
+    assert 2 <= sweep_limit(budget, 58, 256, 320, 64) < MAX_SWEEPS  # DeepSeek-V3 + 64 slots
+    assert sweep_limit(WorkBudget(effort=4.0), 58, 256, 320, 64) > sweep_limit(budget, 58, 256, 320, 64)

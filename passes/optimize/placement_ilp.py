@@ -475,7 +475,7 @@ def reslot_applies(slots_per_layer: int, devices: int, budget: WorkBudget) -> bo
     return slots_per_layer * devices <= RESLOT_MAX_SIZE * budget.effort
 
 
-SWEEP_SIZE = 300_000  # layers x replica slots x devices up to which a replica run gets MAX_SWEEPS at effort 1
+SWEEP_SIZE = 100_000  # layers x replica slots x devices up to which a replica run gets MAX_SWEEPS at effort 1
 
 
 def sweep_limit(budget: WorkBudget, layers: int, experts: int, slots_per_layer: int, devices: int) -> int:
