@@ -515,6 +515,7 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     else:
         node_assign = replicas[:, :, None].astype(np.int64)
     gpu_sweeps = []
+    active = np.ones(L, dtype=bool)  # layers whose GPU split is (re)solved: all, then the retried ones
     for attempt in range(8):
         for n in range(N):
             to_place = node_assign[:, :, n]
@@ -523,8 +524,8 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
             keep = (current.sum(axis=2) == to_place).all(axis=1) & (current.sum(axis=1) == slots).all(axis=1)
             gpu_assign[keep] = current[keep]  # the start's GPU split where it matches the node split
             # a layer whose GPU step finds nothing under the cap keeps its packing for now (caught below)
-            gpu_sweeps.append(solve_stage(problem, gpu_assign, to_place, np.full(G, slots), 1, caps, max_sweeps,
-                                          unfit="keep"))
+            gpu_sweeps.append(solve_stage(problem, gpu_assign, np.where(active[:, None], to_place, 0), np.full(G, slots),
+                                          1, caps, max_sweeps, unfit="keep"))
             joint = polish_windows(problem, gpu_assign, to_place, np.full(G, slots), caps)
             sweeps["joint_gpus"] = sweeps.get("joint_gpus", 0.0) + joint["gained"]
             hosts[:, :, n * G:(n + 1) * G] = gpu_assign > 0
@@ -532,6 +533,7 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
         if not bad_layers or N == 1:
             break  # N == 1: _repair_layers handles what is left (or names the infeasible layer)
         # these layers' node splits pack badly into GPUs: tighten their node caps and redo them
+        active = np.isin(np.arange(L), bad_layers)
         split = packed.reshape(L, E, N, G).sum(axis=3)
         for bad_layer in bad_layers:
             if attempt >= 5:  # fall back to the packing's node split, which fits if the packing does
