@@ -141,27 +141,16 @@ def improve_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) 
     while that gains and keeps both partitions under the cap and within the per-partition limit.
     Deterministic (ties: lowest index) and vectorised over all unit pairs."""
     assign = assign.copy()
-    n, P = assign.shape
     partition_load = loads @ assign
     for _ in range(max_rounds):
-        e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
-        # delta[i, j]: unit i = (e_i on p_i) goes to p_j, unit j = (e_j on p_j) goes to p_i
-        delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
-        ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
-        ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
-        ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
-        shift = loads[e][None, :] - loads[e][:, None]  # load change on p_i when swapping i and j
+        e, p, delta, shift, ok = _exchanges(gain, assign, limit, loads)
         ok &= partition_load[p][:, None] + shift <= cap * (1 + 1e-9)
         ok &= partition_load[p][None, :] - shift <= cap * (1 + 1e-9)
         delta = np.where(ok, delta, -np.inf)
-        best = int(np.argmax(delta))
-        i, j = divmod(best, len(e))
+        i, j = divmod(int(np.argmax(delta)), len(e))
         if not delta[i, j] > 1e-9:
             break
-        assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
-        assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
-        partition_load[p[i]] += loads[e[j]] - loads[e[i]]
-        partition_load[p[j]] += loads[e[i]] - loads[e[j]]
+        _exchange(assign, partition_load, loads, e, p, i, j)
     return assign
 
 
@@ -177,26 +166,36 @@ def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -
         over = np.clip(partition_load - cap, 0, None)
         if over.sum() <= 0:
             break
-        e, p = np.nonzero(assign)
-        shift = loads[e][None, :] - loads[e][:, None]  # load change on p_i when swapping i and j
+        e, p, delta, shift, ok = _exchanges(gain, assign, limit, loads)
         new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
         new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
         cut = over[p][:, None] + over[p][None, :] - new_i - new_j
-        ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
-        ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
-        ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
-        delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
         scale = max(float(np.abs(delta[ok]).max(initial=0.0)), 1.0)
         merit = np.where(ok & (cut > 1e-9 * cap), cut * (4.0 * scale / max(float(cut.max()), 1e-12)) + delta, -np.inf)
-        best = int(np.argmax(merit))
-        i, j = divmod(best, len(e))
+        i, j = divmod(int(np.argmax(merit)), len(e))
         if not np.isfinite(merit[i, j]):
             break
-        assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
-        assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
-        partition_load[p[i]] += loads[e[j]] - loads[e[i]]
-        partition_load[p[j]] += loads[e[i]] - loads[e[j]]
+        _exchange(assign, partition_load, loads, e, p, i, j)
     return assign
+
+
+def _exchanges(gain, assign, limit, loads):
+    """Every exchange of two units (i = e_i on p_i, j = e_j on p_j): (e, p, gain [i, j], load shift
+    on p_i [i, j], allowed [i, j] by distinct partitions/experts and the per-partition limit)."""
+    e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
+    delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
+    ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
+    ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
+    ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
+    shift = loads[e][None, :] - loads[e][:, None]
+    return e, p, delta, shift, ok
+
+
+def _exchange(assign, partition_load, loads, e, p, i, j) -> None:
+    assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
+    assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
+    partition_load[p[i]] += loads[e[j]] - loads[e[i]]
+    partition_load[p[j]] += loads[e[i]] - loads[e[j]]
 
 
 def _fits(assign, loads, cap) -> bool:
