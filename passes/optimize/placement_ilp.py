@@ -417,10 +417,12 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
     cap (each step a pure transportation problem, exact and fast), then lets the capped stages
     repair the balance. Each start gets the same work budget; the one keeping more transitions
-    local wins (ties: A); replica runs at DeepSeek-V3 scale run start A only (`sweep_limit`). With
-    re-slotting (`reslot_applies`) each start is polished by `placement_reslot`, and a third start
-    walks B's uncapped solution down to the caps (`tighten`). Layers left over their cap (a step that found no fitting solution in its limits)
-    fall back to the packing, which fits whenever the cap is achievable by it."""
+    local wins (ties: A); replica runs at DeepSeek-V3 scale run start A only (`sweep_limit`).
+    Layers left over their cap (a step that found no fitting solution in its limits) fall back to
+    the packing, which fits whenever the cap is achievable by it. Where re-slotting applies
+    (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
+    start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
+    counts returned are then the solution's own, which may differ from EPLB's rule."""
     from moeplan.passes.optimize.placement_eplb import replica_counts
 
     L, E = loads.shape
