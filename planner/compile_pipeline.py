@@ -7,7 +7,6 @@ a temporary directory that is renamed onto --out only when everything succeeded.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -30,11 +29,11 @@ def _import(facts):
 
 
 def _trace(facts):
-    from moeplan.passes.analysis.trace_format import load_trace
+    from moeplan.passes.analysis.trace_format import load_trace, trace_file_sha256
 
     path = Path(facts["trace_path"])
     trace = load_trace(path)
-    return {"trace": trace, "trace_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {"trace": trace, "trace_sha256": trace_file_sha256(path)}
 
 
 def _affinity(facts):

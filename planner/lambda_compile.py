@@ -28,9 +28,9 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
     from moeplan.backends.torchrun.shards import state_dict_sha256
     from moeplan.passes.analysis.profile import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
-    from moeplan.passes.analysis.trace_format import load_trace
+    from moeplan.passes.analysis.trace_format import load_trace, trace_file_sha256
     from moeplan.passes.optimize import partition as P
-    from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless, trace_digest
+    from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless
     from moeplan.planner.atomic import atomic_path
     from moeplan.planner.compile_pipeline import check_trace_matches
     from moeplan.planner.commands.plan import _methods
@@ -68,7 +68,7 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
                             "merged_units": part.merged_units, "units": part.units},
         "cost_per_request_usd": sim.moe_cost + part.cost_per_request_usd,
     }
-    inputs = {"trace_sha256_16": trace_digest(trace), "slo_s": slo_s, "methods": methods.split(","),
+    inputs = {"trace_sha256": trace_file_sha256(trace_path), "slo_s": slo_s, "methods": methods.split(","),
               "profile_hash": prof.model_hash, "seed": seed}
     plan = build_plan(ir, facts, outcome.result.layers, batch_tokens=batch_tokens, predicted=predicted, inputs=inputs)
     doc = _sig(asdict(plan))

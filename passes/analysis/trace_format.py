@@ -14,6 +14,7 @@ Every read validates shapes, dtypes and ranges, and reports the first problem as
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import zipfile
 from dataclasses import dataclass
@@ -189,3 +190,9 @@ def _write_npz_deterministic(path: Path, arrays: dict) -> None:
             info.compress_type = zipfile.ZIP_DEFLATED
             with archive.open(info, "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asarray(arrays[name]), allow_pickle=False)
+
+
+def trace_file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a trace file's bytes: the one trace identifier every plan records (`trace_sha256`).
+    Trace files are written byte-deterministically, so equal traces give equal digests."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()

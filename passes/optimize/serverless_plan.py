@@ -9,7 +9,6 @@ deployed before serving.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -194,12 +193,3 @@ def _mispredictions(trace, rows, layers, predicted, real, sim, alpha) -> list:
             out.append((over.get((e, i), "other"), keys))
     return out
 
-
-def trace_digest(trace: Trace) -> str:
-    h = hashlib.sha256()
-    for name in ("experts", "token_ids", "positions", "sequence", "attention_ids"):
-        a = getattr(trace, name)
-        if a is not None:
-            h.update(name.encode())
-            h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()[:16]

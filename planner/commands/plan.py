@@ -62,9 +62,9 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     """Size the serverless functions of MODEL for --slo and write a lambda plan."""
     from moeplan.passes.analysis.profile import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
-    from moeplan.passes.analysis.trace_format import load_trace
+    from moeplan.passes.analysis.trace_format import load_trace, trace_file_sha256
     from moeplan.passes.optimize.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless, trace_digest
+    from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless
     from moeplan.planner.atomic import write_text_atomic
     from moeplan.planner.compile_pipeline import check_trace_matches
     from moeplan.planner.importers import load_model
@@ -122,7 +122,7 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
         predicted["bo"] = {"iterations": outcome.bo["iterations"], "baseline_cost": outcome.bo["baseline_cost"],
                            "best_cost": outcome.bo["best_cost"],
                            "history": [{k: v for k, v in h.items() if k != "seconds"} for h in outcome.bo["history"]]}
-    inputs = {"trace_sha256_16": trace_digest(trace), "slo_s": slo, "validation_fraction": validation_fraction,
+    inputs = {"trace_sha256": trace_file_sha256(trace_path), "slo_s": slo, "validation_fraction": validation_fraction,
               "methods": list(methods.split(",")), "size_for": size_for, "bo_iterations": bo_iterations, "bo_q": bo_q, "seed": seed,
               "profile_hash": prof.model_hash}
     the_plan = build_plan(ir, facts, res.layers, batch_tokens=batch_tokens, predicted=predicted, inputs=inputs)
