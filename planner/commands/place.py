@@ -29,7 +29,7 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 @click.option("--nodes", type=int, help="Server nodes.")
 @click.option("--gpus-per-node", type=int, help="GPUs per node.")
 @click.option("--policy", type=click.Choice(["ilp", "eplb", "contiguous"]), default="ilp", show_default=True)
-@click.option("--redundant", type=int, default=0, show_default=True, help="Redundant expert slots per layer (replicas).")
+@click.option("--redundant", type=int, default=0, show_default=True, help="Redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, ilp may move them between experts.")
 @click.option("--balance", type=float, default=0.1, show_default=True,
               help="ilp: per layer, every GPU's load <= (1 + B) x the reference load.")
 @click.option("--balance-base", type=click.Choice(["mean", "eplb"]), default="mean", show_default=True,
