@@ -41,6 +41,7 @@ from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement_budget import WorkBudget
 from moeplan.passes.optimize.placement_eplb import balanced_packing
 from moeplan.passes.optimize.placement_joint import polish_windows
+from moeplan.passes.optimize.placement_metrics import over_cap_layers
 from moeplan.passes.optimize.placement_reslot import reslot_search, tighten
 from moeplan.planner.errors import UserError
 
@@ -530,7 +531,7 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
             joint = polish_windows(problem, gpu_assign, to_place, np.full(G, slots), caps)
             sweeps["joint_gpus"] = sweeps.get("joint_gpus", 0.0) + joint["gained"]
             hosts[:, :, n * G:(n + 1) * G] = gpu_assign > 0
-        bad_layers = _over_cap_layers(problem, hosts)
+        bad_layers = over_cap_layers(hosts, problem.loads, caps)
         if not bad_layers or N == 1:
             break  # N == 1: _repair_layers handles what is left (or names the infeasible layer)
         # these layers' node splits pack badly into GPUs: tighten their node caps and redo them
@@ -552,20 +553,12 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     return hosts
 
 
-def _over_cap_layers(problem, hosts) -> list:
-    """Layers where some GPU carries more than the layer's cap."""
-    return [l for l in range(len(hosts))
-            if ((problem.loads[l] / problem.replicas[l]) @ hosts[l]).max() > problem.caps[l] * (1 + 1e-9)]
-
-
 def _repair_layers(problem, hosts, packed, slots) -> np.ndarray:
     """Replace any layer over its cap by the packing, or by a capped MIP with no affinity."""
     L, E, D = hosts.shape
     hosts = hosts.copy()
-    for l in range(L):
+    for l in over_cap_layers(hosts, problem.loads, problem.caps):
         per_replica = problem.loads[l] / problem.replicas[l]
-        if (per_replica @ hosts[l]).max() <= problem.caps[l] * (1 + 1e-9):
-            continue
         if (per_replica @ packed[l]).max() <= problem.caps[l] * (1 + 1e-9):
             hosts[l] = packed[l]
             continue

@@ -97,3 +97,14 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
         cross_gpu_transitions=transitions - gpu_local,
         cross_node_transitions=transitions - node_local,
     )
+
+
+def max_gpu_loads(hosts: np.ndarray, loads: np.ndarray) -> np.ndarray:
+    """float [L]: each layer's largest GPU load, every expert's load split evenly over its copies
+    (the load definition above), from bool [L, E, D] hosts and float [L, E] expert loads."""
+    return np.array([((loads[l] / hosts[l].sum(axis=1)) @ hosts[l]).max() for l in range(len(hosts))])
+
+
+def over_cap_layers(hosts: np.ndarray, loads: np.ndarray, caps: np.ndarray) -> list:
+    """Layers where some GPU carries more than the layer's cap."""
+    return [int(l) for l in np.flatnonzero(max_gpu_loads(hosts, loads) > caps * (1 + 1e-9))]

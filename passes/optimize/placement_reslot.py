@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.placement_budget import WorkBudget
+from moeplan.passes.optimize.placement_metrics import max_gpu_loads, over_cap_layers
 
 MOVES_PER_LAYER = 400  # at effort 1
 MAX_SWEEPS = 6  # at effort 1; sweeps stop early once a whole sweep gains nothing
@@ -185,14 +186,10 @@ def tighten(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: np.n
     go from the start's max GPU load to the target as (1 - k / steps)^2. Returns (hosts, moves,
     layers still over their cap, which the caller must replace)."""
     budget = budget or WorkBudget()
-    r = hosts.sum(axis=2)
-    start = np.array([((loads[l] / r[l]) @ hosts[l]).max() for l in range(len(loads))])
-    excess = np.maximum(start - caps, 0.0)
+    excess = np.maximum(max_gpu_loads(hosts, loads) - caps, 0.0)
     moves = 0
     for k in range(1, steps + 1):
         step_caps = caps + excess * (1.0 - k / steps) ** 2
         hosts, made = reslot_search(hosts, counts, loads, step_caps, gpus_per_node, budget, max_replicas)
         moves += made
-    r = hosts.sum(axis=2)
-    over = [l for l in range(len(loads)) if ((loads[l] / r[l]) @ hosts[l]).max() > caps[l] * (1 + 1e-9)]
-    return hosts, moves, over
+    return hosts, moves, over_cap_layers(hosts, loads, caps)
