@@ -2,10 +2,8 @@
 real inter-layer affinity; training is deterministic."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 from moeplan.passes.analysis.trace import record_trace
 from moeplan.passes.analysis.trace_stats import routing_stats
 from moeplan.planner.importers import load_model
+from moeplan.planner.importers.resolve import import_file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 CHECKPOINT = EXAMPLE / "model.safetensors"
@@ -22,11 +21,7 @@ HELDOUT_TOKENS = 8192
 
 
 def _import(name: str):
-    spec = importlib.util.spec_from_file_location(f"test_tiny_moe_{name}", EXAMPLE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_file(EXAMPLE / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

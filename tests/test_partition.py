@@ -89,14 +89,13 @@ def test_a_cut_whose_tensor_exceeds_the_payload_limit_goes_through_s3():
 
 
 def test_benchmark_prints_the_table_as_json_for_a_profiled_model(tmp_path, capsys):
-    import importlib.util
     from pathlib import Path
 
     from runtime_fixtures import small_model_dir
 
-    spec = importlib.util.spec_from_file_location("bench_partition", Path(__file__).parent.parent / "benchmarks" / "partition.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from moeplan.planner.importers.resolve import import_file
+
+    bench = import_file(Path(__file__).parent.parent / "benchmarks" / "partition.py")
     model = small_model_dir(tmp_path)
     assert bench.main(["--model", str(model), "--batch-tokens", "1024", "--profile-budget", "0",
                        "--cache-dir", str(tmp_path / "cache"), "--json"]) == 0

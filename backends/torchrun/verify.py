@@ -8,15 +8,14 @@ gives the logits of every position the runtime processed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from moeplan.backends.torchrun.shards import state_dict_sha256
+from moeplan.planner.importers.resolve import import_file
 
 
 class VerifyError(Exception):
@@ -64,12 +63,7 @@ def load_reference(root: Path, plan: dict):
 
 def tiny_moe_reference(root: Path, plan: dict, state: dict):
     """TinyMoE built from the model source file and config shipped in a bundle, with `state`."""
-    source = root / plan["model"]["source"]
-    name = f"moeplan_bundle_model_{abs(hash(str(source.resolve())))}"
-    spec = importlib.util.spec_from_file_location(name, source)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
+    module = import_file(root / plan["model"]["source"])
     config = json.loads((root / plan["model"]["config"]).read_text())
     model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
     model.load_state_dict({k: v.float() for k, v in state.items()})

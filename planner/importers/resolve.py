@@ -133,8 +133,9 @@ def _cwd_importable():
             sys.path.remove(cwd)
 
 
-def _import_file(path: Path):
-    """Import a Python file by path under a name unique to that path (no sys.path changes)."""
+def import_file(path: Path):
+    """Import a Python file by path under a name unique to that path (no sys.path changes); the
+    module is registered first, so dataclasses in it can look it up while it executes."""
     if not path.is_file():
         raise UserError(f"model code {path} not found; check the loader path")
     name = "moeplan_user_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
@@ -186,7 +187,7 @@ def _loaded(module, *, name: str, config=None) -> LoadedModel:
 def _load_factory(spec: str, target: str, attr: str) -> LoadedModel:
     name = spec
     if target.endswith(".py"):
-        module = _import_file(Path(target).expanduser())
+        module = import_file(Path(target).expanduser())
         name = f"{Path(target).stem}:{attr}"
     else:
         with _cwd_importable():
@@ -212,7 +213,7 @@ def _load_moeplan_dir(directory: Path, data: dict, checkpoint: Path | None = Non
             f"{directory / 'config.json'}: {LOADER_KEY} must be \"file.py:function\", not {loader!r}"
         )
     where = f"{LOADER_KEY} {loader!r} in {directory}"
-    factory = _callable(_import_file(directory / file), attr, str(directory / file))
+    factory = _callable(import_file(directory / file), attr, str(directory / file))
     module = _as_module(_call(factory, where, directory), where)
     if checkpoint is not None:
         from moeplan.planner.importers.checkpoint import load_state_into
