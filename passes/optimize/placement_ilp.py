@@ -68,6 +68,7 @@ class LayerProblem:
     notes: list = field(default_factory=list)
     budget: WorkBudget = field(default_factory=WorkBudget)
     replica_mip_left: float = float("inf")  # variables the step MIPs of layers with replicas may still use
+    max_sweeps: int = MAX_SWEEPS  # coordinate sweeps per stage (`sweep_limit`)
 
 
 def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition: int) -> np.ndarray:
@@ -433,14 +434,15 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     caps = layer_caps(loads, replicas, D, slots, balance, balance_base)
     check_caps(loads, replicas, caps, D, slots, balance)
     budget = budget or WorkBudget()
-    problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget)
+    problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
+                           max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
     packed = initial_hosts(loads, replicas, D, slots)
     best = None
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
     max_copies = int(replicas.max())
     starts = (("packing", False), ("uncapped", True))
-    if sweep_limit(budget, L, E, E + redundant, D) < budget.scaled(MAX_SWEEPS):
+    if problem.max_sweeps < budget.scaled(MAX_SWEEPS):
         starts = starts[:1]  # DeepSeek-V3 scale: one start, so the run ends on its work budget in ~2 minutes
     for name, presolve in starts:
         sweeps = {}
@@ -449,7 +451,7 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         if presolve:
             uncapped = hosts.astype(np.int64)
             sweeps["uncapped"] = solve_stage(problem, uncapped, replicas, np.full(D, slots), 1, np.full(L, np.inf),
-                                             sweep_limit(budget, L, E, E + redundant, D))
+                                             problem.max_sweeps)
             hosts = loose = uncapped > 0
             uncapped_sweeps = sweeps["uncapped"]
         hosts = _run_stages(problem, hosts, packed, topology, slots, sweeps)
@@ -502,7 +504,7 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     L, E, D = hosts.shape
     N, G = topology.nodes, topology.gpus_per_node
     caps, replicas = problem.caps, problem.replicas
-    max_sweeps = sweep_limit(problem.budget, L, E, int(problem.replicas.sum(axis=1).max()), D)
+    max_sweeps = problem.max_sweeps
     hosts = hosts.copy()
     node_caps = caps * G
     if N > 1:
