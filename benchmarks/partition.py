@@ -4,7 +4,7 @@ Run:  .venv/bin/python benchmarks/partition.py [--model examples/tiny_moe] [--ba
 
 Cost per request (one batch of `--batch-tokens` tokens through every dense stage; MoE layers are
 priced by the sizing benchmark, not here), as in MOPAR's Table III, from the cost model of
-`passes/optimize/partition.py` with time and memory from the profile's XGBoost predictors
+`passes/optimize/serverless/partition.py` with time and memory from the profile's XGBoost predictors
 (profile cached under build/cache). Rows, all in the same run:
 * single (MOPAR's Unsplit): one function with every dense weight, sized for its hungriest unit;
 * single @ 3,008 MB: the same function at the size the serverless planner gives its non-MoE
@@ -44,8 +44,8 @@ def per_stage_groups(units) -> list:
 
 
 def main(argv=None) -> int:
-    from moeplan.passes.analysis.profile import profile_model
-    from moeplan.passes.optimize import partition as P
+    from moeplan.passes.analysis.profile.operators import profile_model
+    from moeplan.passes.optimize.serverless import partition as P
     from moeplan.planner.importers import load_model
     from moeplan.planner.errors import UserError
     from moeplan.planner.platforms import load_platform

@@ -71,8 +71,8 @@ def split_by_sequence(trace):
 
 
 def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0) -> list:
-    from moeplan.passes.optimize.placement import PlacementRequest, evaluate_placement, plan_placement
-    from moeplan.passes.optimize.placement_types import Topology
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
+    from moeplan.passes.optimize.placement.decision import Topology
     from moeplan.planner.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
@@ -145,8 +145,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    from moeplan.passes.analysis.synth_trace import synthesize_trace
-    from moeplan.passes.analysis.trace_format import load_trace
+    from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
+    from moeplan.passes.analysis.trace.format import load_trace
 
     def log(message):
         print(message, file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -26,8 +26,8 @@ PAIRS = (("contiguous", "standard"), ("contiguous", "coherent"), ("ilp", "standa
 
 
 def record(model: str, text_path: Path, max_tokens: int, out: Path) -> Path:
-    from moeplan.passes.analysis.trace import record_trace
-    from moeplan.passes.analysis.trace_format import save_trace
+    from moeplan.passes.analysis.trace.record import record_trace
+    from moeplan.passes.analysis.trace.format import save_trace
     from moeplan.planner.importers import load_model
 
     save_trace(record_trace(load_model(model), text_path.read_text(encoding="utf-8"), max_tokens=max_tokens), out)

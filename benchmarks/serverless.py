@@ -7,7 +7,7 @@ batches (the first `--validation-fraction`, used by BO) and test batches of `--b
 tokens (the rest). The key-value table comes from `--train-trace` when given (a trace of the
 training text), otherwise from the first half of the held-out trace (then validation and test
 share the second half). Every cost below is the mean over the test batches, simulated with the
-*real* per-expert loads of each batch (Eqs. 3-11, `serverless_sim.py`).
+*real* per-expert loads of each batch (Eqs. 3-11, `serverless/sim.py`).
 
 Baselines (measured in the same run, same profile, same platform constants):
 * LambdaML: every expert function at 3,008 MB, one replica, no prediction, non-pipelined S3
@@ -26,7 +26,7 @@ overrides it. Our plan is sized for the mean predicted load of the test batches'
 `--json` prints one JSON object on the last line with cost_reduction_vs_lambdaml,
 throughput_change_vs_lambdaml, cost_over_oracle, cost_reduction_vs_cpu_cluster,
 predictor_error {ours, lina, marginal} and more. Profiling timings on a shared CPU are noisy
-(see passes/analysis/profile.py); the profile is cached by model hash, so reruns reuse it.
+(see passes/analysis/profile/operators.py); the profile is cached by model hash, so reruns reuse it.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ PAPER_THROUGHPUT_LOSS = 0.1876
 
 def concat_traces(a, b):
     """One trace holding a's tokens then b's (sequence ids of b shifted past a's)."""
-    from moeplan.passes.analysis.trace_format import make_trace
+    from moeplan.passes.analysis.trace.format import make_trace
 
     def cat(x, y):
         return None if x is None or y is None else np.concatenate([x, y])
@@ -58,14 +58,14 @@ def concat_traces(a, b):
 
 
 def uniform_layers(facts, memory_mb, method, loads_like):
-    from moeplan.passes.optimize.sizing import ExpertChoice, LayerDecision
+    from moeplan.passes.optimize.serverless.sizing import ExpertChoice, LayerDecision
 
     return [LayerDecision(method, 0, tuple(ExpertChoice(int(memory_mb), 1, 0) for _ in range(loads_like.shape[1])))
             for _ in facts.layers]
 
 
 def mean_sim(facts, layers, batches, batch_tokens):
-    from moeplan.passes.optimize.serverless_sim import simulate
+    from moeplan.passes.optimize.serverless.sim import simulate
 
     sims = [simulate(facts, layers, real, batch_tokens) for _, real in batches]
     return {"moe_cost": float(np.mean([s.moe_cost for s in sims])),
@@ -78,7 +78,7 @@ def mean_sim(facts, layers, batches, batch_tokens):
 
 def cpu_cluster(facts, batches, batch_tokens):
     """MoE-layer cost and end-to-end throughput on the CPU cluster (see module docstring)."""
-    from moeplan.passes.optimize import serverless_cost as sc
+    from moeplan.passes.optimize.serverless import cost as sc
 
     p = facts.platform
     costs, tputs = [], []
@@ -117,13 +117,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from moeplan.passes.analysis import popularity as pop
-    from moeplan.passes.analysis.profile import profile_model
+    from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
-    from moeplan.passes.analysis.trace_format import load_trace
-    from moeplan.passes.optimize import serverless_cost as sc
-    from moeplan.passes.optimize import sizing
-    from moeplan.passes.optimize.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless_plan import (SizingOptions, plan_serverless, predicted_loads,
+    from moeplan.passes.analysis.trace.format import load_trace
+    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import sizing
+    from moeplan.passes.optimize.serverless.bo_refine import BOOptions
+    from moeplan.passes.optimize.serverless.plan import (SizingOptions, plan_serverless, predicted_loads,
                                                          real_batches, size_for, split_by_sequence)
     from moeplan.planner.errors import UserError
     from moeplan.planner.importers import load_model

@@ -2,7 +2,7 @@
 
 Each pass is a small function over named facts, run by the PassManager (timed, cached by input
 hash, progress per pass). The placement itself is the placement pass of
-`passes/optimize/placement.py`; this file only wires it. The codegen pass writes the bundle into
+`passes/optimize/placement/policies.py`; this file only wires it. The codegen pass writes the bundle into
 a temporary directory that is renamed onto --out only when everything succeeded.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moeplan.planner.plan import Plan
 
 
 def _import(facts):
-    from moeplan.backends.torchrun.model_source import model_files
+    from moeplan.backends.common.model_source import model_files
     from moeplan.planner.importers import load_model
 
     arch, files = model_files(facts["model_spec"])
@@ -29,7 +29,7 @@ def _import(facts):
 
 
 def _trace(facts):
-    from moeplan.passes.analysis.trace_format import load_trace, trace_file_sha256
+    from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
 
     path = Path(facts["trace_path"])
     trace = load_trace(path)
@@ -52,7 +52,7 @@ def check_trace_matches(ir, trace, trace_name: str = "the trace") -> None:
 
 
 def _placement(facts):
-    from moeplan.passes.optimize.placement_types import Topology
+    from moeplan.passes.optimize.placement.decision import Topology
 
     topo = facts["topology"]
     options = facts["placement_options"]
@@ -60,8 +60,8 @@ def _placement(facts):
 
 
 def run_placement(trace, topology, **options):
-    """The placement pass of passes/optimize/placement.py for the compile flags."""
-    from moeplan.passes.optimize.placement import PlacementRequest, plan_placement
+    """The placement pass of passes/optimize/placement/policies.py for the compile flags."""
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     return plan_placement(trace, PlacementRequest(topology=topology, **options))
 
@@ -72,9 +72,9 @@ NONDETERMINISTIC_METRICS = ("solve_seconds",)
 
 def _plan(facts):
     from moeplan.backends.torchrun.codegen import shard_names
-    from moeplan.backends.torchrun.shards import state_dict_sha256
-    from moeplan.passes.optimize.placement_metrics import score_placement
-    from moeplan.passes.optimize.placement_types import Topology
+    from moeplan.backends.common.shards import state_dict_sha256
+    from moeplan.passes.optimize.placement.metrics import score_placement
+    from moeplan.passes.optimize.placement.decision import Topology
 
     loaded, trace, placement = facts["model"], facts["trace"], facts["placement"]
     check_trace_matches(loaded.ir, trace)
@@ -122,7 +122,7 @@ def _codegen(facts):
         manifest = write_bundle(tmp, facts["plan"], facts["model"].module.state_dict(), facts["model_files"]["files"])
         if target["name"] == "kubernetes":
             from moeplan.backends.kubernetes.codegen import write_manifests
-            from moeplan.backends.torchrun.manifest import write_manifest
+            from moeplan.backends.common.manifest import write_manifest
 
             write_manifests(tmp, facts["plan"], image=target["image"], storage_class=target["storage_class"])
             manifest = write_manifest(tmp)

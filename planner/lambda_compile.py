@@ -2,7 +2,7 @@
 
 Steps: profile (cached), serverless facts, expert sizing with a scatter-gather method per layer
 (`serverless_plan.plan_serverless`, as `moeplan plan`), HyPAD on the dense stages
-(`passes/optimize/partition.py`; parallelism 1: a dense slice is one function, memory grows
+(`passes/optimize/serverless/partition.py`; parallelism 1: a dense slice is one function, memory grows
 instead when the latency limit needs it), then the Lambda bundle (`backends/lambda_/codegen.py`)
 written into a temporary directory renamed onto --out only when everything succeeded.
 The plan.json is the lambda plan of `moeplan plan` with `placement.dense_slices` and
@@ -24,13 +24,13 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
     from dataclasses import asdict
 
     from moeplan.backends.lambda_.codegen import write_bundle
-    from moeplan.backends.torchrun.model_source import model_files
-    from moeplan.backends.torchrun.shards import state_dict_sha256
-    from moeplan.passes.analysis.profile import profile_model
+    from moeplan.backends.common.model_source import model_files
+    from moeplan.backends.common.shards import state_dict_sha256
+    from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
-    from moeplan.passes.analysis.trace_format import load_trace, trace_file_sha256
-    from moeplan.passes.optimize import partition as P
-    from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless
+    from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
+    from moeplan.passes.optimize.serverless import partition as P
+    from moeplan.passes.optimize.serverless.plan import SizingOptions, plan_serverless
     from moeplan.planner.atomic import atomic_path
     from moeplan.planner.compile_pipeline import check_trace_matches
     from moeplan.planner.commands.plan import _methods

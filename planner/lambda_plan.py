@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import math
 
-from moeplan.passes.optimize import serverless_cost as sc
-from moeplan.passes.optimize.sizing import ExpertChoice, LayerDecision
+from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless.sizing import ExpertChoice, LayerDecision
 from moeplan.planner.errors import UserError
 from moeplan.planner.plan import Plan
 

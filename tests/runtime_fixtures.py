@@ -65,8 +65,8 @@ def contiguous_placement(num_layers: int, num_experts: int, nodes: int, gpus_per
 def write_small_bundle(out: Path, model_dir: Path, placement: dict, mode: str = "coherent") -> Path:
     """A bundle via the codegen directly (no planner passes): the backend's contract alone."""
     from moeplan.backends.torchrun.codegen import shard_names, write_bundle
-    from moeplan.backends.torchrun.model_source import model_files
-    from moeplan.backends.torchrun.shards import state_dict_sha256
+    from moeplan.backends.common.model_source import model_files
+    from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.planner.plan import Plan
 
     state = load_small(model_dir).state_dict()
@@ -83,7 +83,7 @@ def write_small_bundle(out: Path, model_dir: Path, placement: dict, mode: str = 
 
 
 def random_trace(num_tokens: int, num_layers: int, num_experts: int, top_k: int = 2, seed: int = 0):
-    from moeplan.passes.analysis.trace_format import make_trace
+    from moeplan.passes.analysis.trace.format import make_trace
 
     rng = np.random.default_rng(seed)
     experts = np.stack([[rng.permutation(num_experts)[:top_k] for _ in range(num_layers)] for _ in range(num_tokens)])
@@ -113,8 +113,8 @@ def hf_model_dir(root: Path, kind: str, seed: int = 0) -> tuple:
 
 def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
     from moeplan.backends.torchrun.codegen import shard_names, write_bundle
-    from moeplan.backends.torchrun.model_source import model_files
-    from moeplan.backends.torchrun.shards import state_dict_sha256
+    from moeplan.backends.common.model_source import model_files
+    from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.planner.plan import Plan
 
     state = model.state_dict()

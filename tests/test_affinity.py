@@ -5,7 +5,7 @@ import pytest
 from moeplan.passes.analysis.affinity import (
     conditional_probabilities, heaviest_choice, top1_affinity, top1_transition_counts, transition_counts,
 )
-from moeplan.passes.analysis.trace_format import make_trace
+from moeplan.passes.analysis.trace.format import make_trace
 
 
 def hand_trace():

@@ -4,9 +4,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from moeplan.passes.analysis.trace_format import save_trace
-from moeplan.passes.optimize.placement_metrics import score_placement
-from moeplan.passes.optimize.placement_types import placement_from_dict
+from moeplan.passes.analysis.trace.format import save_trace
+from moeplan.passes.optimize.placement.metrics import score_placement
+from moeplan.passes.optimize.placement.decision import placement_from_dict
 from moeplan.planner.commands.compile import compile_cmd
 from moeplan.planner.compile_pipeline import compile_bundle
 from moeplan.planner.errors import UserError

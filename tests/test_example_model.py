@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeplan.passes.analysis.trace import record_trace
-from moeplan.passes.analysis.trace_stats import routing_stats
+from moeplan.passes.analysis.trace.record import record_trace
+from moeplan.passes.analysis.trace.stats import routing_stats
 from moeplan.planner.importers import load_model
 from moeplan.planner.importers.resolve import import_file
 

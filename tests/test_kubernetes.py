@@ -8,7 +8,7 @@ import yaml
 from click.testing import CliRunner
 
 from moeplan.backends.kubernetes.codegen import FILES, KUBERNETES_VERSION, slug
-from moeplan.passes.analysis.trace_format import save_trace
+from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.commands.compile import compile_cmd
 from runtime_fixtures import SMALL, random_trace, small_model_dir
 

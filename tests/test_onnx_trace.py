@@ -15,8 +15,8 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from moeplan.passes.analysis.trace import record_trace
-from moeplan.passes.analysis.trace_onnx import record_onnx_routing
+from moeplan.passes.analysis.trace.record import record_trace
+from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 from moeplan.planner.errors import UserError
 from moeplan.planner.importers import load_model
 from onnx_fixtures import EXAMPLE, SMALL, contrib_moe_model, dense_softmax_model, exported_model

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from moeplan.passes.optimize import partition as P
+from moeplan.passes.optimize.serverless import partition as P
 from moeplan.planner.errors import UserError
 from moeplan.planner.platforms import load_platform
 
@@ -171,7 +171,7 @@ def test_the_floor_is_reached_by_compute_alone_at_its_best_thread_count():
 def test_hypad_on_the_example_model_is_no_cheaper_than_the_floor(tmp_path):
     from pathlib import Path
 
-    from moeplan.passes.analysis.profile import profile_model
+    from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.planner.importers import load_model
 
     loaded = load_model(str(Path(__file__).parent.parent / "examples" / "tiny_moe"))

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from moeplan.passes.analysis.synth_trace import synthesize_trace
-from moeplan.passes.analysis.trace_format import make_trace
-from moeplan.passes.optimize.placement import PlacementRequest, expert_loads, plan_placement
-from moeplan.passes.optimize.placement_types import Topology, validate_placement
+from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
+from moeplan.passes.analysis.trace.format import make_trace
+from moeplan.passes.optimize.placement.policies import PlacementRequest, expert_loads, plan_placement
+from moeplan.passes.optimize.placement.decision import Topology, validate_placement
 from moeplan.planner.errors import UserError
 
 
@@ -158,7 +158,7 @@ def test_gurobi_size_limited_licence_falls_back_to_highs():
 def test_transition_bound_never_exceeds_the_true_minimum(seed):
     """Brute force over every balanced 2-partition of two layers of 6 experts: the bound holds."""
     import itertools
-    from moeplan.passes.optimize.placement_bound import counting_bound, dual_bound, transition_lower_bound
+    from moeplan.passes.optimize.placement.bound import counting_bound, dual_bound, transition_lower_bound
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 5, size=(1, 6, 6)).astype(float)
     halves = [np.array([1 if i in combo else 0 for i in range(6)]) for combo in itertools.combinations(range(6), 3)]
@@ -170,8 +170,8 @@ def test_transition_bound_never_exceeds_the_true_minimum(seed):
 
 
 def test_replica_runs_get_fewer_sweeps_only_at_deepseek_scale():
-    from moeplan.passes.optimize.placement_budget import WorkBudget
-    from moeplan.passes.optimize.placement_ilp import MAX_SWEEPS, sweep_limit
+    from moeplan.passes.optimize.placement.budget import WorkBudget
+    from moeplan.passes.optimize.placement.ilp import MAX_SWEEPS, sweep_limit
 
     budget = WorkBudget()
     assert sweep_limit(budget, 58, 256, 256, 64) == MAX_SWEEPS  # no replicas: the full budget

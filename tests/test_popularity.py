@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from moeplan.passes.analysis import popularity as pop
-from moeplan.passes.analysis.routing_synth import synthesize_routed_tokens
-from moeplan.passes.analysis.trace_format import make_trace
+from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from moeplan.passes.analysis.trace.format import make_trace
 
 
 def _tiny_trace():

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from moeplan.passes.analysis import profile as prof
-from moeplan.passes.analysis.operator_predictor import features, fit_predictors
-from moeplan.passes.analysis.peak_memory import peak_intermediate_bytes
+from moeplan.passes.analysis.profile import operators as prof
+from moeplan.passes.analysis.profile.predictor import features, fit_predictors
+from moeplan.passes.analysis.profile.peak_memory import peak_intermediate_bytes
 from moeplan.passes.analysis.serverless_facts import build_facts
 from moeplan.planner.platforms import load_platform
 
@@ -94,7 +94,7 @@ def test_onnx_nodes_are_attributed_to_the_units_whose_weights_they_read():
     import onnx
     from onnx import TensorProto, helper
 
-    from moeplan.passes.analysis.onnx_profile import node_units
+    from moeplan.passes.analysis.profile.onnx_session import node_units
 
     w = lambda name: helper.make_tensor(name, TensorProto.FLOAT, [2, 2], [0.0] * 4)
     graph = helper.make_graph(

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moeplan.passes.optimize import serverless_cost as sc
-from moeplan.passes.optimize import sizing
-from moeplan.passes.optimize.serverless_sim import simulate
+from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless import sizing
+from moeplan.passes.optimize.serverless.sim import simulate
 from moeplan.planner.errors import UserError
 from moeplan.planner.platforms import load_platform
 

@@ -4,8 +4,8 @@ import pytest
 from click.testing import CliRunner
 
 from moeplan.passes.analysis.affinity import transition_counts
-from moeplan.passes.analysis.synth_trace import synthesize_trace
-from moeplan.passes.analysis.trace_format import load_trace
+from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
+from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.planner.cli import main
 from moeplan.planner.errors import UserError
 

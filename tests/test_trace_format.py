@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from moeplan.passes.analysis.trace_format import load_trace, make_trace, save_trace
+from moeplan.passes.analysis.trace.format import load_trace, make_trace, save_trace
 from moeplan.planner.errors import UserError
 
 

@@ -7,8 +7,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.passes.analysis.trace_format import load_trace
-from moeplan.passes.analysis.trace_import import parse_routing_log
+from moeplan.passes.analysis.trace.format import load_trace
+from moeplan.passes.analysis.trace.vllm_jsonl import parse_routing_log
 from moeplan.planner.cli import main
 from moeplan.planner.errors import UserError
 

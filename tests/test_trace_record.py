@@ -11,8 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from moeplan.passes.analysis.trace import batch_sequences, chunk_tokens, record_trace
-from moeplan.passes.analysis.trace_format import load_trace
+from moeplan.passes.analysis.trace.record import batch_sequences, chunk_tokens, record_trace
+from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.planner.cli import main
 from moeplan.planner.errors import UserError
 from moeplan.planner.importers import LoadedModel, load_model

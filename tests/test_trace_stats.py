@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from moeplan.passes.analysis.trace_format import make_trace, save_trace
-from moeplan.passes.analysis.trace_stats import expert_loads, routing_stats, shuffled_affinity, uniform_affinity
+from moeplan.passes.analysis.trace.format import make_trace, save_trace
+from moeplan.passes.analysis.trace.stats import expert_loads, routing_stats, shuffled_affinity, uniform_affinity
 from moeplan.planner.cli import main
 
 

@@ -18,7 +18,7 @@ import os
 import re
 from pathlib import Path
 
-from moeplan.backends.templating import template_env, to_yaml
+from moeplan.backends.common.templating import template_env, to_yaml
 
 DEFAULT_IMAGE = "moeplan-torchrun:latest"
 BASE_IMAGE = "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime"

@@ -20,13 +20,13 @@ import re
 from pathlib import Path
 
 
-from moeplan.backends.templating import template_env, to_yaml
+from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.runtime.lambda_ops import unit_tensors
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
 from moeplan.backends.torchrun.codegen import copy_runtime
-from moeplan.backends.torchrun.manifest import write_manifest
-from moeplan.backends.torchrun.shards import write_shard
+from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.shards import write_shard
 
 KINDS = ("dense", "expert")
 TIMEOUT_S = 900

@@ -30,7 +30,7 @@ LOGIT_TOLERANCE = 1e-4
 
 def check_files(root: Path) -> dict:
     """Manifest hashes and the lambda plan; one-line UserErrors."""
-    from moeplan.backends.torchrun.manifest import MANIFEST, sha256_file
+    from moeplan.backends.common.manifest import MANIFEST, sha256_file
 
     path = root / MANIFEST
     if not path.is_file():
@@ -48,7 +48,7 @@ def load_reference(root: Path, plan: dict):
     """The source model rebuilt from the bundle's model/ files and every function's weights."""
     from safetensors.torch import load_file
 
-    from moeplan.backends.torchrun.shards import state_dict_sha256
+    from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.backends.torchrun.verify import tiny_moe_reference
 
     state = {}

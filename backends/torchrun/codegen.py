@@ -15,10 +15,10 @@ from pathlib import Path
 
 
 from moeplan.backends.runtime import hf_moe
-from moeplan.backends.templating import template_env
+from moeplan.backends.common.templating import template_env
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
-from moeplan.backends.torchrun.manifest import write_manifest
-from moeplan.backends.torchrun.shards import shard_name, split_state_dict, write_shard
+from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.shards import shard_name, split_state_dict, write_shard
 
 RUNTIME_PACKAGE = "moeplan.backends.runtime"
 

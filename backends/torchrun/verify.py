@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from moeplan.backends.torchrun.shards import state_dict_sha256
+from moeplan.backends.common.shards import state_dict_sha256
 from moeplan.planner.importers.resolve import import_file
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.trace_format import Trace
+from moeplan.passes.analysis.trace.format import Trace
 
 
 def top1_transition_counts(trace: Trace) -> np.ndarray:

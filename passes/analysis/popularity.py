@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeplan.passes.analysis.trace_format import Trace
+from moeplan.passes.analysis.trace.format import Trace
 from moeplan.planner.errors import UserError
 
 

@@ -5,7 +5,7 @@
                   [--effort X] [--time-limit S] --out placement.json [--json]
     moeplan place --evaluate placement.json --trace T2 [--json]
 
-The policies live in `passes/optimize/placement.py`; this command parses flags, writes
+The policies live in `passes/optimize/placement/policies.py`; this command parses flags, writes
 `placement.json` atomically and prints the metrics. `--effort` sets how much work the ilp does
 (deterministic: same inputs, same bytes on any machine); `--time-limit` is only a safety net, and
 when it stops the solve the command warns that the result may not be reproducible.
@@ -49,9 +49,9 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 def place(trace_path, nodes, gpus_per_node, policy, redundant, balance, balance_base, expert_groups, solver,
           effort, time_limit, out, evaluate, timings, as_json):
     """Place experts on GPUs from a routing trace (or --evaluate a placement on a trace)."""
-    from moeplan.passes.analysis.trace_format import load_trace
-    from moeplan.passes.optimize.placement import PlacementRequest, evaluate_placement, plan_placement
-    from moeplan.passes.optimize.placement_types import Topology, load_placement
+    from moeplan.passes.analysis.trace.format import load_trace
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
+    from moeplan.passes.optimize.placement.decision import Topology, load_placement
 
     if evaluate is not None:
         placement = load_placement(evaluate)

@@ -17,7 +17,7 @@ from moeplan.planner.errors import UserError
 
 
 def _methods(text: str) -> tuple:
-    from moeplan.passes.optimize import serverless_cost as sc
+    from moeplan.passes.optimize.serverless import cost as sc
 
     out = []
     for part in text.split(","):
@@ -60,17 +60,17 @@ def _u_table(facts, batch_tokens) -> dict:
 def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, methods, validation_fraction, size_for, bo_iterations,
          bo_q, bo_storage, profile_budget, cache_dir, no_cache, time_limit, solver, seed, as_json, quiet):
     """Size the serverless functions of MODEL for --slo and write a lambda plan."""
-    from moeplan.passes.analysis.profile import profile_model
+    from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
-    from moeplan.passes.analysis.trace_format import load_trace, trace_file_sha256
-    from moeplan.passes.optimize.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless_plan import SizingOptions, plan_serverless
+    from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
+    from moeplan.passes.optimize.serverless.bo_refine import BOOptions
+    from moeplan.passes.optimize.serverless.plan import SizingOptions, plan_serverless
     from moeplan.planner.atomic import write_text_atomic
     from moeplan.planner.compile_pipeline import check_trace_matches
     from moeplan.planner.importers import load_model
     from moeplan.planner.lambda_plan import build_plan, plan_json
     from moeplan.planner.platforms import load_platform
-    from moeplan.passes.optimize.serverless_cost import METHOD_NAMES
+    from moeplan.passes.optimize.serverless.cost import METHOD_NAMES
 
     if batch_tokens <= 0:
         raise UserError(f"--batch-tokens must be positive, got {batch_tokens}")

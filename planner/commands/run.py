@@ -55,9 +55,9 @@ def predicted_locality(root: Path, out_dir: Path) -> float:
     """The planner's gpu_local_fraction for the tokens this run routed, under the bundle's placement."""
     import torch
 
-    from moeplan.passes.analysis.trace_format import make_trace
-    from moeplan.passes.optimize.placement_metrics import score_placement
-    from moeplan.passes.optimize.placement_types import placement_from_dict
+    from moeplan.passes.analysis.trace.format import make_trace
+    from moeplan.passes.optimize.placement.metrics import score_placement
+    from moeplan.passes.optimize.placement.decision import placement_from_dict
 
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
     routing = torch.load(out_dir / "routing.pt", weights_only=False)
@@ -74,7 +74,7 @@ def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tok
 def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, modes: tuple, verify: bool,
               results: str | None, timeout: float) -> dict:
     """One torchrun launch running every mode in turn on the same prompts; {mode: report}."""
-    from moeplan.backends.torchrun.manifest import BundleCheckError, check_bundle
+    from moeplan.backends.common.manifest import BundleCheckError, check_bundle
 
     root = Path(bundle)
     try:

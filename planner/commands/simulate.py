@@ -17,7 +17,7 @@ from moeplan.planner.errors import UserError
 
 
 def print_layers(layers) -> None:
-    from moeplan.passes.optimize import serverless_cost as sc
+    from moeplan.passes.optimize.serverless import cost as sc
 
     click.echo("layer  method        beta  memory MB (experts)                 replicas (experts)")
     for e, d in enumerate(layers):
@@ -34,10 +34,10 @@ def print_layers(layers) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 def simulate(plan_path, trace_path, as_json):
     """Billed cost and latency of a lambda PLAN on the real loads of a held-out trace."""
-    from moeplan.passes.analysis.trace_format import load_trace
-    from moeplan.passes.optimize.serverless_plan import real_batches
-    from moeplan.passes.optimize.serverless_sim import simulate as run
-    from moeplan.passes.optimize.serverless_cost import METHOD_NAMES
+    from moeplan.passes.analysis.trace.format import load_trace
+    from moeplan.passes.optimize.serverless.plan import real_batches
+    from moeplan.passes.optimize.serverless.sim import simulate as run
+    from moeplan.passes.optimize.serverless.cost import METHOD_NAMES
     from moeplan.planner.lambda_plan import read_plan
 
     import numpy as np

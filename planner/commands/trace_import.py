@@ -1,6 +1,6 @@
 """`moeplan trace import LOG.jsonl --out T.npz`: convert a vLLM-style routing log into a trace.
 
-Conversion and validation live in `passes/analysis/trace_import.py` (the mapping is documented
+Conversion and validation live in `passes/analysis/trace/vllm_jsonl.py` (the mapping is documented
 there); this command reads, converts and writes atomically.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import click
 @click.option("--quiet", is_flag=True, help="No summary line.")
 def import_log(log, out, num_experts, quiet):
     """Convert a JSONL routing LOG (one record per token and layer) into a trace file."""
-    from moeplan.passes.analysis.trace_format import save_trace
-    from moeplan.passes.analysis.trace_import import import_routing_log
+    from moeplan.passes.analysis.trace.format import save_trace
+    from moeplan.passes.analysis.trace.vllm_jsonl import import_routing_log
 
     trace = import_routing_log(log, num_experts=num_experts)
     save_trace(trace, out)

@@ -1,6 +1,6 @@
 """`moeplan trace MODEL --data TEXT --out T.npz`: record the model's routing on a text file.
 
-The CLI only gathers inputs and shows progress; `passes/analysis/trace.py` does the recording and
+The CLI only gathers inputs and shows progress; `passes/analysis/trace/record.py` does the recording and
 `trace_format.save_trace` writes the file atomically (an error leaves no file behind).
 """
 from __future__ import annotations
@@ -74,8 +74,8 @@ def _progress_bar(enabled: bool):
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary line.")
 def record(model, data, out, max_tokens, batch, seq_len, quiet):
     """Record MODEL's routing on the text in --data into a trace file (.npz)."""
-    from moeplan.passes.analysis.trace import record_trace
-    from moeplan.passes.analysis.trace_format import save_trace
+    from moeplan.passes.analysis.trace.record import record_trace
+    from moeplan.passes.analysis.trace.format import save_trace
     from moeplan.planner.importers import load_model
 
     text = read_text(data)

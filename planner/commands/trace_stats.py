@@ -1,6 +1,6 @@
 """`moeplan trace stats T.npz [--json]`: expert load, imbalance and inter-layer affinity of a trace.
 
-The figures come from `passes/analysis/trace_stats.py`; this command only formats them.
+The figures come from `passes/analysis/trace/stats.py`; this command only formats them.
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def _render(path: Path, stats) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def stats(trace_file, as_json):
     """Per-layer expert load and imbalance, and top-1 inter-layer affinity of a TRACE file."""
-    from moeplan.passes.analysis.trace_format import load_trace
-    from moeplan.passes.analysis.trace_stats import routing_stats
+    from moeplan.passes.analysis.trace.format import load_trace
+    from moeplan.passes.analysis.trace.stats import routing_stats
 
     result = routing_stats(load_trace(trace_file))
     if as_json:

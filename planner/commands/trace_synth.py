@@ -1,6 +1,6 @@
 """`moeplan trace synth`: write a synthetic routing trace with planted affinity and Zipf popularity.
 
-The generator lives in `passes/analysis/synth_trace.py`; this command parses flags and writes
+The generator lives in `passes/analysis/trace/synth_planted.py`; this command parses flags and writes
 the `.npz` atomically.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def synth(layers, experts, top_k, tokens, affinity, zipf, group_size, seed, out, as_json):
     """Synthesise a routing trace with planted inter-layer affinity and Zipf-skewed popularity."""
-    from moeplan.passes.analysis.synth_trace import synthesize_trace
-    from moeplan.passes.analysis.trace_format import save_trace
+    from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
+    from moeplan.passes.analysis.trace.format import save_trace
 
     trace = synthesize_trace(layers=layers, experts=experts, top_k=top_k, tokens=tokens, affinity=affinity,
                              zipf=zipf, seed=seed, group_size=group_size)

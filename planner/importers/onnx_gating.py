@@ -9,7 +9,7 @@ An MoE layer shows itself in ONNX in one of two ways:
   and whose expert weights are stacked initializers [E, ...].
 
 Attention probabilities are the other Softmax nodes whose output feeds a MatMul (probs @ V).
-Both the importer (`onnx_graph.py`) and the tracer (`passes/analysis/trace_onnx.py`) read the
+Both the importer (`onnx_graph.py`) and the tracer (`passes/analysis/trace/record_onnx.py`) read the
 graph through this one module so that they agree on which nodes are gates and in what order.
 """
 from __future__ import annotations

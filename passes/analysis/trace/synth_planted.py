@@ -24,7 +24,7 @@ from typing import Optional
 
 import numpy as np
 
-from moeplan.passes.analysis.trace_format import Trace, make_trace
+from moeplan.passes.analysis.trace.format import Trace, make_trace
 from moeplan.planner.errors import UserError
 
 

@@ -17,11 +17,11 @@ from typing import Optional
 import numpy as np
 
 from moeplan.passes.analysis import popularity as pop
-from moeplan.passes.analysis.trace_format import Trace
-from moeplan.passes.optimize import serverless_cost as sc
-from moeplan.passes.optimize import sizing
-from moeplan.passes.optimize.bo_refine import BOOptions, refine
-from moeplan.passes.optimize.serverless_sim import simulate
+from moeplan.passes.analysis.trace.format import Trace
+from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless import sizing
+from moeplan.passes.optimize.serverless.bo_refine import BOOptions, refine
+from moeplan.passes.optimize.serverless.sim import simulate
 from moeplan.planner.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 10240

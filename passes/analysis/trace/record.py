@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from moeplan.passes.analysis.trace_format import Trace, make_trace
+from moeplan.passes.analysis.trace.format import Trace, make_trace
 from moeplan.planner.errors import UserError
 
 DEFAULT_SEQ_LEN = 128
@@ -351,7 +351,7 @@ def record_trace(
 def _batch_runner(loaded) -> Callable[[np.ndarray], tuple]:
     """A function running one [B, S] batch of token ids through the model (torch or ONNX)."""
     if loaded.onnx_path:
-        from moeplan.passes.analysis.trace_onnx import record_onnx_routing
+        from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 
         def run_onnx(input_ids):
             out = record_onnx_routing(loaded.onnx_path, input_ids)

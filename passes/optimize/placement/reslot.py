@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.optimize.placement_budget import WorkBudget
-from moeplan.passes.optimize.placement_metrics import max_gpu_loads, over_cap_layers
+from moeplan.passes.optimize.placement.budget import WorkBudget
+from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
 
 MOVES_PER_LAYER = 400  # at effort 1
 MAX_SWEEPS = 6  # at effort 1; sweeps stop early once a whole sweep gains nothing

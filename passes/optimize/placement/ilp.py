@@ -20,9 +20,9 @@ steepest exchanges; then, once the exchange sweeps stop gaining, (3) the step MI
 warm-started from it. Sweeps alternate direction and never get worse. Stage 1 runs on nodes,
 stage 2 on each node's GPUs (independent subproblems). Two starts (EPLB-style packing, and an
 uncapped GPU-level solve that finds the affinity structure first) each run the same work; the
-better wins. The joint pair-variable model of ExFlow (`placement_joint.py`) then polishes windows
+better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then polishes windows
 of layers where it is small enough. A valid bound for the whole problem comes from
-`placement_bound.py`.
+`placement/bound.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
 (`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
@@ -38,11 +38,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
-from moeplan.passes.optimize.placement_budget import WorkBudget
-from moeplan.passes.optimize.placement_eplb import balanced_packing
-from moeplan.passes.optimize.placement_joint import polish_windows
-from moeplan.passes.optimize.placement_metrics import over_cap_layers
-from moeplan.passes.optimize.placement_reslot import reslot_search, tighten
+from moeplan.passes.optimize.placement.budget import WorkBudget
+from moeplan.passes.optimize.placement.eplb import balanced_packing
+from moeplan.passes.optimize.placement.joint import polish_windows
+from moeplan.passes.optimize.placement.metrics import over_cap_layers
+from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
 from moeplan.planner.errors import UserError
 
 
@@ -425,7 +425,7 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
     start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
     counts returned are then the solution's own, which may differ from EPLB's rule."""
-    from moeplan.passes.optimize.placement_eplb import replica_counts
+    from moeplan.passes.optimize.placement.eplb import replica_counts
 
     L, E = loads.shape
     D = topology.devices

@@ -351,8 +351,8 @@ def fine_memory_options(platform: Platform, low: int = 128, high: int = 10240) -
 
 def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> list:
     """Dense units of a model with per-token time and memory predicted by the profile's XGBoost models."""
-    from moeplan.passes.analysis.operator_predictor import features, fit_predictors
-    from moeplan.passes.analysis.profile import model_units
+    from moeplan.passes.analysis.profile.predictor import features, fit_predictors
+    from moeplan.passes.analysis.profile.operators import model_units
     from moeplan.planner.ir import dtype_bytes
 
     rows = profile.rows

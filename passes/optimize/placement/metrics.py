@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moeplan.passes.analysis.affinity import heaviest_choice
-from moeplan.passes.analysis.trace_format import Trace
-from moeplan.passes.optimize.placement_types import Topology
+from moeplan.passes.analysis.trace.format import Trace
+from moeplan.passes.optimize.placement.decision import Topology
 from moeplan.planner.errors import UserError
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
-from moeplan.passes.optimize.placement_budget import WorkBudget
+from moeplan.passes.optimize.placement.budget import WorkBudget
 
 LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
 LP_ITERATIONS_PER_COLUMN = 4  # simplex iterations per LP column (at least 10,000), at effort 1

@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from moeplan.passes.analysis.trace_format import Trace, make_trace
+from moeplan.passes.analysis.trace.format import Trace, make_trace
 from moeplan.planner.errors import UserError
 
 REQUIRED_KEYS = ("problem_id", "layer", "token_idx", "experts")

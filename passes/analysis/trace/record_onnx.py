@@ -149,7 +149,7 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
     Returns `experts` int64 [B*S, L, K] (heaviest first), `weights` float32 [B*S, L, K] and
     `attention_ids` int64 [B*S, L] (None when the graph shows no attention before every gate).
     """
-    from moeplan.passes.analysis.trace import attention_argmax_ids
+    from moeplan.passes.analysis.trace.record import attention_argmax_ids
 
     path = Path(os.fspath(onnx_path))
     if not path.is_file():

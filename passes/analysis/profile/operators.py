@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from moeplan.passes.analysis.operator_predictor import features, fit_predictors
+from moeplan.passes.analysis.profile.predictor import features, fit_predictors
 from moeplan.planner.atomic import write_text_atomic
 from moeplan.planner.ir import ModelIR, dtype_bytes
 
@@ -188,7 +188,7 @@ def measure(units: list, tokens_grid, threads, budget_s: float) -> list:
     """Rows {unit, kind, group, flops_per_token, param_bytes, tokens, threads, seconds, peak_bytes, estimated}."""
     import torch
 
-    from moeplan.passes.analysis.peak_memory import peak_intermediate_bytes
+    from moeplan.passes.analysis.profile.peak_memory import peak_intermediate_bytes
 
     rates = {t: gemm_flops_per_s(t) for t in threads}
     old = torch.get_num_threads()
@@ -285,7 +285,7 @@ def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threa
     """Profile (or load the cached profile of) a model; `cache_dir=None` disables the cache.
 
     A torch `module` is timed unit by unit; without one, an `onnx_path` is profiled with
-    onnxruntime (`onnx_profile.py`); with neither, every unit is estimated from its FLOPs.
+    onnxruntime (`profile/onnx_session.py`); with neither, every unit is estimated from its FLOPs.
     """
     threads = tuple(threads or default_threads())
     tokens_grid = tuple(sorted(int(t) for t in tokens_grid))
@@ -301,7 +301,7 @@ def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threa
     start = time.perf_counter()
     units = model_units(ir, module)
     if module is None and onnx_path is not None:
-        from moeplan.passes.analysis.onnx_profile import measure_onnx
+        from moeplan.passes.analysis.profile.onnx_session import measure_onnx
 
         rows = measure_onnx(onnx_path, ir, units, tokens_grid, threads)
         measured = {r["unit"] for r in rows}

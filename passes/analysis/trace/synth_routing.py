@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.trace_format import Trace, make_trace
+from moeplan.passes.analysis.trace.format import Trace, make_trace
 
 
 def synthesize_routed_tokens(*, tokens: int, layers: int, experts: int, top_k: int, vocab: int = 256,

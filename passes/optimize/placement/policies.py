@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeplan.passes.analysis.affinity import transition_counts
-from moeplan.passes.analysis.trace_format import Trace
+from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import relative_gap
-from moeplan.passes.optimize.placement_bound import transition_lower_bound
-from moeplan.passes.optimize.placement_budget import DEFAULT_EFFORT, WorkBudget
-from moeplan.passes.optimize.placement_eplb import eplb_placement
-from moeplan.passes.optimize.placement_ilp import BALANCE_BASES, staged_placement
-from moeplan.passes.optimize.placement_metrics import score_placement
-from moeplan.passes.optimize.placement_types import Placement, Topology
+from moeplan.passes.optimize.placement.bound import transition_lower_bound
+from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT, WorkBudget
+from moeplan.passes.optimize.placement.eplb import eplb_placement
+from moeplan.passes.optimize.placement.ilp import BALANCE_BASES, staged_placement
+from moeplan.passes.optimize.placement.metrics import score_placement
+from moeplan.passes.optimize.placement.decision import Placement, Topology
 from moeplan.planner.errors import UserError
 
 POLICIES = ("ilp", "eplb", "contiguous")

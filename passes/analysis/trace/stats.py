@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moeplan.passes.analysis.affinity import top1_affinity
-from moeplan.passes.analysis.trace_format import Trace, make_trace
+from moeplan.passes.analysis.trace.format import Trace, make_trace
 
 BASELINE_SEED = 0
 BASELINE_ROUNDS = 5
