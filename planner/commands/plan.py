@@ -13,6 +13,7 @@ import time
 
 import click
 
+from moeplan.planner.commands.plan_offload import offload_options, plan_offload_command
 from moeplan.planner.errors import UserError
 
 
@@ -37,8 +38,8 @@ def _u_table(facts, batch_tokens) -> dict:
 @click.command("plan")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) with token ids, recorded from MODEL")
-@click.option("--target", type=click.Choice(["lambda"]), default="lambda", show_default=True)
-@click.option("--slo", type=float, required=True, help="end-to-end latency limit per batch, seconds")
+@click.option("--target", type=click.Choice(["lambda", "offload"]), default="lambda", show_default=True)
+@click.option("--slo", type=float, default=None, help="end-to-end latency limit per batch, seconds (lambda)")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @click.option("--platform", "platform_file", default=None, help="YAML file overriding platform constants")
 @click.option("--batch-tokens", type=int, default=10240, show_default=True, help="tokens per served batch")
@@ -57,9 +58,15 @@ def _u_table(facts, batch_tokens) -> dict:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
+@offload_options
 def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, methods, validation_fraction, size_for, bo_iterations,
-         bo_q, bo_storage, profile_budget, cache_dir, no_cache, time_limit, solver, seed, as_json, quiet):
-    """Size the serverless functions of MODEL for --slo and write a lambda plan."""
+         bo_q, bo_storage, profile_budget, cache_dir, no_cache, time_limit, solver, seed, as_json, quiet, **offload):
+    """Size the serverless functions of MODEL for --slo (lambda), or the expert cache of one GPU
+    (offload: --gpu-memory or --expert-cache), and write a plan."""
+    if target == "offload":
+        return plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, **offload)
+    if slo is None:
+        raise UserError("--target lambda needs --slo SECONDS (the latency limit per batch)")
     from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
     from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
