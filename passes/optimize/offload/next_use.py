@@ -22,7 +22,7 @@ Shapes: L layers, E experts, N = L E keys, T tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,6 +33,8 @@ N_REC, N_FREQ, N_POP = len(RECENCY_EDGES) + 2, len(FREQ_EDGES) + 2, 7
 SHRINK = 10.0  # pseudo-observations towards the coarser cell
 MAX_FIT_TOKENS = 20000
 AFFINITY_TOP = 16
+PRIOR_TOKENS = 1000.0
+SCALE_CLIP = 4.0
 
 
 def recency_bucket(recency: np.ndarray) -> np.ndarray:
@@ -68,6 +70,7 @@ class NextUseModel:
     popularity: np.ndarray
     prior: np.ndarray
     mean_k: float  # requests per step in the fitted stream
+    mix: float = 0.0  # weight of the frequency distance (see NextUseState), chosen by the planner
 
     def to_dict(self) -> dict:
         """JSON form; the affinity as per-row top entries: {"top": [L][E][m] expert ids,
@@ -78,7 +81,8 @@ class NextUseModel:
         rest = (self.affinity.sum(axis=2) - p.sum(axis=2)) / max(E - top.shape[2], 1)
         return {"p1": self.p1.round(6).tolist(), "m2": self.m2.round(4).tolist(),
                 "affinity": {"top": top.tolist(), "p": p.round(6).tolist(), "rest": rest.round(6).tolist()},
-                "popularity": self.popularity.round(6).tolist(), "mean_k": round(float(self.mean_k), 6)}
+                "popularity": self.popularity.round(6).tolist(), "mean_k": round(float(self.mean_k), 6),
+                "mix": round(float(self.mix), 6)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "NextUseModel":
@@ -89,7 +93,11 @@ class NextUseModel:
         np.put_along_axis(aff, top, p, axis=2)
         pop = np.asarray(d["popularity"], dtype=float)
         mean_k = float(d["mean_k"])
-        return cls(np.asarray(d["p1"], float), np.asarray(d["m2"], float), aff, pop, _prior(pop, mean_k), mean_k)
+        return cls(np.asarray(d["p1"], float), np.asarray(d["m2"], float), aff, pop, _prior(pop, mean_k), mean_k,
+                   float(d.get("mix", 0.0)))
+
+    def with_mix(self, mix: float) -> "NextUseModel":
+        return replace(self, mix=float(mix))
 
     def round_trip(self) -> "NextUseModel":
         """The model as a plan stores it (sparse affinity, rounded): what the runtime will use."""
@@ -189,7 +197,9 @@ class NextUseState:
     """The running state one cache needs to evaluate the model (per stream, updated per request).
 
     Score = expected distance in steps to the next request (module docstring): higher = evict
-    first; keys still to be requested in the current step score -1."""
+    first; keys still to be requested in the current step score -1. With `model.mix` = w > 0 the
+    score is (1 - w) x that + w x the distance if uses were independent at the key's use rate
+    (L / rate tokens: a Bayesian LFU whose prior is the trace's popularity)."""
 
     def __init__(self, model: NextUseModel, stream):
         self.m, self.stream = model, stream
@@ -214,10 +224,18 @@ class NextUseState:
         self.p1f, self.m2f = model.p1.reshape(cells), model.m2.reshape(cells)
         self.rec_lut = recency_bucket(np.arange(RECENCY_EDGES[-1] + 1))
         self.pb_cell = self.pb  # cell = (rb * N_FREQ + fb) * N_POP + pb
+        # within a popularity bucket, gaps scale with 1 / (the key's use rate): the rate is the
+        # trace's, updated by this stream's own counts (PRIOR_TOKENS pseudo-tokens of the trace)
+        self.prior_rate = model.prior.reshape(-1)
+        self.centre_rate = 2.0 ** (self.pb - 3) / E * model.mean_k
+        self.count_all = np.zeros(L * E)
+        self.tokens_seen = 0
 
     def begin_step(self, s: int, step_keys: np.ndarray) -> None:
         st = self.stream
         tok = int(st.step_token[s])
+        if tok != self.token:
+            self.tokens_seen += 1
         if st.step_seq[s] != self.seq:
             self.seq = st.step_seq[s]
             self.seq_count[:] = 0
@@ -234,6 +252,7 @@ class NextUseState:
     def touch(self, key: int) -> None:
         if self.last_tok[key] != self.token:
             self.seq_count[key] += 1
+            self.count_all[key] += 1
         self.last_tok[key] = self.token
         self.pending[key] = False
         if self.scores_all is not None:
@@ -268,6 +287,11 @@ class NextUseState:
             if nxt.any():
                 z = _logit(p1[nxt]) + _logit(self.next_layer_affinity[keys[nxt] % self.E]) - self.prior_logit[keys[nxt]]
                 p1[nxt] = 1.0 / (1.0 + np.exp(-z))
-        score = L * (p1 + (1.0 - p1) * self.m2f[cell] - later) + (lk - lc)
+        rate = (self.count_all[keys] + PRIOR_TOKENS * self.prior_rate[keys]) / (self.tokens_seen + PRIOR_TOKENS)
+        m2 = self.m2f[cell] * np.clip(self.centre_rate[keys] / rate, 1.0 / SCALE_CLIP, SCALE_CLIP)
+        score = L * (p1 + (1.0 - p1) * m2 - later) + (lk - lc)
+        if m.mix:
+            frequency = L * (1.0 / np.maximum(rate, 1e-9) - later) + (lk - lc)
+            score = (1.0 - m.mix) * score + m.mix * frequency
         score[self.pending[keys]] = -1.0
         return score

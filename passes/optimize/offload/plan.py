@@ -9,6 +9,7 @@ floor(left / expert_bytes) (layer, expert) entries. `expert_cache` N overrides t
 
 Decisions, all by simulation of the held-out part of the planning trace (its last
 `validation_fraction` of sequences; the rest fits the models):
+* the moeplan policy's frequency weight (next_use.py), on the first `tune_requests` requests;
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
 * prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
@@ -30,7 +31,8 @@ from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, 
 from moeplan.passes.optimize.offload.evaluate import PREFETCH_MODES, gap_to_belady, run_demand, run_prefetch
 from moeplan.passes.optimize.offload.hardware import Hardware
 from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.simulate import Timing
+from moeplan.passes.optimize.offload.policies import make_policy
+from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.errors import UserError
 
@@ -53,6 +55,7 @@ class OffloadRequest:
     validation_fraction: float = 0.2
     seed: int = 0
     max_sim_requests: int = 100_000
+    tune_requests: int = 30_000
 
 
 def kv_bytes_per_token(config, ir) -> int:
@@ -148,6 +151,18 @@ def capped(stream, max_requests: int):
     return truncate(stream, max_requests)
 
 
+MIXES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def tune_mix(model, stream, capacity: int, resident) -> tuple:
+    """The moeplan policy's frequency weight with the best demand hit ratio on `stream` (ties: the
+    smaller weight), and every weight's hit ratio."""
+    hits = {w: simulate_demand(stream, capacity, make_policy("moeplan", model.with_mix(w)), resident=resident).hit_ratio
+            for w in MIXES}
+    best = max(MIXES, key=lambda w: (hits[w], -w))
+    return model.with_mix(best), hits
+
+
 def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m: None) -> dict:
     """The offload decisions and predictions (the plan's placement/communication/predicted parts)."""
     budget = memory_budget(ir, kv_per_token, req)
@@ -166,6 +181,8 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
     timing = timing_for(ir, req.hardware, host_keys)
     timing = Timing.from_dict(timing.to_dict(), host_keys)  # exactly what the plan stores
     stream = capped(build_stream(val, req.prompt_tokens), req.max_sim_requests)
+    model, mix_hits = tune_mix(model, capped(stream, req.tune_requests), capacity, resident)
+    say("moeplan policy mix (frequency weight): " + ", ".join(f"{w:g} -> {h:.4f}" for w, h in mix_hits.items()))
     demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"])
     eviction = max(ONLINE_POLICIES, key=lambda p: (demand[p]["hit_ratio"], -ONLINE_POLICIES.index(p)))
     prefetch = run_prefetch(stream, capacity, resident, model, eamc.eamc, timing)
@@ -203,6 +220,6 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
             "validation_tokens": stream.num_tokens,
             "policies": demand, "prefetch": prefetch,
         },
-        "inputs_extra": {"eamc_capacity": eamc.capacity,
+        "inputs_extra": {"eamc_capacity": eamc.capacity, "moeplan_mix_hit_ratio": {str(w): h for w, h in mix_hits.items()},
                          "eamc_recall_by_capacity": {str(k): v for k, v in sorted(eamc.recall_by_capacity.items())}},
     }
