@@ -16,11 +16,13 @@ from moeplan.planner.errors import UserError
 @click.command("compile")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
-@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda"]), default="torchrun", show_default=True,
-              help="torchrun bundle, the same bundle plus kubernetes/ manifests, or an AWS Lambda (SAM) bundle")
+@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda", "sglang", "trtllm"]), default="torchrun",
+              show_default=True, help="torchrun bundle, the same bundle plus kubernetes/ manifests, an AWS Lambda (SAM) "
+              "bundle, or the placement files SGLang / TensorRT-LLM load (MODEL: a config is enough; docs/interop.md)")
 @click.option("--nodes", type=int, default=1, show_default=True)
 @click.option("--gpus-per-node", type=int, default=1, show_default=True)
-@click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
+@click.option("--policy", default=None, help="placement policy (see 'moeplan place --help'); default ilp, "
+              "eplb for --target sglang/trtllm")
 @click.option("--redundant", type=int, default=0, show_default=True, help="extra expert replicas per layer")
 @click.option("--balance", type=float, default=None, help="max device load over mean allowed by placement")
 @click.option("--time-limit", type=float, default=30.0, show_default=True,
@@ -38,13 +40,21 @@ from moeplan.planner.errors import UserError
 @click.option("--requests-per-second", type=float, default=1.0, show_default=True,
               help="lambda: request rate the README's monthly cost is stated for")
 @click.option("--cache-dir", default="build/cache", show_default=True, help="lambda: profile cache directory")
+@click.option("--kubernetes", "with_kubernetes", is_flag=True, help="sglang: also write kubernetes/ manifests")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort, mode, image,
-                storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, out, as_json,
-                quiet):
+                storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, with_kubernetes,
+                out, as_json, quiet):
     """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
+    if target in ("sglang", "trtllm"):
+        _compile_engine(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort,
+                        with_kubernetes, image, storage_class, slo, out, as_json, quiet)
+        return
+    if with_kubernetes:
+        raise UserError("--kubernetes applies to --target sglang; for the torchrun bundle use --target kubernetes")
+    policy = policy or "ilp"
     if target == "lambda":
         if slo is None:
             raise UserError("--target lambda needs --slo SECONDS (end-to-end latency limit per batch)")
@@ -89,3 +99,23 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redunda
         click.echo(f"wrote {out}: {summary['world_size']} ranks, {summary['files']} files; predicted gpu_local_fraction "
                    f"{p['gpu_local_fraction']:.3f}, node_local_fraction {p['node_local_fraction']:.3f}, "
                    f"max/mean load {p['max_over_mean_load']:.3f}")
+
+
+def _compile_engine(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort,
+                    with_kubernetes, image, storage_class, slo, out, as_json, quiet):
+    """--target sglang|trtllm: planner/engine_compile.py writes the engine's placement files."""
+    from moeplan.planner.engine_compile import compile_engine
+
+    if slo is not None or storage_class is not None:
+        raise UserError("--slo and --storage-class do not apply to --target sglang/trtllm")
+    if image is not None and not with_kubernetes:
+        raise UserError("--image applies to --target sglang with --kubernetes")
+    summary = compile_engine(model, trace_path, target, nodes, gpus_per_node, out, policy=policy, redundant=redundant,
+                             balance=balance, time_limit=time_limit, effort=effort, kubernetes=with_kubernetes,
+                             image=image)
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+    elif not quiet:
+        click.echo(f"wrote {out}: {target} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
+                   f"{summary['redundant']} redundant slots); predicted max/mean rank load "
+                   f"{summary['predicted']['max_over_mean_load']:.3f}")

@@ -47,7 +47,9 @@ class PlacementRequest:
 
 
 def expert_loads(trace: Trace) -> np.ndarray:
-    """float [L, E]: (token, choice) assignments per expert per layer."""
+    """float [L, E]: (token, choice) assignments per expert per layer (a loads-only trace's own counts)."""
+    if trace.loads_only:
+        return trace.loads.astype(np.float64)
     E = trace.num_experts
     return np.stack([
         np.bincount(layer[layer >= 0], minlength=E) for layer in np.moveaxis(trace.experts, 1, 0).reshape(trace.num_layers, -1)
@@ -117,6 +119,9 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         "transitions": score.transitions,
         "redundant": request.redundant,
     }
+    if trace.loads_only:  # no tokens to follow: locality is unknown, not zero
+        for key in ("gpu_local_fraction", "node_local_fraction", "transitions"):
+            metrics.pop(key)
     if request.policy == "ilp":
         objective = float(score.cross_gpu_transitions)
         bound = min(extra.pop("bound"), objective)
