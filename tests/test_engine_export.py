@@ -155,7 +155,8 @@ def test_same_inputs_give_identical_files(traces, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--redundant", 3], "do not divide evenly"),
     (["--target", "trtllm", "--kubernetes"], "--kubernetes applies to --target sglang"),
-    (["--slo", "1"], "do not apply to --target sglang/trtllm"),
+    (["--slo", "1", "--mode", "standard"], "--mode, --slo: not used by --target sglang"),
+    (["--image", "x"], "--image applies to --target sglang with --kubernetes"),
 ])
 def test_bad_engine_requests_fail_in_one_line(traces, tmp_path, args, message):
     argv = ["compile", DEEPSEEK, "--trace", traces / "routed.npz", "--nodes", 1, "--gpus-per-node", 8,

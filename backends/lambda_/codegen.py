@@ -95,12 +95,19 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
     return out
 
 
-def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_files: dict, *, segment_of: dict,
-                 payload_limit: int, requests_per_second: float) -> dict:
-    """Write the bundle into `out` (which must not exist yet) from the lambda plan; returns the manifest."""
+def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
+    """Write the bundle into `out` (which must not exist yet) from the lambda Plan; returns the manifest.
+
+    Everything comes from the plan (decisions, dense unit segments, payload limit, request rate)
+    and the weights, so `moeplan codegen plan.json` writes the same bytes.
+    """
     out = Path(out)
     out.mkdir(parents=True)
-    _write(out / "plan.json", plan_text)
+    plan_doc = plan.to_dict()
+    _write(out / "plan.json", plan.to_json())
+    segment_of = plan_doc["placement"]["unit_segments"]
+    payload_limit = int(plan_doc["deployment"]["payload_limit_bytes"])
+    requests_per_second = float(plan_doc["deployment"]["requests_per_second"])
     for rel, content in sorted(model_files.items()):
         _write(out / rel, content)
     config_text = model_files["model/config.json"]  # bytes
