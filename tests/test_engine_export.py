@@ -135,21 +135,28 @@ def test_loads_only_trace_plans_with_balance_policies_and_refuses_affinity(trace
     plan = json.loads((out / "plan.json").read_text())
     assert plan["inputs"]["trace_loads_only"] is True
     refused = run("compile", DEEPSEEK, "--trace", traces / "loads.npz", "--target", "trtllm", "--nodes", 2,
-                  "--gpus-per-node", 8, "--policy", "ilp", "--out", tmp_path / "trt")
+                  "--gpus-per-node", 8, "--policy", "ilp", "--quiet", "--out", tmp_path / "trt")
     assert refused.exit_code == 2 and refused.output.count("\n") == 1
     assert "needs per-token routing" in refused.output and "--policy eplb" in refused.output
     assert not (tmp_path / "trt").exists()
 
 
-def test_same_inputs_give_identical_files(traces, tmp_path):
+@pytest.mark.parametrize("target", ["trtllm", "sglang"])
+def test_same_inputs_give_identical_files_and_codegen_rewrites_them_from_the_plan(traces, tmp_path, target):
+    def files(out):
+        return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
     outs = []
     for name in ("a", "b"):
-        out = tmp_path / name
-        result = run("compile", DEEPSEEK, "--trace", traces / "routed.npz", "--target", "trtllm", "--nodes", 1,
-                     "--gpus-per-node", 8, "--quiet", "--out", out)
+        result = run("compile", DEEPSEEK, "--trace", traces / "routed.npz", "--target", target, "--nodes", 1,
+                     "--gpus-per-node", 8, "--redundant", 8, "--kubernetes" if target == "sglang" else "--quiet",
+                     "--quiet", "--out", tmp_path / name)
         assert result.exit_code == 0, result.output
-        outs.append({p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()})
+        outs.append(files(tmp_path / name))
     assert outs[0] == outs[1] and "manifest.json" in outs[0]
+    again = run("codegen", tmp_path / "a" / "plan.json", "--out", tmp_path / "c")
+    assert again.exit_code == 0, again.output
+    assert files(tmp_path / "c") == outs[0]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -160,7 +167,7 @@ def test_same_inputs_give_identical_files(traces, tmp_path):
 ])
 def test_bad_engine_requests_fail_in_one_line(traces, tmp_path, args, message):
     argv = ["compile", DEEPSEEK, "--trace", traces / "routed.npz", "--nodes", 1, "--gpus-per-node", 8,
-            "--out", tmp_path / "x"]
+            "--quiet", "--out", tmp_path / "x"]
     if "--target" not in args:
         argv += ["--target", "sglang"]
     result = run(*argv, *args)
@@ -172,6 +179,6 @@ def test_bad_engine_requests_fail_in_one_line(traces, tmp_path, args, message):
 def test_trace_from_another_model_is_refused(tmp_path):
     trace = tmp_path / "t.npz"
     save_trace(synthesize_trace(layers=4, experts=8, top_k=2, tokens=50, affinity=0.5, zipf=0.5, seed=0), trace)
-    result = run("compile", DEEPSEEK, "--trace", trace, "--target", "sglang", "--out", tmp_path / "x")
+    result = run("compile", DEEPSEEK, "--trace", trace, "--target", "sglang", "--quiet", "--out", tmp_path / "x")
     assert result.exit_code == 2 and "4 MoE layers but the model has 58" in result.output
     assert load_trace(trace).num_layers == 4
