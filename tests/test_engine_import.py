@@ -228,3 +228,37 @@ def test_trtllm_loads_are_the_sums_of_the_counts(tmp_path_factory, counts, itera
     factor = sum(it + 1 for it in range(iterations))
     trace = import_engine_trace(stats)
     assert trace.loads.tolist() == [[c * factor for c in row] for row in counts]
+
+
+@st.composite
+def routed_traces(draw):
+    """Small traces whose rows hold their valid choices first (the order SGLang logs them in), at
+    least one valid choice per row and one full row, plus a slot map with replicas and dense layers."""
+    T, L, K, E = draw(st.integers(1, 10)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(3, 6))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    experts = np.stack([[rng.choice(E, size=K, replace=False) for _ in range(L)] for _ in range(T)])
+    valid = rng.integers(1, K + 1, size=(T, L))
+    valid[0, 0] = K
+    experts = np.where(np.arange(K)[None, None, :] < valid[:, :, None], experts, -1)
+    sequence = np.sort(rng.integers(0, 3, size=T))
+    dense = draw(st.integers(0, 2))
+    redundant = draw(st.integers(0, E))
+    slot_map = np.stack([np.concatenate([rng.permutation(E), rng.integers(0, E, size=redundant)])
+                         for _ in range(dense + L)])
+    return experts, sequence, dense, slot_map
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=routed_traces())
+def test_any_trace_survives_the_sglang_per_token_layout(tmp_path_factory, case):
+    from moeplan.passes.analysis.trace.format import make_trace
+
+    experts, sequence, dense, slot_map = case
+    E = int(slot_map.max()) + 1
+    trace = make_trace(experts, num_experts=E, sequence=sequence, token_ids=np.arange(len(experts)))
+    dump = tmp_path_factory.mktemp("dump") / "expert_distribution_recorder_0.0_0.pt"
+    write_per_token_dump(dump, per_token_records(trace, range(dense, dense + trace.num_layers), slot_map), slot_map)
+    back = import_engine_trace(dump)
+    np.testing.assert_array_equal(back.experts, trace.experts)
+    np.testing.assert_array_equal(back.token_ids, trace.token_ids)
+    assert len(np.unique(back.sequence)) == len(np.unique(sequence))
