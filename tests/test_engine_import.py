@@ -46,7 +46,8 @@ def per_token_fixture(directory: Path) -> Path:
                             [[0, 5], [4, 1], [3, -1]],  # slots -> experts 2,1 | 2,3 | 1,-
                             [[4, 5], [2, 1], [0, 3]]],  # slots -> experts 3,0 | 2,1 | 0,3
                            mode=1, extend_seq_lens=[2, 1])
-    decode = sglang_record(1, 0, [14, 15], [2, 1], [[pad[:2]] * 2, [[2, 3], [1, 0]], [[1, 2], [3, 4]]], mode=2)
+    decode = sglang_record(1, 0, [14, 15, 0], [2, 1, 0],  # the third token pads a CUDA-graph batch
+                           [[pad[:2]] * 3, [[2, 3], [1, 0], pad[:2]], [[1, 2], [3, 4], pad[:2]]], mode=2)
     idle = sglang_record(0, 1, [], [], np.zeros((3, 0, 2), dtype=np.int32).tolist(), mode=4)
     directory.mkdir()
     slot_map = torch.tensor(SLOT_MAP)

@@ -123,7 +123,11 @@ def _plan(facts):
         doc.get("metrics", {}).pop(key, None)
     options = engine_placement_options(facts["placement_options"], engine_model)
     redundant = int(options.get("redundant", 0))
-    placement_slots(doc, engine_model["num_experts"], redundant)  # every layer must fit the engine's slot layout
+    try:  # every layer must fit the engine's slot layout
+        placement_slots(doc, engine_model["num_experts"], redundant)
+    except ValueError as exc:
+        raise UserError(f"the {options['policy']} placement cannot be written as {target['name']}'s slot lists ({exc}); "
+                        f"use --policy eplb") from None
     ep_size = placement.topology.devices
     plan = Plan(
         target=target["name"], model={k: v for k, v in engine_model.items() if k != "expert_groups"},

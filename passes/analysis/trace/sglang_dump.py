@@ -18,6 +18,7 @@ Mapping onto the trace format:
 * slots -> logical experts through `last_physical_to_logical_map` (SGLang says "last": record
   without `--enable-eplb`, or the map may have changed during the recording);
 * MoE layers = the layers some record routes (dense layers never do); trace layer l is the l-th;
+  a token routed at no layer is padding (CUDA-graph batches pad with -1 rows) and is dropped;
 * K = the widest routed row (SGLang pads to 8 columns with -1); choices keep the logged order and
   get weights 1/K (the dump holds no gate weights);
 * `sequence`: in EXTEND/MIXED passes `extend_seq_lens` splits the pass into its requests, one
@@ -160,15 +161,17 @@ class _PerTokenReader:
         physical = np.concatenate(self.choices)  # [T, num_hidden_layers, width]
         valid = physical >= 0
         moe_layers = np.flatnonzero(valid.any(axis=(0, 2)))
-        physical, valid = physical[:, moe_layers], valid[:, moe_layers]
+        routed = valid.any(axis=(1, 2))  # padding rows (CUDA-graph batches) route nowhere
+        physical, valid = physical[routed][:, moe_layers], valid[routed][:, moe_layers]
         K = int(valid.sum(axis=2).max())
         layer_map = self.slot_map[moe_layers]  # [L, slots]
         logical = _to_logical(physical, valid, layer_map)
         experts = _compact(logical, K)
         experts_total = int(self.slot_map.max()) + 1 if num_experts is None else num_experts
+        token_ids, positions, sequence = (np.concatenate(a)[routed] for a in (self.token_ids, self.positions, self.sequence))
         try:
-            return make_trace(experts, num_experts=experts_total, token_ids=np.concatenate(self.token_ids),
-                              positions=np.concatenate(self.positions), sequence=np.concatenate(self.sequence))
+            return make_trace(experts, num_experts=experts_total, token_ids=token_ids, positions=positions,
+                              sequence=sequence)
         except UserError as exc:
             raise UserError(f"{source}: {exc}") from None
 
