@@ -74,7 +74,8 @@ def describe(summary: dict) -> str:
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
 @click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda", "sglang", "trtllm"]), default="torchrun",
               show_default=True, help="torchrun bundle, the same bundle plus kubernetes/ manifests, an AWS Lambda (SAM) "
-              "bundle, or the placement files SGLang / TensorRT-LLM load (a config is enough; docs/interop.md)")
+              "bundle, or the placement files SGLang / TensorRT-LLM load (a config is enough; their default policy is eplb; "
+              "docs/interop.md)")
 @topology_options(required=False)
 @placement_options
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,

@@ -14,7 +14,7 @@ from moeplan.passes.analysis.trace.engine_import import FORMATS
 
 
 @click.command("import")
-@click.argument("log", type=click.Path(path_type=Path))
+@click.argument("log", metavar="PATH", type=click.Path(path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Trace file to write (.npz).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
               help="sglang: expert-distribution dumps (.pt file or directory); trtllm: EXPERT_STATISTIC_PATH "
