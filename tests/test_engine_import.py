@@ -93,6 +93,10 @@ def test_sglang_stat_dump_is_loads_only_and_only_balance_policies_take_it(tmp_pa
     assert placed.exit_code == 0, placed.output
     metrics = json.loads((tmp_path / "p.json").read_text())["metrics"]
     assert "gpu_local_fraction" not in metrics and metrics["max_over_mean_load"] >= 1.0
+    scored = run("place", "--trace", out, "--evaluate", tmp_path / "p.json", "--json")
+    assert scored.exit_code == 0, scored.output
+    assert json.loads(scored.output)["max_over_mean_load"] == pytest.approx(metrics["max_over_mean_load"], abs=1e-6)
+    assert "gpu_local_fraction" not in json.loads(scored.output)  # unknown without tokens, not zero
     refused = run("place", "--trace", out, "--nodes", 1, "--gpus-per-node", 2, "--policy", "ilp", "--out", tmp_path / "q.json")
     assert refused.exit_code == 2 and refused.output.startswith("error: ") and refused.output.count("\n") == 1
     assert "expert loads only" in refused.output and "--policy eplb" in refused.output
