@@ -267,3 +267,27 @@ def test_any_trace_survives_the_sglang_per_token_layout(tmp_path_factory, case):
     np.testing.assert_array_equal(back.experts, trace.experts)
     np.testing.assert_array_equal(back.token_ids, trace.token_ids)
     assert len(np.unique(back.sequence)) == len(np.unique(sequence))
+
+
+RECORD_FIELDS = ["forward_pass_id", "input_ids", "positions", "forward_mode", "topk_ids_of_layer", "extend_seq_lens"]
+ANY_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 9) | st.floats(allow_nan=False) | st.text(max_size=3)
+    | st.builds(lambda shape: torch.full(shape, 1, dtype=torch.int32), st.lists(st.integers(0, 3), max_size=3).map(tuple)),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(RECORD_FIELDS), inner, max_size=4),
+    max_leaves=8)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(overrides=st.lists(st.dictionaries(st.sampled_from(RECORD_FIELDS), ANY_VALUE, max_size=2), min_size=1, max_size=3),
+       slot_map=st.sampled_from([torch.tensor(SLOT_MAP), torch.zeros((0,)), [[0, 1]], "x"]))
+def test_malformed_sglang_dumps_only_ever_raise_user_errors(tmp_path_factory, overrides, slot_map):
+    """Well-formed records with fields replaced by anything: a trace or one UserError line, never a crash."""
+    base = sglang_record(0, 0, [1, 2], [0, 1], [[[-1, -1]] * 2, [[0, 5], [4, 1]], [[1, 2], [3, 0]]], extend_seq_lens=[2])
+    dump = tmp_path_factory.mktemp("fuzz") / "d.pt"
+    torch.save({"records": [dict(base, **o) for o in overrides], "last_physical_to_logical_map": slot_map}, dump)
+    try:
+        trace = import_engine_trace(dump)
+    except UserError as exc:
+        assert "\n" not in str(exc)
+    else:
+        assert trace.num_tokens > 0 and trace.num_experts == 4

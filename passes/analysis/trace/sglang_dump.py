@@ -41,8 +41,7 @@ import numpy as np
 from moeplan.passes.analysis.trace.format import Trace, loads_trace, make_trace
 from moeplan.planner.errors import UserError
 
-SGLANG_VERSION = "0.5.23"
-EXTEND, DECODE, MIXED, IDLE = 1, 2, 3, 4
+EXTEND, MIXED = 1, 3  # ForwardMode values whose extend_seq_lens split a pass into requests
 TOPK_COLUMNS = 8  # SGLang's per_token buffer width (`_DetailSinglePassGatherer._TOP_K_NUM`)
 PER_TOKEN_KEYS = ("records", "last_physical_to_logical_map")
 RECORD_KEYS = ("forward_pass_id", "input_ids", "positions", "forward_mode", "topk_ids_of_layer")
@@ -71,17 +70,15 @@ def dump_kind(data: dict) -> Optional[str]:
     return None
 
 
-def _numpy(value, what: str, source: Path) -> np.ndarray:
-    if hasattr(value, "numpy"):
-        return value.numpy()
+def _numpy(value, what: str, where: str) -> np.ndarray:
     try:
-        return np.asarray(value)
-    except (ValueError, TypeError):
-        raise UserError(f"'{source}': {what} is not an array") from None
+        return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+    except (ValueError, TypeError, RuntimeError):
+        raise UserError(f"{where}: {what} is not an array") from None
 
 
 def _int_list(record: dict, key: str, where: str) -> np.ndarray:
-    arr = np.asarray(record[key])
+    arr = _numpy(record[key], f"'{key}'", where)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise UserError(f"{where}: '{key}' must be a list of integers")
     return arr.astype(np.int64)
@@ -98,7 +95,7 @@ class _PerTokenReader:
         self.next_sequence = 0
 
     def add_file(self, path: Path, data: dict) -> None:
-        slot_map = _numpy(data["last_physical_to_logical_map"], "'last_physical_to_logical_map'", path)
+        slot_map = _numpy(data["last_physical_to_logical_map"], "'last_physical_to_logical_map'", f"'{path}'")
         if slot_map.ndim != 2 or not np.issubdtype(slot_map.dtype, np.integer) or slot_map.size == 0 or slot_map.min() < 0:
             raise UserError(f"'{path}': 'last_physical_to_logical_map' must be a non-negative integer array [layers, slots]")
         if self.slot_map is None:
@@ -115,6 +112,9 @@ class _PerTokenReader:
     def _add_record(self, where: str, record) -> None:
         if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
             raise UserError(f"{where}: a per_token record needs {', '.join(RECORD_KEYS)}")
+        mode = record["forward_mode"]
+        if not isinstance(mode, int) or isinstance(mode, bool):
+            raise UserError(f"{where}: 'forward_mode' must be the integer value of SGLang's ForwardMode, got {type(mode).__name__}")
         input_ids = _int_list(record, "input_ids", where)
         positions = _int_list(record, "positions", where)
         n = len(input_ids)
@@ -122,7 +122,7 @@ class _PerTokenReader:
             raise UserError(f"{where}: {len(positions)} positions for {n} input_ids")
         if n == 0:
             return  # IDLE passes (data-parallel ranks without requests)
-        topk = _numpy(record["topk_ids_of_layer"], "'topk_ids_of_layer'", Path(where))
+        topk = _numpy(record["topk_ids_of_layer"], "'topk_ids_of_layer'", where)
         num_layers, slots = self.slot_map.shape
         if topk.ndim != 3 or topk.shape[:2] != (num_layers, n) or not np.issubdtype(topk.dtype, np.integer):
             raise UserError(f"{where}: 'topk_ids_of_layer' must be an integer array [{num_layers} layers, {n} tokens, "
@@ -130,7 +130,7 @@ class _PerTokenReader:
         if topk.size and (topk.min() < -1 or topk.max() >= slots):
             raise UserError(f"{where}: 'topk_ids_of_layer' holds slot ids outside -1..{slots - 1} "
                             f"(the physical_to_logical_map has {slots} slots)")
-        key = (record["forward_pass_id"], input_ids.tobytes(), positions.tobytes(), topk.tobytes())
+        key = (repr(record["forward_pass_id"]), input_ids.tobytes(), positions.tobytes(), topk.tobytes())
         if key in self.seen:
             return  # the same batch logged by another tensor-parallel rank
         self.seen.add(key)
@@ -145,7 +145,7 @@ class _PerTokenReader:
     def _sequences(self, record: dict, n: int, where: str) -> np.ndarray:
         lens = record.get("extend_seq_lens")
         if record["forward_mode"] in (EXTEND, MIXED) and lens is not None:
-            lens = np.asarray(list(lens), dtype=np.int64)
+            lens = _int_list(record, "extend_seq_lens", where)
             if lens.sum() != n or (lens.size and lens.min() < 1):
                 raise UserError(f"{where}: 'extend_seq_lens' {lens.tolist()[:8]} does not split its {n} tokens")
         else:
@@ -193,7 +193,7 @@ def _stat_loads(files: list) -> np.ndarray:
     """int64 [num_hidden_layers, E]: stat dumps' logical counts summed over steps and files."""
     total = None
     for path, data in files:
-        counts = _numpy(data["logical_count"], "'logical_count'", path)
+        counts = _numpy(data["logical_count"], "'logical_count'", f"'{path}'")
         if counts.ndim == 2:
             counts = counts[None]
         if counts.ndim != 3 or not np.issubdtype(counts.dtype, np.integer) or (counts.size and counts.min() < 0):

@@ -100,15 +100,19 @@ def read_assignments(path: str | os.PathLike) -> dict:
         doc = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise UserError(f"cannot read load-balancer YAML '{path}' ({exc.__class__.__name__})") from None
-    if isinstance(doc, dict) and "moe_config" in doc:
-        doc = (doc["moe_config"] or {}).get("load_balancer")
+    if isinstance(doc, dict) and isinstance(doc.get("moe_config"), dict):
+        doc = doc["moe_config"].get("load_balancer")
     assignments = doc.get("initial_global_assignments") if isinstance(doc, dict) else None
     if not isinstance(assignments, dict):
         raise UserError(f"'{path}' has no initial_global_assignments; give the load-balancer YAML of the statistics run")
-    try:
-        return {int(layer): [int(e) for e in slots] for layer, slots in assignments.items()}
-    except (TypeError, ValueError):
-        raise UserError(f"'{path}': initial_global_assignments must map layer numbers to lists of expert ids") from None
+    out = {}
+    for layer, slots in assignments.items():
+        if (not isinstance(layer, int) or not isinstance(slots, list)
+                or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in slots) or not slots):
+            raise UserError(f"'{path}': initial_global_assignments must map layer numbers to lists of expert ids "
+                            f"(entry {str(layer)[:20]!r} does not)")
+        out[layer] = slots
+    return out
 
 
 def import_trtllm_stats(path: str | os.PathLike, num_experts: Optional[int] = None,
