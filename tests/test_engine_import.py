@@ -103,6 +103,23 @@ def test_sglang_stat_dump_is_loads_only_and_only_balance_policies_take_it(tmp_pa
     assert not (tmp_path / "q.json").exists()
 
 
+def test_sglang_per_pass_dump_folds_slot_counts_onto_experts(tmp_path):
+    """per_pass mode: _DetailAccumulator records holding only a pass's global_physical_count."""
+    def record(pass_id, rank, counts):
+        return {"forward_pass_id": pass_id, "rank": rank, "gatherer_key": "primary",
+                "global_physical_count": torch.tensor(counts, dtype=torch.int32)}
+
+    dense = [0] * 6
+    dump = tmp_path / "expert_distribution_recorder_3.0_0.pt"
+    torch.save({"records": [record(0, 0, [dense, [1, 0, 2, 0, 3, 1], [0, 0, 0, 5, 1, 1]]),
+                            record(1, 0, [dense, [0, 1, 0, 0, 0, 2], [2, 0, 0, 0, 0, 0]])],
+                "last_physical_to_logical_map": torch.tensor(SLOT_MAP)}, dump)
+    trace = import_engine_trace(dump, top_k=2)
+    # layer 1 slots -> experts [2, 3, 0, 1, 2, 1]; layer 2 slots -> [0, 1, 2, 3, 3, 0]
+    assert trace.loads_only and trace.top_k == 2
+    assert trace.loads.tolist() == [[2, 3, 4, 1], [3, 0, 0, 6]]
+
+
 def trtllm_fixture(directory: Path, num_experts=4, per_token=2) -> Path:
     """EXPERT_STATISTIC_PATH as TensorRT-LLM's ExpertStatistic._write lays it out: two ranks,
     iterations 100-101, MoE layers 3 and 4 (decoder-layer indices)."""

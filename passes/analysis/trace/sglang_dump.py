@@ -13,6 +13,9 @@ the server runs with `--expert-distribution-recorder-mode per_token|stat` and
   8], physical slot ids, -1 = none; dense layers stay -1), `misc_objects`, `global_physical_count`.
 * `stat`: rank 0 writes `{"rank", "logical_count": int [steps, num_hidden_layers, experts],
   "average_utilization_rate_over_window"}`: counts only, so it becomes a loads-only trace.
+* `per_pass`: the per_token file layout, but each record holds only `global_physical_count`
+  (int [num_hidden_layers, physical slots], that rank's counts for the pass): summed over records
+  and ranks and folded onto experts through the map, a loads-only trace too.
 
 Mapping onto the trace format:
 * slots -> logical experts through `last_physical_to_logical_map` (SGLang says "last": record
@@ -62,12 +65,24 @@ def load_dump(path: Path) -> dict:
 
 
 def dump_kind(data: dict) -> Optional[str]:
-    """'per_token', 'stat' or None for a loaded dump."""
+    """'per_token', 'per_pass', 'stat' or None for a loaded dump."""
     if all(key in data for key in PER_TOKEN_KEYS):
+        records = data["records"]
+        if (isinstance(records, list) and records and all(isinstance(r, dict) for r in records)
+                and all("topk_ids_of_layer" not in r and "global_physical_count" in r for r in records)):
+            return "per_pass"
         return "per_token"
     if "logical_count" in data:
         return "stat"
     return None
+
+
+def _slot_map(data: dict, path: Path) -> np.ndarray:
+    """The dump's `last_physical_to_logical_map`, validated: int64 [layers, slots]."""
+    slot_map = _numpy(data["last_physical_to_logical_map"], "'last_physical_to_logical_map'", f"'{path}'")
+    if slot_map.ndim != 2 or not np.issubdtype(slot_map.dtype, np.integer) or slot_map.size == 0 or slot_map.min() < 0:
+        raise UserError(f"'{path}': 'last_physical_to_logical_map' must be a non-negative integer array [layers, slots]")
+    return slot_map.astype(np.int64)
 
 
 def _numpy(value, what: str, where: str) -> np.ndarray:
@@ -95,11 +110,9 @@ class _PerTokenReader:
         self.next_sequence = 0
 
     def add_file(self, path: Path, data: dict) -> None:
-        slot_map = _numpy(data["last_physical_to_logical_map"], "'last_physical_to_logical_map'", f"'{path}'")
-        if slot_map.ndim != 2 or not np.issubdtype(slot_map.dtype, np.integer) or slot_map.size == 0 or slot_map.min() < 0:
-            raise UserError(f"'{path}': 'last_physical_to_logical_map' must be a non-negative integer array [layers, slots]")
+        slot_map = _slot_map(data, path)
         if self.slot_map is None:
-            self.slot_map = slot_map.astype(np.int64)
+            self.slot_map = slot_map
         elif not np.array_equal(self.slot_map, slot_map):
             raise UserError(f"'{path}': its 'last_physical_to_logical_map' differs from the other ranks' files; "
                             f"give the files of one dump only")
@@ -207,6 +220,34 @@ def _stat_loads(files: list) -> np.ndarray:
     return total
 
 
+def _per_pass_loads(files: list) -> np.ndarray:
+    """int64 [num_hidden_layers, E]: per_pass records' physical counts, summed, folded onto experts."""
+    total = None
+    for path, data in files:
+        slot_map = _slot_map(data, path)
+        for index, record in enumerate(data["records"]):
+            counts = _numpy(record["global_physical_count"], "'global_physical_count'", f"'{path}' record {index}")
+            if counts.shape != slot_map.shape or not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0:
+                raise UserError(f"'{path}' record {index}: 'global_physical_count' must be non-negative integer counts "
+                                f"shaped like the physical_to_logical_map {slot_map.shape}, got {tuple(counts.shape)}")
+            experts = int(slot_map.max()) + 1
+            logical = np.stack([np.bincount(row, weights=c, minlength=experts) for row, c in zip(slot_map, counts)])
+            if total is not None and total.shape != logical.shape:
+                raise UserError(f"'{path}': its records count {logical.shape} layers x experts, others {total.shape}")
+            total = logical if total is None else total + logical
+    return np.rint(total).astype(np.int64)
+
+
+def _loads_only(loads: np.ndarray, path: Path, num_experts: Optional[int], top_k: int) -> Trace:
+    """The loads-only trace of [num_hidden_layers, E] counts: rows that count no token are dense layers."""
+    routed = np.flatnonzero(loads.sum(axis=1) > 0)
+    if not len(routed):
+        raise UserError(f"'{path}': the dump counts no tokens; record traffic before dumping")
+    if num_experts is not None and num_experts != loads.shape[1]:
+        raise UserError(f"'{path}': the dump counts {loads.shape[1]} experts per layer, not --num-experts {num_experts}")
+    return loads_trace(loads[routed], top_k=top_k)
+
+
 def dump_files(path: Path) -> list:
     """The dump files at `path`: the file itself, or every `*.pt` in a directory (sorted)."""
     if path.is_dir():
@@ -221,9 +262,9 @@ def dump_files(path: Path) -> list:
 
 
 def import_sglang_dump(path: str | os.PathLike, num_experts: Optional[int] = None, top_k: int = 1) -> Trace:
-    """Trace from SGLang per_token dumps (per-token) or stat dumps (loads-only); see module doc.
+    """Trace from SGLang per_token dumps (per-token) or per_pass / stat dumps (loads-only); see module doc.
 
-    `top_k` is recorded in loads-only traces (stat dumps do not say it)."""
+    `top_k` is recorded in loads-only traces (those dumps do not say it)."""
     path = Path(path)
     loaded = [(p, load_dump(p)) for p in dump_files(path)]
     kinds = {p: dump_kind(d) for p, d in loaded}
@@ -232,24 +273,16 @@ def import_sglang_dump(path: str | os.PathLike, num_experts: Optional[int] = Non
         raise UserError(f"'{unknown[0]}' is not an SGLang expert-distribution dump (no 'records' + "
                         f"'last_physical_to_logical_map', no 'logical_count')")
     if len(set(kinds.values())) > 1:
-        raise UserError(f"'{path}' mixes per_token and stat dumps; import them separately")
-    if next(iter(kinds.values())) == "stat":
-        loads = _stat_loads(loaded)
-        routed = np.flatnonzero(loads.sum(axis=1) > 0)
-        if not len(routed):
-            raise UserError(f"'{path}': the stat dump counts no tokens; record traffic before dumping")
-        if num_experts is not None and num_experts != loads.shape[1]:
-            raise UserError(f"'{path}': the stat dump counts {loads.shape[1]} experts per layer, not --num-experts {num_experts}")
-        return loads_trace(loads[routed], top_k=top_k)
+        raise UserError(f"'{path}' mixes {' and '.join(sorted(set(kinds.values())))} dumps; import them separately")
+    kind = next(iter(kinds.values()))
+    if kind == "stat":
+        return _loads_only(_stat_loads(loaded), path, num_experts, top_k)
+    if kind == "per_pass":
+        return _loads_only(_per_pass_loads(loaded), path, num_experts, top_k)
     reader = _PerTokenReader()
     for p, data in loaded:
         reader.add_file(p, data)
     return reader.trace(f"'{path}'", num_experts)
-
-
-def trivial_slot_map(num_hidden_layers: int, num_experts: int, redundant: int = 0) -> np.ndarray:
-    """int [layers, E + R]: SGLang's default layout, slot s holds expert s mod E at every layer."""
-    return np.tile(np.arange(num_experts + redundant) % num_experts, (num_hidden_layers, 1))
 
 
 def per_token_records(trace: Trace, moe_layers: Iterable[int], slot_map: np.ndarray, rank: int = 0) -> list:
