@@ -136,3 +136,45 @@ def test_sglang_rejects_a_map_that_drops_an_expert(sglang_expert_location):
     p2l[10, 7], p2l[10, E + 7] = 8, 9  # expert 7 has no slot at layer 10
     with pytest.raises((ZeroDivisionError, AssertionError, IndexError)):
         build_metadata(sglang_expert_location, p2l, 0)
+
+
+def sglang_functions(relative: str, names: tuple) -> dict:
+    """Top-level functions of an SGLang file whose module imports the whole server: their own
+    source, parsed out of the installed file and run with torch alone (they use nothing else)."""
+    import ast
+
+    source = (SGLANG / relative).read_text()
+    tree = ast.parse(source)
+    chosen = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    assert sorted(n.name for n in chosen) == sorted(names), "SGLang renamed a function this test runs"
+    namespace = {"torch": torch}
+    exec(compile(ast.Module(body=chosen, type_ignores=[]), str(SGLANG / relative), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+def test_sglang_aggregates_our_per_token_layout_to_the_loads_we_import(tmp_path):
+    """SGLang's own per-token -> physical count -> logical count functions (what its stat mode
+    dumps) agree with our writer's counts and with the loads our importer reads back."""
+    from moeplan.passes.analysis.trace.engine_import import import_engine_trace
+    from moeplan.passes.analysis.trace.sglang_dump import per_token_records
+    from moeplan.passes.optimize.placement.policies import expert_loads as loads_of
+
+    functions = sglang_functions("srt/eplb/expert_distribution.py", (
+        "_convert_per_token_to_global_physical_count", "_convert_global_physical_count_to_logical_count"))
+    trace = synthesize_trace(layers=3, experts=8, top_k=2, tokens=60, affinity=0.5, zipf=0.8, seed=2)
+    rng = np.random.default_rng(1)
+    slot_map = np.stack([np.concatenate([rng.permutation(8), rng.integers(0, 8, size=4)]) for _ in range(5)])
+    records = per_token_records(trace, [1, 2, 4], slot_map)  # decoder layers 0 and 3 dense
+    physical = []
+    for record in records:
+        topk = record["topk_ids_of_layer"]
+        theirs = functions["_convert_per_token_to_global_physical_count"](
+            len(record["input_ids"]), num_layers=5, num_physical_experts=12, _topk_ids_of_layer=topk)
+        assert torch.equal(theirs, record["global_physical_count"])
+        physical.append(theirs)
+    logical = functions["_convert_global_physical_count_to_logical_count"](
+        torch.stack(physical), num_layers=5, num_logical_experts=8, physical_to_logical_map=torch.tensor(slot_map))
+    torch.save({"rank": 0, "logical_count": logical, "average_utilization_rate_over_window": None},
+               tmp_path / "expert_distribution_recorder_1.0.pt")
+    imported = import_engine_trace(tmp_path / "expert_distribution_recorder_1.0.pt", top_k=2)
+    np.testing.assert_array_equal(imported.loads, loads_of(trace))
