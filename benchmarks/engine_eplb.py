@@ -63,12 +63,12 @@ def main() -> None:
     from moeplan.backends.common.expert_slots import placement_slots
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
     from moeplan.passes.optimize.placement.decision import Topology
-    from moeplan.passes.optimize.placement.policies import PlacementRequest, expert_loads, plan_placement
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     deepseek = sglang_eplb()
     trace = synthesize_trace(layers=LAYERS, experts=E, top_k=TOP_K, tokens=args.tokens, affinity=0.6, zipf=0.8,
                              seed=args.seed)
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     rows = []
     for nodes, gpn, redundant in CASES:
         gpus = nodes * gpn

@@ -24,7 +24,7 @@ from moeplan.backends.common.expert_slots import placement_slots
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.optimize.placement.decision import Topology
-from moeplan.passes.optimize.placement.policies import PlacementRequest, expert_loads, plan_placement
+from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.planner.cli import main
 
 SGLANG_VERSION = "0.5.23"
@@ -64,7 +64,7 @@ def trace():
 @pytest.mark.parametrize("nodes, gpus_per_node, redundant", [(4, 8, 32), (2, 8, 16), (1, 8, 0), (4, 8, 0)])
 def test_our_eplb_matches_sglang_eplb_balance(trace, nodes, gpus_per_node, redundant):
     deepseek = load_by_path("srt/eplb/eplb_algorithms/deepseek.py", "sglang_eplb_deepseek")
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     gpus = nodes * gpus_per_node
     # SGLang's compute_algorithm("auto"): hierarchical when the groups divide over the nodes.
     phy2log, _, _ = deepseek.rebalance_experts(torch.tensor(loads), E + redundant, GROUPS, nodes, gpus,
@@ -157,7 +157,6 @@ def test_sglang_aggregates_our_per_token_layout_to_the_loads_we_import(tmp_path)
     dumps) agree with our writer's counts and with the loads our importer reads back."""
     from moeplan.passes.analysis.trace.engine_import import import_engine_trace
     from moeplan.passes.analysis.trace.sglang_dump import per_token_records
-    from moeplan.passes.optimize.placement.policies import expert_loads as loads_of
 
     functions = sglang_functions("srt/eplb/expert_distribution.py", (
         "_convert_per_token_to_global_physical_count", "_convert_global_physical_count_to_logical_count"))
@@ -177,4 +176,4 @@ def test_sglang_aggregates_our_per_token_layout_to_the_loads_we_import(tmp_path)
     torch.save({"rank": 0, "logical_count": logical, "average_utilization_rate_over_window": None},
                tmp_path / "expert_distribution_recorder_1.0.pt")
     imported = import_engine_trace(tmp_path / "expert_distribution_recorder_1.0.pt", top_k=2)
-    np.testing.assert_array_equal(imported.loads, loads_of(trace))
+    np.testing.assert_array_equal(imported.loads, trace.expert_loads())

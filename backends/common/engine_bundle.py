@@ -6,14 +6,9 @@ a README, plan.json and placement.json, and manifest.json over all of them.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-
-def write_file(path: Path, text: str, executable: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    os.chmod(path, 0o755 if executable else 0o644)
+from moeplan.backends.common.files import write_file
 
 
 def write_plan_files(out: Path, plan) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeplan.backends.common.engine_bundle import engine_context, write_file, write_plan_files
+from moeplan.backends.common.engine_bundle import engine_context, write_plan_files
+from moeplan.backends.common.files import write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.kubernetes.codegen import slug

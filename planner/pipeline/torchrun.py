@@ -22,10 +22,6 @@ from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline.common import IMPORT, MODEL_FILES, TRACE, needs_weights, trace_matches_model
 from moeplan.planner.plan import Plan
 
-# Metrics that measure the solve rather than the placement; they would make bundle bytes differ.
-SOLVE_METRICS = ("solve_seconds",)
-
-
 def _affinity(facts):
     from moeplan.passes.analysis.affinity import top1_affinity
 
@@ -50,9 +46,7 @@ def _plan(facts):
     loaded, trace, placement = facts["model"], facts["trace"], facts["placement"]
     ir = loaded.ir
     score = score_placement(trace, placement.hosts(), placement.topology).as_dict()
-    placement_doc = json.loads(placement.to_json())
-    for key in SOLVE_METRICS:
-        placement_doc.get("metrics", {}).pop(key, None)
+    placement_doc = json.loads(placement.to_json())  # without run-dependent metrics (solve time)
     target = facts["target"]
     model = {"name": ir.name, "architecture": facts["model_files"]["architecture"],
              "moe_layers": len(ir.moe_stages), "num_experts": ir.moe_stages[0].num_experts,
