@@ -25,6 +25,9 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "hardware", "serve_batch", "max_length", "prompt_tokens")
+
+
 def offload_options(f):
     """The options only `--target offload` reads."""
     from moeplan.passes.optimize.offload.hardware import DEFAULT
