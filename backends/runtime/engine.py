@@ -51,6 +51,8 @@ class Engine:
         self.local_experts = {(l, e) for l, e in table.experts_on(rank)}
         self.logit_keys, self.logit_rows = [], []
         self.trace = []  # (layer, keys [n], expert ids [n, k], weights [n, k])
+        self.expert_cache = None  # expert_cache.ExpertCache when experts are offloaded (issue 13)
+        self.forward_index = 0
 
     # --- bookkeeping -----------------------------------------------------------------------
     def owner(self, seq: int) -> int:
@@ -84,6 +86,7 @@ class Engine:
         entering = sorted(contexts) if self.mode == COHERENT else own
         step_tokens = [(s, p) for s in entering for p in range(len(prompts[s]))]
         for step in range(new_tokens):
+            self.forward_index = step
             seqs = torch.tensor([s for s, _ in step_tokens], dtype=torch.int64)
             poss = torch.tensor([p for _, p in step_tokens], dtype=torch.int64)
             ids = torch.tensor([contexts[s][p] for s, p in step_tokens], dtype=torch.int64)
@@ -262,7 +265,10 @@ class Engine:
         """Sum over this rank's slots of weight x expert(x) for received rows (zero elsewhere)."""
         out = torch.zeros_like(x)
         here = dest == self.rank
-        for e in sorted(set(ids[here].tolist())):
+        experts = sorted(set(ids[here].tolist()))
+        if self.expert_cache is not None:  # offloading: each expert made resident as its turn comes, in request order
+            experts = self.expert_cache.serve(moe, list(dict.fromkeys(ids[here].tolist())), self.forward_index)
+        for e in experts:
             rows, slots = ((ids == e) & here).nonzero(as_tuple=True)
             if (moe, e) not in self.local_experts:
                 raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of MoE layer {moe} it does not hold")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplan.passes.analysis.popularity import true_loads
 from moeplan.passes.analysis.trace.format import Trace
 
 DEFAULT_CHUNK = 128
@@ -53,7 +52,7 @@ def stream_order(trace: Trace) -> np.ndarray:
 
 def popularity_by_layer(trace: Trace) -> np.ndarray:
     """Share of each layer's expert activations per expert, float [L, E] (rows sum to 1 or 0)."""
-    loads = true_loads(trace).astype(float)
+    loads = trace.expert_loads().astype(float)
     return loads / np.maximum(loads.sum(axis=1, keepdims=True), 1.0)
 
 
@@ -153,7 +152,7 @@ def split_halves(trace: Trace) -> tuple:
     L, E = trace.num_layers, trace.num_experts
 
     def eam(rows):
-        return true_loads(trace, rows) if len(rows) else np.zeros((L, E), dtype=np.int64)
+        return trace.expert_loads(rows) if len(rows) else np.zeros((L, E), dtype=np.int64)
     return np.stack([eam(r) for r in first_rows]), np.stack([eam(r) for r in second_rows])
 
 

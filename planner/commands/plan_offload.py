@@ -51,7 +51,7 @@ def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_j
     from moeplan.passes.optimize.offload.hardware import load_hardware
     from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.atomic import write_text_atomic
-    from moeplan.planner.compile_pipeline import check_trace_matches
+    from moeplan.planner.pipeline.common import check_trace_matches
     from moeplan.planner.importers import load_model
     from moeplan.planner.plan import Plan
 
