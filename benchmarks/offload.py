@@ -13,7 +13,7 @@ Switch-Large-128-sized experts (28 MB, the paper's figure; dense 16.8 MB per lay
 trained models' experts (KBs) would make every copy free.
 
     .venv/bin/python benchmarks/offload.py [--fractions 0.1 0.2 0.3 0.4 0.5] [--plan-tokens 8192]
-        [--heldout-tokens 4096] [--models tiny olmoe] [--json]
+        [--heldout-tokens 2048] [--models tiny olmoe] [--json]
 
 `--json`: the last line is {"cases": [{"model", "fraction", "capacity", "policies": {name:
 {"hit_ratio", ...}}, "belady_gap_points", "prefetch": {mode: {...}}}], "summary": {...},
@@ -85,8 +85,8 @@ def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw
     from moeplan.planner.importers import load_model
 
     ir = load_model(str(model_dir)).ir
-    body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000,
-                                                       tune_requests=20_000), kv_bytes_per_token(None, ir))
+    body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=10_000,
+                                                       tune_requests=10_000), kv_bytes_per_token(None, ir))
     E = ir.moe_stages[0].num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
     from moeplan.passes.optimize.offload.next_use import NextUseModel
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=["tiny", "olmoe"], choices=["tiny", "olmoe"])
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
     ap.add_argument("--plan-tokens", type=int, default=8192)
-    ap.add_argument("--heldout-tokens", type=int, default=4096)
+    ap.add_argument("--heldout-tokens", type=int, default=2048)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from moeplan.passes.analysis.trace.format import load_trace
@@ -130,14 +130,15 @@ def main(argv=None) -> int:
             capacity = max(1, int(round(frac * stream.num_keys)))
             case = {"model": name, "fraction": frac, **run_case(model_dir, plan_trace, stream, capacity, timing, hw)}
             cases.append(case)
-            if not args.json:
+            if True:  # progress (stderr with --json, so the last stdout line stays the JSON)
+                out = sys.stderr if args.json else sys.stdout
                 pol = case["policies"]
                 print(f"{name:<6} {frac:>4.0%} cache {capacity:>4}: " + "  ".join(f"{k} {v['hit_ratio']:.3f}" for k, v in pol.items())
-                      + f"  | gap to Belady {case['belady_gap_points']:.1f} pts", flush=True)
+                      + f"  | gap to Belady {case['belady_gap_points']:.1f} pts", file=out, flush=True)
                 pre = case["prefetch"]
                 print("      prefetch (Switch-Large-sized experts, a5000-pcie4): " + "  ".join(
                     f"{k}: resident {v['resident_at_layer_start']:.3f}, {v['ms_per_token']:.2f} ms/token, {v['gb_moved']:.1f} GB" for k, v in pre.items()),
-                    flush=True)
+                    file=out, flush=True)
     beats = all(c["policies"]["moeplan"]["hit_ratio"] > max(c["policies"][b]["hit_ratio"] for b in ("lru", "lfu", "lifo")) for c in cases)
     gaps = [c["belady_gap_points"] for c in cases]
     summary = {"moeplan_beats_lru_lfu_lifo_everywhere": beats,

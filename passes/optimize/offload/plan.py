@@ -54,8 +54,8 @@ class OffloadRequest:
     prompt_tokens: int = 0
     validation_fraction: float = 0.2
     seed: int = 0
-    max_sim_requests: int = 100_000
-    tune_requests: int = 30_000
+    max_sim_requests: int = 50_000
+    tune_requests: int = 20_000
 
 
 def kv_bytes_per_token(config, ir) -> int:

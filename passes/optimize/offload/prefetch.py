@@ -12,7 +12,8 @@ to copy next in order, `victim_for(key, exclude)` -> the key to evict for it, or
 * `NextUsePrefetch` (ours): after each router, queue the next layer's experts that are not cached
   (the next token's first layer after the last), most wanted first by the next-use model (the
   next layer's probabilities use this token's routing: inter-layer affinity); admit one only if
-  the model prefers it to the victim it would evict.
+  the model prefers it to the victim it would evict, and only into link time that is idle until
+  the next router (when a copy takes longer than a layer computes, nothing is prefetched).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class EAMCPrefetch:
 
 class NextUsePrefetch:
     name = "moeplan"
+    idle_only = True  # a copy must arrive before the next router: prefetching never delays demand
 
     def start(self, stream, cached, policy):
         if not hasattr(policy, "scores"):

@@ -8,7 +8,8 @@ Timed mode (`simulate_timed`), for prefetch: one host-to-GPU link copies one exp
 token or prefill chunk at one MoE layer), at time `now` its router has run:
 1. copies from the prefetch list of the previous step start while the link is free before `now`
    (each evicts a victim outside the previous step's keys, which are computing; a prefetcher
-   may decline, which ends the list);
+   may decline, which ends the list; an `idle_only` prefetcher copies only what arrives by
+   `now`, so that it never delays a demand fetch);
 2. the step's keys resident and arrived by `now` count as "resident at layer start"; keys in
    flight are waited for; missing keys are fetched on demand (after any copy in flight);
 3. the layer computes when its last key has arrived: now = ready + `Timing.layer_s`;
@@ -134,12 +135,15 @@ def simulate_timed(stream, capacity: int, policy: Policy, timing: Timing, prefet
     queue, prev_keys = [], set()
     if prefetcher is not None:
         prefetcher.start(stream, cached, policy)
+    idle_only = bool(getattr(prefetcher, "idle_only", False))
     for s in range(len(stream.step_layer)):
         # 1. prefetch copies that started before this router
         while queue and link_free < now:
             key = queue.pop(0)
             if cached[key]:
                 continue
+            if idle_only and link_free + timing.copy_s(key) > now:
+                break
             if size >= capacity:
                 v = prefetcher.victim_for(key, prev_keys) if prefetcher else None
                 if v is None:
