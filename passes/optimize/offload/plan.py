@@ -9,7 +9,7 @@ floor(left / expert_bytes) (layer, expert) entries. `expert_cache` N overrides t
 
 Decisions, all by simulation of the held-out part of the planning trace (its last
 `validation_fraction` of sequences; the rest fits the models):
-* the moeplan policy's frequency weight (next_use.py), on the first `tune_requests` requests;
+* the moeplan policy's frequency weight (next_use.py);
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
 * prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
@@ -55,7 +55,6 @@ class OffloadRequest:
     validation_fraction: float = 0.2
     seed: int = 0
     max_sim_requests: int = 50_000
-    tune_requests: int = 20_000
 
 
 def kv_bytes_per_token(config, ir) -> int:
@@ -151,7 +150,7 @@ def capped(stream, max_requests: int):
     return truncate(stream, max_requests)
 
 
-MIXES = (0.0, 0.25, 0.5, 0.75, 1.0)
+MIXES = (0.0, 0.25, 0.5, 0.75)  # 1.0 would drop the learned model for a (Bayesian) LFU
 
 
 def tune_mix(model, stream, capacity: int, resident) -> tuple:
@@ -181,7 +180,7 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
     timing = timing_for(ir, req.hardware, host_keys)
     timing = Timing.from_dict(timing.to_dict(), host_keys)  # exactly what the plan stores
     stream = capped(build_stream(val, req.prompt_tokens), req.max_sim_requests)
-    model, mix_hits = tune_mix(model, capped(stream, req.tune_requests), capacity, resident)
+    model, mix_hits = tune_mix(model, stream, capacity, resident)
     say("moeplan policy mix (frequency weight): " + ", ".join(f"{w:g} -> {h:.4f}" for w, h in mix_hits.items()))
     demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"])
     eviction = max(ONLINE_POLICIES, key=lambda p: (demand[p]["hit_ratio"], -ONLINE_POLICIES.index(p)))
