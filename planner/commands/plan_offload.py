@@ -47,7 +47,7 @@ def offload_options(f):
 
 def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, gpu_memory, expert_cache,
                          hardware, serve_batch, max_length, prompt_tokens):
-    from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
+    from moeplan.passes.analysis.trace.format import load_trace, require_routing, trace_file_sha256
     from moeplan.passes.optimize.offload.hardware import load_hardware
     from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.atomic import write_text_atomic
@@ -69,6 +69,7 @@ def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_j
     hw = load_hardware(hardware)
     gpu_bytes = parse_bytes(gpu_memory) if gpu_memory is not None else None
     trace = load_trace(trace_path)
+    require_routing(trace, "offload planning (per-token expert requests)")
     loaded = load_model(model)
     ir = loaded.ir
     check_trace_matches(ir, trace, f"trace '{trace_path}'")

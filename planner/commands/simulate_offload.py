@@ -45,7 +45,7 @@ def load_offload_plan(path) -> dict:
 
 
 def simulate_offload(plan_path, trace_path, as_json: bool, prompt_tokens: int) -> None:
-    from moeplan.passes.analysis.trace.format import load_trace
+    from moeplan.passes.analysis.trace.format import load_trace, require_routing
     from moeplan.passes.optimize.offload.evaluate import gap_to_belady, run_demand, run_prefetch
     from moeplan.passes.optimize.offload.stream import build_stream
 
@@ -53,6 +53,7 @@ def simulate_offload(plan_path, trace_path, as_json: bool, prompt_tokens: int) -
         raise UserError(f"--prompt-tokens must be 0 or more, got {prompt_tokens}")
     plan = load_offload_plan(plan_path)
     trace = load_trace(trace_path)
+    require_routing(trace, "simulating an expert cache (per-token expert requests)")
     if trace.num_layers != plan["num_layers"]:
         raise UserError(f"trace '{trace_path}' has {trace.num_layers} MoE layers but the plan has {plan['num_layers']}; "
                         "was it traced from another model?")
