@@ -56,7 +56,23 @@ def _placement(facts):
 
     topo = facts["topology"]
     options = facts["placement_options"]
-    return {"placement": run_placement(facts["trace"], Topology(topo["nodes"], topo["gpus_per_node"]), **options)}
+    topology = Topology(topo["nodes"], topo["gpus_per_node"])
+    if options.get("policy") == "auto":  # issue 12: every policy priced by the cost model
+        from moeplan.passes.optimize.placement.policies import PlacementRequest
+        from moeplan.planner.predict import auto_placement
+
+        check_trace_matches(facts["model"].ir, facts["trace"])
+        request = PlacementRequest(topology=topology, **{k: v for k, v in options.items() if k != "policy"})
+        return {"placement": auto_placement(facts["model"].ir, facts["trace"], request, facts["mode"], facts["cost_options"])}
+    return {"placement": run_placement(facts["trace"], topology, **options)}
+
+
+def _cost(facts):
+    """Issue 12: the plan priced under both modes; `auto` takes the faster."""
+    from moeplan.planner.predict import cost_fact
+
+    check_trace_matches(facts["model"].ir, facts["trace"])
+    return {"cost": cost_fact(facts["model"].ir, facts["trace"], facts["placement"], facts["mode"], facts["cost_options"])}
 
 
 def run_placement(trace, topology, **options):
@@ -85,6 +101,7 @@ def _plan(facts):
     for key in NONDETERMINISTIC_METRICS:
         placement_doc.get("metrics", {}).pop(key, None)
     ir = loaded.ir
+    mode = facts["cost"]["mode"]
     plan = Plan(
         target=facts["target"]["name"],
         model={
@@ -97,14 +114,15 @@ def _plan(facts):
         topology={"nodes": topology.nodes, "gpus_per_node": topology.gpus_per_node},
         placement=placement_doc,
         communication={
-            "mode": facts["mode"], "gating": "dynamic",
-            "layers": [{"layer": l, "all_to_all": "variable-size", "exchanges": (["dispatch", "merge"] if facts["mode"] == "coherent" else ["dispatch", "combine"])}
+            "mode": mode, "gating": "dynamic",
+            "layers": [{"layer": l, "all_to_all": "variable-size", "exchanges": (["dispatch", "merge"] if mode == "coherent" else ["dispatch", "combine"])}
                        for l in range(len(ir.moe_stages))],
             "attention_state": ("replicated KV cache: every rank computes up to the first MoE router itself, then each "
                                 "token's normed hidden state is sent to every rank at every later layer")
-                               if facts["mode"] == "coherent" else "owner rank",
+                               if mode == "coherent" else "owner rank",
         },
-        predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]]},
+        predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]],
+                   "cost": facts["cost"]["doc"]},
         shards=shard_names(topology.devices),
         inputs={"trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
                 "options": facts["placement_options"]},
@@ -134,21 +152,27 @@ def compile_passes() -> list:
         Pass("import", ("model_spec",), ("model", "model_files"), _import),
         Pass("trace", ("trace_path",), ("trace", "trace_sha256"), _trace, cacheable=False),
         Pass("affinity", ("trace",), ("affinity",), _affinity),
-        Pass("placement", ("trace", "topology", "placement_options"), ("placement",), _placement),
+        Pass("placement", ("trace", "topology", "placement_options", "model", "mode", "cost_options"), ("placement",),
+             _placement),
+        Pass("cost", ("model", "trace", "placement", "mode", "cost_options"), ("cost",), _cost),
         Pass("plan", ("model", "model_files", "trace", "trace_sha256", "placement", "topology", "affinity",
-                      "placement_options", "mode", "target"), ("plan",), _plan),
+                      "placement_options", "mode", "target", "cost"), ("plan",), _plan),
         Pass("codegen", ("plan", "model", "model_files", "out", "target"), ("manifest",), _codegen, cacheable=False),
     ]
 
 
 def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str,
                    placement_options: dict, mode: str = "coherent", quiet: bool = False,
-                   target: dict | None = None) -> tuple:
+                   target: dict | None = None, cost_options: dict | None = None) -> tuple:
     """Run the pipeline; returns (facts, pass timings).
 
     `target`: {"name": "torchrun"} (default) or {"name": "kubernetes", "image", "storage_class"}:
     the torchrun bundle plus `kubernetes/` manifests that run its launch.sh.
+    `mode` / `placement_options["policy"]` may be "auto" (chosen by predicted time); `cost_options`:
+    {"hardware": profile name or file, "workload": "RxP+G"} (defaults: cpu-gloo, 8x32+8).
     """
+    from moeplan.planner.predict import default_cost_options
+
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
     manager = PassManager(compile_passes(), quiet=quiet)
@@ -156,6 +180,7 @@ def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: 
         "model_spec": str(model_spec), "trace_path": str(trace_path),
         "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node},
         "placement_options": placement_options, "mode": mode, "out": str(out),
+        "cost_options": default_cost_options(cost_options),
         "target": target or {"name": "torchrun"},
     })
     return facts, manager.timings()

@@ -20,15 +20,21 @@ from moeplan.planner.errors import UserError
               help="torchrun bundle, the same bundle plus kubernetes/ manifests, or an AWS Lambda (SAM) bundle")
 @click.option("--nodes", type=int, default=1, show_default=True)
 @click.option("--gpus-per-node", type=int, default=1, show_default=True)
-@click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
+@click.option("--policy", default="auto", show_default=True,
+              help="placement policy (see 'moeplan place --help'), or auto: the fastest by predicted time")
 @click.option("--redundant", type=int, default=0, show_default=True, help="extra expert replicas per layer")
 @click.option("--balance", type=float, default=None, help="max device load over mean allowed by placement")
 @click.option("--time-limit", type=float, default=30.0, show_default=True,
               help="solver time limit, seconds (a safety net for ilp placement, whose work is set by --effort)")
 @click.option("--effort", type=float, default=1.0, show_default=True,
               help="ilp placement: work budget multiplier (deterministic; see 'moeplan place --help')")
-@click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
-              help="expert-parallel mode the bundle runs by default")
+@click.option("--mode", type=click.Choice(["auto", "coherent", "standard"]), default="auto", show_default=True,
+              help="expert-parallel mode the bundle runs by default; auto: the faster by predicted time")
+@click.option("--hardware", default=None,
+              help="hardware profile the cost model prices the plan for: cpu-gloo (default), h100-sxm, h200-sxm, "
+                   "a100-sxm, or a YAML file ('moeplan calibrate')")
+@click.option("--workload", default=None,
+              help="requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)")
 @click.option("--image", default=None, help="kubernetes: container image of the rank pods")
 @click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
 @click.option("--slo", type=float, default=None, help="lambda: end-to-end latency limit per batch, seconds")
@@ -41,8 +47,8 @@ from moeplan.planner.errors import UserError
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
-def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort, mode, image,
-                storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, out, as_json,
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort, mode,
+                hardware, workload, image, storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, out, as_json,
                 quiet):
     """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
     if target == "lambda":
@@ -74,12 +80,17 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redunda
     elif image is not None or storage_class is not None:
         raise UserError("--image and --storage-class apply to --target kubernetes only")
     facts, timings = compile_bundle(model, trace_path, nodes, gpus_per_node, out, options, mode=mode,
-                                    quiet=quiet or as_json, target=target_spec)
+                                    quiet=quiet or as_json, target=target_spec,
+                                    cost_options={"hardware": hardware, "workload": workload})
     plan = facts["plan"].to_dict()
+    cost = plan["predicted"]["cost"]
     summary = {
         "out": str(out), "target": target, "world_size": nodes * gpus_per_node,
-        "policy": plan["placement"].get("policy", policy), "mode": mode,
-        "predicted": {k: plan["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")},
+        "policy": plan["placement"].get("policy", policy), "mode": plan["communication"]["mode"],
+        "hardware": cost["hardware"],
+        "predicted": {k: plan["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")}
+        | {"seconds_per_token": cost["modes"][plan["communication"]["mode"]]["seconds_per_token"],
+           "total_bytes_per_token": cost["modes"][plan["communication"]["mode"]]["total_bytes_per_token"]},
         "files": len(facts["manifest"]["files"]), "passes": timings,
     }
     if as_json:
@@ -89,3 +100,6 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redunda
         click.echo(f"wrote {out}: {summary['world_size']} ranks, {summary['files']} files; predicted gpu_local_fraction "
                    f"{p['gpu_local_fraction']:.3f}, node_local_fraction {p['node_local_fraction']:.3f}, "
                    f"max/mean load {p['max_over_mean_load']:.3f}")
+        from moeplan.planner.predict import describe_choice
+
+        click.echo(describe_choice(plan, hardware is None))
