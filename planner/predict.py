@@ -21,11 +21,14 @@ DEFAULT_WORKLOAD = "8x32+8"
 
 
 def default_cost_options(given: dict | None) -> dict:
-    """{"hardware", "workload"} with the defaults filled in (the default profile is named in the plan)."""
-    from moeplan.planner.hardware import DEFAULT_HARDWARE
+    """{"hardware", "workload"} with the defaults filled in (the default profile is named in the plan);
+    both are checked here, before any pass runs."""
+    from moeplan.planner.hardware import DEFAULT_HARDWARE, load_hardware
 
     out = {"hardware": DEFAULT_HARDWARE, "workload": DEFAULT_WORKLOAD}
     out.update({k: v for k, v in (given or {}).items() if v is not None})
+    load_hardware(out["hardware"])
+    parse_workload(out["workload"])
     return out
 
 
@@ -105,6 +108,8 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
     routing, priced with the plan's hardware profile (bytes only when that profile is a file not here)."""
     from moeplan.planner.hardware import BUILTIN, DEFAULT_HARDWARE, load_hardware
 
+    if "ir" not in plan.get("model", {}):  # a bundle written without the planner: nothing to predict from
+        return {}
     name = plan.get("predicted", {}).get("cost", {}).get("hardware", DEFAULT_HARDWARE)
     try:
         profile = load_hardware(name if name in BUILTIN or Path(name).is_file() else DEFAULT_HARDWARE)

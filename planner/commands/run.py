@@ -222,9 +222,10 @@ def _print(report: dict, verify: bool) -> None:
                    f"  {layer['context_bytes']:>13}  {local:>11}")
     click.echo(f"  all-to-all bytes per generated token {report['bytes_per_token']:.0f} "
                f"({report['messages_per_token']:.2f} messages); all traffic {report['total_bytes_per_token']:.0f}")
-    click.echo(f"  predicted: all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
-               f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
-               f"(measured {report['seconds_per_token'] * 1e3:.2f})")
+    if "predicted_total_bytes_per_token" in report:
+        click.echo(f"  predicted: all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
+                   f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
+                   f"(measured {report['seconds_per_token'] * 1e3:.2f})")
     if report["mode"] == "coherent":
         click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
                    f"predicted {report['predicted_gpu_local_fraction']:.4f}")
