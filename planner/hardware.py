@@ -19,7 +19,7 @@ from moeplan.planner.errors import UserError
 BUILTIN = ("cpu-gloo", "h100-sxm", "h200-sxm", "a100-sxm")
 DEFAULT_HARDWARE = "cpu-gloo"
 TIERS = ("same_node", "other_node")
-_SCALARS = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "parallel_ranks",
+_SCALARS = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "parallel_ranks",
             "collective_latency_base_s", "collective_latency_per_peer_s")
 
 
@@ -31,6 +31,7 @@ class HardwareProfile:
     flops_per_s: float                # dense matmul throughput of one rank
     memory_bytes_per_s: float         # weight reads of one rank
     op_overhead_s: float              # one framework op / kernel launch
+    python_slot_s: float              # the runtime's replica choice, per (token, expert) slot
     parallel_ranks: float             # ranks that compute at once (CPU: cores; GPUs: all)
     collective_latency_base_s: float  # fixed part of one all_to_all call
     collective_latency_per_peer_s: float
@@ -77,7 +78,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     missing = sorted(known - {"sources"} - set(data))
     if missing:
         raise UserError(f"hardware profile '{where}' is missing key(s) {missing}")
-    values = {k: _positive(where, k, data[k]) for k in _SCALARS}
+    values = {k: _positive(where, k, data[k], zero_ok=k in _MAY_BE_ZERO) for k in _SCALARS}
     tiers = {}
     for key in ("bandwidth_bytes_per_s", "message_latency_s"):
         per = data[key]
@@ -87,7 +88,12 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     return HardwareProfile(name=str(data["name"]), sources=dict(data.get("sources") or {}), **values, **tiers)
 
 
-def _positive(where: str, key: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise UserError(f"hardware profile '{where}': '{key}' must be a positive number, got {value!r}")
+_MAY_BE_ZERO = ("python_slot_s",)
+
+
+def _positive(where: str, key: str, value, zero_ok: bool = False) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not zero_ok)):
+        raise UserError(f"hardware profile '{where}': '{key}' must be a {'non-negative' if zero_ok else 'positive'} "
+                        f"number, got {value!r}")
     return float(value)

@@ -29,7 +29,7 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   weight bytes read_r / memory bandwidth) (decode on GPUs is weight-read bound), with
   flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
   the torch calls the engine makes (ATTN_OPS + ATTN_OPS_PER_SEQ x sequences, EXPERT_CALL_OPS per
-  expert invoked, MOE_OPS per MoE layer, CHOOSE_OPS_PER_SLOT per slot for the replica choice);
+  expert invoked, MOE_OPS per MoE layer) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
 * communication, per exchange call: 2 x collective latency(W) (counts, then rows) +
@@ -54,13 +54,12 @@ FLOAT = 4
 # per sequence in it (mask, two einsums, softmax, gathers ~20); one expert call (norm, three
 # linears, SiLU, gathers, index_add ~19); the fixed part of an MoE layer (route 11, packing and
 # unpacking 28, trace and counters 9, shared experts 8, ...); the replica choice per slot
-# (a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
+# (priced apart: `python_slot_s`, a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
 # per peer in it by kind (select rows, unpack them).
 ATTN_OPS = 23
 ATTN_OPS_PER_SEQ = 20
 EXPERT_CALL_OPS = 19
 MOE_OPS = 60
-CHOOSE_OPS_PER_SLOT = 2
 EXCHANGE_OPS = 8
 PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
 MERGE_OPS_PER_ROW = 0.5
@@ -79,9 +78,12 @@ class ModelShape:
     expert_flops: float          # per token per routed expert
     dense_mlp_flops: float = 0.0  # per token per dense (non-MoE) block
     head_flops: float = 0.0      # per token (final norm + LM head)
+    moe_dense_flops: float = 0.0  # per token per MoE block: router and shared experts (where the token is)
     expert_bytes: float = 0.0    # weights one expert call reads
     attention_bytes: float = 0.0  # weights one block's attention reads
     element_bytes: int = FLOAT   # hidden-state element on the wire (the runtime sends float32)
+    context_elements: int = 0    # coherent context row per token and block; 0: the hidden state (the
+                                 # runtime's choice); K and V (2 x kv heads x head dim) or an MLA latent are smaller
 
     @classmethod
     def from_ir(cls, ir) -> "ModelShape":
@@ -102,6 +104,7 @@ class ModelShape:
         return cls(hidden=int(moe.hidden_size), top_k=int(moe.top_k), num_blocks=max(blocks + 1, len(moe_blocks)),
                    moe_blocks=tuple(moe_blocks), attention_flops=float(np.mean(attn)) if attn else 0.0,
                    expert_flops=float(moe.expert_flops_per_token),
+                   moe_dense_flops=float(max(moe.flops_per_token - moe.top_k * moe.expert_flops_per_token, 0)),
                    dense_mlp_flops=float(np.mean(mlp)) if mlp else 0.0, head_flops=float(head),
                    expert_bytes=float(moe.expert_param_bytes), attention_bytes=float(np.mean(attn_bytes)) if attn_bytes else 0.0)
 
@@ -112,6 +115,11 @@ class ModelShape:
     @property
     def combine_row_bytes(self) -> int:
         return self.element_bytes * self.hidden
+
+    @property
+    def context_row_bytes(self) -> int:
+        """coherent context rows: the hidden state (or `context_elements`) + one int64 key."""
+        return self.element_bytes * (self.context_elements or self.hidden) + FLOAT * 2
 
     @property
     def keyed_row_bytes(self) -> int:
@@ -319,11 +327,12 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 holders = {r: [t for t in keys if current[t] == r] for r in range(W)}
             if mode == COHERENT and current is not None:
                 counts = np.array([[len(holders[r])] * W for r in range(W)], dtype=np.int64)
-                step_time += _add(pred, counter.exchange(counts, shape.keyed_row_bytes, block, "context"), comm=True)
+                step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes, block, "context"), comm=True)
             for r in range(W):
                 seqs = len({s for s, _ in holders[r]})
                 if holders[r]:
-                    compute[r] += _cost(profile, ATTN_OPS + ATTN_OPS_PER_SEQ * seqs, len(holders[r]) * shape.attention_flops,
+                    dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
+                    compute[r] += _cost(profile, ATTN_OPS + ATTN_OPS_PER_SEQ * seqs, len(holders[r]) * dense,
                                         shape.attention_bytes)
                 if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
                     compute[r] += _cost(profile, 2, (len(keys) - len(holders[r])) * shape.attention_flops / 3)
@@ -347,7 +356,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                     for r in set(d) - {d[0]}:
                         merge[r, d[0]] += 1
                 for r in range(W):
-                    compute[r] += _cost(profile, MOE_OPS + CHOOSE_OPS_PER_SLOT * len(keys) * shape.top_k, 0.0)
+                    compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(keys) * shape.top_k)
                 step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
                 step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
                 current = {t: d[0] for t, d in zip(keys, dest)}
@@ -359,7 +368,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 mine = holders[r]
                 ids = [list(routing[t][moe]) for t in mine]
                 dest = table.choose(moe, ids, [r] * len(mine))
-                compute[r] += _cost(profile, MOE_OPS + CHOOSE_OPS_PER_SLOT * len(mine) * shape.top_k, 0.0)
+                compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(mine) * shape.top_k)
                 for t, e, d in zip(mine, ids, dest):
                     for ex, dr in zip(e, d):
                         rows_compute[dr] += 1
@@ -404,6 +413,10 @@ def _cost(profile, ops: float, flops: float, weight_bytes: float = 0.0) -> float
     if profile is None:
         return 0.0
     return ops * profile.op_overhead_s + max(flops / profile.flops_per_s, weight_bytes / profile.memory_bytes_per_s)
+
+
+def _slots(profile, slots: int) -> float:
+    return 0.0 if profile is None else slots * profile.python_slot_s
 
 
 def _oversubscribed(profile, world: int) -> float:

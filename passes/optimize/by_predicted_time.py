@@ -64,7 +64,13 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
         try:
             placement = plan_placement(trace, req)
         except UserError:
-            continue
+            if req.policy != "ilp" or req.balance_base == "eplb":
+                continue
+            try:  # a load cap no placement meets over the mean: cap relative to EPLB's best instead
+                req = replace(req, balance_base="eplb")
+                placement = plan_placement(trace, req)
+            except UserError:
+                continue
         preds = predict_modes(placement.hosts(), req.topology.gpus_per_node, shape, workload, trace.experts, profile,
                               MODES if mode == "auto" else (mode,))
         chosen = choose_mode(preds) if mode == "auto" else mode

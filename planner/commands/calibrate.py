@@ -2,7 +2,8 @@
 
 Why: the cost model's CPU predictions are only as good as its constants, and a CPU's matmul rate,
 framework overhead and gloo latency depend on the machine and its load. A short micro-benchmark
-(about a minute): one-thread matmul throughput, the time of one small torch op, a large copy,
+(about a minute): one-thread matmul throughput, a large copy, the runtime engine itself on one
+rank (to fit the cost of one of the engine's framework calls, `op_overhead_s`),
 and gloo `all_to_all_single` over loopback at 2 and 4 ranks (small messages for latency, large
 for bandwidth), the same call the runtime makes. The YAML it writes has the keys of
 `planner/hardware_data/*.yaml`, each with its source; pass it to `compile --hardware FILE`.
@@ -35,33 +36,100 @@ def _best_per_call(fn, reps: int) -> float:
     return times[len(times) // 2]
 
 
-ENGINE_MIX_OPS = 18
-
-
-def _engine_mix(torch, F, x, w, idx):
-    """18 calls of the kinds the runtime engine makes on a few rows (norm, linear, gathers, packing)."""
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
-    y = F.linear(h, w)
-    z = F.silu(y) * y
-    m = (idx == 2).nonzero().flatten()
-    out = torch.zeros_like(x).index_add(0, idx, x[idx])
-    parts = torch.split(torch.cat([out, x], dim=0), [4, 12], dim=0)
-    return torch.tensor(m.tolist(), dtype=torch.int64), z, parts
-
-
 def measure_compute() -> dict:
-    """One thread: matmul FLOP/s (256 x 256 x 256 float32), one engine-like op, copy bandwidth."""
+    """One thread: matmul FLOP/s (256 x 256 x 256 float32), copy bandwidth, the replica-choice loop."""
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     mm = _best_per_call(lambda: a @ b, 30)
-    x, w, idx = torch.randn(8, 128), torch.randn(64, 128), torch.tensor([0, 2, 4])
-    op = _best_per_call(lambda: _engine_mix(torch, F, x, w, idx), 200) / ENGINE_MIX_OPS
     big = torch.randn(1 << 22)
     copy = _best_per_call(lambda: big.clone(), 10)
-    return {"flops_per_s": 2 * 256 ** 3 / mm, "op_overhead_s": op, "memory_bytes_per_s": 2 * big.numel() * 4 / copy}
+    table = torch.empty(64, 2, dtype=torch.int64)
+
+    def choose_loop():  # the runtime's replica choice: a Python loop storing one rank per slot
+        for i in range(64):
+            for s in range(2):
+                table[i, s] = i & 1
+
+    slot = _best_per_call(choose_loop, 20) / 128
+    return {"flops_per_s": 2 * 256 ** 3 / mm, "memory_bytes_per_s": 2 * big.numel() * 4 / copy,
+            "python_slot_s": slot}
+
+
+# The engine run that fits op_overhead_s: TinyMoE at the example model's size, 8 requests of 32
+# prompt tokens and 8 new tokens on one rank (no communication), random seeded weights.
+ENGINE_CONFIG = {"vocab_size": 256, "hidden_size": 128, "num_layers": 6, "num_heads": 4, "num_experts": 16,
+                 "top_k": 2, "expert_hidden": 64, "shared_experts": 0, "max_positions": 256, "norm_eps": 1e-5}
+ENGINE_WORKLOAD = (8, 32, 8)
+
+
+def _tiny_weights(c: dict, torch) -> dict:
+    g = torch.Generator().manual_seed(0)
+    D, H, V, E = c["hidden_size"], c["expert_hidden"], c["vocab_size"], c["num_experts"]
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    w = {"embed.weight": r(V, D), "pos_embed.weight": r(c["max_positions"], D), "final_norm.weight": torch.ones(D),
+         "head.weight": r(V, D)}
+    for l in range(c["num_layers"]):
+        p = f"blocks.{l}"
+        w.update({f"{p}.attn_norm.weight": torch.ones(D), f"{p}.attn.qkv.weight": r(3 * D, D),
+                  f"{p}.attn.out.weight": r(D, D), f"{p}.moe_norm.weight": torch.ones(D), f"{p}.moe.gate.weight": r(E, D)})
+        for e in range(E):
+            w.update({f"{p}.moe.experts.{e}.w_gate.weight": r(H, D), f"{p}.moe.experts.{e}.w_up.weight": r(H, D),
+                      f"{p}.moe.experts.{e}.w_down.weight": r(D, H)})
+    return w
+
+
+def measure_engine(partial: dict, runs: int = 3) -> float:
+    """Fit op_overhead_s: the value for which the cost model predicts the measured time of the
+    runtime engine (standard mode) on one rank. The cost model is linear in op_overhead_s there."""
+    import numpy as np
+    import torch
+
+    from moeplan.backends.runtime.counters import Counters
+    from moeplan.backends.runtime.engine import Engine
+    from moeplan.backends.runtime.exchange import Exchanger
+    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.backends.runtime.tiny_moe import TinyMoEArch
+    from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
+    from moeplan.planner.hardware import profile_from_dict
+
+    torch.set_num_threads(1)
+    c = ENGINE_CONFIG
+    arch = TinyMoEArch(c, _tiny_weights(c, torch))
+    E, L = c["num_experts"], c["num_layers"]
+    table = ExpertTable.from_placement({"topology": {"nodes": 1, "gpus_per_node": 1},
+                                        "layers": [{"layer": l, "devices": [list(range(E))]} for l in range(L)]})
+    requests, length, new = ENGINE_WORKLOAD
+    prompts = [[(7 * i + 3 * j) % c["vocab_size"] for j in range(length)] for i in range(requests)]
+    times, engine = [], None
+    for _ in range(runs):
+        counters = Counters(L)
+        engine = Engine(arch, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, "standard",
+                        torch.device("cpu"))
+        times.append(engine.generate(prompts, new)["elapsed_s"])
+    measured = sorted(times)[len(times) // 2]
+    experts = {}
+    for layer, keys, ids, _ in engine.trace:
+        for k, row in zip(keys.tolist(), ids.tolist()):
+            experts.setdefault((k // engine.max_len, k % engine.max_len), [None] * L)[layer] = row
+    routing = {t: np.array(v) for t, v in experts.items()}
+    D, H = c["hidden_size"], c["expert_hidden"]
+    shape = ModelShape(hidden=D, top_k=c["top_k"], num_blocks=L, moe_blocks=tuple(range(L)),
+                       attention_flops=2 * 4 * D * D + 4 * D * length, expert_flops=2 * 3 * D * H,
+                       head_flops=2 * D * c["vocab_size"], expert_bytes=4 * 3 * D * H, attention_bytes=4 * 4 * D * D)
+    workload = Workload((length,) * requests, new)
+    hosts = np.ones((L, E, 1), dtype=bool)
+
+    def predicted(op: float) -> float:
+        profile = profile_from_dict(dict(partial, op_overhead_s=max(op, 1e-12)), "calibration")
+        return sum(predict(hosts, 1, shape, "standard", workload, routing, profile).step_seconds)
+
+    at0, at1 = predicted(1e-12), predicted(1.0)
+    return max((measured - at0) / (at1 - at0), 1e-9)
 
 
 def _free_port() -> int:
@@ -118,18 +186,25 @@ def calibrate() -> dict:
     """The cpu-gloo profile of this machine, as a YAML-ready dict."""
     compute = measure_compute()
     gloo = {w: measure_gloo(w) for w in WORLDS}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
+               "python_slot_s": compute["python_slot_s"], "parallel_ranks": cores, "op_overhead_s": 1e-6,
+               "collective_latency_base_s": 1.0, "collective_latency_per_peer_s": 1.0,
+               "bandwidth_bytes_per_s": {"same_node": 1.0, "other_node": 1.0},
+               "message_latency_s": {"same_node": 1.0, "other_node": 1.0}}
+    compute["op_overhead_s"] = measure_engine(partial)
     lo, hi = WORLDS
     per_peer = max((gloo[hi]["small"] - gloo[lo]["small"]) / (hi - lo), 1e-7)
     base = max(gloo[lo]["small"] - per_peer * (lo - 1), 1e-7)
     message = max((gloo[lo]["kilo"] - gloo[lo]["small"]) / (lo - 1), 1e-7)
     bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     measured = (f"moeplan calibrate on this machine ({cores} cores): median of timed calls")
     return {
         "name": "cpu-gloo",
         "flops_per_s": float(f"{compute['flops_per_s']:.4g}"),
         "memory_bytes_per_s": float(f"{compute['memory_bytes_per_s']:.4g}"),
         "op_overhead_s": float(f"{compute['op_overhead_s']:.4g}"),
+        "python_slot_s": float(f"{compute['python_slot_s']:.4g}"),
         "parallel_ranks": cores,
         "collective_latency_base_s": float(f"{base:.4g}"),
         "collective_latency_per_peer_s": float(f"{per_peer:.4g}"),
@@ -138,7 +213,9 @@ def calibrate() -> dict:
         "sources": {
             "flops_per_s": f"{measured}, 256x256x256 float32 matmul, one thread",
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
-            "op_overhead_s": f"{measured}, a mix of {ENGINE_MIX_OPS} engine-like calls on 8 x 128 rows, per call",
+            "op_overhead_s": f"{measured}: fitted so that the cost model predicts a one-rank run of the runtime engine "
+                             f"(TinyMoE 128 hidden, 16 experts, top-2; 8 x 32 prompt tokens + 8 new; median of 3)",
+            "python_slot_s": f"{measured}, a Python loop storing one int64 per slot into a [64, 2] tensor",
             "parallel_ranks": "os.sched_getaffinity (cores this process may use)",
             "collective_latency_base_s": f"{measured}, gloo all_to_all_single 8 B per peer at {lo} and {hi} ranks",
             "collective_latency_per_peer_s": f"{measured}, slope between {lo} and {hi} ranks",
