@@ -98,7 +98,7 @@ def _plan(facts):
     topology = Topology(topo["nodes"], topo["gpus_per_node"])
     score = score_placement(trace, placement.hosts(), topology).as_dict()
     placement_doc = json.loads(placement.to_json())
-    for key in NONDETERMINISTIC_METRICS:
+    for key in NONDETERMINISTIC_METRICS + ("auto_predictions",):  # the latter: under predicted.cost.alternatives
         placement_doc.get("metrics", {}).pop(key, None)
     ir = loaded.ir
     mode = facts["cost"]["mode"]

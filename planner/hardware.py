@@ -19,7 +19,7 @@ from moeplan.planner.errors import UserError
 BUILTIN = ("cpu-gloo", "h100-sxm", "h200-sxm", "a100-sxm")
 DEFAULT_HARDWARE = "cpu-gloo"
 TIERS = ("same_node", "other_node")
-_SCALARS = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "parallel_ranks",
+_SCALARS = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "attention_ops_per_sequence", "parallel_ranks",
             "collective_latency_base_s", "collective_latency_per_peer_s")
 
 
@@ -32,6 +32,7 @@ class HardwareProfile:
     memory_bytes_per_s: float         # weight reads of one rank
     op_overhead_s: float              # one framework op / kernel launch
     python_slot_s: float              # the runtime's replica choice, per (token, expert) slot
+    attention_ops_per_sequence: float  # framework calls per sequence in a block's attention
     parallel_ranks: float             # ranks that compute at once (CPU: cores; GPUs: all)
     collective_latency_base_s: float  # fixed part of one all_to_all call
     collective_latency_per_peer_s: float
@@ -88,7 +89,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     return HardwareProfile(name=str(data["name"]), sources=dict(data.get("sources") or {}), **values, **tiers)
 
 
-_MAY_BE_ZERO = ("python_slot_s",)
+_MAY_BE_ZERO = ("python_slot_s", "attention_ops_per_sequence")
 
 
 def _positive(where: str, key: str, value, zero_ok: bool = False) -> float:

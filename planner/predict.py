@@ -60,7 +60,8 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict) -> dict:
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
-                "mode": chosen, "modes": preds},
+                "mode": chosen, "modes": preds,
+                "alternatives": placement.metrics.get("auto_predictions", [])},
     }
 
 
@@ -89,7 +90,8 @@ def auto_placement(ir, trace, request, mode: str, cost_options: dict):
 
     placement, rows = choose_placement(trace, request, ModelShape.from_ir(ir), load_hardware(cost_options["hardware"]),
                                        parse_workload(cost_options["workload"]), mode)
-    placement.metrics["auto_candidates"] = rows
+    placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
+    placement.metrics["auto_predictions"] = rows
     return placement
 
 

@@ -28,7 +28,8 @@ Time (per step, then per generated token = sum of steps / generated tokens):
 * compute, per block and rank r: c_r = ops_r x op_overhead + max(flops_r / flops_per_s,
   weight bytes read_r / memory bandwidth) (decode on GPUs is weight-read bound), with
   flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
-  the torch calls the engine makes (ATTN_OPS + ATTN_OPS_PER_SEQ x sequences, EXPERT_CALL_OPS per
+  the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
+  loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
   expert invoked, MOE_OPS per MoE layer) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
@@ -57,7 +58,6 @@ FLOAT = 4
 # (priced apart: `python_slot_s`, a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
 # per peer in it by kind (select rows, unpack them).
 ATTN_OPS = 23
-ATTN_OPS_PER_SEQ = 20
 EXPERT_CALL_OPS = 19
 MOE_OPS = 60
 EXCHANGE_OPS = 8
@@ -332,7 +332,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 seqs = len({s for s, _ in holders[r]})
                 if holders[r]:
                     dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
-                    compute[r] += _cost(profile, ATTN_OPS + ATTN_OPS_PER_SEQ * seqs, len(holders[r]) * dense,
+                    compute[r] += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs, len(holders[r]) * dense,
                                         shape.attention_bytes)
                 if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
                     compute[r] += _cost(profile, 2, (len(keys) - len(holders[r])) * shape.attention_flops / 3)
@@ -413,6 +413,10 @@ def _cost(profile, ops: float, flops: float, weight_bytes: float = 0.0) -> float
     if profile is None:
         return 0.0
     return ops * profile.op_overhead_s + max(flops / profile.flops_per_s, weight_bytes / profile.memory_bytes_per_s)
+
+
+def profile_ops_per_sequence(profile) -> float:
+    return 0.0 if profile is None else profile.attention_ops_per_sequence
 
 
 def _slots(profile, slots: int) -> float:

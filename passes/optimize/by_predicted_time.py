@@ -56,7 +56,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
     """Build every candidate, predict each under `mode` (or both for auto), keep the fastest.
 
     Returns (placement, table): table rows {label, policy, redundant, mode, seconds_per_token,
-    total_bytes_per_token} for plan.json."""
+    total_bytes_per_token, modes: {mode: full prediction}} for plan.json."""
     from moeplan.passes.optimize.placement.policies import plan_placement
 
     rows, best = [], None
@@ -76,7 +76,8 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
         chosen = choose_mode(preds) if mode == "auto" else mode
         p = preds[chosen]
         rows.append({"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
-                     "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"]})
+                     "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
+                     "modes": preds})
         if best is None or p["seconds_per_token"] < best[0] * (1 - TIE):
             best = (p["seconds_per_token"], placement, label)
     if best is None:

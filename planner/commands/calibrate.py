@@ -62,6 +62,7 @@ def measure_compute() -> dict:
 ENGINE_CONFIG = {"vocab_size": 256, "hidden_size": 128, "num_layers": 6, "num_heads": 4, "num_experts": 16,
                  "top_k": 2, "expert_hidden": 64, "shared_experts": 0, "max_positions": 256, "norm_eps": 1e-5}
 ENGINE_WORKLOAD = (8, 32, 8)
+ENGINE_OPS_PER_SEQUENCE = 20  # the runtime engine's attention: mask, two einsums, softmax, gathers per sequence
 
 
 def _tiny_weights(c: dict, torch) -> dict:
@@ -188,7 +189,8 @@ def calibrate() -> dict:
     gloo = {w: measure_gloo(w) for w in WORLDS}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
-               "python_slot_s": compute["python_slot_s"], "parallel_ranks": cores, "op_overhead_s": 1e-6,
+               "python_slot_s": compute["python_slot_s"], "parallel_ranks": cores,
+               "attention_ops_per_sequence": ENGINE_OPS_PER_SEQUENCE, "op_overhead_s": 1e-6,
                "collective_latency_base_s": 1.0, "collective_latency_per_peer_s": 1.0,
                "bandwidth_bytes_per_s": {"same_node": 1.0, "other_node": 1.0},
                "message_latency_s": {"same_node": 1.0, "other_node": 1.0}}
@@ -205,6 +207,7 @@ def calibrate() -> dict:
         "memory_bytes_per_s": float(f"{compute['memory_bytes_per_s']:.4g}"),
         "op_overhead_s": float(f"{compute['op_overhead_s']:.4g}"),
         "python_slot_s": float(f"{compute['python_slot_s']:.4g}"),
+        "attention_ops_per_sequence": ENGINE_OPS_PER_SEQUENCE,
         "parallel_ranks": cores,
         "collective_latency_base_s": float(f"{base:.4g}"),
         "collective_latency_per_peer_s": float(f"{per_peer:.4g}"),
@@ -215,6 +218,7 @@ def calibrate() -> dict:
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
             "op_overhead_s": f"{measured}: fitted so that the cost model predicts a one-rank run of the runtime engine "
                              f"(TinyMoE 128 hidden, 16 experts, top-2; 8 x 32 prompt tokens + 8 new; median of 3)",
+            "attention_ops_per_sequence": "counted off backends/runtime/engine.py (_attention loops over sequences)",
             "python_slot_s": f"{measured}, a Python loop storing one int64 per slot into a [64, 2] tensor",
             "parallel_ranks": "os.sched_getaffinity (cores this process may use)",
             "collective_latency_base_s": f"{measured}, gloo all_to_all_single 8 B per peer at {lo} and {hi} ranks",
