@@ -130,3 +130,26 @@ def test_compile_with_an_unknown_hardware_fails_with_one_line(tmp_path):
                                               "--out", str(tmp_path / "b"), "--quiet"])
     assert result.exit_code == 2 and "unknown hardware 'tpu-v9'" in result.output
     assert not (tmp_path / "b").exists()
+
+
+@given(st.integers(1, 64), st.integers(1, 512), st.integers(1, 64))
+def test_workload_parses_requests_prompt_and_new_tokens(requests, prompt, new):
+    from moeplan.planner.predict import parse_workload
+
+    w = parse_workload(f"{requests}x{prompt}+{new}")
+    assert w.prompt_lengths == (prompt,) * requests and w.new_tokens == new
+    assert w.generated_tokens == requests * new and w.prompt_tokens == requests * prompt
+    steps = w.steps()
+    assert len(steps) == new and len(steps[0]) == requests * prompt and all(len(s) == requests for s in steps[1:])
+
+
+@given(st.text(max_size=12))
+def test_a_malformed_workload_is_a_user_error(text):
+    from moeplan.planner.predict import parse_workload
+
+    try:
+        w = parse_workload(text)
+    except UserError as exc:
+        assert "REQUESTSxPROMPT+NEW" in str(exc)
+    else:
+        assert w.new_tokens >= 1 and min(w.prompt_lengths) >= 1
