@@ -64,7 +64,7 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args) -> di
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.hardware import load_hardware
     from moeplan.planner.importers import load_model
-    from moeplan.planner.predict import parse_workload
+    from moeplan.planner.pipeline.cost import parse_workload
 
     ir = load_model(str(config)).ir
     moe = ir.moe_stages[0]

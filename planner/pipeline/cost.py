@@ -1,5 +1,9 @@
 """The cost model wired to plans, traces and runs: what compile records and what run checks.
 
+* `placement_or_auto` / `COST`: the torchrun pipeline's placement pass (--policy auto prices every
+  policy) and cost pass (both modes priced, --mode auto takes the faster), facts `cost_options`
+  {"hardware", "workload"} -> `cost` {"mode", "doc": plan.json `predicted.cost`}.
+
 * `Workload.parse("8x32+8")`: 8 requests of 32 prompt tokens, 8 generated tokens each.
 * `cost_fact`: compile's cost pass: the chosen placement priced under both modes (routing
   sampled from the plan's trace), the mode `auto` picks, and the policy candidates' table.
@@ -12,10 +16,10 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 
 from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict, routing_from_keys
 from moeplan.planner.errors import UserError
+from moeplan.planner.pass_manager import Pass
 
 DEFAULT_WORKLOAD = "8x32+8"
 
@@ -95,12 +99,12 @@ def auto_placement(ir, trace, request, mode: str, cost_options: dict):
     return placement
 
 
-def describe_choice(plan: dict, default_hardware: bool) -> str:
+def describe_choice(plan: dict) -> str:
     """One line: policy and mode chosen, predicted seconds per token under each mode, the profile."""
     cost = plan["predicted"]["cost"]
     modes = ", ".join(f"{m} {v['seconds_per_token'] * 1e3:.2f} ms/token {v['total_bytes_per_token']:.0f} B/token"
                       for m, v in sorted(cost["modes"].items()))
-    note = " (the default; pass --hardware for the machine the bundle will run on)" if default_hardware else ""
+    note = " (the default; pass --hardware for the machine the bundle will run on)" if cost["hardware"] == "cpu-gloo" else ""
     return (f"placement {plan['placement'].get('policy')}, mode {cost['mode']} (requested {cost['mode_requested']}); "
             f"predicted {modes}; hardware profile {cost['hardware']}{note}")
 
@@ -130,3 +134,28 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
                                   and abs(pred["bytes_per_token"] - summary["bytes_per_token"]) < 1e-6,
         "predicted": pred,
     }
+
+
+def placement_or_auto(facts):
+    """The placement pass: `moeplan place`'s, or with --policy auto the fastest by predicted time."""
+    from moeplan.planner.pipeline import placement as place_passes
+
+    options = facts["placement_options"]
+    if options.get("policy") != "auto":
+        return place_passes._placement(facts)
+    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.policies import PlacementRequest
+
+    topo = facts["topology"]
+    request = PlacementRequest(topology=Topology(topo["nodes"], topo["gpus_per_node"]),
+                               **{k: v for k, v in options.items() if k != "policy"})
+    return {"placement": auto_placement(facts["model"].ir, facts["trace"], request, facts["mode"],
+                                        default_cost_options(facts.get("cost_options")))}
+
+
+def _cost(facts):
+    return {"cost": cost_fact(facts["model"].ir, facts["trace"], facts["placement"], facts["mode"],
+                              default_cost_options(facts.get("cost_options")))}
+
+
+COST = Pass("cost", ("model", "trace", "placement", "mode", "cost_options"), ("cost",), _cost)
