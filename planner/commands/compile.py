@@ -30,6 +30,8 @@ def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image
 
         spec.update(image=image or DEFAULT_IMAGE, storage_class=storage_class)
     serverless = dict(serverless, time_limit=placement["time_limit"], solver=placement["solver"])
+    if target == "lambda" and placement["policy"] == "auto":  # lambda sizes expert functions, no placement policy
+        placement = dict(placement, policy="ilp")
     if target == "lambda":  # flag mistakes stop before any pass runs
         from moeplan.planner.pipeline.lambda_ import check_options
 
@@ -85,8 +87,6 @@ def describe(summary: dict) -> str:
               help="torchrun bundle, the same bundle plus kubernetes/ manifests, or an AWS Lambda (SAM) bundle")
 @topology_options(required=False)
 @auto_placement_options
-@click.option("--mode", type=click.Choice(["auto", "coherent", "standard"]), default="auto", show_default=True,
-              help="expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time")
 @cost_options
 @click.option("--image", default=None, help="kubernetes: container image of the rank pods")
 @click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
@@ -97,11 +97,9 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
                 workload, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
-    placement = pop(flags, PLACEMENT_FLAGS)
-    if target == "lambda" and placement["policy"] == "auto":  # lambda plans its own expert functions
-        placement["policy"] = "ilp"
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
-                            placement, pop(flags, SERVERLESS_FLAGS), out, say, {"hardware": hardware, "workload": workload})
+                            pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say,
+                            {"hardware": hardware, "workload": workload})
     from moeplan.planner.pipeline.targets import run_target
 
     facts, timings = run_target(target, facts, quiet=quiet or as_json)

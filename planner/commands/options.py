@@ -63,8 +63,11 @@ auto_placement_options = placement_option_group(("auto", "ilp", "eplb", "contigu
 
 
 def cost_options(f):
-    """--hardware / --workload: what the cost model prices a plan for (issue 12)."""
+    """--mode (auto by default), --hardware, --workload: what the cost model prices a plan for (issue 12)."""
     return _apply([
+        click.option("--mode", type=click.Choice(["auto", "coherent", "standard"]), default="auto", show_default=True,
+                     help="torchrun/kubernetes: expert-parallel mode the bundle runs by default; auto: the faster by the "
+                          "cost model's predicted time"),
         click.option("--hardware", default=None,
                      help="hardware profile the cost model prices the plan for: cpu-gloo (default), h100-sxm, h200-sxm, "
                           "a100-sxm, or a YAML file written by 'moeplan calibrate'"),
