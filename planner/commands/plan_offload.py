@@ -25,17 +25,15 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "hardware", "serve_batch", "max_length", "prompt_tokens")
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "serve_batch", "max_length", "prompt_tokens")
 
 
 def offload_options(f):
-    """The options only `--target offload` reads."""
-    from moeplan.passes.optimize.offload.hardware import DEFAULT
-
+    """The options only `--target offload` reads (it shares --hardware with the cost model's options:
+    offload profiles are passes/optimize/offload/hardware.yaml, default rtx4090-pcie4)."""
     options = [
         click.option("--gpu-memory", default=None, help="offload: GPU memory for the model, bytes or e.g. 24GiB"),
         click.option("--expert-cache", type=int, default=None, help="offload: expert cache entries ((layer, expert) pairs) instead of --gpu-memory"),
-        click.option("--hardware", default=DEFAULT, show_default=True, help="offload: hardware profile (passes/optimize/offload/hardware.yaml)"),
         click.option("--batch", "serve_batch", type=int, default=1, show_default=True, help="offload: sequences served at once (KV cache sizing)"),
         click.option("--max-length", type=int, default=4096, show_default=True, help="offload: tokens per sequence (KV cache sizing)"),
         click.option("--prompt-tokens", type=int, default=0, show_default=True, help="offload: first P tokens of a sequence are one prefill step"),
@@ -48,7 +46,7 @@ def offload_options(f):
 def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, gpu_memory, expert_cache,
                          hardware, serve_batch, max_length, prompt_tokens):
     from moeplan.passes.analysis.trace.format import load_trace, require_routing, trace_file_sha256
-    from moeplan.passes.optimize.offload.hardware import load_hardware
+    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
     from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.atomic import write_text_atomic
     from moeplan.planner.pipeline.common import check_trace_matches
@@ -66,7 +64,7 @@ def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_j
         raise UserError(f"--validation-fraction must be between 0 and 1, got {validation_fraction}")
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     t0 = time.perf_counter()
-    hw = load_hardware(hardware)
+    hw = load_hardware(hardware or DEFAULT)
     gpu_bytes = parse_bytes(gpu_memory) if gpu_memory is not None else None
     trace = load_trace(trace_path)
     require_routing(trace, "offload planning (per-token expert requests)")
