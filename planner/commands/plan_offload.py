@@ -91,6 +91,8 @@ def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_j
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
         return
+    if quiet:
+        return
     m = c["memory"]
     click.echo(f"wrote {out}: expert cache {c['expert_cache']} of {m['total_experts']} experts "
                f"({m['expert_bytes'] / 2**20:.1f} MiB each), eviction {c['eviction']}, prefetch {c['prefetch']}")
