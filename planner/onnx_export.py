@@ -8,6 +8,14 @@ initializers (two untrained norms, say), both of which would hide which paramete
 
 Model-level metadata (`moeplan.name`, `moeplan.architecture`) carries the model's name and
 class, so an imported ONNX file is named like the torch model it came from.
+
+Hugging Face models are exported as transformers 5 lets torch capture them (`_export_ready`):
+no KV cache (`config.use_cache = False`; a `DynamicCache` output is no tensor torch.onnx can
+write) and the `batched_mm` experts implementation (a batched matmul over every token's top-k
+experts' weights, gathered by index) instead of the default `grouped_mm`, whose custom op
+`transformers::grouped_mm_fallback` has no ONNX translation. Both are restored afterwards.
+Architectures that still fail say why in one untruncated line (the list measured with
+transformers 5.23 is in `benchmarks/import_fidelity.py`'s docstring).
 """
 from __future__ import annotations
 
@@ -50,6 +58,30 @@ def _quiet_loggers(quiet: bool):
         logger.setLevel(level)
 
 
+EXPORT_EXPERTS = "batched_mm"
+
+
+@contextlib.contextmanager
+def _export_ready(module):
+    """A transformers model set up for capture (no cache, batched_mm experts), restored after."""
+    config = getattr(module, "config", None)
+    saved_cache = getattr(config, "use_cache", None)
+    saved_experts = getattr(config, "_experts_implementation", None)
+    can_set = getattr(module, "_can_set_experts_implementation", None)
+    switch = callable(can_set) and hasattr(module, "set_experts_implementation") and can_set()
+    try:
+        if saved_cache is not None:
+            config.use_cache = False
+        if switch:
+            module.set_experts_implementation(EXPORT_EXPERTS)
+        yield
+    finally:
+        if saved_cache is not None:
+            config.use_cache = saved_cache
+        if switch and saved_experts is not None:
+            module.set_experts_implementation(saved_experts)
+
+
 def _export_program(module, example):
     """torch.export with dynamic batch and sequence (sequence capped by learned positions)."""
     import torch
@@ -60,6 +92,23 @@ def _export_program(module, example):
     return torch.export.export(
         module, (example,), dynamic_shapes=({0: batch, 1: seq},), strict=False
     )
+
+
+def _reason(exc: BaseException) -> str:
+    """The exporter's explanation on one line, whole: its first paragraph, plus the model source
+    line it names. torch appends the captured graph (thousands of lines) after a blank line; that
+    dump is left out, the explanation never cut."""
+    text = str(exc).strip()
+    first = text.split("\n\n", 1)[0]
+    where = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# File:") and "in forward" in stripped:
+            where = stripped[2:]
+    explanation = " ".join(first.split())
+    if where and where not in explanation:
+        explanation += f" (last model code reached: {' '.join(where.split())})"
+    return f"{type(exc).__name__}: {explanation}"
 
 
 def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, quiet: bool = True) -> Path:
@@ -77,7 +126,8 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
     with torch.no_grad(), warnings.catch_warnings(), quiet_ctx, _quiet_loggers(quiet):
         warnings.simplefilter("ignore")
         try:
-            program = _export_program(module, example)
+            with _export_ready(module):
+                program = _export_program(module, example)
             onnx_program = torch.onnx.export(
                 program,
                 (example,),
@@ -89,10 +139,10 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
                 verbose=False,
             )
         except Exception as exc:  # torch raises many types; all mean "cannot capture this model"
-            first = " ".join(str(exc).split())[:200]
+            reason = _reason(exc)
             raise UserError(
-                f"cannot export {name} to ONNX ({type(exc).__name__}: {first}); "
-                "the model's forward must be capturable by torch.export"
+                f"cannot export {name} to ONNX: the model's forward must be capturable by torch.export, "
+                f"and here it is not ({type(exc).__name__}: {reason})"
             ) from None
     proto = onnx_program.model_proto
     for key, value in ((NAME_KEY, name), (ARCHITECTURE_KEY, type(module).__name__)):

@@ -187,7 +187,11 @@ def find_gates(model) -> list:
     for node in model.graph.node:
         if node.op_type in CONTRIB_MOE_OPS and node.domain == CONTRIB_DOMAIN:
             k = next((int(a.i) for a in node.attribute if a.name == "k"), 1)
-            router_node, weight, transposed = _router(index, node.input[1])
+            logits = node.input[1]
+            probs = index.skip_back(logits)
+            if probs is not None and probs.op_type == "Softmax":  # router_probs given as probabilities
+                logits = probs.input[0]
+            router_node, weight, transposed = _router(index, logits)
             gates.append(Gate(node, "contrib", k, router_node, weight, transposed))
             continue
         if node.op_type != "TopK":

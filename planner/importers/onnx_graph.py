@@ -23,6 +23,9 @@ sizes read the same as from torch. Model name and class come from `moeplan.*` mo
 when the file was written by `moeplan export-onnx`, else the file name and the dynamo class
 hierarchy (or the graph name).
 
+Buffers (rotary `inv_freq`) are left out and anonymous embedding/head weights named by their
+role, both read from the data flow (`onnx_roles.py`).
+
 Known limits: an optimizer that merges identical initializers (two untrained norms) makes one
 weight look like two modules' and loses the other's count; `moeplan export-onnx` does not run it.
 """
@@ -33,6 +36,7 @@ from pathlib import Path
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.importers.onnx_gating import GraphIndex, find_gates, node_module_path
+from moeplan.planner.importers.onnx_roles import anonymous_roles, meets_values, value_tensors
 from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.planner.ir import ModelIR
 
@@ -170,6 +174,8 @@ def graph_params(model, gates, overrides=None) -> tuple:
     """
     index = GraphIndex(model.graph)
     overrides = overrides or {}
+    values = value_tensors(model, index)
+    roles = anonymous_roles(model, index)
     renamed = {}
     for number, gate in enumerate(g for g in gates if g.kind == "contrib"):
         renamed.update(_contrib_params(index, gate, _contrib_stage_name(gate, number)))
@@ -186,6 +192,8 @@ def graph_params(model, gates, overrides=None) -> tuple:
                 numel *= d
             if tensor.data_type not in FLOAT_TYPES:
                 continue
+            if tensor.name not in overrides and not meets_values(index, tensor.name, values):
+                continue  # a buffer (rotary inv_freq): it never meets the tokens' values
             if tensor.name in overrides:
                 name = overrides[tensor.name]
             elif FQN.match(tensor.name):
@@ -196,6 +204,8 @@ def graph_params(model, gates, overrides=None) -> tuple:
                 module, leaf = _user_module(index, tensor.name)
                 if module:
                     name = f"{module}.{leaf or ('weight' if len(shape) >= 2 else 'bias')}"
+                elif tensor.name in roles:
+                    name = roles[tensor.name]
                 else:
                     name = _sanitize(tensor.name) or "param"
             if tensor.name not in overrides:
