@@ -252,10 +252,15 @@ def _model_names(model, path: Path) -> tuple:
     return name, architecture or model.graph.name or "onnx"
 
 
+def _routed_groups(groups) -> list:
+    """Every group with a router: MoE layers and the attention experts inside attention stages."""
+    return [g for g in groups if g.is_moe] + [inner for g in groups for inner in g.attention_experts]
+
+
 def _owner(groups, names: dict, gate):
-    """The MoE stage group whose router holds the gate's router weight, else None."""
+    """The routed group (MoE layer or attention experts) whose router holds the gate's weight."""
     router_param = names.get(gate.router_weight or "", "")
-    return next((g for g in groups if g.is_moe and router_param.startswith(g.router + ".")), None)
+    return next((g for g in _routed_groups(groups) if router_param.startswith(g.router + ".")), None)
 
 
 def _structural_names(model, gates, unowned, names: dict, params) -> dict:
@@ -296,7 +301,7 @@ def import_onnx(path) -> ModelIR:
         overrides = _structural_names(model, gates, unowned, names, params)
         params, names = graph_params(model, gates, overrides)
         groups = classify_parameter_groups(params)
-    moe_groups = [g for g in groups if g.is_moe]
+    moe_groups = _routed_groups(groups)
     top_k, sources = {}, {}
     for gate in gates:
         owner = _owner(groups, names, gate)
