@@ -7,7 +7,9 @@ The graph optimizer is left off: it renames transposed weights and merges identi
 initializers (two untrained norms, say), both of which would hide which parameter belongs where.
 
 Model-level metadata (`moeplan.name`, `moeplan.architecture`) carries the model's name and
-class, so an imported ONNX file is named like the torch model it came from.
+class, so an imported ONNX file is named like the torch model it came from; `moeplan.buffers`
+lists the initializers that were buffers (rotary `inv_freq`, DeepSeek's score-correction bias),
+which torch does not count as parameters and neither does the importer.
 
 Hugging Face models are exported as transformers 5 lets torch capture them (`_export_ready`):
 no KV cache (`config.use_cache = False`; a `DynamicCache` output is no tensor torch.onnx can
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -33,6 +37,7 @@ INPUT_NAME = "input_ids"
 OUTPUT_NAME = "logits"
 NAME_KEY = "moeplan.name"
 ARCHITECTURE_KEY = "moeplan.architecture"
+BUFFERS_KEY = "moeplan.buffers"  # initializers that were module buffers, not parameters (JSON list)
 EXAMPLE_SHAPE = (2, 8)
 
 
@@ -94,21 +99,34 @@ def _export_program(module, example):
     )
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _paragraph(exc: BaseException) -> str:
+    """The first paragraph of an exception's message on one line, colour codes removed."""
+    text = ANSI.sub("", str(exc)).strip()
+    return " ".join(text.split("\n\n", 1)[0].split())
+
+
 def _reason(exc: BaseException) -> str:
-    """The exporter's explanation on one line, whole: its first paragraph, plus the model source
-    line it names. torch appends the captured graph (thousands of lines) after a blank line; that
-    dump is left out, the explanation never cut."""
-    text = str(exc).strip()
-    first = text.split("\n\n", 1)[0]
+    """The exporter's explanation on one line, whole: the first paragraph of the error and of its
+    root cause (torch.onnx wraps the real failure, e.g. an operator with no ONNX translation),
+    plus the model source line it last reached. torch appends the captured graph (thousands of
+    lines) after a blank line; that dump is left out, the explanation never cut."""
+    parts = [f"{type(exc).__name__}: {_paragraph(exc)}"]
+    root = exc
+    while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__
+    if root is not exc:
+        parts.append(f"caused by {type(root).__name__}: {_paragraph(root)}")
     where = ""
-    for line in text.splitlines():
+    for line in ANSI.sub("", str(exc)).splitlines():
         stripped = line.strip()
         if stripped.startswith("# File:") and "in forward" in stripped:
-            where = stripped[2:]
-    explanation = " ".join(first.split())
-    if where and where not in explanation:
-        explanation += f" (last model code reached: {' '.join(where.split())})"
-    return f"{type(exc).__name__}: {explanation}"
+            where = " ".join(stripped[2:].split())
+    if where:
+        parts.append(f"last model code reached: {where}")
+    return "; ".join(parts)
 
 
 def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, quiet: bool = True) -> Path:
@@ -141,11 +159,13 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
         except Exception as exc:  # torch raises many types; all mean "cannot capture this model"
             reason = _reason(exc)
             raise UserError(
-                f"cannot export {name} to ONNX: the model's forward must be capturable by torch.export, "
-                f"and here it is not ({type(exc).__name__}: {reason})"
+                f"cannot export {name} to ONNX: torch.export must capture its forward and torch.onnx "
+                f"translate every operator, and here one failed ({reason})"
             ) from None
     proto = onnx_program.model_proto
-    for key, value in ((NAME_KEY, name), (ARCHITECTURE_KEY, type(module).__name__)):
+    initializers = {t.name for t in proto.graph.initializer}
+    buffers = json.dumps(sorted(n for n, _ in module.named_buffers() if n in initializers))
+    for key, value in ((NAME_KEY, name), (ARCHITECTURE_KEY, type(module).__name__), (BUFFERS_KEY, buffers)):
         entry = next((p for p in proto.metadata_props if p.key == key), None) or proto.metadata_props.add()
         entry.key, entry.value = key, value
     out = Path(out)

@@ -11,9 +11,9 @@ torch.onnx's dynamo exporter writes them) keeps its name. One renamed by a graph
 (`val_13`, `onnx::MatMul_42`) is named after the module path of the node that uses it (dynamo
 `pkg.torch.onnx.name_scopes` metadata, or a legacy `/blocks.0/attn/qkv/MatMul` node name). Where
 neither names nor metadata survive (anonymous initializers, stripped nodes), a gate's experts are
-found from the data flow around it (`onnx_experts.py`). When any weight was renamed, weights are
-taken in order of first use in the graph (optimizers append the tensors they create to the
-initializer list).
+found from the data flow around it (`onnx_experts.py`). Weights are
+taken in order of first use in the graph, which is forward order (initializers follow
+registration order, and optimizers append the tensors they create).
 
 A fused MoE op's stacked expert weights and its router weight are named `<layer>.experts.<input>`
 and `<layer>.gate.weight`, which the stage rule recognises as an MoE block with fused experts;
@@ -23,7 +23,8 @@ sizes read the same as from torch. Model name and class come from `moeplan.*` mo
 when the file was written by `moeplan export-onnx`, else the file name and the dynamo class
 hierarchy (or the graph name).
 
-Buffers (rotary `inv_freq`) are left out and anonymous embedding/head weights named by their
+Buffers (rotary `inv_freq`) are left out: those `moeplan export-onnx` lists in `moeplan.buffers`,
+else those the data flow shows to be buffers and anonymous embedding/head weights named by their
 role, both read from the data flow (`onnx_roles.py`).
 
 Known limits: an optimizer that merges identical initializers (two untrained norms) makes one
@@ -54,6 +55,7 @@ QMOE_INPUTS = (None, None, "fc1_experts_weights", "fc1_scales", "fc1_experts_bia
                "fc3_zero_points")
 NAME_KEY = "moeplan.name"
 ARCHITECTURE_KEY = "moeplan.architecture"
+BUFFERS_KEY = "moeplan.buffers"
 HIERARCHY_KEY = "pkg.torch.onnx.class_hierarchy"
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
 
@@ -175,6 +177,7 @@ def graph_params(model, gates, overrides=None) -> tuple:
     index = GraphIndex(model.graph)
     overrides = overrides or {}
     values = value_tensors(model, index)
+    buffers = _declared_buffers(model)
     roles = anonymous_roles(model, index)
     renamed = {}
     for number, gate in enumerate(g for g in gates if g.kind == "contrib"):
@@ -192,7 +195,9 @@ def graph_params(model, gates, overrides=None) -> tuple:
                 numel *= d
             if tensor.data_type not in FLOAT_TYPES:
                 continue
-            if tensor.name not in overrides and not meets_values(index, tensor.name, values):
+            if buffers is not None and tensor.name in buffers:
+                continue
+            if buffers is None and tensor.name not in overrides and not meets_values(index, tensor.name, values):
                 continue  # a buffer (rotary inv_freq): it never meets the tokens' values
             if tensor.name in overrides:
                 name = overrides[tensor.name]
@@ -216,16 +221,69 @@ def graph_params(model, gates, overrides=None) -> tuple:
         taken.add(param.name)
         names[tensor.name] = param.name
         params.append(param)
-    if any(names[t] != t for t in names):
-        params = _in_use_order(index, params, names)
+    params = _in_use_order(index, params, names)
+    params, names = _untie(index, params, names)
     return params, names
+
+
+def _untie(index: GraphIndex, params: list, names: dict) -> tuple:
+    """Split a weight the exporter stored once for two modules (a head tied to the embedding).
+
+    torch.onnx keeps one initializer per tensor and names it after one of its modules (often
+    the head). Where the nodes using it belong to two module paths, the first user (in graph
+    order: the embedding lookup) owns it and the other gets an alias, as `named_parameters`
+    with its duplicates would list them; the alias goes last, where a head runs.
+    """
+    by_name = {p.name: p for p in params}
+    aliases = []
+    renames = {}
+    for tensor_name, param_name in list(names.items()):
+        users = []
+        for node in sorted(index.consumers.get(tensor_name, ()), key=lambda n: index.position[id(n)]):
+            module = node_module_path(node)
+            if module and module not in users:
+                users.append(module)
+        leaf = param_name.rpartition(".")[2]
+        if len(users) != 2 or not param_name.startswith(users[1] + "."):
+            continue
+        a, b = users
+        if a.startswith(b + ".") or b.startswith(a + "."):  # one module and its own submodule
+            continue
+        owner = f"{users[0]}.{leaf}"
+        if owner in by_name:
+            continue
+        renames[param_name] = owner
+        param = by_name[param_name]
+        aliases.append(Param(param_name, param.shape, param.dtype, tied_to=owner))
+        names[tensor_name] = owner
+    if not renames:
+        return params, names
+    from dataclasses import replace
+
+    params = [replace(p, name=renames[p.name]) if p.name in renames else p for p in params]
+    return params + aliases, names
+
+
+def _declared_buffers(model):
+    """Initializers the exporter declared to be buffers (`moeplan.buffers`), or None when the file
+    declares none (another exporter): then the data-flow rule of `onnx_roles.py` finds them."""
+    import json
+
+    for prop in model.metadata_props:
+        if prop.key == BUFFERS_KEY:
+            try:
+                return frozenset(json.loads(prop.value))
+            except ValueError:
+                break
+    return None
 
 
 def _in_use_order(index: GraphIndex, params: list, names: dict) -> list:
     """Params ordered by their first use in the graph (initializer order breaks ties).
 
-    Used when some weights were renamed: optimizers append the tensors they create (a transposed
-    weight) to the end of the initializer list, so that list no longer follows the model.
+    The graph runs in forward order, while initializers follow registration order (Hugging Face
+    decoder layers register their norms last but run them first) or, after an optimizer, put the
+    tensors it creates at the end; first use is the order the torch importer reads from the code.
     """
     first_use = {}
     for tensor_name, param_name in names.items():
