@@ -39,6 +39,7 @@ NAME_KEY = "moeplan.name"
 ARCHITECTURE_KEY = "moeplan.architecture"
 BUFFERS_KEY = "moeplan.buffers"  # initializers that were module buffers, not parameters (JSON list)
 EXAMPLE_SHAPE = (2, 8)
+QUIET_LOGGERS = ("torch.onnx", "torch.export", "torch._export", "torch._dynamo", "torch.fx")
 
 
 def _max_positions(module) -> int | None:
@@ -51,16 +52,25 @@ def _max_positions(module) -> int | None:
 
 
 @contextlib.contextmanager
+def _redirect_both(sink):
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+@contextlib.contextmanager
 def _quiet_loggers(quiet: bool):
-    """Silence torch.onnx's registry chatter (e.g. "torchvision is not installed") while exporting."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
+    """Silence torch.onnx's registry chatter (e.g. "torchvision is not installed") and torch.export's
+    dump of the whole captured graph on failure (the error itself is reported in one line)."""
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [logger.level for logger in loggers]
     if quiet:
-        logger.setLevel(logging.ERROR)
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 EXPORT_EXPERTS = "batched_mm"
@@ -119,13 +129,11 @@ def _reason(exc: BaseException) -> str:
         root = root.__cause__ or root.__context__
     if root is not exc:
         parts.append(f"caused by {type(root).__name__}: {_paragraph(root)}")
-    where = ""
-    for line in ANSI.sub("", str(exc)).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# File:") and "in forward" in stripped:
-            where = " ".join(stripped[2:].split())
-    if where:
-        parts.append(f"last model code reached: {where}")
+    lines = ANSI.sub("", str(exc)).splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() == "The following call raised this error:" and i + 2 < len(lines):
+            parts.append(f"at {lines[i + 1].strip()}: {lines[i + 2].strip()}")
+            break
     return "; ".join(parts)
 
 
@@ -140,7 +148,7 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
     module = module.eval()
     example = torch.zeros(EXAMPLE_SHAPE, dtype=torch.long)
     sink = io.StringIO()
-    quiet_ctx = contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext()
+    quiet_ctx = _redirect_both(sink) if quiet else contextlib.nullcontext()
     with torch.no_grad(), warnings.catch_warnings(), quiet_ctx, _quiet_loggers(quiet):
         warnings.simplefilter("ignore")
         try:

@@ -223,6 +223,9 @@ def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]
     dtype = model_dtype(data, str(config_path))
     config = make_config(data, str(config_path))
     if weights is None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights: 19/19" on stderr is no part of a command's output
         try:
             module = _auto_class(config).from_pretrained(
                 str(directory), config=config, dtype=dtype, local_files_only=True, trust_remote_code=False
