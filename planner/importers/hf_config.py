@@ -239,5 +239,7 @@ def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]
         for path in weights:
             load_state_into(module, path, strict=len(weights) == 1)
     module.eval()
-    ir = import_module(module, name=model_name(data, config_path), config=config, source_format="hf")
-    return LoadedModel(ir=ir, module=module, has_weights=True)
+    storage, notes = checkpoint_storage(data, dtype_name(data), str(config_path))
+    ir = import_module(module, name=model_name(data, config_path), config=config, source_format="hf",
+                       storage=storage)
+    return LoadedModel(ir=ir, module=module, has_weights=True, notes=notes + multimodal_notes(config, module))

@@ -348,6 +348,13 @@ def import_onnx(path) -> ModelIR:
     model = load_onnx_model(path)
     gates = find_gates(model)
     if not gates:
+        by_weights = [g.name for g in classify_parameter_groups(graph_params(model, [])[0]) if g.is_moe]
+        if by_weights:
+            raise UserError(
+                f"{path}: {len(by_weights)} MoE layers by their weights ({by_weights[0]}, ...) but no gate the "
+                "importer knows (router MatMul -> Softmax/Sigmoid -> TopK, or com.microsoft MoE): this "
+                "model routes another way (PhiMoE's sparsemixer does); import the torch model instead"
+            )
         raise UserError(
             f"no MoE gating pattern (MatMul->Softmax->TopK or com.microsoft MoE) found in {path}: "
             "moeplan plans MoE models only"
