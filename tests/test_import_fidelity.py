@@ -183,3 +183,26 @@ def test_full_size_totals_equal_transformers_count(stem):
     data = json.loads((CONFIGS / f"{stem}.json").read_text())
     _, theirs = bench.transformers_count(data)
     assert load_model(str(CONFIGS / f"{stem}.json")).ir.total_params == theirs
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from moeplan.planner.importers.quantization import Quantization  # noqa: E402
+
+dims = st.integers(min_value=1, max_value=3000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(experts=st.integers(1, 8), out=dims, inp=dims, block=st.sampled_from([32, 64, 128]))
+def test_stored_bytes_bound_the_payload(experts, out, inp, block):
+    """Scales only add: every scheme stores at least its payload bits and at most one scale (and
+    zero point) per block or group more."""
+    shape, n = (experts, out, inp), experts * out * inp
+    fp8 = Quantization({"quant_method": "fp8", "weight_block_size": [block, block]}, "t").stored_bytes(shape)
+    assert n <= fp8 <= n + 4 * experts * (-(-out // block)) * (-(-inp // block))
+    mx = Quantization({"quant_method": "mxfp4"}, "t").stored_bytes(shape)
+    assert mx == n * 4.25 / 8
+    awq = Quantization({"quant_method": "awq", "bits": 4, "group_size": block}, "t").stored_bytes(shape)
+    assert n / 2 <= awq <= n / 2 + experts * out * (-(-inp // block)) * 2.5
+    gptq = Quantization({"quant_method": "gptq", "bits": 4, "group_size": block}, "t").stored_bytes(shape)
+    assert gptq == awq + 4 * experts * inp  # GPTQ adds g_idx, one int32 per input
