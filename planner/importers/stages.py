@@ -17,7 +17,15 @@ registration order; a torch.onnx export keeps it in its initializer list):
      among the experts' dimensions; any other holds at most E elements (a bias, a score
      correction).
    Ties prefer an expert container whose name says `expert` but not `shared`, and a router named
-   `gate`/`router`. Everything else under P (shared experts, their gates) is the shared part.
+   `gate`/`router`. Sibling containers with the same E and router hold slices of the same experts
+   (JetMoE's `input_linear` and `output_linear`) and count as routed experts together. Failing
+   both forms, a container named `expert*` of 2-D weights [E x F, D] beside a router [E, D] holds
+   *flattened* experts (DBRX's `experts.mlp.w1/v1/w2`). Everything else under P (shared experts,
+   their gates, an output bias) is the shared part; shared experts are counted from its weight
+   matrices only.
+   An MoE block inside an attention module (a mixture of attention heads, JetMoE's MoA) is no MoE
+   layer: it stays in its attention stage, which records the heads a token does not use
+   (`inactive_params`: (E - k) x one head's parameters).
 2. **Dense stages, by name.** The remaining parameters are classified by the outermost component
    of their path that names a kind, checked per component in this order:
    norm (`norm`, `ln_*`), embedding (`embed`, `wte`, `wpe`), head (`lm_head`, `head`, `output`,
@@ -29,14 +37,16 @@ registration order; a torch.onnx export keeps it in its initializer list):
    registration order is their forward order (TinyMoE) the two agree, and an ONNX importer gets
    the same order from initializers listed in registration order or by first use in the graph.
 
-Figures (`build_model_ir`): params and bytes from shapes x dtype sizes, tied aliases counted once
+Figures (`build_model_ir`): params and bytes from shapes x dtype sizes (or a quantized weight's
+stored bits, `Param.bits`), tied aliases counted once
 (under the parameter they alias) but still charged FLOPs where they are used (a tied head
 multiplies through the embedding matrix); a stage's dtype is the dtype holding most of its
 elements; FLOPs and activation bytes follow `planner/costs.py`. An MoE stage's expert figures are
 one routed expert's (container / E); its shared-expert count is the number of modules in a shared
 list, else the shared parameters divided by one expert's (rounded; DeepSeek's fused shared MLP of
 width n x I counts n), at least 1. Hidden size = the first embedding's width (else the first
-router's D); vocabulary = the head's rows (else the first embedding's).
+router's D); vocabulary = the head's rows (else the first embedding's). A layer whose top-k
+exceeds its experts is a UserError.
 """
 from __future__ import annotations
 
