@@ -23,6 +23,7 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing, replica_counts
+from moeplan.planner.errors import UserError
 
 CHAIN_NODE_LIMIT = 200  # branch-and-bound nodes per layer MIP at effort 1
 
@@ -99,6 +100,9 @@ def layer_chain_placement(counts: np.ndarray, loads: np.ndarray, gpus_per_node: 
         replicas = replica_counts(loads[l], E + redundant, devices)
         packed = packed_layer(loads[l], replicas, devices, slots)
         hosts[l] = packed
+        if l == 0 and (loads[l] / replicas @ packed).max() > caps[l] * (1 + 1e-9):
+            raise UserError(f"EPLB's packing of MoE layer 0 exceeds its load cap {caps[l]:.0f}; raise --balance or use "
+                            f"--balance-base eplb")
         if l == 0 or budget.expired():
             continue
         per_copy = loads[l] / replicas
@@ -107,4 +111,7 @@ def layer_chain_placement(counts: np.ndarray, loads: np.ndarray, gpus_per_node: 
         chosen = layer_mip(g, h, replicas, slots, per_copy, caps[l], gpus_per_node, warm, budget=budget, solver=solver)
         if chosen is not None and (per_copy @ chosen).max() <= caps[l] * (1 + 1e-6):
             hosts[l] = chosen
+        elif warm is None:
+            raise UserError(f"the layer chain found no placement of MoE layer {l} under its load cap {caps[l]:.0f}; "
+                            f"raise --balance or use --balance-base eplb")
     return hosts
