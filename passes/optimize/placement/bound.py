@@ -27,6 +27,7 @@ from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 
 LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
+CAPPED_LP_COLUMNS = 200_000  # observed pairs given the load-capped LP too, at effort 1 (all of them at 8 GPUs)
 LP_ITERATIONS_PER_COLUMN = 4  # simplex iterations per LP column (at least 10,000), at effort 1
 
 
@@ -176,8 +177,9 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
                                   budget: WorkBudget = None) -> tuple[float, str]:
     """(lower bound on cross-GPU transitions of any placement meeting the per-layer caps, method).
 
-    Per layer pair the larger of the matching bound without the cap (`transition_lower_bound`'s
-    pieces) and `capped_matching_bound`; pairs beyond the LP work budget keep the former."""
+    Per layer pair the largest of the counting and dual bounds, the matching LP without the cap
+    (within `LP_COLUMNS`, as `transition_lower_bound`) and `capped_matching_bound` (within
+    `CAPPED_LP_COLUMNS`: every pair at 8-GPU scale, the first few at DeepSeek-V3's)."""
     budget = budget or WorkBudget()
     Q = slots_per_partition
     row_cap = min(counts.shape[1], Q * max(1, max_replicas))
@@ -185,20 +187,23 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
     bounds = [max(counting_bound(c, row_cap, row_cap), dual_bound(c, row_cap, row_cap)) for c in counts]
     per_copy = loads / max(1, max_replicas)
     columns_left = budget.scaled(LP_COLUMNS)
+    capped_left = budget.scaled(CAPPED_LP_COLUMNS)
     capped = 0
     for i, c in enumerate(counts):
         n = int(np.count_nonzero(c))
-        columns_left -= 2 * n
+        columns_left -= n
         if columns_left < 0 or budget.expired():
             break
         iterations = budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * n))
-        plain = matching_bound(c, row_cap, row_cap, pair_cap, budget.seconds_left(), iterations)
-        with_cap = capped_matching_bound(c, per_copy[i], per_copy[i + 1], caps[i], caps[i + 1], Q, partitions,
-                                         max(1, max_replicas), iterations, budget.seconds_left())
-        for value in (plain, with_cap):
+        values = [matching_bound(c, row_cap, row_cap, pair_cap, budget.seconds_left(), iterations)]
+        capped_left -= n
+        if capped_left >= 0:
+            values.append(capped_matching_bound(c, per_copy[i], per_copy[i + 1], caps[i], caps[i + 1], Q, partitions,
+                                                max(1, max_replicas), iterations, budget.seconds_left()))
+            capped += values[-1] is not None
+        for value in values:
             if value is not None:
                 bounds[i] = max(bounds[i], value)
-        capped += with_cap is not None
     method = ("b-matching LP with load caps" if capped == len(counts)
               else f"b-matching LP with load caps on {capped}/{len(counts)} layer pairs, without elsewhere")
     return float(sum(bounds)), method

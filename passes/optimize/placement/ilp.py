@@ -43,7 +43,8 @@ from moeplan.passes.optimize.placement.eplb import balanced_packing
 from moeplan.passes.optimize.placement.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import over_cap_layers
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
-from moeplan.passes.optimize.placement.routed import RoutedTrace, routed_chain, routed_polish, routed_value
+from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
+                                                      routed_value)
 from moeplan.planner.errors import UserError
 
 
@@ -470,6 +471,9 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
                                              "reslot_moves": moves + more, "layers_kept": len(over)})
     if routed is not None and reslot_applies(E + redundant, D, budget):
         best = _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver)
+    elif routed is not None:  # DeepSeek-V3 scale: layer MIPs are too big; routed exchanges instead
+        hosts, gain = routed_swaps(best[1], routed, loads, caps, budget)
+        best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
     return StagedSolution(best[1], best[1].sum(axis=2), caps, counts, best[2], problem.notes)
 
 

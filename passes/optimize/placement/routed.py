@@ -183,3 +183,44 @@ def routed_chain(routed: RoutedTrace, loads: np.ndarray, replicas: np.ndarray, c
         _, first_device, first_on_node = routing_tables(hosts[l:l + 1], G)
         current = next_devices(current, routed.heaviest[:, l], hosts[l], first_device[0], first_on_node[0], node_of)
     return hosts
+
+
+SWAP_MOVES = 60  # exchange moves per layer at effort 1, where the layer MIP is too big (DeepSeek-V3 x 64 GPUs)
+SWAP_SWEEPS = 1  # at effort 1
+
+
+def routed_swaps(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps: np.ndarray,
+                 budget: WorkBudget = None) -> tuple:
+    """The routed layer step at any scale: steepest exchanges of two copies between GPUs
+    (`ilp.improve_by_swaps`) on the routed tables, the node term charged per copy (exact for
+    experts with one copy), each layer's result kept only if the trace's exact counts improve.
+    Returns (hosts, GPU-local gain)."""
+    from moeplan.passes.optimize.placement.ilp import improve_by_swaps
+
+    budget = budget or WorkBudget()
+    hosts = hosts.copy()
+    L, E, D = hosts.shape
+    node_of = np.arange(D) // routed.gpus_per_node
+    best = start = routed_value(routed, hosts)
+    for sweep in range(budget.scaled(SWAP_SWEEPS)):
+        before_sweep = best
+        for l in (range(L) if sweep % 2 == 0 else reversed(range(L))):
+            if budget.expired():
+                return hosts, best[0] - start[0]
+            x = hosts[l]
+            per_copy = loads[l] / x.sum(axis=1)
+            if (per_copy @ x).max() > caps[l] * (1 + 1e-9):
+                continue
+            g, h = routed_tables(routed, hosts, devices_after(routed, hosts), l)
+            new = improve_by_swaps(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
+                                   budget.scaled(SWAP_MOVES)) > 0
+            if np.array_equal(new, x):
+                continue
+            trial = hosts.copy()
+            trial[l] = new
+            value = routed_value(routed, trial)
+            if value > best:
+                hosts, best = trial, value
+        if best <= before_sweep:
+            break
+    return hosts, best[0] - start[0]
