@@ -83,9 +83,3 @@ def transition_counts(trace: Trace, mode: str = "current") -> np.ndarray:
         flat = a[valid] * E + b[valid]
         counts[layer] = np.bincount(flat, minlength=E * E).reshape(E, E) * weight
     return counts
-
-
-def conditional_probabilities(counts: np.ndarray) -> np.ndarray:
-    """float64, same shape: P(b at l+1 | a at l) = c[l, a, b] / sum_b c[l, a, b] (rows of 0 stay 0)."""
-    totals = counts.sum(axis=-1, keepdims=True)
-    return np.divide(counts, totals, out=np.zeros_like(counts, dtype=np.float64), where=totals > 0)

@@ -54,6 +54,15 @@ class Trace:
     def top_k(self) -> int:
         return self.experts.shape[2]
 
+    def expert_loads(self, rows=None) -> np.ndarray:
+        """int64 [L, E]: (token, choice) pairs routed to expert e at layer l, over all rows or the given
+        rows (a mask or indices); -1 (no expert) is not counted. The one load count of every pass."""
+        experts = self.experts if rows is None else self.experts[rows]
+        L, E = self.num_layers, self.num_experts
+        flat = np.moveaxis(experts, 1, 0).reshape(L, -1)
+        return np.stack([np.bincount(layer[layer >= 0], minlength=E)[:E] for layer in flat]).astype(np.int64) \
+            if L else np.zeros((0, E), dtype=np.int64)
+
     def select(self, rows: np.ndarray) -> "Trace":
         """The sub-trace of the given token rows (a mask or indices), e.g. a train/held-out split."""
         def pick(a):

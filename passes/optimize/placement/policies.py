@@ -47,14 +47,6 @@ class PlacementRequest:
     effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
 
 
-def expert_loads(trace: Trace) -> np.ndarray:
-    """float [L, E]: (token, choice) assignments per expert per layer."""
-    E = trace.num_experts
-    return np.stack([
-        np.bincount(layer[layer >= 0], minlength=E) for layer in np.moveaxis(trace.experts, 1, 0).reshape(trace.num_layers, -1)
-    ]).astype(np.float64)
-
-
 def check_request(trace: Trace, request: PlacementRequest) -> None:
     """Reject requests no placement can satisfy, naming the constraint."""
     E, D = trace.num_experts, request.topology.devices
@@ -102,7 +94,7 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
     start = time.perf_counter()
     topology = request.topology
     L, E = trace.num_layers, trace.num_experts
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     extra = {}
     if request.policy == "contiguous":
         hosts = contiguous_placement(L, E, topology)
