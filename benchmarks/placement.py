@@ -131,9 +131,8 @@ def chain_placement(trace, topology, redundant: int, balance: float, balance_bas
     from moeplan.passes.optimize.placement.eplb import replica_counts
     from moeplan.passes.optimize.placement.ilp import check_caps, layer_caps
     from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
-    from moeplan.passes.optimize.placement.policies import expert_loads
 
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D

@@ -13,7 +13,6 @@ from moeplan.passes.optimize.placement.eplb import replica_counts
 from moeplan.passes.optimize.placement.ilp import initial_hosts, layer_caps
 from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.policies import expert_loads
 from moeplan.passes.optimize.placement.routed import RoutedTrace, local_transitions, routed_chain, routed_polish
 from moeplan.planner.errors import UserError
 
@@ -37,7 +36,7 @@ def setup(seed, redundant, balance=0.3, experts=8, nodes=2, gpus=2, top_k=2, lay
     trace = random_trace(rng, 300, layers, experts, top_k)
     topology = Topology(nodes, gpus)
     D = topology.devices
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     replicas = np.stack([replica_counts(loads[l], experts + redundant, D) for l in range(layers)])
     slots = (experts + redundant) // D
     caps = layer_caps(loads, replicas, D, slots, balance, "eplb")
@@ -93,7 +92,7 @@ def test_routed_chain_keeps_tokens_on_the_copy_they_sit_on():
     chosen[:10, 1, 0] = 1
     trace = make_trace(chosen, num_experts=3)
     routed = RoutedTrace.from_trace(trace, 2)
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     start = np.zeros((2, 3, 2), dtype=bool)
     start[0, 0, :] = True; start[0, 1, 1] = True
     start[1, 0, :] = True; start[1, 1, 0] = True; start[1, 2, 1] = True  # expert 2 on GPU 1: 30 transitions lost
@@ -135,7 +134,7 @@ def test_capped_bound_never_exceeds_the_best_placement_under_the_cap(seed, shape
     rng = np.random.default_rng(seed)
     trace = random_trace(rng, 40, 2, E, top_k, skew=rng.random())
     topology = Topology(1, D)
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     options = layer_options(E, D, Q)
     max_copies = max(int(x.sum(axis=1).max()) for x in options)
     caps = (1 + balance) * loads.sum(axis=1) / D
