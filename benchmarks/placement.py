@@ -18,6 +18,16 @@ max load). `ilp` with replicas uses --balance 0.1 over the mean; planted-8gpu ad
 EPLB's max load with the same slots (the issue's "better balance than eplb with the same slots").
 
     python benchmarks/placement.py [--cases planted-8gpu deepseek-v3] [--effort 1] [--time-limit 300] [--json]
+    python benchmarks/placement.py --corpus [--corpus-cases mixtral deepseek] [--policies eplb ilp] [--json]
+
+--corpus runs the corpus of `benchmarks/placement_corpus.py` instead (briefly trained HF Mixtral,
+Qwen3-MoE and OLMoE models, the latent-drift generator, two DeepSeek-V3-shaped traces), each planned
+on the first half of its sequences and scored on the rest. Rows: contiguous, eplb, eplb+R,
+`exflow (no cap)` (ExFlow's staged objective with no load cap and no replicas, as in the paper),
+`chain` / `chain+R` (the layer-chain MILP, `placement/layer_chain.py`), ilp, ilp+R at 1.1 x mean,
+and ilp+R at EPLB+R's max load per layer. A row whose 1.1 x mean cap is infeasible is rerun at
+EPLB's max load + 5% (chain and ilp alike) and labelled so. DeepSeek-shaped cases skip the chain
+(18k binaries per layer MIP) and the rows without replicas; they add ilp+R at 1.05 x mean.
 
 ilp work is set by --effort (deterministic); --time-limit is only a safety net, and a row it cut
 short has stopped_by "time_limit" (not reproducible).

@@ -21,8 +21,11 @@ warm-started from it. Sweeps alternate direction and never get worse. Stage 1 ru
 stage 2 on each node's GPUs (independent subproblems). Two starts (EPLB-style packing, and an
 uncapped GPU-level solve that finds the affinity structure first) each run the same work; the
 better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then polishes windows
-of layers where it is small enough. A valid bound for the whole problem comes from
-`placement/bound.py`.
+of layers where it is small enough. Last, the result is valued on the planning trace itself with
+the metric's routing (`placement/routed.py`): the even-split model misjudges replicated experts,
+so the staged result and a routed layer chain are both polished by routed layer MIPs and the one
+with more GPU-local transitions wins (at DeepSeek-V3 scale: routed exchanges on the staged
+result). A valid bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
 (`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
