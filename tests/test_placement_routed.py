@@ -161,3 +161,23 @@ def test_capped_bound_sees_a_binding_cap():
     capped, _ = capped_transition_lower_bound(counts, loads, caps, D, 2)
     assert plain == pytest.approx(0.0, abs=1e-6)
     assert capped >= 190.0
+
+
+def test_latent_drift_generator_is_deterministic_and_has_affinity():
+    """The corpus's second generator: same seed, same trace; successors follow their predecessors
+    more than popularity alone would (drift 0.9 vs 0)."""
+    from pathlib import Path
+    from moeplan.planner.importers.resolve import import_file
+
+    corpus = import_file(Path(__file__).parent.parent / "benchmarks" / "placement_corpus.py")
+    params = dict(layers=3, experts=16, top_k=2, tokens=3000, dim=8, temperature=3.0, zipf=0.5, seed=5)
+    a = corpus.latent_drift_trace(drift=0.9, **params)
+    assert np.array_equal(a.experts, corpus.latent_drift_trace(drift=0.9, **params).experts)
+    assert np.all((a.experts >= 0) & (a.experts < 16))
+    assert np.all(a.experts[:, :, 0] != a.experts[:, :, 1])
+
+    def argmax_share(trace):
+        counts = transition_counts(trace, "current")
+        return counts.max(axis=2).sum() / counts.sum()
+
+    assert argmax_share(a) > 1.5 * argmax_share(corpus.latent_drift_trace(drift=0.0, **params))
