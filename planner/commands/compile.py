@@ -72,8 +72,10 @@ def describe(summary: dict) -> str:
 @click.command("compile")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
-@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda"]), default="torchrun", show_default=True,
-              help="torchrun bundle, the same bundle plus kubernetes/ manifests, or an AWS Lambda (SAM) bundle")
+@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda", "sglang", "trtllm"]), default="torchrun",
+              show_default=True, help="torchrun bundle, the same bundle plus kubernetes/ manifests, an AWS Lambda (SAM) "
+              "bundle, or the placement files SGLang / TensorRT-LLM load (a config is enough; their default policy is eplb; "
+              "docs/interop.md)")
 @topology_options(required=False)
 @placement_options
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
@@ -81,10 +83,19 @@ def describe(summary: dict) -> str:
 @click.option("--image", default=None, help="kubernetes: container image of the rank pods")
 @click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
+@click.option("--kubernetes", "with_kubernetes", is_flag=True, help="sglang: also write kubernetes/ manifests")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @output_options
-def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, out, as_json, quiet, **flags):
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, as_json,
+                quiet, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
+    if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
+        from moeplan.planner.commands.engine_compile import compile_engine
+
+        return compile_engine(model, trace_path, target, nodes, gpus_per_node, pop(flags, PLACEMENT_FLAGS), with_kubernetes,
+                              image, out, as_json, quiet, ignored={"mode": mode, "storage_class": storage_class, **flags})
+    if with_kubernetes:
+        raise UserError("--kubernetes applies to --target sglang; the torchrun bundle has --target kubernetes")
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
                             pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say)

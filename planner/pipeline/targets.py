@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import PassManager
-from moeplan.planner.pipeline import common, lambda_, torchrun
+from moeplan.planner.pipeline import common, engines, lambda_, torchrun
 
-TARGETS = {"torchrun": torchrun.PASSES, "kubernetes": torchrun.PASSES, "lambda": lambda_.PASSES}
+TARGETS = {"torchrun": torchrun.PASSES, "kubernetes": torchrun.PASSES, "lambda": lambda_.PASSES,
+           "sglang": engines.PASSES, "trtllm": engines.PASSES}
 
 
 def run_target(target: str, facts: dict, *, plan_only: bool = False, quiet: bool = False) -> tuple:
@@ -28,6 +29,8 @@ def codegen_from_plan(plan, model_spec: str, out: str) -> dict:
 
     if plan.target not in TARGETS:
         raise UserError(f"plan target '{plan.target}' has no codegen; use one of {', '.join(TARGETS)}")
+    if plan.target in engines.ENGINE_TARGETS:  # placement files only: no weights
+        return engines.write_engine_bundle(out, plan)
     runtime = lambda_.MODEL_FILES if plan.target == "lambda" else common.MODEL_FILES
     files = runtime.run({"model_spec": model_spec})["model_files"]
     loaded = load_model(model_spec)

@@ -110,6 +110,7 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         "transitions": score.transitions,
         "redundant": request.redundant,
     }
+    metrics = without_unknown_locality(metrics, trace)
     if request.policy == "ilp":
         objective = float(score.cross_gpu_transitions)
         bound = min(extra.pop("bound"), objective)
@@ -156,5 +157,16 @@ def evaluate_placement(placement: Placement, trace: Trace) -> dict:
     if placement.num_experts < trace.num_experts:
         raise UserError(f"the placement covers {placement.num_experts} experts per layer but the trace routes to {trace.num_experts}")
     score = score_placement(trace, placement.hosts(), placement.topology)
-    return {"gpu_local_fraction": score.gpu_local_fraction, "node_local_fraction": score.node_local_fraction,
-            "max_over_mean_load": score.max_over_mean_load, "transitions": score.transitions}
+    return without_unknown_locality({"gpu_local_fraction": score.gpu_local_fraction,
+                                     "node_local_fraction": score.node_local_fraction,
+                                     "max_over_mean_load": score.max_over_mean_load, "transitions": score.transitions}, trace)
+
+
+LOCALITY_METRICS = ("gpu_local_fraction", "node_local_fraction", "transitions")
+
+
+def without_unknown_locality(metrics: dict, trace: Trace) -> dict:
+    """A loads-only trace has no tokens to follow: its locality is unknown, not zero, so it is left out."""
+    if not trace.loads_only:
+        return metrics
+    return {k: v for k, v in metrics.items() if k not in LOCALITY_METRICS}
