@@ -128,7 +128,8 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     counts = transition_counts(trace, "current")
     budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
     solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
-                                request.solver, budget, RoutedTrace.from_trace(trace, topology.gpus_per_node))
+                                request.solver, budget,
+                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node))
     slots = (trace.num_experts + request.redundant) // D
     bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, int(solution.replicas.max()),
                                                   budget=budget)
