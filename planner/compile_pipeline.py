@@ -72,6 +72,7 @@ NONDETERMINISTIC_METRICS = ("solve_seconds",)
 
 def _plan(facts):
     from moeplan.backends.torchrun.codegen import shard_names
+    from moeplan.backends.common.model_source import library_pins
     from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.passes.optimize.placement.metrics import score_placement
     from moeplan.passes.optimize.placement.decision import Topology
@@ -89,7 +90,9 @@ def _plan(facts):
         target=facts["target"]["name"],
         model={
             "name": ir.name, "architecture": facts["model_files"]["architecture"],
-            "config": "model/config.json", "source": "model/model.py",
+            "config": "model/config.json",
+            "source": "model/model.py" if facts["model_files"]["architecture"] == "tiny_moe" else None,
+            "library": library_pins(facts["model_files"]["architecture"]),
             "weights_sha256": state_dict_sha256(loaded.module.state_dict()),
             "moe_layers": len(ir.moe_stages), "num_experts": ir.moe_stages[0].num_experts,
             "top_k": ir.moe_stages[0].top_k, "ir": ir.to_dict(),

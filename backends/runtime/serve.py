@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import results
-from .bundle_io import BundleError, architecture, bundle_root, load_rank_weights, read_json, world_size_of
+from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, world_size_of
 from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
@@ -23,7 +23,8 @@ from .expert_table import ExpertTable
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    ap.add_argument("--prompts", required=True,
+                    help="text file, one prompt per line; a line 'ids: 1 2 3' gives token ids instead of text")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--mode", default=None,
                     help="coherent, standard, or both comma-separated (one launch, results per mode); "
@@ -50,12 +51,11 @@ def main(argv=None) -> int:
         if world != world_size_of(plan):
             raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
                               f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
-        arch_mod = architecture(plan)
         modes = (args.mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
-        config = read_json(root, plan["model"]["config"])
         use_cuda = torch.cuda.is_available()
         device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-        weights = load_rank_weights(root, plan, rank, device)
+        table = ExpertTable.from_placement(placement)
+        model, codec = build_rank_model(root, plan, rank, table, device)
     except BundleError as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr)
         return 2
@@ -64,16 +64,17 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
         try:
-            arch = arch_mod.Arch(config, weights)
             with open(args.prompts, encoding="utf-8") as fh:
-                prompts = [arch_mod.encode(line.rstrip("\n")) for line in fh if line.strip()]
+                prompts = [codec.encode(line.rstrip("\n")) for line in fh if line.strip()]
         except (ValueError, OSError) as exc:
             print(f"error: rank {rank}: {exc}", file=sys.stderr)
             return 2
-        table = ExpertTable.from_placement(placement)
+        if rank == 0:
+            print(f"prompts: {codec.source}")
         for mode in modes:
-            counters = Counters(arch.num_layers)  # per block; MoE-only counts stay zero on dense blocks
-            engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device)
+            counters = Counters(model.num_layers)  # per block; MoE-only counts stay zero on dense blocks
+            engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device,
+                            model.top_k)
             dist.barrier()
             out = engine.generate(prompts, args.new_tokens)
             out_dir = os.path.join(args.out, mode)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
             results.write_rank(out_dir, rank, engine, out, mode)
             dist.barrier()
             if rank == 0:
-                summary = results.merge(out_dir, world, prompts, arch_mod.decode)
+                summary = results.merge(out_dir, world, prompts, codec.decode)
                 for i, text in enumerate(summary["texts"]):
                     print(f"[{i}] {text!r}")
                 print(f"{summary['generated_tokens']} tokens in {summary['elapsed_s']:.3f} s "
