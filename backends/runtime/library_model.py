@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .moe_adapter import MoEAdapter, find_containers
 
-ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn")
+ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn", "norm_attn_norm.attn")
 FFN_NORM_NAMES = ("post_attention_layernorm", "norm_attn_norm.norm_2", "moe_norm")
 
 
@@ -44,7 +44,7 @@ def build_transformers(config_dir: Path, device: str = "cpu"):
 
     config = transformers_config(config_dir)
     with torch.device(device), no_init_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config._experts_implementation = "eager"
     return model.eval()
 
