@@ -191,11 +191,12 @@ class MoEAdapter:
             module_path, _, leaf = p.rpartition(".")
             target = owner.get_submodule(module_path) if module_path else owner
             setattr(target, leaf, nn.Parameter(stacked, requires_grad=False))
-        for m in owner.modules():  # experts modules size their loops by num_experts
-            if hasattr(m, "num_experts") and m is not self.block:
-                m.num_experts = n
-        if c.kind == "jetmoe":
+        if c.kind == "jetmoe":  # its router keeps counting all experts
             self.block.input_linear.num_experts = self.block.output_linear.num_experts = n
+            return
+        for m in owner.modules():  # experts modules size their loops by num_experts
+            if hasattr(m, "num_experts"):
+                m.num_experts = n
 
     @property
     def library_experts(self):
