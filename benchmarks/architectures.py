@@ -84,7 +84,7 @@ def check_architecture(arch: str, work: Path, ranks=(2, 4), kubernetes: bool = T
             continue
         bundle = root / f"bundle-{column}"
         code, out = cli(["compile", model, "--trace", root / "trace.npz", "--target", target, "--nodes", 1,
-                         "--gpus-per-node", n, "--time-limit", 5, "--balance", 4, "--redundant", n // 2, "--out", bundle, "--quiet"])
+                         "--gpus-per-node", n, "--time-limit", 5, "--balance", 4, "--redundant", n, "--out", bundle, "--quiet"])
         row[column] = verified_run(bundle, n, root / "prompts.txt") if code == 0 else \
             {"ok": False, "diff": None, "reason": "compile: " + _reason(out)}
     if lambda_:
