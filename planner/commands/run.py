@@ -105,6 +105,9 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
         reference_cache = {}
         reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache)
                    for mode in modes}
+        encoding = [l[len("prompts: "):] for l in proc.stdout.splitlines() if l.startswith("prompts: ")]
+        for report in reports.values():  # how the runtime read the prompts (tokenizer.json or byte fallback)
+            report["prompt_encoding"] = encoding[0] if encoding else "unknown"
     return reports
 
 
@@ -153,7 +156,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
     reports = run_modes(bundle, nproc, prompts_path, new_tokens, modes, verify, results, timeout)
     keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
-            "world_size", "locality_matches_prediction")
+            "world_size", "locality_matches_prediction", "prompt_encoding")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[mode] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -208,6 +211,7 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
 
 def _print(report: dict, verify: bool) -> None:
     click.echo(f"{report['world_size']} ranks, mode {report['mode']}: {report['tokens_per_second']:.1f} tokens/s")
+    click.echo(f"  prompts read as: {report.get('prompt_encoding', 'unknown')}")
     for i, text in enumerate(report["texts"]):
         click.echo(f"  [{i}] {text!r}")
     click.echo("  layer  all-to-all bytes  messages  context bytes  local slots")
