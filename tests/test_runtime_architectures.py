@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moeplan.backends.torchrun.verify import compare
-from moeplan.planner.commands.run import predicted_locality
+from moeplan.planner.pipeline.run import predicted_locality
 from moeplan.planner.importers.resolve import import_file
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 

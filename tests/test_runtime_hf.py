@@ -13,7 +13,7 @@ from moeplan.backends.runtime.exchange import Exchanger
 from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.backends.runtime.library_model import RankModel, build_transformers, decoder_layers
 from moeplan.backends.runtime.moe_adapter import find_containers, join_expert_state, split_expert_state
-from moeplan.planner.commands.run import run_modes
+from moeplan.planner.pipeline.run import run_modes
 from runtime_fixtures import contiguous_placement, hf_model_dir, write_hf_bundle
 
 PROMPTS = [[5, 9, 11, 3, 40, 2], [7, 7, 1], [60, 12, 33, 33, 8]]

@@ -10,41 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import resources
 from pathlib import Path
 
 
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.common.model_source import expert_containers, requirements
 from moeplan.backends.runtime.moe_adapter import expert_owner, split_expert_state
+from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.shards import shard_name, split_state_dict, write_shard
-
-RUNTIME_PACKAGE = "moeplan.backends.runtime"
-
+from moeplan.backends.common.shards import split_state_dict, write_shard
 
 def shard_layout(arch: str, model_files: dict) -> tuple:
     """(state transform, tensor name -> (MoE layer, expert) or None): per-expert slices apart."""
     containers = expert_containers(arch, model_files)
     return (lambda state: split_expert_state(state, containers)), expert_owner(containers)
-
-
-def shard_names(world_size: int) -> list:
-    return [shard_name(r) for r in range(world_size)]
-
-
-def _write(path: Path, text: str, executable: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    os.chmod(path, 0o755 if executable else 0o644)
-
-
-def copy_runtime(dest: Path) -> None:
-    """Copy the runtime's python files (only those: no caches) into dest."""
-    src = resources.files(RUNTIME_PACKAGE)
-    for entry in sorted(src.iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".py"):
-            _write(dest / entry.name, entry.read_text())
 
 
 def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
@@ -55,18 +34,15 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     transform, owner = shard_layout(arch, model_files)
     placement = plan.placement
     plan_doc = plan.to_json()
-    _write(out / "plan.json", plan_doc)
-    _write(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
+    write_file(out / "plan.json", plan_doc)
+    write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
-        os.chmod(path, 0o644)
+        write_file(out / rel, content)
     for rank, tensors in enumerate(split_state_dict(transform(state), placement, owner)):
         write_shard(out / plan.shards[rank], tensors, rank)
         os.chmod(out / plan.shards[rank], 0o644)
     copy_runtime(out / "runtime")
-    _write(out / "requirements.txt", requirements(arch))
+    write_file(out / "requirements.txt", requirements(arch))
     env = template_env("torchrun")
     topo = plan.topology
     context = {
@@ -82,6 +58,6 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
             for r in range(plan.world_size)
         ],
     }
-    _write(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
-    _write(out / "README.md", env.get_template("README.md.j2").render(**context))
+    write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
+    write_file(out / "README.md", env.get_template("README.md.j2").render(**context))
     return write_manifest(out)
