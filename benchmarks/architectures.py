@@ -37,13 +37,12 @@ COLUMNS = ("trace", "torchrun-2", "torchrun-4", "kubernetes", "lambda")
 
 
 def cli(args: list) -> tuple:
-    """(exit code, output) of one moeplan command run in this process."""
-    from click.testing import CliRunner
+    """(exit code, stdout + stderr) of one `moeplan` command (the installed console script)."""
+    import subprocess
 
-    from moeplan.planner.cli import main
-
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    return result.exit_code, result.output
+    exe = Path(sys.executable).parent / "moeplan"
+    proc = subprocess.run([str(exe)] + [str(a) for a in args], capture_output=True, text=True)
+    return proc.returncode, proc.stdout + "\n" + proc.stderr
 
 
 def _reason(output: str) -> str:
@@ -57,8 +56,8 @@ def verified_run(bundle: Path, ranks: int, prompts: Path) -> dict:
     code, out = cli(["run", bundle, "--verify", "--nproc", ranks, "--new-tokens", 3, "--mode", "both",
                      "--prompts", prompts, "--json"])
     try:
-        modes = json.loads(out.strip().splitlines()[-1])["modes"]
-    except (ValueError, IndexError, KeyError):
+        modes = json.loads(next(l for l in reversed(out.splitlines()) if l.startswith("{")))["modes"]
+    except (ValueError, StopIteration, KeyError):
         return {"ok": False, "diff": None, "reason": _reason(out)}
     bad = [m for m, r in modes.items() if not r.get("verified")]
     diff = max(r.get("max_abs_logit_diff", float("inf")) for r in modes.values())

@@ -86,3 +86,36 @@ def test_text_prompts_fall_back_to_bytes_and_say_so(served):
     assert "byte fallback" in stdout
     summary = json.loads((out / "qwen3_moe" / "standard" / "result.json").read_text())
     assert summary["prompt_ids"][1] == list(b"hello")
+
+
+def test_qwen3_moe_example_runs_text_through_its_tokenizer_via_the_cli(tmp_path):
+    """examples/qwen3_moe: trace text, compile for Kubernetes, run the bundle on text prompts."""
+    from click.testing import CliRunner
+
+    import transformers
+    from moeplan.planner.cli import main
+
+    example = REPO / "examples" / "qwen3_moe"
+    runner = CliRunner()
+    trace = tmp_path / "trace.npz"
+    result = runner.invoke(main, ["trace", str(example), "--data", str(REPO / "examples" / "tiny_moe" / "corpus_heldout.txt"),
+                                  "--max-tokens", "1200", "--out", str(trace)])
+    assert result.exit_code == 0, result.output
+    assert "byte" not in result.output  # read through tokenizer.json
+    bundle = tmp_path / "bundle"
+    result = runner.invoke(main, ["compile", str(example), "--trace", str(trace), "--target", "kubernetes", "--nodes", "1",
+                                  "--gpus-per-node", "2", "--time-limit", "5", "--out", str(bundle), "--quiet"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads((bundle / "plan.json").read_text())
+    assert plan["model"]["architecture"] == "transformers"
+    assert plan["model"]["library"]["transformers"] == transformers.__version__
+    assert (bundle / "model" / "tokenizer.json").read_bytes() == (example / "tokenizer.json").read_bytes()
+    assert f"transformers=={transformers.__version__}" in (bundle / "kubernetes" / "Dockerfile").read_text()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The module\nids: 5 6 7 8\n")
+    result = runner.invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "4", "--mode", "both",
+                                  "--prompts", str(prompts), "--json"])
+    assert result.exit_code == 0, result.output
+    modes = json.loads(result.output.strip().splitlines()[-1])["modes"]
+    for report in modes.values():
+        assert report["verified"] and report["prompt_encoding"] == "tokenizer.json"
