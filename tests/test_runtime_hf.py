@@ -7,14 +7,10 @@ through the engine (both modes) the logits and greedy tokens must be transformer
 import pytest
 import torch
 
-from moeplan.backends.runtime.counters import Counters
-from moeplan.backends.runtime.engine import Engine
-from moeplan.backends.runtime.exchange import Exchanger
-from moeplan.backends.runtime.expert_table import ExpertTable
-from moeplan.backends.runtime.library_model import RankModel, build_transformers, decoder_layers
+from moeplan.backends.runtime.library_model import build_transformers, decoder_layers
 from moeplan.backends.runtime.moe_adapter import find_containers, join_expert_state, split_expert_state
 from moeplan.planner.pipeline.run import run_modes
-from runtime_fixtures import contiguous_placement, hf_model_dir, write_hf_bundle
+from runtime_fixtures import contiguous_placement, hf_model_dir, single_rank_engine, write_hf_bundle
 
 PROMPTS = [[5, 9, 11, 3, 40, 2], [7, 7, 1], [60, 12, 33, 33, 8]]
 
@@ -31,12 +27,7 @@ def test_hf_model_through_the_engine_matches_transformers(tmp_path, kind):
     joined = join_expert_state(split, containers)
     assert joined.keys() == state.keys() and all(torch.equal(joined[k], state[k]) for k in state)
     for mode in ("coherent", "standard"):
-        table = ExpertTable.from_placement(contiguous_placement(len(containers), 8, 1, 1))
-        rank_model = RankModel(build_transformers(directory), "transformers", None,
-                               {c.moe: list(range(8)) for c in containers}, split, 64)
-        counters = Counters(rank_model.num_layers)
-        engine = Engine(rank_model, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode,
-                        torch.device("cpu"), 2)
+        engine = single_rank_engine(model, build_transformers(directory), "transformers", mode, 2)
         out = engine.generate(PROMPTS, 3)
         keys, logits = engine.logits()
         by_key = {int(k): i for i, k in enumerate(keys.tolist())}

@@ -52,7 +52,7 @@ def model_files(model_spec: str) -> tuple:
 
 def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
     """The runtime's view of where each MoE layer's experts live, from the bundle's model files."""
-    from moeplan.backends.runtime.library_model import ModelError, build_tiny_moe, build_transformers, decoder_layers
+    from moeplan.backends.runtime.library_model import ModelError, build_tiny_moe, decoder_layers
     from moeplan.backends.runtime.moe_adapter import find_containers
 
     with tempfile.TemporaryDirectory() as tmp:
