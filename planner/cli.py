@@ -30,6 +30,7 @@ def main():
 
 
 def _register():
+    from moeplan.planner.commands.calibrate import calibrate_cmd
     from moeplan.planner.commands.codegen import codegen
     from moeplan.planner.commands.compile import compile_cmd
     from moeplan.planner.commands.export_onnx import export_onnx_cmd
@@ -40,7 +41,7 @@ def _register():
     from moeplan.planner.commands.simulate import simulate
     from moeplan.planner.commands.trace import trace
 
-    for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd):
+    for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd, calibrate_cmd):
         main.add_command(command)
 
 
