@@ -1,86 +1,59 @@
-"""The runtime expert cache (1 rank, CPU): same tokens as without it, and the measured hit ratio,
-loads and bytes moved equal the simulator's for the same tokens and policy."""
+"""The runtime expert cache (CPU): driven by a request stream, its measured requests, hits, loads
+and bytes moved equal the simulator's for the same requests and policy, and the weights dict holds
+exactly the cached experts' tensors, read from a safetensors file."""
 import numpy as np
-import pytest
 import torch
+from safetensors.torch import save_file
 
-from moeplan.backends.runtime.counters import Counters
-from moeplan.backends.runtime.engine import Engine
-from moeplan.backends.runtime.exchange import Exchanger
 from moeplan.backends.runtime.expert_cache import ExpertCache, ShardStore
-from moeplan.backends.runtime.expert_table import ExpertTable
-from moeplan.backends.runtime.tiny_moe import TinyMoEArch, encode, is_expert_tensor
 from moeplan.passes.analysis.activation import popularity_by_layer
-from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
 from moeplan.passes.optimize.offload.next_use import fit_next_use
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.simulate import simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
-from runtime_fixtures import contiguous_placement, load_small, small_model_dir
 
-PROMPT = "offloaded experts, exact tokens"
-NEW = 6
+L, E, K = 3, 8, 2
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    directory = small_model_dir(tmp_path_factory.mktemp("offload_rt"), num_layers=3, num_experts=8, top_k=2)
-    return directory, load_small(directory)
+def shard(path):
+    """A shard with one SwiGLU expert per (layer, expert) plus a dense tensor; names as TinyMoE's."""
+    torch.manual_seed(0)
+    tensors = {"embed.weight": torch.randn(4, 4)}
+    names = {}
+    for l in range(L):
+        for e in range(E):
+            for p in ("w_gate", "w_up", "w_down"):
+                name = f"blocks.{l}.moe.experts.{e}.{p}.weight"
+                tensors[name] = torch.randn(8, 4)
+                names.setdefault((l, e), []).append(name)
+    save_file(tensors, str(path))
+    return names
 
 
-def run(directory, model, capacity=None, policy=None, resident=()):
-    torch.set_num_threads(1)
-    cfg = model.config.to_dict()
-    full = {k: v.detach().float() for k, v in model.state_dict().items()}
-    weights = dict(full) if capacity is None else {k: v for k, v in full.items() if is_expert_tensor(k) is None}
-    arch = TinyMoEArch(cfg, weights)
-    table = ExpertTable.from_placement(contiguous_placement(cfg["num_layers"], cfg["num_experts"], 1, 1))
-    counters = Counters(arch.num_layers)
-    engine = Engine(arch, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, "coherent", torch.device("cpu"))
-    if capacity is not None:
-        names = {}
-        for name in sorted(full):
-            owner = is_expert_tensor(name)
-            if owner is not None:
-                names.setdefault(owner, []).append(name)
-        store = ShardStore(directory / "model.safetensors", names)
-        engine.expert_cache = ExpertCache(capacity, store, weights, cfg["num_layers"], cfg["num_experts"], "cpu",
-                                          policy=policy, resident=resident)
-    out = engine.generate([encode(PROMPT)], NEW)
-    return out, engine
-
-
-def routing_trace(engine, num_layers, num_experts) -> tuple:
-    """The tokens' routing as the engine recorded it, as a trace (rows by position)."""
-    by_key = {}
-    for layer, keys, ids, _ in engine.trace:
-        for key, row in zip(keys.tolist(), ids.tolist()):
-            by_key.setdefault(key, [None] * num_layers)[layer] = row
-    keys = sorted(by_key)
-    experts = np.array([by_key[k] for k in keys])
-    positions = np.array(keys) % engine.max_len
-    return make_trace(experts, num_experts=num_experts, positions=positions, sequence=np.zeros(len(keys), dtype=np.int64))
-
-
-def test_runtime_cache_matches_simulator_exactly(small):
-    directory, model = small
-    reference, _ = run(directory, model)
-    fit = synthesize_routed_tokens(tokens=800, layers=3, experts=8, top_k=2, seq_len=100, seed=0)
-    next_use = fit_next_use(build_stream(fit), popularity_by_layer(fit)).with_mix(0.5)
+def test_runtime_cache_matches_simulator_exactly(tmp_path):
+    names = shard(tmp_path / "rank-0.safetensors")
+    fit = synthesize_routed_tokens(tokens=800, layers=L, experts=E, top_k=K, seq_len=100, seed=0)
+    held = synthesize_routed_tokens(tokens=300, layers=L, experts=E, top_k=K, seq_len=60, seed=1)
+    model = fit_next_use(build_stream(fit), popularity_by_layer(fit)).with_mix(0.5)
     mixed = 0
-    for capacity in (3, 7, 12):
-        resident = list(range(0, 24, 24 // capacity))[:capacity]
-        for name in ("lru", "lfu", "lifo", "moe-infinity", "moeplan"):
-            policy = None if name == "lru" else make_policy(name, next_use)  # lru: the runtime's own
-            out, engine = run(directory, model, capacity, policy, resident)
-            assert out["generated"] == reference["generated"]  # offloading never changes a token
-            measured = engine.expert_cache.stats()
-            trace = routing_trace(engine, 3, 8)
-            stream = build_stream(trace, prompt_tokens=len(encode(PROMPT)))
-            sim = simulate_demand(stream, capacity, make_policy(name, next_use), resident=resident)
-            assert (measured["requests"], measured["hits"], measured["loads"]) == (sim.requests, sim.hits, sim.loads), (capacity, name)
-            expert_bytes = 3 * 32 * 32 * 4  # SwiGLU gate/up/down [32 x 32] float32
-            assert measured["bytes_moved"] == sim.loads * expert_bytes
-            mixed += 0 < measured["hits"] < measured["requests"]
-    assert mixed >= 10  # the comparison covers real hits and misses, not only all-miss runs
+    for prompt in (0, 20):
+        stream = build_stream(held, prompt_tokens=prompt)
+        for capacity in (3, 7, 12):
+            resident = list(range(0, L * E, (L * E) // capacity))[:capacity]
+            for name in ("lru", "lfu", "lifo", "moe-infinity", "moeplan"):
+                weights = {}
+                cache = ExpertCache(capacity, ShardStore(tmp_path / "rank-0.safetensors", names), weights, L, E, "cpu",
+                                    policy=None if name == "lru" else make_policy(name, model), resident=resident)
+                for s in range(len(stream.step_layer)):
+                    keys = stream.keys[stream.step_start[s]:stream.step_start[s + 1]]
+                    for e in cache.serve(int(stream.step_layer[s]), (keys % E).tolist(), int(stream.step_token[s]),
+                                         int(stream.step_seq[s])):
+                        assert f"blocks.{stream.step_layer[s]}.moe.experts.{e}.w_up.weight" in weights  # resident when served
+                    assert len(weights) == 3 * int(cache.cached.sum()) <= 3 * capacity
+                sim = simulate_demand(stream, capacity, make_policy(name, model), resident=resident)
+                m = cache.stats()
+                assert (m["requests"], m["hits"], m["loads"]) == (sim.requests, sim.hits, sim.loads), (prompt, capacity, name)
+                assert m["bytes_moved"] == sim.loads * 3 * 8 * 4 * 4
+                mixed += 0 < m["hits"] < m["requests"]
+    assert mixed >= 20  # the comparison covers real hits and misses, not only all-miss runs
