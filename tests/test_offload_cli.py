@@ -2,7 +2,6 @@
 the planner's prediction reproduced by the simulator, full-size configs, one-line errors."""
 import json
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 

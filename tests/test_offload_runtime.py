@@ -1,7 +1,6 @@
 """The runtime expert cache (CPU): driven by a request stream, its measured requests, hits, loads
 and bytes moved equal the simulator's for the same requests and policy, and the weights dict holds
 exactly the cached experts' tensors, read from a safetensors file."""
-import numpy as np
 import torch
 from safetensors.torch import save_file
 

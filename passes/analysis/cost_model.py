@@ -302,7 +302,6 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                       tokens_per_rank=[[0] * W for _ in shape.moe_blocks])
     counter = _Counter(pred, table, profile, W)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
-    first_moe_block = shape.moe_blocks[0]
     if mode == COHERENT:
         own = np.zeros((W, W), dtype=np.int64)
         for s, n in enumerate(workload.prompt_lengths):

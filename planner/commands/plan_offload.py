@@ -45,13 +45,9 @@ def offload_options(f):
 
 def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, gpu_memory, expert_cache,
                          hardware, serve_batch, max_length, prompt_tokens):
-    from moeplan.passes.analysis.trace.format import load_trace, require_routing, trace_file_sha256
-    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.atomic import write_text_atomic
-    from moeplan.planner.pipeline.common import check_trace_matches
-    from moeplan.planner.importers import load_model
-    from moeplan.planner.plan import Plan
+    from moeplan.planner.pass_manager import PassManager
+    from moeplan.planner.pipeline.offload import PASSES
 
     if (gpu_memory is None) == (expert_cache is None):
         raise UserError("--target offload needs exactly one of --gpu-memory BYTES or --expert-cache N")
@@ -64,26 +60,14 @@ def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_j
         raise UserError(f"--validation-fraction must be between 0 and 1, got {validation_fraction}")
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     t0 = time.perf_counter()
-    hw = load_hardware(hardware or DEFAULT)
-    gpu_bytes = parse_bytes(gpu_memory) if gpu_memory is not None else None
-    trace = load_trace(trace_path)
-    require_routing(trace, "offload planning (per-token expert requests)")
-    loaded = load_model(model)
-    ir = loaded.ir
-    check_trace_matches(ir, trace, f"trace '{trace_path}'")
-    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
-    req = OffloadRequest(hardware=hw, gpu_memory_bytes=gpu_bytes, expert_cache=expert_cache, batch=serve_batch,
-                         max_length=max_length, prompt_tokens=prompt_tokens, validation_fraction=validation_fraction, seed=seed)
-    body = plan_offload(ir, trace, req, kv_bytes_per_token(config, ir), say=say)
-    inputs = {"trace_sha256": trace_file_sha256(trace_path), "gpu_memory_bytes": gpu_bytes, "expert_cache": expert_cache,
-              "hardware": hw.name, "batch": serve_batch, "max_length": max_length, "prompt_tokens": prompt_tokens,
-              "validation_fraction": validation_fraction, "seed": seed, **body["inputs_extra"]}
-    the_plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
-                    topology={"kind": "single_gpu", "nodes": 1, "gpus_per_node": 1, "hardware": hw.name},
-                    placement=body["placement"], communication=body["communication"], predicted=body["predicted"],
-                    inputs=inputs)
+    options = {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
+               "expert_cache": expert_cache, "hardware": hardware, "batch": serve_batch, "max_length": max_length,
+               "prompt_tokens": prompt_tokens, "validation_fraction": validation_fraction, "seed": seed}
+    facts = PassManager(PASSES, quiet=True).run({"model_spec": str(model), "trace_path": str(trace_path),
+                                                 "offload_options": options, "progress": say})
+    the_plan = facts["plan"]
     write_text_atomic(out, the_plan.to_json())
-    p, c = body["predicted"], body["communication"]
+    p, c = the_plan.predicted, the_plan.communication
     summary = {"out": str(out), "expert_cache": c["expert_cache"], "total_experts": c["memory"]["total_experts"],
                "eviction": c["eviction"], "prefetch": c["prefetch"], "hit_ratio": p["hit_ratio"],
                "seconds_per_token": p["seconds_per_token"], "belady_gap_points": p["belady_gap_points"],

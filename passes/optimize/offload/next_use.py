@@ -88,7 +88,7 @@ class NextUseModel:
     def from_dict(cls, d: dict) -> "NextUseModel":
         top = np.asarray(d["affinity"]["top"], dtype=np.int64)
         p = np.asarray(d["affinity"]["p"], dtype=float)
-        L, E = top.shape[0], top.shape[1]
+        E = top.shape[1]
         aff = np.repeat(np.asarray(d["affinity"]["rest"], dtype=float)[:, :, None], E, axis=2)
         np.put_along_axis(aff, top, p, axis=2)
         pop = np.asarray(d["popularity"], dtype=float)

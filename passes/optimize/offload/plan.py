@@ -21,7 +21,6 @@ plus bytes over PCIe (and over NVMe first for disk-tier experts).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

@@ -99,7 +99,7 @@ def _start(stream, capacity: int, policy: Policy, resident):
 def simulate_demand(stream, capacity: int, policy: Policy, resident=(), expert_bytes: int = 0) -> Result:
     """Demand paging of `stream` through a `capacity`-key cache under `policy`."""
     cached, size = _start(stream, capacity, policy, resident)
-    keys, step, starts = stream.keys, stream.step, stream.step_start
+    keys, step = stream.keys, stream.step
     hits = loads = 0
     cur = -1
     for r in range(len(keys)):
