@@ -17,16 +17,16 @@ from moeplan.planner.errors import UserError
 
 
 def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, batch_tokens: int = 10240,
-                   methods: str = "pipelined_s3,s3,direct", platform_file=None, cache_dir: str = "build/cache",
+                   methods: str = "pipelined_s3,s3,direct", platform_file=None, cache_dir=None,
                    profile_budget: float = 5.0, time_limit: float = 10.0, requests_per_second: float = 1.0,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, profile_from=None) -> dict:
     """Run the pipeline; returns a summary dict."""
     from dataclasses import asdict
 
     from moeplan.backends.lambda_.codegen import write_bundle
     from moeplan.backends.common.model_source import model_files
     from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.passes.analysis.profile.operators import profile_model
+    from moeplan.passes.analysis.profile.operators import DEFAULT_CACHE_DIR, profile_model, profile_record
     from moeplan.passes.analysis.serverless_facts import build_facts
     from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
     from moeplan.passes.optimize.serverless import partition as P
@@ -52,7 +52,11 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
         raise UserError(f"model '{model_spec}' has no weights to ship; the lambda target needs a runnable model")
     ir = loaded.ir
     check_trace_matches(ir, trace, f"trace '{trace_path}'")
-    prof = profile_model(ir, loaded.module, budget_s=profile_budget, cache_dir=cache_dir, seed=seed)
+    if profile_from is not None:
+        prof = recorded_profile(profile_from, ir)
+    else:
+        prof = profile_model(ir, loaded.module, budget_s=profile_budget, seed=seed,
+                             cache_dir=DEFAULT_CACHE_DIR if cache_dir is None else cache_dir)
     facts = build_facts(ir, prof, platform)
     outcome = plan_serverless(facts, trace, slo_s, batch_tokens=batch_tokens,
                               sizing_options=SizingOptions(methods=_methods(methods), time_limit_s=time_limit))
@@ -69,7 +73,7 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
         "cost_per_request_usd": sim.moe_cost + part.cost_per_request_usd,
     }
     inputs = {"trace_sha256": trace_file_sha256(trace_path), "slo_s": slo_s, "methods": methods.split(","),
-              "profile_hash": prof.model_hash, "seed": seed}
+              "profile_hash": prof.model_hash, "seed": seed, "profile": profile_record(prof, ir)}
     plan = build_plan(ir, facts, outcome.result.layers, batch_tokens=batch_tokens, predicted=predicted, inputs=inputs)
     doc = _sig(asdict(plan))
     doc["model"].update({"architecture": arch, "config": "model/config.json", "source": "model/model.py",
@@ -80,9 +84,30 @@ def compile_lambda(model_spec: str, trace_path: str, out: str, *, slo_s: float, 
                                                           for x in l["experts"])
     text = json.dumps(doc, indent=2, sort_keys=True) + "\n"
     segment_of = {n: u.segment for u in units for n in u.names}
-    with atomic_path(Path(out)) as tmp:
+    with atomic_path(Path(out), kind="bundle") as tmp:
         manifest = write_bundle(tmp, doc, text, loaded.module.state_dict(), files, segment_of=segment_of,
                                 payload_limit=platform.payload_limit_bytes, requests_per_second=requests_per_second)
     return {"out": str(out), "target": "lambda", "functions": doc["topology"]["functions"],
             "dense_slices": len(part.slices), "methods": doc["communication"]["methods"],
             "cost_per_request_usd": predicted["cost_per_request_usd"], "files": len(manifest["files"])}
+
+
+def recorded_profile(source, ir):
+    """The profile recorded in a lambda plan.json (or a lambda bundle directory holding one)."""
+    from moeplan.passes.analysis.profile.operators import profile_for_reuse
+
+    path = Path(source)
+    if path.is_dir():
+        path = path / "plan.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        record = doc["inputs"]["profile"]
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise UserError(f"--profile-from: cannot read '{path}' as a plan.json; give a lambda plan or bundle") from None
+    except (KeyError, TypeError):
+        raise UserError(f"--profile-from: '{path}' records no profile (inputs.profile); give a plan made by "
+                        "this moeplan") from None
+    try:
+        return profile_for_reuse(record, ir)
+    except ValueError as exc:
+        raise UserError(f"--profile-from '{path}': {exc}") from None

@@ -99,6 +99,6 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
         entry = next((p for p in proto.metadata_props if p.key == key), None) or proto.metadata_props.add()
         entry.key, entry.value = key, value
     out = Path(out)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, kind="onnx") as tmp:
         onnx.save_model(proto, str(tmp), save_as_external_data=False)
     return out

@@ -9,11 +9,13 @@ gives the logits of every position the runtime processed.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from moeplan.backends.common.manifest import bundle_path
 from moeplan.backends.common.shards import state_dict_sha256
 from moeplan.planner.importers.resolve import import_file
 
@@ -26,7 +28,7 @@ def _hf_reference(root: Path, plan: dict, state: dict):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    config = transformers.AutoConfig.from_pretrained(str((root / plan["model"]["config"]).parent))
+    config = transformers.AutoConfig.from_pretrained(str(bundle_path(root, plan["model"]["config"]).parent))
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.load_state_dict({k: v.float() for k, v in state.items()})
@@ -63,8 +65,13 @@ def load_reference(root: Path, plan: dict):
 
 def tiny_moe_reference(root: Path, plan: dict, state: dict):
     """TinyMoE built from the model source file and config shipped in a bundle, with `state`."""
-    module = import_file(root / plan["model"]["source"])
-    config = json.loads((root / plan["model"]["config"]).read_text())
+    source = bundle_path(root, plan["model"]["source"])  # never code from outside the bundle
+    previous, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ in the bundle
+    try:
+        module = import_file(source)
+    finally:
+        sys.dont_write_bytecode = previous
+    config = json.loads(bundle_path(root, plan["model"]["config"]).read_text())
     model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model.eval()
@@ -91,7 +98,7 @@ def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int, cache: dict 
     if "model" not in cache:
         cache["model"] = load_reference(root, plan)
     model = cache["model"]
-    run = torch.load(out_dir / "logits.pt", weights_only=False)
+    run = torch.load(out_dir / "logits.pt", weights_only=True)
     result = json.loads((out_dir / "result.json").read_text())
     prompts = result["prompt_ids"]
     keys, logits, max_len = run["keys"], run["logits"], run["max_len"]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import cli_types as T
+
 from moeplan.planner.errors import UserError
 
 METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds",
@@ -26,21 +28,21 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 
 @click.command("place")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), required=True, help="Routing trace (.npz).")
-@click.option("--nodes", type=int, help="Server nodes.")
-@click.option("--gpus-per-node", type=int, help="GPUs per node.")
+@click.option("--nodes", type=T.POSITIVE_INT, help="Server nodes.")
+@click.option("--gpus-per-node", type=T.POSITIVE_INT, help="GPUs per node.")
 @click.option("--policy", type=click.Choice(["ilp", "eplb", "contiguous"]), default="ilp", show_default=True)
-@click.option("--redundant", type=int, default=0, show_default=True, help="Redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, ilp may move them between experts.")
-@click.option("--balance", type=float, default=0.1, show_default=True,
+@click.option("--redundant", type=T.NON_NEGATIVE_INT, default=0, show_default=True, help="Redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, ilp may move them between experts.")
+@click.option("--balance", type=T.NON_NEGATIVE_FLOAT, default=0.1, show_default=True,
               help="ilp: per layer, every GPU's load <= (1 + B) x the reference load.")
 @click.option("--balance-base", type=click.Choice(["mean", "eplb"]), default="mean", show_default=True,
               help="ilp: reference load per layer: the mean GPU load, or EPLB's max GPU load with the same replicas.")
-@click.option("--expert-groups", type=int, default=0, show_default=True,
+@click.option("--expert-groups", type=T.NON_NEGATIVE_INT, default=0, show_default=True,
               help="eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy.")
 @click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True)
-@click.option("--effort", type=float, default=1.0, show_default=True,
+@click.option("--effort", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
               help="ilp: work multiplier (sweeps, exchange moves, branch-and-bound nodes, LP sizes); "
                    "results depend only on it, not on machine speed. 2 = about twice the work.")
-@click.option("--time-limit", type=float, default=300.0, show_default=True,
+@click.option("--time-limit", type=T.POSITIVE_FLOAT, default=300.0, show_default=True,
               help="ilp: safety net in seconds; a solve it stops is marked stopped_by=time_limit (not reproducible).")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="placement.json to write.")
 @click.option("--evaluate", "evaluate", type=click.Path(path_type=Path), help="Score this placement.json on --trace instead.")

@@ -13,6 +13,8 @@ import time
 
 import click
 
+from moeplan.planner import cli_types as T
+
 from moeplan.planner.errors import UserError
 
 
@@ -38,29 +40,29 @@ def _u_table(facts, batch_tokens) -> dict:
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) with token ids, recorded from MODEL")
 @click.option("--target", type=click.Choice(["lambda"]), default="lambda", show_default=True)
-@click.option("--slo", type=float, required=True, help="end-to-end latency limit per batch, seconds")
+@click.option("--slo", type=T.POSITIVE_FLOAT, required=True, help="end-to-end latency limit per batch, seconds")
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @click.option("--platform", "platform_file", default=None, help="YAML file overriding platform constants")
-@click.option("--batch-tokens", type=int, default=10240, show_default=True, help="tokens per served batch")
+@click.option("--batch-tokens", type=T.POSITIVE_INT, default=10240, show_default=True, help="tokens per served batch")
 @click.option("--methods", default="pipelined_s3,s3,direct", show_default=True, help="allowed scatter-gather methods")
-@click.option("--validation-fraction", type=float, default=0.2, show_default=True, help="share of the trace held out for validation / BO")
+@click.option("--validation-fraction", type=T.FRACTION, default=0.2, show_default=True, help="share of the trace held out for validation / BO")
 @click.option("--size-for", type=click.Choice(["mean", "max"]), default="mean", show_default=True,
               help="size for the mean predicted load per batch, or per expert the busiest batch's")
-@click.option("--bo-iterations", type=int, default=0, show_default=True, help="BO refinement iterations (0 = off)")
-@click.option("--bo-q", type=int, default=64, show_default=True, help="key-value pairs adjusted per BO trial")
+@click.option("--bo-iterations", type=T.NON_NEGATIVE_INT, default=0, show_default=True, help="BO refinement iterations (0 = off)")
+@click.option("--bo-q", type=T.POSITIVE_INT, default=64, show_default=True, help="key-value pairs adjusted per BO trial")
 @click.option("--bo-storage", default=None, help="Optuna storage URL (e.g. sqlite:///bo.db) to share the study")
-@click.option("--profile-budget", type=float, default=5.0, show_default=True, help="seconds of optional profiling")
-@click.option("--cache-dir", default="build/cache", show_default=True, help="profile cache directory")
+@click.option("--profile-budget", type=T.NON_NEGATIVE_FLOAT, default=5.0, show_default=True, help="seconds of optional profiling")
+@click.option("--cache-dir", default=None, help="profile cache directory (default $MOEPLAN_CACHE_DIR, else ~/.cache/moeplan/profiles)")
 @click.option("--no-cache", is_flag=True, help="profile again and do not write the cache")
-@click.option("--time-limit", type=float, default=10.0, show_default=True, help="time limit per MILP solve, seconds")
+@click.option("--time-limit", type=T.POSITIVE_FLOAT, default=10.0, show_default=True, help="time limit per MILP solve, seconds")
 @click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=T.SEED, default=0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--quiet", is_flag=True, help="no progress output")
 def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, methods, validation_fraction, size_for, bo_iterations,
          bo_q, bo_storage, profile_budget, cache_dir, no_cache, time_limit, solver, seed, as_json, quiet):
     """Size the serverless functions of MODEL for --slo and write a lambda plan."""
-    from moeplan.passes.analysis.profile.operators import profile_model
+    from moeplan.passes.analysis.profile.operators import DEFAULT_CACHE_DIR, profile_model, profile_record
     from moeplan.passes.analysis.serverless_facts import build_facts
     from moeplan.passes.analysis.trace.format import load_trace, trace_file_sha256
     from moeplan.passes.optimize.serverless.bo_refine import BOOptions
@@ -88,7 +90,7 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
     t0 = time.perf_counter()
     say("profiling operators...")
     prof = profile_model(ir, loaded.module if loaded.has_weights else None, budget_s=profile_budget,
-                         cache_dir=None if no_cache else cache_dir, seed=seed, onnx_path=loaded.onnx_path)
+                         cache_dir=None if no_cache else (cache_dir or DEFAULT_CACHE_DIR), seed=seed, onnx_path=loaded.onnx_path)
     facts = build_facts(ir, prof, platform)
     profile_s = time.perf_counter() - t0
     say(f"profile {'(cached) ' if prof.cached else ''}ready: time RMSLE {prof.time_rmsle:.3f}, memory RMSLE {prof.memory_rmsle:.3f}")
@@ -124,9 +126,9 @@ def plan(model, trace_path, target, slo, out, platform_file, batch_tokens, metho
                            "history": [{k: v for k, v in h.items() if k != "seconds"} for h in outcome.bo["history"]]}
     inputs = {"trace_sha256": trace_file_sha256(trace_path), "slo_s": slo, "validation_fraction": validation_fraction,
               "methods": list(methods.split(",")), "size_for": size_for, "bo_iterations": bo_iterations, "bo_q": bo_q, "seed": seed,
-              "profile_hash": prof.model_hash}
+              "profile_hash": prof.model_hash, "profile": profile_record(prof, ir)}
     the_plan = build_plan(ir, facts, res.layers, batch_tokens=batch_tokens, predicted=predicted, inputs=inputs)
-    write_text_atomic(out, plan_json(the_plan))
+    write_text_atomic(out, plan_json(the_plan), kind="plan")
     total_s = time.perf_counter() - t0
     summary = {"out": str(out), "moe_cost_per_batch_usd": sim.moe_cost, "latency_s": sim.latency,
                "throughput_tokens_per_s": sim.throughput, "algorithm": res.algorithm,

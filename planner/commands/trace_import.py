@@ -9,11 +9,13 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import cli_types as T
+
 
 @click.command("import")
 @click.argument("log", type=click.Path(path_type=Path))
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Trace file to write (.npz).")
-@click.option("--num-experts", type=int, default=None,
+@click.option("--num-experts", type=T.POSITIVE_INT, default=None,
               help="Experts per MoE layer (default: the largest logged id + 1); ids >= it are an error.")
 @click.option("--quiet", is_flag=True, help="No summary line.")
 def import_log(log, out, num_experts, quiet):

@@ -84,7 +84,7 @@ class Placement:
         return body[: body.rindex("}")].rstrip() + ",\n " + layers + "\n}\n"
 
     def save(self, path: str | os.PathLike, timings: bool = False) -> None:
-        write_text_atomic(path, self.to_json(timings))
+        write_text_atomic(path, self.to_json(timings), kind="placement")
 
 
 def _rounded(value):

@@ -1,0 +1,89 @@
+"""Click parameter types for numeric flags: every bad value is a usage error, never a traceback.
+
+`float` accepts `nan`, `inf` and negatives, and a time limit of `nan` switched the solver's
+limit off; these types refuse such values where click parses the flag, so the command never
+sees them. The CLI prints click's usage errors as one `error:` line with exit code 2.
+"""
+from __future__ import annotations
+
+import math
+
+import click
+
+INT64_MAX = (1 << 63) - 1
+SEED_MAX = (1 << 32) - 1  # numpy's legacy seeding and torch.manual_seed both take 0..2**32-1 everywhere
+
+
+class FiniteFloat(click.ParamType):
+    """A finite float within [low, high]; `positive` excludes 0 (the low bound itself)."""
+
+    name = "number"
+
+    def __init__(self, low: float | None = None, high: float | None = None, positive: bool = False):
+        self.low, self.high, self.positive = low, high, positive
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) and math.isfinite(value):
+            number = value
+        else:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.positive and number <= 0:
+            self.fail(f"{value!r} must be greater than 0", param, ctx)
+        if self.low is not None and number < self.low:
+            self.fail(f"{value!r} must be at least {self.low:g}", param, ctx)
+        if self.high is not None and number > self.high:
+            self.fail(f"{value!r} must be at most {self.high:g}", param, ctx)
+        return number
+
+
+class BoundedInt(click.ParamType):
+    """An integer within [low, high] (both inclusive)."""
+
+    name = "integer"
+
+    def __init__(self, low: int | None = None, high: int | None = INT64_MAX):
+        self.low, self.high = low, high
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(str(value).strip(), 10)
+            except (TypeError, ValueError):
+                self.fail(f"{value!r} is not a whole number", param, ctx)
+        if self.low is not None and number < self.low:
+            self.fail(f"{number} must be at least {self.low}", param, ctx)
+        if self.high is not None and number > self.high:
+            self.fail(f"{number} must be at most {self.high}", param, ctx)
+        return number
+
+
+class NonEmptyText(click.ParamType):
+    """A string with something in it besides whitespace (an image name, a URL)."""
+
+    name = "text"
+
+    def convert(self, value, param, ctx):
+        text = str(value)
+        if not text.strip():
+            self.fail("must not be empty", param, ctx)
+        if any(ord(c) < 32 for c in text):
+            self.fail(f"{text!r} holds control characters", param, ctx)
+        return text
+
+
+POSITIVE_FLOAT = FiniteFloat(positive=True)
+NON_NEGATIVE_FLOAT = FiniteFloat(low=0.0)
+FRACTION = FiniteFloat(low=0.0, high=1.0)
+OPEN_FRACTION = FiniteFloat(positive=True, high=1.0)
+POSITIVE_INT = BoundedInt(low=1)
+NON_NEGATIVE_INT = BoundedInt(low=0)
+SEED = BoundedInt(low=0, high=SEED_MAX)
+ONNX_OPSET = BoundedInt(low=7, high=30)
+NON_EMPTY_TEXT = NonEmptyText()
