@@ -213,6 +213,17 @@ def _swap_in(new: Path, target: Path, tmp_dir: Path) -> None:
         os.rename(new, target)
 
 
+def check_output(target, kind: str | None) -> None:
+    """Everything that can be said about an output before any work: not an input, replaceable, and
+    under a directory (not a file). Commands call it first, `atomic_path` again at the write."""
+    target = Path(target)
+    check_not_input(target)
+    check_replaceable(target, kind)
+    blocking = next((p for p in (target.parent, *target.parent.parents) if os.path.lexists(p)), None)
+    if blocking is not None and not blocking.is_dir():
+        raise UserError(f"cannot write '{target}': '{blocking}' is a file, not a directory; choose another --out")
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | os.PathLike, kind: str | None = None):
     """Yield a temporary path beside `target`; swap it onto `target` only on success.
@@ -222,11 +233,7 @@ def atomic_path(target: str | os.PathLike, kind: str | None = None):
     --force; None (internal caches) replaces files freely.
     """
     target = Path(target)
-    check_not_input(target)
-    check_replaceable(target, kind)
-    blocking = next((p for p in (target.parent, *target.parent.parents) if os.path.lexists(p)), None)
-    if blocking is not None and not blocking.is_dir():
-        raise UserError(f"cannot write '{target}': '{blocking}' is a file, not a directory; choose another --out")
+    check_output(target, kind)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         clean_stale_temporaries(target)

@@ -33,7 +33,7 @@ class FiniteFloat(click.ParamType):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         if self.positive and number <= 0:
-            self.fail(f"{value!r} must be greater than 0", param, ctx)
+            self.fail(f"{value!r} is not positive (must be greater than 0)", param, ctx)
         if self.low is not None and number < self.low:
             self.fail(f"{value!r} must be at least {self.low:g}", param, ctx)
         if self.high is not None and number > self.high:
@@ -57,6 +57,8 @@ class BoundedInt(click.ParamType):
                 number = int(str(value).strip(), 10)
             except (TypeError, ValueError):
                 self.fail(f"{value!r} is not a whole number", param, ctx)
+        if self.low == 1 and number < 1:
+            self.fail(f"{number} is not positive (must be at least 1)", param, ctx)
         if self.low is not None and number < self.low:
             self.fail(f"{number} must be at least {self.low}", param, ctx)
         if self.high is not None and number > self.high:

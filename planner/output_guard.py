@@ -12,9 +12,12 @@ import os
 
 import click
 
-from moeplan.planner.atomic import command_scope
+from moeplan.planner.atomic import check_output, command_scope
 
 OUTPUT_PARAMS = frozenset({"out", "results", "cache_dir", "bo_storage", "force"})
+# What each command's --out holds (planner/atomic.py KINDS), so a bad --out fails before any work.
+OUT_KIND = {"compile": "bundle", "place": "placement", "plan": "plan", "export-onnx": "onnx", "synth": "trace",
+            "import": "trace", "record": "trace"}
 
 
 def _input_paths(params: dict) -> list:
@@ -52,6 +55,8 @@ def guard_command(command: click.Command) -> None:
     def guarded(*args, **kwargs):
         force = kwargs.get("force", False) if own_force else (kwargs.pop("force", False) if writes else False)
         with command_scope(_input_paths(kwargs), force=force):
+            if writes and kwargs.get("out") is not None:
+                check_output(kwargs["out"], OUT_KIND.get(command.name))
             return original(*args, **kwargs)
 
     guarded._moeplan_guarded = True

@@ -28,8 +28,9 @@ from moeplan.planner import cli_types as T
 def synth(layers, experts, top_k, tokens, affinity, zipf, group_size, seed, out, as_json):
     """Synthesise a routing trace with planted inter-layer affinity and Zipf-skewed popularity."""
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.analysis.trace.format import save_trace
+    from moeplan.passes.analysis.trace.format import check_trace_shape, save_trace
 
+    check_trace_shape(tokens, layers, top_k, experts)
     trace = synthesize_trace(layers=layers, experts=experts, top_k=top_k, tokens=tokens, affinity=affinity,
                              zipf=zipf, seed=seed, group_size=group_size)
     save_trace(trace, out)

@@ -93,9 +93,9 @@ def check_int_values(name: str, arr: np.ndarray) -> None:
     low, high = int(arr.min()), int(arr.max())
     if low < lo:
         hint = "; use -1 for 'no expert'" if name == "experts" else ""
-        raise UserError(f"trace array '{name}' holds {low}, below the smallest allowed value {lo}{hint}")
+        raise UserError(f"trace array '{name}' holds {low}, below {lo} (the smallest allowed value){hint}")
     if high > hi:
-        raise UserError(f"trace array '{name}' holds {high}, above the largest allowed value {hi}; "
+        raise UserError(f"trace array '{name}' holds {high}, above {hi} (the largest allowed value); "
                         "the ids are corrupt or from another format")
 
 
@@ -107,6 +107,16 @@ def _int_array(name: str, value, ndim: int) -> np.ndarray:
         raise UserError(f"trace array '{name}' must hold integers, got dtype {arr.dtype}")
     check_int_values(name, arr)
     return arr.astype(STORED_DTYPE[name])
+
+
+def check_trace_shape(num_tokens: int, num_layers: int, top_k: int, num_experts: int) -> None:
+    """Refuse, before allocating, a trace [T, L, K] (ids and weights, 8 bytes an entry) that would not
+    fit in memory, or whose expert count the analyses cannot hold."""
+    need = num_tokens * num_layers * top_k * 8
+    if need > memory_budget_bytes():
+        raise UserError(f"a trace of {num_tokens} tokens x {num_layers} layers x top-{top_k} needs {need / 2**30:.1f} GiB, "
+                        "more than half of this machine's memory; use fewer tokens or layers")
+    check_trace_size(num_layers, num_experts)
 
 
 def check_trace_size(num_layers: int, num_experts: int) -> None:
@@ -136,12 +146,13 @@ def make_trace(
     if L == 0 or K == 0:
         raise UserError(f"trace array 'experts' has shape {experts.shape}: it needs at least one MoE layer and one choice")
     max_id = int(experts.max()) if experts.size else -1
+    declared = num_experts is not None
     if num_experts is None:
         num_experts = max(max_id + 1, 1)
     num_experts = int(num_experts)
     if num_experts <= 0:
         raise UserError(f"trace 'num_experts' must be positive, got {num_experts}")
-    if K > num_experts:
+    if declared and K > num_experts:
         raise UserError(f"trace chooses top-{K} experts per token but has only {num_experts} experts per layer; "
                         "top-k cannot exceed the expert count")
     if max_id >= num_experts:
@@ -213,7 +224,7 @@ def read_npz_arrays(path: Path) -> dict:
     """Every array of a `.npz`, each header validated against its data and the total against memory
     before anything is allocated; raises `UserError` for anything else."""
     if not zipfile.is_zipfile(path):
-        raise UserError(f"trace file '{path}' is not a .npz archive (a plain .npy or another file renamed?); "
+        raise UserError(f"trace file '{path}' is not a readable .npz archive (a plain .npy or another file renamed?); "
                         "write traces with 'moeplan trace' or numpy.savez")
     try:
         with zipfile.ZipFile(path) as archive:

@@ -72,7 +72,7 @@ class _LogParser:
             self.fail(line_no, f"'problem_id' must be a string or an integer, got {json.dumps(problem)[:40]}")
         for key in ("layer", "token_idx"):
             if not _is_int(record[key]) or not 0 <= record[key] <= INT32_MAX:
-                self.fail(line_no, f"'{key}' must be an integer from 0 to {INT32_MAX}, got {json.dumps(record[key])[:40]}")
+                self.fail(line_no, f"'{key}' must be a non-negative integer (at most {INT32_MAX}), got {json.dumps(record[key])[:40]}")
         experts = record["experts"]
         if not isinstance(experts, list) or not experts or not all(_is_int(e) for e in experts):
             self.fail(line_no, f"'experts' must be a non-empty list of integer expert ids, got {json.dumps(experts)[:60]}")
