@@ -85,6 +85,16 @@ def read_plan(path) -> tuple:
                                 tuple(ExpertChoice(int(x["memory_mb"]), int(x["replicas"]), int(x["predicted_tokens"]))
                                       for x in l["experts"]))
                   for l in plan.placement["layers"]]
-    except (KeyError, TypeError, ValueError) as exc:
+        batch_tokens = int(plan.communication["batch_tokens"])
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it")
-    return plan, facts, layers, int(plan.communication["batch_tokens"])
+    for l, layer in enumerate(layers):
+        for e, x in enumerate(layer.experts):
+            if x.replicas < 1 or x.memory_mb < 1 or x.tokens < 0:
+                raise UserError(f"plan file '{path}': layer {l} expert {e} has {x.replicas} replicas, {x.memory_mb} MB, "
+                                f"{x.tokens} predicted tokens; every expert needs >= 1 replica and memory; regenerate it")
+        if layer.beta < 0:
+            raise UserError(f"plan file '{path}': layer {l} has a negative beta; regenerate it")
+    if batch_tokens < 1:
+        raise UserError(f"plan file '{path}': batch_tokens must be positive; regenerate it")
+    return plan, facts, layers, batch_tokens

@@ -16,6 +16,7 @@ from moeplan.planner.errors import UserError
 
 SUPPORTED = ("tiny_moe",)
 HF_SUPPORTED = ("mixtral", "qwen2_moe")
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def model_files(model_spec: str) -> tuple:
@@ -26,7 +27,13 @@ def model_files(model_spec: str) -> tuple:
             "and a \"moeplan_loader\", see examples/tiny_moe) and Hugging Face Mixtral / Qwen2-MoE directories")
     if not config_path.is_file() or config_path.name != "config.json":
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {hint}")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise UserError(f"{config_path} is not valid JSON{where}; fix the file") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path} must hold a JSON object; fix the file")
     arch = config.get("model_type")
     if arch in HF_SUPPORTED:
         return "hf_moe", {"model/config.json": config_path.read_bytes()}
@@ -36,4 +43,8 @@ def model_files(model_spec: str) -> tuple:
     source = config_path.parent / loader.split(":", 1)[0]
     if not source.is_file():
         raise UserError(f"model source '{source}' named by moeplan_loader in {config_path} does not exist")
+    if not any(p.suffix in CHECKPOINT_SUFFIXES for p in config_path.parent.iterdir() if p.is_file()):
+        raise UserError(f"model directory '{config_path.parent}' holds no checkpoint ({', '.join(CHECKPOINT_SUFFIXES)}): "
+                        "its loader would build random weights and the bundle would not be reproducible; "
+                        "train or copy the weights there first")
     return arch, {"model/config.json": config_path.read_bytes(), "model/model.py": source.read_bytes()}

@@ -41,6 +41,24 @@ def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: st
         raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens")
 
 
+def read_prompts(path: Path) -> list:
+    """The non-empty lines of a UTF-8 text file; one-line UserErrors for anything else."""
+    if not path.is_file():
+        raise UserError(f"prompts file '{path}' does not exist; give a text file with one prompt per line")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"prompts file '{path}' is not UTF-8 text; give a text file with one prompt per line") from None
+    except OSError as exc:
+        raise UserError(f"cannot read prompts file '{path}' ({exc.strerror or exc})") from None
+    if "\0" in text:
+        raise UserError(f"prompts file '{path}' is binary; give a text file with one prompt per line")
+    prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UserError(f"prompts file '{path}' holds no prompt; write one prompt per line")
+    return prompts
+
+
 def failure_reason(output: str) -> str:
     """The line that says why the ranks stopped: the runtime's own `error:` line, else a rank's exception."""
     lines = output.splitlines()
@@ -93,13 +111,12 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
             prompts_file.write_text("\n".join(p.replace("\n", " ") for p in DEFAULT_PROMPTS) + "\n")
         else:
             prompts_file = Path(prompts_path)
-            if not prompts_file.is_file():
-                raise UserError(f"prompts file '{prompts_file}' does not exist; give a text file with one prompt per line")
-        prompt_texts = [l.rstrip("\n") for l in prompts_file.read_text(encoding="utf-8").splitlines() if l.strip()]
-        if not prompt_texts:
-            raise UserError(f"prompts file '{prompts_file}' holds no prompt; write one prompt per line")
+            read_prompts(prompts_file)
         out_dir = Path(results) if results else scratch / "results"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --results '{out_dir}' ({exc.strerror or exc}); choose a writable directory") from None
         proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout)
         if proc.returncode != 0:
             reason = failure_reason(proc.stderr + "\n" + proc.stdout)
@@ -191,12 +208,7 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
     if prompts_path is None:
         prompts = [p.replace("\n", " ") for p in DEFAULT_PROMPTS]
     else:
-        path = Path(prompts_path)
-        if not path.is_file():
-            raise UserError(f"prompts file '{path}' does not exist; give a text file with one prompt per line")
-        prompts = [l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-        if not prompts:
-            raise UserError(f"prompts file '{path}' holds no prompt; write one prompt per line")
+        prompts = read_prompts(Path(prompts_path))
     report = run_lambda_bundle(bundle, prompts, new_tokens, verify)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True))

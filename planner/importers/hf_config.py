@@ -63,10 +63,20 @@ def make_config(data: dict, source: str):
             "does not know it); use a supported architecture or give the model as package.module:factory"
         )
     clean = {k: v for k, v in data.items() if k not in IGNORED_KEYS}
+    for key, limit in SIZE_LIMITS.items():  # before building: 1e9 layers would hang, not fail
+        value = clean.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= limit:
+            raise UserError(f"{source}: {key} is {value}, outside 0..{limit}; fix the value")
     try:
         return CONFIG_MAPPING[model_type].from_dict(clean)
     except Exception as exc:  # transformers validates configs with many exception types
         raise UserError(f"{source}: invalid {model_type} config: {_one_line(exc)}; fix the value named") from None
+
+
+# Sizes no real model reaches; larger values in a config are corruption, refused before building.
+SIZE_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096, "num_local_experts": 1 << 16,
+               "num_experts": 1 << 16, "n_routed_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
+               "num_attention_heads": 1 << 16, "num_key_value_heads": 1 << 16}
 
 
 def _one_line(exc: BaseException) -> str:
