@@ -1,5 +1,8 @@
 """Click parameter types for numeric flags: every bad value is a usage error, never a traceback.
 
+Their messages are predicates ("must be a positive number, got 'nan'") that the CLI prefixes
+with the flag (`errors.one_line_usage_error`): `error: --slo must be a positive number, got '-1'`.
+
 `float` accepts `nan`, `inf` and negatives, and a time limit of `nan` switched the solver's
 limit off; these types refuse such values where click parses the flag, so the command never
 sees them. The CLI prints click's usage errors as one `error:` line with exit code 2.
@@ -14,7 +17,11 @@ INT64_MAX = (1 << 63) - 1
 SEED_MAX = (1 << 32) - 1  # numpy's legacy seeding and torch.manual_seed both take 0..2**32-1 everywhere
 
 
-class FiniteFloat(click.ParamType):
+class OneLineType(click.ParamType):
+    """Marks our types: their failure messages read after the flag's name."""
+
+
+class FiniteFloat(OneLineType):
     """A finite float within [low, high]; `positive` excludes 0 (the low bound itself)."""
 
     name = "number"
@@ -29,19 +36,19 @@ class FiniteFloat(click.ParamType):
             try:
                 number = float(value)
             except (TypeError, ValueError):
-                self.fail(f"{value!r} is not a number", param, ctx)
+                self.fail(f"must be a number, got {value!r}", param, ctx)
         if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
+            self.fail(f"must be a finite number, got {value!r}", param, ctx)
         if self.positive and number <= 0:
-            self.fail(f"{value!r} is not positive (must be greater than 0)", param, ctx)
+            self.fail(f"must be a positive number, got {value!r}", param, ctx)
         if self.low is not None and number < self.low:
-            self.fail(f"{value!r} must be at least {self.low:g}", param, ctx)
+            self.fail(f"must be at least {self.low:g}, got {value!r}", param, ctx)
         if self.high is not None and number > self.high:
-            self.fail(f"{value!r} must be at most {self.high:g}", param, ctx)
+            self.fail(f"must be at most {self.high:g}, got {value!r}", param, ctx)
         return number
 
 
-class BoundedInt(click.ParamType):
+class BoundedInt(OneLineType):
     """An integer within [low, high] (both inclusive)."""
 
     name = "integer"
@@ -56,17 +63,17 @@ class BoundedInt(click.ParamType):
             try:
                 number = int(str(value).strip(), 10)
             except (TypeError, ValueError):
-                self.fail(f"{value!r} is not a whole number", param, ctx)
+                self.fail(f"must be a whole number, got {value!r}", param, ctx)
         if self.low == 1 and number < 1:
-            self.fail(f"{number} is not positive (must be at least 1)", param, ctx)
+            self.fail(f"must be a positive integer, got {number}", param, ctx)
         if self.low is not None and number < self.low:
-            self.fail(f"{number} must be at least {self.low}", param, ctx)
+            self.fail(f"must be at least {self.low}, got {number}", param, ctx)
         if self.high is not None and number > self.high:
-            self.fail(f"{number} must be at most {self.high}", param, ctx)
+            self.fail(f"must be at most {self.high}, got {number}", param, ctx)
         return number
 
 
-class NonEmptyText(click.ParamType):
+class NonEmptyText(OneLineType):
     """A string with something in it besides whitespace (an image name, a URL)."""
 
     name = "text"
@@ -76,7 +83,7 @@ class NonEmptyText(click.ParamType):
         if not text.strip():
             self.fail("must not be empty", param, ctx)
         if any(ord(c) < 32 for c in text):
-            self.fail(f"{text!r} holds control characters", param, ctx)
+            self.fail(f"must not hold control characters, got {text!r}", param, ctx)
         return text
 
 

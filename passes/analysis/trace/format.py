@@ -220,7 +220,7 @@ def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path):
     return count * dtype.itemsize
 
 
-def read_npz_arrays(path: Path) -> dict:
+def read_npz_arrays(path: Path, budget: int | None = None) -> dict:
     """Every array of a `.npz`, each header validated against its data and the total against memory
     before anything is allocated; raises `UserError` for anything else."""
     if not zipfile.is_zipfile(path):
@@ -233,7 +233,7 @@ def read_npz_arrays(path: Path) -> dict:
             if odd:
                 raise UserError(f"trace file '{path}' holds {odd[0]!r}, not a .npy array; it is not a moeplan trace")
             total = sum(_member_header(archive, info, path) for info in members)
-            if total > memory_budget_bytes():
+            if total > (memory_budget_bytes() if budget is None else budget):
                 raise UserError(f"trace file '{path}' unpacks to {total / 2**30:.1f} GiB, more than half of this "
                                 "machine's memory; split the trace or plan on a larger machine")
             arrays = {}
