@@ -74,9 +74,12 @@ def read_plan(path) -> tuple:
     if not path.is_file():
         raise UserError(f"plan file '{path}' does not exist; write one with 'moeplan plan MODEL --trace T --target lambda --slo S --out {path}'")
     try:
-        plan = Plan.from_json(path.read_text())
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc})")
+        plan = Plan.from_json(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc.__class__.__name__}: {str(exc)[:80]})") from None
+    if not isinstance(plan.communication, dict) or not isinstance(plan.inputs, dict) \
+            or not isinstance(plan.placement, dict):
+        raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
     if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
         raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' needs a lambda plan (serverless_version {SERVERLESS_VERSION})")
     try:

@@ -55,7 +55,7 @@ def make_config(data: dict, source: str):
             f"{source} has no \"model_type\"; a Hugging Face config names its architecture there "
             "(e.g. \"mixtral\"), a moeplan model directory names its loader in \"moeplan_loader\""
         )
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         import transformers
 
         raise UserError(

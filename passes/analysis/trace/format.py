@@ -146,15 +146,11 @@ def make_trace(
     if L == 0 or K == 0:
         raise UserError(f"trace array 'experts' has shape {experts.shape}: it needs at least one MoE layer and one choice")
     max_id = int(experts.max()) if experts.size else -1
-    declared = num_experts is not None
     if num_experts is None:
         num_experts = max(max_id + 1, 1)
     num_experts = int(num_experts)
     if num_experts <= 0:
         raise UserError(f"trace 'num_experts' must be positive, got {num_experts}")
-    if declared and K > num_experts:
-        raise UserError(f"trace chooses top-{K} experts per token but has only {num_experts} experts per layer; "
-                        "top-k cannot exceed the expert count")
     if max_id >= num_experts:
         layer = int(np.argwhere(experts >= num_experts)[0][1])
         raise UserError(
@@ -187,6 +183,9 @@ def make_trace(
         if attention_ids.shape != (T, L):
             raise UserError(f"trace array 'attention_ids' has shape {attention_ids.shape}, expected {(T, L)}")
 
+    if K > num_experts:
+        raise UserError(f"trace chooses top-{K} experts per token but has only {num_experts} experts per layer "
+                        "(its 'num_experts', else its largest id + 1); top-k cannot exceed the expert count")
     arrays = [experts, weights, attention_ids, *extras.values()]
     for arr in arrays:
         if arr is not None:
