@@ -95,6 +95,10 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
                 "the model's forward must be capturable by torch.export"
             ) from None
     proto = onnx_program.model_proto
+    written = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), None)
+    if written != opset:  # torch falls back to its own opset when it cannot convert; refuse, not mislabel
+        raise UserError(f"torch could not export {name} at opset {opset} (it produced opset {written}); "
+                        f"use --opset {written}")
     for key, value in ((NAME_KEY, name), (ARCHITECTURE_KEY, type(module).__name__)):
         entry = next((p for p in proto.metadata_props if p.key == key), None) or proto.metadata_props.add()
         entry.key, entry.value = key, value
