@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from click.testing import CliRunner  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fuzz_cases as F  # noqa: E402
@@ -74,13 +75,13 @@ def run_family(family: str, corpus: dict, examples: int, seed: int) -> dict:
         "config": F.config_bytes().map(lambda b: lambda w: F.config_case(w, b)),
     }
 
-    @settings(max_examples=examples, deadline=None, database=None, phases=[__import__("hypothesis").Phase.generate],
+    @hypothesis_seed(seed)
+    @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(case=strategies[family])
     def drive(case):
         attempt(case)
 
-    drive._hypothesis_internal_use_seed = seed
     drive()
     return {"cases": sum(outcomes.values()), "ok": outcomes[F.OK], "refused": outcomes[F.REFUSED],
             "broken": outcomes["broken"], "failures": dict(failures.most_common(10))}
