@@ -10,7 +10,6 @@ import json
 import click
 
 from moeplan.planner import cli_types as T
-
 from moeplan.planner.compile_pipeline import compile_bundle
 from moeplan.planner.errors import UserError
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import click
 
 from moeplan.planner import cli_types as T
-
 from moeplan.planner.errors import UserError
 
 

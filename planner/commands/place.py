@@ -19,7 +19,6 @@ from pathlib import Path
 import click
 
 from moeplan.planner import cli_types as T
-
 from moeplan.planner.errors import UserError
 
 METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds",

@@ -14,7 +14,6 @@ import time
 import click
 
 from moeplan.planner import cli_types as T
-
 from moeplan.planner.errors import UserError
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 import click
 
 from moeplan.planner import cli_types as T
-
 from moeplan.planner.errors import UserError
 
 DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")

@@ -11,7 +11,6 @@ from pathlib import Path
 import click
 
 from moeplan.planner import cli_types as T
-
 from moeplan.planner.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
