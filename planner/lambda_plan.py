@@ -66,6 +66,16 @@ def plan_json(plan: Plan) -> str:
     return json.dumps(_sig(asdict(plan)), indent=2, sort_keys=True) + "\n"
 
 
+def _first_non_number(value, where: str):
+    """The path of the first leaf of `value` that is not a finite number >= 0 (None if all are)."""
+    if isinstance(value, dict):
+        return next((bad for k, v in value.items() if (bad := _first_non_number(v, f"{where}.{k}"))), None)
+    if isinstance(value, list):
+        return next((bad for i, v in enumerate(value) if (bad := _first_non_number(v, f"{where}[{i}]"))), None)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return None if ok else where
+
+
 def read_plan(path) -> tuple:
     """(plan, facts, layers, batch_tokens) from a Lambda plan.json; problems are UserErrors."""
     from pathlib import Path
@@ -82,6 +92,10 @@ def read_plan(path) -> tuple:
         raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
     if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
         raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' needs a lambda plan (serverless_version {SERVERLESS_VERSION})")
+    bad = _first_non_number({k: v for k, v in plan.inputs.get("facts", {}).items() if k != "platform"}
+                            if isinstance(plan.inputs.get("facts"), dict) else None, "facts")
+    if bad:
+        raise UserError(f"plan file '{path}': {bad} must be a finite non-negative number; regenerate the plan")
     try:
         facts = sc.ServerlessFacts.from_dict(plan.inputs["facts"])
         layers = [LayerDecision(sc.METHOD_IDS[l["method"]], int(l["beta"]),

@@ -74,7 +74,8 @@ STORED_DTYPE = {"experts": np.int32, "positions": np.int32, "sequence": np.int32
                 "token_ids": np.int64, "attention_ids": np.int64}
 VALUE_BOUNDS = {"experts": (-1, INT32_MAX - 1), "positions": (0, INT32_MAX), "sequence": (0, INT32_MAX),
                 "token_ids": (0, INT64_MAX), "attention_ids": (-1, INT64_MAX)}
-MAX_EXPERTS = 1 << 16  # per MoE layer; more than any published MoE (a few hundred) by two orders
+MAX_EXPERTS = 1 << 14  # per MoE layer; 40x the largest published MoE (384 routed experts)
+ANALYSIS_BUDGET_BYTES = 4 << 30  # the most one derived table (e.g. [L-1, E, E] transition counts) may take
 
 
 def memory_budget_bytes() -> int:
@@ -125,9 +126,10 @@ def check_trace_size(num_layers: int, num_experts: int) -> None:
         raise UserError(f"trace declares {num_experts} experts per layer; moeplan plans at most {MAX_EXPERTS} "
                         "(check 'num_experts' and the largest expert id)")
     need = max(num_layers - 1, 1) * num_experts * num_experts * 8
-    if need > memory_budget_bytes():
+    budget = min(memory_budget_bytes(), ANALYSIS_BUDGET_BYTES)
+    if need > budget:
         raise UserError(f"a trace of {num_layers} MoE layers x {num_experts} experts needs {need / 2**30:.1f} GiB "
-                        f"for its affinity analysis, more than half of this machine's memory; trace fewer layers")
+                        f"for its affinity analysis (at most {budget / 2**30:.0f} GiB); trace fewer layers or experts")
 
 
 def make_trace(

@@ -99,7 +99,7 @@ def _rounded(value):
     return value
 
 
-MAX_PLACED_EXPERTS = 1 << 16  # as for traces (passes/analysis/trace/format.py MAX_EXPERTS)
+MAX_PLACED_EXPERTS = 1 << 14  # as for traces (passes/analysis/trace/format.py MAX_EXPERTS)
 
 
 def load_placement(path: str | os.PathLike) -> Placement:
