@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of torch on local disk; where it is absent pip takes the same pin from the index.
 TORCH_PIN := torch==2.13.0
+# SGLang's own EPLB and expert-location code, run by tests/test_engine_sglang_code.py; installed
+# without dependencies (nothing imports the package; no CUDA pull). Its wheel is cp311/manylinux only.
+SGLANG_PIN := sglang==0.5.23
 DEMO := build/demo
 
 .PHONY: demo test venv clean
@@ -15,6 +18,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
 	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
+	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"
 	touch $(STAMP)
 
 test: $(STAMP)

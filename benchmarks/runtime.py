@@ -56,8 +56,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from moeplan.planner.commands.run import run_modes
-    from moeplan.planner.compile_pipeline import compile_bundle
+    from moeplan.planner.pipeline.run import run_modes
+    from moeplan.planner.pipeline.targets import compile_bundle
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="moeplan-bench-") as scratch:

@@ -1,133 +1,125 @@
-"""The PassManager: runs named passes in order over a dictionary of facts, timed and cached.
+"""The PassManager: orders named passes by the facts they read and write, checks, runs and times them.
 
-A pass declares the facts it reads and the facts it writes; the manager checks that every read
-fact exists before running it, that it wrote exactly what it declared, times it, reports progress
-(one line per pass on stderr unless quiet) and caches its outputs keyed by a hash of the pass's
-name, version and the fingerprints of the facts it reads. Re-running a pipeline with one input
-changed re-runs only the passes downstream of it. Facts that cannot be fingerprinted (an
-`nn.Module` without one, an open file) make the pass uncacheable rather than wrongly cached.
+Every command that plans or compiles is a list of passes (`planner/pipeline/`). A pass declares
+the facts it reads and the facts it writes; the manager orders the list so that every pass runs
+after the passes that write what it reads (ties keep the list's order), checks each pass's
+precondition before it runs (e.g. the trace matches the model), checks that it wrote exactly what
+it declared, times it, and names the failing pass in the one-line error a user sees.
+`want` restricts a run to the passes that the wanted facts depend on: `moeplan plan` is its
+target's list asked for the plan alone, so it stops before codegen and skips what only codegen
+needs (the runtime's model files).
+
+No result cache: planning passes are either cheap or keep their own content-keyed cache on disk
+(operator profiles under `--cache-dir`), and an in-memory cache only ever hit within one process.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
-import numpy as np
-
-
-class Unfingerprintable(Exception):
-    """A fact whose content cannot be hashed; passes reading it are not cached."""
-
-
-def fingerprint(value) -> str:
-    """sha256 of a fact's content. Objects may define `fingerprint()` to say what identifies them."""
-    h = hashlib.sha256()
-    _feed(h, value)
-    return h.hexdigest()
-
-
-def _feed(h, value) -> None:
-    if hasattr(value, "fingerprint") and callable(value.fingerprint):
-        h.update(b"F" + str(value.fingerprint()).encode())
-    elif value is None or isinstance(value, (bool, int, float, str)):
-        h.update(b"J" + json.dumps(value).encode())
-    elif isinstance(value, bytes):
-        h.update(b"B" + value)
-    elif isinstance(value, np.ndarray):
-        h.update(f"N{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes())
-    elif isinstance(value, dict):
-        h.update(b"D")
-        for key in sorted(value, key=str):
-            _feed(h, str(key))
-            _feed(h, value[key])
-    elif isinstance(value, (list, tuple)):
-        h.update(b"L%d" % len(value))
-        for item in value:
-            _feed(h, item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        h.update(type(value).__name__.encode())
-        for f in dataclasses.fields(value):
-            _feed(h, f.name)
-            _feed(h, getattr(value, f.name))
-    elif type(value).__module__.startswith("torch") and hasattr(value, "detach"):
-        t = value.detach().to("cpu").contiguous()
-        h.update(f"T{t.dtype}{tuple(t.shape)}".encode() + t.numpy().tobytes())
-    else:
-        raise Unfingerprintable(type(value).__name__)
+from moeplan.planner.errors import UserError
 
 
 @dataclass(frozen=True)
 class Pass:
-    """A named step: `run(facts)` gets the facts it reads and returns the facts it writes."""
+    """A named step: `run(facts)` gets the facts it reads and returns the facts it writes.
+
+    `check(facts)`, if given, is the pass's precondition over the same facts: it raises
+    `UserError` when the inputs cannot be right (before any work is spent on them).
+    """
 
     name: str
     reads: tuple
     writes: tuple
     run: Callable
-    version: str = "1"
-    cacheable: bool = True
+    check: Optional[Callable] = None
 
 
 @dataclass
 class PassRecord:
     name: str
     seconds: float
-    cached: bool
+
+
+def order_passes(passes: list, available) -> list:
+    """Passes in dependency order: each after the writers of what it reads; ties in list order.
+
+    Raises `RuntimeError` (a moeplan bug, not a user error) when a pass reads a fact that neither
+    the inputs nor any pass provides, when two passes write the same fact, or on a cycle.
+    """
+    writer = {}
+    for p in passes:
+        for w in p.writes:
+            if w in writer:
+                raise RuntimeError(f"passes '{writer[w].name}' and '{p.name}' both write '{w}'")
+            writer[w] = p
+    for p in passes:
+        missing = [r for r in p.reads if r not in available and r not in writer]
+        if missing:
+            raise RuntimeError(f"pass '{p.name}' reads {missing}, which no input or pass provides")
+    done, ordered, pending = set(available), [], list(passes)
+    while pending:
+        ready = next((p for p in pending if all(r in done for r in p.reads)), None)
+        if ready is None:
+            raise RuntimeError(f"passes {[p.name for p in pending]} depend on each other in a cycle")
+        pending.remove(ready)
+        ordered.append(ready)
+        done.update(ready.writes)
+    return ordered
+
+
+def needed_passes(ordered: list, want, available) -> list:
+    """The passes of `ordered` whose writes the facts `want` depend on, transitively, in order."""
+    needed, keep = set(want) - set(available), []
+    for p in reversed(ordered):
+        if needed & set(p.writes):
+            keep.append(p)
+            needed |= set(r for r in p.reads if r not in available)
+    missing = needed - set(available) - {w for p in keep for w in p.writes}
+    if missing:
+        raise RuntimeError(f"no pass writes {sorted(missing)}")
+    return list(reversed(keep))
 
 
 @dataclass
 class PassManager:
-    """Runs passes in order; `cache` persists across `run` calls of the same manager."""
+    """Runs a pass list over a dictionary of facts; `records` holds the last run's timings."""
 
     passes: list
     quiet: bool = False
     stream: object = None
-    cache: dict = field(default_factory=dict)
     records: list = field(default_factory=list)
 
     def _say(self, text: str) -> None:
         if not self.quiet:
             print(text, file=self.stream or sys.stderr, flush=True)
 
-    def run(self, facts: dict) -> dict:
+    def run(self, facts: dict, want: tuple | None = None) -> dict:
         facts = dict(facts)
         self.records = []
-        total = len(self.passes)
-        for i, p in enumerate(self.passes, 1):
-            missing = [r for r in p.reads if r not in facts]
-            if missing:
-                raise RuntimeError(f"pass '{p.name}' reads {missing}, which no earlier pass wrote")
-            key = self._key(p, facts)
+        ordered = order_passes(self.passes, facts)
+        if want is not None:
+            ordered = needed_passes(ordered, want, facts)
+        total = len(ordered)
+        for i, p in enumerate(ordered, 1):
+            view = {r: facts[r] for r in p.reads}
             start = time.perf_counter()
-            if key is not None and key in self.cache:
-                written, cached = self.cache[key], True
-            else:
-                self._say(f"[{i}/{total}] {p.name} ...")
-                written = p.run({r: facts[r] for r in p.reads}) or {}
-                cached = False
-                if set(written) != set(p.writes):
-                    raise RuntimeError(f"pass '{p.name}' wrote {sorted(written)}, declared {sorted(p.writes)}")
-                if key is not None:
-                    self.cache[key] = written
+            self._say(f"[{i}/{total}] {p.name} ...")
+            try:
+                if p.check is not None:
+                    p.check(view)
+                written = p.run(view) or {}
+            except UserError as exc:
+                raise UserError(f"{p.name}: {exc}") from None
+            if set(written) != set(p.writes):
+                raise RuntimeError(f"pass '{p.name}' wrote {sorted(written)}, declared {sorted(p.writes)}")
             seconds = time.perf_counter() - start
-            self.records.append(PassRecord(p.name, seconds, cached))
-            self._say(f"[{i}/{total}] {p.name} {'(cached)' if cached else f'done in {seconds:.2f} s'}")
+            self.records.append(PassRecord(p.name, seconds))
+            self._say(f"[{i}/{total}] {p.name} done in {seconds:.2f} s")
             facts.update(written)
         return facts
 
-    @staticmethod
-    def _key(p: Pass, facts: dict):
-        if not p.cacheable:
-            return None
-        try:
-            return fingerprint([p.name, p.version, {r: facts[r] for r in p.reads}])
-        except Unfingerprintable:
-            return None
-
     def timings(self) -> list:
-        return [{"pass": r.name, "seconds": round(r.seconds, 4), "cached": r.cached} for r in self.records]
+        return [{"pass": r.name, "seconds": round(r.seconds, 4)} for r in self.records]

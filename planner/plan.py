@@ -1,12 +1,15 @@
 """The Plan: every decision the planner made, versioned, as the contract with the backends.
 
 `plan.json` is what users diff in CI, so its bytes depend only on the inputs: sorted keys, fixed
-indentation, floats rounded to 6 decimals, no timestamps or absolute paths. Backends read only
-the plan (and the weights it names), never the planner's internals.
+indentation, one float rule for every target (8 significant digits, so Lambda prices near 1e-5
+$/GB-s keep their precision; NaN and infinities become null), no timestamps or absolute paths.
+A bundle is a function of (plan.json, weights): backends read only the plan and the weights it
+names, and `moeplan codegen plan.json` regenerates any target's bundle byte for byte.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 PLAN_VERSION = 1
@@ -22,8 +25,11 @@ class Plan:
     * `placement`: the `placement.json` document (experts per device per MoE layer).
     * `communication`: how tokens move (mode, gating) - what the runtime is configured with.
     * `predicted`: the metrics the planner predicts for this plan.
-    * `shards`: per-rank weight file names, rank order.
-    * `inputs`: hashes and options of what the plan was computed from (trace, flags).
+    * `shards`: per-rank weight file names, rank order (filled in by torchrun codegen).
+    * `inputs`: what the plan was computed from: `model` (the spec as given, which `moeplan
+      codegen` reads the weights from), trace hash, options.
+    * `deployment`: target settings that are not decisions but shape the bundle (Kubernetes image
+      and storage class; Lambda payload limit and the request rate its README prices).
     """
 
     target: str
@@ -34,6 +40,7 @@ class Plan:
     predicted: dict
     shards: list = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
+    deployment: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
 
     @property
@@ -41,7 +48,7 @@ class Plan:
         return int(self.topology["nodes"]) * int(self.topology["gpus_per_node"])
 
     def to_dict(self) -> dict:
-        return _rounded(asdict(self))
+        return rounded(asdict(self))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -61,13 +68,19 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
-def _rounded(value):
+SIGNIFICANT_DIGITS = 8
+
+
+def rounded(value):
+    """The plan's one float rule, applied to every value on the way to JSON."""
     if isinstance(value, float):
-        return round(value, 6)
+        if not math.isfinite(value):
+            return None
+        return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
     if isinstance(value, dict):
-        return {str(k): _rounded(v) for k, v in value.items()}
+        return {str(k): rounded(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
+        return [rounded(v) for v in value]
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        return _rounded(value.item())
+        return rounded(value.item())
     return value

@@ -64,7 +64,8 @@ def contiguous_placement(num_layers: int, num_experts: int, nodes: int, gpus_per
 
 def write_small_bundle(out: Path, model_dir: Path, placement: dict, mode: str = "coherent") -> Path:
     """A bundle via the codegen directly (no planner passes): the backend's contract alone."""
-    from moeplan.backends.torchrun.codegen import shard_names, write_bundle
+    from moeplan.backends.common.shards import shard_name
+    from moeplan.backends.torchrun.codegen import write_bundle
     from moeplan.backends.common.model_source import model_files
     from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.planner.plan import Plan
@@ -77,7 +78,7 @@ def write_small_bundle(out: Path, model_dir: Path, placement: dict, mode: str = 
                        "source": "model/model.py", "weights_sha256": state_dict_sha256(state)},
                 topology=dict(topo), placement=placement,
                 communication={"mode": mode, "gating": "dynamic"}, predicted={},
-                shards=shard_names(topo["nodes"] * topo["gpus_per_node"]))
+                shards=[shard_name(r) for r in range(topo["nodes"] * topo["gpus_per_node"])])
     write_bundle(out, plan, state, files)
     return out
 
@@ -112,7 +113,8 @@ def hf_model_dir(root: Path, kind: str, seed: int = 0) -> tuple:
 
 
 def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
-    from moeplan.backends.torchrun.codegen import shard_names, write_bundle
+    from moeplan.backends.common.shards import shard_name
+    from moeplan.backends.torchrun.codegen import write_bundle
     from moeplan.backends.common.model_source import model_files
     from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.planner.plan import Plan
@@ -124,6 +126,6 @@ def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
                 model={"name": model_dir.name, "architecture": arch, "config": "model/config.json", "source": None,
                        "weights_sha256": state_dict_sha256(state)},
                 topology=dict(topo), placement=placement, communication={"mode": "coherent", "gating": "dynamic"},
-                predicted={}, shards=shard_names(topo["nodes"] * topo["gpus_per_node"]))
+                predicted={}, shards=[shard_name(r) for r in range(topo["nodes"] * topo["gpus_per_node"])])
     write_bundle(out, plan, state, files)
     return out

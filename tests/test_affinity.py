@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from moeplan.passes.analysis.affinity import (
-    conditional_probabilities, heaviest_choice, top1_affinity, top1_transition_counts, transition_counts,
+    heaviest_choice, top1_affinity, top1_transition_counts, transition_counts,
 )
 from moeplan.passes.analysis.trace.format import make_trace
 
@@ -40,13 +40,6 @@ def test_pairs_mode_weights_every_pair_one_over_k():
             for b in targets:
                 expected[a, b] += 0.5
     assert np.allclose(c[0], expected)
-
-
-def test_conditional_probabilities_rows_sum_to_one_or_zero():
-    p = conditional_probabilities(transition_counts(hand_trace()))
-    assert np.allclose(p[0, 0], [1 / 3, 0, 2 / 3])
-    assert np.allclose(p[0, 1], 0)  # expert 1 is never a heaviest source
-    assert np.allclose(p[0, 2], [0.5, 0.5, 0])
 
 
 def test_top1_mode_matches_top1_counts_and_affinity_still_works():

@@ -191,7 +191,7 @@ def test_binary_platform_and_prompts_files(tmp_path, model, good_trace):
     blob.write_bytes(bytes(range(256)) * 4)
     _refused(["plan", model, "--trace", good_trace, "--slo", 1, "--platform", blob, "--out", tmp_path / "p.json"],
              "not UTF-8")
-    from moeplan.planner.commands.run import read_prompts
+    from moeplan.backends.torchrun.launch import read_prompts
     from moeplan.planner.errors import UserError
 
     with pytest.raises(UserError, match="not UTF-8"):

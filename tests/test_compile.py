@@ -8,7 +8,7 @@ from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.passes.optimize.placement.decision import placement_from_dict
 from moeplan.planner.commands.compile import compile_cmd
-from moeplan.planner.compile_pipeline import compile_bundle
+from moeplan.planner.pipeline.targets import compile_bundle
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass, PassManager
 from runtime_fixtures import SMALL, random_trace, small_model_dir
@@ -34,7 +34,7 @@ def test_compile_writes_a_bundle_whose_plan_records_the_placement_and_its_predic
                                               "--out", str(tmp_path / "b"), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
-    assert [p["pass"] for p in summary["passes"]] == ["import", "trace", "affinity", "placement", "plan", "codegen"]
+    assert [p["pass"] for p in summary["passes"]] == ["runtime", "import", "trace", "affinity", "placement", "plan", "codegen"]
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert plan["version"] == 1 and plan["target"] == "torchrun" and plan["topology"] == {"nodes": 1, "gpus_per_node": 2}
     placement = placement_from_dict(json.loads((tmp_path / "b" / "placement.json").read_text()))
@@ -75,19 +75,42 @@ def test_a_model_the_runtime_cannot_run_is_refused_in_one_line(tmp_path, inputs)
         compile_bundle(str(tmp_path), str(trace_path), 1, 2, str(tmp_path / "o"), {"policy": "contiguous"}, quiet=True)
 
 
-def test_pass_manager_caches_by_input_hash_and_times_every_pass():
+def test_pass_manager_orders_passes_by_what_they_read_and_times_every_pass():
     calls = []
 
-    def double(facts):
-        calls.append(facts["x"])
-        return {"y": facts["x"] * 2}
+    def step(name, value):
+        def run(facts):
+            calls.append(name)
+            return value(facts)
+        return run
 
-    manager = PassManager([Pass("double", ("x",), ("y",), double)], quiet=True)
-    assert manager.run({"x": 3})["y"] == 6
-    assert manager.run({"x": 3})["y"] == 6
-    assert manager.timings()[0]["cached"] is True
-    assert manager.run({"x": 4})["y"] == 8
-    assert calls == [3, 4]
+    passes = [Pass("triple", ("y",), ("z",), step("triple", lambda f: {"z": f["y"] * 3})),
+              Pass("double", ("x",), ("y",), step("double", lambda f: {"y": f["x"] * 2}))]
+    manager = PassManager(passes, quiet=True)
+    assert manager.run({"x": 3})["z"] == 18
+    assert calls == ["double", "triple"]
+    assert [t["pass"] for t in manager.timings()] == ["double", "triple"]
+
+
+def test_pass_manager_runs_only_what_a_wanted_fact_needs():
+    passes = [Pass("a", ("x",), ("y",), lambda f: {"y": 1}), Pass("b", ("x",), ("w",), lambda f: {"w": 2}),
+              Pass("c", ("y",), ("z",), lambda f: {"z": 3})]
+    manager = PassManager(passes, quiet=True)
+    facts = manager.run({"x": 0}, want=("z",))
+    assert "w" not in facts and facts["z"] == 3
+    assert [t["pass"] for t in manager.timings()] == ["a", "c"]
+
+
+def test_pass_manager_names_the_failing_pass_and_checks_preconditions_first():
+    ran = []
+
+    def refuse(facts):
+        raise UserError("the trace has 3 MoE layers but the model has 2")
+
+    manager = PassManager([Pass("placement", ("x",), ("y",), lambda f: ran.append(1) or {"y": 1}, check=refuse)], quiet=True)
+    with pytest.raises(UserError, match="^placement: the trace has 3 MoE layers"):
+        manager.run({"x": 0})
+    assert ran == []
 
 
 def test_pass_manager_checks_declared_facts():

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.policies import PlacementRequest, expert_loads, plan_placement
+from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.passes.optimize.placement.decision import Topology, validate_placement
 from moeplan.planner.errors import UserError
 
@@ -17,7 +17,7 @@ def planted():
 
 def device_loads(placement, trace):
     hosts = placement.hosts()
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(float)
     return np.stack([hosts[l].T.astype(float) @ (loads[l] / hosts[l].sum(axis=1)) for l in range(len(loads))])
 
 

@@ -33,7 +33,7 @@ def test_with_values_sets_and_adds_keys():
 
 def test_true_loads_and_load_error_by_hand():
     tr = _tiny_trace()
-    assert pop.true_loads(tr).tolist() == [[1, 1, 2]]
+    assert tr.expert_loads().tolist() == [[1, 1, 2]]
     assert pop.load_error([np.array([[2, 1, 1]])], [np.array([[1, 1, 2]])]) == pytest.approx(2 / 3)
 
 
@@ -50,7 +50,7 @@ def test_map_prediction_follows_the_table_and_unseen_tokens_use_the_marginal():
 def _errors(tr, assignment, **ours):
     table = pop.CountTable.from_trace(tr.select(np.arange(8000)))
     held = pop.batches(tr.num_tokens, 1000, start=8000)
-    real = [pop.true_loads(tr, b) for b in held]
+    real = [tr.expert_loads(b) for b in held]
     out = {}
     for name in ("bayes", "lina", "marginal"):
         opts = {} if name == "marginal" else {"assignment": assignment, **(ours if name == "bayes" else {})}
@@ -89,7 +89,7 @@ def test_ours_beats_lina_when_routing_depends_on_context(assignment):
 def test_options_are_selected_on_validation_batches():
     tr = _context_routed(1)
     table = pop.CountTable.from_trace(tr.select(np.arange(8000)))
-    val = [(b, pop.true_loads(tr, b)) for b in pop.batches(10000, 1000, start=8000)]
+    val = [(b, tr.expert_loads(b)) for b in pop.batches(10000, 1000, start=8000)]
     best, tried = pop.select_options(table, tr, val)
     assert best == {"context": "previous", "position": "none"}
     assert len(tried) == len(pop.CANDIDATE_OPTIONS) and min(e for _, e in tried) == dict(map(lambda t: (str(t[0]), t[1]), tried))[str(best)]

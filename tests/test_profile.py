@@ -1,8 +1,6 @@
 """Operator profiling: exact peak memory, XGBoost predictors, vCPU scaling, cache by model hash."""
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +89,6 @@ def test_units_without_a_runnable_module_are_estimated(tmp_path):
 
 
 def test_onnx_nodes_are_attributed_to_the_units_whose_weights_they_read():
-    import onnx
     from onnx import TensorProto, helper
 
     from moeplan.passes.analysis.profile.onnx_session import node_units

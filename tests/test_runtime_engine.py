@@ -11,7 +11,7 @@ from moeplan.backends.runtime.engine import Engine
 from moeplan.backends.runtime.exchange import Exchanger, pack, unpack
 from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.backends.runtime.tiny_moe import TinyMoEArch, encode, is_expert_tensor
-from runtime_fixtures import PROMPTS, SMALL, contiguous_placement, load_small, small_model_dir
+from runtime_fixtures import PROMPTS, contiguous_placement, load_small, small_model_dir
 
 
 def _table(devices_per_layer, nodes=1, gpus=None):

@@ -12,7 +12,7 @@ from moeplan.backends.runtime.engine import Engine
 from moeplan.backends.runtime.exchange import Exchanger
 from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.backends.runtime.hf_moe import HFMoEArch, fuse_experts, moe_blocks, split_experts
-from moeplan.planner.commands.run import run_bundle
+from moeplan.planner.pipeline.run import run_bundle
 from runtime_fixtures import contiguous_placement, hf_model_dir, write_hf_bundle
 
 PROMPTS = [[5, 9, 11, 3, 40, 2], [7, 7, 1], [60, 12, 33, 33, 8]]

@@ -6,7 +6,7 @@ metric on the same tokens (coherent mode), and that the counters are consistent.
 """
 import pytest
 
-from moeplan.planner.commands.run import run_modes
+from moeplan.planner.pipeline.run import run_modes
 from runtime_fixtures import SMALL, contiguous_placement, small_model_dir, write_small_bundle
 
 

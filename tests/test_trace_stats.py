@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from moeplan.passes.analysis.trace.format import make_trace, save_trace
-from moeplan.passes.analysis.trace.stats import expert_loads, routing_stats, shuffled_affinity, uniform_affinity
+from moeplan.passes.analysis.trace.stats import routing_stats, shuffled_affinity, uniform_affinity
 from moeplan.planner.cli import main
 
 
@@ -50,7 +50,7 @@ def test_perfectly_chained_routing_beats_both_baselines():
     # shuffling keeps per-layer loads but breaks the chain: close to 1/8 with 2000 tokens
     assert all(0.12 < s < 0.2 for s in stats.shuffled_affinity)
     assert 0.125 < stats.uniform_affinity < 0.2
-    assert np.array_equal(expert_loads(trace).sum(axis=1), [2000, 2000, 2000])
+    assert np.array_equal(trace.expert_loads().sum(axis=1), [2000, 2000, 2000])
 
 
 def test_baselines_are_deterministic():

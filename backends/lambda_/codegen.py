@@ -15,7 +15,6 @@ appears only in the Description, reduced to safe characters (the full name is in
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.runtime.lambda_ops import unit_tensors
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
-from moeplan.backends.torchrun.codegen import copy_runtime
+from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.shards import write_shard
 
@@ -53,15 +52,6 @@ def safe_text(text: str, limit: int = 200) -> str:
 def function_suffix(logical_id: str) -> str:
     """Physical name = <stack>-<suffix>; handlers address direct-method experts by it."""
     return logical_id.lower()
-
-
-def _write(path: Path, data, mode: int = 0o644) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, bytes):
-        path.write_bytes(data)
-    else:
-        path.write_text(data)
-    os.chmod(path, mode)
 
 
 def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, payload_limit: int) -> list:
@@ -119,14 +109,21 @@ def expert_intermediates(layer: int, replica_tag: str, method: str) -> dict:
             "writes": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.out"]}
 
 
-def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_files: dict, *, segment_of: dict,
-                 payload_limit: int, requests_per_second: float) -> dict:
-    """Write the bundle into `out` (which must not exist yet) from the lambda plan; returns the manifest."""
+def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
+    """Write the bundle into `out` (which must not exist yet) from the lambda Plan; returns the manifest.
+
+    Everything comes from the plan (decisions, dense unit segments, payload limit, request rate)
+    and the weights, so `moeplan codegen plan.json` writes the same bytes.
+    """
     out = Path(out)
     out.mkdir(parents=True)
-    _write(out / "plan.json", plan_text)
+    plan_doc = plan.to_dict()
+    write_file(out / "plan.json", plan.to_json())
+    segment_of = plan_doc["placement"]["unit_segments"]
+    payload_limit = int(plan_doc["deployment"]["payload_limit_bytes"])
+    requests_per_second = float(plan_doc["deployment"]["requests_per_second"])
     for rel, content in sorted(model_files.items()):
-        _write(out / rel, content)
+        write_file(out / rel, content)
     config_text = model_files["model/config.json"]  # bytes
     pl = plan_doc
     layers = pl["placement"]["layers"]
@@ -141,7 +138,7 @@ def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_f
         covered |= set(tensors)
         prefix = f"weights/dense/slice-{k:02d}/"
         write_shard(out / prefix / "weights.safetensors", tensors, k)
-        _write(out / prefix / "config.json", config_text)
+        write_file(out / prefix / "config.json", config_text)
         invokes = [expert_id(p["scatter"]["layer"], int(e), r) for p in parts[k] if p.get("scatter", {}).get("method") == "direct"
                    for e, g in sorted(p["scatter"]["replicas"].items(), key=lambda kv: int(kv[0])) for r in range(g)]
         functions.append({"id": dense_id(k), "kind": "dense", "handler": "dense_handler", "memory_mb": int(s["memory_mb"]),
@@ -161,7 +158,7 @@ def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_f
             e = int(x["expert"])
             prefix = f"weights/experts/layer-{l:03d}/expert-{e:04d}/"
             write_shard(out / prefix / "weights.safetensors", expert_tensors[(l, e)], l * 10000 + e)
-            _write(out / prefix / "config.json", config_text)
+            write_file(out / prefix / "config.json", config_text)
             for r in range(int(x["replicas"])):
                 functions.append({"id": expert_id(l, e, r), "kind": "expert", "handler": "expert_handler",
                                   "memory_mb": int(x["memory_mb"]), "weights": prefix, "invokes": [],
@@ -177,11 +174,11 @@ def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_f
             steps.append(("moe", seg, [(tag(seg, int(x["expert"]), r), expert_id(seg, int(x["expert"]), r))
                                        for x in layers[seg]["experts"] for r in range(int(x["replicas"]))]))
     machine = definition(steps)
-    _write(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
+    write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
     copy_runtime(out / "functions" / "runtime")
     env = template_env("lambda")
     for kind in KINDS:
-        _write(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
+        write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
     predicted = pl["predicted"]
     per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
     ctx = {
@@ -203,6 +200,6 @@ def write_bundle(out: Path, plan_doc: dict, plan_text: str, state: dict, model_f
 
             raise UserError(f"function {f['id']} would need a {size}-byte environment, over Lambda's 4 KB; "
                             "fewer experts per direct layer (--methods s3,pipelined_s3) keep it smaller")
-    _write(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
-    _write(out / "README.md", env.get_template("README.md.j2").render(**ctx))
+    write_file(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
+    write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
     return write_manifest(out)

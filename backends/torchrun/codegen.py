@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-from importlib import resources
 from pathlib import Path
 
 
 from moeplan.backends.runtime import hf_moe
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.runtime.tiny_moe import is_expert_tensor
+from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.shards import shard_name, split_state_dict, write_shard
-
-RUNTIME_PACKAGE = "moeplan.backends.runtime"
-
+from moeplan.backends.common.shards import split_state_dict, write_shard
 
 def shard_layout(arch: str, config: dict) -> tuple:
     """(state transform, tensor name -> (MoE layer, expert) or None) for a runtime family."""
@@ -32,24 +29,6 @@ def shard_layout(arch: str, config: dict) -> tuple:
     raise ValueError(f"no runtime for architecture {arch!r}")
 
 
-def shard_names(world_size: int) -> list:
-    return [shard_name(r) for r in range(world_size)]
-
-
-def _write(path: Path, text: str, executable: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    os.chmod(path, 0o755 if executable else 0o644)
-
-
-def copy_runtime(dest: Path) -> None:
-    """Copy the runtime's python files (only those: no caches) into dest."""
-    src = resources.files(RUNTIME_PACKAGE)
-    for entry in sorted(src.iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".py"):
-            _write(dest / entry.name, entry.read_text())
-
-
 def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     """Write the bundle into `out` (which must not exist yet); returns the manifest."""
     out = Path(out)
@@ -58,13 +37,10 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     transform, owner = shard_layout(arch, json.loads(model_files[plan.model["config"]]))
     placement = plan.placement
     plan_doc = plan.to_json()
-    _write(out / "plan.json", plan_doc)
-    _write(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
+    write_file(out / "plan.json", plan_doc)
+    write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
-        path = out / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content)
-        os.chmod(path, 0o644)
+        write_file(out / rel, content)
     for rank, tensors in enumerate(split_state_dict(transform(state), placement, owner)):
         write_shard(out / plan.shards[rank], tensors, rank)
         os.chmod(out / plan.shards[rank], 0o644)
@@ -84,6 +60,6 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
             for r in range(plan.world_size)
         ],
     }
-    _write(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
-    _write(out / "README.md", env.get_template("README.md.j2").render(**context))
+    write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
+    write_file(out / "README.md", env.get_template("README.md.j2").render(**context))
     return write_manifest(out)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.trace.format import Trace
+from moeplan.passes.analysis.trace.format import Trace, require_routing
 
 
 def top1_transition_counts(trace: Trace) -> np.ndarray:
     """int64 [L-1, E, E]: c[l, a, b] = tokens with top-1 expert a at layer l and b at layer l+1."""
+    require_routing(trace, "inter-layer affinity")
     E, L = trace.num_experts, trace.num_layers
     top1 = trace.experts[:, :, 0].astype(np.int64)
     counts = np.zeros((max(L - 1, 0), E, E), dtype=np.int64)
@@ -66,6 +67,7 @@ def transition_counts(trace: Trace, mode: str = "current") -> np.ndarray:
     """float64 [L-1, E, E]: c[l, a, b], transitions from expert a at layer l to b at l+1 (see above)."""
     if mode not in TRANSITION_MODES:
         raise ValueError(f"mode must be one of {TRANSITION_MODES}, got {mode!r}")
+    require_routing(trace, "affinity-aware placement (--policy ilp) and expert transition counts")
     E, L, K = trace.num_experts, trace.num_layers, trace.top_k
     counts = np.zeros((max(L - 1, 0), E, E), dtype=np.float64)
     experts = trace.experts.astype(np.int64)
@@ -83,9 +85,3 @@ def transition_counts(trace: Trace, mode: str = "current") -> np.ndarray:
         flat = a[valid] * E + b[valid]
         counts[layer] = np.bincount(flat, minlength=E * E).reshape(E, E) * weight
     return counts
-
-
-def conditional_probabilities(counts: np.ndarray) -> np.ndarray:
-    """float64, same shape: P(b at l+1 | a at l) = c[l, a, b] / sum_b c[l, a, b] (rows of 0 stay 0)."""
-    totals = counts.sum(axis=-1, keepdims=True)
-    return np.divide(counts, totals, out=np.zeros_like(counts, dtype=np.float64), where=totals > 0)

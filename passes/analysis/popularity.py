@@ -30,17 +30,6 @@ from moeplan.passes.analysis.trace.format import Trace
 from moeplan.planner.errors import UserError
 
 
-def true_loads(trace: Trace, rows=None) -> np.ndarray:
-    """Real per-expert token counts [L, E] of the given token rows (each of k choices counts)."""
-    ex = trace.experts if rows is None else trace.experts[rows]
-    L, E = trace.num_layers, trace.num_experts
-    out = np.zeros((L, E), dtype=np.int64)
-    for l in range(L):
-        ids = ex[:, l, :].ravel()
-        out[l] = np.bincount(ids[ids >= 0], minlength=E)[:E]
-    return out
-
-
 def batches(num_tokens: int, batch_tokens: int, start: int = 0) -> list:
     """Consecutive full batches of `batch_tokens` token rows (a short remainder is dropped)."""
     n = (num_tokens - start) // batch_tokens
@@ -320,12 +309,6 @@ class BayesianPredictor(_Scorer):
             combined /= np.maximum(combined.sum(axis=-1, keepdims=True), 1e-300)
             post = np.where((pidx >= 0)[:, None, None], combined, post)
         return post
-
-
-def _rekey(t: CountTable, token_key: np.ndarray) -> CountTable:
-    """The same table with its token column replaced (to group by position or token+position)."""
-    return CountTable(np.asarray(token_key), t.position, t.attention, t.layer, t.expert, t.count,
-                      t.token_freq, t.num_layers, t.num_experts, t.top_k, t.previous)
 
 
 CANDIDATE_OPTIONS = (

@@ -1,7 +1,7 @@
-"""`moeplan compile MODEL --trace T --target torchrun --nodes N --gpus-per-node G --out DIR`.
+"""`moeplan compile MODEL --trace T --target torchrun|kubernetes|lambda --out DIR`.
 
-Import -> affinity -> placement -> plan -> codegen through the PassManager; the bundle appears at
---out only when every pass succeeded. `--json` prints a summary object as the last line.
+The target's pass list (`planner/pipeline/targets.py`) runs through the PassManager; the bundle
+appears at --out only when every pass succeeded. `--json` prints a summary object as the last line.
 """
 from __future__ import annotations
 
@@ -9,101 +9,117 @@ import json
 
 import click
 
-from moeplan.planner import cli_types as T
-from moeplan.planner.compile_pipeline import compile_bundle
+from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, output_options, placement_options, pop,
+                                               serverless_options, topology_options)
 from moeplan.planner.errors import UserError
+
+
+def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, placement, serverless,
+                    out, say) -> dict:
+    """The facts a target's pass list starts from, with the flags that do not apply to it refused."""
+    if target != "kubernetes" and (image is not None or storage_class is not None):
+        raise UserError("--image and --storage-class apply to --target kubernetes only")
+    if target != "lambda" and serverless["slo"] is not None:
+        raise UserError("--slo applies to --target lambda only")
+    if nodes < 1 or gpus_per_node < 1:
+        raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
+    spec = {"name": target}
+    if target == "kubernetes":
+        from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
+
+        spec.update(image=image or DEFAULT_IMAGE, storage_class=storage_class)
+    serverless = dict(serverless, time_limit=placement["time_limit"], solver=placement["solver"])
+    if target == "lambda":  # flag mistakes stop before any pass runs
+        from moeplan.planner.pipeline.lambda_ import check_options
+
+        check_options({"serverless_options": serverless})
+    return {"model_spec": str(model), "trace_path": str(trace_path), "out": str(out) if out is not None else None,
+            "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": placement,
+            "mode": mode, "target": spec, "serverless_options": serverless, "progress": say}
+
+
+def summary_of(plan, out, timings, manifest=None) -> dict:
+    """The --json summary of a plan (and its bundle): target, scale, headline predictions, pass timings."""
+    doc = plan.to_dict()
+    summary = {"out": str(out), "target": plan.target, "passes": timings}
+    if manifest is not None:
+        summary["files"] = len(manifest["files"])
+    if plan.target == "lambda":
+        summary.update(functions=doc["topology"]["functions"], dense_slices=len(doc["placement"]["dense_slices"]),
+                       methods=doc["communication"]["methods"], cost_per_request_usd=doc["predicted"]["cost_per_request_usd"],
+                       moe_cost_per_batch_usd=doc["predicted"]["moe_cost_per_batch_usd"],
+                       latency_s=doc["predicted"]["latency_s"],
+                       throughput_tokens_per_s=doc["predicted"]["throughput_tokens_per_s"],
+                       algorithm=doc["predicted"]["algorithm"], predictor_error=doc["predicted"]["predictor_error"])
+    else:
+        summary.update(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
+                       predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction",
+                                                                     "max_over_mean_load")})
+    return summary
+
+
+def describe(summary: dict) -> str:
+    """One human line for a written plan or bundle."""
+    what = f"wrote {summary['out']}" + (f" ({summary['files']} files)" if "files" in summary else "")
+    if summary["target"] == "lambda":
+        return (f"{what}: {summary['functions']} functions ({summary['dense_slices']} dense slices), methods "
+                f"{', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request")
+    p = summary["predicted"]
+    return (f"{what}: {summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
+            f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}")
 
 
 @click.command("compile")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
-@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda"]), default="torchrun", show_default=True,
-              help="torchrun bundle, the same bundle plus kubernetes/ manifests, or an AWS Lambda (SAM) bundle")
-@click.option("--nodes", type=T.POSITIVE_INT, default=1, show_default=True)
-@click.option("--gpus-per-node", type=T.POSITIVE_INT, default=1, show_default=True)
-@click.option("--policy", default="ilp", show_default=True, help="placement policy (see 'moeplan place --help')")
-@click.option("--redundant", type=T.NON_NEGATIVE_INT, default=0, show_default=True, help="extra expert replicas per layer")
-@click.option("--balance", type=T.NON_NEGATIVE_FLOAT, default=None, help="max device load over mean allowed by placement")
-@click.option("--time-limit", type=T.POSITIVE_FLOAT, default=30.0, show_default=True,
-              help="solver time limit, seconds (a safety net for ilp placement, whose work is set by --effort)")
-@click.option("--effort", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
-              help="ilp placement: work budget multiplier (deterministic; see 'moeplan place --help')")
+@click.option("--target", type=click.Choice(["torchrun", "kubernetes", "lambda", "sglang", "trtllm"]), default="torchrun",
+              show_default=True, help="torchrun bundle, the same bundle plus kubernetes/ manifests, an AWS Lambda (SAM) "
+              "bundle, or the placement files SGLang / TensorRT-LLM load (a config is enough; their default policy is eplb; "
+              "docs/interop.md)")
+@topology_options(required=False)
+@placement_options
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
               help="expert-parallel mode the bundle runs by default")
-@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
-@click.option("--slo", type=T.POSITIVE_FLOAT, default=None, help="lambda: end-to-end latency limit per batch, seconds")
-@click.option("--methods", default="pipelined_s3,s3,direct", show_default=True, help="lambda: allowed scatter-gather methods")
-@click.option("--batch-tokens", type=T.POSITIVE_INT, default=10240, show_default=True, help="lambda: tokens per request (batch)")
-@click.option("--platform", "platform_file", default=None, help="lambda: YAML file overriding platform constants")
-@click.option("--requests-per-second", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
-              help="lambda: request rate the README's monthly cost is stated for")
-@click.option("--cache-dir", default=None,
-              help="lambda: profile cache directory (default $MOEPLAN_CACHE_DIR, else ~/.cache/moeplan/profiles)")
-@click.option("--profile-from", type=click.Path(exists=True), default=None,
-              help="lambda: reuse the profile recorded in this plan.json or bundle instead of measuring (reproduces it)")
+@click.option("--image", default=None, help="kubernetes: container image of the rank pods")
+@click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
+@serverless_options
+@click.option("--kubernetes", "with_kubernetes", is_flag=True, help="sglang: also write kubernetes/ manifests")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--sign-key", type=click.Path(dir_okay=False), default=None,
               help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
-@click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
-@click.option("--quiet", is_flag=True, help="no progress output")
-def compile_cmd(model, trace_path, target, nodes, gpus_per_node, policy, redundant, balance, time_limit, effort, mode, image,
-                storage_class, slo, methods, batch_tokens, platform_file, requests_per_second, cache_dir, profile_from, out, sign_key,
-                as_json, quiet):
-    """Compile MODEL with its routing trace into a runnable expert-parallel bundle."""
-    signer = _signer(sign_key)
-    if target == "lambda":
-        if slo is None:
-            raise UserError("--target lambda needs --slo SECONDS (end-to-end latency limit per batch)")
-        if image is not None or storage_class is not None:
-            raise UserError("--image and --storage-class apply to --target kubernetes only")
-        from moeplan.planner.lambda_compile import compile_lambda
+@output_options
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
+                as_json, quiet, **flags):
+    """Compile MODEL with its routing trace into a deployable bundle."""
+    signer = _signer(sign_key, target)
+    if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
+        from moeplan.planner.commands.engine_compile import compile_engine
 
-        summary = compile_lambda(model, trace_path, out, slo_s=slo, batch_tokens=batch_tokens, methods=methods,
-                                 platform_file=platform_file, cache_dir=cache_dir, time_limit=time_limit,
-                                 requests_per_second=requests_per_second, profile_from=profile_from)
-        signer(out)
-        if as_json:
-            click.echo(json.dumps(summary, sort_keys=True))
-        elif not quiet:
-            click.echo(f"wrote {out}: {summary['functions']} functions ({summary['dense_slices']} dense slices), "
-                       f"methods {', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request")
-        return
-    if slo is not None:
-        raise UserError("--slo applies to --target lambda only")
-    options = {"policy": policy, "redundant": redundant, "time_limit": time_limit, "effort": effort}
-    if balance is not None:
-        options["balance"] = balance
-    target_spec = {"name": target}
-    if target == "kubernetes":
-        from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
+        return compile_engine(model, trace_path, target, nodes, gpus_per_node, pop(flags, PLACEMENT_FLAGS), with_kubernetes,
+                              image, out, as_json, quiet, ignored={"mode": mode, "storage_class": storage_class, **flags})
+    if with_kubernetes:
+        raise UserError("--kubernetes applies to --target sglang; the torchrun bundle has --target kubernetes")
+    say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
+    facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
+                            pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say)
+    from moeplan.planner.pipeline.targets import run_target
 
-        target_spec.update(image=image or DEFAULT_IMAGE, storage_class=storage_class)
-    elif image is not None or storage_class is not None:
-        raise UserError("--image and --storage-class apply to --target kubernetes only")
-    facts, timings = compile_bundle(model, trace_path, nodes, gpus_per_node, out, options, mode=mode,
-                                    quiet=quiet or as_json, target=target_spec)
+    facts, timings = run_target(target, facts, quiet=quiet or as_json)
     signer(out)
-    plan = facts["plan"].to_dict()
-    summary = {
-        "out": str(out), "target": target, "world_size": nodes * gpus_per_node,
-        "policy": plan["placement"].get("policy", policy), "mode": mode,
-        "predicted": {k: plan["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")},
-        "files": len(facts["manifest"]["files"]), "passes": timings,
-    }
+    summary = summary_of(facts["plan"], out, timings, facts["manifest"])
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
     elif not quiet:
-        p = summary["predicted"]
-        click.echo(f"wrote {out}: {summary['world_size']} ranks, {summary['files']} files; predicted gpu_local_fraction "
-                   f"{p['gpu_local_fraction']:.3f}, node_local_fraction {p['node_local_fraction']:.3f}, "
-                   f"max/mean load {p['max_over_mean_load']:.3f}")
+        click.echo(describe(summary))
 
 
-def _signer(sign_key):
+def _signer(sign_key, target):
     """Load --sign-key before any work (a bad key fails fast); returns bundle -> None that signs."""
     if sign_key is None:
         return lambda out: None
+    if target in ("sglang", "trtllm"):
+        raise UserError("--sign-key signs moeplan bundles (torchrun, kubernetes, lambda); engine placement files "
+                        "are not run by moeplan")
     from moeplan.backends.common.signing import SigningError, load_private_key, sign_bundle
 
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner import cli_types as T
+from moeplan.planner.commands.options import PLACEMENT_FLAGS, placement_options, pop, topology_options
 from moeplan.planner.errors import UserError
 
 METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds",
@@ -27,33 +27,21 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 
 @click.command("place")
 @click.option("--trace", "trace_path", type=click.Path(path_type=Path), required=True, help="Routing trace (.npz).")
-@click.option("--nodes", type=T.POSITIVE_INT, help="Server nodes.")
-@click.option("--gpus-per-node", type=T.POSITIVE_INT, help="GPUs per node.")
-@click.option("--policy", type=click.Choice(["ilp", "eplb", "contiguous"]), default="ilp", show_default=True)
-@click.option("--redundant", type=T.NON_NEGATIVE_INT, default=0, show_default=True, help="Redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, ilp may move them between experts.")
-@click.option("--balance", type=T.NON_NEGATIVE_FLOAT, default=0.1, show_default=True,
-              help="ilp: per layer, every GPU's load <= (1 + B) x the reference load.")
-@click.option("--balance-base", type=click.Choice(["mean", "eplb"]), default="mean", show_default=True,
-              help="ilp: reference load per layer: the mean GPU load, or EPLB's max GPU load with the same replicas.")
-@click.option("--expert-groups", type=T.NON_NEGATIVE_INT, default=0, show_default=True,
-              help="eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy.")
-@click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True)
-@click.option("--effort", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
-              help="ilp: work multiplier (sweeps, exchange moves, branch-and-bound nodes, LP sizes); "
-                   "results depend only on it, not on machine speed. 2 = about twice the work.")
-@click.option("--time-limit", type=T.POSITIVE_FLOAT, default=300.0, show_default=True,
-              help="ilp: safety net in seconds; a solve it stops is marked stopped_by=time_limit (not reproducible).")
+@topology_options(required=True)
+@placement_options
 @click.option("--out", "out", type=click.Path(path_type=Path), help="placement.json to write.")
 @click.option("--evaluate", "evaluate", type=click.Path(path_type=Path), help="Score this placement.json on --trace instead.")
 @click.option("--timings", is_flag=True, help="Also record solve_seconds in placement.json (its bytes then vary run to run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON object.")
-def place(trace_path, nodes, gpus_per_node, policy, redundant, balance, balance_base, expert_groups, solver,
-          effort, time_limit, out, evaluate, timings, as_json):
+def place(trace_path, nodes, gpus_per_node, out, evaluate, timings, as_json, **flags):
     """Place experts on GPUs from a routing trace (or --evaluate a placement on a trace)."""
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
-    from moeplan.passes.optimize.placement.decision import Topology, load_placement
+    from moeplan.passes.optimize.placement.decision import load_placement
+    from moeplan.passes.optimize.placement.policies import evaluate_placement
+    from moeplan.planner.pass_manager import PassManager
+    from moeplan.planner.pipeline.placement import PASSES
 
+    options = pop(flags, PLACEMENT_FLAGS)
     if evaluate is not None:
         placement = load_placement(evaluate)
         metrics = evaluate_placement(placement, load_trace(trace_path))
@@ -63,14 +51,13 @@ def place(trace_path, nodes, gpus_per_node, policy, redundant, balance, balance_
         raise UserError("--nodes and --gpus-per-node are required to place experts (or pass --evaluate placement.json)")
     if out is None:
         raise UserError("--out is required: where to write placement.json")
-    trace = load_trace(trace_path)
-    request = PlacementRequest(Topology(nodes, gpus_per_node), policy, redundant, balance, balance_base, solver,
-                               time_limit, expert_groups, effort)
-    placement = plan_placement(trace, request)
-    placement.save(out, timings=timings)
+    facts = PassManager(PASSES, quiet=True).run({"trace_path": str(trace_path), "out": out, "timings": timings,
+                                                 "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node},
+                                                 "placement_options": options})
+    placement = facts["placement"]
     for note in placement.metrics.get("notes", []):
         click.echo(f"note: {note}", err=True)
-    _report({"out": str(out), "policy": policy, **placement.metrics}, as_json)
+    _report({"out": str(out), "policy": options["policy"], **placement.metrics}, as_json)
 
 
 def _report(result: dict, as_json: bool) -> None:

@@ -1,155 +1,20 @@
-"""`moeplan run DIR --verify`: launch a bundle locally with torchrun and check it.
+"""`moeplan run DIR [--verify]`: launch a bundle locally and report (the flags and the printing only).
 
-The bundle is validated first (manifest hashes, shards, world size) so a tampered bundle stops
-with one line before any rank starts. The ranks run as `torchrun --standalone` on this machine
-(gloo on CPU, nccl if GPUs are visible), from the bundle's own `runtime/`. With --verify the
-outputs are compared with the source model shipped in the bundle (max |logit diff| <= 1e-4,
-identical greedy tokens), and in coherent mode the measured gpu_local_fraction must equal the
-planner's metric on the routing of the same tokens.
+torchrun bundles: `planner/pipeline/run.py` checks the bundle, launches its ranks
+(`backends/torchrun/launch.py`) and verifies them; Lambda bundles run their state machine locally
+(`backends/lambda_/local_run.py`).
 """
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import click
 
 from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
-
-DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")
-LOGIT_TOLERANCE = 1e-4
-
-
-def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: str, out_dir: Path,
-           timeout: float) -> subprocess.CompletedProcess:
-    """torchrun --standalone with the bundle's runtime; returns the finished process."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
-    env.pop("PYTHONPATH", None)  # the bundle must run from its own runtime/
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "runtime.serve", "--prompts", str(prompts_file.resolve()), "--new-tokens", str(new_tokens),
-           "--mode", mode, "--out", str(out_dir.resolve())]
-    try:
-        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens")
-
-
-def read_prompts(path: Path) -> list:
-    """The non-empty lines of a UTF-8 text file; one-line UserErrors for anything else."""
-    if not path.is_file():
-        raise UserError(f"prompts file '{path}' does not exist; give a text file with one prompt per line")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"prompts file '{path}' is not UTF-8 text; give a text file with one prompt per line") from None
-    except OSError as exc:
-        raise UserError(f"cannot read prompts file '{path}' ({exc.strerror or exc})") from None
-    if "\0" in text:
-        raise UserError(f"prompts file '{path}' is binary; give a text file with one prompt per line")
-    prompts = [line for line in text.splitlines() if line.strip()]
-    if not prompts:
-        raise UserError(f"prompts file '{path}' holds no prompt; write one prompt per line")
-    return prompts
-
-
-def failure_reason(output: str) -> str:
-    """The line that says why the ranks stopped: the runtime's own `error:` line, else a rank's exception."""
-    lines = output.splitlines()
-    own = [l for l in lines if l.startswith("error:")]
-    if own:
-        return own[0]
-    raised = [l for l in lines if re.match(r"^\[rank\d+\]: [\w.]*(Error|Exception)\b", l)]
-    if raised:
-        return raised[0]
-    return next((l for l in reversed(lines) if l.strip()), "no output")
-
-
-def predicted_locality(root: Path, out_dir: Path) -> float:
-    """The planner's gpu_local_fraction for the tokens this run routed, under the bundle's placement."""
-    import torch
-
-    from moeplan.passes.analysis.trace.format import make_trace
-    from moeplan.passes.optimize.placement.metrics import score_placement
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
-
-    placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
-    routing = torch.load(out_dir / "routing.pt", weights_only=True)
-    trace = make_trace(routing["experts"].numpy(), routing["weights"].numpy(), num_experts=placement.num_experts)
-    return score_placement(trace, placement.hosts(), placement.topology).gpu_local_fraction
-
-
-def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, mode: str, verify: bool,
-               results: str | None, timeout: float) -> dict:
-    """Launch, check and report one mode (see `run_modes`)."""
-    return run_modes(bundle, nproc, prompts_path, new_tokens, (mode,), verify, results, timeout)[mode]
-
-
-def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, modes: tuple, verify: bool,
-              results: str | None, timeout: float) -> dict:
-    """One torchrun launch running every mode in turn on the same prompts; {mode: report}."""
-    from moeplan.backends.common.manifest import BundleCheckError, check_bundle
-
-    root = Path(bundle)
-    try:
-        plan = check_bundle(root, nproc)
-    except BundleCheckError as exc:
-        raise UserError(str(exc)) from None
-    world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
-    if new_tokens < 1:
-        raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
-    with tempfile.TemporaryDirectory(prefix="moeplan-run-") as scratch:
-        scratch = Path(scratch)
-        if prompts_path is None:
-            prompts_file = scratch / "prompts.txt"
-            prompts_file.write_text("\n".join(p.replace("\n", " ") for p in DEFAULT_PROMPTS) + "\n")
-        else:
-            prompts_file = Path(prompts_path)
-            read_prompts(prompts_file)
-        out_dir = Path(results) if results else scratch / "results"
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"cannot create --results '{out_dir}' ({exc.strerror or exc}); choose a writable directory") from None
-        proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout)
-        if proc.returncode != 0:
-            reason = failure_reason(proc.stderr + "\n" + proc.stdout)
-            raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
-        reference_cache = {}
-        reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache)
-                   for mode in modes}
-    return reports
-
-
-def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_tokens: int, verify: bool,
-            reference_cache: dict) -> dict:
-    summary = json.loads((out_dir / "result.json").read_text())
-    report = {
-        "mode": mode, "world_size": world, "texts": summary["texts"],
-        "gpu_local_fraction": summary["gpu_local_fraction"],
-        "predicted_gpu_local_fraction": predicted_locality(root, out_dir),
-        "bytes_per_token": summary["bytes_per_token"],
-        "messages_per_token": summary["messages_per_token"],
-        "total_bytes_per_token": summary["total_bytes_per_token"],
-        "tokens_per_second": summary["tokens_per_second"],
-        "per_layer": summary["per_layer"], "totals": summary["totals"],
-    }
-    if verify:
-        from moeplan.backends.torchrun.verify import VerifyError, compare
-
-        try:
-            report.update(compare(root, plan, out_dir, new_tokens, reference_cache))
-        except VerifyError as exc:
-            raise UserError(str(exc)) from None
-        locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
-        report["locality_matches_prediction"] = locality_ok
-        report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok)
-    return report
+from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
 
 @click.command("run")
@@ -201,13 +66,11 @@ def _target(bundle: str):
 def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
     """Lambda bundles: the state machine runs locally (backends/lambda_/local_run.py)."""
     from moeplan.backends.lambda_.local_run import run_lambda_bundle
+    from moeplan.backends.torchrun.launch import read_prompts
 
     if new_tokens < 1:
         raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
-    if prompts_path is None:
-        prompts = [p.replace("\n", " ") for p in DEFAULT_PROMPTS]
-    else:
-        prompts = read_prompts(Path(prompts_path))
+    prompts = read_prompts(prompts_path)
     report = run_lambda_bundle(bundle, prompts, new_tokens, verify)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True))

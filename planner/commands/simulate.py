@@ -38,7 +38,7 @@ def simulate(plan_path, trace_path, as_json):
     from moeplan.passes.optimize.serverless.plan import real_batches
     from moeplan.passes.optimize.serverless.sim import simulate as run
     from moeplan.passes.optimize.serverless.cost import METHOD_NAMES
-    from moeplan.planner.lambda_plan import read_plan
+    from moeplan.planner.pipeline.lambda_ import read_plan
 
     import numpy as np
 

@@ -369,26 +369,3 @@ def u_per_token(s_per_token_by_threads, threads, vcpus: float) -> np.ndarray:
     factors = np.array([max(1.0, t / vcpus) for t in threads])[:, None]
     return (arr * factors).min(axis=0)
 
-
-def profile_for_reuse(doc: dict, ir: ModelIR) -> Profile:
-    """The profile a plan recorded (`inputs.profile`), checked to be a profile of this model, so a
-    plan alone reproduces its bundle without measuring again. Raises ValueError saying why not."""
-    try:
-        prof = Profile.from_dict(doc)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"the recorded profile is malformed ({exc.__class__.__name__})") from None
-    if doc.get("ir_sha256") != ir_sha256(ir):
-        raise ValueError("the recorded profile was measured for another model")
-    prof.cached = True
-    return prof
-
-
-def ir_sha256(ir: ModelIR) -> str:
-    """The model's identity for a recorded profile (machine-independent, unlike `model_hash`)."""
-    return hashlib.sha256(json.dumps({"ir": ir.to_dict(), "source_format": ir.source_format},
-                                     sort_keys=True).encode()).hexdigest()
-
-
-def profile_record(prof: Profile, ir: ModelIR) -> dict:
-    """What a plan records of the profile it was made from (`profile_for_reuse` reads it back)."""
-    return {"ir_sha256": ir_sha256(ir), **prof.to_dict()}

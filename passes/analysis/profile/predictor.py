@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MIB = 1024.0 * 1024.0
 FEATURES = ("log_flops_per_token", "log_param_bytes", "log_tokens", "threads", "is_expert")
 
 

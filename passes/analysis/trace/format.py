@@ -8,9 +8,16 @@
 | sequence       | int [T]      | request/sequence id (optional)                                |
 | attention_ids  | int [T,L]    | token id receiving the highest summed attention before layer l (optional) |
 | num_experts    | int scalar   | experts per MoE layer (optional; else max id + 1)             |
+| loads          | int [L,E]    | (token, choice) assignments per MoE layer and expert; present only in a loads-only trace |
 | version        | int scalar   | format version, 1                                             |
 
 Every read validates shapes, dtypes and ranges, and reports the first problem as a `UserError`.
+
+A *loads-only* trace comes from engines that count tokens per expert but do not log each token
+(SGLang's `stat` recorder, TensorRT-LLM's expert statistics): it holds `loads` and an `experts`
+array with no tokens. Balance-only placement (`eplb`, `contiguous`) needs nothing more; whatever
+needs to follow tokens from layer to layer (affinity, `ilp`, locality metrics) calls
+`require_routing` and refuses it with a message naming the fix.
 """
 from __future__ import annotations
 
@@ -41,6 +48,11 @@ class Trace:
     positions: Optional[np.ndarray] = None
     sequence: Optional[np.ndarray] = None
     attention_ids: Optional[np.ndarray] = None
+    loads: Optional[np.ndarray] = None  # int64 [L, E], loads-only traces only
+
+    @property
+    def loads_only(self) -> bool:
+        return self.loads is not None
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +66,20 @@ class Trace:
     def top_k(self) -> int:
         return self.experts.shape[2]
 
+    def expert_loads(self, rows=None) -> np.ndarray:
+        """int64 [L, E]: (token, choice) pairs routed to expert e at layer l, over all rows or the given
+        rows (a mask or indices); -1 (no expert) is not counted. The one load count of every pass.
+        A loads-only trace returns its own counts (it has no rows to choose)."""
+        if self.loads_only:
+            if rows is not None:
+                require_routing(self, "counting the loads of some tokens")
+            return self.loads
+        experts = self.experts if rows is None else self.experts[rows]
+        L, E = self.num_layers, self.num_experts
+        flat = np.moveaxis(experts, 1, 0).reshape(L, -1)
+        return np.stack([np.bincount(layer[layer >= 0], minlength=E)[:E] for layer in flat]).astype(np.int64) \
+            if L else np.zeros((0, E), dtype=np.int64)
+
     def select(self, rows: np.ndarray) -> "Trace":
         """The sub-trace of the given token rows (a mask or indices), e.g. a train/held-out split."""
         def pick(a):
@@ -61,8 +87,28 @@ class Trace:
         return make_trace(
             self.experts[rows], pick(self.weights), num_experts=self.num_experts,
             token_ids=pick(self.token_ids), positions=pick(self.positions),
-            sequence=pick(self.sequence), attention_ids=pick(self.attention_ids),
+            sequence=pick(self.sequence), attention_ids=pick(self.attention_ids), loads=self.loads,
         )
+
+
+def require_routing(trace: Trace, purpose: str) -> None:
+    """Refuse a loads-only trace for work that follows individual tokens across layers."""
+    if trace.loads_only:
+        raise UserError(
+            f"{purpose} needs per-token routing, but this trace holds expert loads only (imported from "
+            f"SGLang 'stat' dumps or TensorRT-LLM expert statistics); use a balance-only policy "
+            f"(--policy eplb or contiguous), or record per-token routing (SGLang "
+            f"--expert-distribution-recorder-mode per_token, or 'moeplan trace')")
+
+
+def loads_trace(loads, top_k: int = 1, num_experts: Optional[int] = None) -> Trace:
+    """A loads-only trace from int [L, E] counts (see module doc); `top_k` is kept for reference."""
+    loads = np.asarray(loads)
+    if loads.ndim != 2:
+        raise UserError(f"expert loads must have 2 dimensions [MoE layers, experts], got shape {loads.shape}")
+    if top_k < 1:
+        raise UserError(f"top-k must be at least 1, got {top_k}")
+    return make_trace(np.zeros((0, loads.shape[0], top_k), dtype=np.int32), num_experts=num_experts, loads=loads)
 
 
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -71,9 +117,9 @@ INT64_MAX = int(np.iinfo(np.int64).max)
 # checked against these bounds in their file's own dtype, before any cast, so an int64 id of
 # 2**32 + 3 is an error and never wraps to 3.
 STORED_DTYPE = {"experts": np.int32, "positions": np.int32, "sequence": np.int32,
-                "token_ids": np.int64, "attention_ids": np.int64}
+                "token_ids": np.int64, "attention_ids": np.int64, "loads": np.int64}
 VALUE_BOUNDS = {"experts": (-1, INT32_MAX - 1), "positions": (0, INT32_MAX), "sequence": (0, INT32_MAX),
-                "token_ids": (0, INT64_MAX), "attention_ids": (-1, INT64_MAX)}
+                "token_ids": (0, INT64_MAX), "attention_ids": (-1, INT64_MAX), "loads": (-INT64_MAX - 1, INT64_MAX)}
 MAX_EXPERTS = 1 << 14  # per MoE layer; 40x the largest published MoE (384 routed experts)
 ANALYSIS_BUDGET_BYTES = 4 << 30  # the most one derived table (e.g. [L-1, E, E] transition counts) may take
 
@@ -141,13 +187,28 @@ def make_trace(
     positions=None,
     sequence=None,
     attention_ids=None,
+    loads=None,
 ) -> Trace:
     """Build a `Trace`, validating every array; raises `UserError` naming the first problem."""
     experts = _int_array("experts", experts, 3)
     T, L, K = experts.shape
     if L == 0 or K == 0:
         raise UserError(f"trace array 'experts' has shape {experts.shape}: it needs at least one MoE layer and one choice")
+    if experts.size and experts.min() < -1:
+        raise UserError("trace array 'experts' holds ids below -1; use -1 for 'no expert'")
     max_id = int(experts.max()) if experts.size else -1
+    if loads is not None:
+        loads = _int_array("loads", loads, 2)
+        if T:
+            raise UserError(f"a trace with 'loads' is loads-only and must have no tokens in 'experts', got {T}")
+        if loads.shape[0] != L:
+            raise UserError(f"trace array 'loads' has {loads.shape[0]} MoE layers but 'experts' has {L}")
+        if loads.size and loads.min() < 0:
+            raise UserError("trace array 'loads' holds negative counts")
+        if num_experts is None:
+            num_experts = loads.shape[1]
+        elif loads.shape[1] != int(num_experts):
+            raise UserError(f"trace array 'loads' has {loads.shape[1]} experts per layer but 'num_experts' is {num_experts}")
     if num_experts is None:
         num_experts = max(max_id + 1, 1)
     num_experts = int(num_experts)
@@ -188,12 +249,12 @@ def make_trace(
     if K > num_experts:
         raise UserError(f"trace chooses top-{K} experts per token but has only {num_experts} experts per layer "
                         "(its 'num_experts', else its largest id + 1); top-k cannot exceed the expert count")
-    arrays = [experts, weights, attention_ids, *extras.values()]
+    arrays = [experts, weights, attention_ids, loads, *extras.values()]
     for arr in arrays:
         if arr is not None:
             arr.setflags(write=False)
     return Trace(experts=experts, weights=weights, num_experts=num_experts,
-                 attention_ids=attention_ids, **extras)
+                 attention_ids=attention_ids, loads=loads, **extras)
 
 
 NPY_SUFFIX = ".npy"
@@ -270,7 +331,7 @@ def load_trace(path: str | os.PathLike) -> Trace:
     num_experts = arrays.pop("num_experts", None)
     if num_experts is not None:
         num_experts = _int_scalar(path, "num_experts", num_experts)
-    known = {"experts", "weights", "token_ids", "positions", "sequence", "attention_ids"}
+    known = {"experts", "weights", "token_ids", "positions", "sequence", "attention_ids", "loads"}
     unknown = sorted(set(arrays) - known)
     if unknown:
         raise UserError(f"trace file '{path}' has unknown arrays {unknown}; expected only {sorted(known | {'num_experts', 'version'})}")
@@ -283,7 +344,12 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
 
 def check_has_tokens(trace: Trace, source: str) -> None:
-    """A trace with no token tells the planner nothing; refuse it where traces are read."""
+    """A trace with no token tells the planner nothing; refuse it where traces are read (a loads-only
+    trace has no tokens by design: it must count at least one assignment)."""
+    if trace.loads_only:
+        if not trace.loads.sum():
+            raise UserError(f"{source} counts 0 expert assignments; import statistics from a run that served tokens")
+        return
     if trace.num_tokens == 0:
         raise UserError(f"{source} holds 0 tokens; record or import a trace with at least one token")
 
@@ -296,7 +362,7 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
         "experts": trace.experts,
         "weights": trace.weights,
     }
-    for name in (*OPTIONAL_PER_TOKEN, "attention_ids"):
+    for name in (*OPTIONAL_PER_TOKEN, "attention_ids", "loads"):
         value = getattr(trace, name)
         if value is not None:
             arrays[name] = value

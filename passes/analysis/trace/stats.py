@@ -49,16 +49,6 @@ class RoutingStats:
         return asdict(self)
 
 
-def expert_loads(trace: Trace) -> np.ndarray:
-    """int64 [L, E]: tokens choosing expert e at layer l (any of the k choices; -1 ignored)."""
-    L, E = trace.num_layers, trace.num_experts
-    loads = np.zeros((L, E), dtype=np.int64)
-    for layer in range(L):
-        ids = trace.experts[:, layer, :].reshape(-1)
-        loads[layer] = np.bincount(ids[ids >= 0], minlength=E)
-    return loads
-
-
 def max_over_mean(loads: np.ndarray) -> np.ndarray:
     """float64 [L]: per layer, the busiest expert's load over the mean load (1.0 = perfectly even)."""
     means = loads.mean(axis=1)
@@ -95,7 +85,7 @@ def uniform_affinity(num_tokens: int, num_experts: int, seed: int = BASELINE_SEE
 
 def routing_stats(trace: Trace) -> RoutingStats:
     """Every figure `moeplan trace stats` prints, computed from one trace."""
-    loads = expert_loads(trace)
+    loads = trace.expert_loads()
     ratios = max_over_mean(loads)
     layer_loads = [
         LayerLoad(layer=l, tokens_per_expert=[int(x) for x in loads[l]], max_over_mean=float(ratios[l]),

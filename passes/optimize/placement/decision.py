@@ -4,7 +4,7 @@
 "layers": [{"layer": l, "devices": [[expert ids on device 0], ...]}], "metrics": {...}}.
 Device d sits on node d // gpus_per_node. A device's list may repeat an expert hosted by another
 device (a replica) but never twice on itself. Every expert of every layer is hosted somewhere.
-Bytes are deterministic: sorted keys, fixed indentation, floats rounded to 6 decimals, and no
+Bytes are deterministic: sorted keys, fixed indentation, floats by the plan's one rule (`planner.plan.rounded`), and no
 run-dependent figures (solve time) unless asked for.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 
 from moeplan.planner.atomic import write_text_atomic
 from moeplan.planner.errors import UserError
+from moeplan.planner.plan import rounded
 
 PLACEMENT_VERSION = 1
 RUN_DEPENDENT_METRICS = ("solve_seconds",)
@@ -75,7 +76,7 @@ class Placement:
             "policy": self.policy,
             "topology": {"nodes": self.topology.nodes, "gpus_per_node": self.topology.gpus_per_node},
             "num_experts": self.num_experts,
-            "metrics": _rounded(metrics),
+            "metrics": rounded(metrics),
         }
         lines = [json.dumps({"devices": devices, "layer": l}, sort_keys=True, separators=(", ", ": "))
                  for l, devices in enumerate(self.layers)]
@@ -85,18 +86,6 @@ class Placement:
 
     def save(self, path: str | os.PathLike, timings: bool = False) -> None:
         write_text_atomic(path, self.to_json(timings), kind="placement")
-
-
-def _rounded(value):
-    if isinstance(value, float):
-        return round(value, 6)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
-    if isinstance(value, np.generic):
-        return _rounded(value.item())
-    return value
 
 
 MAX_PLACED_EXPERTS = 1 << 14  # as for traces (passes/analysis/trace/format.py MAX_EXPERTS)

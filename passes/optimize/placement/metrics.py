@@ -10,7 +10,7 @@
 - `node_local_fraction`: the same, with a replica anywhere on that device's node.
 - `max_over_mean_load`: per layer, device load = (token, choice) assignments to the experts it
   hosts, a replicated expert's split evenly over its replicas; max / mean over devices, averaged
-  over layers that route any token.
+  over layers that route any token (a loads-only trace: from its loads; it has no locality).
 `cross_gpu_transitions` = transitions - gpu-local ones: the quantity the ILP minimises.
 """
 from __future__ import annotations
@@ -66,6 +66,8 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
     current = np.full(trace.num_tokens, -1, dtype=np.int64)
     transitions = gpu_local = node_local = 0
     ratios = []
+    layer_loads = np.zeros((L, E))  # the placement may cover more experts than the trace routes to
+    layer_loads[:, :trace.num_experts] = trace.expert_loads()
     for l in range(L):
         choices = experts[:, l, :]
         valid = choices >= 0
@@ -76,7 +78,7 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
             transitions += int(counted.sum())
             gpu_local += int((hosts[l][e, d] & counted).sum())
             node_local += int((node_hosts[l][e, node_of[d]] & counted).sum())
-        load = np.bincount(choices[valid], minlength=E).astype(np.float64)
+        load = layer_loads[l]
         if load.sum() > 0:
             device_load = hosts[l].T.astype(np.float64) @ (load / hosts[l].sum(axis=1))
             ratios.append(device_load.max() / device_load.mean())

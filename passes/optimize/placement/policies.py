@@ -46,14 +46,6 @@ class PlacementRequest:
     effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
 
 
-def expert_loads(trace: Trace) -> np.ndarray:
-    """float [L, E]: (token, choice) assignments per expert per layer."""
-    E = trace.num_experts
-    return np.stack([
-        np.bincount(layer[layer >= 0], minlength=E) for layer in np.moveaxis(trace.experts, 1, 0).reshape(trace.num_layers, -1)
-    ]).astype(np.float64)
-
-
 def check_request(trace: Trace, request: PlacementRequest) -> None:
     """Reject requests no placement can satisfy, naming the constraint."""
     E, D = trace.num_experts, request.topology.devices
@@ -101,7 +93,7 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
     start = time.perf_counter()
     topology = request.topology
     L, E = trace.num_layers, trace.num_experts
-    loads = expert_loads(trace)
+    loads = trace.expert_loads().astype(np.float64)
     extra = {}
     if request.policy == "contiguous":
         hosts = contiguous_placement(L, E, topology)
@@ -117,6 +109,7 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         "transitions": score.transitions,
         "redundant": request.redundant,
     }
+    metrics = without_unknown_locality(metrics, trace)
     if request.policy == "ilp":
         objective = float(score.cross_gpu_transitions)
         bound = min(extra.pop("bound"), objective)
@@ -162,5 +155,16 @@ def evaluate_placement(placement: Placement, trace: Trace) -> dict:
     if placement.num_experts < trace.num_experts:
         raise UserError(f"the placement covers {placement.num_experts} experts per layer but the trace routes to {trace.num_experts}")
     score = score_placement(trace, placement.hosts(), placement.topology)
-    return {"gpu_local_fraction": score.gpu_local_fraction, "node_local_fraction": score.node_local_fraction,
-            "max_over_mean_load": score.max_over_mean_load, "transitions": score.transitions}
+    return without_unknown_locality({"gpu_local_fraction": score.gpu_local_fraction,
+                                     "node_local_fraction": score.node_local_fraction,
+                                     "max_over_mean_load": score.max_over_mean_load, "transitions": score.transitions}, trace)
+
+
+LOCALITY_METRICS = ("gpu_local_fraction", "node_local_fraction", "transitions")
+
+
+def without_unknown_locality(metrics: dict, trace: Trace) -> dict:
+    """A loads-only trace has no tokens to follow: its locality is unknown, not zero, so it is left out."""
+    if not trace.loads_only:
+        return metrics
+    return {k: v for k, v in metrics.items() if k not in LOCALITY_METRICS}

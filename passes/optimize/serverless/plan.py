@@ -45,10 +45,10 @@ def real_batches(trace: Trace, rows: np.ndarray, batch_tokens: int) -> list:
     out = []
     for b in range(len(rows) // batch_tokens):
         r = rows[b * batch_tokens:(b + 1) * batch_tokens]
-        out.append((r, pop.true_loads(trace, r)))
+        out.append((r, trace.expert_loads(r)))
     if not out and len(rows):
         scale = batch_tokens / len(rows)
-        out.append((rows, np.rint(pop.true_loads(trace, rows) * scale).astype(np.int64)))
+        out.append((rows, np.rint(trace.expert_loads(rows) * scale).astype(np.int64)))
     return out
 
 

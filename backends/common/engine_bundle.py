@@ -1,0 +1,32 @@
+"""What the serving-engine targets (sglang, trtllm) share: file writing and the template context.
+
+Their outputs are small text files (no weights): the engine's placement file, a launch script,
+a README, plan.json and placement.json, and manifest.json over all of them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeplan.backends.common.files import write_file
+
+
+def write_plan_files(out: Path, plan) -> None:
+    write_file(out / "plan.json", plan.to_json())
+    write_file(out / "placement.json", json.dumps(plan.placement, indent=1, sort_keys=True) + "\n")
+
+
+def engine_context(plan, slots: list) -> dict:
+    """Values every engine template reads, from the plan and its [MoE layers][slots] lists."""
+    topo, comm, model = plan.topology, plan.communication, plan.model
+    dense = sorted(set(range(int(model["num_hidden_layers"]))) - set(model["moe_layer_indices"]))
+    return {
+        "model_name": model["name"], "model_dir_hint": str(model["name"]).split("/")[-1] or "model",
+        "plan_version": plan.version,
+        "nodes": int(topo["nodes"]), "gpus_per_node": int(topo["gpus_per_node"]), "ep_size": int(comm["ep_size"]),
+        "num_experts": int(model["num_experts"]), "redundant": int(comm["redundant"]),
+        "slots_per_rank": int(comm["slots_per_rank"]), "num_slots": len(slots[0]),
+        "num_hidden_layers": int(model["num_hidden_layers"]), "policy": plan.placement.get("policy", "unknown"),
+        "load": f"{float(plan.predicted['max_over_mean_load']):.3f}",
+        "dense_layers": ", ".join(str(d) for d in dense) if dense else "none",
+    }

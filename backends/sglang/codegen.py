@@ -1,0 +1,79 @@
+"""Write the SGLang target: `--init-expert-location` JSON, launch script, README, optional manifests.
+
+Followed: sglang 0.5.23, `python/sglang/srt/eplb/expert_location.py`
+(`compute_initial_expert_location_metadata`: a `.json` path is read and every key is passed to
+`ExpertLocationMetadata.init_by_mapping`, so the file holds `physical_to_logical_map` only) and
+`python/sglang/srt/arg_groups/fields/exec_.py` (`--ep-num-redundant-experts`,
+`--ep-dispatch-algorithm`, `--init-expert-location`). SGLang's map has a row for every decoder
+layer, dense ones included, and E + R columns; slot s lives on EP rank s // ((E + R) / ep_size).
+Every row must name every logical expert (SGLang builds each expert's replica list from it);
+dense layers get SGLang's own trivial row (slot s -> s mod E).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moeplan.backends.common.engine_bundle import engine_context, write_plan_files
+from moeplan.backends.common.files import write_file
+from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.templating import template_env
+from moeplan.backends.kubernetes.codegen import slug
+
+SGLANG_VERSION = "0.5.23"
+DEFAULT_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
+HTTP_PORT = 30000
+DIST_PORT = 5000
+KUBERNETES_FILES = ("configmap.yaml", "service.yaml", "statefulset.yaml")
+
+
+def physical_to_logical_map(plan, slots: list) -> list:
+    """int [num_hidden_layers][E + R]: the plan's slot lists at MoE layers, trivial rows elsewhere."""
+    E = int(plan.model["num_experts"])
+    width = len(slots[0])
+    rows = [[s % E for s in range(width)] for _ in range(int(plan.model["num_hidden_layers"]))]
+    for layer, row in zip(plan.model["moe_layer_indices"], slots):
+        rows[layer] = [int(e) for e in row]
+    return rows
+
+
+def expert_location_json(rows: list) -> str:
+    """Deterministic, diffable text: one decoder layer per line."""
+    body = ",\n".join("  " + json.dumps(row, separators=(",", ":")) for row in rows)
+    return '{"physical_to_logical_map": [\n' + body + "\n]}\n"
+
+
+def _kubernetes_context(plan, ctx: dict, files: dict, image: str) -> dict:
+    name = slug(str(plan.model["name"]))
+    names = {"configmap": f"{name}-placement", "headless": f"{name}-nodes", "http": f"{name}-http",
+             "statefulset": name, "weights": f"{name}-weights"}
+    selector = {"moeplan.io/deployment": name}
+    labels = {"app.kubernetes.io/managed-by": "moeplan", "app.kubernetes.io/name": name}
+    gpn = ctx["gpus_per_node"]
+    return {**ctx, "names": names, "labels": labels, "selector": selector, "pod_labels": {**labels, **selector},
+            "http_selector": {**selector, "apps.kubernetes.io/pod-index": "0"}, "image": image,
+            "dist_init_addr": f"{name}-0.{names['headless']}:{DIST_PORT}", "dist_port": DIST_PORT,
+            "http_port": HTTP_PORT, "resources": {"nvidia.com/gpu": str(gpn)},
+            "configmap_data": sorted(files.items())}
+
+
+def write_sglang_bundle(out: Path, plan, slots: list, kubernetes: bool = False, image: str | None = None) -> dict:
+    """Write the SGLang files into `out` (which must not exist yet); returns the manifest."""
+    out = Path(out)
+    out.mkdir(parents=True)
+    env = template_env("sglang")
+    ctx = {**engine_context(plan, slots), "sglang_version": SGLANG_VERSION, "kubernetes": kubernetes}
+    files = {
+        "init_expert_location.json": expert_location_json(physical_to_logical_map(plan, slots)),
+        "launch.sh": env.get_template("launch.sh.j2").render(**ctx),
+    }
+    write_file(out / "init_expert_location.json", files["init_expert_location.json"])
+    write_file(out / "launch.sh", files["launch.sh"], executable=True)
+    write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
+    write_plan_files(out, plan)
+    if kubernetes:
+        kctx = _kubernetes_context(plan, ctx, files, image or DEFAULT_IMAGE)
+        for name in KUBERNETES_FILES:
+            write_file(out / "kubernetes" / name, env.get_template(f"{name}.j2").render(**kctx))
+    return write_manifest(out)
+

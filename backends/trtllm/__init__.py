@@ -1,0 +1,1 @@
+"""The trtllm target: a static TensorRT-LLM MoE load-balancer configuration and its launch command."""

@@ -1,0 +1,271 @@
+"""The AWS Lambda target: profile -> serverless facts -> expert sizing -> dense partition -> plan -> codegen.
+
+Expert functions are sized by `passes/optimize/serverless/plan.py` (popularity table, optional
+BO, MILP + ODS with a scatter-gather method per layer); the dense stages are partitioned by HyPAD
+(`passes/optimize/serverless/partition.py`; parallelism 1: a dense slice is one function, whose
+memory grows instead when the latency limit needs it). `moeplan plan --target lambda` runs this
+list for the plan alone, so it works on config-only models too; `compile --target lambda` adds the
+runtime check and the bundle (`backends/lambda_/codegen.py`).
+
+plan.json body (serverless version 1):
+* `placement`: {"version", "policy": "function_per_expert", "layers": [{"layer", "method", "beta",
+  "experts": [{"expert", "memory_mb", "replicas", "predicted_tokens"}]}], "dense_slices": [{"slice",
+  "units", "segments", "memory_mb", "eta"}], "unit_segments": {dense unit: segment}}
+* `communication`: {"serverless_version": 1, "batch_tokens", "methods": per layer}
+* `predicted`: cost (per batch: MoE layers, dense functions; per request with the partition),
+  latency, throughput, validation batches, predictor errors, solver reports, profile, BO
+* `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
+  `moeplan simulate` needs, so it never re-profiles.
+* `deployment`: payload limit and the request rate the README's monthly cost is stated for.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from moeplan.planner.errors import UserError
+from moeplan.planner.pass_manager import Pass
+from moeplan.planner.pipeline.common import IMPORT, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.plan import Plan
+
+SERVERLESS_VERSION = 1
+
+
+def methods_from_text(text: str) -> tuple:
+    from moeplan.passes.optimize.serverless import cost as sc
+
+    out = []
+    for part in text.split(","):
+        name = part.strip()
+        if name not in sc.METHOD_IDS:
+            raise UserError(f"unknown method '{name}' in --methods; use any of {', '.join(sc.METHOD_IDS)}")
+        out.append(sc.METHOD_IDS[name])
+    return tuple(sorted(set(out)))
+
+
+def check_options(facts) -> None:
+    o = facts["serverless_options"]
+    if o["slo"] is None:
+        raise UserError("--target lambda needs --slo SECONDS (end-to-end latency limit per batch)")
+    if not o["slo"] > 0:
+        raise UserError(f"--slo must be a positive number of seconds, got {o['slo']:g}")
+    if o["batch_tokens"] <= 0:
+        raise UserError(f"--batch-tokens must be positive, got {o['batch_tokens']}")
+    if not 0 < o["validation_fraction"] < 1:
+        raise UserError(f"--validation-fraction must be between 0 and 1, got {o['validation_fraction']}")
+    if not o["requests_per_second"] > 0:
+        raise UserError(f"--requests-per-second must be positive, got {o['requests_per_second']}")
+    methods_from_text(o["methods"])
+
+
+def _platform(facts):
+    from moeplan.planner.platforms import load_platform
+
+    return {"platform": load_platform(facts["serverless_options"]["platform_file"])}
+
+
+def _profile(facts):
+    from moeplan.passes.analysis.profile.operators import DEFAULT_CACHE_DIR, profile_model
+
+    loaded, o = facts["model"], facts["serverless_options"]
+    prof = profile_model(loaded.ir, loaded.module if loaded.has_weights else None, budget_s=o["profile_budget"],
+                         cache_dir=None if o["no_cache"] else (o["cache_dir"] or DEFAULT_CACHE_DIR), seed=o["seed"], onnx_path=loaded.onnx_path)
+    return {"profile": prof}
+
+
+def _facts(facts):
+    from moeplan.passes.analysis.serverless_facts import build_facts
+
+    return {"serverless_facts": build_facts(facts["model"].ir, facts["profile"], facts["platform"])}
+
+
+def _sizing(facts):
+    from moeplan.passes.optimize.serverless.bo_refine import BOOptions
+    from moeplan.passes.optimize.serverless.plan import SizingOptions, plan_serverless
+
+    o = facts["serverless_options"]
+    bo = BOOptions(q=o["bo_q"], max_iterations=o["bo_iterations"], seed=o["seed"], storage=o["bo_storage"]) \
+        if o["bo_iterations"] > 0 else None
+    progress = facts["progress"]
+    outcome = plan_serverless(facts["serverless_facts"], facts["trace"], o["slo"], batch_tokens=o["batch_tokens"],
+                              validation_fraction=o["validation_fraction"],
+                              sizing_options=SizingOptions(methods=methods_from_text(o["methods"]),
+                                                           time_limit_s=o["time_limit"], solver=o["solver"]),
+                              bo_options=bo, size_for_statistic=o["size_for"],
+                              progress=lambda it, best: progress(f"BO iteration {it}: best cost ${best:.8f}"))
+    return {"sizing": outcome}
+
+
+def _partition(facts):
+    from moeplan.passes.optimize.serverless import partition as P
+
+    loaded, o = facts["model"], facts["serverless_options"]
+    units = P.units_from_profile(loaded.ir, facts["profile"], o["batch_tokens"],
+                                 loaded.module if loaded.has_weights else None, seed=o["seed"])
+    return {"partition": (P.hypad(units, facts["platform"], o["batch_tokens"], max_eta=1),
+                          {n: u.segment for u in units for n in u.names})}
+
+
+def _u_table(facts, batch_tokens) -> dict:
+    """U_j: per-token expert compute time at each memory option, layer 0, mean expert load."""
+    lf = facts.layers[0]
+    tokens = max(1, batch_tokens * lf.top_k // max(lf.num_experts, 1))
+    return {str(int(m)): float(f"{float(lf.u(m, tokens)):.4g}") for m in facts.platform.memory_options_mb}
+
+
+def _predicted(outcome, part, prof, sfacts, o) -> dict:
+    sim, res = outcome.predicted_sim, outcome.result
+    n = len(outcome.validation)
+    predicted = {
+        "batch_tokens": o["batch_tokens"],
+        "moe_cost_per_batch_usd": sim.moe_cost,
+        "dense_cost_per_batch_usd": sim.dense_cost,
+        "latency_s": sim.latency,
+        "throughput_tokens_per_s": sim.throughput,
+        "validation": {"batches": n, "moe_cost_per_batch_usd": sum(v.moe_cost for v in outcome.validation) / n,
+                       "latency_s": sum(v.latency for v in outcome.validation) / n,
+                       "slo_violations": sum(v.latency > o["slo"] + 1e-9 for v in outcome.validation),
+                       "overflows": sum(len(v.overflows) for v in outcome.validation)},
+        "predictor_error": outcome.predictor_error,  # on the validation batches (also used to select ours)
+        "predictor_options": outcome.predictor_options,
+        "algorithm": res.algorithm,
+        "solves": [{k: v for k, v in s.items() if k != "seconds"} for s in res.solves],
+        "profile": {"time_rmsle": prof.time_rmsle, "memory_rmsle": prof.memory_rmsle, "measurements": len(prof.rows),
+                    "expert_u_s_per_token": _u_table(sfacts, o["batch_tokens"])},
+        "dense_partition": {"cost_per_request_usd": part.cost_per_request_usd, "latency_s": part.latency_s,
+                            "latency_limit_s": part.latency_limit_s, "slices": len(part.slices),
+                            "merged_units": part.merged_units, "units": part.units},
+        "cost_per_request_usd": sim.moe_cost + part.cost_per_request_usd,
+    }
+    if outcome.bo:
+        predicted["bo"] = {"iterations": outcome.bo["iterations"], "baseline_cost": outcome.bo["baseline_cost"],
+                           "best_cost": outcome.bo["best_cost"],
+                           "history": [{k: v for k, v in h.items() if k != "seconds"} for h in outcome.bo["history"]]}
+    return predicted
+
+
+def _plan(facts):
+    from moeplan.passes.optimize.serverless import cost as sc
+
+    loaded, o, outcome = facts["model"], facts["serverless_options"], facts["sizing"]
+    part, segment_of = facts["partition"]
+    ir, sfacts, layers = loaded.ir, facts["serverless_facts"], outcome.result.layers
+    placement = {"version": 1, "policy": "function_per_expert", "layers": [
+        {"layer": e, "method": sc.METHOD_NAMES[d.method], "beta": int(d.beta), "experts": [
+            {"expert": i, "memory_mb": int(c.memory_mb), "replicas": int(c.replicas), "predicted_tokens": int(c.tokens)}
+            for i, c in enumerate(d.experts)]}
+        for e, d in enumerate(layers)],
+        "dense_slices": [{"slice": k, "units": list(s.names), "segments": list(s.segments), "memory_mb": s.memory_mb,
+                          "eta": s.eta} for k, s in enumerate(part.slices)],
+        "unit_segments": dict(sorted(segment_of.items()))}
+    model = {"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()}
+    functions = len(part.slices) + sum(int(c.replicas) for d in layers for c in d.experts)
+    inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "slo_s": o["slo"],
+              "validation_fraction": o["validation_fraction"], "methods": o["methods"].split(","), "size_for": o["size_for"],
+              "bo_iterations": o["bo_iterations"], "bo_q": o["bo_q"], "seed": o["seed"],
+              "profile_hash": facts["profile"].model_hash, "facts": sfacts.to_dict(),
+              "profile": facts["profile"].to_dict()}  # the measurements behind every decision (issue 17)
+    plan = Plan(
+        target="lambda", model=model,
+        topology={"kind": "serverless", "platform": sfacts.platform.name, "functions": functions},
+        placement=placement,
+        communication={"serverless_version": SERVERLESS_VERSION, "batch_tokens": int(o["batch_tokens"]),
+                       "methods": [sc.METHOD_NAMES[d.method] for d in layers]},
+        predicted=_predicted(outcome, part, facts["profile"], sfacts, o),
+        inputs=inputs,
+        deployment={"payload_limit_bytes": int(facts["platform"].payload_limit_bytes),
+                    "requests_per_second": o["requests_per_second"]},
+    )
+    return {"plan": plan}
+
+
+def _lambda_model_files(facts):
+    from moeplan.backends.common.model_source import model_files
+
+    arch, files = model_files(facts["model_spec"])
+    if arch != "tiny_moe":
+        raise UserError(f"the lambda target runs TinyMoE-family models (see examples/tiny_moe); '{facts['model_spec']}' is {arch}")
+    return {"model_files": {"architecture": arch, "files": files}}
+
+
+def write_lambda_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict:
+    """The Lambda bundle written atomically at `out`, from the plan and the source weights."""
+    from moeplan.backends.common.shards import state_dict_sha256
+    from moeplan.backends.lambda_.codegen import write_bundle
+    from moeplan.planner.atomic import atomic_path
+
+    model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json", source="model/model.py",
+                 weights_sha256=state_dict_sha256(state))
+    plan = dataclasses.replace(plan, model=model)
+    with atomic_path(Path(out), kind="bundle") as tmp:
+        return write_bundle(tmp, plan, state, model_files["files"])
+
+
+def _codegen(facts):
+    return {"manifest": write_lambda_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(),
+                                            facts["model_files"])}
+
+
+def read_plan(path) -> tuple:
+    """(plan, facts, layers, batch_tokens) from a Lambda plan.json; problems are UserErrors."""
+    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless.sizing import ExpertChoice, LayerDecision
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"plan file '{path}' does not exist; write one with 'moeplan plan MODEL --trace T --target lambda --slo S --out {path}'")
+    try:
+        plan = Plan.from_json(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc.__class__.__name__}: {str(exc)[:80]})") from None
+    if not isinstance(plan.communication, dict) or not isinstance(plan.inputs, dict) \
+            or not isinstance(plan.placement, dict):
+        raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
+    if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
+        raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' needs a lambda plan (serverless_version {SERVERLESS_VERSION})")
+    bad = _first_non_number({k: v for k, v in plan.inputs.get("facts", {}).items() if k != "platform"}
+                            if isinstance(plan.inputs.get("facts"), dict) else None, "facts")
+    if bad:
+        raise UserError(f"plan file '{path}': {bad} must be a finite non-negative number; regenerate the plan")
+    try:
+        facts = sc.ServerlessFacts.from_dict(plan.inputs["facts"])
+        layers = [LayerDecision(sc.METHOD_IDS[l["method"]], int(l["beta"]),
+                                tuple(ExpertChoice(int(x["memory_mb"]), int(x["replicas"]), int(x["predicted_tokens"]))
+                                      for x in l["experts"]))
+                  for l in plan.placement["layers"]]
+        batch_tokens = int(plan.communication["batch_tokens"])
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
+        raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it")
+    for l, layer in enumerate(layers):
+        for e, x in enumerate(layer.experts):
+            if x.replicas < 1 or x.memory_mb < 1 or x.tokens < 0:
+                raise UserError(f"plan file '{path}': layer {l} expert {e} has {x.replicas} replicas, {x.memory_mb} MB, "
+                                f"{x.tokens} predicted tokens; every expert needs >= 1 replica and memory; regenerate it")
+        if layer.beta < 0:
+            raise UserError(f"plan file '{path}': layer {l} has a negative beta; regenerate it")
+    if batch_tokens < 1:
+        raise UserError(f"plan file '{path}': batch_tokens must be positive; regenerate it")
+    return plan, facts, layers, batch_tokens
+
+
+def _first_non_number(value, where: str):
+    """The path of the first leaf of `value` that is not a finite number >= 0 (None if all are)."""
+    if isinstance(value, dict):
+        return next((bad for k, v in value.items() if (bad := _first_non_number(v, f"{where}.{k}"))), None)
+    if isinstance(value, list):
+        return next((bad for i, v in enumerate(value) if (bad := _first_non_number(v, f"{where}[{i}]"))), None)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return None if ok else where
+
+
+MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _lambda_model_files)
+PLATFORM = Pass("platform", ("serverless_options",), ("platform",), _platform, check=check_options)
+PROFILE = Pass("profile", ("model", "trace", "serverless_options"), ("profile",), _profile, check=trace_matches_model)
+FACTS = Pass("facts", ("model", "profile", "platform"), ("serverless_facts",), _facts)
+SIZING = Pass("sizing", ("serverless_facts", "trace", "serverless_options", "progress"), ("sizing",), _sizing)
+PARTITION = Pass("partition", ("model", "profile", "platform", "serverless_options"), ("partition",), _partition)
+PLAN = Pass("plan", ("model", "model_spec", "trace_sha256", "serverless_options", "serverless_facts", "profile", "platform",
+                     "sizing", "partition"), ("plan",), _plan)
+CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
+
+PASSES = [MODEL_FILES, PLATFORM, IMPORT, TRACE, PROFILE, FACTS, SIZING, PARTITION, PLAN, CODEGEN]

@@ -1,0 +1,99 @@
+"""`moeplan run BUNDLE [--verify]` for torchrun bundles: launch, then check what the ranks report.
+
+The bundle is validated first (manifest hashes, shards, world size) so a tampered bundle stops
+with one line before any rank starts; `backends/torchrun/launch.py` starts the ranks. With
+--verify the outputs are compared with the source model shipped in the bundle
+(`backends/torchrun/verify.py`: max |logit diff| <= 1e-4, identical greedy tokens), and in
+coherent mode the measured gpu_local_fraction must equal the placement metric of
+`passes/optimize/placement/metrics.py` on the routing of the same tokens.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from moeplan.backends.torchrun.launch import failure_reason, launch, read_prompts
+from moeplan.planner.errors import UserError
+
+LOGIT_TOLERANCE = 1e-4
+
+
+def predicted_locality(root: Path, out_dir: Path) -> float:
+    """The planner's gpu_local_fraction for the tokens this run routed, under the bundle's placement."""
+    import torch
+
+    from moeplan.passes.analysis.trace.format import make_trace
+    from moeplan.passes.optimize.placement.metrics import score_placement
+    from moeplan.passes.optimize.placement.decision import placement_from_dict
+
+    placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
+    routing = torch.load(out_dir / "routing.pt", weights_only=True)
+    trace = make_trace(routing["experts"].numpy(), routing["weights"].numpy(), num_experts=placement.num_experts)
+    return score_placement(trace, placement.hosts(), placement.topology).gpu_local_fraction
+
+
+def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, mode: str, verify: bool,
+               results: str | None, timeout: float) -> dict:
+    """Launch, check and report one mode (see `run_modes`)."""
+    return run_modes(bundle, nproc, prompts_path, new_tokens, (mode,), verify, results, timeout)[mode]
+
+
+def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, modes: tuple, verify: bool,
+              results: str | None, timeout: float) -> dict:
+    """One torchrun launch running every mode in turn on the same prompts; {mode: report}."""
+    from moeplan.backends.common.manifest import BundleCheckError, check_bundle
+
+    root = Path(bundle)
+    try:
+        plan = check_bundle(root, nproc)
+    except BundleCheckError as exc:
+        raise UserError(str(exc)) from None
+    world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
+    if new_tokens < 1:
+        raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
+    with tempfile.TemporaryDirectory(prefix="moeplan-run-") as scratch:
+        scratch = Path(scratch)
+        prompts = read_prompts(prompts_path)
+        prompts_file = Path(prompts_path) if prompts_path is not None else scratch / "prompts.txt"
+        if prompts_path is None:
+            prompts_file.write_text("\n".join(prompts) + "\n")
+        out_dir = Path(results) if results else scratch / "results"
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --results '{out_dir}' ({exc.strerror or exc}); choose a writable directory") from None
+        proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout)
+        if proc.returncode != 0:
+            reason = failure_reason(proc.stderr + "\n" + proc.stdout)
+            raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
+        reference_cache = {}
+        reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache)
+                   for mode in modes}
+    return reports
+
+
+def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_tokens: int, verify: bool,
+            reference_cache: dict) -> dict:
+    summary = json.loads((out_dir / "result.json").read_text())
+    report = {
+        "mode": mode, "world_size": world, "texts": summary["texts"],
+        "gpu_local_fraction": summary["gpu_local_fraction"],
+        "predicted_gpu_local_fraction": predicted_locality(root, out_dir),
+        "bytes_per_token": summary["bytes_per_token"],
+        "messages_per_token": summary["messages_per_token"],
+        "total_bytes_per_token": summary["total_bytes_per_token"],
+        "tokens_per_second": summary["tokens_per_second"],
+        "per_layer": summary["per_layer"], "totals": summary["totals"],
+    }
+    if verify:
+        from moeplan.backends.torchrun.verify import VerifyError, compare
+
+        try:
+            report.update(compare(root, plan, out_dir, new_tokens, reference_cache))
+        except VerifyError as exc:
+            raise UserError(str(exc)) from None
+        locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
+        report["locality_matches_prediction"] = locality_ok
+        report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok)
+    return report

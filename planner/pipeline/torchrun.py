@@ -1,0 +1,106 @@
+"""The torchrun and Kubernetes targets: affinity -> placement -> plan -> codegen.
+
+The placement decision itself is `passes/optimize/placement/`; this file wires it. The plan pass
+records every decision (placement, communication mode, the Kubernetes settings) and nothing of the
+bundle's layout; the codegen pass adds the layout (shard names, model file paths) and writes the
+bundle into a temporary directory that is renamed onto --out only when everything succeeded.
+
+Facts read from the command: `topology` {"nodes", "gpus_per_node"}, `placement_options` (policy
+flags), `mode` (coherent | standard), `target` {"name", and for kubernetes "image",
+"storage_class"}, `out`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moeplan.planner.pass_manager import Pass
+from moeplan.planner.pipeline import placement as place_passes
+from moeplan.planner.pipeline.common import IMPORT, MODEL_FILES, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.plan import Plan
+
+def _affinity(facts):
+    from moeplan.passes.analysis.affinity import top1_affinity
+
+    return {"affinity": np.asarray(top1_affinity(facts["trace"]))}
+
+
+def communication(mode: str, moe_layers: int) -> dict:
+    """What the runtime is configured with: how tokens move in each MoE layer."""
+    coherent = mode == "coherent"
+    return {
+        "mode": mode, "gating": "dynamic",
+        "layers": [{"layer": l, "all_to_all": "variable-size",
+                    "exchanges": ["dispatch", "merge"] if coherent else ["dispatch", "combine"]} for l in range(moe_layers)],
+        "attention_state": ("replicated KV cache: every rank computes up to the first MoE router itself, then each "
+                            "token's normed hidden state is sent to every rank at every later layer") if coherent else "owner rank",
+    }
+
+
+def _plan(facts):
+    from moeplan.passes.optimize.placement.metrics import score_placement
+
+    loaded, trace, placement = facts["model"], facts["trace"], facts["placement"]
+    ir = loaded.ir
+    score = score_placement(trace, placement.hosts(), placement.topology).as_dict()
+    placement_doc = json.loads(placement.to_json())  # without run-dependent metrics (solve time)
+    target = facts["target"]
+    model = {"name": ir.name, "architecture": facts["model_files"]["architecture"],
+             "moe_layers": len(ir.moe_stages), "num_experts": ir.moe_stages[0].num_experts,
+             "top_k": ir.moe_stages[0].top_k, "ir": ir.to_dict()}
+    plan = Plan(
+        target=target["name"], model=model,
+        topology={"nodes": placement.topology.nodes, "gpus_per_node": placement.topology.gpus_per_node},
+        placement=placement_doc,
+        communication=communication(facts["mode"], len(ir.moe_stages)),
+        predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]]},
+        inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
+                "options": facts["placement_options"]},
+        deployment={k: v for k, v in target.items() if k != "name"},
+    )
+    return {"plan": plan}
+
+
+def bundle_plan(plan: Plan, state: dict, model_files: dict) -> Plan:
+    """The plan with the bundle's layout filled in: shard names, model files' paths, the weights' hash."""
+    from moeplan.backends.common.shards import shard_name, state_dict_sha256
+
+    model = dict(plan.model, config="model/config.json", weights_sha256=state_dict_sha256(state))
+    if "model/model.py" in model_files["files"]:
+        model["source"] = "model/model.py"
+    return dataclasses.replace(plan, model=model, shards=[shard_name(r) for r in range(plan.world_size)])
+
+
+def write_torchrun_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict:
+    """The torchrun bundle, plus kubernetes/ manifests for that target, written atomically at `out`."""
+    from moeplan.backends.common.manifest import write_manifest
+    from moeplan.backends.torchrun.codegen import write_bundle
+    from moeplan.planner.atomic import atomic_path
+
+    plan = bundle_plan(plan, state, model_files)
+    with atomic_path(Path(out), kind="bundle") as tmp:
+        manifest = write_bundle(tmp, plan, state, model_files["files"])
+        if plan.target == "kubernetes":
+            from moeplan.backends.kubernetes.codegen import write_manifests
+
+            write_manifests(tmp, plan, image=plan.deployment["image"], storage_class=plan.deployment.get("storage_class"))
+            manifest = write_manifest(tmp)
+    return manifest
+
+
+def _codegen(facts):
+    return {"manifest": write_torchrun_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(),
+                                              facts["model_files"])}
+
+
+AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
+# the placement pass of `moeplan place`, here also checking that the trace was recorded from this model
+PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model",), check=trace_matches_model)
+PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
+                     "target"), ("plan",), _plan)
+CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
+
+PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, PLAN, CODEGEN]
