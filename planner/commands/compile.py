@@ -9,6 +9,7 @@ import json
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, output_options, placement_options, pop,
                                                serverless_options, topology_options)
 from moeplan.planner.errors import UserError
@@ -80,8 +81,8 @@ def describe(summary: dict) -> str:
 @placement_options
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
               help="expert-parallel mode the bundle runs by default")
-@click.option("--image", default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
+@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
+@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
 @click.option("--kubernetes", "with_kubernetes", is_flag=True, help="sglang: also write kubernetes/ manifests")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")

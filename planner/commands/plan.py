@@ -13,6 +13,7 @@ import json
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.commands.compile import describe, pipeline_inputs, summary_of
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, output_options, placement_options, pop,
                                                serverless_options, topology_options)
@@ -26,8 +27,8 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
 @placement_options
 @click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
               help="torchrun/kubernetes: expert-parallel mode")
-@click.option("--image", default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
+@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
+@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @output_options
