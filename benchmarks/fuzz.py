@@ -20,7 +20,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from click.testing import CliRunner  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import seed as hypothesis_seed  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -28,7 +27,6 @@ from hypothesis import strategies as st  # noqa: E402
 import fuzz_cases as F  # noqa: E402
 from moeplan.passes.analysis.trace.format import save_trace  # noqa: E402
 from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens  # noqa: E402
-from moeplan.planner.cli import main  # noqa: E402
 
 FAMILIES = ("trace", "jsonl", "placement", "plan", "config")
 
@@ -40,12 +38,11 @@ def make_corpus(root: Path) -> dict:
     model = root / "hf"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(F.HF_CONFIG))
-    runner = CliRunner()
     placement, plan = root / "placement.json", root / "plan.json"
-    runner.invoke(main, ["place", "--trace", str(trace), "--nodes", "1", "--gpus-per-node", "2", "--policy", "eplb",
-                         "--redundant", "2", "--out", str(placement)])
-    result = runner.invoke(main, ["plan", str(model), "--trace", str(trace), "--slo", "30", "--batch-tokens", "1000",
-                                  "--profile-budget", "0", "--cache-dir", str(root / "cache"), "--out", str(plan), "--quiet"])
+    F.invoke(["place", "--trace", trace, "--nodes", 1, "--gpus-per-node", 2, "--policy", "eplb", "--redundant", 2,
+              "--out", placement])
+    result = F.invoke(["plan", model, "--trace", trace, "--slo", 30, "--batch-tokens", 1000, "--profile-budget", 0,
+                       "--cache-dir", root / "cache", "--out", plan, "--quiet"])
     if result.exit_code != 0:
         raise SystemExit(f"could not make the lambda plan to mutate: {result.output[-300:]}")
     return {"trace": trace, "placement": json.loads(placement.read_text()), "plan": json.loads(plan.read_text())}
@@ -87,7 +84,7 @@ def run_family(family: str, corpus: dict, examples: int, seed: int) -> dict:
             "broken": outcomes["broken"], "failures": dict(failures.most_common(10))}
 
 
-def main_(argv=None) -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=500, help="cases per family")
     ap.add_argument("--families", default=",".join(FAMILIES))
@@ -120,4 +117,4 @@ def main_(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main_())
+    sys.exit(main())

@@ -36,11 +36,16 @@ def _digest(path: Path):
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
+def invoke(args: list):
+    """`moeplan ARGS` in this process; click's Result (exit_code, output, exception)."""
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=True)
+
+
 def run_case(args: list, inputs: list, out: Path | None = None, check_output=None) -> str:
     """Run `moeplan ARGS`; returns OK or REFUSED, raises FuzzFailure otherwise."""
     args = [str(a) for a in args]
     before = {str(p): _digest(Path(p)) for p in inputs}
-    result = CliRunner().invoke(main, args, catch_exceptions=True)
+    result = invoke(args)
     after = {str(p): _digest(Path(p)) for p in inputs}
     where = "moeplan " + " ".join(args)
     if before != after:
