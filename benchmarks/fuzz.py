@@ -55,8 +55,10 @@ def run_family(family: str, corpus: dict, examples: int, seed: int) -> dict:
         with tempfile.TemporaryDirectory() as work:
             try:
                 outcomes[case(Path(work))] += 1
-            except F.FuzzFailure as err:
+            except Exception as err:  # noqa: BLE001 - a harness error is reported like a broken case
                 outcomes["broken"] += 1
+                if not isinstance(err, F.FuzzFailure):
+                    err = F.FuzzFailure(f"harness: {err!r}")
                 text = re.sub(r"/tmp/\S+", "<tmp>", str(err))
                 lines = text.splitlines()
                 where = next((l.strip() for l in reversed(lines) if l.strip().startswith("File ")), "")

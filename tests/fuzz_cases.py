@@ -9,6 +9,7 @@ Never a traceback, never another exit code, never a changed input file.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -107,7 +108,7 @@ def mutated_json(draw, doc, max_edits: int = 3):
         if isinstance(parent, dict) and draw(st.integers(0, 4)) == 0:
             del parent[path[-1]]
         else:
-            parent[path[-1]] = draw(evil_json)
+            parent[path[-1]] = copy.deepcopy(draw(evil_json))  # EVIL_SCALARS' lists and dicts are shared
     return doc
 
 
