@@ -1,28 +1,39 @@
-"""Runtime benchmark: contiguous + standard EP vs ilp + context-coherent EP (and each change alone).
+"""Runtime benchmark: every placement x mode against contiguous + standard EP, measured beside the
+cost model's prediction, and the plan `moeplan compile` emits with no mode or policy flags.
 
 On the example model, for 2 ranks (1 node x 2) and 4 ranks (2 nodes x 2): compile one bundle per
-placement policy from a trace of the training corpus, then run held-out prompts through every
-(placement, mode) pair with `torchrun --standalone` (gloo on CPU) and report all-to-all bytes and
-messages per generated token and tokens/s, side by side with the baseline measured in the same
-run. `--verify` also checks each run against the source model. GPU runs need one GPU per rank
-(nccl); with fewer GPUs they are reported as skipped.
+placement policy (contiguous, eplb, ilp) from a trace of the training corpus, plus the default
+plan (policy auto, mode auto, cpu-gloo profile), then run held-out prompts through every
+(placement, mode) pair with `torchrun --standalone` (gloo on CPU). Each bundle runs both modes in
+one launch; launches go round-robin over the bundles `--repeats` times and tokens/s is the median
+(the machine may be shared: ratios to the baseline are what to read, not absolute figures).
 
-    python benchmarks/runtime.py [--ranks 2 4] [--new-tokens 8] [--prompts 8] [--json]
+Predictions, from the cost model (`passes/analysis/cost_model.py`):
+* `predicted_total_bytes_per_token`: on the routing the run recorded (must equal the measurement);
+* `prior_total_bytes_per_token`: before the run, routing sampled from the plan's trace;
+* `predicted_seconds_per_token`: on the run's routing, priced with the cpu-gloo profile; compare
+  `predicted_ratio` (baseline's predicted seconds / this one's) with `measured_ratio` (tokens/s
+  over the baseline's).
+
+    python benchmarks/runtime.py [--ranks 2 4] [--new-tokens 8] [--prompts 8] [--repeats 3] [--json]
 
 With --json the last line is {"runs": [{"ranks", "placement", "mode", "bytes_per_token",
-"messages_per_token", "tokens_per_second", ...}, ...]}.
+"total_bytes_per_token", "predicted_total_bytes_per_token", "tokens_per_second",
+"predicted_seconds_per_token", ...}], "default": {ranks: {...same keys...}}}.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOPOLOGIES = {2: (1, 2), 4: (2, 2)}
-PAIRS = (("contiguous", "standard"), ("contiguous", "coherent"), ("ilp", "standard"), ("ilp", "coherent"))
+POLICIES = ("contiguous", "eplb", "ilp")
+MODES = ("standard", "coherent")
 
 
 def record(model: str, text_path: Path, max_tokens: int, out: Path) -> Path:
@@ -49,7 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-length", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="launches per bundle (round-robin); tokens/s is the median")
     ap.add_argument("--time-limit", type=float, default=20.0, help="ilp solver time limit, seconds")
+    ap.add_argument("--hardware", default="cpu-gloo", help="profile the default plan is compiled for and predictions use")
     ap.add_argument("--verify", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -59,7 +72,8 @@ def main(argv=None) -> int:
     from moeplan.planner.pipeline.run import run_modes
     from moeplan.planner.pipeline.targets import compile_bundle
 
-    runs = []
+    runs, defaults = [], {}
+    workload = f"{args.prompts}x{args.prompt_length}+{args.new_tokens}"
     with tempfile.TemporaryDirectory(prefix="moeplan-bench-") as scratch:
         scratch = Path(scratch)
         model_dir = Path(args.model)
@@ -69,47 +83,77 @@ def main(argv=None) -> int:
         prompts_file.write_text("\n".join(held_out_prompts(model_dir / "corpus_heldout.txt", args.prompts,
                                                            args.prompt_length)) + "\n")
         gpus = torch.cuda.device_count()
+        cost = {"hardware": args.hardware, "workload": workload}
         for ranks in args.ranks:
             nodes, per_node = TOPOLOGIES[ranks]
-            bundles = {}
-            for policy in ("contiguous", "ilp"):
+            bundles, priors = {}, {}
+            for policy in POLICIES + ("default",):
                 out = scratch / f"bundle-{ranks}-{policy}"
-                compile_bundle(args.model, str(trace), nodes, per_node, str(out),
-                               {"policy": policy, "time_limit": args.time_limit}, quiet=True)
-                bundles[policy] = out
+                options = {"policy": "auto" if policy == "default" else policy, "time_limit": args.time_limit}
+                facts, _ = compile_bundle(args.model, str(trace), nodes, per_node, str(out), options,
+                                          mode="auto" if policy == "default" else "standard", quiet=True, cost_options=cost)
+                plan = facts["plan"].to_dict()
+                bundles[policy] = (out, plan)
+                priors[policy] = plan["predicted"]["cost"]["modes"]
             if gpus and gpus < ranks:
                 print(f"note: {ranks} ranks on {gpus} GPU(s) cannot use nccl; skipped", file=sys.stderr)
                 continue
-            reports = {policy: run_modes(str(bundles[policy]), ranks, str(prompts_file), args.new_tokens,
-                                         ("standard", "coherent"), args.verify, None, 600)
-                       for policy in bundles}
-            for policy, mode in PAIRS:
-                r = reports[policy][mode]
-                runs.append({
-                    "ranks": ranks, "placement": policy, "mode": mode, "device": "cuda" if gpus else "cpu",
-                    "bytes_per_token": round(r["bytes_per_token"], 1),
-                    "messages_per_token": round(r["messages_per_token"], 3),
-                    "tokens_per_second": round(r["tokens_per_second"], 2),
-                    "total_bytes_per_token": round(r["total_bytes_per_token"], 1),
-                    "gpu_local_fraction": round(r["gpu_local_fraction"], 4),
-                    "predicted_gpu_local_fraction": round(r["predicted_gpu_local_fraction"], 4),
-                    **({"verified": r["verified"]} if args.verify else {}),
-                })
-    _table(runs)
+            reports = {policy: [] for policy in bundles}
+            for _ in range(args.repeats):
+                for policy, (out, plan) in bundles.items():
+                    modes = (plan["communication"]["mode"],) if policy == "default" else MODES
+                    reports[policy].append(run_modes(str(out), ranks, str(prompts_file), args.new_tokens, modes,
+                                                     args.verify, None, 900))
+            for policy, (out, plan) in bundles.items():
+                modes = (plan["communication"]["mode"],) if policy == "default" else MODES
+                for mode in modes:
+                    row = _row(ranks, plan["placement"]["policy"], mode, [r[mode] for r in reports[policy]],
+                               priors[policy][mode], args.verify, gpus)
+                    if policy == "default":
+                        defaults[str(ranks)] = row | {"default_policy": plan["placement"]["policy"]}
+                    else:
+                        runs.append(row)
+    for row in runs + list(defaults.values()):
+        base = next(b for b in runs if b["ranks"] == row["ranks"] and b["placement"] == "contiguous" and b["mode"] == "standard")
+        row["measured_ratio"] = round(row["tokens_per_second"] / base["tokens_per_second"], 3)
+        row["predicted_ratio"] = round(base["predicted_seconds_per_token"] / row["predicted_seconds_per_token"], 3)
+    _table(runs, defaults)
     if args.json:
-        print(json.dumps({"runs": runs}, sort_keys=True))
+        print(json.dumps({"runs": runs, "default": defaults, "repeats": args.repeats, "workload": workload,
+                          "hardware": args.hardware}, sort_keys=True))
     return 0
 
 
-def _table(runs: list) -> None:
-    print(f"{'ranks':>5} {'placement':>10} {'mode':>9} {'a2a B/tok':>10} {'vs base':>8} {'msg/tok':>8} "
-          f"{'all B/tok':>10} {'tok/s':>7} {'vs base':>8} {'gpu_local':>9}")
-    for r in runs:
-        base = next(b for b in runs if b["ranks"] == r["ranks"] and b["placement"] == "contiguous" and b["mode"] == "standard")
-        print(f"{r['ranks']:>5} {r['placement']:>10} {r['mode']:>9} {r['bytes_per_token']:>10.0f} "
-              f"{r['bytes_per_token'] / base['bytes_per_token']:>8.2f} {r['messages_per_token']:>8.2f} "
-              f"{r['total_bytes_per_token']:>10.0f} {r['tokens_per_second']:>7.1f} "
-              f"{r['tokens_per_second'] / base['tokens_per_second']:>8.2f} {r['gpu_local_fraction']:>9.3f}")
+def _row(ranks: int, placement: str, mode: str, reports: list, prior: dict, verify: bool, gpus: int) -> dict:
+    first = reports[0]
+    tps = statistics.median(r["tokens_per_second"] for r in reports)
+    row = {
+        "ranks": ranks, "placement": placement, "mode": mode, "device": "cuda" if gpus else "cpu",
+        "bytes_per_token": round(first["bytes_per_token"], 1),
+        "messages_per_token": round(first["messages_per_token"], 3),
+        "total_bytes_per_token": round(first["total_bytes_per_token"], 1),
+        "predicted_total_bytes_per_token": round(first["predicted_total_bytes_per_token"], 1),
+        "prior_total_bytes_per_token": round(prior["total_bytes_per_token"], 1),
+        "tokens_per_second": round(tps, 2),
+        "tokens_per_second_runs": [round(r["tokens_per_second"], 2) for r in reports],
+        "predicted_seconds_per_token": round(statistics.median(r["predicted_seconds_per_token"] for r in reports), 6),
+        "prior_seconds_per_token": round(prior["seconds_per_token"], 6),
+        "gpu_local_fraction": round(first["gpu_local_fraction"], 4),
+        "bytes_match_prediction": all(r["bytes_match_prediction"] for r in reports),
+    }
+    if verify:
+        row["verified"] = all(r["verified"] for r in reports)
+    return row
+
+
+def _table(runs: list, defaults: dict) -> None:
+    print(f"{'ranks':>5} {'placement':>10} {'mode':>9} {'a2a B/tok':>10} {'all B/tok':>10} {'pred B/tok':>10} "
+          f"{'prior B/tok':>11} {'tok/s':>7} {'measured':>8} {'predicted':>9}")
+    for label, r in [("", r) for r in runs] + [("default ", r) for r in defaults.values()]:
+        print(f"{r['ranks']:>5} {label + r['placement']:>10} {r['mode']:>9} {r['bytes_per_token']:>10.0f} "
+              f"{r['total_bytes_per_token']:>10.0f} {r['predicted_total_bytes_per_token']:>10.0f} "
+              f"{r['prior_total_bytes_per_token']:>11.0f} {r['tokens_per_second']:>7.1f} "
+              f"{r['measured_ratio']:>8.2f} {r['predicted_ratio']:>9.2f}")
 
 
 if __name__ == "__main__":

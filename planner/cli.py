@@ -45,6 +45,7 @@ def main():
 
 
 def _register():
+    from moeplan.planner.commands.calibrate import calibrate_cmd
     from moeplan.planner.commands.codegen import codegen
     from moeplan.planner.commands.compile import compile_cmd
     from moeplan.planner.commands.export_onnx import export_onnx_cmd
@@ -57,7 +58,7 @@ def _register():
 
     from moeplan.planner.output_guard import guard_command
 
-    for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd):
+    for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd, calibrate_cmd):
         guard_command(command)
         main.add_command(command)
 

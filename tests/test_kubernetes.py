@@ -142,4 +142,5 @@ def test_the_staged_pod_layout_runs_launch_sh(tmp_path, trace_path):
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(["bash", str(out / "launch.sh"), *args], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((tmp_path / "results" / "coherent" / "result.json").read_text())["texts"]
+    mode = json.loads((out / "plan.json").read_text())["communication"]["mode"]  # the plan's (auto: by predicted time)
+    assert json.loads((tmp_path / "results" / mode / "result.json").read_text())["texts"]

@@ -10,13 +10,14 @@ import json
 import click
 
 from moeplan.planner import cli_types as T
-from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, output_options, placement_options, pop,
-                                               serverless_options, topology_options)
+from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
+                                               output_options, pop, serverless_options, topology_options)
 from moeplan.planner.errors import UserError
+from moeplan.planner.pipeline.cost import default_cost_options, describe_choice
 
 
 def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, placement, serverless,
-                    out, say) -> dict:
+                    out, say, cost=None) -> dict:
     """The facts a target's pass list starts from, with the flags that do not apply to it refused."""
     if target != "kubernetes" and (image is not None or storage_class is not None):
         raise UserError("--image and --storage-class apply to --target kubernetes only")
@@ -30,13 +31,16 @@ def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image
 
         spec.update(image=image or DEFAULT_IMAGE, storage_class=storage_class)
     serverless = dict(serverless, time_limit=placement["time_limit"], solver=placement["solver"])
+    if target == "lambda" and placement["policy"] == "auto":  # lambda sizes expert functions, no placement policy
+        placement = dict(placement, policy="ilp")
     if target == "lambda":  # flag mistakes stop before any pass runs
         from moeplan.planner.pipeline.lambda_ import check_options
 
         check_options({"serverless_options": serverless})
     return {"model_spec": str(model), "trace_path": str(trace_path), "out": str(out) if out is not None else None,
             "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": placement,
-            "mode": mode, "target": spec, "serverless_options": serverless, "progress": say}
+            "mode": mode, "target": spec, "serverless_options": serverless, "progress": say,
+            "cost_options": default_cost_options(cost)}
 
 
 def summary_of(plan, out, timings, manifest=None) -> dict:
@@ -56,6 +60,12 @@ def summary_of(plan, out, timings, manifest=None) -> dict:
         summary.update(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
                        predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction",
                                                                      "max_over_mean_load")})
+        cost = doc["predicted"].get("cost")
+        if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
+            chosen = cost["modes"][cost["mode"]]
+            summary.update(hardware=cost["hardware"], choice=describe_choice(doc))
+            summary["predicted"].update(seconds_per_token=chosen["seconds_per_token"],
+                                        total_bytes_per_token=chosen["total_bytes_per_token"])
     return summary
 
 
@@ -67,7 +77,8 @@ def describe(summary: dict) -> str:
                 f"{', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request")
     p = summary["predicted"]
     return (f"{what}: {summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
-            f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}")
+            f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"
+            + (f"\n{summary['choice']}" if "choice" in summary else ""))
 
 
 @click.command("compile")
@@ -78,9 +89,8 @@ def describe(summary: dict) -> str:
               "bundle, or the placement files SGLang / TensorRT-LLM load (a config is enough; their default policy is eplb; "
               "docs/interop.md)")
 @topology_options(required=False)
-@placement_options
-@click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
-              help="expert-parallel mode the bundle runs by default")
+@auto_placement_options
+@cost_options
 @click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
 @click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
@@ -90,19 +100,21 @@ def describe(summary: dict) -> str:
               help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
 @output_options
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
-                as_json, quiet, **flags):
+                as_json, quiet, hardware, workload, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
     signer = _signer(sign_key, target)
     if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
         from moeplan.planner.commands.engine_compile import compile_engine
 
         return compile_engine(model, trace_path, target, nodes, gpus_per_node, pop(flags, PLACEMENT_FLAGS), with_kubernetes,
-                              image, out, as_json, quiet, ignored={"mode": mode, "storage_class": storage_class, **flags})
+                              image, out, as_json, quiet, ignored={"mode": mode, "storage_class": storage_class, "hardware": hardware,
+                                                                    "workload": workload, **flags})
     if with_kubernetes:
         raise UserError("--kubernetes applies to --target sglang; the torchrun bundle has --target kubernetes")
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
-                            pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say)
+                            pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say,
+                            {"hardware": hardware, "workload": workload})
     from moeplan.planner.pipeline.targets import run_target
 
     facts, timings = run_target(target, facts, quiet=quiet or as_json)

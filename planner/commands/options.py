@@ -31,10 +31,15 @@ def topology_options(required: bool):
     ], f)
 
 
-def placement_options(f):
+def placement_option_group(policies=("ilp", "eplb", "contiguous"), default="ilp"):
+    """The placement flags; commands that know the model (compile) also offer --policy auto."""
+    return lambda f: _placement_options(f, policies, default)
+
+
+def _placement_options(f, policies, default):
     return _apply([
-        click.option("--policy", type=click.Choice(["ilp", "eplb", "contiguous"]), default="ilp", show_default=True,
-                     help="placement policy"),
+        click.option("--policy", type=click.Choice(list(policies)), default=default, show_default=True,
+                     help="placement policy" + ("; auto: the fastest by the cost model's predicted time" if "auto" in policies else "")),
         click.option("--redundant", type=T.NON_NEGATIVE_INT, default=0, show_default=True,
                      help="redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, "
                           "ilp may move them between experts"),
@@ -52,6 +57,23 @@ def placement_options(f):
         click.option("--time-limit", type=T.POSITIVE_FLOAT, default=300.0, show_default=True,
                      help="safety net per solve, seconds; an ilp solve it stops is marked stopped_by=time_limit "
                           "(not reproducible)"),
+    ], f)
+
+
+placement_options = placement_option_group()
+auto_placement_options = placement_option_group(("auto", "ilp", "eplb", "contiguous"), "auto")
+
+
+def cost_options(f):
+    """--mode (auto by default), --hardware, --workload: what the cost model prices a plan for (issue 12)."""
+    return _apply([
+        click.option("--mode", type=click.Choice(["auto", "coherent", "standard"]), default="auto", show_default=True,
+                     help="torchrun/kubernetes: expert-parallel mode the bundle runs by default; auto: the faster by the "
+                          "cost model's predicted time"),
+        click.option("--hardware", default=None,
+                     help="hardware profile the cost model prices the plan for: cpu-gloo (default), h100-sxm, h200-sxm, "
+                          "a100-sxm, or a YAML file written by 'moeplan calibrate'"),
+        click.option("--workload", default=None, help="requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)"),
     ], f)
 
 

@@ -15,8 +15,8 @@ import click
 
 from moeplan.planner import cli_types as T
 from moeplan.planner.commands.compile import describe, pipeline_inputs, summary_of
-from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, output_options, placement_options, pop,
-                                               serverless_options, topology_options)
+from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
+                                               output_options, pop, serverless_options, topology_options)
 
 
 @click.command("plan")
@@ -24,22 +24,23 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL (lambda: with token ids)")
 @click.option("--target", type=click.Choice(["lambda", "torchrun", "kubernetes"]), default="lambda", show_default=True)
 @topology_options(required=False)
-@placement_options
-@click.option("--mode", type=click.Choice(["coherent", "standard"]), default="coherent", show_default=True,
-              help="torchrun/kubernetes: expert-parallel mode")
+@auto_placement_options
+@cost_options
 @click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
 @click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @output_options
-def plan(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, out, as_json, quiet, **flags):
+def plan(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, out, as_json, quiet, hardware,
+         workload, **flags):
     """Plan MODEL's deployment for a target and write plan.json (no bundle)."""
     from moeplan.planner.atomic import write_text_atomic
     from moeplan.planner.pipeline.targets import run_target
 
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
-                            pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), None, say)
+                            pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), None, say,
+                            {"hardware": hardware, "workload": workload})
     facts, timings = run_target(target, facts, plan_only=True, quiet=quiet or as_json)
     the_plan = facts["plan"]
     write_text_atomic(out, the_plan.to_json(), kind="plan")

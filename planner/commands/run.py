@@ -45,7 +45,9 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
     reports = run_modes(bundle, nproc, prompts_path, new_tokens, modes, verify, results, timeout)
     keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
-            "world_size", "locality_matches_prediction")
+            "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
+            "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
+            "predicted_hardware")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[mode] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -102,6 +104,10 @@ def _print(report: dict, verify: bool) -> None:
                    f"  {layer['context_bytes']:>13}  {local:>11}")
     click.echo(f"  all-to-all bytes per generated token {report['bytes_per_token']:.0f} "
                f"({report['messages_per_token']:.2f} messages); all traffic {report['total_bytes_per_token']:.0f}")
+    if "predicted_total_bytes_per_token" in report:
+        click.echo(f"  predicted: all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
+                   f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
+                   f"(measured {report['seconds_per_token'] * 1e3:.2f})")
     if report["mode"] == "coherent":
         click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
                    f"predicted {report['predicted_gpu_local_fraction']:.4f}")

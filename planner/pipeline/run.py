@@ -86,6 +86,9 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
     }
+    from moeplan.planner.pipeline.cost import measured_beside_predicted  # issue 12: the cost model, checked
+
+    report.update(measured_beside_predicted(root, plan, out_dir, mode, summary))
     if verify:
         from moeplan.backends.torchrun.verify import VerifyError, compare
 

@@ -47,15 +47,20 @@ def codegen_from_plan(plan, model_spec: str, out: str) -> dict:
 
 
 def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str, placement_options: dict,
-                   mode: str = "coherent", quiet: bool = False, target: dict | None = None) -> tuple:
+                   mode: str = "coherent", quiet: bool = False, target: dict | None = None,
+                   cost_options: dict | None = None) -> tuple:
     """A torchrun (or kubernetes) bundle from Python, as `moeplan compile` writes it; (facts, timings).
 
-    `placement_options` holds any `PlacementRequest` fields (policy, redundant, time_limit, ...).
+    `placement_options` holds any `PlacementRequest` fields (policy, redundant, time_limit, ...);
+    policy and `mode` may be "auto" (by the cost model's predicted time under `cost_options`
+    {"hardware", "workload"}, default cpu-gloo and 8x32+8).
     """
+    from moeplan.planner.pipeline.cost import default_cost_options
+
     if nodes < 1 or gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
     target = target or {"name": "torchrun"}
     return run_target(target["name"], {
         "model_spec": str(model_spec), "trace_path": str(trace_path), "out": str(out),
         "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": dict(placement_options),
-        "mode": mode, "target": target}, quiet=quiet)
+        "mode": mode, "target": target, "cost_options": default_cost_options(cost_options)}, quiet=quiet)

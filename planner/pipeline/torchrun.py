@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from moeplan.planner.pass_manager import Pass
+from moeplan.planner.pipeline import cost as cost_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline.common import IMPORT, MODEL_FILES, TRACE, needs_weights, trace_matches_model
 from moeplan.planner.plan import Plan
@@ -47,6 +48,7 @@ def _plan(facts):
     ir = loaded.ir
     score = score_placement(trace, placement.hosts(), placement.topology).as_dict()
     placement_doc = json.loads(placement.to_json())  # without run-dependent metrics (solve time)
+    placement_doc.get("metrics", {}).pop("auto_predictions", None)  # recorded under predicted.cost.alternatives
     target = facts["target"]
     model = {"name": ir.name, "architecture": facts["model_files"]["architecture"],
              "moe_layers": len(ir.moe_stages), "num_experts": ir.moe_stages[0].num_experts,
@@ -55,8 +57,9 @@ def _plan(facts):
         target=target["name"], model=model,
         topology={"nodes": placement.topology.nodes, "gpus_per_node": placement.topology.gpus_per_node},
         placement=placement_doc,
-        communication=communication(facts["mode"], len(ir.moe_stages)),
-        predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]]},
+        communication=communication(facts["cost"]["mode"], len(ir.moe_stages)),
+        predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]],
+                   "cost": facts["cost"]["doc"]},
         inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
                 "options": facts["placement_options"]},
         deployment={k: v for k, v in target.items() if k != "name"},
@@ -97,10 +100,12 @@ def _codegen(facts):
 
 
 AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
-# the placement pass of `moeplan place`, here also checking that the trace was recorded from this model
-PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model",), check=trace_matches_model)
+# the placement pass of `moeplan place`, here also checking that the trace was recorded from this model;
+# --policy auto prices every policy with the cost model (planner/pipeline/cost.py)
+PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
+                                run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
-                     "target"), ("plan",), _plan)
+                     "target", "cost"), ("plan",), _plan)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
 
-PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, PLAN, CODEGEN]
+PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, PLAN, CODEGEN]

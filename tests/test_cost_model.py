@@ -1,0 +1,155 @@
+"""Cost model (issue 12): its byte accounting against a real 2-rank run, its formulas, profiles
+and the decisions compile takes by predicted time."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings, strategies as st
+
+from moeplan.passes.analysis.cost_model import COHERENT, STANDARD, ModelShape, Workload, predict, routing_from_trace
+from moeplan.passes.analysis.trace.format import save_trace
+from moeplan.passes.optimize.by_predicted_time import choose_mode
+from moeplan.planner.cli import main
+from moeplan.planner.commands.compile import compile_cmd
+from moeplan.planner.errors import UserError
+from moeplan.planner.hardware import BUILTIN, load_hardware, profile_from_dict
+from runtime_fixtures import SMALL, random_trace, small_model_dir
+
+SHAPE = ModelShape(hidden=32, top_k=2, num_blocks=3, moe_blocks=(0, 1, 2), attention_flops=1e4, expert_flops=1e4)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    """A bundle with replicas (eplb, 2 redundant slots) over 2 ranks, run in both modes."""
+    root = tmp_path_factory.mktemp("cost")
+    model_dir = small_model_dir(root)
+    save_trace(random_trace(300, SMALL["num_layers"], SMALL["num_experts"]), root / "trace.npz")
+    bundle = root / "bundle"
+    result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(root / "trace.npz"), "--nodes", "1",
+                                              "--gpus-per-node", "2", "--policy", "eplb", "--redundant", "2",
+                                              "--out", str(bundle), "--quiet"])
+    assert result.exit_code == 0, result.output
+    prompts = root / "prompts.txt"
+    prompts.write_text("hello world\nabc\nmixture of experts\n")
+    proc = subprocess.run([sys.executable, "-m", "moeplan.planner.cli", "run", str(bundle), "--nproc", "2",
+                           "--prompts", str(prompts), "--new-tokens", "3", "--mode", "both", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])["modes"], json.loads((bundle / "plan.json").read_text())
+
+
+@pytest.mark.parametrize("mode", [STANDARD, COHERENT])
+def test_predicted_bytes_equal_the_measured_counters_of_a_two_rank_run(two_rank_run, mode):
+    reports, _ = two_rank_run
+    r = reports[mode]
+    assert r["total_bytes_per_token"] > 0
+    assert r["predicted_total_bytes_per_token"] == r["total_bytes_per_token"]
+    assert r["predicted_bytes_per_token"] == r["bytes_per_token"]
+    assert r["predicted_messages_per_token"] == r["messages_per_token"]
+    assert r["bytes_match_prediction"] is True
+    assert r["predicted_seconds_per_token"] > 0 and r["predicted_hardware"] == "cpu-gloo"
+
+
+def test_the_plan_records_predictions_for_both_modes_and_the_mode_auto_chose(two_rank_run):
+    _, plan = two_rank_run
+    cost = plan["predicted"]["cost"]
+    assert cost["hardware"] == "cpu-gloo" and cost["mode_requested"] == "auto"
+    assert set(cost["modes"]) == {STANDARD, COHERENT}
+    assert cost["mode"] == plan["communication"]["mode"] == choose_mode(cost["modes"])
+    for summary in cost["modes"].values():
+        kinds = summary["bytes_per_token_by_kind"]
+        assert set(kinds) == {"dispatch", "combine", "merge", "context", "sync", "control"}
+        assert sum(kinds.values()) == pytest.approx(summary["total_bytes_per_token"])
+        assert summary["seconds_per_token"] > 0 and summary["seconds_per_prefill_token"] > 0
+
+
+def _contiguous(L, E, W):
+    hosts = np.zeros((L, E, W), dtype=bool)
+    hosts[:, np.arange(E), np.arange(E) * W // E] = True
+    return hosts
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 4), st.lists(st.integers(1, 6), min_size=1, max_size=4), st.integers(1, 3), st.integers(0, 10 ** 6))
+def test_traffic_formulas(world, prompts, new_tokens, seed):
+    """Standard: combine = dispatch rows x 4D; coherent: context = tokens x (W-1) x 4(D+2) per later block;
+    one rank moves nothing."""
+    rng = np.random.default_rng(seed)
+    E, L = 8, 3
+    workload = Workload(tuple(prompts), new_tokens)
+    tokens = sum(len(s) for s in workload.steps())
+    experts = np.stack([np.stack([rng.choice(E, 2, replace=False) for _ in range(L)]) for _ in range(tokens)])
+    routing = routing_from_trace(experts, workload)
+    hosts = _contiguous(L, E, world)
+    std = predict(hosts, 1, SHAPE, STANDARD, workload, routing)
+    d, c = (sum(l[p]["bytes"] for l in std.layers) for p in ("dispatch", "combine"))
+    assert c * SHAPE.dispatch_row_bytes == d * SHAPE.combine_row_bytes
+    coh = predict(hosts, 1, SHAPE, COHERENT, workload, routing)
+    context = sum(l["context"]["bytes"] for l in coh.layers)
+    assert context == tokens * (world - 1) * SHAPE.keyed_row_bytes * (SHAPE.num_blocks - 1)
+    # every expert on every rank: nothing moves after MoE layer 0 (where the runtime's rule sends the
+    # primary slot to the first listed replica, as the placement metric does)
+    everywhere = np.ones((L, E, world), dtype=bool)
+    assert predict(everywhere, 1, SHAPE, COHERENT, workload, routing).all_to_all_bytes == 0
+    later = predict(everywhere, 1, SHAPE, STANDARD, workload, routing).layers[1:]
+    assert sum(l[p]["bytes"] for l in later for p in ("dispatch", "combine")) == 0
+    if world == 1:
+        assert std.total_bytes == coh.total_bytes == 0
+
+
+def test_choose_mode_takes_the_faster_and_standard_on_a_tie():
+    assert choose_mode({STANDARD: {"seconds_per_token": 2.0}, COHERENT: {"seconds_per_token": 1.0}}) == COHERENT
+    assert choose_mode({STANDARD: {"seconds_per_token": 1.0}, COHERENT: {"seconds_per_token": 0.999}}) == STANDARD
+    assert choose_mode({STANDARD: {"seconds_per_token": 1.0}, COHERENT: {"seconds_per_token": 3.0}}) == STANDARD
+
+
+def test_builtin_profiles_load_and_name_their_sources():
+    for name in BUILTIN:
+        p = load_hardware(name)
+        assert p.name == name and p.flops_per_s > 0
+        assert p.bandwidth_bytes_per_s["same_node"] >= p.bandwidth_bytes_per_s["other_node"]
+        assert {"flops_per_s", "bandwidth_bytes_per_s", "op_overhead_s"} <= set(p.sources)
+
+
+@pytest.mark.parametrize("change, words", [({"flops_per_s": -1}, "flops_per_s"), ({"speed": 1}, "unknown key"),
+                                            ({"bandwidth_bytes_per_s": {"same_node": 1.0}}, "bandwidth_bytes_per_s")])
+def test_a_bad_profile_is_a_user_error_naming_the_key(change, words):
+    data = load_hardware("h100-sxm").to_dict() | change
+    with pytest.raises(UserError, match=words):
+        profile_from_dict(data, "mine.yaml")
+
+
+def test_compile_with_an_unknown_hardware_fails_with_one_line(tmp_path):
+    model_dir = small_model_dir(tmp_path)
+    save_trace(random_trace(50, SMALL["num_layers"], SMALL["num_experts"]), tmp_path / "t.npz")
+    result = CliRunner().invoke(main, ["compile", str(model_dir), "--trace", str(tmp_path / "t.npz"), "--nodes", "1",
+                                              "--gpus-per-node", "2", "--policy", "contiguous", "--hardware", "tpu-v9",
+                                              "--out", str(tmp_path / "b"), "--quiet"])
+    assert result.exit_code == 2 and "unknown hardware 'tpu-v9'" in result.output
+    assert not (tmp_path / "b").exists()
+
+
+@given(st.integers(1, 64), st.integers(1, 512), st.integers(1, 64))
+def test_workload_parses_requests_prompt_and_new_tokens(requests, prompt, new):
+    from moeplan.planner.pipeline.cost import parse_workload
+
+    w = parse_workload(f"{requests}x{prompt}+{new}")
+    assert w.prompt_lengths == (prompt,) * requests and w.new_tokens == new
+    assert w.generated_tokens == requests * new and w.prompt_tokens == requests * prompt
+    steps = w.steps()
+    assert len(steps) == new and len(steps[0]) == requests * prompt and all(len(s) == requests for s in steps[1:])
+
+
+@given(st.text(max_size=12))
+def test_a_malformed_workload_is_a_user_error(text):
+    from moeplan.planner.pipeline.cost import parse_workload
+
+    try:
+        w = parse_workload(text)
+    except UserError as exc:
+        assert "REQUESTSxPROMPT+NEW" in str(exc)
+    else:
+        assert w.new_tokens >= 1 and min(w.prompt_lengths) >= 1
