@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import click
 
-from moeplan.planner.atomic import check_output, command_scope
+from moeplan.planner.atomic import check_not_input, check_output, command_scope
 
 OUTPUT_PARAMS = frozenset({"out", "results", "cache_dir", "bo_storage", "force"})
 # What each command's --out holds (planner/atomic.py KINDS), so a bad --out fails before any work.
@@ -57,6 +58,8 @@ def guard_command(command: click.Command) -> None:
         with command_scope(_input_paths(kwargs), force=force):
             if writes and kwargs.get("out") is not None:
                 check_output(kwargs["out"], OUT_KIND.get(command.name))
+            if kwargs.get("results") is not None:  # run --results: never inside the bundle it runs
+                check_not_input(Path(kwargs["results"]))
             return original(*args, **kwargs)
 
     guarded._moeplan_guarded = True

@@ -199,3 +199,10 @@ def test_sign_key_that_is_not_an_ed25519_key_fails_before_compiling(tmp_path):
                              "--sign-key", str(bad)])
     assert code == 2 and output.startswith("error: --sign-key:") and output.count("\n") == 1, output
     assert not (tmp_path / "b").exists()
+
+
+def test_results_inside_the_bundle_are_refused(bundle):
+    """Results written into the bundle would be unlisted files: the next run would refuse the bundle."""
+    code, output = _run_cli(["run", str(bundle), "--nproc", "2", "--results", str(bundle / "results")])
+    assert code == 2 and "is inside the input" in output and output.count("\n") == 1, output
+    assert not (bundle / "results").exists()
