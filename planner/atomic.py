@@ -93,12 +93,27 @@ def _is_bundle(path: Path) -> bool:
     return doc is not None and isinstance(doc.get("files"), dict) and (path / "plan.json").is_file()
 
 
+def _is_hardware_profile(path: Path) -> bool:
+    try:
+        import yaml
+
+        from moeplan.planner.hardware import profile_from_dict
+
+        if path.stat().st_size > 1 << 20:
+            return False
+        profile_from_dict(yaml.safe_load(path.read_text(encoding="utf-8")), str(path))
+        return True
+    except Exception:  # noqa: BLE001 - anything that does not load is not a profile of ours
+        return False
+
+
 KINDS = {
     "trace": ("routing trace (.npz)", _is_trace),
     "placement": ("placement.json", _is_placement),
     "plan": ("plan.json", _is_plan),
     "onnx": ("ONNX model", _is_onnx),
     "bundle": ("bundle directory", _is_bundle),
+    "hardware": ("hardware profile (YAML)", _is_hardware_profile),
 }
 
 

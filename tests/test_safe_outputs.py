@@ -168,3 +168,21 @@ def test_killed_write_leaves_the_previous_output_whole(tmp_path):
     assert _cli([*SYNTH, "--out", str(out)])[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.npz"]
 
+
+
+def test_calibrate_replaces_a_hardware_profile_but_refuses_another_file_before_measuring(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    import moeplan.planner as planner_pkg
+    from moeplan.planner.errors import UserError
+
+    profile = tmp_path / "hw.yaml"
+    shutil.copy(Path(planner_pkg.__file__).parent / "hardware_data" / "cpu-gloo.yaml", profile)
+    atomic.check_replaceable(profile, "hardware")  # an earlier profile: replaced without --force
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious")
+    with pytest.raises(UserError, match="not a moeplan hardware profile"):
+        atomic.check_replaceable(notes, "hardware")
+    _one_error_line(*_cli(["calibrate", "--out", str(notes)]), "--force")
+    assert notes.read_text() == "precious"
