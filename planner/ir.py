@@ -43,6 +43,7 @@ class DenseStage:
     activation_bytes_per_token: int
     dtype: str
     source: str = field(default="", compare=False)
+    inactive_params: int = 0  # params a token skips: unselected experts of a mixture of attention heads
 
     @property
     def is_moe(self) -> bool:
@@ -97,6 +98,29 @@ class ModelIR:
     dtype: str
     stages: tuple
     source_format: str = field(default="", compare=False)
+    quantization: str = ""  # checkpoint storage of quantized weights ("mxfp4", "fp8 blocks 128x128"); "" = dtype
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses, each counted once, the input embedding matrix included.
+
+        Dense stages count whole (less any unselected attention experts); an MoE stage counts its
+        router, top_k routed experts and its shared experts.
+        """
+        return sum(s.params - s.inactive_params for s in self.dense_stages) + sum(
+            s.router_params + s.top_k * s.expert_params + s.shared_expert_params for s in self.moe_stages
+        )
+
+    @property
+    def active_params_excluding_embedding(self) -> int:
+        """`active_params` without the input embedding, as model cards count active parameters.
+
+        A token looks up one row of the embedding, so cards leave the matrix out; a head tied to it
+        still multiplies through it and stays in (its weights are read from its FLOPs, 2 per weight).
+        """
+        embedding = sum(s.params for s in self.dense_stages if s.kind == "embedding")
+        tied_head = sum(max(0, s.flops_per_token // 2 - s.params) for s in self.dense_stages if s.kind == "head")
+        return self.active_params - embedding + tied_head
 
     @property
     def moe_stages(self) -> tuple:
@@ -138,6 +162,7 @@ class ModelIR:
             "vocab_size": self.vocab_size,
             "dtype": self.dtype,
             "source_format": self.source_format,
+            "quantization": self.quantization,
             "stages": stages,
         }
 
@@ -162,6 +187,7 @@ class ModelIR:
             dtype=data["dtype"],
             stages=tuple(stages),
             source_format=data.get("source_format", ""),
+            quantization=data.get("quantization", ""),
         )
 
     @classmethod

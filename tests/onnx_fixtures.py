@@ -58,9 +58,12 @@ def exported_model(tmp_path_factory) -> tuple:
     return directory, onnx_path
 
 
-def contrib_moe_model(path: Path, *, op: str = "MoE", bits: int = 4, normalize: int = 1) -> dict:
+def contrib_moe_model(path: Path, *, op: str = "MoE", bits: int = 4, normalize: int = 1,
+                      router_softmax: bool = False, generic_names: bool = False) -> dict:
     """Write a hand-made graph: ids -> embedding -> router MatMul -> com.microsoft MoE/QMoE -> head.
 
+    `router_softmax` feeds the op probabilities (router -> Softmax -> router_probs) instead of
+    logits; `generic_names` names the embedding and head `W0`/`W1` with no module path anywhere.
     Returns the sizes used, so tests can check the import against them.
     """
     import onnx
@@ -94,6 +97,16 @@ def contrib_moe_model(path: Path, *, op: str = "MoE", bits: int = 4, normalize: 
         helper.make_node(op, moe_inputs, ["moe_out"], name="layers.0.moe", domain="com.microsoft", **attrs),
         helper.make_node("MatMul", ["moe_out", "head.weight"], ["out"], name="head"),
     ]
+    if router_softmax:
+        nodes.insert(3, helper.make_node("Softmax", ["logits"], ["probs"], name="router_softmax", axis=-1))
+        nodes[4].input[1] = "probs"
+    if generic_names:
+        rename = {"embed.weight": "W0", "head.weight": "W1"}
+        for t in inits:
+            t.name = rename.get(t.name, t.name)
+        for node in nodes:
+            node.name = ""
+            node.input[:] = [rename.get(i, i) for i in node.input]
     graph = helper.make_graph(
         nodes, "contrib_moe",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "S"])],

@@ -17,7 +17,7 @@ SUMMARY_KEYS = {
     "stages", "moe_layers", "num_experts", "top_k", "shared_experts", "uniform_moe_layers", "total_params",
     "total_param_bytes", "expert_params", "expert_param_bytes", "routed_expert_params",
     "routed_expert_param_bytes", "dense_params", "dense_param_bytes", "active_params_per_token",
-    "flops_per_token", "ir",
+    "active_params_per_token_excluding_embedding", "quantization", "notes", "flops_per_token", "ir",
 }
 
 
@@ -41,6 +41,9 @@ def test_json_summary_of_the_example():
     assert out["dense_params"] == out["total_params"] - out["routed_expert_params"]
     assert out["dense_param_bytes"] == out["total_param_bytes"] - out["routed_expert_param_bytes"]
     assert out["active_params_per_token"] == out["dense_params"] + layers * k * expert
+    embeddings = sum(s["params"] for s in out["ir"]["stages"] if s.get("kind") == "embedding")
+    assert out["active_params_per_token_excluding_embedding"] == out["active_params_per_token"] - embeddings
+    assert out["quantization"] == "" and out["notes"] == []
     assert out["flops_per_token"] == sum(s["flops_per_token"] for s in out["ir"]["stages"])
     assert out["ir"]["stages"][5]["name"] == "blocks.0.moe" and out["ir"]["stages"][5]["type"] == "moe"
 

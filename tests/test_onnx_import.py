@@ -63,6 +63,32 @@ def test_contrib_moe_op_reads_k_and_stacked_expert_shapes(tmp_path):
     assert ir.vocab_size == sizes["vocab"] and ir.hidden_size == D  # head stored [D, V] as x @ W
 
 
+def test_contrib_moe_op_with_router_probabilities_through_softmax(tmp_path):
+    """onnxruntime's MoE takes router_probs; a graph may compute them with a Softmax first."""
+    sizes = contrib_moe_model(tmp_path / "moe.onnx", router_softmax=True)
+    ir = import_onnx(tmp_path / "moe.onnx")
+    (moe,) = ir.moe_stages
+    D, E, I = sizes["hidden"], sizes["experts"], sizes["inner"]
+    assert (moe.num_experts, moe.top_k, moe.router_params) == (E, sizes["top_k"], D * E)
+    assert ir.stages == import_onnx(_plain(tmp_path)).stages  # the same model as its logits-fed twin
+
+
+def _plain(tmp_path):
+    contrib_moe_model(tmp_path / "plain.onnx")
+    return tmp_path / "plain.onnx"
+
+
+def test_anonymous_embedding_and_head_are_found_by_data_flow(tmp_path):
+    """Initializers named W0/W1 with no node names: the Gather by the token ids is the embedding,
+    the MatMul producing the graph output the head; the vocabulary comes from them."""
+    sizes = contrib_moe_model(tmp_path / "anon.onnx", generic_names=True)
+    ir = import_onnx(tmp_path / "anon.onnx")
+    assert ir.vocab_size == sizes["vocab"] and ir.hidden_size == sizes["hidden"]
+    kinds = [s.kind for s in ir.stages]
+    assert kinds == ["embedding", "moe", "head"]
+    assert ir.total_params == import_onnx(_plain(tmp_path)).total_params
+
+
 def test_quantized_moe_op_counts_unpacked_4bit_weights(tmp_path):
     sizes = contrib_moe_model(tmp_path / "qmoe.onnx", op="QMoE", bits=4)
     (moe,) = import_onnx(tmp_path / "qmoe.onnx").moe_stages

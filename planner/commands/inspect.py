@@ -27,12 +27,11 @@ def summarize(ir) -> dict:
     uniform_moe_layers (all MoE layers alike), total_params, total_param_bytes, expert_params and
     expert_param_bytes (one routed expert), routed_expert_params/_bytes (all routed experts),
     dense_params/dense_param_bytes (everything but routed experts: what every replica carries),
-    active_params_per_token (dense + top_k experts per layer), flops_per_token (IR total).
+    active_params_per_token (dense + top_k experts per layer, the input embedding included),
+    active_params_per_token_excluding_embedding (the model-card convention), quantization
+    (checkpoint storage of quantized weights, "" if none), flops_per_token (IR total).
     """
     moe = ir.moe_stages
-    active = sum(s.params for s in ir.dense_stages) + sum(
-        s.router_params + s.top_k * s.expert_params + s.shared_expert_params for s in moe
-    )
     routed_params = sum(s.num_experts * s.expert_params for s in moe)
     routed_bytes = sum(s.num_experts * s.expert_param_bytes for s in moe)
     return {
@@ -56,7 +55,9 @@ def summarize(ir) -> dict:
         "routed_expert_param_bytes": routed_bytes,
         "dense_params": ir.dense_params,
         "dense_param_bytes": ir.total_param_bytes - routed_bytes,
-        "active_params_per_token": active,
+        "active_params_per_token": ir.active_params,
+        "active_params_per_token_excluding_embedding": ir.active_params_excluding_embedding,
+        "quantization": ir.quantization,
         "flops_per_token": ir.flops_per_token,
     }
 
@@ -75,23 +76,29 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def _render(ir, summary: dict, has_weights: bool) -> None:
+def _render(ir, summary: dict, has_weights: bool, notes=(), table_rows: bool = True) -> None:
     from rich.console import Console
     from rich.table import Table
 
     # Piped output keeps full rows (rich would squeeze it into 80 columns).
     console = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 140)
-    table = Table(title=f"{ir.name} ({ir.architecture}, {ir.dtype})", title_justify="left")
-    for header in ("stage", "kind", "params", "bytes", "FLOPs/token", "experts", "top-k", "shared"):
-        table.add_column(header, justify="left" if header in ("stage", "kind") else "right", no_wrap=True)
-    for s in ir.stages:
-        moe = s.is_moe
-        table.add_row(
-            s.name, s.kind, _count(s.params), _bytes(s.param_bytes), _count(s.flops_per_token),
-            str(s.num_experts) if moe else "", str(s.top_k) if moe else "",
-            str(s.shared_experts) if moe and s.shared_experts else "",
-        )
-    console.print(table)
+    title = f"{ir.name} ({ir.architecture}, {ir.dtype}" + (f", {ir.quantization} storage" if ir.quantization else "") + ")"
+    if table_rows:
+        table = Table(title=title, title_justify="left")
+        for header in ("stage", "kind", "params", "bytes", "FLOPs/token", "experts", "top-k", "shared"):
+            table.add_column(header, justify="left" if header in ("stage", "kind") else "right", no_wrap=True)
+        for s in ir.stages:
+            moe = s.is_moe
+            table.add_row(
+                s.name, s.kind, _count(s.params), _bytes(s.param_bytes), _count(s.flops_per_token),
+                str(s.num_experts) if moe else "", str(s.top_k) if moe else "",
+                str(s.shared_experts) if moe and s.shared_experts else "",
+            )
+        console.print(table)
+    else:
+        kinds = Counter(s.kind for s in ir.stages)
+        console.print(f"{title}: {len(ir.stages)} stages (" + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")",
+                      highlight=False)
     lines = [
         ("total", f"{_count(summary['total_params'])} params, {_bytes(summary['total_param_bytes'])}"
                   + ("" if has_weights else " (no weights: built from the config)")),
@@ -100,9 +107,11 @@ def _render(ir, summary: dict, has_weights: bool) -> None:
         ("per expert", f"{_count(summary['expert_params'])} params, {_bytes(summary['expert_param_bytes'])}"),
         ("dense", f"{_count(summary['dense_params'])} params, {_bytes(summary['dense_param_bytes'])}"
                   " (everything but routed experts)"),
-        ("active/token", f"{_count(summary['active_params_per_token'])} params, "
-                         f"{_count(summary['flops_per_token'])} FLOPs"),
+        ("active/token", f"{_count(summary['active_params_per_token_excluding_embedding'])} params without the "
+                         f"input embedding (model-card convention), {_count(summary['active_params_per_token'])} "
+                         f"with it; {_count(summary['flops_per_token'])} FLOPs"),
     ]
+    lines += [("note", note) for note in notes]
     for label, text in lines:
         console.print(f"[bold]{label:>12}[/bold]  {text}", highlight=False)
 
@@ -110,14 +119,23 @@ def _render(ir, summary: dict, has_weights: bool) -> None:
 @click.command()
 @click.argument("model")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (summary keys + the full IR).")
-def inspect(model, as_json):
-    """Show MODEL's stages, experts, top-k, parameter bytes and FLOPs per token."""
+@click.option("--summary", "summary_only", is_flag=True,
+              help="Only the totals (no per-stage table; large models have hundreds of stages). "
+                   "With --json: the summary keys without the IR.")
+def inspect(model, as_json, summary_only):
+    """Show MODEL's stages, experts, top-k, parameter bytes and FLOPs per token.
+
+    Active parameters are printed two ways: without the input embedding (how model cards count
+    them: a token looks up one row) and with it.
+    """
     from moeplan.planner.importers import load_model
 
     loaded = load_model(model)
     summary = summarize(loaded.ir)
     if as_json:
-        out = {"model": model, "has_weights": loaded.has_weights, **summary, "ir": loaded.ir.to_dict()}
+        out = {"model": model, "has_weights": loaded.has_weights, **summary, "notes": list(loaded.notes)}
+        if not summary_only:
+            out["ir"] = loaded.ir.to_dict()
         click.echo(json.dumps(out, indent=2, sort_keys=True))
     else:
-        _render(loaded.ir, summary, loaded.has_weights)
+        _render(loaded.ir, summary, loaded.has_weights, loaded.notes, table_rows=not summary_only)

@@ -18,6 +18,21 @@ class DefaultToRecordGroup(click.Group):
             args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
+    def format_usage(self, ctx, formatter):
+        formatter.write_usage(ctx.command_path, "MODEL --data TEXT --out T.npz [OPTIONS]")
+        formatter.write_usage(ctx.command_path, "COMMAND [ARGS]...", prefix="   or: ")
+
+    def format_options(self, ctx, formatter):
+        """The default command's options first: `trace MODEL ...` is how most runs start."""
+        record = self.commands[self.default_command]
+        with ctx.scope(cleanup=False):
+            sub = click.Context(record, info_name=self.default_command, parent=ctx)
+            params = [p for p in record.get_params(sub) if isinstance(p, click.Option) and p.name != "help"]
+            rows = [r for r in (p.get_help_record(sub) for p in params) if r]
+        with formatter.section(f"Options for recording (trace MODEL ..., same as `trace {self.default_command}`)"):
+            formatter.write_dl(rows)
+        super().format_options(ctx, formatter)
+
 
 @click.group(cls=DefaultToRecordGroup)
 def trace():

@@ -30,6 +30,7 @@ class LoadedModel:
     module: Optional[Any] = None  # torch.nn.Module
     onnx_path: Optional[str] = None
     has_weights: bool = True  # False for meta-device models built from a config alone
+    notes: tuple = ()  # what the import left out or assumed, one sentence each (shown by `inspect`)
 
 
 from moeplan.planner.importers.resolve import load_model  # noqa: E402  (needs LoadedModel above)

@@ -3,7 +3,8 @@
 An MoE layer shows itself in ONNX in one of two ways:
 
 * the **gating pattern** of an exported model: a router MatMul (or Gemm) with a weight
-  initializer, then Softmax, then TopK (or TopK on the logits, then Softmax, as Mixtral does).
+  initializer, then Softmax or Sigmoid, then TopK (or TopK on the logits, then Softmax, as
+  Mixtral does); a score-correction bias and a group mask (`Where`) may come before the TopK.
   Cast, Reshape, Squeeze/Unsqueeze, Flatten, Identity and a bias Add may sit in between;
 * onnxruntime's fused contrib op `com.microsoft.MoE` / `QMoE`, whose attribute `k` is the top-k
   and whose expert weights are stacked initializers [E, ...].
@@ -22,6 +23,8 @@ import numpy as np
 PASS_THROUGH = {"Cast", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"}
 WEIGHT_PASS_THROUGH = {"Transpose", "Cast", "Identity", "Reshape"}
 CONTRIB_MOE_OPS = {"MoE", "QMoE"}
+SCORE_OPS = {"Softmax", "Sigmoid"}
+CONSTANT_PRESERVING = {"Cast", "CastLike", "Reshape", "Squeeze", "Unsqueeze", "Identity"}  # of input 0  # router scoring: softmax (most), sigmoid (DeepSeek-V3, GLM-4.5)
 CONTRIB_DOMAIN = "com.microsoft"
 SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
@@ -70,7 +73,21 @@ class GraphIndex:
         if name in self.initializers:
             return True
         node = self.producer.get(name)
+        if node is not None and node.op_type in CONSTANT_PRESERVING:  # a squeezed bias, a cast fill value
+            return self.is_constant(node.input[0])
         return node is not None and node.op_type == "Constant"
+
+    def scores_source(self, name: str):
+        """The node TopK's scores come from, looking through pass-through ops, a constant bias Add
+        (DeepSeek's score correction) and masking (`Where(mask, fill, scores)`, node-limited
+        routing's masked_fill of the groups not chosen)."""
+        node = self.skip_back(name)
+        while node is not None and node.op_type == "Where":
+            data = [i for i in node.input[1:] if not self.is_constant(i)]
+            if len(data) != 1:
+                return node
+            node = self.skip_back(data[0])
+        return node
 
     def skip_back(self, name: str, ops=PASS_THROUGH):
         """The producer of `name`, looking through pass-through ops (and a constant bias Add)."""
@@ -187,17 +204,21 @@ def find_gates(model) -> list:
     for node in model.graph.node:
         if node.op_type in CONTRIB_MOE_OPS and node.domain == CONTRIB_DOMAIN:
             k = next((int(a.i) for a in node.attribute if a.name == "k"), 1)
-            router_node, weight, transposed = _router(index, node.input[1])
+            logits = node.input[1]
+            probs = index.skip_back(logits)
+            if probs is not None and probs.op_type == "Softmax":  # router_probs given as probabilities
+                logits = probs.input[0]
+            router_node, weight, transposed = _router(index, logits)
             gates.append(Gate(node, "contrib", k, router_node, weight, transposed))
             continue
         if node.op_type != "TopK":
             continue
         k = _k_of(index, node)
-        source = index.skip_back(node.input[0])
+        source = index.scores_source(node.input[0])
         if source is None or k is None:
             continue
         values, indices = node.output[0], node.output[1]
-        if source.op_type == "Softmax":
+        if source.op_type in SCORE_OPS:
             router_node, weight, transposed = _router(index, source.input[0])
             if weight is not None:
                 gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
@@ -212,7 +233,17 @@ def find_gates(model) -> list:
             if softmax is not None and weight is not None:
                 gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
                                   indices, softmax.output[0], softmax_after_topk=True))
-    return gates
+    return _last_per_router(gates)
+
+
+def _last_per_router(gates: list) -> list:
+    """One gate per router: the last TopK on its scores. Node-limited routing (DeepSeek-V3) first
+    takes a TopK within each expert group to rank the groups; the final TopK picks the experts."""
+    last = {}
+    for gate in gates:
+        last[id(gate.router_node) if gate.router_node is not None else id(gate.node)] = gate
+    keep = {id(g) for g in last.values()}
+    return [g for g in gates if id(g) in keep]
 
 
 def find_attention_softmaxes(model, gates) -> list:

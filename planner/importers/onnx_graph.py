@@ -11,9 +11,9 @@ torch.onnx's dynamo exporter writes them) keeps its name. One renamed by a graph
 (`val_13`, `onnx::MatMul_42`) is named after the module path of the node that uses it (dynamo
 `pkg.torch.onnx.name_scopes` metadata, or a legacy `/blocks.0/attn/qkv/MatMul` node name). Where
 neither names nor metadata survive (anonymous initializers, stripped nodes), a gate's experts are
-found from the data flow around it (`onnx_experts.py`). When any weight was renamed, weights are
-taken in order of first use in the graph (optimizers append the tensors they create to the
-initializer list).
+found from the data flow around it (`onnx_experts.py`). Weights are
+taken in order of first use in the graph, which is forward order (initializers follow
+registration order, and optimizers append the tensors they create).
 
 A fused MoE op's stacked expert weights and its router weight are named `<layer>.experts.<input>`
 and `<layer>.gate.weight`, which the stage rule recognises as an MoE block with fused experts;
@@ -22,6 +22,10 @@ torch's [out, in] shape (a weight used as `x @ W` is stored [in, out]), so vocab
 sizes read the same as from torch. Model name and class come from `moeplan.*` model metadata
 when the file was written by `moeplan export-onnx`, else the file name and the dynamo class
 hierarchy (or the graph name).
+
+Buffers (rotary `inv_freq`) are left out: those `moeplan export-onnx` lists in `moeplan.buffers`,
+else those the data flow shows to be buffers and anonymous embedding/head weights named by their
+role, both read from the data flow (`onnx_roles.py`).
 
 Known limits: an optimizer that merges identical initializers (two untrained norms) makes one
 weight look like two modules' and loses the other's count; `moeplan export-onnx` does not run it.
@@ -33,6 +37,7 @@ from pathlib import Path
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.importers.onnx_gating import GraphIndex, find_gates, node_module_path
+from moeplan.planner.importers.onnx_roles import anonymous_roles, meets_values, value_tensors
 from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.planner.ir import ModelIR
 
@@ -50,6 +55,7 @@ QMOE_INPUTS = (None, None, "fc1_experts_weights", "fc1_scales", "fc1_experts_bia
                "fc3_zero_points")
 NAME_KEY = "moeplan.name"
 ARCHITECTURE_KEY = "moeplan.architecture"
+BUFFERS_KEY = "moeplan.buffers"
 HIERARCHY_KEY = "pkg.torch.onnx.class_hierarchy"
 FX_NODE_KEY = "pkg.torch.onnx.fx_node"
 
@@ -170,6 +176,9 @@ def graph_params(model, gates, overrides=None) -> tuple:
     """
     index = GraphIndex(model.graph)
     overrides = overrides or {}
+    values = value_tensors(model, index)
+    buffers = _declared_buffers(model)
+    roles = anonymous_roles(model, index)
     renamed = {}
     for number, gate in enumerate(g for g in gates if g.kind == "contrib"):
         renamed.update(_contrib_params(index, gate, _contrib_stage_name(gate, number)))
@@ -186,6 +195,10 @@ def graph_params(model, gates, overrides=None) -> tuple:
                 numel *= d
             if tensor.data_type not in FLOAT_TYPES:
                 continue
+            if buffers is not None and tensor.name in buffers:
+                continue
+            if buffers is None and tensor.name not in overrides and not meets_values(index, tensor.name, values):
+                continue  # a buffer (rotary inv_freq): it never meets the tokens' values
             if tensor.name in overrides:
                 name = overrides[tensor.name]
             elif FQN.match(tensor.name):
@@ -196,6 +209,8 @@ def graph_params(model, gates, overrides=None) -> tuple:
                 module, leaf = _user_module(index, tensor.name)
                 if module:
                     name = f"{module}.{leaf or ('weight' if len(shape) >= 2 else 'bias')}"
+                elif tensor.name in roles:
+                    name = roles[tensor.name]
                 else:
                     name = _sanitize(tensor.name) or "param"
             if tensor.name not in overrides:
@@ -206,16 +221,69 @@ def graph_params(model, gates, overrides=None) -> tuple:
         taken.add(param.name)
         names[tensor.name] = param.name
         params.append(param)
-    if any(names[t] != t for t in names):
-        params = _in_use_order(index, params, names)
+    params = _in_use_order(index, params, names)
+    params, names = _untie(index, params, names)
     return params, names
+
+
+def _untie(index: GraphIndex, params: list, names: dict) -> tuple:
+    """Split a weight the exporter stored once for two modules (a head tied to the embedding).
+
+    torch.onnx keeps one initializer per tensor and names it after one of its modules (often
+    the head). Where the nodes using it belong to two module paths, the first user (in graph
+    order: the embedding lookup) owns it and the other gets an alias, as `named_parameters`
+    with its duplicates would list them; the alias goes last, where a head runs.
+    """
+    by_name = {p.name: p for p in params}
+    aliases = []
+    renames = {}
+    for tensor_name, param_name in list(names.items()):
+        users = []
+        for node in sorted(index.consumers.get(tensor_name, ()), key=lambda n: index.position[id(n)]):
+            module = node_module_path(node)
+            if module and module not in users:
+                users.append(module)
+        leaf = param_name.rpartition(".")[2]
+        if len(users) != 2 or not param_name.startswith(users[1] + "."):
+            continue
+        a, b = users
+        if a.startswith(b + ".") or b.startswith(a + "."):  # one module and its own submodule
+            continue
+        owner = f"{users[0]}.{leaf}"
+        if owner in by_name:
+            continue
+        renames[param_name] = owner
+        param = by_name[param_name]
+        aliases.append(Param(param_name, param.shape, param.dtype, tied_to=owner))
+        names[tensor_name] = owner
+    if not renames:
+        return params, names
+    from dataclasses import replace
+
+    params = [replace(p, name=renames[p.name]) if p.name in renames else p for p in params]
+    return params + aliases, names
+
+
+def _declared_buffers(model):
+    """Initializers the exporter declared to be buffers (`moeplan.buffers`), or None when the file
+    declares none (another exporter): then the data-flow rule of `onnx_roles.py` finds them."""
+    import json
+
+    for prop in model.metadata_props:
+        if prop.key == BUFFERS_KEY:
+            try:
+                return frozenset(json.loads(prop.value))
+            except ValueError:
+                break
+    return None
 
 
 def _in_use_order(index: GraphIndex, params: list, names: dict) -> list:
     """Params ordered by their first use in the graph (initializer order breaks ties).
 
-    Used when some weights were renamed: optimizers append the tensors they create (a transposed
-    weight) to the end of the initializer list, so that list no longer follows the model.
+    The graph runs in forward order, while initializers follow registration order (Hugging Face
+    decoder layers register their norms last but run them first) or, after an optimizer, put the
+    tensors it creates at the end; first use is the order the torch importer reads from the code.
     """
     first_use = {}
     for tensor_name, param_name in names.items():
@@ -242,10 +310,15 @@ def _model_names(model, path: Path) -> tuple:
     return name, architecture or model.graph.name or "onnx"
 
 
+def _routed_groups(groups) -> list:
+    """Every group with a router: MoE layers and the attention experts inside attention stages."""
+    return [g for g in groups if g.is_moe] + [inner for g in groups for inner in g.attention_experts]
+
+
 def _owner(groups, names: dict, gate):
-    """The MoE stage group whose router holds the gate's router weight, else None."""
+    """The routed group (MoE layer or attention experts) whose router holds the gate's weight."""
     router_param = names.get(gate.router_weight or "", "")
-    return next((g for g in groups if g.is_moe and router_param.startswith(g.router + ".")), None)
+    return next((g for g in _routed_groups(groups) if router_param.startswith(g.router + ".")), None)
 
 
 def _structural_names(model, gates, unowned, names: dict, params) -> dict:
@@ -275,6 +348,13 @@ def import_onnx(path) -> ModelIR:
     model = load_onnx_model(path)
     gates = find_gates(model)
     if not gates:
+        by_weights = [g.name for g in classify_parameter_groups(graph_params(model, [])[0]) if g.is_moe]
+        if by_weights:
+            raise UserError(
+                f"{path}: {len(by_weights)} MoE layers by their weights ({by_weights[0]}, ...) but no gate the "
+                "importer knows (router MatMul -> Softmax/Sigmoid -> TopK, or com.microsoft MoE): this "
+                "model routes another way (PhiMoE's sparsemixer does); import the torch model instead"
+            )
         raise UserError(
             f"no MoE gating pattern (MatMul->Softmax->TopK or com.microsoft MoE) found in {path}: "
             "moeplan plans MoE models only"
@@ -286,7 +366,7 @@ def import_onnx(path) -> ModelIR:
         overrides = _structural_names(model, gates, unowned, names, params)
         params, names = graph_params(model, gates, overrides)
         groups = classify_parameter_groups(params)
-    moe_groups = [g for g in groups if g.is_moe]
+    moe_groups = _routed_groups(groups)
     top_k, sources = {}, {}
     for gate in gates:
         owner = _owner(groups, names, gate)

@@ -17,7 +17,15 @@ registration order; a torch.onnx export keeps it in its initializer list):
      among the experts' dimensions; any other holds at most E elements (a bias, a score
      correction).
    Ties prefer an expert container whose name says `expert` but not `shared`, and a router named
-   `gate`/`router`. Everything else under P (shared experts, their gates) is the shared part.
+   `gate`/`router`. Sibling containers with the same E and router hold slices of the same experts
+   (JetMoE's `input_linear` and `output_linear`) and count as routed experts together. Failing
+   both forms, a container named `expert*` of 2-D weights [E x F, D] beside a router [E, D] holds
+   *flattened* experts (DBRX's `experts.mlp.w1/v1/w2`). Everything else under P (shared experts,
+   their gates, an output bias) is the shared part; shared experts are counted from its weight
+   matrices only.
+   An MoE block inside an attention module (a mixture of attention heads, JetMoE's MoA) is no MoE
+   layer: it stays in its attention stage, which records the heads a token does not use
+   (`inactive_params`: (E - k) x one head's parameters).
 2. **Dense stages, by name.** The remaining parameters are classified by the outermost component
    of their path that names a kind, checked per component in this order:
    norm (`norm`, `ln_*`), embedding (`embed`, `wte`, `wpe`), head (`lm_head`, `head`, `output`,
@@ -29,14 +37,16 @@ registration order; a torch.onnx export keeps it in its initializer list):
    registration order is their forward order (TinyMoE) the two agree, and an ONNX importer gets
    the same order from initializers listed in registration order or by first use in the graph.
 
-Figures (`build_model_ir`): params and bytes from shapes x dtype sizes, tied aliases counted once
+Figures (`build_model_ir`): params and bytes from shapes x dtype sizes (or a quantized weight's
+stored bits, `Param.bits`), tied aliases counted once
 (under the parameter they alias) but still charged FLOPs where they are used (a tied head
 multiplies through the embedding matrix); a stage's dtype is the dtype holding most of its
 elements; FLOPs and activation bytes follow `planner/costs.py`. An MoE stage's expert figures are
 one routed expert's (container / E); its shared-expert count is the number of modules in a shared
 list, else the shared parameters divided by one expert's (rounded; DeepSeek's fused shared MLP of
 width n x I counts n), at least 1. Hidden size = the first embedding's width (else the first
-router's D); vocabulary = the head's rows (else the first embedding's).
+router's D); vocabulary = the head's rows (else the first embedding's). A layer whose top-k
+exceeds its experts is a UserError.
 """
 from __future__ import annotations
 
@@ -50,17 +60,23 @@ from moeplan.planner.costs import (
     dense_flops_per_token,
     moe_flops_per_token,
 )
+from moeplan.planner.errors import UserError
 from moeplan.planner.ir import DenseStage, ModelIR, MoEStage, dtype_bytes
 
 
 @dataclass(frozen=True)
 class Param:
-    """One named parameter. `tied_to` names the parameter it aliases (then it owns no storage)."""
+    """One named parameter. `tied_to` names the parameter it aliases (then it owns no storage).
+
+    `bits` is the stored size per element when the checkpoint stores it other than as `dtype`
+    (quantized weights, scales included; `quantization.py`); 0 means `dtype`'s size.
+    """
 
     name: str
     shape: tuple
     dtype: str = "float32"
     tied_to: str = ""
+    bits: float = 0.0
 
     @property
     def numel(self) -> int:
@@ -75,7 +91,8 @@ class Param:
 
     @property
     def owned_bytes(self) -> float:
-        return self.owned_numel * dtype_bytes(self.dtype)
+        per_element = self.bits / 8 if self.bits else dtype_bytes(self.dtype)
+        return self.owned_numel * per_element
 
 
 @dataclass(frozen=True)
@@ -89,6 +106,8 @@ class StageGroup:
     experts: str = ""  # MoE only: module path of the routed-expert container
     num_experts: int = 0
     shared_list_len: int = 0  # MoE only: modules in a shared-expert list, 0 if none is a list
+    more_experts: tuple = ()  # MoE only: further sibling containers of the same experts (JetMoE)
+    attention_experts: tuple = ()  # attention only: the routed head groups inside it (MoE groups)
 
     @property
     def is_moe(self) -> bool:
@@ -97,6 +116,10 @@ class StageGroup:
     def part(self, path: str) -> tuple:
         prefix = path + "."
         return tuple(p for p in self.params if p.name.startswith(prefix))
+
+    def expert_part(self) -> tuple:
+        """The routed experts' parameters, over every container that holds a slice of them."""
+        return tuple(p for path in (self.experts, *self.more_experts) for p in self.part(path))
 
 
 _DENSE_KIND_RULES = (
@@ -150,6 +173,33 @@ def _fused_experts(entries) -> int:
     return leading.pop() if len(leading) == 1 and shapes[0][0] >= 2 else 0
 
 
+def _flattened_experts(child: str, entries, num_experts: int, hidden: int) -> bool:
+    """Experts flattened into 2-D weights [E x F, D] (DBRX's `experts.mlp.w1/v1/w2`).
+
+    Strict, because 2-D weights are everywhere: the container's name says `expert`, it holds at
+    least two weights, every one 2-D with rows a multiple (>= 2) of the router's E and the
+    router's hidden size D as columns.
+    """
+    if "expert" not in child.lower() or "shared" in child.lower() or num_experts < 2 or len(entries) < 2:
+        return False
+    return all(
+        len(p.shape) == 2 and p.shape[1] == hidden and p.shape[0] % num_experts == 0
+        and p.shape[0] >= 2 * num_experts
+        for _, p in entries
+    )
+
+
+def _router_shape(entries) -> Optional[tuple]:
+    """(E, D) of a child that is one 2-D weight [E, D] plus at most E-element tensors, else None."""
+    weights = [p for _, p in entries if len(p.shape) == 2]
+    if len(weights) != 1 or weights[0].shape[0] < 2:
+        return None
+    rows = weights[0].shape[0]
+    if any(p is not weights[0] and p.numel > rows for _, p in entries):
+        return None
+    return weights[0].shape
+
+
 def _is_router(entries, num_experts: int, expert_dims: set) -> bool:
     """A weight [E, D] with D an expert dimension; anything else at most E elements (biases)."""
     weights = [p for _, p in entries if len(p.shape) == 2 and p.shape[0] == num_experts and p.shape[1] in expert_dims]
@@ -182,11 +232,22 @@ def _match_moe(prefix: str, params: Sequence[Param]) -> Optional[StageGroup]:
         if routers:
             matches[child] = (count, _prefer(routers, ("gate", "router")))
     if not matches:
+        for router, entries in children.items():
+            shape = _router_shape(entries)
+            if shape is None:
+                continue
+            for child, expert_entries in children.items():
+                if child != router and _flattened_experts(child, expert_entries, shape[0], shape[1]):
+                    matches[child] = (shape[0], router)
+    if not matches:
         return None
     experts = _prefer(list(matches), ("expert",), ("shared",))
     count, router = matches[experts]
+    more = tuple(
+        c for c, (n, r) in matches.items() if c != experts and n == count and r == router and "shared" not in c.lower()
+    )
     shared_lists = [
-        _listed_experts(entries) for child, entries in children.items() if child not in (experts, router)
+        _listed_experts(entries) for child, entries in children.items() if child not in (experts, router, *more)
     ]
     join = (lambda c: f"{prefix}.{c}") if prefix else (lambda c: c)
     return StageGroup(
@@ -197,6 +258,7 @@ def _match_moe(prefix: str, params: Sequence[Param]) -> Optional[StageGroup]:
         experts=join(experts),
         num_experts=count,
         shared_list_len=sum(shared_lists),
+        more_experts=tuple(join(c) for c in more),
     )
 
 
@@ -245,6 +307,14 @@ def classify_parameter_groups(params: Iterable) -> list:
             if group is not None:
                 moe_groups[prefix] = group
 
+    # Routed experts inside an attention module are a mixture of attention heads (JetMoE's MoA):
+    # they stay part of their attention stage, which records them to count only the k used.
+    in_attention: dict = {}
+    for prefix in list(moe_groups):
+        path, kind = _dense_stage_of(prefix + ".x")
+        if kind == "attention" and path != prefix:
+            in_attention.setdefault(path, []).append(moe_groups.pop(prefix))
+
     order: dict = {}
     dense: dict = {}
     for p in params:
@@ -261,7 +331,9 @@ def classify_parameter_groups(params: Iterable) -> list:
         if kind == "moe":
             groups.append(moe_groups[path])
         else:
-            groups.append(StageGroup(name=path, kind=kind, params=tuple(dense[(kind, path)])))
+            routed = tuple(in_attention.get(path, ())) if kind == "attention" else ()
+            groups.append(StageGroup(name=path, kind=kind, params=tuple(dense[(kind, path)]),
+                                     attention_experts=routed))
     return groups
 
 
@@ -289,12 +361,25 @@ def _first_2d(groups, kind: str):
     return None
 
 
-def _shared_count(group: StageGroup, shared_params: int, expert_params: int) -> int:
-    if shared_params == 0:
+def _shared_count(group: StageGroup, shared: Sequence[Param], expert_params: int) -> int:
+    """Shared experts: the modules of a shared list, else shared weight matrices / one expert."""
+    shared_params = sum(p.owned_numel for p in shared if len(p.shape) >= 2)
+    if shared_params == 0:  # an output bias alone (JetMoE) is no shared expert
         return 0
     if group.shared_list_len:
         return group.shared_list_len
     return max(1, round(shared_params / expert_params)) if expert_params else 1
+
+
+def _checked_top_k(group: StageGroup, top_k: Mapping[str, int]) -> int:
+    """The layer's k; more experts per token than the layer has is a config mistake."""
+    k = int(top_k[group.name])
+    if k > group.num_experts:
+        raise UserError(
+            f"MoE layer {group.name!r} picks {k} experts per token but has only {group.num_experts}; "
+            "fix the config's experts-per-token (num_experts_per_tok / top_k) or its number of experts"
+        )
+    return k
 
 
 def build_model_ir(
@@ -307,6 +392,7 @@ def build_model_ir(
     vocab_size: Optional[int] = None,
     source_format: str = "",
     sources: Optional[Mapping[str, str]] = None,
+    quantization: str = "",
 ) -> ModelIR:
     """Compute every stage's figures from its parameters. `top_k` maps MoE stage name -> k."""
     sources = sources or {}
@@ -326,7 +412,11 @@ def build_model_ir(
         source = sources.get(g.name, g.name)
         if not g.is_moe:
             params = _owned(g.params)
-            used = sum(p.numel for p in g.params)
+            inactive = 0
+            for inner in g.attention_experts:
+                k = _checked_top_k(inner, top_k)
+                inactive += (inner.num_experts - k) * (_owned(inner.expert_part()) // inner.num_experts)
+            used = sum(p.numel for p in g.params) - inactive
             stages.append(DenseStage(
                 name=g.name,
                 kind=g.kind,
@@ -336,16 +426,19 @@ def build_model_ir(
                 activation_bytes_per_token=activation_bytes_per_token(g.kind, hidden_size, vocab_size, dtype),
                 dtype=dtype,
                 source=source,
+                inactive_params=inactive,
             ))
             continue
         router = g.part(g.router)
-        experts = g.part(g.experts)
+        experts = g.expert_part()
         params = _owned(g.params)
         router_params = _owned(router)
         expert_total = _owned(experts)
         expert_params = expert_total // g.num_experts
         shared_params = params - router_params - expert_total
-        k = int(top_k[g.name])
+        expert_names = {p.name for p in experts} | {p.name for p in router}
+        shared = [p for p in g.params if p.name not in expert_names]
+        k = _checked_top_k(g, top_k)
         stage_hidden = next(p.shape[1] for p in router if len(p.shape) == 2)
         stages.append(MoEStage(
             name=g.name,
@@ -362,7 +455,7 @@ def build_model_ir(
             expert_param_bytes=_bytes(experts) // g.num_experts,
             expert_flops_per_token=2 * expert_params,
             router_params=router_params,
-            shared_experts=_shared_count(g, shared_params, expert_params),
+            shared_experts=_shared_count(g, shared, expert_params),
             shared_expert_params=shared_params,
             source=source,
         ))
@@ -375,4 +468,5 @@ def build_model_ir(
         dtype=_main_dtype([p for p in all_params if not p.tied_to] or all_params),
         stages=tuple(stages),
         source_format=source_format,
+        quantization=quantization,
     )

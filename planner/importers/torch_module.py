@@ -60,8 +60,13 @@ def import_module(
     name: Optional[str] = None,
     config: Any = None,
     source_format: str = "torch",
+    storage=None,
 ) -> ModelIR:
-    """The IR of `module`; raises UserError if it has no MoE layer or its top-k is unknowable."""
+    """The IR of `module`; raises UserError if it has no MoE layer or its top-k is unknowable.
+
+    `storage` (a `quantization.Quantization` or `Float8Storage`) gives weights the size the checkpoint stores
+    them at, when that differs from the module's dtype.
+    """
     architecture = type(module).__name__
     name = name or architecture
     groups = classify_parameter_groups(module_params(module))
@@ -70,7 +75,12 @@ def import_module(
     moe = [g for g in groups if g.is_moe]
     if not moe:
         raise UserError(f"model {name} has no Mixture-of-Experts layer; moeplan plans MoE models only")
-    top_k = {g.name: find_top_k(module, g.name, g.router, config) for g in moe}
+    routed = moe + [inner for g in groups for inner in g.attention_experts]
+    top_k = {g.name: find_top_k(module, g.name, g.router, config) for g in routed}
+    label = ""
+    if storage is not None:
+        groups, label = storage.apply(groups), storage.label()
     return build_model_ir(
-        groups, name=name, architecture=architecture, top_k=top_k, source_format=source_format
+        groups, name=name, architecture=architecture, top_k=top_k, source_format=source_format,
+        quantization=label,
     )
