@@ -21,6 +21,7 @@ plan.json body (serverless version 1):
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from moeplan.planner.errors import UserError
@@ -248,9 +249,11 @@ def read_plan(path) -> tuple:
     return plan, facts, layers, batch_tokens
 
 
-def _first_non_number(value, where: str):
-    """The path of the first leaf of `value` that is not a finite number >= 0 (None if all are)."""
-    if isinstance(value, dict):
+def _first_non_number(value, where: str, dicts_at=("facts", "facts.layers[]")):
+    """The path of the first leaf of `value` that is not a finite number >= 0 (None if all are);
+    dicts are allowed only where ServerlessFacts has them (the root and each of its layers)."""
+    shape = re.sub(r"\[\d+\]", "[]", where)
+    if isinstance(value, dict) and shape in dicts_at:
         return next((bad for k, v in value.items() if (bad := _first_non_number(v, f"{where}.{k}"))), None)
     if isinstance(value, list):
         return next((bad for i, v in enumerate(value) if (bad := _first_non_number(v, f"{where}[{i}]"))), None)
