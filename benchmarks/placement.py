@@ -18,6 +18,16 @@ max load). `ilp` with replicas uses --balance 0.1 over the mean; planted-8gpu ad
 EPLB's max load with the same slots (the issue's "better balance than eplb with the same slots").
 
     python benchmarks/placement.py [--cases planted-8gpu deepseek-v3] [--effort 1] [--time-limit 300] [--json]
+    python benchmarks/placement.py --corpus [--corpus-cases mixtral deepseek] [--policies eplb ilp] [--json]
+
+--corpus runs the corpus of `benchmarks/placement_corpus.py` instead (briefly trained HF Mixtral,
+Qwen3-MoE and OLMoE models, the latent-drift generator, two DeepSeek-V3-shaped traces), each planned
+on the first half of its sequences and scored on the rest. Rows: contiguous, eplb, eplb+R,
+`exflow (no cap)` (ExFlow's staged objective with no load cap and no replicas, as in the paper),
+`chain` / `chain+R` (the layer-chain MILP, `placement/layer_chain.py`), ilp, ilp+R at 1.1 x mean,
+and ilp+R at EPLB+R's max load per layer. A row whose 1.1 x mean cap is infeasible is rerun at
+EPLB's max load + 5% (chain and ilp alike) and labelled so. DeepSeek-shaped cases skip the chain
+(18k binaries per layer MIP) and the rows without replicas; they add ilp+R at 1.05 x mean.
 
 ilp work is set by --effort (deterministic); --time-limit is only a safety net, and a row it cut
 short has stopped_by "time_limit" (not reproducible).
@@ -124,16 +134,119 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort
     return rows
 
 
+def chain_placement(trace, topology, redundant: int, balance: float, balance_base: str, effort: float = 1.0):
+    """The layer-chain MILP baseline (`placement/layer_chain.py`) under the ilp's cap for the same options."""
+    from moeplan.passes.analysis.affinity import transition_counts
+    from moeplan.passes.optimize.placement.budget import WorkBudget
+    from moeplan.passes.optimize.placement.eplb import replica_counts
+    from moeplan.passes.optimize.placement.ilp import check_caps, layer_caps
+    from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
+
+    loads = trace.expert_loads().astype(np.float64)
+    L, E = loads.shape
+    D = topology.devices
+    slots = (E + redundant) // D
+    replicas = np.stack([replica_counts(loads[l], E + redundant, D) for l in range(L)])
+    caps = layer_caps(loads, replicas, D, slots, balance, balance_base)
+    check_caps(loads, replicas, caps, D, slots, balance)
+    return layer_chain_placement(transition_counts(trace, "current"), loads, topology.gpus_per_node, D, redundant, caps,
+                                 WorkBudget(effort))
+
+
+def corpus_runs(case) -> list:
+    """(label, kind, options) per row of a corpus case: baselines, then ilp at the same caps."""
+    R = case.redundant
+    groups = case.expert_groups
+    if case.deepseek_shaped:  # the chain's layer MIP (18k binaries) and the no-replica rows cost minutes here
+        return [
+            ("contiguous", "policy", dict(policy="contiguous")),
+            ("eplb", "policy", dict(policy="eplb", expert_groups=groups)),
+            (f"eplb+{R}", "policy", dict(policy="eplb", redundant=R, expert_groups=groups)),
+            (f"ilp+{R}", "policy", dict(policy="ilp", redundant=R, balance=0.1)),
+            (f"ilp+{R} (balance 0.05)", "policy", dict(policy="ilp", redundant=R, balance=0.05)),
+        ]
+    return [
+        ("contiguous", "policy", dict(policy="contiguous")),
+        ("eplb", "policy", dict(policy="eplb", expert_groups=groups)),
+        (f"eplb+{R}", "policy", dict(policy="eplb", redundant=R, expert_groups=groups)),
+        ("exflow (no cap)", "policy", dict(policy="ilp", balance=1e6)),
+        ("chain", "chain", dict(balance=0.1)),
+        (f"chain+{R}", "chain", dict(redundant=R, balance=0.1)),
+        ("ilp", "policy", dict(policy="ilp", balance=0.1)),
+        (f"ilp+{R}", "policy", dict(policy="ilp", redundant=R, balance=0.1)),
+        (f"ilp+{R} (eplb-base 0)", "policy", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb")),
+    ]
+
+
+def run_corpus_case(case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0, only=None) -> list:
+    """Every row of `corpus_runs` on one corpus case: planned on `plan_trace`, scored on `score_trace`.
+
+    A row whose default cap (1.1 x mean) is infeasible (a hot expert alone exceeds it) is rerun
+    at EPLB's max load + 5% per layer, for chain and ilp alike, and labelled so."""
+    from moeplan.passes.optimize.placement.decision import Placement, Topology
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
+    from moeplan.planner.errors import UserError
+
+    topology = Topology(case.nodes, case.gpus_per_node)
+    rows = []
+    for label, kind, options in corpus_runs(case):
+        if only and not any(label.startswith(o) for o in only):
+            continue
+        attempts = [(label, options)]
+        if options.get("balance") == 0.1:
+            attempts.append((label + " (eplb-base 0.05)", {**options, "balance": 0.05, "balance_base": "eplb"}))
+        for attempt_label, attempt in attempts:
+            start = time.perf_counter()
+            cpu_start = time.process_time()
+            try:
+                if kind == "chain":
+                    hosts = chain_placement(plan_trace, topology, attempt.get("redundant", 0), attempt["balance"],
+                                            attempt.get("balance_base", "mean"), effort)
+                    placement = Placement.from_hosts("chain", topology, hosts, {})
+                else:
+                    placement = plan_placement(plan_trace, PlacementRequest(topology, time_limit=time_limit, effort=effort,
+                                                                            **attempt))
+            except UserError as exc:
+                log(f"  {case.name} {attempt_label}: {exc}")
+                continue
+            break
+        else:
+            continue
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        metrics = evaluate_placement(placement, score_trace)
+        row = {
+            "case": case.name, "policy": attempt_label, "cpu_seconds": cpu_seconds,
+            "plan_max_over_mean_load": evaluate_placement(placement, plan_trace)["max_over_mean_load"],
+            "gpu_local_fraction": metrics["gpu_local_fraction"],
+            "node_local_fraction": metrics["node_local_fraction"],
+            "max_over_mean_load": metrics["max_over_mean_load"],
+            "solve_seconds": placement.metrics.get("solve_seconds", seconds),
+            "gap": placement.metrics.get("gap"),
+            "stopped_by": placement.metrics.get("stopped_by"),
+        }
+        rows.append(row)
+        log(f"  {case.name:22s} {attempt_label:30s} gpu-local {row['gpu_local_fraction']:.4f}  node-local "
+            f"{row['node_local_fraction']:.4f}  max/mean {row['max_over_mean_load']:.4f}  {row['solve_seconds']:.1f}s"
+            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else "")
+            + (f"  stopped_by {row['stopped_by']}" if row["stopped_by"] else "")
+            + f"  (planning half max/mean {row['plan_max_over_mean_load']:.4f}, cpu {cpu_seconds:.1f}s)")
+    return rows
+
+
 def print_table(rows: list) -> None:
     base = {r["case"]: r["gpu_local_fraction"] for r in rows if r["policy"] == "contiguous"}
-    header = f"{'case':14s} {'policy':22s} {'gpu-local':>9s} {'x contig':>8s} {'node-local':>10s} {'max/mean':>8s} {'seconds':>8s} {'gap':>6s}"
+    header = (f"{'case':22s} {'policy':30s} {'gpu-local':>9s} {'x contig':>8s} {'node-local':>10s} {'max/mean':>8s} "
+              f"{'plan m/m':>8s} {'seconds':>8s} {'gap':>6s} {'stopped_by':>10s}")
     print(header)
     print("-" * len(header))
     for r in rows:
         ratio = r["gpu_local_fraction"] / base[r["case"]] if base.get(r["case"]) else float("nan")
         gap = f"{r['gap']:.3f}" if r["gap"] is not None else "-"
-        print(f"{r['case']:14s} {r['policy']:22s} {r['gpu_local_fraction']:9.4f} {ratio:8.2f} "
-              f"{r['node_local_fraction']:10.4f} {r['max_over_mean_load']:8.4f} {r['solve_seconds']:8.1f} {gap:>6s}")
+        print(f"{r['case']:22s} {r['policy']:30s} {r['gpu_local_fraction']:9.4f} {ratio:8.2f} "
+              f"{r['node_local_fraction']:10.4f} {r['max_over_mean_load']:8.4f} "
+              f"{r.get('plan_max_over_mean_load', r['max_over_mean_load']):8.4f} {r['solve_seconds']:8.1f} {gap:>6s} "
+              f"{r.get('stopped_by') or '-':>10s}")
 
 
 def main(argv=None) -> int:
@@ -143,6 +256,11 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=300.0, help="ilp safety-net time limit per run (seconds)")
     parser.add_argument("--effort", type=float, default=1.0, help="ilp work multiplier (deterministic)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--corpus", action="store_true",
+                        help="run the corpus of benchmarks/placement_corpus.py (trained HF models, the drift generator, "
+                             "DeepSeek-V3 shapes) instead of --cases, planned on half of each trace, scored on the other")
+    parser.add_argument("--corpus-cases", nargs="*", default=None, help="corpus cases whose name contains one of these")
+    parser.add_argument("--policies", nargs="*", default=None, help="corpus rows whose label starts with one of these")
     args = parser.parse_args(argv)
 
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
@@ -152,7 +270,16 @@ def main(argv=None) -> int:
         print(message, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     rows = []
-    for name in args.cases:
+    if args.corpus:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from placement_corpus import CORPUS, load_case_trace
+
+        for case in CORPUS:
+            if args.corpus_cases and not any(c in case.name for c in args.corpus_cases):
+                continue
+            plan_trace, score_trace = split_by_sequence(load_case_trace(case, log))
+            rows += run_corpus_case(case, plan_trace, score_trace, args.time_limit, log, args.effort, args.policies)
+    for name in ([] if args.corpus else args.cases):
         if name == "example":
             if not args.example_trace.is_file():
                 log(f"note: skipping the example case: {args.example_trace} is missing (record it with "

@@ -129,3 +129,24 @@ def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
                 predicted={}, shards=[shard_name(r) for r in range(topo["nodes"] * topo["gpus_per_node"])])
     write_bundle(out, plan, state, files)
     return out
+
+
+def single_rank_engine(model, fresh_model, kind: str, mode: str, top_k: int, max_positions: int = 64):
+    """A world-of-one Engine over `fresh_model` (a second instance of `model`'s class) holding every
+    expert, with `model`'s weights cut as a bundle cuts them."""
+    from moeplan.backends.runtime.counters import Counters
+    from moeplan.backends.runtime.engine import Engine
+    from moeplan.backends.runtime.exchange import Exchanger
+    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.backends.runtime.library_model import RankModel, decoder_layers
+    from moeplan.backends.runtime.moe_adapter import find_containers, split_expert_state
+
+    containers = find_containers(*reversed(decoder_layers(model)))
+    weights = split_expert_state({k: v.detach() for k, v in model.state_dict().items()}, containers)
+    experts = containers[0].num_experts
+    table = ExpertTable.from_placement(contiguous_placement(len(containers), experts, 1, 1))
+    rank_model = RankModel(fresh_model, kind, None, {c.moe: list(range(experts)) for c in containers}, weights,
+                           max_positions)
+    counters = Counters(rank_model.num_layers)
+    return Engine(rank_model, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode,
+                  torch.device("cpu"), top_k)

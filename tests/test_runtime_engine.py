@@ -7,11 +7,10 @@ torchrun in test_runtime_torchrun.py.
 import torch
 
 from moeplan.backends.runtime.counters import Counters, sum_counters
-from moeplan.backends.runtime.engine import Engine
-from moeplan.backends.runtime.exchange import Exchanger, pack, unpack
+from moeplan.backends.runtime.exchange import pack, unpack
 from moeplan.backends.runtime.expert_table import ExpertTable
-from moeplan.backends.runtime.tiny_moe import TinyMoEArch, encode, is_expert_tensor
-from runtime_fixtures import PROMPTS, contiguous_placement, load_small, small_model_dir
+from moeplan.backends.runtime.tiny_moe import encode, is_expert_tensor
+from runtime_fixtures import PROMPTS, load_small, single_rank_engine, small_model_dir
 
 
 def _table(devices_per_layer, nodes=1, gpus=None):
@@ -55,12 +54,8 @@ def test_expert_tensor_names_are_recognised():
 
 
 def _single_rank_run(model, mode, new_tokens=4):
-    cfg = model.config.to_dict()
-    weights = {k: v.detach() for k, v in model.state_dict().items()}
-    arch = TinyMoEArch(cfg, weights)
-    table = ExpertTable.from_placement(contiguous_placement(cfg["num_layers"], cfg["num_experts"], 1, 1))
-    counters = Counters(arch.num_layers)
-    engine = Engine(arch, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode, torch.device("cpu"))
+    fresh = type(model)(model.config).eval()  # TinyMoE's own module, as a bundle builds it
+    engine = single_rank_engine(model, fresh, "tiny_moe", mode, model.config.top_k, model.config.max_positions)
     prompts = [encode(p) for p in PROMPTS]
     out = engine.generate(prompts, new_tokens)
     return prompts, out, engine

@@ -1,19 +1,16 @@
 """Hugging Face Mixtral and Qwen2-MoE (tiny, random weights, built from config) under the runtime.
 
-The runtime's HF adapter must reproduce transformers' own forward pass (RoPE, grouped-query
-attention, router, fused experts split per expert, Qwen2-MoE's gated shared expert and dense
-blocks): in one process through the engine, and through a 2-rank torchrun run of each.
+The runtime runs transformers' own modules and replaces only the routed experts: in one process
+through the engine (both modes) the logits and greedy tokens must be transformers' own, and a
+2-rank torchrun run of each bundle verifies in both modes with the predicted locality.
 """
 import pytest
 import torch
 
-from moeplan.backends.runtime.counters import Counters
-from moeplan.backends.runtime.engine import Engine
-from moeplan.backends.runtime.exchange import Exchanger
-from moeplan.backends.runtime.expert_table import ExpertTable
-from moeplan.backends.runtime.hf_moe import HFMoEArch, fuse_experts, moe_blocks, split_experts
-from moeplan.planner.pipeline.run import run_bundle
-from runtime_fixtures import contiguous_placement, hf_model_dir, write_hf_bundle
+from moeplan.backends.runtime.library_model import build_transformers, decoder_layers
+from moeplan.backends.runtime.moe_adapter import find_containers, join_expert_state, split_expert_state
+from moeplan.planner.pipeline.run import run_modes
+from runtime_fixtures import contiguous_placement, hf_model_dir, single_rank_engine, write_hf_bundle
 
 PROMPTS = [[5, 9, 11, 3, 40, 2], [7, 7, 1], [60, 12, 33, 33, 8]]
 
@@ -22,17 +19,15 @@ PROMPTS = [[5, 9, 11, 3, 40, 2], [7, 7, 1], [60, 12, 33, 33, 8]]
 def test_hf_model_through_the_engine_matches_transformers(tmp_path, kind):
     torch.set_num_threads(1)
     directory, model = hf_model_dir(tmp_path, kind)
-    config = model.config.to_dict()
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    assert fuse_experts(split_experts(state)).keys() == state.keys()
-    arch = HFMoEArch(config, split_experts(state))
-    moe_layers = len(moe_blocks(config))
-    assert moe_layers == (2 if kind == "qwen2_moe" else 3)
+    containers = find_containers(*reversed(decoder_layers(model)))
+    assert [c.layer for c in containers] == ([0, 2] if kind == "qwen2_moe" else [0, 1, 2])
+    split = split_expert_state(state, containers)
+    assert all(t.shape[0] != 8 or "experts" not in k for k, t in split.items() if k.endswith(("gate_up_proj", "down_proj")))
+    joined = join_expert_state(split, containers)
+    assert joined.keys() == state.keys() and all(torch.equal(joined[k], state[k]) for k in state)
     for mode in ("coherent", "standard"):
-        table = ExpertTable.from_placement(contiguous_placement(moe_layers, 8, 1, 1))
-        counters = Counters(arch.num_layers)
-        engine = Engine(arch, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode,
-                        torch.device("cpu"))
+        engine = single_rank_engine(model, build_transformers(directory), "transformers", mode, 2)
         out = engine.generate(PROMPTS, 3)
         keys, logits = engine.logits()
         by_key = {int(k): i for i, k in enumerate(keys.tolist())}
@@ -52,10 +47,14 @@ def test_hf_model_through_the_engine_matches_transformers(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_hf_bundle_two_ranks_verifies(tmp_path, kind):
     directory, model = hf_model_dir(tmp_path, kind)
-    moe_layers = len(moe_blocks(model.config.to_dict()))
-    bundle = write_hf_bundle(tmp_path / "bundle", directory, model, contiguous_placement(moe_layers, 8, 1, 2))
+    layers = len(find_containers(*reversed(decoder_layers(model))))
+    bundle = write_hf_bundle(tmp_path / "bundle", directory, model, contiguous_placement(layers, 8, 1, 2))
+    assert "transformers==" in (bundle / "requirements.txt").read_text()
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(" ".join(map(str, p)) for p in PROMPTS) + "\n")
-    report = run_bundle(str(bundle), 2, str(prompts), 3, "coherent", True, None, 240)
-    assert report["verified"], report
-    assert report["gpu_local_fraction"] == pytest.approx(report["predicted_gpu_local_fraction"], abs=1e-12)
+    prompts.write_text("\n".join("ids: " + " ".join(map(str, p)) for p in PROMPTS) + "\n")
+    reports = run_modes(str(bundle), 2, str(prompts), 3, ("coherent", "standard"), True, None, 240)
+    for mode, report in reports.items():
+        assert report["verified"], (mode, report)
+    for report in reports.values():
+        assert report["locality_matches_prediction"]
+    assert reports["coherent"]["gpu_local_fraction"] == pytest.approx(reports["coherent"]["predicted_gpu_local_fraction"], abs=1e-12)

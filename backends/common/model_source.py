@@ -1,32 +1,37 @@
-"""Which runtime family a model belongs to, and the model files a bundle ships with it.
+"""Which runtime a model runs under, the model files a bundle ships with it, and the pinned library.
 
-The runtime implements TinyMoE-family models (moeplan's reference architecture): a model
-directory whose config.json says `"model_type": "tiny_moe"` and names its loader file
-(`"moeplan_loader": "model.py:load"`). The bundle ships that config and that source file, so
-`moeplan run --verify` can rebuild the source model without the original directory. Hugging Face
-Mixtral and Qwen2-MoE directories run too (`hf_moe`); their bundle ships the config, and
-verification rebuilds the model with transformers.
+* `tiny_moe`: a moeplan model directory (config.json with `"model_type": "tiny_moe"` and a
+  `"moeplan_loader"`); the bundle ships that config and the source file it names.
+* `transformers`: a Hugging Face model directory whose config names a causal-LM class that
+  transformers builds and that has an MoE block the runtime's adapter recognises; the bundle ships
+  config.json (and tokenizer.json when the directory has one), and the plan and the bundle's
+  requirements.txt pin the transformers version it was compiled with.
+Both are rebuilt by `moeplan run --verify` from the bundle alone.
 """
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from moeplan.planner.errors import UserError
 
 SUPPORTED = ("tiny_moe",)
-HF_SUPPORTED = ("mixtral", "qwen2_moe")
+TOKENIZER = "tokenizer.json"
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def _hint() -> str:
+    return ("the torchrun target runs moeplan model directories (config.json with \"model_type\": \"tiny_moe\" and a "
+            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights)")
 
 
 def model_files(model_spec: str) -> tuple:
     """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
     path = Path(model_spec)
     config_path = path / "config.json" if path.is_dir() else path
-    hint = ("the torchrun target runs TinyMoE-family models (config.json with \"model_type\": \"tiny_moe\" "
-            "and a \"moeplan_loader\", see examples/tiny_moe) and Hugging Face Mixtral / Qwen2-MoE directories")
     if not config_path.is_file() or config_path.name != "config.json":
-        raise UserError(f"cannot compile '{model_spec}' for torchrun; {hint}")
+        raise UserError(f"cannot compile '{model_spec}' for torchrun; {_hint()}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -35,16 +40,72 @@ def model_files(model_spec: str) -> tuple:
     if not isinstance(config, dict):
         raise UserError(f"{config_path} must hold a JSON object; fix the file")
     arch = config.get("model_type")
-    if arch in HF_SUPPORTED:
-        return "hf_moe", {"model/config.json": config_path.read_bytes()}
     loader = str(config.get("moeplan_loader", ""))
-    if arch not in SUPPORTED or ":" not in loader:
-        raise UserError(f"cannot compile '{model_spec}' (model_type {arch!r}) for torchrun; {hint}")
-    source = config_path.parent / loader.split(":", 1)[0]
-    if not source.is_file():
-        raise UserError(f"model source '{source}' named by moeplan_loader in {config_path} does not exist")
-    if not any(p.suffix in CHECKPOINT_SUFFIXES for p in config_path.parent.iterdir() if p.is_file()):
-        raise UserError(f"model directory '{config_path.parent}' holds no checkpoint ({', '.join(CHECKPOINT_SUFFIXES)}): "
-                        "its loader would build random weights and the bundle would not be reproducible; "
-                        "train or copy the weights there first")
-    return arch, {"model/config.json": config_path.read_bytes(), "model/model.py": source.read_bytes()}
+    if arch in SUPPORTED and ":" in loader:
+        source = config_path.parent / loader.split(":", 1)[0]
+        if not source.is_file():
+            raise UserError(f"model source '{source}' named by moeplan_loader in {config_path} does not exist")
+        if not any(p.suffix in CHECKPOINT_SUFFIXES for p in config_path.parent.iterdir() if p.is_file()):
+            raise UserError(f"model directory '{config_path.parent}' holds no checkpoint ({', '.join(CHECKPOINT_SUFFIXES)}): "
+                            "its loader would build random weights and the bundle would not be reproducible; "
+                            "train or copy the weights there first")
+        return arch, {"model/config.json": config_path.read_bytes(), "model/model.py": source.read_bytes()}
+    files = {"model/config.json": config_path.read_bytes()}
+    tokenizer = config_path.parent / TOKENIZER
+    if tokenizer.is_file():
+        files[f"model/{TOKENIZER}"] = tokenizer.read_bytes()
+    expert_containers("transformers", files, spec=model_spec)  # fails here, with the reason, if it cannot run
+    return "transformers", files
+
+
+def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
+    """The runtime's view of where each MoE layer's experts live, from the bundle's model files."""
+    from moeplan.backends.runtime.library_model import ModelError, build_tiny_moe, decoder_layers
+    from moeplan.backends.runtime.moe_adapter import find_containers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for rel, data in files.items():
+            (Path(tmp) / Path(rel).name).write_bytes(data)
+        try:
+            if arch == "tiny_moe":
+                model = build_tiny_moe(Path(tmp) / "config.json", Path(tmp) / "model.py")
+            else:
+                model = _build_meta(Path(tmp), spec)
+            prefix, layers = decoder_layers(model)
+        except ModelError as exc:
+            raise UserError(f"cannot compile '{spec}' for torchrun: {exc}") from None
+    return find_containers(layers, prefix)
+
+
+def _build_meta(config_dir: Path, spec):
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise UserError("Hugging Face models need transformers: pip install 'moeplan[hf]'") from None
+    from moeplan.backends.runtime.library_model import build_transformers
+
+    try:
+        return build_transformers(config_dir, device="meta")
+    except (ValueError, KeyError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot compile '{spec}' for torchrun: transformers cannot build its model ({first}); {_hint()}") from None
+
+
+def library_pins(arch: str) -> dict:
+    """The library versions a bundle of this architecture runs on (recorded in the plan)."""
+    if arch != "transformers":
+        return {}
+    import tokenizers
+    import transformers
+
+    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+
+
+def requirements(arch: str) -> str:
+    """requirements.txt of a bundle: what its runtime imports, with the model library pinned."""
+    import safetensors
+    import torch
+
+    lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
+    lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
+    return "\n".join(lines) + "\n"

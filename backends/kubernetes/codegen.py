@@ -75,7 +75,16 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
         "stage_command": ["sh", "-c", stage],
         "launch_args": ["--prompts", "/work/prompts.txt", "--new-tokens", str(int(new_tokens)), "--out", "/results"],
         "configmap_data": sorted(configmap),
+        "pip_packages": _pip_packages(bundle),
     }
+
+
+def _pip_packages(bundle: Path) -> list:
+    """What the image adds to its torch base: the bundle's pinned requirements (model library included)."""
+    path = bundle / "requirements.txt"
+    if not path.is_file():
+        return ["safetensors>=0.4"]
+    return [line for line in path.read_text().split() if not line.startswith("torch==")]
 
 
 def write_manifests(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None) -> list:

@@ -1,8 +1,10 @@
-"""Reading a bundle from the runtime's side: plan, placement, model config and one rank's shard.
+"""Reading a bundle from the runtime's side: plan, placement, model config and one rank's shard,
+and the rank's model built with the library's own code.
 
-Only the standard library, torch and safetensors: the bundle is self-contained. The planner's
-validation (`moeplan run`) checks hashes before launching; the runtime re-checks what would make
-ranks disagree (world size, shard presence) and fails with one line if the launch is wrong.
+Only the standard library, torch, safetensors (and transformers / tokenizers for Hugging Face
+models): the bundle is self-contained. The planner's validation (`moeplan run`) checks hashes
+before launching; the runtime re-checks what would make ranks disagree (world size, shard
+presence, library version) and fails with one line if the launch is wrong.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from . import hf_moe, tiny_moe
+from .library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
+from .text_codec import TextCodec
 
-ARCHITECTURES = {"tiny_moe": tiny_moe, "hf_moe": hf_moe}
+ARCHITECTURES = ("tiny_moe", "transformers")
 
 
 class BundleError(Exception):
@@ -36,11 +39,23 @@ def world_size_of(plan: dict) -> int:
     return int(topo["nodes"]) * int(topo["gpus_per_node"])
 
 
-def architecture(plan: dict):
+def architecture(plan: dict) -> str:
     name = plan["model"]["architecture"]
     if name not in ARCHITECTURES:
-        raise BundleError(f"this runtime supports architectures {sorted(ARCHITECTURES)}, the plan names '{name}'")
-    return ARCHITECTURES[name]
+        raise BundleError(f"this runtime runs architectures {list(ARCHITECTURES)}, the plan names '{name}'; recompile the bundle")
+    return name
+
+
+def check_library(plan: dict) -> None:
+    """The transformers version the plan was compiled with must be the one installed."""
+    pinned = plan["model"].get("library", {}).get("transformers")
+    if not pinned:
+        return
+    import transformers
+
+    if transformers.__version__ != pinned:
+        raise BundleError(f"the bundle was compiled with transformers {pinned} but {transformers.__version__} is "
+                          f"installed; pip install -r requirements.txt (transformers=={pinned})")
 
 
 def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
@@ -49,3 +64,29 @@ def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
     if not path.is_file():
         raise BundleError(f"shard '{path}' for rank {rank} is missing; re-run 'moeplan compile'")
     return {k: v.float().to(device) for k, v in load_file(str(path)).items()}
+
+
+def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
+    """(RankModel with this rank's experts, TextCodec) for a bundle."""
+    arch = architecture(plan)
+    weights = load_rank_weights(root, plan, rank, "cpu")
+    local: dict = {}
+    for layer, expert in table.experts_on(rank):
+        local.setdefault(layer, []).append(expert)
+    config_path = root / plan["model"]["config"]
+    config = json.loads(config_path.read_text())
+    if arch == "tiny_moe":
+        model = build_tiny_moe(config_path, root / plan["model"]["source"])
+        max_positions, vocab, top_k = int(config["max_positions"]), int(config["vocab_size"]), int(config["top_k"])
+        codec = TextCodec(None, vocab, native_bytes=True)
+    else:
+        check_library(plan)
+        model = build_transformers(config_path.parent)
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        max_positions, vocab = int(getattr(text, "max_position_embeddings", 1 << 30)), int(text.vocab_size)
+        top_k = transformers_top_k(text)
+        codec = TextCodec(config_path.parent / "tokenizer.json", vocab)
+    rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
+    rank_model.top_k = top_k
+    model.to(device)
+    return rank_model, codec

@@ -1,33 +1,39 @@
-"""Greedy generation under expert parallelism: context-coherent (ExFlow) or standard EP.
+"""Greedy generation under expert parallelism, over the library's own model: context-coherent
+(ExFlow) or standard EP.
 
-Requests are owned round-robin (request i by rank i % world). Per MoE layer:
+The model is the library's (`library_model.RankModel`); the engine replaces only the routed-expert
+computation of each MoE block (`moe_adapter`) and, in coherent mode, watches three hook points.
+Requests are owned round-robin (request i by rank i % world). One library forward per step and
+rank (batched, left-padded, with the library's KV cache).
 
-* **standard EP**: a token enters on its owner rank, which holds the request's KV cache and runs
-  all its attention and dense parts; dispatch all-to-all
-  of the token to the ranks of its k experts; combine all-to-all of the weighted expert outputs
-  back to the owner.
-* **context-coherent EP**: every rank holds every request's context, so attention runs wherever
-  the token is. One dispatch all-to-all moves the token from its current rank to the ranks of its
-  experts; the combine happens on the rank of its highest-weight expert, which becomes its
-  current rank for the next layer's attention. With top-k > 1 the other experts' weighted
-  outputs (only those computed off that rank) reach it through a smaller `merge` exchange.
-
-The first MoE layer needs no dispatch in coherent mode: every rank holds every context, so every
-rank embeds every new token and runs the blocks up to the first MoE router itself (identical
-inputs, identical results); each rank then serves its own experts' slots from its copy and only
-the partial outputs travel to the primary rank (`merge`). Replica choices there depend only on
-the token, so ranks agree without talking.
-
-Attention state (ExFlow leaves it open): after each layer's attention norm, the normed hidden
-state h of every token processed this step is sent to every other rank (`context` phase), and
-each rank projects the keys and values itself from its replicated attention weights, so every
-rank keeps the full KV cache of all requests and can run any token's attention. h is D floats
-per token and destination, half of shipping K and V. This costs (world - 1) x (D x 4 + 8) bytes
-per token per block after the first MoE layer, independent of placement, and is counted in the
-`context` phase, apart from the all-to-all phases: with it, coherent mode moves more bytes in
-total than standard EP on small models, which the run report shows side by side. The final hidden state never returns to the owner: the current rank
-computes the logits and the greedy token, and the per-step AllGather of new tokens (which context
-coherence needs anyway) tells every rank, the owner included.
+* **standard EP**: a rank runs its own requests. At each MoE block the library routes; the adapter
+  sends each token's normed hidden state and gate weights to the ranks of its k experts
+  (`dispatch`), they run their local experts, and the weighted outputs come back (`combine`).
+  Shared experts, residuals and everything else stay the library's, on the owner. A rank with no
+  request runs a one-row dummy forward so that every rank joins every exchange.
+* **context-coherent EP**: every rank runs every request's forward, so every rank holds every
+  context in its own library cache; a token's hidden state is real only on its *current* rank,
+  the other ranks carry a placeholder row (zeros). Until the first MoE block all ranks compute
+  every token identically; there each rank serves its own experts' slots and the weighted outputs
+  meet on the rank of the token's highest-weight expert (`merge`), which becomes its current rank.
+  At later blocks:
+  - attention input hook: the current rank sends the normed hidden state to every rank
+    (`context`), which put it in the placeholder rows, so the library's attention fills every
+    rank's KV cache (the outputs of placeholder rows are discarded);
+  - norm-before-MoE hook: the current rank learns the routing by running the library's own norm
+    and MoE block on its tokens up to the experts (stopped there, `moe_adapter.Captured`), then
+    sends the post-attention hidden state and gate weights to its experts' ranks (`dispatch`);
+    receivers put it in the row the library normalises;
+  - the adapter: each rank runs its local experts on what it received; outputs merge on the
+    primary rank (`merge`);
+  - block output hook: on the primary rank the library's output row is x + f(...) with the
+    placeholder residual; it is corrected to the received residual (out - placeholder + x),
+    and every row that is not current here is reset to zeros.
+  Costs: placeholder rows repeat the dense compute of other ranks' tokens (attention as ExFlow
+  needs for the KV cache; norms, routers and shared experts beyond that). Bytes are counted as
+  before: (world - 1) x (D + 2) x 4 per token per block in `context`, the dispatch and merge rows.
+The final hidden state never returns to the owner: the current rank computes the logits and the
+greedy token, and the per-step AllGather of new tokens (`token_sync`) tells every rank.
 """
 from __future__ import annotations
 
@@ -36,21 +42,25 @@ import time
 import torch
 
 from .exchange import pack, pack_small, unpack, unpack_small
+from .moe_adapter import Captured
 
 COHERENT, STANDARD = "coherent", "standard"
 
 
 class Engine:
-    """One rank's share of expert-parallel greedy generation."""
+    """One rank's share of expert-parallel greedy generation over a RankModel."""
 
-    def __init__(self, arch, table, exchanger, counters, rank: int, world_size: int, mode: str, device):
+    def __init__(self, model, table, exchanger, counters, rank: int, world_size: int, mode: str, device,
+                 top_k: int):
         if mode not in (COHERENT, STANDARD):
             raise ValueError(f"mode must be '{COHERENT}' or '{STANDARD}', got {mode!r}")
-        self.arch, self.table, self.ex, self.counters = arch, table, exchanger, counters
-        self.rank, self.world, self.mode, self.device = rank, world_size, mode, device
+        self.model, self.table, self.ex, self.counters = model, table, exchanger, counters
+        self.rank, self.world, self.mode, self.device, self.top_k = rank, world_size, mode, device, int(top_k)
+        self.num_layers = model.num_layers
         self.local_experts = {(l, e) for l, e in table.experts_on(rank)}
         self.logit_keys, self.logit_rows = [], []
-        self.trace = []  # (layer, keys [n], expert ids [n, k], weights [n, k])
+        self.trace = []  # (MoE layer, keys [n], expert ids [n, k], weights [n, k])
+        self.capture = False
 
     # --- bookkeeping -----------------------------------------------------------------------
     def owner(self, seq: int) -> int:
@@ -60,47 +70,85 @@ class Engine:
         return seq * self.max_len + pos
 
     def _to_all_others(self, rows: torch.Tensor) -> list:
-        empty = rows[:0]
-        return [empty if d == self.rank else rows for d in range(self.world)]
+        return [rows[:0] if d == self.rank else rows for d in range(self.world)]
+
+    def _rows_of(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self.row_of[int(k)] for k in keys.tolist()], dtype=torch.int64)
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompts: list, new_tokens: int) -> dict:
         """Greedy-generate `new_tokens` tokens for every prompt; returns this rank's results."""
-        arch = self.arch
         self.max_len = max(len(p) for p in prompts) + new_tokens
-        if self.max_len > arch.max_positions:
-            raise ValueError(f"prompt + new tokens = {self.max_len} exceeds the model's {arch.max_positions} positions")
-        B = len(prompts)
-        shape = (B, arch.num_kv_heads, self.max_len, arch.head_dim)
-        self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(arch.num_layers)]
-        self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(arch.num_layers)]
-        own = [s for s in range(B) if self.owner(s) == self.rank]
+        if self.max_len > self.model.max_positions:
+            raise ValueError(f"prompt + new tokens = {self.max_len} exceeds the model's {self.model.max_positions} positions")
+        own = [s for s in range(len(prompts)) if self.owner(s) == self.rank]
         contexts = {s: list(prompts[s]) for s in own}
         if self.mode == COHERENT:
             contexts = self._sync_prompts(prompts, own)
-        generated = {s: [] for s in contexts}
+        generated = {s: [] for s in own}
+        for a in self.model.adapters:
+            a.route_fn = self._route
+        hooks = self._install_hooks() if self.mode == COHERENT else []
+        batch = sorted(contexts)
         start = time.perf_counter()
-        # coherent: every rank holds every context, so every rank enters every token (see module)
-        entering = sorted(contexts) if self.mode == COHERENT else own
-        step_tokens = [(s, p) for s in entering for p in range(len(prompts[s]))]
-        for step in range(new_tokens):
-            seqs = torch.tensor([s for s, _ in step_tokens], dtype=torch.int64)
-            poss = torch.tensor([p for _, p in step_tokens], dtype=torch.int64)
-            ids = torch.tensor([contexts[s][p] for s, p in step_tokens], dtype=torch.int64)
-            last = {s: len(c) - 1 for s, c in contexts.items()}
-            new = self._forward_step(seqs, poss, ids, last)
-            if self.mode == COHERENT:
-                new = self._sync_tokens(new)
-            for s, t in sorted(new.items()):
-                contexts[s].append(t)
-                generated[s].append(t)
-            step_tokens = [(s, len(contexts[s]) - 1) for s in entering]
+        try:
+            cache, key_mask = None, None
+            for step in range(new_tokens):
+                if not batch:  # standard mode, no request here: join the exchanges with a dummy row
+                    self._forward(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                                  torch.ones(1, 1, dtype=torch.bool), None, torch.full((1,), -1), {})
+                    continue
+                if step == 0:
+                    width = max(len(contexts[s]) for s in batch)
+                    ids = torch.zeros(len(batch), width, dtype=torch.int64)
+                    pos = torch.zeros(len(batch), width, dtype=torch.int64)
+                    key_mask = torch.zeros(len(batch), width, dtype=torch.bool)
+                    keys = torch.full((len(batch), width), -1, dtype=torch.int64)
+                    for b, s in enumerate(batch):
+                        n = len(contexts[s])
+                        ids[b, width - n:] = torch.tensor(contexts[s])
+                        pos[b, width - n:] = torch.arange(n)
+                        key_mask[b, width - n:] = True
+                        keys[b, width - n:] = self.key(s, torch.arange(n))
+                else:
+                    ids = torch.tensor([[contexts[s][-1]] for s in batch])
+                    pos = torch.tensor([[len(contexts[s]) - 1] for s in batch])
+                    key_mask = torch.cat([key_mask, torch.ones(len(batch), 1, dtype=torch.bool)], dim=1)
+                    keys = self.key(torch.tensor(batch)[:, None], pos)
+                last = {s: len(contexts[s]) - 1 for s in batch}
+                new, cache = self._forward(ids, pos, key_mask, cache, keys.flatten(), last)
+                if self.mode == COHERENT:
+                    new = self._sync_tokens(new)
+                for s, t in sorted(new.items()):
+                    contexts[s].append(t)
+                    if s in generated:
+                        generated[s].append(t)
+        finally:
+            for h in hooks:
+                h.remove()
         elapsed = time.perf_counter() - start
-        return {
-            "generated": {int(s): g for s, g in generated.items()},
-            "elapsed_s": elapsed,
-            "counters": self.counters.to_dict(),
-        }
+        return {"generated": {int(s): g for s, g in generated.items()}, "elapsed_s": elapsed,
+                "counters": self.counters.to_dict()}
+
+    def _forward(self, ids, pos, key_mask, cache, keys, last: dict):
+        """One library forward; records the logits of the rows current here; {seq: next token}."""
+        dev = self.device
+        self.keys = keys
+        self.row_of = {int(k): i for i, k in enumerate(keys.tolist()) if k >= 0}
+        self.mine = keys >= 0
+        self.replicated = self.mode == COHERENT
+        with torch.no_grad():
+            logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
+        flat = logits.reshape(-1, logits.shape[-1])
+        rows = (self.mine & (keys >= 0)).nonzero().flatten()
+        self.logit_keys.append(keys[rows])
+        self.logit_rows.append(flat[rows.to(dev)].detach().float().cpu())
+        new = {}
+        for r in rows.tolist():
+            s, p = divmod(int(keys[r]), self.max_len)
+            if p == last[s]:
+                new[s] = int(torch.argmax(flat[r]).item())
+        return new, cache
 
     def _sync_prompts(self, prompts: list, own: list) -> dict:
         """AllGather of the prompts: every rank learns every request's context from its owner."""
@@ -126,150 +174,201 @@ class Engine:
             merged.update({s: t for s, t in m.tolist()})
         return merged
 
-    # --- one forward step ------------------------------------------------------------------
-    def _forward_step(self, seq, pos, token_ids, last_pos: dict) -> dict:
-        """Run the tokens entering on this rank through every layer; returns {seq: next token}
-        for the sequences whose last token of this step (position last_pos[seq]) ends here."""
-        arch, dev = self.arch, self.device
-        x = arch.embed(token_ids.to(dev), pos.to(dev))
-        replicated = self.mode == COHERENT  # every rank computes the same tokens until the first MoE
-        for layer in range(arch.num_layers):
-            x = x + self._attention(layer, seq, pos, x, replicated)
-            moe = arch.moe_index(layer)
-            if moe is None:  # a dense feed-forward block: replicated, runs where the token is
-                x = x + arch.dense_mlp(layer, x)
-            else:
-                seq, pos, x = self._moe(layer, moe, seq, pos, x, replicated)
-                replicated = False
-        logits = arch.logits(x)
-        keys = self.key(seq, pos)
-        self.logit_keys.append(keys.cpu())
-        self.logit_rows.append(logits.detach().cpu())
-        new = {}
-        for i, (s, p) in enumerate(zip(seq.tolist(), pos.tolist())):
-            if p == last_pos[s]:
-                new[s] = int(torch.argmax(logits[i]).item())
-        return new
+    # --- the routed computation (called by the library's MoE blocks) ------------------------
+    def _route(self, adapter, h, ids, weights):
+        """Routed sum [n, D] for the rows the library routed: ids/weights [n, k], heaviest first."""
+        if self.capture:
+            raise Captured(ids.detach().cpu(), weights.detach())
+        if h.shape[0] != self.keys.shape[0]:
+            raise RuntimeError(f"MoE block saw {h.shape[0]} rows, the step has {self.keys.shape[0]}")
+        if self.mode == STANDARD:
+            return self._standard(adapter, h, ids.cpu(), weights)
+        if self.replicated:
+            return self._coherent_first(adapter, h, ids.cpu(), weights)
+        rows, r_ids, r_w, r_dest = self.received
+        partial = self._serve(adapter, h[rows.to(h.device)], r_ids, r_w, r_dest)
+        return self._merge_on_primary(adapter.layer, h, rows, partial, r_dest[:, 0])
 
-    def _attention(self, layer, seq, pos, x, replicated=False):
-        arch, dev = self.arch, self.device
-        h = arch.attention_input(layer, x)
-        all_h, all_seq, all_pos = h, seq, pos
-        if self.mode == COHERENT and not replicated:
-            rows = pack(h, self.key(seq, pos)[:, None])
-            got = self.ex.exchange(self._to_all_others(rows), rows.shape[1], layer, "context")
-            parts = [unpack(g, arch.hidden) for g in got if g.shape[0]]
-            if parts:
-                all_h = torch.cat([h] + [p for p, _ in parts])
-                keys = torch.cat([self.key(seq, pos)] + [m[:, 0].cpu() for _, m in parts])
-                all_seq, all_pos = keys // self.max_len, keys % self.max_len
-        q, k, v = arch.qkv(layer, all_h, all_pos.to(dev))
-        self.k_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = k
-        self.v_cache[layer][all_seq.to(dev), :, all_pos.to(dev)] = v
-        q = q[: x.shape[0]]
-        y = torch.empty_like(q)
-        for s in torch.unique(seq).tolist():
-            idx = (seq == s).nonzero().flatten()
-            p = pos[idx].to(dev)
-            span = int(p.max()) + 1
-            keys, values = self.k_cache[layer][s, :, :span], self.v_cache[layer][s, :, :span]
-            if arch.num_kv_heads != arch.num_heads:  # grouped-query attention
-                groups = arch.num_heads // arch.num_kv_heads
-                keys, values = keys.repeat_interleave(groups, dim=0), values.repeat_interleave(groups, dim=0)
-            scores = torch.einsum("mhd,hpd->hmp", q[idx.to(dev)], keys) * arch.attention_scale
-            future = torch.arange(span, device=dev)[None, :] > p[:, None]
-            scores = scores.masked_fill(future[None], float("-inf"))
-            y[idx.to(dev)] = torch.einsum("hmp,hpd->mhd", torch.softmax(scores, dim=-1), values)
-        return arch.attention_output(layer, y)
-
-    def _moe(self, layer, moe, seq, pos, x, replicated=False):
-        """Block `layer`'s MoE, the `moe`-th MoE layer (placement and trace index).
-
-        `replicated`: every rank holds the same tokens (the first MoE layer in coherent mode), so
-        nothing is dispatched; each rank serves its slots from its own copy and the partial
-        outputs merge on the primary rank. Replica choices then depend only on the token (the
-        secondary slots prefer the primary's rank), so all ranks agree without talking."""
-        arch, dev, k = self.arch, self.device, self.arch.top_k
-        n = x.shape[0]
-        ids, weights = arch.route(layer, x)
-        ids = ids.cpu()
-        if replicated:
-            first = torch.tensor([self.table.primary_rank(moe, e, -1) for e in ids[:, 0].tolist()], dtype=torch.int64)
-            dest = self.table.choose(moe, ids, first)
-        else:
-            dest = self.table.choose(moe, ids, torch.full((n,), self.rank, dtype=torch.int64))
-        keys = self.key(seq, pos)
-        recorded = (dest[:, 0] == self.rank) if replicated else torch.ones(n, dtype=torch.bool)
-        self.trace.append((moe, keys[recorded], ids[recorded], weights.detach().cpu()[recorded]))
-        if replicated:
-            sel = (dest == self.rank).any(dim=1).nonzero().flatten()
-            partial = self._experts(layer, moe, x[sel.to(dev)], weights[sel.to(dev)], ids[sel], dest[sel])
-            return self._merge_on_primary(layer, x[sel.to(dev)], partial, seq[sel], pos[sel], dest[sel])
+    def _count_local(self, layer: int, moe: int, dest: torch.Tensor) -> None:
         if moe >= 1:
             lay = self.counters.layers[layer]
             lay["local_slots"] += int((dest == self.rank).sum())
-            lay["slots"] += n * k
-        payload = torch.cat([x, weights], dim=1)
-        meta = torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], dim=1))], dim=1)
-        rows = pack(payload, meta)
+            lay["slots"] += int(dest.numel())
+
+    def _dispatch(self, adapter, x, ids, weights, keys, dest):
+        """Send rows (x [n, D] with weights, keys, ids, dest) to the ranks of their slots; returns
+        what this rank received: (x [m, D], weights [m, k], keys [m], ids [m, k], dest [m, k], sources [m])
+        and the row indices sent to each rank."""
+        k, width = ids.shape[1], x.shape[1] + ids.shape[1]
+        rows = pack(torch.cat([x, weights.to(x.dtype)], dim=1), torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], 1))], 1))
         sent_idx = [(dest == d).any(dim=1).nonzero().flatten() for d in range(self.world)]
-        got = self.ex.exchange([rows[i.to(dev)] for i in sent_idx], rows.shape[1], layer, "dispatch")
-        width = arch.hidden + k
+        got = self.ex.exchange([rows[i.to(rows.device)] for i in sent_idx], rows.shape[1], adapter.layer, "dispatch")
         parts = [unpack(g, width) for g in got]
         rx = torch.cat([p for p, _ in parts])
-        rmeta = torch.cat([m.cpu() for _, m in parts])
-        sources = torch.cat([torch.full((p.shape[0],), src, dtype=torch.int64) for src, (p, _) in enumerate(parts)])
-        r_x, r_w = rx[:, : arch.hidden], rx[:, arch.hidden:]
-        slots = unpack_small(rmeta[:, 1:], 2 * k)
-        r_seq, r_pos = rmeta[:, 0] // self.max_len, rmeta[:, 0] % self.max_len
-        r_ids, r_dest = slots[:, :k], slots[:, k:]
-        partial = self._experts(layer, moe, r_x, r_w, r_ids, r_dest)
-        if self.mode == STANDARD:
-            back = [partial[(sources == d).nonzero().flatten().to(dev)] for d in range(self.world)]
-            returned = self.ex.exchange(back, arch.hidden, layer, "combine")
-            out = x + arch.shared(layer, x)
-            for d in range(self.world):
-                if sent_idx[d].numel():
-                    out = out.index_add(0, sent_idx[d].to(dev), returned[d][:, : arch.hidden])
-            return seq, pos, out
-        return self._merge_on_primary(layer, r_x, partial, r_seq, r_pos, r_dest)
+        meta = torch.cat([m.cpu() for _, m in parts])
+        sources = torch.cat([torch.full((p.shape[0],), s, dtype=torch.int64) for s, (p, _) in enumerate(parts)])
+        slots = unpack_small(meta[:, 1:], 2 * k)
+        return (rx[:, : x.shape[1]], rx[:, x.shape[1]:], meta[:, 0], slots[:, :k], slots[:, k:], sources), sent_idx
 
-    def _merge_on_primary(self, layer, r_x, partial, r_seq, r_pos, r_dest):
-        """Coherent combine: each token's weighted expert outputs meet on the rank of its
-        highest-weight expert, which keeps the token (its new current rank)."""
-        arch, dev = self.arch, self.device
-        primary = r_dest[:, 0]
-        mine = (primary == self.rank).nonzero().flatten()
+    def _standard(self, adapter, h, ids, weights):
+        active = (self.keys >= 0).nonzero().flatten()
+        dev_active = active.to(h.device)
+        a_ids, a_w, a_h, keys = ids[active], weights[dev_active], h[dev_active], self.keys[active]
+        dest = self.table.choose(adapter.moe, a_ids, torch.full((active.numel(),), self.rank, dtype=torch.int64))
+        self._count_local(adapter.layer, adapter.moe, dest)
+        self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
+        (r_h, r_w, _, r_ids, r_dest, sources), sent_idx = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
+        partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
+        back = [partial[(sources == d).nonzero().flatten().to(h.device)] for d in range(self.world)]
+        returned = self.ex.exchange(back, h.shape[1], adapter.layer, "combine")
+        out = torch.zeros_like(h)
+        for d in range(self.world):
+            if sent_idx[d].numel():
+                out = out.index_add(0, dev_active[sent_idx[d].to(h.device)], returned[d][:, : h.shape[1]].to(h.dtype))
+        return out
+
+    def _coherent_first(self, adapter, h, ids, weights):
+        """First MoE block in coherent mode: every rank holds every token, nothing is dispatched;
+        replica choices depend only on the token, so ranks agree without talking."""
+        active = (self.keys >= 0).nonzero().flatten()
+        dev_active = active.to(h.device)
+        a_ids, a_w = ids[active], weights[dev_active]
+        first = torch.tensor([self.table.primary_rank(adapter.moe, e, -1) for e in a_ids[:, 0].tolist()], dtype=torch.int64)
+        dest = self.table.choose(adapter.moe, a_ids, first)
+        primary = dest[:, 0] == self.rank
+        self.trace.append((adapter.moe, self.keys[active][primary], a_ids[primary], a_w.detach().float().cpu()[primary]))
+        sel = (dest == self.rank).any(dim=1).nonzero().flatten()
+        rows = active[sel]
+        partial = self._serve(adapter, h[rows.to(h.device)], a_ids[sel], a_w[sel.to(h.device)], dest[sel])
+        return self._merge_on_primary(adapter.layer, h, rows, partial, dest[sel, 0], all_rows=active, all_primary=dest[:, 0])
+
+    def _serve(self, adapter, x, ids, w, dest):
+        """Sum over this rank's slots of weight x expert(x): [m, D] for rows x [m, D] (zero elsewhere)."""
+        out = torch.zeros_like(x)
+        rows, slots = (dest == self.rank).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return out
+        experts = ids[rows, slots]
+        for e in set(experts.tolist()):
+            if (adapter.moe, e) not in self.local_experts:
+                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of MoE layer {adapter.moe} it does not hold")
+        local = torch.tensor([adapter.local_index[e] for e in experts.tolist()], dtype=torch.int64, device=x.device)
+        dev_rows = rows.to(x.device)
+        y = adapter.local_expert_output(x[dev_rows], local, w[dev_rows, slots.to(x.device)])
+        return out.index_add(0, dev_rows, y.to(out.dtype))
+
+    def _merge_on_primary(self, layer, h, rows, partial, primary, all_rows=None, all_primary=None):
+        """Coherent combine: partial outputs of forward rows `rows` meet on their primary rank.
+        Returns the routed sum [n, D] (nonzero only on rows whose primary is this rank) and sets
+        the rows current here after this block."""
         send = []
+        keys = self.keys[rows]
         for d in range(self.world):
             idx = ((primary == d) & (primary != self.rank)).nonzero().flatten()
-            send.append(pack(partial[idx.to(dev)], self.key(r_seq[idx], r_pos[idx])[:, None]))
-        merged = self.ex.exchange(send, arch.hidden + 2, layer, "merge")
-        m_seq, m_pos = r_seq[mine], r_pos[mine]
-        base = r_x[mine.to(dev)]
-        out = base + partial[mine.to(dev)] + arch.shared(layer, base)
-        row_of = {kk: i for i, kk in enumerate(self.key(m_seq, m_pos).tolist())}
+            send.append(pack(partial[idx.to(partial.device)], keys[idx][:, None]))
+        merged = self.ex.exchange(send, h.shape[1] + 2, layer, "merge")
+        out = torch.zeros_like(h)
+        here = (primary == self.rank).nonzero().flatten()
+        out[rows[here].to(h.device)] += partial[here.to(h.device)].to(h.dtype)
         for g in merged:
             if g.shape[0] == 0:
                 continue
-            p, m = unpack(g, arch.hidden)
-            rows_at = torch.tensor([row_of[kk] for kk in m[:, 0].cpu().tolist()], dtype=torch.int64)
-            out = out.index_add(0, rows_at.to(dev), p)
-        order = torch.argsort(self.key(m_seq, m_pos))
-        return m_seq[order], m_pos[order], out[order.to(dev)]
-
-    def _experts(self, layer, moe, x, w, ids, dest):
-        """Sum over this rank's slots of weight x expert(x) for received rows (zero elsewhere)."""
-        out = torch.zeros_like(x)
-        here = dest == self.rank
-        for e in sorted(set(ids[here].tolist())):
-            rows, slots = ((ids == e) & here).nonzero(as_tuple=True)
-            if (moe, e) not in self.local_experts:
-                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of MoE layer {moe} it does not hold")
-            dev_rows = rows.to(x.device)
-            y = self.arch.expert(layer, e, x[dev_rows]) * w[dev_rows, slots.to(x.device)].unsqueeze(-1)
-            out = out.index_add(0, dev_rows, y)
+            p, m = unpack(g, h.shape[1])
+            out = out.index_add(0, self._rows_of(m[:, 0].cpu()).to(h.device), p.to(h.dtype))
+        all_rows = rows if all_rows is None else all_rows
+        all_primary = primary if all_primary is None else all_primary
+        mine = torch.zeros_like(self.mine)
+        mine[all_rows[all_primary == self.rank]] = True
+        self.next_mine = mine
         return out
+
+    # --- coherent-mode hooks ---------------------------------------------------------------
+    def _install_hooks(self) -> list:
+        m = self.model
+        handles = []
+        for layer in range(m.num_layers):
+            handles.append(m.attention[layer].register_forward_pre_hook(self._attention_input, with_kwargs=True))
+            handles.append(m.layers[layer].register_forward_hook(self._block_output(layer)))
+        for adapter in m.adapters:
+            handles.append(m.ffn_norm[adapter.layer].register_forward_pre_hook(self._ffn_norm_input(adapter)))
+        return handles
+
+    def _attention_input(self, module, args, kwargs):
+        """Context: placeholder rows get the current rank's normed hidden state before attention."""
+        if self.replicated:
+            return None
+        in_kwargs = "hidden_states" in kwargs
+        h = kwargs["hidden_states"] if in_kwargs else args[0]
+        flat = h.reshape(-1, h.shape[-1])
+        mine = self.mine.nonzero().flatten()
+        rows = pack(flat[mine.to(flat.device)], self.keys[mine][:, None])
+        got = self.ex.exchange(self._to_all_others(rows), rows.shape[1], self._layer_of(module), "context")
+        new = flat.clone()
+        for g in got:
+            if g.shape[0]:
+                p, meta = unpack(g, flat.shape[1])
+                new[self._rows_of(meta[:, 0].cpu()).to(new.device)] = p.to(new.dtype)
+        new = new.view(h.shape)
+        if in_kwargs:
+            return args, {**kwargs, "hidden_states": new}
+        return (new,) + tuple(args[1:]), kwargs
+
+    def _layer_of(self, attention_module) -> int:
+        for i, a in enumerate(self.model.attention):
+            if a is attention_module:
+                return i
+        raise RuntimeError("attention module not found")
+
+    def _ffn_norm_input(self, adapter):
+        def hook(module, args):
+            if self.replicated or self.capture:
+                return None
+            x = args[0]
+            flat = x.reshape(-1, x.shape[-1])
+            mine = self.mine.nonzero().flatten()
+            dev_mine = mine.to(flat.device)
+            ids, w = torch.zeros(0, self.top_k, dtype=torch.int64), flat.new_zeros(0, self.top_k)
+            if mine.numel():
+                self.capture = True
+                try:  # the library's own norm and MoE block route my tokens, stopped at the experts
+                    adapter.block(module(flat[dev_mine]).unsqueeze(0))
+                except Captured as c:
+                    ids, w = c.ids, c.weights
+                finally:
+                    self.capture = False
+            dest = self.table.choose(adapter.moe, ids, torch.full((mine.numel(),), self.rank, dtype=torch.int64))
+            self._count_local(adapter.layer, adapter.moe, dest)
+            self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))
+            (r_x, r_w, r_keys, r_ids, r_dest, _), _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
+            rows = self._rows_of(r_keys)
+            self.received = (rows, r_ids, r_w, r_dest)
+            dev_rows = rows.to(flat.device)
+            self.placeholder = flat[dev_rows].clone()
+            self.residual = r_x.to(flat.dtype)
+            new = flat.clone()
+            new[dev_rows] = self.residual
+            return (new.view(x.shape),) + tuple(args[1:])
+        return hook
+
+    def _block_output(self, layer: int):
+        def hook(module, args, output):
+            moe = self.model.moe_of.get(layer)
+            if self.replicated and moe is None:
+                return None
+            out = output[0] if isinstance(output, tuple) else output
+            flat = out.reshape(-1, out.shape[-1]).clone()
+            if moe is not None:
+                if not self.replicated:
+                    rows, _, _, r_dest = self.received
+                    here = (r_dest[:, 0] == self.rank).nonzero().flatten()
+                    r = rows[here].to(flat.device)
+                    flat[r] = self.residual[here.to(flat.device)] + (flat[r] - self.placeholder[here.to(flat.device)])
+                self.mine = self.next_mine
+                self.replicated = False
+            flat[(~self.mine).to(flat.device)] = 0
+            new = flat.view(out.shape)
+            return (new,) + tuple(output[1:]) if isinstance(output, tuple) else new
+        return hook
 
     # --- results ---------------------------------------------------------------------------
     def logits(self) -> tuple:
@@ -277,4 +376,3 @@ class Engine:
         if not self.logit_keys:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0)
         return torch.cat(self.logit_keys), torch.cat(self.logit_rows)
-

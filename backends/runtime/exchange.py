@@ -27,7 +27,9 @@ def unpack(rows: torch.Tensor, width: int) -> tuple:
     columns = (rows.shape[1] - width) // 2
     if rows.shape[0] == 0 or columns == 0:
         return payload, torch.zeros(rows.shape[0], columns, dtype=torch.int64, device=rows.device)
-    meta = rows[:, width:].contiguous().clone().view(torch.int64)  # fresh storage, reinterpretable
+    # fresh storage with standard strides (a 1-row slice keeps its parent's row stride), reinterpretable
+    meta = torch.empty(rows.shape[0], rows.shape[1] - width, dtype=rows.dtype, device=rows.device)
+    meta = meta.copy_(rows[:, width:]).view(torch.int64)
     return payload, meta
 
 

@@ -17,7 +17,7 @@ from .counters import sum_counters
 
 def write_rank(out_dir, rank: int, engine, out: dict, mode: str) -> None:
     keys, logits = engine.logits()
-    layers = engine.arch.num_layers
+    layers = engine.num_layers
     trace = {layer: [] for layer in range(layers)}
     for layer, k, ids, w in engine.trace:
         trace[layer].append((k, ids, w))

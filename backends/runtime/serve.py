@@ -3,18 +3,21 @@
 Each rank loads its shard, joins the process group (nccl on GPUs, gloo on CPU), generates
 greedily with the chosen expert-parallel mode(s) and writes `rank-<r>.pt` (its logits, routing
 and counters) to <out>/<mode>/; rank 0 then merges them into `result.json` and prints the text.
+`--bundle DIR` (repeatable) serves other bundles of the same world size in the same launch, one
+after another, each into <out>/<bundle name>/<mode>/ (one process start for many models).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import results
-from .bundle_io import BundleError, architecture, bundle_root, load_rank_weights, read_json, world_size_of
+from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, world_size_of
 from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
@@ -23,13 +26,16 @@ from .expert_table import ExpertTable
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    ap.add_argument("--prompts", required=True,
+                    help="text file, one prompt per line; a line 'ids: 1 2 3' gives token ids instead of text")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--mode", default=None,
                     help="coherent, standard, or both comma-separated (one launch, results per mode); "
                          "default: the plan's communication mode")
     ap.add_argument("--out", required=True, help="directory; each mode writes <out>/<mode>/result.json")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--bundle", action="append", default=None,
+                    help="bundle directory to serve (repeatable); default: the bundle holding this runtime")
     return ap.parse_args(argv)
 
 
@@ -43,52 +49,56 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    root = bundle_root()
+    roots = [Path(b).resolve() for b in args.bundle] if args.bundle else [bundle_root()]
+    use_cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    loaded = []
     try:
-        plan = read_json(root, "plan.json")
-        placement = read_json(root, "placement.json")
-        if world != world_size_of(plan):
-            raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
-                              f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
-        arch_mod = architecture(plan)
-        modes = (args.mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
-        config = read_json(root, plan["model"]["config"])
-        use_cuda = torch.cuda.is_available()
-        device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
-        weights = load_rank_weights(root, plan, rank, device)
-    except BundleError as exc:
+        for root in roots:  # every bundle loads before any rank joins the group: launch errors stay one line
+            plan = read_json(root, "plan.json")
+            if world != world_size_of(plan):
+                raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
+                                  f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
+            table = ExpertTable.from_placement(read_json(root, "placement.json"))
+            modes = (args.mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
+            model, codec = build_rank_model(root, plan, rank, table, device)
+            with open(args.prompts, encoding="utf-8") as fh:
+                prompts = [codec.encode(line.rstrip("\n")) for line in fh if line.strip()]
+            out = Path(args.out) / root.name if len(roots) > 1 else Path(args.out)
+            loaded.append((model, codec, table, modes, prompts, out))
+    except (BundleError, ValueError, OSError) as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr)
         return 2
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     try:
-        try:
-            arch = arch_mod.Arch(config, weights)
-            with open(args.prompts, encoding="utf-8") as fh:
-                prompts = [arch_mod.encode(line.rstrip("\n")) for line in fh if line.strip()]
-        except (ValueError, OSError) as exc:
-            print(f"error: rank {rank}: {exc}", file=sys.stderr)
-            return 2
-        table = ExpertTable.from_placement(placement)
-        for mode in modes:
-            counters = Counters(arch.num_layers)  # per block; MoE-only counts stay zero on dense blocks
-            engine = Engine(arch, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device)
-            dist.barrier()
-            out = engine.generate(prompts, args.new_tokens)
-            out_dir = os.path.join(args.out, mode)
-            os.makedirs(out_dir, exist_ok=True)
-            results.write_rank(out_dir, rank, engine, out, mode)
-            dist.barrier()
+        for model, codec, table, modes, prompts, out in loaded:
             if rank == 0:
-                summary = results.merge(out_dir, world, prompts, arch_mod.decode)
-                for i, text in enumerate(summary["texts"]):
-                    print(f"[{i}] {text!r}")
-                print(f"{summary['generated_tokens']} tokens in {summary['elapsed_s']:.3f} s "
-                      f"({summary['tokens_per_second']:.1f} tokens/s), mode {mode}")
+                print(f"prompts: {codec.source}")
+            for mode in modes:
+                serve_mode(model, codec, table, prompts, mode, args.new_tokens, out / mode, rank, world, device)
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, rank, world, device) -> None:
+    """Generate for every prompt in one mode; rank 0 merges the ranks' results and prints them."""
+    counters = Counters(model.num_layers)  # per block; MoE-only counts stay zero on dense blocks
+    engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device,
+                    model.top_k)
+    dist.barrier()
+    generated = engine.generate(prompts, new_tokens)
+    os.makedirs(out_dir, exist_ok=True)
+    results.write_rank(out_dir, rank, engine, generated, mode)
+    dist.barrier()
+    if rank == 0:
+        summary = results.merge(out_dir, world, prompts, codec.decode)
+        for i, text in enumerate(summary["texts"]):
+            print(f"[{i}] {text!r}")
+        print(f"{summary['generated_tokens']} tokens in {summary['elapsed_s']:.3f} s "
+              f"({summary['tokens_per_second']:.1f} tokens/s), mode {mode}")
 
 
 if __name__ == "__main__":

@@ -13,20 +13,17 @@ import os
 from pathlib import Path
 
 
-from moeplan.backends.runtime import hf_moe
 from moeplan.backends.common.templating import template_env
-from moeplan.backends.runtime.tiny_moe import is_expert_tensor
+from moeplan.backends.common.model_source import expert_containers, requirements
+from moeplan.backends.runtime.moe_adapter import expert_owner, split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.shards import split_state_dict, write_shard
 
-def shard_layout(arch: str, config: dict) -> tuple:
-    """(state transform, tensor name -> (MoE layer, expert) or None) for a runtime family."""
-    if arch == "tiny_moe":
-        return (lambda state: state), is_expert_tensor
-    if arch == "hf_moe":
-        return hf_moe.split_experts, hf_moe.expert_tensor_owner(config)
-    raise ValueError(f"no runtime for architecture {arch!r}")
+def shard_layout(arch: str, model_files: dict) -> tuple:
+    """(state transform, tensor name -> (MoE layer, expert) or None): per-expert slices apart."""
+    containers = expert_containers(arch, model_files)
+    return (lambda state: split_expert_state(state, containers)), expert_owner(containers)
 
 
 def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
@@ -34,7 +31,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     out = Path(out)
     out.mkdir(parents=True)
     arch = plan.model["architecture"]
-    transform, owner = shard_layout(arch, json.loads(model_files[plan.model["config"]]))
+    transform, owner = shard_layout(arch, model_files)
     placement = plan.placement
     plan_doc = plan.to_json()
     write_file(out / "plan.json", plan_doc)
@@ -45,6 +42,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
         write_shard(out / plan.shards[rank], tensors, rank)
         os.chmod(out / plan.shards[rank], 0o644)
     copy_runtime(out / "runtime")
+    write_file(out / "requirements.txt", requirements(arch))
     env = template_env("torchrun")
     topo = plan.topology
     context = {

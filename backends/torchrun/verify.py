@@ -24,14 +24,17 @@ class VerifyError(Exception):
     """The bundle cannot be verified (e.g. weights differ from the source model)."""
 
 
-def _hf_reference(root: Path, plan: dict, state: dict):
-    import transformers
+def _transformers_reference(root: Path, plan: dict, state: dict):
+    """The transformers model named by the bundle's config, built by transformers, with `state`."""
+    from moeplan.backends.runtime.library_model import build_transformers
 
-    transformers.utils.logging.disable_progress_bar()
-    config = transformers.AutoConfig.from_pretrained(str(bundle_path(root, plan["model"]["config"]).parent))
-    config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
+    model = build_transformers(bundle_path(root, plan["model"]["config"]).parent)
+    result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        missing = [k for k in result.missing_keys if k != "lm_head.weight"]
+        if missing or result.unexpected_keys:
+            raise VerifyError(f"the shards do not fill the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+    model.tie_weights()
     return _LogitsOnly(model.float().eval())
 
 
@@ -51,16 +54,23 @@ def load_reference(root: Path, plan: dict):
     state = {}
     for rel in plan["shards"]:
         state.update(load_file(str(root / rel)))
-    if plan["model"]["architecture"] == "hf_moe":
-        from moeplan.backends.runtime.hf_moe import fuse_experts
+    from moeplan.backends.common.model_source import expert_containers
+    from moeplan.backends.runtime.moe_adapter import join_expert_state
 
-        state = fuse_experts(state)
+    arch = plan["model"]["architecture"]
+    files = {rel: (root / rel).read_bytes() for rel in _model_files(root, plan)}
+    state = join_expert_state(state, expert_containers(arch, files))
     expected = plan["model"].get("weights_sha256")
     if expected and state_dict_sha256(state) != expected:
         raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
-    if plan["model"]["architecture"] == "hf_moe":
-        return _hf_reference(root, plan, state)
+    if arch == "transformers":
+        return _transformers_reference(root, plan, state)
     return tiny_moe_reference(root, plan, state)
+
+
+def _model_files(root: Path, plan: dict) -> list:
+    model_dir = (root / plan["model"]["config"]).parent
+    return sorted(str(p.relative_to(root)) for p in model_dir.iterdir() if p.is_file())
 
 
 def tiny_moe_reference(root: Path, plan: dict, state: dict):

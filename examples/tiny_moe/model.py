@@ -67,12 +67,23 @@ class Attention(nn.Module):
         self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
         self.probs = nn.Identity()
 
-    def forward(self, x):
+    def forward(self, x, cache: dict | None = None, key_mask=None):
+        """x [B, S, D]. With `cache` (a dict this layer owns), keys and values of earlier calls are
+        kept and the S new positions attend to them too; `key_mask` [B, P + S] (bool, False for
+        left padding) hides padded keys. Without them: plain causal attention over x."""
         B, S, D = x.shape
         q, k, v = self.qkv(x).view(B, S, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        P = k.shape[2] - S
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        causal = torch.ones(S, P + S, dtype=torch.bool, device=x.device).tril(diagonal=P)
+        if key_mask is not None:
+            causal = causal[None, None] & key_mask[:, None, None, :].to(torch.bool)
+        # with padding a query may see no key at all: a finite floor keeps its row finite (unused)
+        scores = scores.masked_fill(~causal, float("-inf") if key_mask is None else torch.finfo(scores.dtype).min)
         probs = self.probs(torch.softmax(scores, dim=-1))
         y = (probs @ v).transpose(1, 2).reshape(B, S, D)
         return self.out(y)
@@ -153,8 +164,8 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.moe = MoELayer(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x, cache: dict | None = None, key_mask=None):
+        x = x + self.attn(self.attn_norm(x), cache=cache, key_mask=key_mask)
         return x + self.moe(self.moe_norm(x))
 
 
@@ -174,9 +185,20 @@ class TinyMoE(nn.Module):
     def forward(self, input_ids):
         S = input_ids.shape[1]
         positions = torch.arange(S, device=input_ids.device)
+        return self._run(input_ids, positions, None, None)
+
+    def forward_incremental(self, input_ids, positions, cache: list, key_mask):
+        """Logits [B, S, 256] of S new tokens at `positions` [B, S], attending to what earlier calls
+        left in `cache` (a list, one dict per block, filled on the first call); `key_mask`
+        [B, P + S] is False for left padding (see Attention). Used by moeplan's runtime."""
+        if not cache:
+            cache.extend({} for _ in self.blocks)
+        return self._run(input_ids, positions, cache, key_mask)
+
+    def _run(self, input_ids, positions, cache, key_mask):
         x = self.embed(input_ids) + self.pos_embed(positions)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=None if cache is None else cache[i], key_mask=key_mask)
         return self.head(self.final_norm(x))
 
     def balance_loss(self) -> torch.Tensor:

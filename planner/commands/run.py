@@ -47,7 +47,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
-            "predicted_hardware")
+            "predicted_hardware", "prompt_encoding")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[mode] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -95,6 +95,7 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
 
 def _print(report: dict, verify: bool) -> None:
     click.echo(f"{report['world_size']} ranks, mode {report['mode']}: {report['tokens_per_second']:.1f} tokens/s")
+    click.echo(f"  prompts read as: {report.get('prompt_encoding', 'unknown')}")
     for i, text in enumerate(report["texts"]):
         click.echo(f"  [{i}] {text!r}")
     click.echo("  layer  all-to-all bytes  messages  context bytes  local slots")

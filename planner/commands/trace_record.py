@@ -33,11 +33,31 @@ def read_text(path: Path) -> str:
     return text
 
 
+IDS_PREFIX = "ids:"
+
+
+def token_id_lines(text: str):
+    """Sequences of token ids if every non-empty line of --data reads 'ids: 1 2 3', else None (text)."""
+    lines = [l for l in text.splitlines() if l.strip()]
+    if not lines or not all(l.startswith(IDS_PREFIX) for l in lines):
+        return None
+    try:
+        return [[int(t) for t in l[len(IDS_PREFIX):].split()] for l in lines]
+    except ValueError:
+        raise UserError("--data lines starting with 'ids:' must hold space-separated integer token ids") from None
+
+
 def hf_tokenizer(model: str):
-    """The model directory's Hugging Face tokenizer if it ships one, else None (byte-level ids)."""
+    """The model directory's tokenizer if it ships one, else None (byte-level ids). tokenizer.json
+    is read with the `tokenizers` library, as bundles read it (no network, same ids)."""
     directory = Path(model)
     if not directory.is_dir() or not any((directory / name).is_file() for name in TOKENIZER_FILES):
         return None
+    if (directory / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        fast = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        return lambda text: fast.encode(text, add_special_tokens=False).ids
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -82,12 +102,27 @@ def record(model, data, out, max_tokens, batch, seq_len, quiet):
     text = read_text(data)
     loaded = load_model(model)
     tokenizer = hf_tokenizer(model)
+    ids = token_id_lines(text)
+    byte_fallback = ids is None and tokenizer is None and _is_hf_directory(model)
     bar, update = _progress_bar(not quiet and sys.stderr.isatty())
     with bar:
-        trace = record_trace(loaded, text, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
+        trace = record_trace(loaded, text if ids is None else ids, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
                              tokenizer=tokenizer, progress=update)
     save_trace(trace, out)
     if not quiet:
         click.echo(f"wrote {out}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers, "
                    f"top-{trace.top_k} of {trace.num_experts} experts"
                    + ("" if trace.attention_ids is not None else " (no attention ids: the model exposes no attention probabilities)"))
+        if byte_fallback:
+            click.echo("note: no tokenizer.json in the model directory; the text was traced as UTF-8 bytes (ids 0-255)")
+
+
+def _is_hf_directory(model: str) -> bool:
+    """A Hugging Face model directory (its text has no native byte vocabulary, unlike TinyMoE's)."""
+    import json
+
+    config = Path(model) / "config.json"
+    try:
+        return config.is_file() and "moeplan_loader" not in json.loads(config.read_text())
+    except ValueError:
+        return False

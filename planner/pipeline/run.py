@@ -70,6 +70,9 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
         reference_cache = {}
         reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache)
                    for mode in modes}
+        encoding = [l[len("prompts: "):] for l in proc.stdout.splitlines() if l.startswith("prompts: ")]
+        for report in reports.values():  # how the runtime read the prompts (tokenizer.json or byte fallback)
+            report["prompt_encoding"] = encoding[0] if encoding else "unknown"
     return reports
 
 

@@ -50,7 +50,10 @@ def _plan(facts):
     placement_doc = json.loads(placement.to_json())  # without run-dependent metrics (solve time)
     placement_doc.get("metrics", {}).pop("auto_predictions", None)  # recorded under predicted.cost.alternatives
     target = facts["target"]
+    from moeplan.backends.common.model_source import library_pins
+
     model = {"name": ir.name, "architecture": facts["model_files"]["architecture"],
+             "library": library_pins(facts["model_files"]["architecture"]),
              "moe_layers": len(ir.moe_stages), "num_experts": ir.moe_stages[0].num_experts,
              "top_k": ir.moe_stages[0].top_k, "ir": ir.to_dict()}
     plan = Plan(

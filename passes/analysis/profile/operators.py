@@ -91,7 +91,9 @@ def model_units(ir: ModelIR, module=None) -> list:
             sub = _submodule(module, stage.source)
             experts = getattr(sub, "experts", None) if sub is not None else None
             for i in range(stage.num_experts):
-                mod = experts[i] if experts is not None and i < len(experts) else None
+                # one module per expert (ModuleList); fused [E, ...] experts (transformers 5) run as no unit
+                per_expert = experts is not None and hasattr(experts, "__len__")
+                mod = experts[i] if per_expert and i < len(experts) else None
                 units.append(Unit(f"{stage.name}.expert{i}", "expert", f"layer{stage.moe_index}",
                                   stage.expert_flops_per_token, stage.expert_param_bytes,
                                   mod, _float_input(stage.hidden_size)))

@@ -115,6 +115,40 @@ def _hf_attention_output(output):
     return output[1] if isinstance(output, tuple) and len(output) > 1 else None
 
 
+def _from_inputs(convert):
+    """Mark a converter that reads the hooked module's positional inputs instead of its output."""
+    convert.from_inputs = True
+    return convert
+
+
+def _hf_routing_inputs(module) -> list:
+    """Routing of transformers models without a *TopKRouter gate (Hunyuan, Llama-4, JetMoE, DBRX):
+    the final (ids, weights) the MoE block hands its experts module, or its router's output."""
+    import torch
+
+    routers = []
+    for name, sub in module.named_modules():
+        cls = type(sub).__name__
+        if cls == "Llama4Router":
+            def llama4(output, k=int(sub.top_k)):
+                weights, ids = torch.topk(output[0], k, dim=-1)  # sigmoid scores, 0 off the top-k
+                return ids, weights
+            routers.append((sub, llama4))
+        elif cls == "JetMoeTopKGating" and ".mlp." in f".{name}.":  # not the attention experts' gate
+            def jetmoe(output, k=int(sub.top_k)):
+                index_sorted, _, gates, sizes, _ = output
+                n = index_sorted.numel() // k
+                expert_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+                ids = torch.empty(n * k, dtype=torch.int64)
+                weights = torch.empty(n * k, dtype=gates.dtype)
+                ids[index_sorted.cpu()], weights[index_sorted.cpu()] = expert_of, gates.cpu()
+                return ids.view(n, k), weights.view(n, k)
+            routers.append((sub, jetmoe))
+        elif cls.endswith("Experts") and cls not in ("Llama4TextExperts", "JetMoeParallelExperts") and hasattr(sub, "num_experts"):
+            routers.append((sub, _from_inputs(lambda inputs: (inputs[1], inputs[2]))))
+    return routers
+
+
 def _is_hf_module(module) -> bool:
     return type(module).__module__.startswith("transformers.")
 
@@ -129,6 +163,8 @@ def find_hook_points(module) -> HookPoints:
                 routers.append((sub, _hf_router_output))
             elif name.endswith("self_attn"):
                 attentions.append((sub, _hf_attention_output))
+        if not routers:
+            routers = _hf_routing_inputs(module)
         hf = True
     else:
         for name, sub in module.named_modules():
@@ -141,7 +177,8 @@ def find_hook_points(module) -> HookPoints:
     if not routers:
         raise UserError(
             f"found no MoE router to trace in {type(module).__name__}; tracing supports moeplan's "
-            "'routing' hook convention and Hugging Face *TopKRouter gates (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3)")
+            "'routing' hook convention and Hugging Face MoE blocks (*TopKRouter gates or an *Experts module "
+            "called with top-k ids and weights, Llama-4 and JetMoE routers)")
     return HookPoints(routers=routers, attentions=attentions, hf_model=hf)
 
 
@@ -188,7 +225,7 @@ class _Recorder:
 
     def _hook(self, kind, convert):
         def hook(_module, _inputs, output):
-            value = convert(output)
+            value = convert(_inputs) if getattr(convert, "from_inputs", False) else convert(output)
             if kind == "route":
                 ids, weights = value
                 value = (ids.detach().cpu().numpy().astype(np.int64),

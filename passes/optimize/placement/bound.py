@@ -27,6 +27,7 @@ from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 
 LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
+CAPPED_LP_COLUMNS = 200_000  # observed pairs given the load-capped LP too, at effort 1 (all of them at 8 GPUs)
 LP_ITERATIONS_PER_COLUMN = 4  # simplex iterations per LP column (at least 10,000), at effort 1
 
 
@@ -118,3 +119,91 @@ def dual_bound(counts: np.ndarray, row_cap: int, col_cap: int, rounds: int = 30)
             break
         best = value
     return float(total - min(best, total))
+
+
+def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to: np.ndarray, cap_from: float,
+                          cap_to: float, slots_per_partition: int, partitions: int, max_replicas: int,
+                          iteration_limit: int = None, time_limit: float = 10.0) -> float:
+    """Cross transitions of one layer pair >= total - an LP that keeps the load cap; None if the LP stops early.
+
+    y[a, b] in [0, 1] is the share of the a -> b transitions that stay on their GPU; r[a] and
+    s[b] are the (relaxed) copy counts of a at l and b at l+1, in [1, max_replicas], summing to
+    the slots per layer. Every local a -> b transition needs b on a GPU holding a copy of a, so:
+      sum_b y[a, b] <= Q r[a]                     (a's copies hold Q experts of l+1 each)
+      sum_b weight_to[b] y[a, b] <= cap_to r[a]   (and those experts' loads fit under the cap)
+    and the same per b over the copies of b at l+1 (with weight_from, cap_from); sum y <= P Q^2.
+    weight_*: float [E], a lower bound on each expert's load per copy (its load / max_replicas,
+    or its load when it has one copy). Without replicas the knapsack rows say that the experts
+    sharing a's GPU at the next layer cannot carry more than the cap: where the cap binds (a hot
+    expert's successors are hot too), the matching bound without them can keep a hot successor
+    local for every predecessor at once."""
+    E = counts.shape[0]
+    a, b = np.nonzero(counts)
+    c = counts[a, b]
+    n = len(c)
+    if n == 0:
+        return 0.0
+    Q = slots_per_partition
+    cols = np.arange(n)
+    ra = n + np.arange(E)  # r[a] columns
+    sb = n + E + np.arange(E)  # s[b] columns
+    ones = np.ones(n)
+    rows = [
+        (np.concatenate([a, np.arange(E)]), np.concatenate([cols, ra]), np.concatenate([ones, np.full(E, -Q)])),
+        (np.concatenate([a, np.arange(E)]), np.concatenate([cols, ra]), np.concatenate([weight_to[b], np.full(E, -cap_to)])),
+        (np.concatenate([b, np.arange(E)]), np.concatenate([cols, sb]), np.concatenate([ones, np.full(E, -Q)])),
+        (np.concatenate([b, np.arange(E)]), np.concatenate([cols, sb]), np.concatenate([weight_from[a], np.full(E, -cap_from)])),
+    ]
+    blocks = [sp.csr_matrix((v, (r, k)), shape=(E, n + 2 * E)) for r, k, v in rows]
+    blocks.append(sp.csr_matrix((np.ones(n), (np.zeros(n), cols)), shape=(1, n + 2 * E)))
+    blocks.append(sp.csr_matrix((np.ones(E), (np.zeros(E), ra)), shape=(1, n + 2 * E)))
+    blocks.append(sp.csr_matrix((np.ones(E), (np.zeros(E), sb)), shape=(1, n + 2 * E)))
+    A = sp.vstack(blocks)
+    slots = float(Q * partitions)
+    lo = np.concatenate([np.full(4 * E + 1, -np.inf), [slots, slots]])
+    hi = np.concatenate([np.zeros(4 * E), [float(partitions * Q * Q)], [slots, slots]])
+    lower = np.concatenate([np.zeros(n), np.ones(2 * E)])
+    upper = np.concatenate([np.ones(n), np.full(2 * E, float(max_replicas))])
+    cost = np.concatenate([-c, np.zeros(2 * E)])
+    result = solve_milp(cost, A, lo, hi, lower, upper, np.zeros(n + 2 * E, dtype=bool), time_limit=time_limit,
+                        iteration_limit=iteration_limit)
+    if result.status != "optimal":
+        return None
+    return float(c.sum() + result.objective)
+
+
+def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: np.ndarray, partitions: int,
+                                  slots_per_partition: int, max_replicas: int = 1,
+                                  budget: WorkBudget = None) -> tuple[float, str]:
+    """(lower bound on cross-GPU transitions of any placement meeting the per-layer caps, method).
+
+    Per layer pair the largest of the counting and dual bounds, the matching LP without the cap
+    (within `LP_COLUMNS`, as `transition_lower_bound`) and `capped_matching_bound` (within
+    `CAPPED_LP_COLUMNS`: every pair at 8-GPU scale, the first few at DeepSeek-V3's)."""
+    budget = budget or WorkBudget()
+    Q = slots_per_partition
+    row_cap = min(counts.shape[1], Q * max(1, max_replicas))
+    pair_cap = partitions * Q ** 2
+    bounds = [max(counting_bound(c, row_cap, row_cap), dual_bound(c, row_cap, row_cap)) for c in counts]
+    per_copy = loads / max(1, max_replicas)
+    columns_left = budget.scaled(LP_COLUMNS)
+    capped_left = budget.scaled(CAPPED_LP_COLUMNS)
+    capped = 0
+    for i, c in enumerate(counts):
+        n = int(np.count_nonzero(c))
+        columns_left -= n
+        if columns_left < 0 or budget.expired():
+            break
+        iterations = budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * n))
+        values = [matching_bound(c, row_cap, row_cap, pair_cap, budget.seconds_left(), iterations)]
+        capped_left -= n
+        if capped_left >= 0:
+            values.append(capped_matching_bound(c, per_copy[i], per_copy[i + 1], caps[i], caps[i + 1], Q, partitions,
+                                                max(1, max_replicas), iterations, budget.seconds_left()))
+            capped += values[-1] is not None
+        for value in values:
+            if value is not None:
+                bounds[i] = max(bounds[i], value)
+    method = ("b-matching LP with load caps" if capped == len(counts)
+              else f"b-matching LP with load caps on {capped}/{len(counts)} layer pairs, without elsewhere")
+    return float(sum(bounds)), method

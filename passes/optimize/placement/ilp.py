@@ -21,8 +21,11 @@ warm-started from it. Sweeps alternate direction and never get worse. Stage 1 ru
 stage 2 on each node's GPUs (independent subproblems). Two starts (EPLB-style packing, and an
 uncapped GPU-level solve that finds the affinity structure first) each run the same work; the
 better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then polishes windows
-of layers where it is small enough. A valid bound for the whole problem comes from
-`placement/bound.py`.
+of layers where it is small enough. Last, the result is valued on the planning trace itself with
+the metric's routing (`placement/routed.py`): the even-split model misjudges replicated experts,
+so the staged result and a routed layer chain are both polished by routed layer MIPs and the one
+with more GPU-local transitions wins (at DeepSeek-V3 scale: routed exchanges on the staged
+result). A valid bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
 (`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
@@ -43,6 +46,8 @@ from moeplan.passes.optimize.placement.eplb import balanced_packing
 from moeplan.passes.optimize.placement.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import over_cap_layers
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
+from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
+                                                      routed_value)
 from moeplan.planner.errors import UserError
 
 
@@ -413,7 +418,7 @@ class StagedSolution:
 
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
-                     solver: str, budget: WorkBudget = None) -> StagedSolution:
+                     solver: str, budget: WorkBudget = None, routed: RoutedTrace = None) -> StagedSolution:
     """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
 
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
@@ -467,7 +472,30 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         hosts, more = reslot_search(hosts, counts, loads, caps, topology.gpus_per_node, budget, max_copies)
         best = _better(best, counts, hosts, {"start": "tightened", "uncapped": uncapped_sweeps,
                                              "reslot_moves": moves + more, "layers_kept": len(over)})
+    if routed is not None and reslot_applies(E + redundant, D, budget):
+        best = _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver)
+    elif routed is not None:  # DeepSeek-V3 scale: layer MIPs are too big; routed exchanges instead
+        hosts, gain = routed_swaps(best[1], routed, loads, caps, budget)
+        best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
     return StagedSolution(best[1], best[1].sum(axis=2), caps, counts, best[2], problem.notes)
+
+
+def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):
+    """Value the staged result and a routed layer chain on the planning trace itself, polish both
+    by routed layer steps (`placement/routed.py`) and keep the one with the most GPU-local
+    transitions, then node-local (the metric's own counts; ties: the staged one).
+
+    Why: the stages' even-split model misjudges replicated experts (the metric keeps a token on
+    its GPU's copy); on trained top-1 traces the routed steps gain 6 points of GPU-local."""
+    chain = routed_chain(routed, loads, replicas, caps, packed, budget, solver)
+    finalists = []
+    for name, hosts in (("staged", best[1]), ("routed chain", chain)):
+        polished, gain = routed_polish(hosts, routed, loads, caps, budget, solver)
+        finalists.append((routed_value(routed, polished), polished, {**best[2], "finish": name,
+                                                                                "routed_gain": int(gain)}))
+    top = max(range(len(finalists)), key=lambda i: (finalists[i][0], -i))
+    value, hosts, info = finalists[top]
+    return (_objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float)), hosts, info)
 
 
 RESLOT_MAX_SIZE = 2_000  # replica slots x devices per layer, at effort 1: above it (64-GPU scale) the

@@ -49,18 +49,9 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
         raise ValueError("hosts and topology disagree on the device count")
     if not hosts.any(axis=2).all():
         raise UserError("the placement leaves an expert without a device")
-    N = topology.nodes
-    node_of = np.arange(D) // topology.gpus_per_node
-    node_hosts = np.zeros((L, E, N), dtype=bool)
-    for n in range(N):
-        node_hosts[:, :, n] = hosts[:, :, node_of == n].any(axis=2)
-    first_device = np.argmax(hosts, axis=2)  # [L, E]
-    first_on_node = np.full((L, E, N), -1, dtype=np.int64)
-    for n in reversed(range(N)):
-        on_node = hosts[:, :, node_of == n]
-        found = on_node.any(axis=2)
-        first_on_node[:, :, n] = np.where(found, np.argmax(on_node, axis=2) + n * topology.gpus_per_node, -1)
-
+    G = topology.gpus_per_node
+    node_of = np.arange(D) // G
+    node_hosts, first_device, first_on_node = routing_tables(hosts, G)
     experts = trace.experts.astype(np.int64)
     heaviest = heaviest_choice(trace)
     current = np.full(trace.num_tokens, -1, dtype=np.int64)
@@ -82,15 +73,7 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
         if load.sum() > 0:
             device_load = hosts[l].T.astype(np.float64) @ (load / hosts[l].sum(axis=1))
             ratios.append(device_load.max() / device_load.mean())
-        h = heaviest[:, l]
-        has = h >= 0
-        hh = np.where(has, h, 0)
-        known = current >= 0
-        c = np.where(known, current, 0)
-        stay = known & hosts[l][hh, c]
-        same_node = np.where(known, first_on_node[l][hh, node_of[c]], -1)
-        moved = np.where(stay, c, np.where(same_node >= 0, same_node, first_device[l][hh]))
-        current = np.where(has, moved, current)
+        current = next_devices(current, heaviest[:, l], hosts[l], first_device[l], first_on_node[l], node_of)
     return PlacementScore(
         gpu_local_fraction=gpu_local / transitions if transitions else 0.0,
         node_local_fraction=node_local / transitions if transitions else 0.0,
@@ -99,6 +82,32 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
         cross_gpu_transitions=transitions - gpu_local,
         cross_node_transitions=transitions - node_local,
     )
+
+
+def routing_tables(hosts: np.ndarray, gpus_per_node: int) -> tuple:
+    """From bool [L, E, D] hosts: (node_hosts bool [L, E, N], first device int [L, E], first device of
+    each expert on each node int [L, E, N], -1 where the node has none): what `next_devices` needs."""
+    L, E, D = hosts.shape
+    N = D // gpus_per_node
+    by_node = hosts.reshape(L, E, N, gpus_per_node)
+    node_hosts = by_node.any(axis=3)
+    first_device = np.argmax(hosts, axis=2)
+    first_on_node = np.where(node_hosts, np.argmax(by_node, axis=3) + np.arange(N) * gpus_per_node, -1)
+    return node_hosts, first_device, first_on_node
+
+
+def next_devices(current: np.ndarray, heaviest: np.ndarray, hosts_l: np.ndarray, first_device_l: np.ndarray,
+                 first_on_node_l: np.ndarray, node_of: np.ndarray) -> np.ndarray:
+    """int [T]: each token's current device after a layer (module docstring), from its current device
+    before it (-1: none yet) and its heaviest expert there (-1: none; the token stays put)."""
+    has = heaviest >= 0
+    hh = np.where(has, heaviest, 0)
+    known = current >= 0
+    c = np.where(known, current, 0)
+    stay = known & hosts_l[hh, c]
+    same_node = np.where(known, first_on_node_l[hh, node_of[c]], -1)
+    moved = np.where(stay, c, np.where(same_node >= 0, same_node, first_device_l[hh]))
+    return np.where(has, moved, current)
 
 
 def max_gpu_loads(hosts: np.ndarray, loads: np.ndarray) -> np.ndarray:

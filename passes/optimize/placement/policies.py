@@ -21,11 +21,12 @@ import numpy as np
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import relative_gap
-from moeplan.passes.optimize.placement.bound import transition_lower_bound
+from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT, WorkBudget
 from moeplan.passes.optimize.placement.eplb import eplb_placement
 from moeplan.passes.optimize.placement.ilp import BALANCE_BASES, staged_placement
 from moeplan.passes.optimize.placement.metrics import score_placement
+from moeplan.passes.optimize.placement.routed import RoutedTrace
 from moeplan.passes.optimize.placement.decision import Placement, Topology
 from moeplan.planner.errors import UserError
 
@@ -127,9 +128,11 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     counts = transition_counts(trace, "current")
     budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
     solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
-                                request.solver, budget)
+                                request.solver, budget,
+                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node))
     slots = (trace.num_experts + request.redundant) // D
-    bound, method = transition_lower_bound(counts, D, slots, int(solution.replicas.max()), budget=budget)
+    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, int(solution.replicas.max()),
+                                                  budget=budget)
     extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps,
              "stopped_by": "time_limit" if budget.timed_out else "work"}
     notes = list(solution.notes)

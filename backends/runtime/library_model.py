@@ -1,0 +1,152 @@
+"""Build a rank's model with the library's own code: transformers for Hugging Face models,
+the shipped `model/model.py` for moeplan model directories (TinyMoE).
+
+The model class named by the config is built as the library builds it; dense weights load as
+they are, and each MoE block keeps only this rank's experts (`moe_adapter.MoEAdapter`). The
+engine then calls one `forward` per step (batched, left-padded, with the library's own KV cache)
+and reaches into three places per decoder block by hooks: the attention module (its input, for
+context-coherent mode), the norm before the feed-forward block, and the block's output.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .moe_adapter import MoEAdapter, find_containers
+
+ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn", "norm_attn_norm.attn")
+FFN_NORM_NAMES = ("post_attention_layernorm", "norm_attn_norm.norm_2", "moe_norm")
+
+
+class ModelError(Exception):
+    """The model cannot run under this runtime: one line naming why."""
+
+
+def transformers_config(config_dir: Path):
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    config = transformers.AutoConfig.from_pretrained(str(config_dir))
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"
+    return config
+
+
+def build_transformers(config_dir: Path, device: str = "cpu"):
+    """The transformers causal LM named by the config (float32, eval); meta device builds no weights."""
+    import transformers
+
+    from transformers.initialization import no_init_weights
+
+    config = transformers_config(config_dir)
+    with torch.device(device), no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config._experts_implementation = "eager"
+    return model.eval()
+
+
+def transformers_top_k(config) -> int:
+    """Experts per token, under the name each transformers config uses."""
+    ffn = getattr(config, "ffn_config", None)
+    for source, name in ((config, "num_experts_per_tok"), (config, "moe_topk"), (ffn, "moe_top_k"),
+                         (config, "moe_k"), (config, "experts_per_token")):
+        value = getattr(source, name, None) if source is not None else None
+        if value:
+            return int(value[0] if isinstance(value, (list, tuple)) else value)
+    raise ModelError(f"{type(config).__name__} names no experts-per-token setting this runtime knows")
+
+
+def load_source_module(path: Path):
+    """Import a model source file by path (bundles carry it as model/model.py)."""
+    import hashlib
+    import sys
+
+    name = "moeplan_model_" + hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_tiny_moe(config_path: Path, source: Path):
+    module = load_source_module(source)
+    config = json.loads(Path(config_path).read_text())
+    return module.TinyMoE(module.TinyMoEConfig.from_dict(config)).eval()
+
+
+def decoder_layers(model) -> tuple:
+    """(module path, ModuleList) of the model's decoder blocks: the longest ModuleList holding an MoE block."""
+    best = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and find_containers(module, name):
+            if best is None or len(module) > len(best[1]):
+                best = (name, module)
+    if best is None:
+        raise ModelError(f"{type(model).__name__} has no MoE block this runtime recognises")
+    return best
+
+
+def _first_submodule(layer, names):
+    for n in names:
+        try:
+            return layer.get_submodule(n)
+        except AttributeError:
+            continue
+    return None
+
+
+class RankModel:
+    """A library model holding this rank's experts, with the engine's hook points."""
+
+    def __init__(self, model, kind: str, route_fn, local_experts: dict, weights: dict, max_positions: int):
+        self.model, self.kind, self.max_positions = model, kind, max_positions
+        prefix, self.layers = decoder_layers(model)
+        self.containers = find_containers(self.layers, prefix)
+        expert_names = {f"{c.path}.{e}.{p}" for c in self.containers for e in range(c.num_experts) for p, _ in c.params}
+        if kind == "tiny_moe":
+            expert_names = {f"{c.path}.{p}" for c in self.containers for p, _ in c.params}
+        dense = {k: v for k, v in weights.items() if k not in expert_names}
+        missing, unexpected = _load_dense(model, dense, self.containers, kind)
+        if unexpected:
+            raise ModelError(f"shard tensors {unexpected[:3]} are not parameters of {type(model).__name__}")
+        if missing:
+            raise ModelError(f"shard lacks tensors {missing[:3]} of {type(model).__name__}")
+        self.adapters = [MoEAdapter(model, c, local_experts.get(c.moe, []), weights, route_fn) for c in self.containers]
+        self.moe_of = {c.layer: c.moe for c in self.containers}
+        self.num_layers = len(self.layers)
+        self.attention = [_first_submodule(layer, ATTENTION_NAMES) for layer in self.layers]
+        self.ffn_norm = {c.layer: _first_submodule(self.layers[c.layer], FFN_NORM_NAMES) for c in self.containers}
+        for layer, norm in self.ffn_norm.items():
+            if norm is None:
+                raise ModelError(f"decoder block {layer} has no norm before its MoE block among {FFN_NORM_NAMES}")
+        if any(a is None for a in self.attention):
+            raise ModelError(f"a decoder block has no attention module among {ATTENTION_NAMES}")
+
+    def forward(self, ids, positions, key_mask, cache):
+        """Logits [B, S, V] and the cache to pass next time, for ids/positions [B, S], key_mask [B, P + S]."""
+        if self.kind == "tiny_moe":
+            cache = [] if cache is None else cache
+            return self.model.forward_incremental(ids, positions, cache, key_mask), cache
+        out = self.model(input_ids=ids, attention_mask=key_mask.to(torch.int64), position_ids=positions,
+                         past_key_values=cache, use_cache=True)
+        return out.logits, out.past_key_values
+
+
+def _load_dense(model, dense: dict, containers: list, kind: str) -> tuple:
+    """Load non-expert weights; returns (missing dense names, unexpected names)."""
+    expert_params = set()
+    for c in containers:
+        expert_params |= {f"{c.path}.{p}" for p, _ in c.params}
+    result = model.load_state_dict(dense, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if k not in expert_params]
+    if kind != "tiny_moe":
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        if tied:
+            missing = [k for k in missing if k != "lm_head.weight"]
+            model.tie_weights()
+    return missing, list(result.unexpected_keys)
