@@ -15,6 +15,7 @@ import click
 
 from moeplan.planner import cli_types as T
 from moeplan.planner.commands.compile import describe, pipeline_inputs, summary_of
+from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, plan_offload_command
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
                                                output_options, pop, serverless_options, topology_options)
 
@@ -22,7 +23,7 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
 @click.command("plan")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL (lambda: with token ids)")
-@click.option("--target", type=click.Choice(["lambda", "torchrun", "kubernetes"]), default="lambda", show_default=True)
+@click.option("--target", type=click.Choice(["lambda", "torchrun", "kubernetes", "offload"]), default="lambda", show_default=True)
 @topology_options(required=False)
 @auto_placement_options
 @cost_options
@@ -30,10 +31,15 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
 @click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
+@offload_options
 @output_options
 def plan(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, out, as_json, quiet, hardware,
          workload, **flags):
     """Plan MODEL's deployment for a target and write plan.json (no bundle)."""
+    offload = pop(flags, OFFLOAD_FLAGS)
+    if target == "offload":  # one GPU whose experts do not all fit: passes/optimize/offload/
+        return plan_offload_command(model, trace_path, out, flags["validation_fraction"], flags["seed"], as_json, quiet,
+                                    hardware=hardware, **offload)
     from moeplan.planner.atomic import write_text_atomic
     from moeplan.planner.pipeline.targets import run_target
 

@@ -32,8 +32,15 @@ def print_layers(layers) -> None:
 @click.argument("plan_path", metavar="PLAN")
 @click.option("--trace", "trace_path", required=True, help="held-out routing trace (.npz) of the planned model")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
-def simulate(plan_path, trace_path, as_json):
-    """Billed cost and latency of a lambda PLAN on the real loads of a held-out trace."""
+@click.option("--prompt-tokens", type=int, default=0, show_default=True,
+              help="offload plans: the first P tokens of each sequence are one prefill step")
+def simulate(plan_path, trace_path, as_json, prompt_tokens):
+    """Billed cost and latency of a lambda PLAN on the real loads of a held-out trace; for an
+    offload PLAN, every cache policy's hit ratio and the prefetch results on the trace."""
+    from moeplan.planner.commands.simulate_offload import is_offload_plan, simulate_offload
+
+    if is_offload_plan(plan_path):
+        return simulate_offload(plan_path, trace_path, as_json, prompt_tokens)
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.passes.optimize.serverless.plan import real_batches
     from moeplan.passes.optimize.serverless.sim import simulate as run

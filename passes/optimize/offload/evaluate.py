@@ -1,0 +1,39 @@
+"""Every policy on one request stream, side by side: what `moeplan simulate`, the planner's
+validation and benchmarks/offload.py report (one function, so the three agree).
+
+Demand: LRU, LFU, LIFO, MoE-Infinity, Belady and moeplan from the same initial resident set.
+Prefetch (timed): demand-only with the moeplan policy ("none"), MoE-Infinity (EAMC prefetch +
+its cache priority) and moeplan (next-use prefetch + next-use eviction).
+"""
+from __future__ import annotations
+
+from moeplan.passes.optimize.offload.policies import DEMAND_POLICIES, make_policy
+from moeplan.passes.optimize.offload.prefetch import EAMCPrefetch, NextUsePrefetch
+from moeplan.passes.optimize.offload.simulate import simulate_demand, simulate_timed
+
+PREFETCH_MODES = ("none", "moe-infinity", "moeplan")
+
+
+def run_demand(stream, capacity, resident, model, policies=DEMAND_POLICIES, expert_bytes: int = 0) -> dict:
+    """{policy: Result.to_dict()} in demand mode."""
+    return {name: simulate_demand(stream, capacity, make_policy(name, model), resident=resident,
+                                  expert_bytes=expert_bytes).to_dict() for name in policies}
+
+
+def run_prefetch(stream, capacity, resident, model, eamc, timing, modes=PREFETCH_MODES) -> dict:
+    """{mode: Result.to_dict()} of the timed simulation with each prefetcher."""
+    out = {}
+    for mode in modes:
+        if mode == "none":
+            policy, pre = make_policy("moeplan", model), None
+        elif mode == "moe-infinity":
+            policy, pre = make_policy("moe-infinity"), EAMCPrefetch(eamc)
+        else:
+            policy, pre = make_policy("moeplan", model), NextUsePrefetch()
+        out[mode] = simulate_timed(stream, capacity, policy, timing, prefetcher=pre, resident=resident).to_dict()
+    return out
+
+
+def gap_to_belady(policies: dict) -> float:
+    """Belady's hit ratio minus moeplan's, in points (0-100)."""
+    return 100.0 * (policies["belady"]["hit_ratio"] - policies["moeplan"]["hit_ratio"])

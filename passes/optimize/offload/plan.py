@@ -1,0 +1,224 @@
+"""The offload planner: expert cache size, initial residents, eviction and prefetch policies,
+host/disk tiers, and the predicted hit ratio and seconds per token (issue 13).
+
+Memory (one GPU, `gpu_memory_bytes`): dense weights (everything but routed experts: attention,
+norms, embeddings, head, routers, shared experts) + KV cache (batch x max_length tokens) +
+activations (batch x prefill chunk x the widest stage's per-token activation x `ACT_BUFFERS`
+working copies) + a fixed reserve (CUDA context, allocator slack). What is left holds
+floor(left / expert_bytes) (layer, expert) entries. `expert_cache` N overrides the budget.
+
+Decisions, all by simulation of the held-out part of the planning trace (its last
+`validation_fraction` of sequences; the rest fits the models):
+* the moeplan policy's frequency weight (next_use.py);
+* residents at start: the cache's worth of most popular (layer, expert) keys;
+* eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
+* prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
+* tiers: host DRAM holds the most popular experts that fit beside a host reserve, disk the rest.
+
+Timing (decode, memory-bound): a layer step reads its dense share and its experts at the GPU's
+memory bandwidth x efficiency, plus a per-layer overhead; an expert copy takes a fixed latency
+plus bytes over PCIe (and over NVMe first for disk-tier experts).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, sequence_ids, stream_order
+from moeplan.passes.optimize.offload.evaluate import PREFETCH_MODES, gap_to_belady, run_demand, run_prefetch
+from moeplan.passes.optimize.offload.hardware import Hardware
+from moeplan.passes.optimize.offload.next_use import fit_next_use
+from moeplan.passes.optimize.offload.policies import make_policy
+from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
+from moeplan.passes.optimize.offload.stream import build_stream
+from moeplan.planner.errors import UserError
+
+ACT_BUFFERS = 8
+GIB = 1 << 30
+ONLINE_POLICIES = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")  # order = tie preference
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    hardware: Hardware
+    gpu_memory_bytes: Optional[int] = None
+    expert_cache: Optional[int] = None
+    batch: int = 1
+    max_length: int = 4096
+    prefill_chunk: int = 512
+    reserve_bytes: int = GIB
+    host_reserve_bytes: int = 8 * GIB
+    prompt_tokens: int = 0
+    validation_fraction: float = 0.2
+    seed: int = 0
+    max_sim_requests: int = 50_000
+
+
+def kv_bytes_per_token(config, ir) -> int:
+    """KV-cache bytes one token adds over all attention layers (MLA: the compressed latent)."""
+    from moeplan.planner.ir import dtype_bytes
+
+    b = dtype_bytes(ir.dtype)
+    layers = sum(1 for s in ir.stages if getattr(s, "kind", "") == "attention") or len(ir.moe_stages)
+    get = (lambda name, default=None: getattr(config, name, default)) if config is not None else (lambda n, d=None: d)
+    if get("kv_lora_rank"):
+        per = get("kv_lora_rank") + (get("qk_rope_head_dim") or 0)
+    elif get("num_key_value_heads") or get("num_attention_heads") or get("num_heads"):
+        heads = get("num_attention_heads") or get("num_heads")
+        kv = get("num_key_value_heads") or heads
+        head_dim = get("head_dim") or ir.hidden_size // heads
+        per = 2 * kv * head_dim
+    else:
+        per = 2 * ir.hidden_size
+    return int(layers * per * b)
+
+
+def memory_budget(ir, kv_per_token: int, req: OffloadRequest) -> dict:
+    """Bytes of each GPU memory use and the expert cache capacity in (layer, expert) entries."""
+    moe = ir.moe_stages
+    expert_bytes = int(moe[0].expert_param_bytes)
+    total_keys = sum(s.num_experts for s in moe)
+    routed = sum(s.num_experts * s.expert_param_bytes for s in moe)
+    dense = int(ir.total_param_bytes - routed)
+    kv = int(req.batch * req.max_length * kv_per_token)
+    widest = max(s.activation_bytes_per_token for s in ir.stages)
+    act = int(req.batch * min(req.prefill_chunk, req.max_length) * widest * ACT_BUFFERS)
+    out = {"dense_bytes": dense, "kv_cache_bytes": kv, "activation_bytes": act, "reserve_bytes": int(req.reserve_bytes),
+           "expert_bytes": expert_bytes, "total_experts": total_keys}
+    if req.expert_cache is not None:
+        if req.expert_cache < 1:
+            raise UserError(f"--expert-cache must be at least 1 entry, got {req.expert_cache}")
+        out["capacity"] = min(int(req.expert_cache), total_keys)
+        out["gpu_memory_bytes"] = dense + kv + act + int(req.reserve_bytes) + out["capacity"] * expert_bytes
+        return out
+    gpu = int(req.gpu_memory_bytes if req.gpu_memory_bytes is not None else req.hardware.gpu_memory_bytes)
+    left = gpu - dense - kv - act - int(req.reserve_bytes)
+    if left < expert_bytes:
+        need = dense + kv + act + req.reserve_bytes + expert_bytes
+        raise UserError(
+            f"--gpu-memory {gpu} bytes ({gpu / GIB:.1f} GiB) cannot hold the dense weights ({dense / GIB:.2f} GiB), KV cache "
+            f"({kv / GIB:.2f} GiB), activations ({act / GIB:.2f} GiB), reserve ({req.reserve_bytes / GIB:.2f} GiB) and one expert; "
+            f"give at least {need} bytes, or lower --max-length / --batch")
+    out["capacity"] = min(left // expert_bytes, total_keys)
+    out["gpu_memory_bytes"] = gpu
+    return out
+
+
+def timing_for(ir, hw: Hardware, host_keys=None) -> Timing:
+    """Per-step compute and per-expert copy times of `ir` on `hw` (decode, memory-bound)."""
+    moe = ir.moe_stages
+    expert_bytes = int(moe[0].expert_param_bytes)
+    routed = sum(s.num_experts * s.expert_param_bytes for s in moe)
+    embedding = sum(s.param_bytes for s in ir.stages if getattr(s, "kind", "") == "embedding")
+    dense_read = max(ir.total_param_bytes - routed - embedding, 0) / len(moe)
+    bw = hw.gpu_memory_bandwidth * hw.memory_efficiency
+    return Timing(layer_s=hw.layer_overhead_s + dense_read / bw, expert_compute_s=expert_bytes / bw,
+                  pcie_copy_s=hw.copy_latency_s + expert_bytes / hw.pcie_bandwidth,
+                  nvme_copy_s=expert_bytes / hw.nvme_bandwidth, expert_bytes=expert_bytes,
+                  host_keys=None if host_keys is None else frozenset(int(k) for k in host_keys))
+
+
+def split_by_sequence(trace, validation_fraction: float):
+    """(fit rows, validation rows): the last `validation_fraction` of sequences in serving order."""
+    order = stream_order(trace)
+    seq = sequence_ids(trace)[order]
+    starts = np.r_[0, np.flatnonzero(np.diff(seq)) + 1]
+    n_val = max(1, int(round(len(starts) * validation_fraction))) if len(starts) > 1 else 0
+    if n_val == 0:  # one sequence: split its tokens
+        cut = int(len(order) * (1 - validation_fraction))
+        return np.sort(order[:cut]), np.sort(order[cut:])
+    cut = starts[len(starts) - n_val]
+    return np.sort(order[:cut]), np.sort(order[cut:])
+
+
+def popular_keys(popularity: np.ndarray, count: int) -> list:
+    """The `count` most popular keys, least popular first (so the most popular is the most recent)."""
+    flat = popularity.reshape(-1)
+    order = np.lexsort((np.arange(len(flat)), -flat))[:count]
+    return [int(k) for k in order[::-1]]
+
+
+def capped(stream, max_requests: int):
+    """The stream's first tokens holding at most `max_requests` requests (whole tokens)."""
+    if stream.num_requests <= max_requests:
+        return stream
+    from moeplan.passes.optimize.offload.stream import truncate
+
+    return truncate(stream, max_requests)
+
+
+MIXES = (0.0, 0.25, 0.5, 0.75)  # 1.0 would drop the learned model for a (Bayesian) LFU
+
+
+def tune_mix(model, stream, capacity: int, resident) -> tuple:
+    """The moeplan policy's frequency weight with the best demand hit ratio on `stream` (ties: the
+    smaller weight), and every weight's hit ratio."""
+    hits = {w: simulate_demand(stream, capacity, make_policy("moeplan", model.with_mix(w)), resident=resident).hit_ratio
+            for w in MIXES}
+    best = max(MIXES, key=lambda w: (hits[w], -w))
+    return model.with_mix(best), hits
+
+
+def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m: None) -> dict:
+    """The offload decisions and predictions (the plan's placement/communication/predicted parts)."""
+    budget = memory_budget(ir, kv_per_token, req)
+    capacity = int(budget["capacity"])
+    fit_rows, val_rows = split_by_sequence(trace, req.validation_fraction)
+    fit, val = trace.select(fit_rows), trace.select(val_rows)
+    popularity = popularity_by_layer(fit)
+    say(f"expert cache: {capacity} of {budget['total_experts']} (layer, expert) entries")
+    model = fit_next_use(build_stream(fit), popularity)
+    eamc = build_eamc(fit, val, seed=req.seed)
+    say(f"EAMC: {eamc.capacity} entries (held-out recall {eamc.recall_by_capacity.get(eamc.capacity, 0):.3f})")
+    resident = popular_keys(popularity, capacity)
+    host_capacity = max(0, int((req.hardware.host_memory_bytes - req.host_reserve_bytes) // budget["expert_bytes"]))
+    total = budget["total_experts"]
+    host_keys = None if host_capacity >= total else popular_keys(popularity, host_capacity)
+    timing = timing_for(ir, req.hardware, host_keys)
+    timing = Timing.from_dict(timing.to_dict(), host_keys)  # exactly what the plan stores
+    stream = capped(build_stream(val, req.prompt_tokens), req.max_sim_requests)
+    model, mix_hits = tune_mix(model, stream, capacity, resident)
+    say("moeplan policy mix (frequency weight): " + ", ".join(f"{w:g} -> {h:.4f}" for w, h in mix_hits.items()))
+    demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"])
+    eviction = max(ONLINE_POLICIES, key=lambda p: (demand[p]["hit_ratio"], -ONLINE_POLICIES.index(p)))
+    prefetch = run_prefetch(stream, capacity, resident, model, eamc.eamc, timing)
+    best_prefetch = min(PREFETCH_MODES, key=lambda m: (prefetch[m]["seconds_per_token"], PREFETCH_MODES.index(m)))
+    if best_prefetch == "moe-infinity":
+        eviction = "moe-infinity"
+    elif best_prefetch == "moeplan":
+        eviction = "moeplan"
+    chosen = prefetch[best_prefetch]
+    say(f"eviction {eviction}, prefetch {best_prefetch}: hit ratio {demand[eviction]['hit_ratio']:.3f}, "
+        f"{chosen['seconds_per_token'] * 1e3:.3f} ms/token")
+    tokens = max(stream.num_tokens, 1)
+    return {
+        "placement": {"version": 1, "policy": "offload", "resident": [[k // ir.moe_stages[0].num_experts,
+                                                                       k % ir.moe_stages[0].num_experts] for k in resident]},
+        "communication": {
+            "offload_version": 1, "expert_cache": capacity, "eviction": eviction, "prefetch": best_prefetch,
+            "memory": budget,
+            "tiers": {"gpu_experts": capacity, "host_experts": min(host_capacity, total),
+                      "disk_experts": max(total - host_capacity, 0),
+                      "host_bytes": min(host_capacity, total) * budget["expert_bytes"],
+                      "disk_bytes": max(total - host_capacity, 0) * budget["expert_bytes"]},
+            "timing": timing.to_dict(),
+            "host_resident": None if host_keys is None else sorted(host_keys),
+            "hardware": req.hardware.to_dict(),
+            "policy_model": model.to_dict(),
+            "eamc": eamc.eamc.tolist(),
+        },
+        "predicted": {
+            "hit_ratio": demand[eviction]["hit_ratio"],
+            "seconds_per_token": chosen["seconds_per_token"],
+            "resident_at_layer_start": chosen["resident_at_layer_start"],
+            "bytes_moved_per_token": chosen["bytes_moved"] / tokens,
+            "belady_gap_points": gap_to_belady(demand),
+            "validation_tokens": stream.num_tokens,
+            "policies": demand, "prefetch": prefetch,
+        },
+        "inputs_extra": {"eamc_capacity": eamc.capacity, "moeplan_mix_hit_ratio": {str(w): h for w, h in mix_hits.items()},
+                         "eamc_recall_by_capacity": {str(k): v for k, v in sorted(eamc.recall_by_capacity.items())}},
+    }

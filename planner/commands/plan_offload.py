@@ -1,0 +1,104 @@
+"""`moeplan plan MODEL --trace T --target offload (--gpu-memory BYTES | --expert-cache N)`: plan one
+GPU whose experts do not all fit (expert cache, residents, eviction, prefetch, tiers); see
+passes/optimize/offload/plan.py. Prints the decisions; `--json` prints a summary as one JSON line.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import click
+
+from moeplan.planner.errors import UserError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
+    """'25769803776', '24GiB', '24GB' (10^9), '16g' -> bytes; UserError otherwise."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"{option} {text!r} is not a size; give bytes (25769803776) or a unit (24GiB, 24GB)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "serve_batch", "max_length", "prompt_tokens")
+
+
+def offload_options(f):
+    """The options only `--target offload` reads (it shares --hardware with the cost model's options:
+    offload profiles are passes/optimize/offload/hardware.yaml, default rtx4090-pcie4)."""
+    options = [
+        click.option("--gpu-memory", default=None, help="offload: GPU memory for the model, bytes or e.g. 24GiB"),
+        click.option("--expert-cache", type=int, default=None, help="offload: expert cache entries ((layer, expert) pairs) instead of --gpu-memory"),
+        click.option("--batch", "serve_batch", type=int, default=1, show_default=True, help="offload: sequences served at once (KV cache sizing)"),
+        click.option("--max-length", type=int, default=4096, show_default=True, help="offload: tokens per sequence (KV cache sizing)"),
+        click.option("--prompt-tokens", type=int, default=0, show_default=True, help="offload: first P tokens of a sequence are one prefill step"),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, gpu_memory, expert_cache,
+                         hardware, serve_batch, max_length, prompt_tokens):
+    from moeplan.passes.analysis.trace.format import load_trace, require_routing, trace_file_sha256
+    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
+    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.planner.atomic import write_text_atomic
+    from moeplan.planner.pipeline.common import check_trace_matches
+    from moeplan.planner.importers import load_model
+    from moeplan.planner.plan import Plan
+
+    if (gpu_memory is None) == (expert_cache is None):
+        raise UserError("--target offload needs exactly one of --gpu-memory BYTES or --expert-cache N")
+    for name, value in (("--batch", serve_batch), ("--max-length", max_length)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if prompt_tokens < 0:
+        raise UserError(f"--prompt-tokens must be 0 or more, got {prompt_tokens}")
+    if not 0 < validation_fraction < 1:
+        raise UserError(f"--validation-fraction must be between 0 and 1, got {validation_fraction}")
+    say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
+    t0 = time.perf_counter()
+    hw = load_hardware(hardware or DEFAULT)
+    gpu_bytes = parse_bytes(gpu_memory) if gpu_memory is not None else None
+    trace = load_trace(trace_path)
+    require_routing(trace, "offload planning (per-token expert requests)")
+    loaded = load_model(model)
+    ir = loaded.ir
+    check_trace_matches(ir, trace, f"trace '{trace_path}'")
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    req = OffloadRequest(hardware=hw, gpu_memory_bytes=gpu_bytes, expert_cache=expert_cache, batch=serve_batch,
+                         max_length=max_length, prompt_tokens=prompt_tokens, validation_fraction=validation_fraction, seed=seed)
+    body = plan_offload(ir, trace, req, kv_bytes_per_token(config, ir), say=say)
+    inputs = {"trace_sha256": trace_file_sha256(trace_path), "gpu_memory_bytes": gpu_bytes, "expert_cache": expert_cache,
+              "hardware": hw.name, "batch": serve_batch, "max_length": max_length, "prompt_tokens": prompt_tokens,
+              "validation_fraction": validation_fraction, "seed": seed, **body["inputs_extra"]}
+    the_plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
+                    topology={"kind": "single_gpu", "nodes": 1, "gpus_per_node": 1, "hardware": hw.name},
+                    placement=body["placement"], communication=body["communication"], predicted=body["predicted"],
+                    inputs=inputs)
+    write_text_atomic(out, the_plan.to_json())
+    p, c = body["predicted"], body["communication"]
+    summary = {"out": str(out), "expert_cache": c["expert_cache"], "total_experts": c["memory"]["total_experts"],
+               "eviction": c["eviction"], "prefetch": c["prefetch"], "hit_ratio": p["hit_ratio"],
+               "seconds_per_token": p["seconds_per_token"], "belady_gap_points": p["belady_gap_points"],
+               "seconds": round(time.perf_counter() - t0, 3)}
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+        return
+    if quiet:
+        return
+    m = c["memory"]
+    click.echo(f"wrote {out}: expert cache {c['expert_cache']} of {m['total_experts']} experts "
+               f"({m['expert_bytes'] / 2**20:.1f} MiB each), eviction {c['eviction']}, prefetch {c['prefetch']}")
+    click.echo(f"GPU memory: dense {m['dense_bytes'] / 2**30:.2f} GiB, KV {m['kv_cache_bytes'] / 2**30:.2f} GiB, "
+               f"activations {m['activation_bytes'] / 2**30:.2f} GiB, reserve {m['reserve_bytes'] / 2**30:.2f} GiB; "
+               f"tiers: host {c['tiers']['host_experts']} experts, disk {c['tiers']['disk_experts']}")
+    click.echo(f"predicted on held-out sequences: hit ratio {p['hit_ratio']:.3f} (Belady {p['policies']['belady']['hit_ratio']:.3f}), "
+               f"{p['seconds_per_token'] * 1e3:.3f} ms/token, {p['resident_at_layer_start']:.3f} resident at layer start")
+    click.echo(f"planning took {summary['seconds']:.1f} s")
