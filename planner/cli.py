@@ -1,7 +1,9 @@
 """The `moeplan` command line: one click group; each command lives in `planner/commands/`.
 
-User mistakes surface as `UserError` and print one line with exit code 2; anything else is a
-moeplan bug and keeps its traceback.
+User mistakes surface as `UserError` and print one line with exit code 2; click's own usage
+errors (`--nodes abc`) are reshaped into the same one line. Anything else is a moeplan bug and
+keeps its traceback. Every command runs inside `output_guard.guard_command` (inputs declared,
+`--force` added where there is an `--out`; see planner/atomic.py).
 """
 from __future__ import annotations
 
@@ -9,11 +11,11 @@ import sys
 
 import click
 
-from moeplan.planner.errors import UserError
+from moeplan.planner.errors import UserError, one_line_usage_error
 
 
 class MoeplanGroup(click.Group):
-    """Turns `UserError` (and unreadable-input OS errors) into one line and exit code 2."""
+    """Turns `UserError` and click's usage errors into one `error:` line and exit code 2."""
 
     def invoke(self, ctx):
         try:
@@ -21,6 +23,19 @@ class MoeplanGroup(click.Group):
         except UserError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(UserError.exit_code)
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            click.echo(f"error: {one_line_usage_error(exc)}", err=True)
+            sys.exit(UserError.exit_code if isinstance(exc, click.UsageError) else exc.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)
 
 
 @click.group(cls=MoeplanGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,7 +56,10 @@ def _register():
     from moeplan.planner.commands.simulate import simulate
     from moeplan.planner.commands.trace import trace
 
+    from moeplan.planner.output_guard import guard_command
+
     for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd, calibrate_cmd):
+        guard_command(command)
         main.add_command(command)
 
 

@@ -171,12 +171,16 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
                 f"translate every operator, and here one failed ({reason})"
             ) from None
     proto = onnx_program.model_proto
+    written = next((i.version for i in proto.opset_import if i.domain in ("", "ai.onnx")), None)
+    if written != opset:  # torch falls back to its own opset when it cannot convert; refuse, not mislabel
+        raise UserError(f"torch could not export {name} at opset {opset} (it produced opset {written}); "
+                        f"use --opset {written}")
     initializers = {t.name for t in proto.graph.initializer}
     buffers = json.dumps(sorted(n for n, _ in module.named_buffers() if n in initializers))
     for key, value in ((NAME_KEY, name), (ARCHITECTURE_KEY, type(module).__name__), (BUFFERS_KEY, buffers)):
         entry = next((p for p in proto.metadata_props if p.key == key), None) or proto.metadata_props.add()
         entry.key, entry.value = key, value
     out = Path(out)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, kind="onnx") as tmp:
         onnx.save_model(proto, str(tmp), save_as_external_data=False)
     return out

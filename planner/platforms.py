@@ -80,8 +80,10 @@ def load_platform(override: Optional[str | Path] = None, base: str = "aws_lambda
         if not path.is_file():
             raise UserError(f"platform file '{path}' does not exist; pass a YAML file of platform keys to override")
         try:
-            extra = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
+            extra = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise UserError(f"platform file '{path}' is not UTF-8 text; pass a YAML file of platform keys") from None
+        except (yaml.YAMLError, RecursionError) as exc:
             raise UserError(f"platform file '{path}' is not valid YAML ({exc.__class__.__name__})")
         if not isinstance(extra, dict):
             raise UserError(f"platform file '{path}' must hold a mapping of keys to values")

@@ -60,7 +60,8 @@ def test_a_bad_trace_leaves_the_previous_bundle_untouched(tmp_path, inputs):
     out.mkdir()
     (out / "keep.txt").write_text("previous")
     result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(tmp_path / "wrong.npz"),
-                                              "--gpus-per-node", "2", "--policy", "contiguous", "--out", str(out), "--quiet"])
+                                              "--gpus-per-node", "2", "--policy", "contiguous", "--out", str(out), "--quiet",
+                                              "--force"])  # without --force, a non-bundle --out is refused up front
     assert result.exit_code != 0
     assert isinstance(result.exception, UserError) and "MoE layers" in str(result.exception)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]

@@ -52,7 +52,7 @@ def test_manifests_validate_and_carry_the_plan(tmp_path, trace_path):
     assert anti["topologyKey"] == "kubernetes.io/hostname"
     assert anti["labelSelector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
     ranks = pod["containers"][0]
-    assert ranks["command"] == ["/work/launch.sh"]
+    assert ranks["command"] == ["bash", "/bundle/launch.sh"]
     assert ranks["resources"]["limits"]["nvidia.com/gpu"] == "2" == ranks["resources"]["requests"]["nvidia.com/gpu"]
     shard_bytes = sum((out / f"shards/rank-0000{r}.safetensors").stat().st_size for r in (0, 1))
     assert int(ranks["resources"]["requests"]["memory"].removesuffix("Mi")) * 2**20 >= 2 * shard_bytes + 2 * 512 * 2**20
@@ -131,7 +131,7 @@ def test_the_staged_pod_layout_runs_launch_sh(tmp_path, trace_path):
     script = script.replace("/bundle", str(out)).replace("/plan/", f"{plan_dir}/").replace("/work", str(work))
     subprocess.run(["sh", "-c", script], check=True)
     container = pod["containers"][0]
-    assert container["command"] == ["/work/launch.sh"]
+    assert container["command"] == ["bash", "/bundle/launch.sh"]
     args = [a.replace("/work", str(work)).replace("/results", str(tmp_path / "results")) for a in container["args"]]
     args[args.index("--new-tokens") + 1] = "2"
     with socket.socket() as s:
@@ -140,7 +140,7 @@ def test_the_staged_pod_layout_runs_launch_sh(tmp_path, trace_path):
     env = dict(os.environ, NNODES="1", NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PATH=f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(["bash", str(work / "launch.sh"), *args], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(["bash", str(out / "launch.sh"), *args], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     mode = json.loads((out / "plan.json").read_text())["communication"]["mode"]  # the plan's (auto: by predicted time)
     assert json.loads((tmp_path / "results" / mode / "result.json").read_text())["texts"]

@@ -53,10 +53,23 @@ def test_template_lints_and_gives_each_function_only_its_own_weights(setup, tmp_
         prefix = props["Environment"]["Variables"]["MOEPLAN_WEIGHTS"]
         assert (out / prefix / "weights.safetensors").is_file()
         statements = props["Policies"][0]["Statement"]
-        reads = [s for s in statements if s["Action"] == ["s3:GetObject"]]
-        assert [s["Resource"]["Fn::Sub"] for s in reads] == ["${Bucket.Arn}/" + prefix + "*"]
-        rw = [s for s in statements if "s3:PutObject" in s["Action"]]
-        assert [s["Resource"]["Fn::Sub"] for s in rw] == ["${Bucket.Arn}/intermediates/*"]
+        def resources(action):
+            return [r["Fn::Sub"] for s in statements if s["Action"] == [action]
+                    for r in (s["Resource"] if isinstance(s["Resource"], list) else [s["Resource"]])]
+
+        reads, writes = resources("s3:GetObject"), resources("s3:PutObject")
+        assert reads[0] == "${Bucket.Arn}/" + prefix + "*"
+        # intermediates: each function only its own keys, never the whole prefix (issue 17)
+        assert all(r.startswith("${Bucket.Arn}/intermediates/*/") and r != "${Bucket.Arn}/intermediates/*"
+                   for r in reads[1:] + writes)
+        spec = json.loads(props["Environment"]["Variables"]["MOEPLAN_SPEC"])
+        if lid.startswith("Expert") and spec["method"] != "direct":
+            own = f"${{Bucket.Arn}}/intermediates/*/layer-{spec['layer']:03d}/{spec['tag']}"
+            assert reads[1:] == [own + ".in"] and writes == [own + ".out"]
+        elif lid.startswith("Expert"):
+            assert reads[1:] == [] and writes == []
+        else:
+            assert {p["write"] for p in spec["segments"]} <= {w.rsplit("/", 1)[1] for w in writes}
         assert all(a.startswith(("s3:GetObject", "s3:PutObject", "lambda:InvokeFunction")) for s in statements for a in s["Action"])
         for s in statements:
             if s["Action"] == ["lambda:InvokeFunction"]:  # only experts of a direct layer this slice routes

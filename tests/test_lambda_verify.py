@@ -93,3 +93,59 @@ def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tm
             cloud.invoke("Dense00", {"request": "r", "segment": 0})
     finally:
         cloud.close()
+
+
+def test_unlisted_files_and_outside_model_sources_are_refused_before_any_code_runs(setup, tmp_path):
+    """Issue 17: the Lambda runner checks that the manifest covers every file, like `moeplan run`."""
+    import shutil
+
+    from moeplan.backends.common.manifest import write_manifest
+
+    out = tmp_path / "b"
+    shutil.copytree(bundle(setup, "s3"), out)
+    (out / "functions" / "runtime" / "sitecustomize.py").write_text("raise SystemExit('ran')\n")
+    result = CliRunner().invoke(main, ["run", str(out), "--verify"])
+    assert result.exit_code == 2 and "sitecustomize.py" in result.output and "not listed" in result.output
+    (out / "functions" / "runtime" / "sitecustomize.py").unlink()
+    evil = tmp_path / "evil.py"
+    evil.write_text("raise SystemExit('ran')\n")
+    plan = json.loads((out / "plan.json").read_text())
+    plan["model"]["source"] = str(evil)
+    (out / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    write_manifest(out)
+    result = CliRunner().invoke(main, ["run", str(out), "--verify"])
+    assert result.exit_code == 2 and "not a file listed" in result.output, result.output
+
+
+def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
+    """Issue 17: IAM scopes intermediates/ per function; the local cloud enforces the template's policy."""
+    import shutil
+
+    import torch
+    import yaml
+
+    from moeplan.backends.runtime import lambda_ops as ops
+
+    out = tmp_path / "b"
+    shutil.copytree(bundle(setup, "s3"), out)
+    doc = yaml.safe_load((out / "template.yaml").read_text())
+    experts = {k: json.loads(v["Properties"]["Environment"]["Variables"]["MOEPLAN_SPEC"])
+               for k, v in doc["Resources"].items() if k.startswith("Expert")}
+    (first, spec), (_, other) = sorted(experts.items())[:2]
+    text = (out / "template.yaml").read_text()
+    own = f"layer-{spec['layer']:03d}/{spec['tag']}.in"
+    assert text.count(own) == 1
+    # the function now runs with the other expert's key in its spec, but keeps its own policy
+    doc["Resources"][first]["Properties"]["Environment"]["Variables"]["MOEPLAN_SPEC"] = json.dumps(
+        dict(spec, tag=other["tag"], layer=other["layer"]))
+    (out / "template.yaml").write_text(yaml.safe_dump(doc))
+    cloud = LocalCloud(out, payload_limit=6 * 2**20)
+    try:
+        cloud.upload_weights()
+        hidden = json.loads((out / "model" / "config.json").read_text())["hidden_size"]
+        cloud.put(f"intermediates/r/layer-{other['layer']:03d}/{other['tag']}.in",
+                  ops.to_bytes({"rows": torch.zeros(1, hidden)}))
+        with pytest.raises(CloudError, match="IAM policy does not allow"):
+            cloud.invoke(first, {"request": "r"})
+    finally:
+        cloud.close()

@@ -64,7 +64,7 @@ def test_bo_iterations_are_reported(setup):
     (["--slo", "0.001"], "SLO constraint cannot be met"),
     (["--slo", "-1"], "--slo must be a positive"),
     (["--slo", "30", "--methods", "carrier_pigeon"], "unknown method"),
-    (["--slo", "30", "--batch-tokens", "0"], "--batch-tokens must be positive"),
+    (["--slo", "30", "--batch-tokens", "0"], "--batch-tokens must be a positive"),
 ])
 def test_plan_bad_input_is_one_line_exit_2(setup, extra, words):
     tmp, base = setup
@@ -91,3 +91,23 @@ def test_simulate_bad_input_is_one_line_exit_2(setup, tmp_path):
                                  "communication": {}, "predicted": {}}))
     code, out = run(["simulate", str(other), "--trace", str(tmp / "held.npz")])
     assert code == 2 and "needs a lambda plan" in out and len(out.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d["placement"]["layers"][0]["experts"][0].update(replicas=0), "0 replicas"),
+    (lambda d: d["placement"]["layers"][0]["experts"][0].update(memory_mb=-5), "-5 MB"),
+    (lambda d: d["placement"]["layers"][0]["experts"][0].update(replicas=float("inf")), "malformed"),
+    (lambda d: d["communication"].update(batch_tokens=0), "batch_tokens"),
+])
+def test_simulate_refuses_a_hand_edited_plan_in_one_line(setup, tmp_path, edit, words):
+    """Issue 17: a plan edited to 0 replicas divided by zero in simulate."""
+    tmp, base = setup
+    good = tmp_path / "plan.json"
+    code, out = run(base + ["--slo", "30", "--out", str(good), "--quiet"])
+    assert code == 0, out
+    doc = json.loads(good.read_text())
+    edit(doc)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    code, out = run(["simulate", str(edited), "--trace", str(tmp / "held.npz")])
+    assert code == 2 and out.startswith("error: ") and len(out.strip().splitlines()) == 1 and words in out, out

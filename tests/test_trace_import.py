@@ -106,7 +106,7 @@ def test_malformed_record_fails_with_its_line_number_and_leaves_no_file(tmp_path
     ('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1]}\n'
      '{"problem_id": 0, "layer": 1, "token_idx": 0, "experts": [1]}\n'
      '{"problem_id": 0, "layer": 0, "token_idx": 1, "experts": [1]}\n', [], "token 1 has no record for layer 1"),
-    ('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1]}\n', ["--num-experts", "0"], "--num-experts must be positive"),
+    ('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": [1]}\n', ["--num-experts", "0"], "--num-experts must be a positive integer"),
 ])
 def test_inconsistent_logs_fail_in_one_line(tmp_path, content, args, message):
     log = tmp_path / "log.jsonl"

@@ -186,8 +186,8 @@ def test_trace_cli_writes_the_documented_arrays(tmp_path):
     (lambda d: d.write_bytes(b"\xff\xfe\xfa"), [], "not UTF-8"),
     (lambda d: d.mkdir(), [], "is not a file"),
     (lambda d: d.write_text("hello"), ["--seq-len", "1000"], "exceeds the model's 256 positions"),
-    (lambda d: d.write_text("hello"), ["--batch", "0"], "--batch must be positive"),
-    (lambda d: d.write_text("hello"), ["--max-tokens", "0"], "--max-tokens must be positive"),
+    (lambda d: d.write_text("hello"), ["--batch", "0"], "--batch must be a positive"),
+    (lambda d: d.write_text("hello"), ["--max-tokens", "0"], "--max-tokens must be a positive"),
 ])
 def test_bad_data_fails_in_one_line_without_output(tmp_path, setup, args, message):
     data = tmp_path / "data.txt"

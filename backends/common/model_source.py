@@ -18,6 +18,7 @@ from moeplan.planner.errors import UserError
 
 SUPPORTED = ("tiny_moe",)
 TOKENIZER = "tokenizer.json"
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def _hint() -> str:
@@ -32,15 +33,22 @@ def model_files(model_spec: str) -> tuple:
     if not config_path.is_file() or config_path.name != "config.json":
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {_hint()}")
     try:
-        config = json.loads(config_path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UserError(f"{config_path} is not valid JSON ({exc}); fix or re-save the model directory") from None
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise UserError(f"{config_path} is not valid JSON{where}; fix the file") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path} must hold a JSON object; fix the file")
     arch = config.get("model_type")
     loader = str(config.get("moeplan_loader", ""))
     if arch in SUPPORTED and ":" in loader:
         source = config_path.parent / loader.split(":", 1)[0]
         if not source.is_file():
             raise UserError(f"model source '{source}' named by moeplan_loader in {config_path} does not exist")
+        if not any(p.suffix in CHECKPOINT_SUFFIXES for p in config_path.parent.iterdir() if p.is_file()):
+            raise UserError(f"model directory '{config_path.parent}' holds no checkpoint ({', '.join(CHECKPOINT_SUFFIXES)}): "
+                            "its loader would build random weights and the bundle would not be reproducible; "
+                            "train or copy the weights there first")
         return arch, {"model/config.json": config_path.read_bytes(), "model/model.py": source.read_bytes()}
     files = {"model/config.json": config_path.read_bytes()}
     tokenizer = config_path.parent / TOKENIZER

@@ -57,9 +57,10 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
     names = {"configmap": f"{name}-plan", "pvc": f"{name}-bundle", "service": f"{name}-ranks", "job": name}
     labels = {"app.kubernetes.io/managed-by": "moeplan", "app.kubernetes.io/name": name}
     selector = {"moeplan.io/deployment": name}
-    stage = ("set -eu; cp -R /bundle/runtime /bundle/model /work/; ln -s /bundle/shards /work/shards; "
-             "cp /plan/plan.json /plan/placement.json /plan/prompts.txt /work/; "
-             "cp /plan/launch.sh /work/launch.sh; chmod 0755 /work/launch.sh")
+    # The ranks run the bundle in place from the read-only volume, so launch.sh checks the files
+    # it runs against manifest.json (a staged partial copy could not be checked); only the
+    # prompts come from the ConfigMap.
+    stage = "set -eu; cp /plan/prompts.txt /work/prompts.txt"
     configmap = [(k, (bundle / k).read_text()) for k in ("launch.sh", "placement.json", "plan.json")]
     configmap.append(("prompts.txt", DEFAULT_PROMPTS))
     return {

@@ -85,6 +85,30 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
     return out
 
 
+def dense_intermediates(parts: list) -> dict:
+    """S3 key patterns (IAM resource syntax) one dense slice reads and writes under intermediates/:
+    the states its parts start from and end at, the gathered expert outputs of the layer before,
+    the scattered expert inputs of the layer it ends (S3 methods only). `*` stands for the request."""
+    reads, writes = set(), set()
+    for p in parts:
+        reads.add(f"intermediates/*/{p['read']}")
+        writes.add(f"intermediates/*/{p['write']}")
+        if "gather" in p:
+            reads.add(f"intermediates/*/layer-{int(p['gather']['layer']):03d}/*.out")
+        scatter = p.get("scatter")
+        if scatter is not None and scatter["method"] != "direct":
+            writes.add(f"intermediates/*/layer-{int(scatter['layer']):03d}/*.in")
+    return {"reads": sorted(reads), "writes": sorted(writes)}
+
+
+def expert_intermediates(layer: int, replica_tag: str, method: str) -> dict:
+    """An expert replica's keys: its own rows in, its own output out; none for direct layers."""
+    if method == "direct":
+        return {"reads": [], "writes": []}
+    return {"reads": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.in"],
+            "writes": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.out"]}
+
+
 def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     """Write the bundle into `out` (which must not exist yet) from the lambda Plan; returns the manifest.
 
@@ -119,7 +143,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
                    for e, g in sorted(p["scatter"]["replicas"].items(), key=lambda kv: int(kv[0])) for r in range(g)]
         functions.append({"id": dense_id(k), "kind": "dense", "handler": "dense_handler", "memory_mb": int(s["memory_mb"]),
                           "weights": prefix, "spec": {"segments": parts[k]}, "invokes": invokes,
-                          "units": s["units"]})
+                          "units": s["units"], **dense_intermediates(parts[k])})
     missing = sorted(set(dense_names) - covered)
     if missing:
         raise ValueError(f"dense tensors {missing[:3]} belong to no dense unit")
@@ -138,6 +162,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
             for r in range(int(x["replicas"])):
                 functions.append({"id": expert_id(l, e, r), "kind": "expert", "handler": "expert_handler",
                                   "memory_mb": int(x["memory_mb"]), "weights": prefix, "invokes": [],
+                                  **expert_intermediates(l, tag(l, e, r), L["method"]),
                                   "spec": {"layer": l, "expert": e, "tag": tag(l, e, r), "method": L["method"],
                                            "beta": int(L["beta"])}})
     steps = []

@@ -42,23 +42,30 @@ class Function:
     handler: str
     memory_mb: int
     env: dict
-    may_get: tuple = ()   # S3 key prefixes its IAM policy lets it read
+    may_get: tuple = ()   # S3 key patterns (IAM wildcards: * any run of characters, ? one) its policy lets it read
     may_put: tuple = ()   # ... and write
 
     def allowed(self, op: str, key: str) -> bool:
-        return any(key.startswith(p) for p in (self.may_get if op == "get" else self.may_put))
+        return any(_iam_match(p, key) for p in (self.may_get if op == "get" else self.may_put))
+
+
+def _iam_match(pattern: str, key: str) -> bool:
+    """IAM resource matching: `*` matches any characters (slashes too), `?` exactly one."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, key, flags=re.DOTALL) is not None
 
 
 def _policy_prefixes(props: dict, action: str) -> tuple:
-    """Key prefixes of `${Bucket.Arn}/<prefix>*` resources granted `action` by the function's policies."""
+    """Key patterns of the `${Bucket.Arn}/<pattern>` resources granted `action` by the function's policies."""
     out = []
     for policy in props.get("Policies", []):
         for st in policy.get("Statement", []) if isinstance(policy, dict) else []:
-            res = st.get("Resource")
-            sub = res.get("Fn::Sub") if isinstance(res, dict) else None
-            if st.get("Effect") == "Allow" and action in st.get("Action", []) and isinstance(sub, str) \
-                    and sub.startswith("${Bucket.Arn}/") and sub.endswith("*"):
-                out.append(sub[len("${Bucket.Arn}/"):-1])
+            resources = st.get("Resource")
+            for res in resources if isinstance(resources, list) else [resources]:
+                sub = res.get("Fn::Sub") if isinstance(res, dict) else None
+                if st.get("Effect") == "Allow" and action in st.get("Action", []) and isinstance(sub, str) \
+                        and sub.startswith("${Bucket.Arn}/"):
+                    out.append(sub[len("${Bucket.Arn}/"):])
     return tuple(sorted(out))
 
 

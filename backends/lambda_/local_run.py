@@ -29,19 +29,21 @@ LOGIT_TOLERANCE = 1e-4
 
 
 def check_files(root: Path) -> dict:
-    """Manifest hashes and the lambda plan; one-line UserErrors."""
-    from moeplan.backends.common.manifest import MANIFEST, sha256_file
+    """Every bundle file listed with its sha256 and nothing else (manifest.verify_manifest), and the
+    lambda plan; one-line UserErrors, before any of the bundle's code or weights is loaded."""
+    from moeplan.backends.common.manifest import BundleCheckError, check_model_paths, verify_manifest
 
-    path = root / MANIFEST
-    if not path.is_file():
-        raise UserError(f"'{path}' is missing: this is not a complete moeplan bundle; recompile it")
-    files = json.loads(path.read_text())["files"]
-    for rel in sorted(files):
-        if not (root / rel).is_file():
-            raise UserError(f"bundle file '{rel}' listed in the manifest is missing; recompile or restore it")
-        if sha256_file(root / rel) != files[rel]:
-            raise UserError(f"bundle file '{rel}' does not match its sha256 in manifest.json (modified or corrupt); recompile the bundle")
-    return json.loads((root / "plan.json").read_text())
+    try:
+        files = verify_manifest(root)
+        if "plan.json" not in files:
+            raise BundleCheckError("plan.json is not covered by the manifest; recompile the bundle")
+        plan = json.loads((root / "plan.json").read_text(encoding="utf-8"))
+        check_model_paths(plan, files)
+    except BundleCheckError as exc:
+        raise UserError(str(exc)) from None
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"'{root / 'plan.json'}' is not valid JSON; recompile the bundle") from None
+    return plan
 
 
 def load_reference(root: Path, plan: dict):

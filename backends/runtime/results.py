@@ -69,7 +69,7 @@ def _summarise(counters: dict, generated_tokens: int) -> dict:
 
 def merge(out_dir, world: int, prompts: list, decode) -> dict:
     out_dir = Path(out_dir)
-    ranks = [torch.load(out_dir / f"rank-{r}.pt", weights_only=False) for r in range(world)]
+    ranks = [torch.load(out_dir / f"rank-{r}.pt", weights_only=True) for r in range(world)]
     generated = {}
     for r in ranks:
         generated.update(r["generated"])

@@ -50,7 +50,15 @@ def read_prompts(prompts_path) -> list:
     path = Path(prompts_path)
     if not path.is_file():
         raise UserError(f"prompts file '{path}' does not exist; give a text file with one prompt per line")
-    prompts = [l.rstrip("\n") for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"prompts file '{path}' is not UTF-8 text; give a text file with one prompt per line") from None
+    except OSError as exc:
+        raise UserError(f"cannot read prompts file '{path}' ({exc.strerror or exc})") from None
+    if "\0" in text:
+        raise UserError(f"prompts file '{path}' is binary; give a text file with one prompt per line")
+    prompts = [l.rstrip("\n") for l in text.splitlines() if l.strip()]
     if not prompts:
         raise UserError(f"prompts file '{path}' holds no prompt; write one prompt per line")
     return prompts

@@ -9,11 +9,13 @@ gives the logits of every position the runtime processed.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from moeplan.backends.common.manifest import bundle_path
 from moeplan.backends.common.shards import state_dict_sha256
 from moeplan.planner.importers.resolve import import_file
 
@@ -26,7 +28,7 @@ def _transformers_reference(root: Path, plan: dict, state: dict):
     """The transformers model named by the bundle's config, built by transformers, with `state`."""
     from moeplan.backends.runtime.library_model import build_transformers
 
-    model = build_transformers((root / plan["model"]["config"]).parent)
+    model = build_transformers(bundle_path(root, plan["model"]["config"]).parent)
     result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     if result.missing_keys or result.unexpected_keys:
         missing = [k for k in result.missing_keys if k != "lm_head.weight"]
@@ -73,8 +75,13 @@ def _model_files(root: Path, plan: dict) -> list:
 
 def tiny_moe_reference(root: Path, plan: dict, state: dict):
     """TinyMoE built from the model source file and config shipped in a bundle, with `state`."""
-    module = import_file(root / plan["model"]["source"])
-    config = json.loads((root / plan["model"]["config"]).read_text())
+    source = bundle_path(root, plan["model"]["source"])  # never code from outside the bundle
+    previous, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ in the bundle
+    try:
+        module = import_file(source)
+    finally:
+        sys.dont_write_bytecode = previous
+    config = json.loads(bundle_path(root, plan["model"]["config"]).read_text())
     model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model.eval()
@@ -101,7 +108,7 @@ def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int, cache: dict 
     if "model" not in cache:
         cache["model"] = load_reference(root, plan)
     model = cache["model"]
-    run = torch.load(out_dir / "logits.pt", weights_only=False)
+    run = torch.load(out_dir / "logits.pt", weights_only=True)
     result = json.loads((out_dir / "result.json").read_text())
     prompts = result["prompt_ids"]
     keys, logits, max_len = run["keys"], run["logits"], run["max_len"]

@@ -248,7 +248,7 @@ def calibrate_cmd(out, as_json):
     data = calibrate()
     profile_from_dict(data, str(path))  # what we write must load
     header = "# cpu-gloo hardware profile written by `moeplan calibrate` (this machine; re-run to refresh).\n"
-    write_text_atomic(path, header + yaml.safe_dump(data, sort_keys=False))
+    write_text_atomic(path, header + yaml.safe_dump(data, sort_keys=False), kind="hardware")
     if as_json:
         click.echo(json.dumps(data, sort_keys=True))
     else:

@@ -9,6 +9,7 @@ import json
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
                                                output_options, pop, serverless_options, topology_options)
 from moeplan.planner.errors import UserError
@@ -90,15 +91,18 @@ def describe(summary: dict) -> str:
 @topology_options(required=False)
 @auto_placement_options
 @cost_options
-@click.option("--image", default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
+@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
+@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
 @click.option("--kubernetes", "with_kubernetes", is_flag=True, help="sglang: also write kubernetes/ manifests")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
+@click.option("--sign-key", type=click.Path(dir_okay=False), default=None,
+              help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
 @output_options
-def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, as_json,
-                quiet, hardware, workload, **flags):
+def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
+                as_json, quiet, hardware, workload, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
+    signer = _signer(sign_key, target)
     if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
         from moeplan.planner.commands.engine_compile import compile_engine
 
@@ -114,8 +118,25 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
     from moeplan.planner.pipeline.targets import run_target
 
     facts, timings = run_target(target, facts, quiet=quiet or as_json)
+    signer(out)
     summary = summary_of(facts["plan"], out, timings, facts["manifest"])
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
     elif not quiet:
         click.echo(describe(summary))
+
+
+def _signer(sign_key, target):
+    """Load --sign-key before any work (a bad key fails fast); returns bundle -> None that signs."""
+    if sign_key is None:
+        return lambda out: None
+    if target in ("sglang", "trtllm"):
+        raise UserError("--sign-key signs moeplan bundles (torchrun, kubernetes, lambda); engine placement files "
+                        "are not run by moeplan")
+    from moeplan.backends.common.signing import SigningError, load_private_key, sign_bundle
+
+    try:
+        key = load_private_key(sign_key)
+    except SigningError as exc:
+        raise UserError(f"--sign-key: {exc}") from None
+    return lambda out: sign_bundle(out, key)

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
 
 
 @click.command("export-onnx")
 @click.argument("model")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="ONNX file to write (.onnx).")
-@click.option("--opset", type=int, default=18, show_default=True, help="ONNX opset version.")
+@click.option("--opset", type=T.ONNX_OPSET, default=18, show_default=True, help="ONNX opset version.")
 @click.option("--quiet", is_flag=True, help="No summary line.")
 def export_onnx_cmd(model, out, opset, quiet):
     """Export MODEL (a torch MoE model with weights) to ONNX with dynamic batch and sequence axes."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import click
 
+from moeplan.planner import cli_types as T
+
 PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "expert_groups", "solver", "effort", "time_limit")
 SERVERLESS_FLAGS = ("slo", "platform_file", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
                     "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
@@ -24,8 +26,8 @@ def topology_options(required: bool):
     """--nodes / --gpus-per-node: required where a placement is scored elsewhere, 1 x 1 by default otherwise."""
     default = None if required else 1
     return lambda f: _apply([
-        click.option("--nodes", type=int, default=default, show_default=not required, help="server nodes"),
-        click.option("--gpus-per-node", type=int, default=default, show_default=not required, help="GPUs per node"),
+        click.option("--nodes", type=T.POSITIVE_INT, default=default, show_default=not required, help="server nodes"),
+        click.option("--gpus-per-node", type=T.POSITIVE_INT, default=default, show_default=not required, help="GPUs per node"),
     ], f)
 
 
@@ -38,21 +40,21 @@ def _placement_options(f, policies, default):
     return _apply([
         click.option("--policy", type=click.Choice(list(policies)), default=default, show_default=True,
                      help="placement policy" + ("; auto: the fastest by the cost model's predicted time" if "auto" in policies else "")),
-        click.option("--redundant", type=int, default=0, show_default=True,
+        click.option("--redundant", type=T.NON_NEGATIVE_INT, default=0, show_default=True,
                      help="redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, "
                           "ilp may move them between experts"),
-        click.option("--balance", type=float, default=0.1, show_default=True,
+        click.option("--balance", type=T.NON_NEGATIVE_FLOAT, default=0.1, show_default=True,
                      help="ilp: per layer, every GPU's load <= (1 + B) x the reference load"),
         click.option("--balance-base", type=click.Choice(["mean", "eplb"]), default="mean", show_default=True,
                      help="ilp: reference load per layer: the mean GPU load, or EPLB's max GPU load with the same replicas"),
-        click.option("--expert-groups", type=int, default=0, show_default=True,
+        click.option("--expert-groups", type=T.NON_NEGATIVE_INT, default=0, show_default=True,
                      help="eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy"),
         click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True,
                      help="MILP solver"),
-        click.option("--effort", type=float, default=1.0, show_default=True,
+        click.option("--effort", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
                      help="ilp: work multiplier (sweeps, exchange moves, branch-and-bound nodes, LP sizes); results depend "
                           "only on it, not on machine speed. 2 = about twice the work"),
-        click.option("--time-limit", type=float, default=300.0, show_default=True,
+        click.option("--time-limit", type=T.POSITIVE_FLOAT, default=300.0, show_default=True,
                      help="safety net per solve, seconds; an ilp solve it stops is marked stopped_by=time_limit "
                           "(not reproducible)"),
     ], f)
@@ -77,24 +79,25 @@ def cost_options(f):
 
 def serverless_options(f):
     return _apply([
-        click.option("--slo", type=float, default=None, help="lambda: end-to-end latency limit per batch, seconds"),
+        click.option("--slo", type=T.POSITIVE_FLOAT, default=None, help="lambda: end-to-end latency limit per batch, seconds"),
         click.option("--platform", "platform_file", default=None, help="lambda: YAML file overriding platform constants"),
-        click.option("--batch-tokens", type=int, default=10240, show_default=True, help="lambda: tokens per served batch"),
+        click.option("--batch-tokens", type=T.POSITIVE_INT, default=10240, show_default=True, help="lambda: tokens per served batch"),
         click.option("--methods", default="pipelined_s3,s3,direct", show_default=True,
                      help="lambda: allowed scatter-gather methods"),
-        click.option("--validation-fraction", type=float, default=0.2, show_default=True,
+        click.option("--validation-fraction", type=T.FRACTION, default=0.2, show_default=True,
                      help="lambda: share of the trace held out for validation / BO"),
         click.option("--size-for", type=click.Choice(["mean", "max"]), default="mean", show_default=True,
                      help="lambda: size for the mean predicted load per batch, or per expert the busiest batch's"),
-        click.option("--bo-iterations", type=int, default=0, show_default=True, help="lambda: BO refinement iterations (0 = off)"),
-        click.option("--bo-q", type=int, default=64, show_default=True, help="lambda: key-value pairs adjusted per BO trial"),
+        click.option("--bo-iterations", type=T.NON_NEGATIVE_INT, default=0, show_default=True, help="lambda: BO refinement iterations (0 = off)"),
+        click.option("--bo-q", type=T.POSITIVE_INT, default=64, show_default=True, help="lambda: key-value pairs adjusted per BO trial"),
         click.option("--bo-storage", default=None, help="lambda: Optuna storage URL (e.g. sqlite:///bo.db) to share the study"),
-        click.option("--profile-budget", type=float, default=5.0, show_default=True,
+        click.option("--profile-budget", type=T.NON_NEGATIVE_FLOAT, default=5.0, show_default=True,
                      help="lambda: seconds of optional profiling"),
-        click.option("--cache-dir", default="build/cache", show_default=True, help="lambda: profile cache directory"),
+        click.option("--cache-dir", default=None,
+                     help="lambda: profile cache directory (default $MOEPLAN_CACHE_DIR, else ~/.cache/moeplan/profiles)"),
         click.option("--no-cache", is_flag=True, help="lambda: profile again and do not write the cache"),
-        click.option("--seed", type=int, default=0, show_default=True, help="lambda: random seed"),
-        click.option("--requests-per-second", type=float, default=1.0, show_default=True,
+        click.option("--seed", type=T.SEED, default=0, show_default=True, help="lambda: random seed"),
+        click.option("--requests-per-second", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
                      help="lambda: request rate the README's monthly cost is stated for"),
     ], f)
 

@@ -13,6 +13,7 @@ import json
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.commands.compile import describe, pipeline_inputs, summary_of
 from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, plan_offload_command
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
@@ -26,8 +27,8 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
 @topology_options(required=False)
 @auto_placement_options
 @cost_options
-@click.option("--image", default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", default=None, help="kubernetes: storage class of the weights volume")
+@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
+@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
 @serverless_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @offload_options
@@ -48,7 +49,7 @@ def plan(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_c
                             {"hardware": hardware, "workload": workload})
     facts, timings = run_target(target, facts, plan_only=True, quiet=quiet or as_json)
     the_plan = facts["plan"]
-    write_text_atomic(out, the_plan.to_json())
+    write_text_atomic(out, the_plan.to_json(), kind="plan")
     summary = summary_of(the_plan, out, timings)
     if target == "lambda":
         summary["bo_iterations"] = facts["sizing"].bo["iterations"] if facts["sizing"].bo else 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
@@ -19,16 +20,25 @@ from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 @click.command("run")
 @click.argument("bundle", type=click.Path())
 @click.option("--verify", is_flag=True, help="compare logits and tokens with the source model")
-@click.option("--nproc", type=int, default=None, help="ranks to launch (must equal the plan's world size)")
+@click.option("--nproc", type=T.POSITIVE_INT, default=None, help="ranks to launch (must equal the plan's world size)")
 @click.option("--prompts", "prompts_path", default=None, help="text file, one prompt per line")
-@click.option("--new-tokens", type=int, default=8, show_default=True)
+@click.option("--new-tokens", type=T.POSITIVE_INT, default=8, show_default=True)
 @click.option("--mode", type=click.Choice(["coherent", "standard", "both"]), default="coherent", show_default=True,
               help="context-coherent EP, standard EP, or both in one launch")
 @click.option("--results", default=None, type=click.Path(file_okay=False), help="keep the ranks' results here")
-@click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds before the run is abandoned")
+@click.option("--timeout", type=T.POSITIVE_FLOAT, default=600.0, show_default=True, help="seconds before the run is abandoned")
+@click.option("--trusted-key", type=click.Path(dir_okay=False), default=None,
+              help="ed25519 public key (PEM): run BUNDLE only if its manifest is signed by it (docs/security.md)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
-def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, as_json):
+def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, trusted_key, as_json):
     """Launch BUNDLE locally (torchrun standalone, or a Lambda bundle's state machine) and report."""
+    if trusted_key is not None:
+        from moeplan.backends.common.signing import SigningError, verify_bundle_signature
+
+        try:
+            verify_bundle_signature(bundle, trusted_key)
+        except SigningError as exc:
+            raise UserError(str(exc)) from None
     if _target(bundle) == "lambda":
         return _run_lambda(bundle, verify, prompts_path, new_tokens, as_json)
     modes = ("coherent", "standard") if mode == "both" else (mode,)

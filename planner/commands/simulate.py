@@ -61,6 +61,8 @@ def simulate(plan_path, trace_path, as_json, prompt_tokens):
         raise UserError(f"trace '{trace_path}' has no tokens")
     sims = [run(facts, layers, loads, batch_tokens) for _, loads in batches]
     slo = plan.inputs.get("slo_s")
+    if slo is not None and (isinstance(slo, bool) or not isinstance(slo, (int, float)) or not 0 < slo < float("inf")):
+        raise UserError(f"plan file '{plan_path}': inputs.slo_s must be a positive number of seconds, got {slo!r}; regenerate it")
     summary = {
         "batches": len(sims),
         "batch_tokens": batch_tokens,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.passes.analysis.trace.engine_import import FORMATS
 
 
@@ -19,9 +20,9 @@ from moeplan.passes.analysis.trace.engine_import import FORMATS
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
               help="sglang: expert-distribution dumps (.pt file or directory); trtllm: EXPERT_STATISTIC_PATH "
                    "directory; vllm-jsonl: one JSON record per token and layer; auto: decide from the path.")
-@click.option("--num-experts", type=int, default=None,
+@click.option("--num-experts", type=T.POSITIVE_INT, default=None,
               help="Experts per MoE layer (default: from the records); ids >= it are an error.")
-@click.option("--top-k", type=int, default=1, show_default=True,
+@click.option("--top-k", type=T.POSITIVE_INT, default=1, show_default=True,
               help="sglang stat dumps: experts per token, kept in the loads-only trace (the dump omits it).")
 @click.option("--trtllm-assignments", type=click.Path(path_type=Path), default=None,
               help="trtllm: load-balancer YAML of the run (its initial_global_assignments map slot counts to experts).")

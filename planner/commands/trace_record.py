@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -87,9 +88,9 @@ def _progress_bar(enabled: bool):
 @click.option("--data", "data", required=True, type=click.Path(path_type=Path),
               help="UTF-8 text file to run the model on.")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Trace file to write (.npz).")
-@click.option("--max-tokens", type=int, default=None, help="Trace at most this many tokens (default: all).")
-@click.option("--batch", type=int, default=8, show_default=True, help="Sequences per forward pass.")
-@click.option("--seq-len", type=int, default=None,
+@click.option("--max-tokens", type=T.POSITIVE_INT, default=None, help="Trace at most this many tokens (default: all).")
+@click.option("--batch", type=T.POSITIVE_INT, default=8, show_default=True, help="Sequences per forward pass.")
+@click.option("--seq-len", type=T.POSITIVE_INT, default=None,
               help="Tokens per sequence (default: the model's maximum positions, at most 128).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary line.")
 def record(model, data, out, max_tokens, batch, seq_len, quiet):

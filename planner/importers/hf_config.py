@@ -70,7 +70,7 @@ def make_config(data: dict, source: str):
             f"{source} has no \"model_type\"; a Hugging Face config names its architecture there "
             "(e.g. \"mixtral\"), a moeplan model directory names its loader in \"moeplan_loader\""
         )
-    if model_type not in CONFIG_MAPPING:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         import transformers
 
         raise UserError(
@@ -78,6 +78,10 @@ def make_config(data: dict, source: str):
             "does not know it); use a supported architecture or give the model as package.module:factory"
         )
     clean = {k: v for k, v in data.items() if k not in IGNORED_KEYS}
+    for key, limit in SIZE_LIMITS.items():  # before building: 1e9 layers would hang, not fail
+        value = clean.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value <= limit:
+            raise UserError(f"{source}: {key} is {value}, outside 0..{limit}; fix the value")
     coerced: set = set()
     while True:
         try:
@@ -113,6 +117,12 @@ def _coerce_to_float(data, key: str) -> bool:
                 data[k] = dict(v)
                 changed = _coerce_to_float(data[k], key) or changed
     return changed
+
+
+# Sizes no real model reaches; larger values in a config are corruption, refused before building.
+SIZE_LIMITS = {"num_hidden_layers": 4096, "n_layer": 4096, "num_layers": 4096, "num_local_experts": 1 << 16,
+               "num_experts": 1 << 16, "n_routed_experts": 1 << 16, "num_experts_per_tok": 1 << 16,
+               "num_attention_heads": 1 << 16, "num_key_value_heads": 1 << 16}
 
 
 def _one_line(exc: BaseException) -> str:

@@ -40,6 +40,13 @@ def check_trace_matches(ir, trace, trace_name: str = "the trace") -> None:
         raise UserError(f"{trace_name} has {trace.num_layers} MoE layers but the model has {len(moe)}; record the trace from this model")
     if trace.num_experts > moe[0].num_experts:
         raise UserError(f"{trace_name} routes to {trace.num_experts} experts but the model has {moe[0].num_experts} per layer")
+    if trace.top_k != moe[0].top_k:
+        raise UserError(f"{trace_name} records top-{trace.top_k} routing but the model routes each token to "
+                        f"top-{moe[0].top_k} experts; record the trace from this model")
+    vocab = int(getattr(ir, "vocab_size", 0) or 0)
+    if trace.token_ids is not None and vocab > 0 and trace.num_tokens and int(trace.token_ids.max()) >= vocab:
+        raise UserError(f"{trace_name} holds token id {int(trace.token_ids.max())} but the model's vocabulary has "
+                        f"{vocab} entries; record the trace from this model")
 
 
 def trace_matches_model(facts) -> None:

@@ -149,7 +149,7 @@ def write_engine_bundle(out, plan: Plan) -> dict:
     from moeplan.planner.atomic import atomic_path
 
     slots = placement_slots(plan.placement, int(plan.model["num_experts"]), int(plan.communication["redundant"]))
-    with atomic_path(Path(out)) as tmp:
+    with atomic_path(Path(out), kind="bundle") as tmp:
         if plan.target == "sglang":
             from moeplan.backends.sglang.codegen import write_sglang_bundle
 

@@ -21,6 +21,7 @@ plan.json body (serverless version 1):
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from moeplan.planner.errors import UserError
@@ -65,11 +66,11 @@ def _platform(facts):
 
 
 def _profile(facts):
-    from moeplan.passes.analysis.profile.operators import profile_model
+    from moeplan.passes.analysis.profile.operators import DEFAULT_CACHE_DIR, profile_model
 
     loaded, o = facts["model"], facts["serverless_options"]
     prof = profile_model(loaded.ir, loaded.module if loaded.has_weights else None, budget_s=o["profile_budget"],
-                         cache_dir=None if o["no_cache"] else o["cache_dir"], seed=o["seed"], onnx_path=loaded.onnx_path)
+                         cache_dir=None if o["no_cache"] else (o["cache_dir"] or DEFAULT_CACHE_DIR), seed=o["seed"], onnx_path=loaded.onnx_path)
     return {"profile": prof}
 
 
@@ -163,7 +164,8 @@ def _plan(facts):
     inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "slo_s": o["slo"],
               "validation_fraction": o["validation_fraction"], "methods": o["methods"].split(","), "size_for": o["size_for"],
               "bo_iterations": o["bo_iterations"], "bo_q": o["bo_q"], "seed": o["seed"],
-              "profile_hash": facts["profile"].model_hash, "facts": sfacts.to_dict()}
+              "profile_hash": facts["profile"].model_hash, "facts": sfacts.to_dict(),
+              "profile": facts["profile"].to_dict()}  # the measurements behind every decision (issue 17)
     plan = Plan(
         target="lambda", model=model,
         topology={"kind": "serverless", "platform": sfacts.platform.name, "functions": functions},
@@ -196,7 +198,7 @@ def write_lambda_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict
     model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json", source="model/model.py",
                  weights_sha256=state_dict_sha256(state))
     plan = dataclasses.replace(plan, model=model)
-    with atomic_path(Path(out)) as tmp:
+    with atomic_path(Path(out), kind="bundle") as tmp:
         return write_bundle(tmp, plan, state, model_files["files"])
 
 
@@ -214,20 +216,49 @@ def read_plan(path) -> tuple:
     if not path.is_file():
         raise UserError(f"plan file '{path}' does not exist; write one with 'moeplan plan MODEL --trace T --target lambda --slo S --out {path}'")
     try:
-        plan = Plan.from_json(path.read_text())
-    except (ValueError, TypeError) as exc:
-        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc})")
+        plan = Plan.from_json(path.read_text(encoding="utf-8"))
+    except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
+        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc.__class__.__name__}: {str(exc)[:80]})") from None
+    if not isinstance(plan.communication, dict) or not isinstance(plan.inputs, dict) \
+            or not isinstance(plan.placement, dict):
+        raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
     if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
         raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' needs a lambda plan (serverless_version {SERVERLESS_VERSION})")
+    bad = _first_non_number({k: v for k, v in plan.inputs.get("facts", {}).items() if k != "platform"}
+                            if isinstance(plan.inputs.get("facts"), dict) else None, "facts")
+    if bad:
+        raise UserError(f"plan file '{path}': {bad} must be a finite non-negative number; regenerate the plan")
     try:
         facts = sc.ServerlessFacts.from_dict(plan.inputs["facts"])
         layers = [LayerDecision(sc.METHOD_IDS[l["method"]], int(l["beta"]),
                                 tuple(ExpertChoice(int(x["memory_mb"]), int(x["replicas"]), int(x["predicted_tokens"]))
                                       for x in l["experts"]))
                   for l in plan.placement["layers"]]
-    except (KeyError, TypeError, ValueError) as exc:
+        batch_tokens = int(plan.communication["batch_tokens"])
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it")
-    return plan, facts, layers, int(plan.communication["batch_tokens"])
+    for l, layer in enumerate(layers):
+        for e, x in enumerate(layer.experts):
+            if x.replicas < 1 or x.memory_mb < 1 or x.tokens < 0:
+                raise UserError(f"plan file '{path}': layer {l} expert {e} has {x.replicas} replicas, {x.memory_mb} MB, "
+                                f"{x.tokens} predicted tokens; every expert needs >= 1 replica and memory; regenerate it")
+        if layer.beta < 0:
+            raise UserError(f"plan file '{path}': layer {l} has a negative beta; regenerate it")
+    if batch_tokens < 1:
+        raise UserError(f"plan file '{path}': batch_tokens must be positive; regenerate it")
+    return plan, facts, layers, batch_tokens
+
+
+def _first_non_number(value, where: str, dicts_at=("facts", "facts.layers[]")):
+    """The path of the first leaf of `value` that is not a finite number >= 0 (None if all are);
+    dicts are allowed only where ServerlessFacts has them (the root and each of its layers)."""
+    shape = re.sub(r"\[\d+\]", "[]", where)
+    if isinstance(value, dict) and shape in dicts_at:
+        return next((bad for k, v in value.items() if (bad := _first_non_number(v, f"{where}.{k}"))), None)
+    if isinstance(value, list):
+        return next((bad for i, v in enumerate(value) if (bad := _first_non_number(v, f"{where}[{i}]"))), None)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf")
+    return None if ok else where
 
 
 MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _lambda_model_files)

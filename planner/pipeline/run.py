@@ -28,7 +28,7 @@ def predicted_locality(root: Path, out_dir: Path) -> float:
     from moeplan.passes.optimize.placement.decision import placement_from_dict
 
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
-    routing = torch.load(out_dir / "routing.pt", weights_only=False)
+    routing = torch.load(out_dir / "routing.pt", weights_only=True)
     trace = make_trace(routing["experts"].numpy(), routing["weights"].numpy(), num_experts=placement.num_experts)
     return score_placement(trace, placement.hosts(), placement.topology).gpu_local_fraction
 
@@ -59,7 +59,10 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
         if prompts_path is None:
             prompts_file.write_text("\n".join(prompts) + "\n")
         out_dir = Path(results) if results else scratch / "results"
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot create --results '{out_dir}' ({exc.strerror or exc}); choose a writable directory") from None
         proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout)
         if proc.returncode != 0:
             reason = failure_reason(proc.stderr + "\n" + proc.stdout)

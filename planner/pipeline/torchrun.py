@@ -87,7 +87,7 @@ def write_torchrun_bundle(out, plan: Plan, state: dict, model_files: dict) -> di
     from moeplan.planner.atomic import atomic_path
 
     plan = bundle_plan(plan, state, model_files)
-    with atomic_path(Path(out)) as tmp:
+    with atomic_path(Path(out), kind="bundle") as tmp:
         manifest = write_bundle(tmp, plan, state, model_files["files"])
         if plan.target == "kubernetes":
             from moeplan.backends.kubernetes.codegen import write_manifests

@@ -47,7 +47,16 @@ MIN_TIME_S = 0.002
 MIN_TIME_MULTI_S = 0.05
 MAX_REPS = 25
 SEQ_LEN = 128
-DEFAULT_CACHE_DIR = "build/cache"
+DEFAULT_CACHE_DIR = "default"  # sentinel: `default_cache_dir()`, the same directory whatever the cwd
+
+
+def default_cache_dir() -> Path:
+    """$MOEPLAN_CACHE_DIR, else $XDG_CACHE_HOME/moeplan/profiles, else ~/.cache/moeplan/profiles:
+    absolute, so the same compile run from another directory finds the same profile."""
+    if os.environ.get("MOEPLAN_CACHE_DIR"):
+        return Path(os.environ["MOEPLAN_CACHE_DIR"]).expanduser().resolve()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base).resolve() / "moeplan" / "profiles"
 
 
 @dataclass
@@ -292,13 +301,15 @@ def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threa
     threads = tuple(threads or default_threads())
     tokens_grid = tuple(sorted(int(t) for t in tokens_grid))
     h = model_hash(ir, tokens_grid, threads, budget_s)
+    if cache_dir == DEFAULT_CACHE_DIR:
+        cache_dir = default_cache_dir()
     path = Path(cache_dir) / f"profile-{h}.json" if cache_dir is not None else None
     if path is not None and path.is_file() and not refresh:
         try:
             prof = Profile.from_dict(json.loads(path.read_text()))
             prof.cached = True
             return prof
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError, OSError):
             pass  # unreadable cache entry: profile again
     start = time.perf_counter()
     units = model_units(ir, module)
@@ -359,3 +370,4 @@ def u_per_token(s_per_token_by_threads, threads, vcpus: float) -> np.ndarray:
     arr = np.asarray(s_per_token_by_threads, float)
     factors = np.array([max(1.0, t / vcpus) for t in threads])[:, None]
     return (arr * factors).min(axis=0)
+

@@ -111,13 +111,71 @@ def loads_trace(loads, top_k: int = 1, num_experts: Optional[int] = None) -> Tra
     return make_trace(np.zeros((0, loads.shape[0], top_k), dtype=np.int32), num_experts=num_experts, loads=loads)
 
 
+INT32_MAX = int(np.iinfo(np.int32).max)
+INT64_MAX = int(np.iinfo(np.int64).max)
+# The dtype each integer array is stored as in memory, and the values it may hold. Ids are
+# checked against these bounds in their file's own dtype, before any cast, so an int64 id of
+# 2**32 + 3 is an error and never wraps to 3.
+STORED_DTYPE = {"experts": np.int32, "positions": np.int32, "sequence": np.int32,
+                "token_ids": np.int64, "attention_ids": np.int64, "loads": np.int64}
+VALUE_BOUNDS = {"experts": (-1, INT32_MAX - 1), "positions": (0, INT32_MAX), "sequence": (0, INT32_MAX),
+                "token_ids": (0, INT64_MAX), "attention_ids": (-1, INT64_MAX), "loads": (-INT64_MAX - 1, INT64_MAX)}
+MAX_EXPERTS = 1 << 14  # per MoE layer; 40x the largest published MoE (384 routed experts)
+ANALYSIS_BUDGET_BYTES = 4 << 30  # the most one derived table (e.g. [L-1, E, E] transition counts) may take
+
+
+def memory_budget_bytes() -> int:
+    """Half of this machine's physical memory: the most one trace (or one analysis of it) may claim."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def check_int_values(name: str, arr: np.ndarray) -> None:
+    """Refuse integer values outside `VALUE_BOUNDS[name]`, compared in the array's own dtype."""
+    lo, hi = VALUE_BOUNDS[name]
+    if not arr.size:
+        return
+    low, high = int(arr.min()), int(arr.max())
+    if low < lo:
+        hint = "; use -1 for 'no expert'" if name == "experts" else ""
+        raise UserError(f"trace array '{name}' holds {low}, below {lo} (the smallest allowed value){hint}")
+    if high > hi:
+        raise UserError(f"trace array '{name}' holds {high}, above {hi} (the largest allowed value); "
+                        "the ids are corrupt or from another format")
+
+
 def _int_array(name: str, value, ndim: int) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != ndim:
         raise UserError(f"trace array '{name}' must have {ndim} dimensions, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise UserError(f"trace array '{name}' must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64 if name in ("token_ids", "attention_ids", "loads") else np.int32)
+    check_int_values(name, arr)
+    return arr.astype(STORED_DTYPE[name])
+
+
+def check_trace_shape(num_tokens: int, num_layers: int, top_k: int, num_experts: int) -> None:
+    """Refuse, before allocating, a trace [T, L, K] (ids and weights, 8 bytes an entry) that would not
+    fit in memory, or whose expert count the analyses cannot hold."""
+    need = num_tokens * num_layers * top_k * 8
+    if need > memory_budget_bytes():
+        raise UserError(f"a trace of {num_tokens} tokens x {num_layers} layers x top-{top_k} needs {need / 2**30:.1f} GiB, "
+                        "more than half of this machine's memory; use fewer tokens or layers")
+    check_trace_size(num_layers, num_experts)
+
+
+def check_trace_size(num_layers: int, num_experts: int) -> None:
+    """Refuse an expert count the analyses cannot hold: [L-1, E, E] transition counts must fit."""
+    if num_experts > MAX_EXPERTS:
+        raise UserError(f"trace declares {num_experts} experts per layer; moeplan plans at most {MAX_EXPERTS} "
+                        "(check 'num_experts' and the largest expert id)")
+    need = max(num_layers - 1, 1) * num_experts * num_experts * 8
+    budget = min(memory_budget_bytes(), ANALYSIS_BUDGET_BYTES)
+    if need > budget:
+        raise UserError(f"a trace of {num_layers} MoE layers x {num_experts} experts needs {need / 2**30:.1f} GiB "
+                        f"for its affinity analysis (at most {budget / 2**30:.0f} GiB); trace fewer layers or experts")
 
 
 def make_trace(
@@ -162,6 +220,7 @@ def make_trace(
             f"trace holds expert id {max_id} at MoE layer {layer} but the model has "
             f"{num_experts} experts per layer (ids must be < {num_experts}); was it traced from another model?"
         )
+    check_trace_size(L, num_experts)
     if weights is None:
         weights = np.where(experts >= 0, np.float32(1.0 / K), np.float32(0.0))
     weights = np.asarray(weights)
@@ -187,6 +246,9 @@ def make_trace(
         if attention_ids.shape != (T, L):
             raise UserError(f"trace array 'attention_ids' has shape {attention_ids.shape}, expected {(T, L)}")
 
+    if K > num_experts:
+        raise UserError(f"trace chooses top-{K} experts per token but has only {num_experts} experts per layer "
+                        "(its 'num_experts', else its largest id + 1); top-k cannot exceed the expert count")
     arrays = [experts, weights, attention_ids, loads, *extras.values()]
     for arr in arrays:
         if arr is not None:
@@ -195,34 +257,101 @@ def make_trace(
                  attention_ids=attention_ids, loads=loads, **extras)
 
 
+NPY_SUFFIX = ".npy"
+
+
+def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path):
+    """(shape, dtype) from a member's .npy header, checked against the bytes the member holds."""
+    name = info.filename[:-len(NPY_SUFFIX)]
+    with archive.open(info) as fh:
+        try:
+            major, _ = np.lib.format.read_magic(fh)
+            read_header = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(fh, max_header_size=10000)
+            header_len = fh.tell()
+        except (ValueError, TypeError, SyntaxError, EOFError, OSError) as exc:
+            raise UserError(f"trace file '{path}': array '{name}' has a malformed .npy header ({exc}); re-record the trace")
+    if dtype.hasobject or dtype.kind not in "biuf":
+        raise UserError(f"trace file '{path}': array '{name}' has dtype {dtype}; traces hold only numbers")
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    if count * dtype.itemsize != info.file_size - header_len:
+        raise UserError(f"trace file '{path}': array '{name}' declares shape {shape} ({count * dtype.itemsize} bytes) "
+                        f"but holds {info.file_size - header_len} bytes; the file is corrupt, re-record it")
+    return count * dtype.itemsize
+
+
+def read_npz_arrays(path: Path, budget: int | None = None) -> dict:
+    """Every array of a `.npz`, each header validated against its data and the total against memory
+    before anything is allocated; raises `UserError` for anything else."""
+    if not zipfile.is_zipfile(path):
+        raise UserError(f"trace file '{path}' is not a readable .npz archive (a plain .npy or another file renamed?); "
+                        "write traces with 'moeplan trace' or numpy.savez")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = [i for i in archive.infolist() if not i.is_dir()]
+            odd = [i.filename for i in members if not i.filename.endswith(NPY_SUFFIX)]
+            if odd:
+                raise UserError(f"trace file '{path}' holds {odd[0]!r}, not a .npy array; it is not a moeplan trace")
+            total = sum(_member_header(archive, info, path) for info in members)
+            if total > (memory_budget_bytes() if budget is None else budget):
+                raise UserError(f"trace file '{path}' unpacks to {total / 2**30:.1f} GiB, more than half of this "
+                                "machine's memory; split the trace or plan on a larger machine")
+            arrays = {}
+            for info in members:
+                with archive.open(info) as fh:
+                    arrays[info.filename[:-len(NPY_SUFFIX)]] = np.lib.format.read_array(fh, allow_pickle=False)
+            return arrays
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, NotImplementedError, RuntimeError) as exc:
+        raise UserError(f"trace file '{path}' is not a readable .npz archive ({exc.__class__.__name__}); "
+                        "re-record it with 'moeplan trace'") from None
+
+
+def _int_scalar(path: Path, name: str, value) -> int:
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise UserError(f"trace file '{path}': '{name}' must be an integer scalar, got dtype {arr.dtype} shape {arr.shape}")
+    if int(arr) > INT32_MAX or int(arr) < -INT32_MAX:
+        raise UserError(f"trace file '{path}': '{name}' is {int(arr)}, out of range")
+    return int(arr)
+
+
 def load_trace(path: str | os.PathLike) -> Trace:
     """Read and validate a trace file."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"trace file '{path}' does not exist; record one with 'moeplan trace MODEL --data TEXT --out {path}'")
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise UserError(f"trace file '{path}' is not a readable .npz archive ({exc.__class__.__name__}); re-record it with 'moeplan trace'")
+    arrays = read_npz_arrays(path)
     if "experts" not in arrays:
         raise UserError(f"trace file '{path}' has no 'experts' array; it is not a moeplan routing trace")
-    version = int(arrays.pop("version", TRACE_VERSION))
+    version = _int_scalar(path, "version", arrays.pop("version", TRACE_VERSION))
     if version != TRACE_VERSION:
         raise UserError(f"trace file '{path}' is format version {version}; this moeplan reads version {TRACE_VERSION}")
     num_experts = arrays.pop("num_experts", None)
     if num_experts is not None:
-        if np.asarray(num_experts).ndim != 0 or not np.issubdtype(np.asarray(num_experts).dtype, np.integer):
-            raise UserError(f"trace file '{path}': 'num_experts' must be an integer scalar")
-        num_experts = int(num_experts)
+        num_experts = _int_scalar(path, "num_experts", num_experts)
     known = {"experts", "weights", "token_ids", "positions", "sequence", "attention_ids", "loads"}
     unknown = sorted(set(arrays) - known)
     if unknown:
         raise UserError(f"trace file '{path}' has unknown arrays {unknown}; expected only {sorted(known | {'num_experts', 'version'})}")
     try:
-        return make_trace(num_experts=num_experts, **arrays)
+        trace = make_trace(num_experts=num_experts, **arrays)
     except UserError as exc:
         raise UserError(f"trace file '{path}': {exc}") from None
+    check_has_tokens(trace, f"trace file '{path}'")
+    return trace
+
+
+def check_has_tokens(trace: Trace, source: str) -> None:
+    """A trace with no token tells the planner nothing; refuse it where traces are read (a loads-only
+    trace has no tokens by design: it must count at least one assignment)."""
+    if trace.loads_only:
+        if not trace.loads.sum():
+            raise UserError(f"{source} counts 0 expert assignments; import statistics from a run that served tokens")
+        return
+    if trace.num_tokens == 0:
+        raise UserError(f"{source} holds 0 tokens; record or import a trace with at least one token")
 
 
 def save_trace(trace: Trace, path: str | os.PathLike) -> None:
@@ -237,7 +366,7 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
         value = getattr(trace, name)
         if value is not None:
             arrays[name] = value
-    with atomic_path(path) as tmp:
+    with atomic_path(path, kind="trace") as tmp:
         _write_npz_deterministic(tmp, arrays)
 
 

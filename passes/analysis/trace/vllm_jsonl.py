@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from moeplan.passes.analysis.trace.format import Trace, make_trace
+from moeplan.passes.analysis.trace.format import INT32_MAX, VALUE_BOUNDS, Trace, make_trace
 from moeplan.planner.errors import UserError
 
 REQUIRED_KEYS = ("problem_id", "layer", "token_idx", "experts")
@@ -71,13 +71,15 @@ class _LogParser:
         if not (isinstance(problem, str) or _is_int(problem)):
             self.fail(line_no, f"'problem_id' must be a string or an integer, got {json.dumps(problem)[:40]}")
         for key in ("layer", "token_idx"):
-            if not _is_int(record[key]) or record[key] < 0:
-                self.fail(line_no, f"'{key}' must be a non-negative integer, got {json.dumps(record[key])[:40]}")
+            if not _is_int(record[key]) or not 0 <= record[key] <= INT32_MAX:
+                self.fail(line_no, f"'{key}' must be a non-negative integer (at most {INT32_MAX}), got {json.dumps(record[key])[:40]}")
         experts = record["experts"]
         if not isinstance(experts, list) or not experts or not all(_is_int(e) for e in experts):
             self.fail(line_no, f"'experts' must be a non-empty list of integer expert ids, got {json.dumps(experts)[:60]}")
         if any(e < -1 for e in experts):
             self.fail(line_no, "'experts' holds an id below -1 (use -1 for 'no expert')")
+        if any(e > VALUE_BOUNDS["experts"][1] for e in experts):
+            self.fail(line_no, f"'experts' holds an id above {VALUE_BOUNDS['experts'][1]}; the ids are corrupt")
         if self.top_k is None:
             self.top_k = len(experts)
         elif len(experts) != self.top_k:

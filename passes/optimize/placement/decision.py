@@ -85,7 +85,10 @@ class Placement:
         return body[: body.rindex("}")].rstrip() + ",\n " + layers + "\n}\n"
 
     def save(self, path: str | os.PathLike, timings: bool = False) -> None:
-        write_text_atomic(path, self.to_json(timings))
+        write_text_atomic(path, self.to_json(timings), kind="placement")
+
+
+MAX_PLACED_EXPERTS = 1 << 14  # as for traces (passes/analysis/trace/format.py MAX_EXPERTS)
 
 
 def load_placement(path: str | os.PathLike) -> Placement:
@@ -101,6 +104,9 @@ def load_placement(path: str | os.PathLike) -> Placement:
         return placement_from_dict(doc)
     except UserError as exc:
         raise UserError(f"placement file '{path}': {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+        raise UserError(f"placement file '{path}' has a malformed field ({exc.__class__.__name__}: "
+                        f"{str(exc)[:80]}); regenerate it with 'moeplan place'") from None
 
 
 def placement_from_dict(doc) -> Placement:
@@ -121,6 +127,9 @@ def placement_from_dict(doc) -> Placement:
     if not all(isinstance(e, int) and e >= 0 for e in ids):
         raise UserError("placement expert ids must be non-negative integers")
     num_experts = int(doc.get("num_experts", max(ids) + 1 if ids else 0))
+    if not 0 < num_experts <= MAX_PLACED_EXPERTS or topology.devices > MAX_PLACED_EXPERTS:
+        raise UserError(f"placement has {num_experts} experts on {topology.devices} devices; at most "
+                        f"{MAX_PLACED_EXPERTS} of each are supported")
     placement = Placement(str(doc.get("policy", "unknown")), topology, layers, num_experts, dict(doc.get("metrics", {})))
     validate_placement(placement)
     return placement
