@@ -15,7 +15,6 @@ import io
 import json
 import math
 import traceback
-import zipfile
 from pathlib import Path
 
 import numpy as np

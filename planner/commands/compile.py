@@ -9,9 +9,9 @@ import json
 
 import click
 
-from moeplan.planner import cli_types as T
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
-                                               output_options, pop, serverless_options, topology_options)
+                                               kubernetes_options, output_options, pop, serverless_options,
+                                               topology_options)
 from moeplan.planner.errors import UserError
 from moeplan.planner.pipeline.cost import default_cost_options, describe_choice
 
@@ -91,8 +91,7 @@ def describe(summary: dict) -> str:
 @topology_options(required=False)
 @auto_placement_options
 @cost_options
-@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
+@kubernetes_options
 @serverless_options
 @click.option("--kubernetes", "with_kubernetes", is_flag=True, help="sglang: also write kubernetes/ manifests")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")

@@ -102,6 +102,13 @@ def serverless_options(f):
     ], f)
 
 
+def kubernetes_options(f):
+    return _apply([
+        click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods"),
+        click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume"),
+    ], f)
+
+
 def output_options(f):
     return _apply([
         click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line"),

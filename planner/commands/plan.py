@@ -13,11 +13,11 @@ import json
 
 import click
 
-from moeplan.planner import cli_types as T
 from moeplan.planner.commands.compile import describe, pipeline_inputs, summary_of
 from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, plan_offload_command
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
-                                               output_options, pop, serverless_options, topology_options)
+                                               kubernetes_options, output_options, pop, serverless_options,
+                                               topology_options)
 
 
 @click.command("plan")
@@ -27,8 +27,7 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
 @topology_options(required=False)
 @auto_placement_options
 @cost_options
-@click.option("--image", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: container image of the rank pods")
-@click.option("--storage-class", type=T.NON_EMPTY_TEXT, default=None, help="kubernetes: storage class of the weights volume")
+@kubernetes_options
 @serverless_options
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @offload_options
