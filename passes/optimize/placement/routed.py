@@ -118,31 +118,27 @@ def routed_tables(routed: RoutedTrace, hosts: np.ndarray, after: np.ndarray, l: 
     return g, h
 
 
-def routed_polish(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps: np.ndarray,
-                  budget: WorkBudget = None, solver: str = "highs", sweeps: int = SWEEPS) -> tuple:
-    """Improve bool [L, E, D] hosts by routed layer steps (each kept only if the trace's exact
-    (GPU-local, node-local) counts improve). Replica counts stay as given. Returns (hosts, GPU-local gain)."""
-    budget = budget or WorkBudget()
+def _sweep_layers(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps: np.ndarray, budget: WorkBudget,
+                  sweeps: int, step) -> tuple:
+    """Alternating forward/backward sweeps over the layers: `step(l, x, per_copy, g, h)` proposes a new
+    bool [E, D] layer (or None) from the routed tables; it is kept only if the trace's exact
+    (GPU-local, node-local) counts improve. Layers already over their cap are skipped.
+    Returns (hosts, GPU-local gain)."""
     hosts = hosts.copy()
-    L, E, D = hosts.shape
-    if E * D > budget.scaled(MAX_VARIABLES):
-        return hosts, 0
-    G = routed.gpus_per_node
-    best = routed_value(routed, hosts)
-    start = best
-    for sweep in range(budget.scaled(sweeps)):
+    L = hosts.shape[0]
+    best = start = routed_value(routed, hosts)
+    for sweep in range(sweeps):
         before_sweep = best
         for l in (range(L) if sweep % 2 == 0 else reversed(range(L))):
             if budget.expired():
                 return hosts, best[0] - start[0]
             x = hosts[l]
-            r = x.sum(axis=1)
-            per_copy = loads[l] / r
+            per_copy = loads[l] / x.sum(axis=1)
             if (per_copy @ x).max() > caps[l] * (1 + 1e-9):
                 continue
             g, h = routed_tables(routed, hosts, devices_after(routed, hosts), l)
-            new = layer_mip(g, h, r, int(x.sum(axis=0)[0]), per_copy, caps[l], G, x, NODE_LIMIT, budget, solver)
-            if new is None or np.array_equal(new, x) or (per_copy @ new).max() > caps[l] * (1 + 1e-9):
+            new = step(l, x, per_copy, g, h)
+            if new is None or np.array_equal(new, x):
                 continue
             trial = hosts.copy()
             trial[l] = new
@@ -152,6 +148,25 @@ def routed_polish(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, cap
         if best <= before_sweep:
             break
     return hosts, best[0] - start[0]
+
+
+def routed_polish(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps: np.ndarray,
+                  budget: WorkBudget = None, solver: str = "highs", sweeps: int = SWEEPS) -> tuple:
+    """Improve bool [L, E, D] hosts by routed layer steps (each kept only if the trace's exact
+    (GPU-local, node-local) counts improve). Replica counts stay as given. Returns (hosts, GPU-local gain)."""
+    budget = budget or WorkBudget()
+    E, D = hosts.shape[1:]
+    if E * D > budget.scaled(MAX_VARIABLES):
+        return hosts.copy(), 0
+    G = routed.gpus_per_node
+
+    def step(l, x, per_copy, g, h):
+        new = layer_mip(g, h, x.sum(axis=1), int(x.sum(axis=0)[0]), per_copy, caps[l], G, x, NODE_LIMIT, budget, solver)
+        if new is None or (per_copy @ new).max() > caps[l] * (1 + 1e-9):
+            return None
+        return new
+
+    return _sweep_layers(hosts, routed, loads, caps, budget, budget.scaled(sweeps), step)
 
 
 def routed_chain(routed: RoutedTrace, loads: np.ndarray, replicas: np.ndarray, caps: np.ndarray, start: np.ndarray,
@@ -198,29 +213,11 @@ def routed_swaps(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps
     from moeplan.passes.optimize.placement.ilp import improve_by_swaps
 
     budget = budget or WorkBudget()
-    hosts = hosts.copy()
-    L, E, D = hosts.shape
+    E, D = hosts.shape[1:]
     node_of = np.arange(D) // routed.gpus_per_node
-    best = start = routed_value(routed, hosts)
-    for sweep in range(budget.scaled(SWAP_SWEEPS)):
-        before_sweep = best
-        for l in (range(L) if sweep % 2 == 0 else reversed(range(L))):
-            if budget.expired():
-                return hosts, best[0] - start[0]
-            x = hosts[l]
-            per_copy = loads[l] / x.sum(axis=1)
-            if (per_copy @ x).max() > caps[l] * (1 + 1e-9):
-                continue
-            g, h = routed_tables(routed, hosts, devices_after(routed, hosts), l)
-            new = improve_by_swaps(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
-                                   budget.scaled(SWAP_MOVES)) > 0
-            if np.array_equal(new, x):
-                continue
-            trial = hosts.copy()
-            trial[l] = new
-            value = routed_value(routed, trial)
-            if value > best:
-                hosts, best = trial, value
-        if best <= before_sweep:
-            break
-    return hosts, best[0] - start[0]
+
+    def step(l, x, per_copy, g, h):
+        return improve_by_swaps(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
+                                budget.scaled(SWAP_MOVES)) > 0
+
+    return _sweep_layers(hosts, routed, loads, caps, budget, budget.scaled(SWAP_SWEEPS), step)
