@@ -96,6 +96,20 @@ def _start(stream, capacity: int, policy: Policy, resident):
     return cached, len(resident)
 
 
+def _admit_on_demand(cached, size: int, capacity: int, policy: Policy, key: int, r: int) -> tuple:
+    """Insert a missed key, evicting the policy's victim when the cache is full; (size, evicted key or None)."""
+    evicted = None
+    if size >= capacity:
+        evicted = policy.victim(r)
+        cached[evicted] = False
+        policy.evicted(evicted)
+    else:
+        size += 1
+    cached[key] = True
+    policy.inserted(key, r)
+    return size, evicted
+
+
 def simulate_demand(stream, capacity: int, policy: Policy, resident=(), expert_bytes: int = 0) -> Result:
     """Demand paging of `stream` through a `capacity`-key cache under `policy`."""
     cached, size = _start(stream, capacity, policy, resident)
@@ -112,14 +126,7 @@ def simulate_demand(stream, capacity: int, policy: Policy, resident=(), expert_b
             hits += 1
             policy.touch(r, key, True)
             continue
-        if size >= capacity:
-            v = policy.victim(r)
-            cached[v] = False
-            policy.evicted(v)
-        else:
-            size += 1
-        cached[key] = True
-        policy.inserted(key, r)
+        size, _ = _admit_on_demand(cached, size, capacity, policy, key, r)
         policy.touch(r, key, False)
         loads += 1
     return Result(policy.name, len(keys), hits, loads, expert_bytes=expert_bytes)
@@ -175,15 +182,9 @@ def simulate_timed(stream, capacity: int, policy: Policy, timing: Timing, prefet
                 done = max(done, arrival)
                 policy.touch(r, key, True)
                 continue
-            if size >= capacity:
-                v = policy.victim(r)
-                cached[v] = False
-                policy.evicted(v)
-                ready.pop(v, None)
-            else:
-                size += 1
-            cached[key] = True
-            policy.inserted(key, r)
+            size, evicted = _admit_on_demand(cached, size, capacity, policy, key, r)
+            if evicted is not None:
+                ready.pop(evicted, None)
             link_free = max(link_free, now) + timing.copy_s(key)
             ready[key] = link_free
             done = max(done, link_free)
