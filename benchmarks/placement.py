@@ -138,17 +138,12 @@ def chain_placement(trace, topology, redundant: int, balance: float, balance_bas
     """The layer-chain MILP baseline (`placement/layer_chain.py`) under the ilp's cap for the same options."""
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.eplb import replica_counts
-    from moeplan.passes.optimize.placement.ilp import check_caps, layer_caps
+    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps
     from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
 
     loads = trace.expert_loads().astype(np.float64)
-    L, E = loads.shape
     D = topology.devices
-    slots = (E + redundant) // D
-    replicas = np.stack([replica_counts(loads[l], E + redundant, D) for l in range(L)])
-    caps = layer_caps(loads, replicas, D, slots, balance, balance_base)
-    check_caps(loads, replicas, caps, D, slots, balance)
+    _, caps = eplb_replicas_and_caps(loads, D, redundant, balance, balance_base)
     return layer_chain_placement(transition_counts(trace, "current"), loads, topology.gpus_per_node, D, redundant, caps,
                                  WorkBudget(effort))
 

@@ -407,6 +407,19 @@ def check_caps(loads: np.ndarray, replicas: np.ndarray, caps: np.ndarray, device
         )
 
 
+def eplb_replicas_and_caps(loads: np.ndarray, devices: int, redundant: int, balance: float, balance_base: str) -> tuple:
+    """(int [L, E] EPLB replica counts for E + redundant slots, float [L] per-layer load caps), the caps
+    checked achievable (a one-line error names the layer otherwise). loads: float [L, E]."""
+    from moeplan.passes.optimize.placement.eplb import replica_counts
+
+    L, E = loads.shape
+    slots = (E + redundant) // devices
+    replicas = np.stack([replica_counts(loads[l], E + redundant, devices) for l in range(L)])
+    caps = layer_caps(loads, replicas, devices, slots, balance, balance_base)
+    check_caps(loads, replicas, caps, devices, slots, balance)
+    return replicas, caps
+
+
 @dataclass
 class StagedSolution:
     hosts: np.ndarray  # bool [L, E, D]
@@ -430,14 +443,10 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
     start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
     counts returned are then the solution's own, which may differ from EPLB's rule."""
-    from moeplan.passes.optimize.placement.eplb import replica_counts
-
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
-    replicas = np.stack([replica_counts(loads[l], E + redundant, D) for l in range(L)])
-    caps = layer_caps(loads, replicas, D, slots, balance, balance_base)
-    check_caps(loads, replicas, caps, D, slots, balance)
+    replicas, caps = eplb_replicas_and_caps(loads, D, redundant, balance, balance_base)
     budget = budget or WorkBudget()
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
                            max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
