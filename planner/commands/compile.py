@@ -12,12 +12,13 @@ import click
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
                                                kubernetes_options, output_options, pop, serverless_options,
                                                topology_options)
+from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, offload_request
 from moeplan.planner.errors import UserError
 from moeplan.planner.pipeline.cost import default_cost_options, describe_choice
 
 
 def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, placement, serverless,
-                    out, say, cost=None) -> dict:
+                    out, say, cost=None, offload=None) -> dict:
     """The facts a target's pass list starts from, with the flags that do not apply to it refused."""
     if target != "kubernetes" and (image is not None or storage_class is not None):
         raise UserError("--image and --storage-class apply to --target kubernetes only")
@@ -40,7 +41,7 @@ def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image
     return {"model_spec": str(model), "trace_path": str(trace_path), "out": str(out) if out is not None else None,
             "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": placement,
             "mode": mode, "target": spec, "serverless_options": serverless, "progress": say,
-            "cost_options": default_cost_options(cost)}
+            "cost_options": default_cost_options(cost), "offload_options": offload}
 
 
 def summary_of(plan, out, timings, manifest=None) -> dict:
@@ -97,11 +98,19 @@ def describe(summary: dict) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--sign-key", type=click.Path(dir_okay=False), default=None,
               help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
+@offload_options
 @output_options
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
                 as_json, quiet, hardware, workload, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
     signer = _signer(sign_key, target)
+    offload = pop(flags, OFFLOAD_FLAGS)  # issue 13: per-rank expert caches (--gpu-memory / --expert-cache)
+    if target in ("torchrun", "kubernetes"):
+        offload = offload_request(offload, flags["validation_fraction"], flags["seed"], target=target)
+    elif offload["gpu_memory"] is not None or offload["expert_cache"] is not None:
+        raise UserError("--gpu-memory / --expert-cache apply to --target torchrun or kubernetes ('moeplan plan --target offload' plans one GPU)")
+    else:
+        offload = None
     if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
         from moeplan.planner.commands.engine_compile import compile_engine
 
@@ -113,7 +122,7 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
                             pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say,
-                            {"hardware": hardware, "workload": workload})
+                            {"hardware": hardware, "workload": workload}, offload)
     from moeplan.planner.pipeline.targets import run_target
 
     facts, timings = run_target(target, facts, quiet=quiet or as_json)

@@ -19,6 +19,7 @@ import numpy as np
 
 from moeplan.planner.pass_manager import Pass
 from moeplan.planner.pipeline import cost as cost_passes
+from moeplan.planner.pipeline import offload as offload_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline.common import IMPORT, MODEL_FILES, TRACE, needs_weights, trace_matches_model
 from moeplan.planner.plan import Plan
@@ -67,6 +68,10 @@ def _plan(facts):
                 "options": facts["placement_options"]},
         deployment={k: v for k, v in target.items() if k != "name"},
     )
+    if facts["expert_cache"] is not None:  # issue 13: each rank caches among its experts (pipeline/offload.py)
+        plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
+                                   predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
+                                   inputs={**plan.inputs, "offload": facts["offload_options"]})
     return {"plan": plan}
 
 
@@ -89,6 +94,12 @@ def write_torchrun_bundle(out, plan: Plan, state: dict, model_files: dict) -> di
     plan = bundle_plan(plan, state, model_files)
     with atomic_path(Path(out), kind="bundle") as tmp:
         manifest = write_bundle(tmp, plan, state, model_files["files"])
+        if plan.communication.get("expert_cache"):  # the runtime's cache runs the simulator's policy code
+            from moeplan.backends.common.files import write_file
+
+            for rel, text in offload_passes.runtime_policy_files().items():
+                write_file(tmp / rel, text)
+            manifest = write_manifest(tmp)
         if plan.target == "kubernetes":
             from moeplan.backends.kubernetes.codegen import write_manifests
 
@@ -108,7 +119,7 @@ AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
 PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
-                     "target", "cost"), ("plan",), _plan)
+                     "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
 
-PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, PLAN, CODEGEN]
+PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN, CODEGEN]
