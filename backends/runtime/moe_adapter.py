@@ -216,7 +216,7 @@ class MoEAdapter:
         if self.container.kind == "tiny_moe":
             self.block.experts = pool.modules
             return
-        owner = _module(root, self.container.path)
+        owner = self.library_experts if self.container.kind in ("experts", "llama4") else _module(root, self.container.path)
         for p in pool.params:
             self._set_param(owner, p, pool.tensors[p])
         self._set_expert_count(owner, pool.capacity)

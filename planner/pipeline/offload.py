@@ -77,7 +77,7 @@ def _expert_cache(facts):
     loaded = facts["model"]
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
-                            kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"), say=facts["progress"])
+                            kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"))
     return {"expert_cache": body}
 
 
@@ -90,7 +90,7 @@ def runtime_policy_files() -> dict:
     return {dest: package.joinpath(src).read_text() for dest, src in RUNTIME_POLICY_FILES.items()}
 
 
-EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options", "progress"), ("expert_cache",),
+EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options"), ("expert_cache",),
                     _expert_cache)
 
 
