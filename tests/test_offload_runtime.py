@@ -11,6 +11,7 @@
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -121,6 +122,7 @@ def test_bundle_with_an_expert_cache_measures_what_the_simulator_predicts(offloa
     spec = plan["communication"]["expert_cache"]
     assert spec["capacity"] == [5] and spec["eviction"] == eviction and len(spec["resident"][0]) == 5
     assert (bundle / "runtime" / "offload_policies.py").is_file() and (bundle / "runtime" / "offload_next_use.py").is_file()
+    assert f"numpy=={np.__version__}" in (bundle / "requirements.txt").read_text().splitlines()
     code, out = cli(["run", str(bundle), "--verify", "--new-tokens", "6", "--mode", "standard",
                      "--prompts", str(root / "prompts.txt"), "--json"])
     assert code == 0, out
@@ -142,3 +144,15 @@ def test_cache_flags_without_a_cache_or_with_both_sizes_are_refused_in_one_line(
                      "--out", str(root / "x")])
     assert code == 2 and "exactly one of --gpu-memory" in out
     assert not (root / "x").exists()
+
+
+def test_the_shipped_policy_modules_import_nothing_of_moeplan():
+    """policies.py and next_use.py run inside bundles (runtime/offload_*.py), where moeplan is absent."""
+    from pathlib import Path
+
+    from moeplan.planner.pipeline.offload import RUNTIME_POLICY_FILES
+    from test_import_rules import imported_modules
+
+    folder = Path(__file__).resolve().parents[1] / "passes" / "optimize" / "offload"
+    for source in RUNTIME_POLICY_FILES.values():
+        assert [m for _, m in imported_modules(folder / source) if m.startswith("moeplan")] == []

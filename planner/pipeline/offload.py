@@ -149,3 +149,12 @@ def _requests_match_routing(out_dir, summary: dict, streams: list) -> bool:
         return {(int(s.step_token[st]), int(k)) for st, k in zip(s.step, s.keys)}
 
     return set().union(*(pairs(s) for s in streams)) == pairs(expected)
+
+
+def with_numpy(requirements: str) -> str:
+    """A bundle's requirements.txt plus the numpy its expert cache and policies import (pinned)."""
+    import numpy
+
+    if any(line.split("==")[0] == "numpy" for line in requirements.splitlines()):
+        return requirements
+    return requirements + f"numpy=={numpy.__version__}\n"

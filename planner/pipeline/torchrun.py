@@ -99,6 +99,7 @@ def write_torchrun_bundle(out, plan: Plan, state: dict, model_files: dict) -> di
 
             for rel, text in offload_passes.runtime_policy_files().items():
                 write_file(tmp / rel, text)
+            write_file(tmp / "requirements.txt", offload_passes.with_numpy((tmp / "requirements.txt").read_text()))
             manifest = write_manifest(tmp)
         if plan.target == "kubernetes":
             from moeplan.backends.kubernetes.codegen import write_manifests
