@@ -156,3 +156,21 @@ def test_the_shipped_policy_modules_import_nothing_of_moeplan():
     folder = Path(__file__).resolve().parents[1] / "passes" / "optimize" / "offload"
     for source in RUNTIME_POLICY_FILES.values():
         assert [m for _, m in imported_modules(folder / source) if m.startswith("moeplan")] == []
+
+
+def test_plan_then_codegen_gives_the_compiled_offload_bundle_byte_for_byte(offload_inputs, tmp_path):
+    root, model_dir = offload_inputs
+    flags = ["--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard", "--expert-cache", "5",
+             "--eviction", "lru"]
+    code, out = cli(["compile", str(model_dir), *flags, "--out", str(tmp_path / "compiled"), "--quiet"])
+    assert code == 0, out
+    code, out = cli(["plan", str(model_dir), *flags, "--target", "torchrun", "--out", str(tmp_path / "plan.json"), "--quiet"])
+    assert code == 0, out
+    assert json.loads((tmp_path / "plan.json").read_text())["communication"]["expert_cache"]["capacity"] == [5]
+    code, out = cli(["codegen", str(tmp_path / "plan.json"), "--out", str(tmp_path / "generated")])
+    assert code == 0, out
+
+    def files(d):
+        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+    assert files(tmp_path / "compiled") == files(tmp_path / "generated")
