@@ -61,6 +61,10 @@ def summary_of(plan, out, timings, manifest=None) -> dict:
         summary.update(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
                        predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction",
                                                                      "max_over_mean_load")})
+        cache = doc["communication"].get("expert_cache")
+        if cache:  # issue 13: per-rank expert caches
+            summary["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"],
+                                       "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
         cost = doc["predicted"].get("cost")
         if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
             chosen = cost["modes"][cost["mode"]]
@@ -79,7 +83,10 @@ def describe(summary: dict) -> str:
     p = summary["predicted"]
     return (f"{what}: {summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
             f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"
-            + (f"\n{summary['choice']}" if "choice" in summary else ""))
+            + (f"\n{summary['choice']}" if "choice" in summary else "")
+            + (f"\nexpert caches: {summary['expert_cache']['capacity']} entries per rank, eviction "
+               f"{summary['expert_cache']['eviction']}, predicted hit ratio {summary['expert_cache']['predicted_hit_ratio']:.3f}"
+               if "expert_cache" in summary else ""))
 
 
 @click.command("compile")
