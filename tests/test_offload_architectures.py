@@ -93,4 +93,4 @@ def test_architecture_runs_offloaded_and_measures_the_simulated_hits(served, arc
         cache = cache_beside_simulation(bundle, plan, run_dir, summary)["expert_cache"]
         assert cache["matches_simulation"] and cache["requests_match_routing"], (mode, cache)
         m = cache["measured"]
-        assert m["loads"] > 0 and m["bytes_moved"] == m["loads"] * plan["communication"]["expert_cache"]["runtime_expert_bytes"]
+        assert 0 < m["hits"] < m["requests"] and m["bytes_moved"] == m["loads"] * plan["communication"]["expert_cache"]["runtime_expert_bytes"]
