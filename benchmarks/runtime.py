@@ -18,10 +18,10 @@ Predictions, from the cost model (`passes/analysis/cost_model.py`):
     python benchmarks/runtime.py [--model DIR|gqa|mla] [--policies contiguous ...] [--ranks 2 4]
                                  [--new-tokens 8] [--prompts 8] [--repeats 3] [--json]
 
-`--model gqa` / `--model mla` build seeded random-weight transformers models (`NAMED_MODELS`:
-Qwen3-MoE with 8 query heads and 1 KV head, K + V = 16 elements against a hidden state of 64;
-DeepSeek-V3 with MLA, latent 16 + rotated key 8 = 24 against 64) with examples/qwen3_moe's
-tokenizer; models without a corpus use examples/tiny_moe's. Where coherent mode's context
+`--model gqa` / `--model mla` build the seeded random-weight transformers models of
+examples/hf_tiny/kv_rows.py (Qwen3-MoE with 8 query heads and 1 KV head, K + V = 16 elements
+against a hidden state of 64; DeepSeek-V3 with MLA, latent 16 + rotated key 8 = 24 against 64);
+models without a corpus use examples/tiny_moe's. Where coherent mode's context
 exchange sends K/V instead of the hidden state for some block (`backends/runtime/context_exchange.py`),
 every coherent bundle is also run with `--context hidden`: rows carry `context` ("kv" or "hidden").
 
@@ -43,54 +43,19 @@ TOPOLOGIES = {2: (1, 2), 4: (2, 2)}
 POLICIES = ("contiguous", "eplb", "ilp")
 MODES = ("standard", "coherent")
 CORPUS = REPO / "examples" / "tiny_moe"
-# name -> (transformers config class, keyword arguments): tiny MoE models with a small K/V row
-SHARED = dict(vocab_size=384, hidden_size=64, num_hidden_layers=4, max_position_embeddings=256, tie_word_embeddings=False,
-              bos_token_id=0, eos_token_id=0, pad_token_id=0, num_experts_per_tok=2)
-NAMED_MODELS = {
-    "gqa": ("Qwen3MoeConfig", dict(SHARED, num_attention_heads=8, num_key_value_heads=1, head_dim=8, intermediate_size=128,
-                                   moe_intermediate_size=64, num_experts=8, norm_topk_prob=True)),
-    "mla": ("DeepseekV3Config", dict(SHARED, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
-                                     moe_intermediate_size=64, n_routed_experts=8, n_shared_experts=0, first_k_dense_replace=0,
-                                     n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                                     qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=1.0)),
-}
+KV_ROWS = REPO / "examples" / "hf_tiny" / "kv_rows.py"  # --model gqa | mla: its seeded models
 
 
-def build_named_model(name: str, out: Path, seed: int = 0) -> Path:
-    """A seeded random-weight `NAMED_MODELS[name]` saved with its tokenizer (examples/qwen3_moe's) in out/name."""
-    import shutil
+def build_named_model(name: str, out: Path) -> Path:
+    from moeplan.planner.importers.resolve import import_file
 
-    import torch
-    import transformers
-
-    cls_name, kwargs = NAMED_MODELS[name]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls_name)(**kwargs), dtype=torch.float32)
-    directory = out / name
-    model.save_pretrained(directory)
-    shutil.copy(REPO / "examples" / "qwen3_moe" / "tokenizer.json", directory / "tokenizer.json")
-    return directory
-
-
-def record(model: str, text_path: Path, max_tokens: int, out: Path) -> Path:
-    from moeplan.passes.analysis.trace.record import record_trace
-    from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.planner.importers import load_model
-
-    save_trace(record_trace(load_model(model), text_path.read_text(encoding="utf-8"), max_tokens=max_tokens), out)
-    return out
-
-
-def held_out_prompts(path: Path, count: int, length: int) -> list:
-    text = " ".join(path.read_text(encoding="utf-8").split())
-    step = max(1, (len(text) - length) // max(count, 1))
-    return [text[i * step: i * step + length].strip() for i in range(count)]
+    return import_file(KV_ROWS).build(name, out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "examples" / "tiny_moe"),
-                    help=f"model directory, or one of {sorted(NAMED_MODELS)} (built here, seeded)")
+                    help="model directory, or gqa / mla (examples/hf_tiny/kv_rows.py, built here, seeded)")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES,
                     help="placements to run (contiguous, the baseline, is always run)")
     ap.add_argument("--trace", default=None, help="placement trace; default: record one on the training corpus")
@@ -115,7 +80,7 @@ def main(argv=None) -> int:
     workload = f"{args.prompts}x{args.prompt_length}+{args.new_tokens}"
     with tempfile.TemporaryDirectory(prefix="moeplan-bench-") as scratch:
         scratch = Path(scratch)
-        model_dir = build_named_model(args.model, scratch) if args.model in NAMED_MODELS else Path(args.model)
+        model_dir = build_named_model(args.model, scratch) if args.model in ("gqa", "mla") else Path(args.model)
         corpus = model_dir if (model_dir / "corpus_train.txt").is_file() else CORPUS
         trace = Path(args.trace) if args.trace else record(str(model_dir), corpus / "corpus_train.txt",
                                                           args.trace_tokens, scratch / "trace.npz")
