@@ -52,6 +52,21 @@ def build_named_model(name: str, out: Path) -> Path:
     return import_file(KV_ROWS).build(name, out)
 
 
+def record(model: str, text_path: Path, max_tokens: int, out: Path) -> Path:
+    from moeplan.passes.analysis.trace.record import record_trace
+    from moeplan.passes.analysis.trace.format import save_trace
+    from moeplan.planner.importers import load_model
+
+    save_trace(record_trace(load_model(model), text_path.read_text(encoding="utf-8"), max_tokens=max_tokens), out)
+    return out
+
+
+def held_out_prompts(path: Path, count: int, length: int) -> list:
+    text = " ".join(path.read_text(encoding="utf-8").split())
+    step = max(1, (len(text) - length) // max(count, 1))
+    return [text[i * step: i * step + length].strip() for i in range(count)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(REPO / "examples" / "tiny_moe"),
