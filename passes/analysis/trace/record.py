@@ -131,8 +131,12 @@ def _hf_routing_inputs(module) -> list:
         cls = type(sub).__name__
         if cls == "Llama4Router":
             def llama4(output, k=int(sub.top_k)):
-                weights, ids = torch.topk(output[0], k, dim=-1)  # sigmoid scores, 0 off the top-k
-                return ids, weights
+                # The router returns (scores [N, E], logits [N, E]) and chooses by torch.topk(logits, k, dim=1):
+                # the same call on the same logits gives its ids; the weights are its own scores there
+                # (sigmoid of the chosen logits), not re-derived.
+                scores, logits = output
+                ids = torch.topk(logits, k, dim=1)[1]
+                return ids, scores.gather(1, ids)
             routers.append((sub, llama4))
         elif cls == "JetMoeTopKGating" and ".mlp." in f".{name}.":  # not the attention experts' gate
             def jetmoe(output, k=int(sub.top_k)):
