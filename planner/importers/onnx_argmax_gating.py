@@ -24,18 +24,6 @@ from typing import Optional
 
 from moeplan.planner.importers.onnx_gating import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
 
-def _fill(index: GraphIndex, name: str) -> bool:
-    """A constant fill value: an initializer/Constant, or ConstantOfShape (a shape-only tensor)."""
-    if index.is_constant(name):
-        return True
-    node = index.producer.get(name)
-    while node is not None and node.op_type in ("CastLike", "Cast", "Expand", "Identity"):
-        if index.is_constant(node.input[0]):
-            return True
-        node = index.producer.get(node.input[0])
-    return node is not None and node.op_type == "ConstantOfShape"
-
-
 def _argmax_ancestors(index: GraphIndex, name: str, stop) -> set:
     """ArgMax nodes that tensor `name` depends on, not looking past node `stop` (the router)."""
     found, seen, stack = set(), set(), [name]
@@ -67,12 +55,12 @@ def _selection_source(index: GraphIndex, name: str):
         if node.op_type in SCORE_OPS:
             name = node.input[0]
         elif node.op_type == "Where" and len(node.input) == 3:
-            data = [i for i in node.input[1:] if not _fill(index, i)]
+            data = [i for i in node.input[1:] if not index.is_fill(i)]
             if len(data) != 1:
                 return None, set()
             masks.append(node.input[0])
             name = data[0]
-        elif node.op_type == "ScatterElements" and len(node.input) == 3 and _fill(index, node.input[2]):
+        elif node.op_type == "ScatterElements" and len(node.input) == 3 and index.is_fill(node.input[2]):
             masks.append(node.input[1])
             name = node.input[0]
         else:
@@ -117,10 +105,6 @@ def _gathered_at(index: GraphIndex, choice) -> Optional[object]:
     return found[0] if len(found) == 1 else None
 
 
-def _reaches_output(index: GraphIndex, name: str, outputs: set) -> bool:
-    return any(n in outputs for n in index.skip_forward(name))
-
-
 def argmax_gates(model, index: GraphIndex) -> list:
     """One `Gate` per router that selects its experts by a chain of ArgMax nodes (see module doc)."""
     by_router: dict = {}
@@ -130,7 +114,6 @@ def argmax_gates(model, index: GraphIndex) -> list:
         router, before = _selection_source(index, node.input[0])
         if router is not None:
             by_router.setdefault(id(router[0]), (router, []))[1].append((node, before))
-    outputs = {o.name for o in model.graph.output}
     gates = []
     for router, picks in by_router.values():
         chain_of = {}
@@ -139,7 +122,7 @@ def argmax_gates(model, index: GraphIndex) -> list:
             chain_of[id(node)] = longest + [node]
         chain = max(chain_of.values(), key=len)
         router_node, weight, transposed = router
-        if len(chain) == 1 and _reaches_output(index, router_node.output[0], outputs):
+        if len(chain) == 1 and index.reaches_output(router_node.output[0]):
             continue
         gathers = [_gathered_at(index, pick) for pick in chain]
         weights = _joined(index, gathers) if all(g is not None for g in gathers) else None

@@ -77,6 +77,17 @@ class GraphIndex:
             return self.is_constant(node.input[0])
         return node is not None and node.op_type == "Constant"
 
+    def is_fill(self, name: str) -> bool:
+        """A fill value: a constant, or one broadcast to a shape (ConstantOfShape, Expand of a constant)."""
+        if self.is_constant(name):
+            return True
+        node = self.producer.get(name)
+        while node is not None and node.op_type in ("CastLike", "Cast", "Expand", "Identity"):
+            if self.is_constant(node.input[0]):
+                return True
+            node = self.producer.get(node.input[0])
+        return node is not None and node.op_type == "ConstantOfShape"
+
     def scores_source(self, name: str):
         """The node TopK's scores come from, looking through pass-through ops, a constant bias Add
         (DeepSeek's score correction) and masking (`Where(mask, fill, scores)`, node-limited
@@ -111,6 +122,11 @@ class GraphIndex:
             name = node.input[0]
         return name
 
+    def reaches_output(self, name: str) -> bool:
+        """Whether `name` is, through pass-through ops, a graph output (a head's logits, not a router's)."""
+        outputs = {o.name for o in self.graph.output}
+        return any(n in outputs for n in self.skip_forward(name))
+
     def skip_forward(self, name: str) -> list:
         """Tensors reachable from `name` through pass-through ops only (itself included)."""
         out, stack = [], [name]
@@ -132,6 +148,8 @@ class Gate:
     is True when the weight is stored [E, D] (Gemm transB=1), False when stored [D, E].
     `weights_output` is the tensor holding the final per-token gate weights [.., K] (after a
     renormalising Div when the model has one); `indices_output` the chosen experts [.., K].
+    A router that scatters its chosen logits into a full row before scoring them (Llama-4:
+    sigmoid of -inf everywhere but the top-k) hands on dense scores: `weights_dense`.
     """
 
     node: object
@@ -143,6 +161,7 @@ class Gate:
     indices_output: str = ""
     weights_output: str = ""
     softmax_after_topk: bool = False
+    weights_dense: bool = False  # weights_output is [.., E], the weights its values at indices_output
     gate_softmax: str = ""  # the router's Softmax output (before or after TopK), not an attention
 
 
@@ -189,7 +208,7 @@ def router_of(index: GraphIndex, logits: str):
 
 def _scaled_copy(index: GraphIndex, node, current: str) -> bool:
     """Whether `node` maps gate weights `current` to gate weights: a Softmax over them, a constant
-    scale (`routed_scaling_factor`), or a division by a constant or by their own sum
+    scale (`routed_scaling_factor`), or a division by a constant or by their own sum or L1 norm
     (renormalisation; the sum may get a constant epsilon added or a lower clamp). Casts and
     reshapes in between are looked through by the caller."""
     if node.op_type == "Softmax":
@@ -203,7 +222,7 @@ def _scaled_copy(index: GraphIndex, node, current: str) -> bool:
         producer = index.producer.get(divisor)
         if producer is None:
             return False
-        if producer.op_type == "ReduceSum":
+        if producer.op_type in ("ReduceSum", "ReduceL1"):  # L1: DBRX's p-norm with p = 1 (weights >= 0)
             return producer.input[0] == current
         varying = [i for i in producer.input if i and not index.is_constant(i)]
         if producer.op_type not in ("Add", "Max", "Clip", "Cast") or len(varying) != 1:
@@ -223,6 +242,19 @@ def handed_on(index: GraphIndex, values: str) -> str:
         if len(steps) != 1:
             return values
         values = steps[0].output[0]
+
+
+def _scored_scatter(index: GraphIndex, topk) -> Optional[str]:
+    """Scores [.., E] a TopK on router logits hands on by scattering its values into a filled row
+    (`ScatterElements(fill, indices, values)`) and scoring that (Sigmoid/Softmax), else None."""
+    values, indices = topk.output[0], topk.output[1]
+    for name in index.skip_forward(values):
+        for node in index.consumers.get(name, ()):
+            if (node.op_type == "ScatterElements" and len(node.input) == 3 and node.input[2] == name
+                    and node.input[1] in index.skip_forward(indices) and index.is_fill(node.input[0])):
+                scored = [c for c in index.consumers.get(node.output[0], ()) if c.op_type in SCORE_OPS]
+                return scored[0].output[0] if len(scored) == 1 else None
+    return None
 
 
 def _weights_source(index: GraphIndex, topk) -> str:
@@ -280,6 +312,11 @@ def find_gates(model) -> list:
                 gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
                                   indices, handed_on(index, values), softmax_after_topk=True,
                                   gate_softmax=softmax.output[0]))
+            elif weight is not None:
+                dense = _scored_scatter(index, node)
+                if dense is not None and not index.reaches_output(router_node.output[0]):
+                    gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
+                                      indices, dense, weights_dense=True))
     gates += argmax_gates(model, index)
     gates.sort(key=lambda g: index.position[id(g.node)])
     return _last_per_router(gates)
