@@ -69,21 +69,12 @@ def _build(path: Path):
     import onnx
     import onnxruntime as ort
 
-    from moeplan.planner.importers.onnx_gating import (
-        find_attention_softmaxes,
-        find_gates,
-        node_position,
-    )
-    from moeplan.planner.importers.onnx_graph import load_onnx_model
+    from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
+    from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
     load_onnx_model(path)  # one-line errors for unreadable files, before the full load
     model = onnx.load(str(path))
-    gates = find_gates(model)
-    if not gates:
-        raise UserError(
-            f"no MoE gating pattern (MatMul->Softmax->TopK or com.microsoft MoE) found in {path}: "
-            "moeplan traces MoE models only"
-        )
+    gates = moe_layer_gates(model, path)  # one-line errors when the graph has no MoE layer
     layout = []
     for gate in gates:
         if gate.kind == "contrib":
@@ -99,7 +90,8 @@ def _build(path: Path):
                                 "joins no per-token list of their ids and weights that tracing could read")
             layout.append(_GateOutputs("pattern", gate.top_k, indices=gate.indices_output,
                                        weights=gate.weights_output, dense=gate.weights_dense))
-    attention = _attention_before(gates, find_attention_softmaxes(model, gates), node_position(model))
+    every_gate = find_gates(model)  # attention experts' gates too: their Softmaxes are no attention
+    attention = _attention_before(gates, find_attention_softmaxes(model, every_gate), node_position(model))
 
     existing = {o.name for o in model.graph.output}
     wanted = [n for g in layout for n in (g.indices, g.weights, g.logits) if n]
