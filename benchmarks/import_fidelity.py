@@ -1,6 +1,6 @@
 """Import fidelity: moeplan's parameter counts beside transformers' own, and ONNX imports beside torch.
 
-Run:  .venv/bin/python benchmarks/import_fidelity.py [--configs-only | --onnx-only] [--arch A ...] [--json]
+Run:  .venv/bin/python benchmarks/import_fidelity.py [--configs-only | --onnx-only] [--only NAME ...] [--json]
 
 Part 1, full-size configs (every `examples/configs/*.json`, built on `meta`, no weights): our
 total parameters (`moeplan inspect`'s IR) beside transformers' own count of the model class the
@@ -14,22 +14,30 @@ says so). Documented conventions that make totals differ, printed in the `conven
 
 Part 2, ONNX: tiny random models of each Hugging Face MoE architecture, exported by
 `moeplan export-onnx`'s code (`planner/onnx_export.py`) and imported back; stage count, total and
-active parameters of the ONNX import beside the torch import of the same model. An architecture
-torch's exporter cannot capture is listed with the reason (its error, whole). Measured with
-torch 2.13 and transformers 5.23, 11 of the 12 architectures that export import equal to their
-torch import (deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, granitemoe, hunyuan_v1_moe, jetmoe,
-mixtral, olmoe, qwen2_moe, qwen3_moe); the others, and why:
+active parameters of the ONNX import beside the torch import of the same model. Then the same
+token ids are traced both ways (`record_trace`: hooks on the library's router in torch,
+onnxruntime on the file): whether every token's experts agree, and the largest gap between the
+gate weights. An architecture torch's exporter cannot capture is listed with the reason (its
+error, whole). Measured with torch 2.13 and transformers 5.23, all 15 architectures export, import
+equal to their torch import and trace the torch trace's experts (weights within float32 rounding).
+What it took beyond transformers' `batched_mm` experts and no KV cache:
+* phimoe: its sparsemixer picks two experts by ArgMax, masking the first (no TopK node); the
+  importer reads repeated ArgMax + masking as a top-k router (`onnx_argmax_gating.py`);
 * dbrx: its experts loop over the experts the batch hit (`for expert_idx in expert_hit`), a
-  data-dependent count torch.export cannot capture, and transformers offers no export-friendly
-  experts implementation for it;
+  data-dependent count torch.export cannot capture and for which transformers offers no
+  export-friendly implementation; export swaps in a batched gather of the same arithmetic;
 * deepseek_v2, llama4_text: complex-valued rotary embeddings (`torch.polar`), for which
   torch.onnx has no translation ("No decompositions registered for the complex-valued input");
-* phimoe: exports, but its sparsemixer routing (max, masked softmax, no TopK) is no gate pattern
-  the importer knows; it says so and points to the torch import.
+  export swaps in the real-valued form (`planner/onnx_export_equivalents.py`); rotary types that
+  change with the length (`dynamic`, `longrope`) are not swapped and still cannot be exported;
+* deepseek_v3, glm4_moe, ernie4_5_moe: they select by score + correction bias but weigh with the
+  uncorrected scores; the ONNX tracer reads the weights the router hands on, not the TopK values.
+Score-correction biases get a nonzero ramp here (see `tiny_model`) so that this is tested.
 
 `--json` prints one JSON object on the last line: configs (rows), onnx (rows), and
-configs_exact / onnx_equal (counts of rows meeting the targets: totals equal to transformers'
-or explained by a convention; ONNX IR equal to the torch IR).
+configs_exact / onnx_equal / onnx_trace_equal (counts of rows meeting the targets: totals equal
+to transformers' or explained by a convention; ONNX IR equal to the torch IR; ONNX trace choosing
+the torch trace's experts).
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from typing import Optional
 
 from moeplan.planner.importers.onnx_gating import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
 
+
 def _argmax_ancestors(index: GraphIndex, name: str, stop) -> set:
     """ArgMax nodes that tensor `name` depends on, not looking past node `stop` (the router)."""
     found, seen, stack = set(), set(), [name]

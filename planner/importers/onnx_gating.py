@@ -143,11 +143,12 @@ class GraphIndex:
 class Gate:
     """One MoE layer's gate as found in the graph.
 
-    `topk` is the TopK node (pattern) or the contrib MoE node; `router_weight` the initializer of
-    the router MatMul/Gemm (None if the router logits come from elsewhere); `router_transposed`
-    is True when the weight is stored [E, D] (Gemm transB=1), False when stored [D, E].
-    `weights_output` is the tensor holding the final per-token gate weights [.., K] (after a
-    renormalising Div when the model has one); `indices_output` the chosen experts [.., K].
+    `node` is the TopK node or the last ArgMax of a chain of picks (kind "pattern"), or the contrib
+    MoE node; `router_weight` the initializer of the router MatMul/Gemm (None if the router logits
+    come from elsewhere); `router_transposed` is True when the weight is stored [E, D] (Gemm
+    transB=1), False when stored [D, E]. `weights_output` is the tensor holding the per-token gate
+    weights [.., K] as the router hands them to the experts (`handed_on`; "" when the graph joins
+    none); `indices_output` the chosen experts [.., K].
     A router that scatters its chosen logits into a full row before scoring them (Llama-4:
     sigmoid of -inf everywhere but the top-k) hands on dense scores: `weights_dense`.
     """
