@@ -18,8 +18,10 @@ active parameters of the ONNX import beside the torch import of the same model. 
 token ids are traced both ways (`record_trace`: hooks on the library's router in torch,
 onnxruntime on the file): whether every token's experts agree, and the largest gap between the
 gate weights. An architecture torch's exporter cannot capture is listed with the reason (its
-error, whole). Measured with torch 2.13 and transformers 5.23, all 15 architectures export, import
-equal to their torch import and trace the torch trace's experts (weights within float32 rounding).
+error, whole). Measured with torch 2.13 and transformers 5.23, all 15 architectures here export,
+import equal to their torch import and trace the torch trace's experts (weights within float32
+rounding). qwen3_next (not in the table) does not export: torch.export specialises the sequence
+length through its chunked Gated DeltaNet ("Constraints violated (sequence)").
 What it took beyond transformers' `batched_mm` experts and no KV cache:
 * phimoe: its sparsemixer picks two experts by ArgMax, masking the first (no TopK node); the
   importer reads repeated ArgMax + masking as a top-k router (`onnx_argmax_gating.py`);
@@ -28,8 +30,9 @@ What it took beyond transformers' `batched_mm` experts and no KV cache:
   export-friendly implementation; export swaps in a batched gather of the same arithmetic;
 * deepseek_v2, llama4_text: complex-valued rotary embeddings (`torch.polar`), for which
   torch.onnx has no translation ("No decompositions registered for the complex-valued input");
-  export swaps in the real-valued form (`planner/onnx_export_equivalents.py`); rotary types that
-  change with the length (`dynamic`, `longrope`) are not swapped and still cannot be exported;
+  export swaps in the real-valued form (`planner/onnx_export_equivalents.py`). Rotary scaling of
+  type `dynamic` still cannot be exported: its update branches on the sequence length
+  (`modeling_rope_utils.py`, `if seq_len > max_seq_len_cached`), a data-dependent guard;
 * deepseek_v3, glm4_moe, ernie4_5_moe: they select by score + correction bias but weigh with the
   uncorrected scores; the ONNX tracer reads the weights the router hands on, not the TopK values.
 Score-correction biases get a nonzero ramp here (see `tiny_model`) so that this is tested.

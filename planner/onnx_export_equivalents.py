@@ -18,7 +18,8 @@ accept, and put back afterwards (the model in memory is unchanged after export):
   `models/llama4/modeling_llama4.py`, `apply_rotary_emb` and the `*RotaryEmbedding.forward`).
   The frequencies' broadcast over heads follows each file: DeepSeek-V2 applies rotary to
   [B, H, S, D] (frequencies unsqueezed at 1), Llama-4 to [B, S, H, D] (at 2). Rotary types whose
-  frequencies change with the input length (`dynamic`, `longrope`) are left as they are.
+  frequencies change with the input length (`dynamic`, `longrope`) are left as they are (their
+  update branches on the length, which torch.export refuses anyway).
 The stand-ins are chosen by the transformers module that defines the class, since they restate
 that file's arithmetic; `tests/test_onnx_hf_export.py` checks onnxruntime's logits against torch's.
 """

@@ -6,8 +6,8 @@ sinks. PhiMoE routes with no TopK node (its sparsemixer picks two experts by Arg
 first): the importer reads it as a top-2 router and the tracer records the sparsemixer's own
 picks and weights. DBRX (experts looping over the experts hit) and Llama-4 (complex rotary) export
 through export-only stand-ins with the same arithmetic; DeepSeek-V2's rotary stand-in is checked
-in eager torch. A model that still cannot be captured (dynamic rotary scaling on a complex rotary)
-is refused in one line with the whole reason. The other architectures are in
+in eager torch. A model that still cannot be captured (dynamic rotary scaling, which branches on
+the sequence length) is refused in one line with the whole reason. The other architectures are in
 `benchmarks/import_fidelity.py`.
 """
 import json
@@ -124,8 +124,9 @@ def test_stand_ins_compute_what_the_library_computes(model_type):
 
 
 def test_unexportable_model_is_refused_in_one_whole_line(tmp_path):
-    """Dynamic rotary scaling changes the frequencies with the length, so the complex rotary is
-    not swapped, and torch.onnx's refusal reaches the user whole, in one line."""
+    """Dynamic rotary scaling updates the frequencies when the length grows (a branch on the
+    sequence length, which torch.export cannot keep dynamic): the refusal reaches the user whole,
+    in one line, naming the library line."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -136,5 +137,5 @@ def test_unexportable_model_is_refused_in_one_whole_line(tmp_path):
     assert result.exit_code == 2 and result.stdout == ""
     line = result.stderr
     assert line.startswith("error: cannot export") and line.count("\n") == 1
-    assert "complex" in line.lower()
+    assert "data-dependent" in line and "dynamic_frequency_update" in line and "modeling_rope_utils.py" in line
     assert not (tmp_path / "d.onnx").exists()
