@@ -10,7 +10,9 @@ Hook points (found by `find_hook_points`), in forward order:
   registered as `probs` whose output is attention probabilities `[B, H, S, S]`;
 * Hugging Face transformers 5 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3):
   the router module `layers[i].mlp.gate` (class `*TopKRouter`) returns
-  `(logits, weights [N, K], ids [N, K])`; attention weights are the second output of
+  `(logits, weights [N, K], ids [N, K])`, the weights the block hands its experts (DeepSeek-V3,
+  GLM-4.5: uncorrected scores, renormalised and scaled, not the bias-corrected selection scores;
+  `tests/test_trace_router_weights.py`); attention weights are the second output of
   `layers[i].self_attn`, which HF computes only with eager attention (switched on for the run).
 ONNX models run through `trace_onnx.record_onnx_routing` (onnxruntime) instead of hooks.
 
