@@ -162,7 +162,7 @@ class Gate:
     indices_output: str = ""
     weights_output: str = ""
     softmax_after_topk: bool = False
-    weights_dense: bool = False  # weights_output is [.., E], the weights its values at indices_output
+    weights_dense: bool = False  # weights_output is [.., E]; the gate weights are its values at indices_output
     gate_softmax: str = ""  # the router's Softmax output (before or after TopK), not an attention
 
 
