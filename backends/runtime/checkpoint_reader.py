@@ -1,0 +1,108 @@
+"""Reading tensors straight out of a safetensors checkpoint, one tensor (or one expert) at a time.
+
+A *recipe* says how one bundle tensor is made from the checkpoint: a list of parts, each a tensor
+of one checkpoint file, optionally cut to rows [start, stop) of its first dimension (one expert of
+a fused [E, ...] tensor, or of DBRX's flattened [E * r, D]) and squeezed; several parts are
+concatenated along `cat_dim` (transformers' MergeModulelist + Concatenate for per-expert
+checkpoints, e.g. Mixtral's w1 and w3 into gate_up_proj), then cast to `dtype`:
+
+    {"dtype": "F32", "shape": [2I, D], "cat_dim": 0,
+     "parts": [{"file": "model-00001-of-00002.safetensors", "tensor": "...experts.3.w1.weight",
+                "rows": null, "squeeze": false}, ...]}
+
+Compile uses recipes to stream a checkpoint into per-rank shards (`--weights copy`); ranks use
+them to read only their own tensors from the original checkpoint (`--weights reference`). Every
+read opens the file, reads the slice with safetensors' `get_slice` and closes it again, so no
+mapping of a whole file stays resident. Runtime code: torch and safetensors only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CHECKPOINT_ENV = "MOEPLAN_CHECKPOINT"
+
+
+class CheckpointError(Exception):
+    """A referenced checkpoint is missing or not the one the bundle was compiled from: one line."""
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as fh:
+        size = struct.unpack("<Q", fh.read(8))[0]
+        return json.loads(fh.read(size))
+
+
+def header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's length prefix and header: cheap, and changes with any layout change."""
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        return hashlib.sha256(prefix + fh.read(struct.unpack("<Q", prefix)[0])).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_part(directory: Path, part: dict) -> torch.Tensor:
+    """One part of a recipe: a checkpoint tensor, or rows [start, stop) of its first dimension."""
+    with safe_open(str(Path(directory) / part["file"]), framework="pt") as fh:
+        rows = part.get("rows")
+        if rows is None:
+            t = fh.get_tensor(part["tensor"])
+        else:
+            t = fh.get_slice(part["tensor"])[int(rows[0]):int(rows[1])]
+    return t[0] if part.get("squeeze") else t
+
+
+def read_recipe(directory: Path, recipe: dict) -> torch.Tensor:
+    """The bundle tensor a recipe describes, contiguous, in the recipe's dtype and shape."""
+    parts = [read_part(directory, p) for p in recipe["parts"]]
+    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=int(recipe["cat_dim"]))
+    t = t.to(DTYPES[recipe["dtype"]]).contiguous()
+    if list(t.shape) != list(recipe["shape"]):
+        raise CheckpointError(f"checkpoint tensor {recipe['parts'][0]['tensor']} gives shape {list(t.shape)}, the bundle "
+                              f"expects {recipe['shape']}; recompile the bundle against this checkpoint")
+    return t
+
+
+def checkpoint_directory(root: Path, reference: dict) -> Path:
+    """Where the referenced checkpoint is: $MOEPLAN_CHECKPOINT if set (a mounted volume), else the
+    path recorded at compile time (relative paths are relative to the bundle)."""
+    env = os.environ.get(CHECKPOINT_ENV)
+    path = Path(env) if env else Path(reference["path"])
+    return path if path.is_absolute() else Path(root) / path
+
+
+def check_checkpoint(directory: Path, reference: dict, full: bool) -> None:
+    """Refuse a checkpoint whose files differ from those compiled against: sizes and headers always,
+    the full sha256 of every file when `full` (moeplan run does that once before launching)."""
+    for name, expected in sorted(reference["files"].items()):
+        path = Path(directory) / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file '{path}' referenced by the bundle is missing; mount the checkpoint "
+                                  f"there or set {CHECKPOINT_ENV} to its directory")
+        if (path.stat().st_size != expected["size"] or header_sha256(path) != expected["header_sha256"]
+                or (full and file_sha256(path) != expected["sha256"])):
+            raise CheckpointError(f"checkpoint file '{path}' is not the one the bundle was compiled from (sha256 "
+                                  "differs); restore it or recompile the bundle with --weights reference")
+
+
+def read_reference_shard(directory: Path, index_path: Path) -> dict:
+    """{bundle tensor name: tensor} of one rank's reference index, read from the checkpoint."""
+    index = json.loads(Path(index_path).read_text())
+    return {name: read_recipe(directory, recipe) for name, recipe in sorted(index["tensors"].items())}
