@@ -146,3 +146,26 @@ def test_reference_weights_need_a_safetensors_directory(tmp_path):
                                        str(tmp_path / "b"), "--weights", "reference"])
     assert result.exit_code == 2 and "--weights reference needs a Hugging Face model directory" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_kubernetes_bundle_with_reference_weights_mounts_the_checkpoint_and_validates(tmp_path):
+    import kubernetes_validate
+    import yaml
+
+    from moeplan.backends.kubernetes.codegen import FILES, KUBERNETES_VERSION
+
+    directory = tiny.build("qwen3_moe", tmp_path / "models")
+    out = tmp_path / "bundle"
+    _compile(directory, _trace(tmp_path / "trace.npz", _moe_layers(directory)), out, "--target", "kubernetes",
+             "--weights", "reference")
+    docs = {name: list(yaml.safe_load_all((out / "kubernetes" / name).read_text())) for name in FILES}
+    for name, items in docs.items():
+        assert len(items) == 1, name
+        kubernetes_validate.validate(items[0], KUBERNETES_VERSION, strict=True)
+    pod = docs["job.yaml"][0]["spec"]["template"]["spec"]
+    ranks = pod["containers"][0]
+    assert {"name": "MOEPLAN_CHECKPOINT", "value": "/checkpoint"} in ranks["env"]
+    assert {"name": "checkpoint", "mountPath": "/checkpoint", "readOnly": True} in ranks["volumeMounts"]
+    claim = next(v for v in pod["volumes"] if v["name"] == "checkpoint")["persistentVolumeClaim"]
+    assert claim["readOnly"] and claim["claimName"].endswith("-checkpoint")
+    assert "--weights reference" in (out / "kubernetes" / "README.md").read_text()
