@@ -126,6 +126,7 @@ def write_rank_shards(root: Path, shard_paths: list, entries: list, ranks_of, ra
                 data = t.reshape(-1).view(torch.uint8).numpy()
                 for r in ranks_of(e.name):
                     handles[r].write(data)
+                del data  # a view: it would keep the tensor alive while the next one loads
             del t
     finally:
         for fh in handles:

@@ -17,9 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
-
-from .checkpoint_reader import CheckpointError, check_checkpoint, checkpoint_directory, read_reference_shard
+from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
+                                read_reference_shard)
 from .library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
 from .text_codec import TextCodec
 
@@ -70,8 +69,9 @@ def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = Fals
     path = root / plan["shards"][rank]
     if not path.is_file():
         raise BundleError(f"shard '{path}' for rank {rank} is missing; re-run 'moeplan compile'")
-    if not path.name.endswith(".index.json"):
-        return load_file(str(path))
+    if not path.name.endswith(".index.json"):  # read as the checkpoint is: one tensor, one block at a time
+        return {name: read_part(path.parent, {"file": path.name, "tensor": name})
+                for name in sorted(read_header(path)) if name != "__metadata__"}
     reference = plan["model"].get("checkpoint")
     if not isinstance(reference, dict):
         raise BundleError(f"shard '{path}' is a checkpoint index but plan.json names no checkpoint; recompile the bundle")

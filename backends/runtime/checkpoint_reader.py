@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -30,6 +31,7 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F
           "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 CHECKPOINT_ENV = "MOEPLAN_CHECKPOINT"
+CHUNK_BYTES = 32 << 20
 
 
 class CheckpointError(Exception):
@@ -59,14 +61,27 @@ def file_sha256(path: Path) -> str:
 
 
 def read_part(directory: Path, part: dict) -> torch.Tensor:
-    """One part of a recipe: a checkpoint tensor, or rows [start, stop) of its first dimension."""
-    with safe_open(str(Path(directory) / part["file"]), framework="pt") as fh:
-        rows = part.get("rows")
-        if rows is None:
-            t = fh.get_tensor(part["tensor"])
-        else:
-            t = fh.get_slice(part["tensor"])[int(rows[0]):int(rows[1])]
-    return t[0] if part.get("squeeze") else t
+    """One part of a recipe: a checkpoint tensor, or rows [start, stop) of its first dimension.
+
+    Read in blocks of at most CHUNK_BYTES, the file opened for each block: safetensors maps the
+    file, and the pages a read touches count as this process's memory until the mapping closes,
+    so a big tensor read in one go would cost twice its size at the peak.
+    """
+    path = str(Path(directory) / part["file"])
+    with safe_open(path, framework="pt") as fh:
+        view = fh.get_slice(part["tensor"])
+        shape, dtype = list(view.get_shape()), DTYPES[view.get_dtype()]
+        if not shape:
+            return fh.get_tensor(part["tensor"])
+    start, stop = (0, shape[0]) if part.get("rows") is None else (int(part["rows"][0]), int(part["rows"][1]))
+    out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
+    row_bytes = max(1, math.prod(shape[1:]) * out.element_size())
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        with safe_open(path, framework="pt") as fh:
+            out[a - start:b - start] = fh.get_slice(part["tensor"])[a:b]
+    return out[0] if part.get("squeeze") else out
 
 
 def read_recipe(directory: Path, recipe: dict) -> torch.Tensor:
