@@ -75,6 +75,7 @@ def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
         "gpu_local": plan.to_dict()["predicted"].get("gpu_local_fraction", "n/a"),
         "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
         "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
+        "checkpoint": (plan.model.get("checkpoint") or {}).get("path"),
         "ranks": [
             {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
              "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}
