@@ -26,11 +26,6 @@ from moeplan.planner.errors import UserError
 INDEX = "model.safetensors.index.json"
 
 
-def has_safetensors(directory: Path) -> bool:
-    directory = Path(directory)
-    return directory.is_dir() and ((directory / INDEX).is_file() or any(directory.glob("*.safetensors")))
-
-
 def checkpoint_tensors(directory: Path) -> dict:
     """checkpoint tensor name -> (file name, header entry), from the index json or every *.safetensors file."""
     directory = Path(directory)

@@ -14,9 +14,16 @@ from typing import Optional
 from moeplan.planner.importers import LoadedModel
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def has_safetensors(directory: Path) -> bool:
+    """A safetensors checkpoint: one or more *.safetensors files, or their index json."""
+    return directory.is_dir() and ((directory / INDEX).is_file() or any(directory.glob("*.safetensors")))
+
+
 def streamable_directory(spec: str) -> Optional[Path]:
     """The directory when `spec` is a Hugging Face model directory with safetensors weights, else None."""
-    from moeplan.backends.common.checkpoint_index import has_safetensors
     from moeplan.planner.importers.resolve import LOADER_KEY, read_json_object
 
     path = Path(spec).expanduser()
