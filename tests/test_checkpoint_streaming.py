@@ -169,3 +169,30 @@ def test_kubernetes_bundle_with_reference_weights_mounts_the_checkpoint_and_vali
     claim = next(v for v in pod["volumes"] if v["name"] == "checkpoint")["persistentVolumeClaim"]
     assert claim["readOnly"] and claim["claimName"].endswith("-checkpoint")
     assert "--weights reference" in (out / "kubernetes" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "llama4_text"])
+def test_the_meta_import_gives_the_ir_of_the_weighted_import(tmp_path, arch):
+    """compile imports on meta: its plans must not depend on which importer ran."""
+    from moeplan.planner.importers import load_model
+    from moeplan.planner.importers.hf_streaming import load_directory_meta
+
+    directory = tiny.build(arch, tmp_path)
+    weighted, meta = load_model(str(directory)), load_directory_meta(directory)
+    assert meta.has_weights and next(meta.module.parameters()).is_meta
+    assert weighted.ir.to_dict() == meta.ir.to_dict()
+
+
+def test_codegen_of_a_written_plan_streams_the_same_bundle_and_checks_the_weights(tmp_path):
+    directory = tiny.build("olmoe", tmp_path / "models")
+    trace = _trace(tmp_path / "trace.npz", _moe_layers(directory))
+    _compile(directory, trace, tmp_path / "compiled", "--weights", "reference")
+    runner = CliRunner()
+    result = runner.invoke(main, ["codegen", str(tmp_path / "compiled" / "plan.json"), "--out", str(tmp_path / "again")])
+    assert result.exit_code == 0, result.output
+    assert _files(tmp_path / "again") == _files(tmp_path / "compiled")
+    other = tiny.build("olmoe", tmp_path / "other", seed=1)
+    result = runner.invoke(main, ["codegen", str(tmp_path / "compiled" / "plan.json"), "--model", str(other), "--out",
+                                  str(tmp_path / "wrong")])
+    assert result.exit_code == 2 and "weights_sha256 differs" in result.output
+    assert not (tmp_path / "wrong").exists()
