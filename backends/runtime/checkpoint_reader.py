@@ -60,39 +60,59 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def read_part(directory: Path, part: dict) -> torch.Tensor:
-    """One part of a recipe: a checkpoint tensor, or rows [start, stop) of its first dimension.
+def _part_layout(directory: Path, part: dict) -> tuple:
+    """(file path, first row, stop row, stored shape, stored dtype, shape the part yields), from the header."""
+    path = str(Path(directory) / part["file"])
+    with safe_open(path, framework="pt") as fh:
+        view = fh.get_slice(part["tensor"])
+        shape, dtype = list(view.get_shape()), DTYPES[view.get_dtype()]
+    if not shape:
+        return path, 0, 0, shape, dtype, []
+    start, stop = (0, shape[0]) if part.get("rows") is None else (int(part["rows"][0]), int(part["rows"][1]))
+    yields = shape[1:] if part.get("squeeze") else [stop - start, *shape[1:]]
+    return path, start, stop, shape, dtype, yields
+
+
+def read_part(directory: Path, part: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One part of a recipe (a checkpoint tensor, or rows [start, stop) of its first dimension),
+    written into `out` (any view of the part's shape; cast to its dtype) or into a new tensor.
 
     Read in blocks of at most CHUNK_BYTES, the file opened for each block: safetensors maps the
     file, and the pages a read touches count as this process's memory until the mapping closes,
     so a big tensor read in one go would cost twice its size at the peak.
     """
-    path = str(Path(directory) / part["file"])
-    with safe_open(path, framework="pt") as fh:
-        view = fh.get_slice(part["tensor"])
-        shape, dtype = list(view.get_shape()), DTYPES[view.get_dtype()]
-        if not shape:
-            return fh.get_tensor(part["tensor"])
-    start, stop = (0, shape[0]) if part.get("rows") is None else (int(part["rows"][0]), int(part["rows"][1]))
-    out = torch.empty([stop - start, *shape[1:]], dtype=dtype)
-    row_bytes = max(1, math.prod(shape[1:]) * out.element_size())
-    step = max(1, CHUNK_BYTES // row_bytes)
+    path, start, stop, shape, dtype, yields = _part_layout(directory, part)
+    out = torch.empty(yields, dtype=dtype) if out is None else out
+    if not shape:
+        with safe_open(path, framework="pt") as fh:
+            return out.copy_(fh.get_tensor(part["tensor"]))
+    dest = out.unsqueeze(0) if part.get("squeeze") else out
+    step = max(1, CHUNK_BYTES // max(1, math.prod(shape[1:]) * dtype.itemsize))
     for a in range(start, stop, step):
         b = min(stop, a + step)
         with safe_open(path, framework="pt") as fh:
-            out[a - start:b - start] = fh.get_slice(part["tensor"])[a:b]
-    return out[0] if part.get("squeeze") else out
+            dest[a - start:b - start] = fh.get_slice(part["tensor"])[a:b]
+    return out
 
 
 def read_recipe(directory: Path, recipe: dict) -> torch.Tensor:
-    """The bundle tensor a recipe describes, contiguous, in the recipe's dtype and shape."""
-    parts = [read_part(directory, p) for p in recipe["parts"]]
-    t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=int(recipe["cat_dim"]))
-    t = t.to(DTYPES[recipe["dtype"]]).contiguous()
-    if list(t.shape) != list(recipe["shape"]):
-        raise CheckpointError(f"checkpoint tensor {recipe['parts'][0]['tensor']} gives shape {list(t.shape)}, the bundle "
-                              f"expects {recipe['shape']}; recompile the bundle against this checkpoint")
-    return t
+    """The bundle tensor a recipe describes, in the recipe's dtype and shape: each part is read
+    straight into its place along `cat_dim` (no concatenated copy)."""
+    out = torch.empty(recipe["shape"], dtype=DTYPES[recipe["dtype"]])
+    dim, offset = int(recipe.get("cat_dim") or 0), 0
+    for part in recipe["parts"]:
+        yields = _part_layout(directory, part)[5]
+        size = yields[dim] if yields else 0
+        if (len(yields) != out.dim() or any(y != o for i, (y, o) in enumerate(zip(yields, out.shape)) if i != dim)
+                or offset + size > (out.shape[dim] if out.dim() else 0)):
+            raise CheckpointError(f"checkpoint tensor {part['tensor']} gives shape {yields}, the bundle expects "
+                                  f"{list(recipe['shape'])}; recompile the bundle against this checkpoint")
+        read_part(directory, part, out.narrow(dim, offset, size) if out.dim() else out)
+        offset += size
+    if out.dim() and offset != out.shape[dim]:
+        raise CheckpointError(f"checkpoint tensors {[p['tensor'] for p in recipe['parts']]} fill {offset} of "
+                              f"{out.shape[dim]} rows of a bundle tensor; recompile the bundle against this checkpoint")
+    return out
 
 
 def checkpoint_directory(root: Path, reference: dict) -> Path:
