@@ -5,6 +5,10 @@ decides which ranks hold that expert (replicas included). Tensors keep their sou
 rank's shard is a subset of the source state dict. The file is standard safetensors, but written
 here with a header whose keys are sorted: the safetensors library keeps metadata in a hash map
 whose order changes between processes, which would make bundle bytes differ run to run.
+
+`write_rank_shards` writes every rank's file in one pass over `TensorEntry`s (`tensor_entries.py`)
+holding one tensor at a time, and hashes the weights on the way; `write_reference_indexes` writes,
+for `--weights reference`, each rank's index into the original checkpoint instead.
 """
 from __future__ import annotations
 
@@ -31,17 +35,6 @@ def holders(placement: dict, is_expert_tensor):
         owner = is_expert_tensor(name)
         return tuple(r for r in range(world) if owner is None or owner in hosted[r])
     return ranks
-
-
-def split_state_dict(state: dict, placement: dict, is_expert_tensor) -> list:
-    """One {name: tensor} per rank, rank order."""
-    ranks = holders(placement, is_expert_tensor)
-    world = len(placement["layers"][0]["devices"])
-    shards = [dict() for _ in range(world)]
-    for name in sorted(state):
-        for r in ranks(name):
-            shards[r][name] = state[name]
-    return shards
 
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
