@@ -302,6 +302,8 @@ def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, lo
     from .library_model import RankModel, decoder_layers
     from .moe_adapter import find_containers
 
+    if str(shard_path).endswith(".index.json"):
+        raise ValueError("expert caches read experts from a copied shard; compile the bundle with --weights copy")
     prefix, layers = decoder_layers(model)
     containers = find_containers(layers, prefix)
     owner = expert_tensor_owner(containers)

@@ -46,9 +46,12 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
     from moeplan.backends.common.manifest import BundleCheckError, check_bundle
 
     root = Path(bundle)
+    from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
+
     try:
         plan = check_bundle(root, nproc)
-    except BundleCheckError as exc:
+        check_referenced_checkpoint(root, plan)  # --weights reference: the checkpoint is the compiled one
+    except (BundleCheckError, BundleError) as exc:
         raise UserError(str(exc)) from None
     world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
     if new_tokens < 1:
