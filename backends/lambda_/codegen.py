@@ -166,7 +166,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     num_layers = len(layers)
     stages = pl["model"]["ir"]["stages"]
     model = bundle_model(pl["model"]["architecture"], model_files)
-    layout = lay.Layout.of(model)
+    layout = lay.with_routing(lay.Layout.of(model), model)
     state = split_expert_state(state, list(layout.containers))
     owner = lay.expert_tensor_owner(layout)
     dense_names = sorted(n for n in state if owner(n) is None)

@@ -12,8 +12,10 @@ planner's dense units (IR stages, each router after its layer's norm) onto those
   block), and stops before a block, at MoE layer s's experts ("routing") or at the logits;
 * tensors: a block's routed experts go to the expert functions; a part holds, for every block it
   runs, that block's other tensors (attention, norms, router, shared experts, dense MLP), for a
-  "post" start the block's tensors but its attention's (the attention output is replayed), and
-  the embedding or the final norm and head when it starts at the ids or ends at the logits.
+  "post" start the block's tensors but its attention's (the attention output is replayed), for a
+  part that stops at an MoE layer's experts not the MoE block's tensors used only after them
+  (shared experts: found by running the library's block on the meta device up to its experts),
+  and the embedding or the final norm and head when it starts at the ids or ends at the logits.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Layout:
     attention: tuple       # attention module path (relative to its block) per block
     containers: tuple      # moe_adapter.ExpertContainer per MoE layer
     tail_names: frozenset = frozenset()  # tensors outside the blocks that come after them (see `with_tail`)
+    post_only: frozenset = frozenset()   # MoE-block tensors the library uses only after the experts (`with_routing`)
 
     @classmethod
     def of(cls, model) -> "Layout":
@@ -109,10 +112,58 @@ def part_tensors(layout: Layout, names: list, start: dict, stop: dict) -> list:
         elif start["at"] == "post" and block == first:
             keep = not n.startswith(f"{layout.prefix}.{block}.{layout.attention[block]}.")
         else:
-            keep = first <= block < last
+            keep = first <= block < last and not (stop["at"] == "routing" and block == last - 1 and n in layout.post_only)
         if keep:
             out.append(n)
     return out
+
+
+class _Reached(Exception):
+    pass
+
+
+def with_routing(layout: Layout, model) -> Layout:
+    """Record the MoE-block tensors the library uses only after the experts: each block runs on
+    the meta device (a copy; no compute) until its experts module is called. A block that cannot
+    run on meta (data-dependent routing code) keeps every tensor in the routing function."""
+    import copy
+
+    import torch
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    post_only = set()
+    for c in layout.containers:
+        if hidden is None:
+            break
+        block = copy.deepcopy(model.get_submodule(c.block)).to("meta")
+        rel = c.path[len(c.block) + 1:] if c.path != c.block else ""
+        stops = {".".join(x for x in (rel, p.rpartition(".")[0]) if x) for p, _ in c.params}
+        called, hooks = [], []
+        for name, module in block.named_modules():
+            def pre(m, args, name=name):
+                if name in stops:
+                    raise _Reached()
+                called.append(name)
+            hooks.append(module.register_forward_pre_hook(pre))
+        try:
+            with torch.no_grad():
+                block(torch.zeros(1, 2, int(hidden), device="meta"))
+            continue  # never reached its experts: keep everything
+        except _Reached:
+            pass
+        except Exception:  # noqa: BLE001 - routing code that meta tensors cannot run
+            continue
+        finally:
+            for h in hooks:
+                h.remove()
+        used = {f"{m}.{p}" if m else p for m in set(called) for p, _ in block.get_submodule(m).named_parameters(recurse=False)}
+        routed = {f"{rel}.{p}" if rel else p for p, _ in c.params}
+        for p, _ in block.named_parameters():
+            if p not in used and p not in routed:
+                post_only.add(f"{c.block}.{p}")
+    return replace(layout, post_only=frozenset(post_only))
 
 
 def with_tail(layout: Layout, names: list, stages: list) -> Layout:
@@ -156,6 +207,8 @@ def group_bytes(layout: Layout, sizes: dict, pieces: dict, unit_names: tuple, se
         if block is None:
             keep = ("tail" if n in layout.tail_names else "embed") in touched
         else:
-            keep = block in touched or (block == post and not n.startswith(f"{layout.prefix}.{block}.{layout.attention[block]}."))
+            routing = segment < len(layout.moe_layers) and block == layout.moe_layers[segment]
+            keep = (block in touched and not (routing and n in layout.post_only)) or \
+                (block == post and not n.startswith(f"{layout.prefix}.{block}.{layout.attention[block]}."))
         total += size if keep else 0
     return total

@@ -103,12 +103,12 @@ def _partition(facts):
     loaded, o = facts["model"], facts["serverless_options"]
     units = P.units_from_profile(loaded.ir, facts["profile"], o["batch_tokens"],
                                  loaded.module if loaded.has_weights else None, seed=o["seed"])
-    units = _runtime_units(loaded, units)
+    units = _runtime_units(loaded, facts["model_spec"], units)
     return {"partition": (P.hypad(units, facts["platform"], o["batch_tokens"], max_eta=1),
                           {n: u.segment for u in units for n in u.names})}
 
 
-def _runtime_units(loaded, units: list) -> list:
+def _runtime_units(loaded, spec: str, units: list) -> list:
     """Units grouped where the Lambda runtime can cut (between decoder blocks of the library's
     model), each group's bytes those its function will ship (`backends/lambda_/layout.py`);
     unchanged for models the runtime cannot run (ONNX graphs: plan only)."""
@@ -122,12 +122,24 @@ def _runtime_units(loaded, units: list) -> list:
     except lay.LayoutError:
         return units
     stages = loaded.ir.to_dict()["stages"]
-    layout, sizes = lay.dense_tensor_bytes(layout, loaded.module, stages)
+    layout, sizes = lay.dense_tensor_bytes(lay.with_routing(layout, _meta_model(loaded, spec)), loaded.module, stages)
     pieces = lay.unit_pieces(layout, stages)
     if len(layout.moe_layers) != len(loaded.ir.moe_stages) or any(u not in pieces for x in units for u in x.names):
         return units
     return P.group_units(units, lambda name: pieces[name],
                          lambda u, opens: lay.group_bytes(layout, sizes, pieces, u.names, u.segment, opens))
+
+
+def _meta_model(loaded, spec: str):
+    """The model as the bundle's functions build it (transformers: on the meta device), so that
+    probing its blocks never copies real weights; the loaded module where no bundle could be made."""
+    from moeplan.backends.common.model_source import bundle_model, model_files
+
+    try:
+        arch, files = model_files(spec)
+        return bundle_model(arch, files, spec)
+    except UserError:
+        return loaded.module
 
 
 def _u_table(facts, batch_tokens) -> dict:
@@ -298,7 +310,7 @@ PLATFORM = Pass("platform", ("serverless_options",), ("platform",), _platform, c
 PROFILE = Pass("profile", ("model", "trace", "serverless_options"), ("profile",), _profile, check=trace_matches_model)
 FACTS = Pass("facts", ("model", "profile", "platform"), ("serverless_facts",), _facts)
 SIZING = Pass("sizing", ("serverless_facts", "trace", "serverless_options", "progress"), ("sizing",), _sizing)
-PARTITION = Pass("partition", ("model", "profile", "platform", "serverless_options"), ("partition",), _partition)
+PARTITION = Pass("partition", ("model", "model_spec", "profile", "platform", "serverless_options"), ("partition",), _partition)
 PLAN = Pass("plan", ("model", "model_spec", "trace_sha256", "serverless_options", "serverless_facts", "profile", "platform",
                      "sizing", "partition"), ("plan",), _plan)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
