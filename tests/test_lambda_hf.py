@@ -174,3 +174,18 @@ def test_a_model_the_runtime_cannot_cut_is_one_line_exit_2(tmp_path):
                      "--profile-budget", 1, "--cache-dir", tmp_path / "cache", "--out", tmp_path / "b", "--quiet")
     assert code == 2 and text.startswith("error:") and len(text.strip().splitlines()) == 1, text
     assert "attention module" in text and not (tmp_path / "b").exists()
+
+
+def test_a_bundle_pinned_to_another_transformers_is_refused_in_one_line(work, tmp_path):
+    from moeplan.backends.common.manifest import write_manifest
+
+    _, _, out = compiled(work, "qwen3_moe")
+    copy = tmp_path / "b"
+    shutil.copytree(out, copy)
+    plan = json.loads((copy / "plan.json").read_text())
+    plan["model"]["library"]["transformers"] = "0.0.1"
+    (copy / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    write_manifest(copy)
+    code, text = cli("run", copy, "--verify", "--new-tokens", 1)
+    assert code == 2 and text.startswith("error:") and len(text.strip().splitlines()) == 1, text
+    assert "transformers 0.0.1" in text

@@ -223,7 +223,10 @@ def _lambda_model_files(facts):
     from moeplan.backends.common.model_source import bundle_model, model_files
     from moeplan.backends.lambda_.layout import Layout, LayoutError
 
-    arch, files = model_files(facts["model_spec"])
+    try:
+        arch, files = model_files(facts["model_spec"])
+    except UserError as exc:  # its messages name the torchrun target, whose models this one runs too
+        raise UserError(str(exc).replace("torchrun", "lambda")) from None
     try:
         Layout.of(bundle_model(arch, files, facts["model_spec"]))
     except LayoutError as exc:
