@@ -17,6 +17,11 @@ plan.json body (serverless version 1):
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
 * `deployment`: payload limit and the request rate the README's monthly cost is stated for.
+* `model.library`: the transformers / tokenizers versions the functions run (Hugging Face models).
+
+Dense units are grouped per decoder block before HyPAD (the functions run the library's model,
+which they can cut only between blocks; `backends/lambda_/layout.py`), each group sized by the
+tensors its function will hold.
 """
 from __future__ import annotations
 
