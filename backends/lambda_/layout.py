@@ -5,8 +5,8 @@ start and stop only at decoder-block boundaries and at an MoE layer's experts. T
 planner's dense units (IR stages, each router after its layer's norm) onto those places:
 
 * a unit's *piece* is `embed` (before the first decoder block), the index of its decoder block,
-  or `tail` (after the last); units of one block in one segment must share a function, which the
-  partition pass guarantees by grouping them (`block_key`);
+  or `tail` (after the last); units of one piece in one segment must share a function, which the
+  partition pass guarantees by grouping them (`partition.group_units`);
 * a part of a dense function (its units of one segment) starts at the ids, at a block's input,
   or, when it opens segment s > 0, right after MoE layer s-1's experts ("post": the rest of that
   block), and stops before a block, at MoE layer s's experts ("routing") or at the logits;
@@ -61,7 +61,7 @@ class Layout:
 
 
 def unit_pieces(layout: Layout, stages: list) -> dict:
-    """unit name -> 'embed' | block index | 'tail', from the IR's stages ({name, source, is_moe})."""
+    """unit name -> 'embed' | block index | 'tail', from the IR's stages (dicts: name, source, type)."""
     out, seen_block = {}, False
     for s in stages:
         block = layout.block_of(s.get("source") or s["name"])
@@ -69,12 +69,6 @@ def unit_pieces(layout: Layout, stages: list) -> dict:
         piece = block if block is not None else ("tail" if seen_block else "embed")
         out[s["name"] + (".router" if s.get("type") == "moe" else "")] = piece
     return out
-
-
-def block_key(layout: Layout, stages: list):
-    """Unit name -> the piece its function must also run (the partition pass groups by it)."""
-    pieces = unit_pieces(layout, stages)
-    return lambda name: pieces.get(name, name)
 
 
 def part_bounds(layout: Layout, pieces: dict, units: list, segment: int, opens: bool, closes: bool, next_unit) -> tuple:
@@ -92,8 +86,9 @@ def part_bounds(layout: Layout, pieces: dict, units: list, segment: int, opens: 
             if segment < len(layout.moe_layers) else {"at": "logits"}
     else:
         nxt = pieces[next_unit]
-        if nxt == pieces[units[-1]] and nxt != "tail":
-            raise LayoutError(f"the plan cuts decoder block {nxt} between '{units[-1]}' and '{next_unit}'; "
+        if nxt == pieces[units[-1]]:
+            where = f"decoder block {nxt}" if isinstance(nxt, int) else f"the model's {nxt}"
+            raise LayoutError(f"the plan cuts {where} between '{units[-1]}' and '{next_unit}'; "
                               "regenerate it with this moeplan ('moeplan plan')")
         stop = {"at": "layer", "layer": layout.num_layers if nxt == "tail" else int(nxt)}
     return start, stop
