@@ -43,8 +43,9 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing
+from moeplan.passes.optimize.placement.held_out import held_out_caps
 from moeplan.passes.optimize.placement.joint import polish_windows
-from moeplan.passes.optimize.placement.metrics import over_cap_layers
+from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
 from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
                                                       routed_value)
@@ -431,7 +432,8 @@ class StagedSolution:
 
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
-                     solver: str, budget: WorkBudget = None, routed: RoutedTrace = None) -> StagedSolution:
+                     solver: str, budget: WorkBudget = None, routed: RoutedTrace = None,
+                     scenarios: np.ndarray = None) -> StagedSolution:
     """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
 
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
@@ -442,15 +444,54 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     the packing, which fits whenever the cap is achievable by it. Where re-slotting applies
     (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
     start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
-    counts returned are then the solution's own, which may differ from EPLB's rule."""
+    counts returned are then the solution's own, which may differ from EPLB's rule.
+
+    With `scenarios` (float [S, L, E], `placement/held_out.py`): when the solution's expected
+    held-out max load rises more than EPLB's packing's, the layers concerned get their caps lowered
+    by the excess (`held_out.held_out_caps`) and everything is solved again under them; a layer
+    that cannot be fit there keeps the first solution's (within the requested caps)."""
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
     replicas, caps = eplb_replicas_and_caps(loads, D, redundant, balance, balance_base)
     budget = budget or WorkBudget()
+    packed = initial_hosts(loads, replicas, D, slots)
+    solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
+    if scenarios is None or len(scenarios) == 0 or budget.expired():
+        return solution
+    floor = np.minimum(least_max_load(loads, replicas, D, slots) * (1 + 1e-6), caps)
+    current, lowered = caps, 0
+    for _ in range(HELD_OUT_ROUNDS):
+        robust = held_out_caps(solution.hosts, packed, loads, caps, current, scenarios, floor)
+        if not np.any(robust < current * (1 - 1e-9)) or budget.expired():
+            break
+        lowered += int((robust < current * (1 - 1e-9)).sum())
+        try:
+            again = _solve_under_caps(counts, loads, topology, redundant, replicas, robust, packed, solver, budget,
+                                      routed, fallback=solution.hosts, limit=caps)
+        except UserError:  # a stage proved the lowered caps infeasible: keep the last solution
+            break
+        current, solution = robust, again
+        # the bound is then for placements at least as balanced, layer by layer, as this one
+        solution.caps = np.maximum(current, max_gpu_loads(solution.hosts, loads))
+        solution.sweeps["held_out_caps"] = {"layers_lowered": lowered, "mean_lowering": float(np.mean(1 - current / caps))}
+    return solution
+
+
+HELD_OUT_ROUNDS = 3  # re-solves under lowered caps at most (each only if some layer's held-out rise is too large)
+
+
+def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed,
+                      fallback: np.ndarray = None, limit: np.ndarray = None) -> StagedSolution:
+    """The stages, re-slotting and routed finish of `staged_placement` under float [L] caps.
+
+    fallback: bool [L, E, D] hosts whose layer replaces one the stages cannot fit under `caps`
+    (it must meet `limit`, the caps the caller promised)."""
+    L, E = loads.shape
+    D = topology.devices
+    slots = (E + redundant) // D
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
                            max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
-    packed = initial_hosts(loads, replicas, D, slots)
     best = None
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
@@ -469,7 +510,7 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
             hosts = loose = uncapped > 0
             uncapped_sweeps = sweeps["uncapped"]
         hosts = _run_stages(problem, hosts, packed, topology, slots, sweeps)
-        hosts = _repair_layers(problem, hosts, packed, slots)
+        hosts = _repair_layers(problem, hosts, packed, slots, fallback)
         if reslot:
             hosts, sweeps["reslot_moves"] = reslot_search(hosts, counts, loads, caps, topology.gpus_per_node, budget,
                                                           max_copies)
@@ -486,7 +527,11 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     elif routed is not None:  # DeepSeek-V3 scale: layer MIPs are too big; routed exchanges instead
         hosts, gain = routed_swaps(best[1], routed, loads, caps, budget)
         best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
-    return StagedSolution(best[1], best[1].sum(axis=2), caps, counts, best[2], problem.notes)
+    hosts = best[1]
+    if fallback is not None:  # a layer a step left over the requested caps takes the fallback's
+        over = over_cap_layers(hosts, loads, caps if limit is None else limit)
+        hosts[over] = fallback[over]
+    return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes)
 
 
 def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):
@@ -592,8 +637,9 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     return hosts
 
 
-def _repair_layers(problem, hosts, packed, slots) -> np.ndarray:
-    """Replace any layer over its cap by the packing, or by a capped MIP with no affinity."""
+def _repair_layers(problem, hosts, packed, slots, fallback=None) -> np.ndarray:
+    """Replace any layer over its cap by the packing, or by a capped MIP with no affinity, or (where
+    neither fits and a bool [L, E, D] `fallback` is given) by the fallback's layer."""
     L, E, D = hosts.shape
     hosts = hosts.copy()
     for l in over_cap_layers(hosts, problem.loads, problem.caps):
@@ -605,6 +651,9 @@ def _repair_layers(problem, hosts, packed, slots) -> np.ndarray:
         assign, status = assignment_mip(zero, zero, problem.replicas[l], 1, np.full(D, slots), per_replica,
                                         problem.caps[l], None, problem.budget, problem.solver, problem.notes)
         if assign is None or (per_replica @ assign).max() > problem.caps[l] * (1 + 1e-9):
+            if fallback is not None:
+                hosts[l] = fallback[l]
+                continue
             raise infeasible_layer_error(problem, l)
         hosts[l] = assign > 0
     return hosts
