@@ -448,8 +448,10 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
 
     With `scenarios` (float [S, L, E], `placement/held_out.py`): when the solution's expected
     held-out max load rises more than EPLB's packing's, the layers concerned get their caps lowered
-    by the excess (`held_out.held_out_caps`) and everything is solved again under them; a layer
-    that cannot be fit there keeps the first solution's (within the requested caps)."""
+    by the excess (`held_out.held_out_caps`) and the solution is walked down to them by re-slotting
+    moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
+    under the lowered caps lost it), then polished by routed steps; a layer the walk cannot fit
+    keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) this is skipped."""
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
@@ -457,36 +459,35 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     budget = budget or WorkBudget()
     packed = initial_hosts(loads, replicas, D, slots)
     solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
-    if scenarios is None or len(scenarios) == 0 or budget.expired():
-        return solution
+    if scenarios is None or len(scenarios) == 0 or not reslot_applies(E + redundant, D, budget) or budget.expired():
+        return solution  # at DeepSeek-V3 scale the walk (re-slotting moves) is too costly at effort 1
     floor = np.minimum(least_max_load(loads, replicas, D, slots) * (1 + 1e-6), caps)
-    current, lowered = caps, 0
+    hosts, current, lowered, moves = solution.hosts, caps, 0, 0
     for _ in range(HELD_OUT_ROUNDS):
-        robust = held_out_caps(solution.hosts, packed, loads, caps, current, scenarios, floor)
+        robust = held_out_caps(hosts, packed, loads, caps, current, scenarios, floor)
         if not np.any(robust < current * (1 - 1e-9)) or budget.expired():
             break
         lowered += int((robust < current * (1 - 1e-9)).sum())
-        try:
-            again = _solve_under_caps(counts, loads, topology, redundant, replicas, robust, packed, solver, budget,
-                                      routed, fallback=solution.hosts, limit=caps)
-        except UserError:  # a stage proved the lowered caps infeasible: keep the last solution
-            break
-        current, solution = robust, again
-        # the bound is then for placements at least as balanced, layer by layer, as this one
-        solution.caps = np.maximum(current, max_gpu_loads(solution.hosts, loads))
-        solution.sweeps["held_out_caps"] = {"layers_lowered": lowered, "mean_lowering": float(np.mean(1 - current / caps))}
+        walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
+        walked[over] = hosts[over]  # layers the walk could not bring under the lowered cap keep their placement
+        current = np.maximum(robust, max_gpu_loads(walked, loads))
+        if routed is not None:
+            walked, _ = routed_polish(walked, routed, loads, current, budget, solver)
+        hosts, moves = walked, moves + made
+    if lowered:
+        solution.hosts, solution.replicas = hosts, hosts.sum(axis=2)
+        solution.caps = current  # the bound is then for placements at least as balanced, layer by layer
+        solution.sweeps["held_out_caps"] = {"layers_lowered": lowered, "moves": moves,
+                                            "mean_lowering": float(np.mean(1 - current / caps))}
     return solution
 
 
 HELD_OUT_ROUNDS = 3  # re-solves under lowered caps at most (each only if some layer's held-out rise is too large)
 
 
-def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed,
-                      fallback: np.ndarray = None, limit: np.ndarray = None) -> StagedSolution:
-    """The stages, re-slotting and routed finish of `staged_placement` under float [L] caps.
-
-    fallback: bool [L, E, D] hosts whose layer replaces one the stages cannot fit under `caps`
-    (it must meet `limit`, the caps the caller promised)."""
+def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget,
+                      routed) -> StagedSolution:
+    """The stages, re-slotting and routed finish of `staged_placement` under float [L] caps."""
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
@@ -510,7 +511,7 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
             hosts = loose = uncapped > 0
             uncapped_sweeps = sweeps["uncapped"]
         hosts = _run_stages(problem, hosts, packed, topology, slots, sweeps)
-        hosts = _repair_layers(problem, hosts, packed, slots, fallback)
+        hosts = _repair_layers(problem, hosts, packed, slots)
         if reslot:
             hosts, sweeps["reslot_moves"] = reslot_search(hosts, counts, loads, caps, topology.gpus_per_node, budget,
                                                           max_copies)
@@ -528,9 +529,6 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
         hosts, gain = routed_swaps(best[1], routed, loads, caps, budget)
         best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
     hosts = best[1]
-    if fallback is not None:  # a layer a step left over the requested caps takes the fallback's
-        over = over_cap_layers(hosts, loads, caps if limit is None else limit)
-        hosts[over] = fallback[over]
     return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes)
 
 
@@ -637,9 +635,8 @@ def _run_stages(problem, hosts, packed, topology, slots, sweeps) -> np.ndarray:
     return hosts
 
 
-def _repair_layers(problem, hosts, packed, slots, fallback=None) -> np.ndarray:
-    """Replace any layer over its cap by the packing, or by a capped MIP with no affinity, or (where
-    neither fits and a bool [L, E, D] `fallback` is given) by the fallback's layer."""
+def _repair_layers(problem, hosts, packed, slots) -> np.ndarray:
+    """Replace any layer over its cap by the packing, or by a capped MIP with no affinity."""
     L, E, D = hosts.shape
     hosts = hosts.copy()
     for l in over_cap_layers(hosts, problem.loads, problem.caps):
@@ -651,9 +648,6 @@ def _repair_layers(problem, hosts, packed, slots, fallback=None) -> np.ndarray:
         assign, status = assignment_mip(zero, zero, problem.replicas[l], 1, np.full(D, slots), per_replica,
                                         problem.caps[l], None, problem.budget, problem.solver, problem.notes)
         if assign is None or (per_replica @ assign).max() > problem.caps[l] * (1 + 1e-9):
-            if fallback is not None:
-                hosts[l] = fallback[l]
-                continue
             raise infeasible_layer_error(problem, l)
         hosts[l] = assign > 0
     return hosts
