@@ -1,11 +1,16 @@
 """Predicted throughput at scale (issue 12, item 6): the cost model, validated on CPU runs
 (benchmarks/runtime.py), applied where no GPU is at hand.
 
-Scenarios: DeepSeek-V3 (58 MoE layers x 256 experts, top-8) on 8 nodes x 8 H100 (h100-sxm) and
-Mixtral-8x7B (32 x 8, top-2) on 2 nodes x 4 A100 (a100-sxm). For each: contiguous + standard EP,
+Scenarios: DeepSeek-V3 (58 MoE layers x 256 experts, top-8) on 8 nodes x 8 H100 (h100-sxm),
+Mixtral-8x7B (32 x 8, top-2) on 2 nodes x 4 A100 (a100-sxm), and the tiny GQA and MLA models of
+examples/hf_tiny/kv_rows.py (the shapes benchmarks/runtime.py measures on CPU) on 1 x 2 and 2 x 2
+H100s. For each: contiguous + standard EP,
 EPLB (one redundant slot per GPU) + standard EP, and the planner's choice (`--policy auto
 --mode auto` under the same profile), as predicted decode and overall tokens/s and ratios to
-contiguous + standard, beside ExFlow's reported 2.2x (MoE-16 on 8 A100s over DeepSpeed-MoE).
+contiguous + standard, beside ExFlow's reported 2.2x (MoE-16 on 8 A100s over DeepSpeed-MoE);
+coherent mode on the chosen placement with the hidden state as context row and with the
+runtime's own per-block choice (`backends/runtime/context_exchange.py`: K/V or the MLA latent
+where smaller).
 
 Assumptions (all of them; change with the flags):
 * routing: no trace of these models is at hand, so a planted synthetic trace
@@ -34,29 +39,35 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+KV_ROWS = REPO / "examples" / "hf_tiny" / "kv_rows.py"
 SCENARIOS = (
-    # model config, nodes, gpus per node, hardware profile, default workload
+    # name, model config (or "kv_rows:NAME", a tiny model of examples/hf_tiny/kv_rows.py), nodes, gpus per node,
+    # hardware profile, default workload
     ("deepseek-v3", REPO / "examples" / "configs" / "deepseek-v3.json", 8, 8, "h100-sxm", "512x4+3"),
     ("mixtral-8x7b", REPO / "examples" / "configs" / "mixtral-8x7b.json", 2, 4, "a100-sxm", "256x16+4"),
+    ("tiny-gqa-2", "kv_rows:gqa", 1, 2, "h100-sxm", "8x32+8"),
+    ("tiny-gqa-4", "kv_rows:gqa", 2, 2, "h100-sxm", "8x32+8"),
+    ("tiny-mla-2", "kv_rows:mla", 1, 2, "h100-sxm", "8x32+8"),
+    ("tiny-mla-4", "kv_rows:mla", 2, 2, "h100-sxm", "8x32+8"),
 )
 EXFLOW_RATIO = 2.2
 
 
-def kv_elements(config: dict) -> int:
-    """Elements a rank needs per token and layer to extend another rank's KV cache: the MLA latent
-    (kv_lora_rank + qk_rope_head_dim) for DeepSeek-V3, else K and V (2 x kv heads x head dim)."""
-    if config.get("kv_lora_rank"):
-        return int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim", 0))
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return 2 * int(config.get("num_key_value_heads") or heads) * head_dim
+def model_path(config, scratch: Path) -> str:
+    """A config path as is; "kv_rows:NAME" built (seeded) under scratch."""
+    if str(config).startswith("kv_rows:"):
+        from moeplan.planner.importers.resolve import import_file
+
+        return str(import_file(KV_ROWS).build(str(config).split(":", 1)[1], scratch))
+    return str(config)
 
 
-def scenario(name, config, nodes, per_node, hardware, workload_text, args) -> dict:
+def scenario(name, config, nodes, per_node, hardware, workload_text, args, scratch: Path) -> dict:
     from moeplan.passes.analysis.cost_model import ModelShape
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
     from moeplan.passes.optimize.by_predicted_time import choose_placement, predict_modes
@@ -64,11 +75,14 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args) -> di
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.hardware import load_hardware
     from moeplan.planner.importers import load_model
-    from moeplan.planner.pipeline.cost import parse_workload
+    from moeplan.planner.pipeline.cost import context_plan_of, parse_workload, shape_with_context
 
-    ir = load_model(str(config)).ir
+    loaded = load_model(model_path(config, scratch))
+    ir = loaded.ir
     moe = ir.moe_stages[0]
-    shape = replace(ModelShape.from_ir(ir), element_bytes=args.element_bytes)
+    context = context_plan_of(loaded.module)  # the runtime's context rows: hidden state or K/V / MLA latent, per block
+    shape = replace(shape_with_context(ir, context), element_bytes=args.element_bytes)
+    hidden_shape = replace(ModelShape.from_ir(ir), element_bytes=args.element_bytes)
     trace = synthesize_trace(layers=len(ir.moe_stages), experts=moe.num_experts, top_k=moe.top_k,
                              tokens=args.trace_tokens, affinity=args.affinity, zipf=args.zipf, seed=0)
     profile = load_hardware(hardware)
@@ -92,17 +106,16 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args) -> di
     mode = next(r["mode"] for r in table if r["chosen"])
     redundant = int(chosen.metrics.get("redundant", 0))
     rows.append(priced("planner's choice", chosen, mode, chosen.policy, redundant))
-    # coherent mode on the planner's placement: as the runtime ships it (hidden state to every rank),
-    # and with per-layer K/V (GQA) or the MLA latent as the context row instead (item 5; not in the runtime)
-    rows.append(priced("choice + coherent", chosen, "coherent", chosen.policy, redundant))
-    kv = kv_elements(json.loads(Path(config).read_text()))
-    rows.append(priced(f"choice + coherent, K/V {kv}", chosen, "coherent", chosen.policy, redundant,
-                       replace(shape, context_elements=kv)))
+    # coherent mode on the planner's placement: with the hidden state as the context row (the runtime
+    # before item 5, `serve --context hidden`) and as the runtime ships it (K/V or the MLA latent where smaller)
+    rows.append(priced("choice + coherent, hidden", chosen, "coherent", chosen.policy, redundant, hidden_shape))
+    kinds = sorted({f"{k} {n}" for k, n in context}) or ["hidden"]
+    rows.append(priced(f"choice + coherent, {'/'.join(kinds)}", chosen, "coherent", chosen.policy, redundant))
     for row in rows:
         row["ratio"] = rows[0]["seconds_per_token"] / row["seconds_per_token"]
         row["decode_ratio"] = row["decode_tokens_per_second"] / rows[0]["decode_tokens_per_second"]
     return {"model": name, "hardware": hardware, "nodes": nodes, "gpus_per_node": per_node,
-            "workload": args.workload or workload_text, "rows": rows, "candidates": table,
+            "workload": args.workload or workload_text, "rows": rows, "candidates": table, "context": context,
             "exflow_reported_ratio": EXFLOW_RATIO,
             "assumptions": {"affinity": args.affinity, "zipf": args.zipf, "trace_tokens": args.trace_tokens,
                             "element_bytes": args.element_bytes}}
@@ -110,7 +123,7 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args) -> di
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", choices=[s[0] for s in SCENARIOS], default=None)
+    ap.add_argument("--only", choices=[s[0] for s in SCENARIOS], default=None, nargs="?")
     ap.add_argument("--affinity", type=float, default=0.5)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--trace-tokens", type=int, default=4096)
@@ -120,14 +133,15 @@ def main(argv=None) -> int:
     ap.add_argument("--effort", type=float, default=0.3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    out = [scenario(*s, args) for s in SCENARIOS if args.only in (None, s[0])]
+    with tempfile.TemporaryDirectory(prefix="moeplan-scale-") as scratch:
+        out = [scenario(*s, args, Path(scratch)) for s in SCENARIOS if args.only in (None, s[0])]
     for sc in out:
         print(f"{sc['model']} on {sc['nodes']}x{sc['gpus_per_node']} {sc['hardware']}, workload {sc['workload']} "
               f"(ExFlow reports up to {EXFLOW_RATIO}x on MoE-16 / 8 A100s)")
-        print(f"  {'plan':<28} {'policy':>10} {'mode':>9} {'tok/s':>10} {'ratio':>6} {'decode tok/s':>13} {'ratio':>6} "
+        print(f"  {'plan':<32} {'policy':>10} {'mode':>9} {'tok/s':>10} {'ratio':>6} {'decode tok/s':>13} {'ratio':>6} "
               f"{'B/token':>10} {'compute':>8}")
         for r in sc["rows"]:
-            print(f"  {r['plan']:<28} {r['policy'] + ('+' + str(r['redundant']) if r['redundant'] else ''):>10} "
+            print(f"  {r['plan']:<32} {r['policy'] + ('+' + str(r['redundant']) if r['redundant'] else ''):>10} "
                   f"{r['mode']:>9} {r['tokens_per_second']:>10.0f} {r['ratio']:>6.2f} {r['decode_tokens_per_second']:>13.0f} "
                   f"{r['decode_ratio']:>6.2f} {r['total_bytes_per_token']:>10.0f} {r['compute_share']:>8.2f}")
     if args.json:

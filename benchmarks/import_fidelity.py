@@ -1,6 +1,6 @@
 """Import fidelity: moeplan's parameter counts beside transformers' own, and ONNX imports beside torch.
 
-Run:  .venv/bin/python benchmarks/import_fidelity.py [--configs-only | --onnx-only] [--arch A ...] [--json]
+Run:  .venv/bin/python benchmarks/import_fidelity.py [--configs-only | --onnx-only] [--only NAME ...] [--json]
 
 Part 1, full-size configs (every `examples/configs/*.json`, built on `meta`, no weights): our
 total parameters (`moeplan inspect`'s IR) beside transformers' own count of the model class the
@@ -14,22 +14,33 @@ says so). Documented conventions that make totals differ, printed in the `conven
 
 Part 2, ONNX: tiny random models of each Hugging Face MoE architecture, exported by
 `moeplan export-onnx`'s code (`planner/onnx_export.py`) and imported back; stage count, total and
-active parameters of the ONNX import beside the torch import of the same model. An architecture
-torch's exporter cannot capture is listed with the reason (its error, whole). Measured with
-torch 2.13 and transformers 5.23, 11 of the 12 architectures that export import equal to their
-torch import (deepseek_v3, ernie4_5_moe, glm4_moe, gpt_oss, granitemoe, hunyuan_v1_moe, jetmoe,
-mixtral, olmoe, qwen2_moe, qwen3_moe); the others, and why:
+active parameters of the ONNX import beside the torch import of the same model. Then the same
+token ids are traced both ways (`record_trace`: hooks on the library's router in torch,
+onnxruntime on the file): whether every token's experts agree, and the largest gap between the
+gate weights. An architecture torch's exporter cannot capture is listed with the reason (its
+error, whole). Measured with torch 2.13 and transformers 5.23, all 15 architectures here export,
+import equal to their torch import and trace the torch trace's experts (weights within float32
+rounding). qwen3_next (not in the table) does not export: torch.export specialises the sequence
+length through its chunked Gated DeltaNet ("Constraints violated (sequence)").
+What it took beyond transformers' `batched_mm` experts and no KV cache:
+* phimoe: its sparsemixer picks two experts by ArgMax, masking the first (no TopK node); the
+  importer reads repeated ArgMax + masking as a top-k router (`onnx_argmax_gating.py`);
 * dbrx: its experts loop over the experts the batch hit (`for expert_idx in expert_hit`), a
-  data-dependent count torch.export cannot capture, and transformers offers no export-friendly
-  experts implementation for it;
+  data-dependent count torch.export cannot capture and for which transformers offers no
+  export-friendly implementation; export swaps in a batched gather of the same arithmetic;
 * deepseek_v2, llama4_text: complex-valued rotary embeddings (`torch.polar`), for which
   torch.onnx has no translation ("No decompositions registered for the complex-valued input");
-* phimoe: exports, but its sparsemixer routing (max, masked softmax, no TopK) is no gate pattern
-  the importer knows; it says so and points to the torch import.
+  export swaps in the real-valued form (`planner/onnx_export_equivalents.py`). Rotary scaling of
+  type `dynamic` still cannot be exported: its update branches on the sequence length
+  (`modeling_rope_utils.py`, `if seq_len > max_seq_len_cached`), a data-dependent guard;
+* deepseek_v3, glm4_moe, ernie4_5_moe: they select by score + correction bias but weigh with the
+  uncorrected scores; the ONNX tracer reads the weights the router hands on, not the TopK values.
+Score-correction biases get a nonzero ramp here (see `tiny_model`) so that this is tested.
 
 `--json` prints one JSON object on the last line: configs (rows), onnx (rows), and
-configs_exact / onnx_equal (counts of rows meeting the targets: totals equal to transformers'
-or explained by a convention; ONNX IR equal to the torch IR).
+configs_exact / onnx_equal / onnx_trace_equal (counts of rows meeting the targets: totals equal
+to transformers' or explained by a convention; ONNX IR equal to the torch IR; ONNX trace choosing
+the torch trace's experts).
 """
 from __future__ import annotations
 
@@ -87,14 +98,44 @@ TINY = {
 
 
 def tiny_model(model_type: str):
-    """A tiny random model of `model_type` (seeded), as an eval-mode transformers causal LM."""
+    """A tiny random model of `model_type` (seeded), as an eval-mode transformers causal LM.
+
+    Score-correction biases (DeepSeek-V3, GLM-4.5, ERNIE-4.5 buffers, zeros in a fresh model) get
+    a nonzero ramp, as trained checkpoints have, so that selection scores and gate weights differ.
+    """
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     torch.manual_seed(0)
     config = CONFIG_MAPPING[model_type](**{**BASE, **TINY[model_type]})
-    return AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for module in model.modules():
+        bias = getattr(module, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            with torch.no_grad():
+                bias.copy_(torch.linspace(-0.4, 0.4, bias.numel()).reshape(bias.shape))
+    return model
+
+
+TRACE_IDS = ((5, 17, 33, 2, 60, 41, 8, 23, 50, 12, 3, 37), (44, 9, 28, 61, 15, 6, 39, 20, 55, 11, 30, 47))
+
+
+def trace_agreement(model, model_type: str, onnx_path) -> dict:
+    """Routing of the same token ids recorded from torch (hooks on the library's router) and from
+    the ONNX file (onnxruntime): whether every token's experts agree, and the largest weight gap."""
+    import numpy as np
+
+    from moeplan.passes.analysis.trace.record import record_trace
+    from moeplan.planner.importers import LoadedModel, load_model
+    from moeplan.planner.importers.torch_module import import_module
+
+    ids = [np.asarray(TRACE_IDS)]
+    loaded = LoadedModel(ir=import_module(model, name=model_type, config=model.config), module=model)
+    ours = record_trace(loaded, ids, batch=2, seq_len=len(TRACE_IDS[0]))
+    theirs = record_trace(load_model(str(onnx_path)), ids, batch=2, seq_len=len(TRACE_IDS[0]))
+    return {"trace_experts_equal": bool(np.array_equal(ours.experts, theirs.experts)),
+            "trace_max_weight_gap": float(np.abs(ours.weights - theirs.weights).max())}
 
 
 def transformers_count(data: dict) -> tuple:
@@ -171,6 +212,10 @@ def onnx_rows(only=None) -> list:
                 row.update(exported=True, imported=False, reason=str(exc))
                 rows.append(row)
                 continue
+            try:
+                row.update(trace_agreement(model, model_type, Path(tmp) / "m.onnx"))
+            except UserError as exc:
+                row.update(trace_experts_equal=False, trace_max_weight_gap=None, trace_reason=str(exc))
         row.update(exported=True, imported=True, onnx_stages=len(back.stages), onnx_total=back.total_params,
                    onnx_active=back.active_params, equal=back == ours)
         if not row["equal"]:
@@ -199,7 +244,8 @@ def print_tables(configs: list, onnx: list) -> None:
                 f"{r['stored_gib']:.2f}", r["convention"] or r["quantization"])))
     if onnx:
         print("\nTiny models exported to ONNX and imported back, beside their torch import:")
-        head = ("arch", "torch stages", "onnx stages", "torch params", "onnx params", "IR equal", "export s")
+        head = ("arch", "torch stages", "onnx stages", "torch params", "onnx params", "IR equal", "export s",
+                "trace experts", "max |dw|")
         print("  ".join(f"{h:>14}" for h in head))
         for r in onnx:
             if not r.get("imported"):
@@ -208,7 +254,10 @@ def print_tables(configs: list, onnx: list) -> None:
                 continue
             print("  ".join(f"{v:>14}" for v in (
                 r["arch"], r["torch_stages"], r["onnx_stages"], f"{r['torch_total']:,}", f"{r['onnx_total']:,}",
-                "yes" if r["equal"] else "NO", r["export_s"])))
+                "yes" if r["equal"] else "NO", r["export_s"], "equal" if r["trace_experts_equal"] else "DIFFER",
+                "-" if r["trace_max_weight_gap"] is None else f"{r['trace_max_weight_gap']:.1e}")))
+            if r.get("trace_reason"):
+                print(f"{'':>14}  trace failed: {r['trace_reason']}")
             if not r["equal"]:
                 print(f"{'':>14}  torch only {r['torch_only']}; onnx only {r['onnx_only']}")
 
@@ -232,12 +281,14 @@ def main(argv=None) -> int:
         "configs_exact": sum(1 for r in configs if r["deviation"] == 0 or r["convention"]),
         "configs_total": len(configs),
         "onnx_equal": sum(1 for r in onnx if r.get("equal")),
+        "onnx_trace_equal": sum(1 for r in onnx if r.get("trace_experts_equal")),
         "onnx_exported": sum(1 for r in onnx if r.get("exported")),
         "onnx_total": len(onnx),
     }
     print(f"\nconfigs exact or explained: {summary['configs_exact']}/{len(configs)}; "
           f"ONNX imports equal to torch: {summary['onnx_equal']}/{summary['onnx_exported']} exported "
-          f"of {len(onnx)} architectures")
+          f"of {len(onnx)} architectures; ONNX traces choosing the torch trace's experts: "
+          f"{summary['onnx_trace_equal']}/{summary['onnx_exported']}")
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     return 0

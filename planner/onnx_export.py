@@ -16,8 +16,11 @@ no KV cache (`config.use_cache = False`; a `DynamicCache` output is no tensor to
 write) and the `batched_mm` experts implementation (a batched matmul over every token's top-k
 experts' weights, gathered by index) instead of the default `grouped_mm`, whose custom op
 `transformers::grouped_mm_fallback` has no ONNX translation. Both are restored afterwards.
-Architectures that still fail say why in one untruncated line (the list measured with
-transformers 5.23 is in `benchmarks/import_fidelity.py`'s docstring).
+Code torch cannot capture although its arithmetic is plain (DBRX's loop over the experts hit,
+complex-valued rotary embeddings) is replaced during the export by the same arithmetic in a
+capturable form (`onnx_export_equivalents.py`). Architectures that still fail say why in one
+untruncated line (the list measured with transformers 5.23 is in
+`benchmarks/import_fidelity.py`'s docstring).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from moeplan.planner.atomic import atomic_path
 from moeplan.planner.errors import UserError
+from moeplan.planner.onnx_export_equivalents import export_equivalents
 
 INPUT_NAME = "input_ids"
 OUTPUT_NAME = "logits"
@@ -152,7 +156,7 @@ def export_onnx(module, out: str | os.PathLike, *, name: str, opset: int = 18, q
     with torch.no_grad(), warnings.catch_warnings(), quiet_ctx, _quiet_loggers(quiet):
         warnings.simplefilter("ignore")
         try:
-            with _export_ready(module):
+            with _export_ready(module), export_equivalents(module):
                 program = _export_program(module, example)
             onnx_program = torch.onnx.export(
                 program,

@@ -3,7 +3,10 @@
 Tiny seeded models of each architecture (examples/hf_tiny/architectures.py) become bundles
 through the torchrun codegen (a contiguous placement with expert 0 replicated on both ranks);
 ONE torchrun launch serves them all (`runtime.serve --bundle ...`, coherent and standard), so the
-matrix costs one process start. Each run must reproduce transformers' own model: max |logit
+matrix costs one process start. Coherent mode runs with `--context kv`: every block whose attention
+keeps a K/V cache exchanges what the cache stores (K + V, or DeepSeek's MLA latent) instead of the
+hidden state, even where that is larger, so every architecture's cache path is checked. Each run
+must reproduce transformers' own model: max |logit
 diff| <= 1e-4 in fp32, identical greedy tokens, and in coherent mode the measured
 gpu_local_fraction equal to the planner's metric. The full CLI matrix (trace, compile for
 torchrun at 2 and 4 ranks and Kubernetes, run) is benchmarks/architectures.py; one architecture
@@ -43,7 +46,7 @@ def served(tmp_path_factory):
     prompts.write_text(PROMPTS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "moeplan.backends.runtime.serve", "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
-           "--mode", "coherent,standard", "--out", str(root / "out")]
+           "--mode", "coherent,standard", "--context", "kv", "--out", str(root / "out")]
     for bundle in bundles.values():
         cmd += ["--bundle", str(bundle)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={"OMP_NUM_THREADS": "1", **_env()})
@@ -79,6 +82,12 @@ def test_architecture_runs_exactly_at_two_ranks_in_both_modes(served, arch):
     assert summary["gpu_local_fraction"] == pytest.approx(predicted_locality(bundle, out / bundle.name / "coherent"), abs=1e-12)
     per_layer = summary["per_layer"]
     assert sum(l["dispatch_bytes"] for l in per_layer) > 0  # tokens did cross ranks
+    kinds = [kind for kind, _ in summary["context"]]
+    assert kinds == (["hidden", "kv"] if arch == "qwen3_next" else ["kv"] * len(kinds)), kinds  # linear attention: hidden
+    sent = [l["context_bytes"] > 0 for l in per_layer]  # every block after the first MoE block, none before
+    assert sent[-1] and sent == sorted(sent), sent
+    for layer, (_, elements) in zip(per_layer, summary["context"]):  # rows of (elements + key) float32s
+        assert layer["context_bytes"] % (4 * (elements + 2)) == 0, (layer, elements)
 
 
 def test_text_prompts_fall_back_to_bytes_and_say_so(served):

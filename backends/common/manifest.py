@@ -5,7 +5,6 @@ world size) so that `moeplan run` stops before launching anything.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,11 +17,9 @@ _HEX = frozenset("0123456789abcdef")
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    from moeplan.backends.runtime.checkpoint_reader import file_sha256  # one block-wise file hash for both
+
+    return file_sha256(path)
 
 
 def bundle_files(root: Path) -> list:

@@ -29,6 +29,7 @@ RANK_RUNTIME_MIB = 512
 SHM_SIZE = "1Gi"
 DEFAULT_PROMPTS = "The quick brown fox\nOnce upon a time\n"
 KUBERNETES_VERSION = "1.31.0"  # the schema the tests validate against
+CHECKPOINT_MOUNT = "/checkpoint"  # where --weights reference bundles find the checkpoint volume
 FILES = ("configmap.yaml", "pvc.yaml", "service.yaml", "job.yaml")
 
 
@@ -49,12 +50,15 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
     topo = plan.topology
     nodes, gpn = int(topo["nodes"]), int(topo["gpus_per_node"])
     name = slug(str(plan.model["name"]))
-    shard_sizes = [os.path.getsize(bundle / s) for s in plan.shards]
+    shard_sizes = [_rank_weight_bytes(bundle / s) for s in plan.shards]
     node_shards = max(sum(shard_sizes[n * gpn:(n + 1) * gpn]) for n in range(nodes))
     memory_mib = 2 * _mib(node_shards) + gpn * RANK_RUNTIME_MIB
     bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     storage_gib = max(1, math.ceil(bundle_bytes * 1.25 / 2**30))
-    names = {"configmap": f"{name}-plan", "pvc": f"{name}-bundle", "service": f"{name}-ranks", "job": name}
+    names = {"configmap": f"{name}-plan", "pvc": f"{name}-bundle", "service": f"{name}-ranks", "job": name,
+             "checkpoint_pvc": f"{name}-checkpoint"}
+    # --weights reference: the original checkpoint is a second, read-only volume the user provides
+    checkpoint = plan.model.get("checkpoint") if isinstance(plan.model.get("checkpoint"), dict) else None
     labels = {"app.kubernetes.io/managed-by": "moeplan", "app.kubernetes.io/name": name}
     selector = {"moeplan.io/deployment": name}
     # The ranks run the bundle in place from the read-only volume, so launch.sh checks the files
@@ -76,7 +80,20 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
         "launch_args": ["--prompts", "/work/prompts.txt", "--new-tokens", str(int(new_tokens)), "--out", "/results"],
         "configmap_data": sorted(configmap),
         "pip_packages": _pip_packages(bundle),
+        "checkpoint": checkpoint, "checkpoint_mount": CHECKPOINT_MOUNT,
     }
+
+
+def _rank_weight_bytes(path: Path) -> int:
+    """Bytes a rank loads: its shard file, or what its checkpoint index reads (--weights reference)."""
+    if not path.name.endswith(".index.json"):
+        return os.path.getsize(path)
+    import json
+
+    from moeplan.backends.runtime.checkpoint_reader import DTYPES
+
+    tensors = json.loads(path.read_text())["tensors"].values()
+    return sum(math.prod(t["shape"]) * DTYPES[t["dtype"]].itemsize for t in tensors)
 
 
 def _pip_packages(bundle: Path) -> list:

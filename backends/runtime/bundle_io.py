@@ -1,6 +1,12 @@
 """Reading a bundle from the runtime's side: plan, placement, model config and one rank's shard,
 and the rank's model built with the library's own code.
 
+A rank's weights are its shard (`shards/rank-N.safetensors`) or, for a bundle compiled with
+`--weights reference`, its index (`shards/rank-N.index.json`) into the original checkpoint, read
+tensor by tensor from the checkpoint directory ($MOEPLAN_CHECKPOINT, else the path in the plan)
+after checking the files' sizes and headers against the plan. A Hugging Face model is built on
+`meta` and receives only these tensors, so a rank holds dense weights + its own experts.
+
 Only the standard library, torch, safetensors (and transformers / tokenizers for Hugging Face
 models): the bundle is self-contained. The planner's validation (`moeplan run`) checks hashes
 before launching; the runtime re-checks what would make ranks disagree (world size, shard
@@ -11,8 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from safetensors.torch import load_file
-
+from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
+                                read_reference_shard)
 from .library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
 from .text_codec import TextCodec
 
@@ -58,12 +64,39 @@ def check_library(plan: dict) -> None:
                           f"installed; pip install -r requirements.txt (transformers=={pinned})")
 
 
-def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
-    """The tensors of `rank`'s shard (dense weights, gates and its experts), as float32 on device."""
+def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = False) -> dict:
+    """The tensors of `rank`'s shard or reference index, as stored (dense weights, gates, its experts)."""
     path = root / plan["shards"][rank]
     if not path.is_file():
         raise BundleError(f"shard '{path}' for rank {rank} is missing; re-run 'moeplan compile'")
-    return {k: v.float().to(device) for k, v in load_file(str(path)).items()}
+    if not path.name.endswith(".index.json"):  # read as the checkpoint is: one tensor, one block at a time
+        return {name: read_part(path.parent, {"file": path.name, "tensor": name})
+                for name in sorted(read_header(path)) if name != "__metadata__"}
+    reference = plan["model"].get("checkpoint")
+    if not isinstance(reference, dict):
+        raise BundleError(f"shard '{path}' is a checkpoint index but plan.json names no checkpoint; recompile the bundle")
+    try:
+        directory = checkpoint_directory(root, reference)
+        check_checkpoint(directory, reference, full=full_check)
+        return read_reference_shard(directory, path)
+    except CheckpointError as exc:
+        raise BundleError(str(exc)) from None
+
+
+def check_referenced_checkpoint(root: Path, plan: dict) -> None:
+    """For a `--weights reference` bundle: the checkpoint is where the plan says (or $MOEPLAN_CHECKPOINT)
+    and every file's full sha256 is the compiled one. Run once before the ranks start."""
+    reference = plan["model"].get("checkpoint")
+    if isinstance(reference, dict):
+        try:
+            check_checkpoint(checkpoint_directory(root, reference), reference, full=True)
+        except CheckpointError as exc:
+            raise BundleError(str(exc)) from None
+
+
+def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
+    """The tensors of `rank`'s weights, as float32 on device."""
+    return {k: v.float().to(device) for k, v in read_rank_tensors(root, plan, rank).items()}
 
 
 def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
@@ -81,7 +114,7 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
         codec = TextCodec(None, vocab, native_bytes=True)
     else:
         check_library(plan)
-        model = build_transformers(config_path.parent)
+        model = build_transformers(config_path.parent, device="meta", buffers="cpu")
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         max_positions, vocab = int(getattr(text, "max_position_embeddings", 1 << 30)), int(text.vocab_size)
         top_k = transformers_top_k(text)

@@ -17,9 +17,11 @@ rank (batched, left-padded, with the library's KV cache).
   every token identically; there each rank serves its own experts' slots and the weighted outputs
   meet on the rank of the token's highest-weight expert (`merge`), which becomes its current rank.
   At later blocks:
-  - attention input hook: the current rank sends the normed hidden state to every rank
-    (`context`), which put it in the placeholder rows, so the library's attention fills every
-    rank's KV cache (the outputs of placeholder rows are discarded);
+  - context (`context_exchange.py`): the current rank sends every rank what they need to fill
+    their library KV cache for its tokens, per block the smaller of the normed hidden state (put
+    in the placeholder rows at the attention input) and the K/V the cache stores (swapped in at
+    the cache's `update`: K + V for GQA, the latent + rotated key for MLA); the outputs of
+    placeholder rows are discarded;
   - norm-before-MoE hook: the current rank learns the routing by running the library's own norm
     and MoE block on its tokens up to the experts (stopped there, `moe_adapter.Captured`), then
     sends the post-attention hidden state and gate weights to its experts' ranks (`dispatch`);
@@ -31,7 +33,8 @@ rank (batched, left-padded, with the library's KV cache).
     and every row that is not current here is reset to zeros.
   Costs: placeholder rows repeat the dense compute of other ranks' tokens (attention as ExFlow
   needs for the KV cache; norms, routers and shared experts beyond that). Bytes are counted as
-  before: (world - 1) x (D + 2) x 4 per token per block in `context`, the dispatch and merge rows.
+  before: (world - 1) x (C + 2) x 4 per token per block in `context` (C = D, or the K/V elements),
+  the dispatch and merge rows.
 The final hidden state never returns to the owner: the current rank computes the logits and the
 greedy token, and the per-step AllGather of new tokens (`token_sync`) tells every rank.
 """
@@ -41,6 +44,7 @@ import time
 
 import torch
 
+from .context_exchange import ContextExchange, context_plan, hidden_size
 from .exchange import pack, pack_small, unpack, unpack_small
 from .moe_adapter import Captured
 
@@ -51,7 +55,7 @@ class Engine:
     """One rank's share of expert-parallel greedy generation over a RankModel."""
 
     def __init__(self, model, table, exchanger, counters, rank: int, world_size: int, mode: str, device,
-                 top_k: int):
+                 top_k: int, context: str = "auto"):
         if mode not in (COHERENT, STANDARD):
             raise ValueError(f"mode must be '{COHERENT}' or '{STANDARD}', got {mode!r}")
         self.model, self.table, self.ex, self.counters = model, table, exchanger, counters
@@ -61,6 +65,8 @@ class Engine:
         self.logit_keys, self.logit_rows = [], []
         self.trace = []  # (MoE layer, keys [n], expert ids [n, k], weights [n, k])
         self.capture = False
+        # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
+        self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
 
     # --- bookkeeping -----------------------------------------------------------------------
     def owner(self, seq: int) -> int:
@@ -128,7 +134,8 @@ class Engine:
                 h.remove()
         elapsed = time.perf_counter() - start
         return {"generated": {int(s): g for s, g in generated.items()}, "elapsed_s": elapsed,
-                "counters": self.counters.to_dict()}
+                "counters": self.counters.to_dict(),
+                "context": [[k, int(n)] for k, n in self.context_plan] if self.mode == COHERENT else []}
 
     def _forward(self, ids, pos, key_mask, cache, keys, last: dict):
         """One library forward; records the logits of the rows current here; {seq: next token}."""
@@ -286,38 +293,12 @@ class Engine:
     def _install_hooks(self) -> list:
         m = self.model
         handles = []
+        handles += ContextExchange(self, self.context_plan).install()  # hidden state or K/V, per block
         for layer in range(m.num_layers):
-            handles.append(m.attention[layer].register_forward_pre_hook(self._attention_input, with_kwargs=True))
             handles.append(m.layers[layer].register_forward_hook(self._block_output(layer)))
         for adapter in m.adapters:
             handles.append(m.ffn_norm[adapter.layer].register_forward_pre_hook(self._ffn_norm_input(adapter)))
         return handles
-
-    def _attention_input(self, module, args, kwargs):
-        """Context: placeholder rows get the current rank's normed hidden state before attention."""
-        if self.replicated:
-            return None
-        in_kwargs = "hidden_states" in kwargs
-        h = kwargs["hidden_states"] if in_kwargs else args[0]
-        flat = h.reshape(-1, h.shape[-1])
-        mine = self.mine.nonzero().flatten()
-        rows = pack(flat[mine.to(flat.device)], self.keys[mine][:, None])
-        got = self.ex.exchange(self._to_all_others(rows), rows.shape[1], self._layer_of(module), "context")
-        new = flat.clone()
-        for g in got:
-            if g.shape[0]:
-                p, meta = unpack(g, flat.shape[1])
-                new[self._rows_of(meta[:, 0].cpu()).to(new.device)] = p.to(new.dtype)
-        new = new.view(h.shape)
-        if in_kwargs:
-            return args, {**kwargs, "hidden_states": new}
-        return (new,) + tuple(args[1:]), kwargs
-
-    def _layer_of(self, attention_module) -> int:
-        for i, a in enumerate(self.model.attention):
-            if a is attention_module:
-                return i
-        raise RuntimeError("attention module not found")
 
     def _ffn_norm_input(self, adapter):
         def hook(module, args):

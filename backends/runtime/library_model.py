@@ -36,17 +36,42 @@ def transformers_config(config_dir: Path):
     return config
 
 
-def build_transformers(config_dir: Path, device: str = "cpu"):
-    """The transformers causal LM named by the config (float32, eval); meta device builds no weights."""
+def build_transformers(config_dir: Path, device: str = "cpu", buffers: str | None = None):
+    """The transformers causal LM named by the config (float32, eval); meta device builds no weights.
+
+    `buffers="cpu"` with `device="meta"`: parameters on meta (a rank loads its own tensors into
+    them with `assign=True`), buffers computed at construction (rotary frequencies) on the CPU.
+    """
     import transformers
 
     from transformers.initialization import no_init_weights
 
     config = transformers_config(config_dir)
-    with torch.device(device), no_init_weights():
+    placing = _parameters_on_meta() if device == "meta" and buffers == "cpu" else torch.device(device)
+    with placing, no_init_weights():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config._experts_implementation = "eager"
     return model.eval()
+
+
+class _parameters_on_meta:
+    """Every parameter registered while active goes to `meta` (its storage is never kept);
+    buffers stay where they were made. Same idea as accelerate's init_empty_weights(include_buffers=False)."""
+
+    def __enter__(self):
+        self._register = original = nn.Module.register_parameter
+
+        def register(module, name, param):
+            original(module, name, param)
+            if param is not None:
+                kept = module._parameters[name]
+                module._parameters[name] = type(kept)(kept.to("meta"), requires_grad=kept.requires_grad)
+        nn.Module.register_parameter = register
+        return self
+
+    def __exit__(self, *exc):
+        nn.Module.register_parameter = self._register
+        return False
 
 
 def transformers_top_k(config) -> int:
@@ -120,6 +145,9 @@ class RankModel:
         self.moe_of = {c.layer: c.moe for c in self.containers}
         self.num_layers = len(self.layers)
         self.attention = [_first_submodule(layer, ATTENTION_NAMES) for layer in self.layers]
+        left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+        if left:
+            raise ModelError(f"the rank's weights leave {left[:3]} of {type(model).__name__} unset")
         self.ffn_norm = {c.layer: _first_submodule(self.layers[c.layer], FFN_NORM_NAMES) for c in self.containers}
         for layer, norm in self.ffn_norm.items():
             if norm is None:

@@ -176,13 +176,13 @@ class MoEAdapter:
             kept = nn.ModuleList(experts[e] for e in self.local)
             for i, e in enumerate(self.local):
                 for p, t in kept[i].named_parameters():
-                    t.data = weights[f"{c.path}.{e}.{p}"]
+                    t.data = weights.pop(f"{c.path}.{e}.{p}")
             self.block.experts = kept
             return
         owner = _module(root, c.path)
         for p, shape in c.params:
             if n:
-                stacked = torch.stack([weights[f"{c.path}.{e}.{p}"] for e in self.local])
+                stacked = torch.stack([weights.pop(f"{c.path}.{e}.{p}") for e in self.local])  # freed once stacked
             else:
                 per = shape[1:] if shape[0] == c.num_experts else (shape[0] // c.num_experts, *shape[1:])
                 stacked = torch.zeros(0, *per)

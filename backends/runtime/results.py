@@ -107,6 +107,7 @@ def merge(out_dir, world: int, prompts: list, decode) -> dict:
         "elapsed_s": elapsed,
         "tokens_per_second": n_gen / elapsed if elapsed > 0 else 0.0,
         "counters": counters,
+        "context": ranks[0].get("context", []),  # coherent: per block [hidden | kv, elements per token]
         **_summarise(counters, n_gen),
     }
     (out_dir / "result.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -34,6 +34,9 @@ def parse_args(argv=None):
                          "default: the plan's communication mode")
     ap.add_argument("--out", required=True, help="directory; each mode writes <out>/<mode>/result.json")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--context", default="auto", choices=("auto", "hidden", "kv"),
+                    help="coherent mode's context exchange: auto (per block the smaller of the hidden state and "
+                         "the cache's K/V), hidden (always the hidden state) or kv (the cache's K/V wherever it can)")
     ap.add_argument("--bundle", action="append", default=None,
                     help="bundle directory to serve (repeatable); default: the bundle holding this runtime")
     return ap.parse_args(argv)
@@ -77,17 +80,19 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"prompts: {codec.source}")
             for mode in modes:
-                serve_mode(model, codec, table, prompts, mode, args.new_tokens, out / mode, rank, world, device)
+                serve_mode(model, codec, table, prompts, mode, args.new_tokens, out / mode, rank, world, device,
+                           args.context)
     finally:
         dist.destroy_process_group()
     return 0
 
 
-def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, rank, world, device) -> None:
+def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, rank, world, device,
+               context: str = "auto") -> None:
     """Generate for every prompt in one mode; rank 0 merges the ranks' results and prints them."""
     counters = Counters(model.num_layers)  # per block; MoE-only counts stay zero on dense blocks
     engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device,
-                    model.top_k)
+                    model.top_k, context)
     dist.barrier()
     generated = engine.generate(prompts, new_tokens)
     os.makedirs(out_dir, exist_ok=True)

@@ -1,13 +1,17 @@
 """Write a torchrun bundle from a Plan, the source weights and the model's own files.
 
 Layout: plan.json, placement.json, launch.sh, README.md, model/ (config + source file),
-runtime/ (copied from moeplan.backends.runtime), shards/rank-NNNNN.safetensors, manifest.json.
+runtime/ (copied from moeplan.backends.runtime), shards/rank-NNNNN.safetensors (or, with
+`--weights reference`, shards/rank-NNNNN.index.json pointing into the original checkpoint),
+manifest.json. Weights arrive as `TensorEntry`s (an in-memory state dict, or a checkpoint read
+tensor by tensor: `backends/common/checkpoint_index.py`) and are written in one streaming pass.
 Every byte is a function of the inputs (no timestamps, sorted JSON, fixed shard metadata), so
 compiling twice gives identical bundles. The caller writes into a temporary directory and renames
 it on success (`planner.atomic.atomic_path`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,32 +19,51 @@ from pathlib import Path
 
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.common.model_source import expert_containers, requirements
-from moeplan.backends.runtime.moe_adapter import expert_owner, split_expert_state
+from moeplan.backends.runtime.moe_adapter import expert_owner
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.shards import split_state_dict, write_shard
-
-def shard_layout(arch: str, model_files: dict) -> tuple:
-    """(state transform, tensor name -> (MoE layer, expert) or None): per-expert slices apart."""
-    containers = expert_containers(arch, model_files)
-    return (lambda state: split_expert_state(state, containers)), expert_owner(containers)
+from moeplan.backends.common.shards import entries_sha256, holders, write_rank_shards, write_reference_indexes
+from moeplan.backends.common.tensor_entries import entries_from_state
 
 
-def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
-    """Write the bundle into `out` (which must not exist yet); returns the manifest."""
+class WeightsMismatch(ValueError):
+    """The weights written are not those the plan records (`weights_sha256`)."""
+
+
+def write_weights(out: Path, plan, weights, containers: list) -> str:
+    """Each rank's shard (or reference index) from `weights` (a state dict or a list of TensorEntry);
+    returns the weights' `state_dict_sha256`."""
+    entries = entries_from_state(weights, containers) if isinstance(weights, dict) else weights
+    ranks_of = holders(plan.placement, expert_owner(containers))
+    if plan.shards and plan.shards[0].endswith(".index.json"):
+        write_reference_indexes(out, plan.shards, entries, ranks_of)
+        digest = entries_sha256(entries)
+    else:
+        digest = write_rank_shards(out, plan.shards, entries, ranks_of)
+    for rel in plan.shards:
+        os.chmod(out / rel, 0o644)
+    return digest
+
+
+def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
+    """Write the bundle into `out` (which must not exist yet); returns the manifest.
+
+    `weights`: the library state dict, or `TensorEntry`s streamed from a checkpoint. The plan's
+    `weights_sha256` is filled in from what was written (or must equal it when already set).
+    """
     out = Path(out)
     out.mkdir(parents=True)
     arch = plan.model["architecture"]
-    transform, owner = shard_layout(arch, model_files)
     placement = plan.placement
-    plan_doc = plan.to_json()
-    write_file(out / "plan.json", plan_doc)
+    digest = write_weights(out, plan, weights, expert_containers(arch, model_files))
+    expected = plan.model.get("weights_sha256")
+    if expected is not None and expected != digest:
+        raise WeightsMismatch("the weights are not those the plan was made for (weights_sha256 differs)")
+    plan = dataclasses.replace(plan, model=dict(plan.model, weights_sha256=digest))
+    write_file(out / "plan.json", plan.to_json())
     write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    for rank, tensors in enumerate(split_state_dict(transform(state), placement, owner)):
-        write_shard(out / plan.shards[rank], tensors, rank)
-        os.chmod(out / plan.shards[rank], 0o644)
     copy_runtime(out / "runtime")
     write_file(out / "requirements.txt", requirements(arch))
     env = template_env("torchrun")
@@ -52,6 +75,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
         "gpu_local": plan.to_dict()["predicted"].get("gpu_local_fraction", "n/a"),
         "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
         "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
+        "checkpoint": (plan.model.get("checkpoint") or {}).get("path"),
         "ranks": [
             {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
              "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from moeplan.backends.common.manifest import bundle_path
 from moeplan.backends.common.shards import state_dict_sha256
@@ -51,9 +50,11 @@ class _LogitsOnly(torch.nn.Module):
 
 def load_reference(root: Path, plan: dict):
     """The source model rebuilt from the bundle: its source file, config and all shards."""
+    from moeplan.backends.runtime.bundle_io import read_rank_tensors
+
     state = {}
-    for rel in plan["shards"]:
-        state.update(load_file(str(root / rel)))
+    for rank in range(len(plan["shards"])):  # shards, or indexes into the original checkpoint
+        state.update(read_rank_tensors(root, plan, rank))
     from moeplan.backends.common.model_source import expert_containers
     from moeplan.backends.runtime.moe_adapter import join_expert_state
 

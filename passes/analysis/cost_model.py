@@ -14,8 +14,10 @@ counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the r
 * combine row (standard) = 4 D, one per dispatch row (the partial output travels back);
 * merge row (coherent) = 4 (D + 2), one per (token, distinct destination rank other than its
   primary rank): each non-primary rank sends its partial sum to the primary;
-* context row (coherent) = 4 (D + 2) per token and other rank, at every block after the first
-  MoE block (the normed hidden state, so each rank can project K/V itself);
+* context row (coherent) = 4 (C + 2) per token and other rank, at every block after the first
+  MoE block, C per block as the runtime chooses (`backends/runtime/context_exchange.py`): the
+  normed hidden state (C = D, each rank projects K/V itself) or, where smaller, what the library's
+  KV cache stores (K + V = 2 x KV heads x head dim for GQA; latent + rotated key for MLA);
 * prompt sync (coherent, once) = 24 bytes per prompt token and other rank; token sync (coherent,
   per step) = 16 bytes per sequence and other rank;
 * control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts);
@@ -82,8 +84,9 @@ class ModelShape:
     expert_bytes: float = 0.0    # weights one expert call reads
     attention_bytes: float = 0.0  # weights one block's attention reads
     element_bytes: int = FLOAT   # hidden-state element on the wire (the runtime sends float32)
-    context_elements: int = 0    # coherent context row per token and block; 0: the hidden state (the
-                                 # runtime's choice); K and V (2 x kv heads x head dim) or an MLA latent are smaller
+    context_elements: int | tuple = 0  # coherent context row per token: one int for every block, or one per
+                                 # block (the runtime's `context_exchange` plan); 0: the hidden state.
+                                 # K and V (2 x kv heads x head dim) or an MLA latent are smaller
 
     @classmethod
     def from_ir(cls, ir) -> "ModelShape":
@@ -116,10 +119,15 @@ class ModelShape:
     def combine_row_bytes(self) -> int:
         return self.element_bytes * self.hidden
 
-    @property
-    def context_row_bytes(self) -> int:
-        """coherent context rows: the hidden state (or `context_elements`) + one int64 key."""
-        return self.element_bytes * (self.context_elements or self.hidden) + FLOAT * 2
+    def context_elements_at(self, block: int) -> int:
+        """Elements per token of block `block`'s context row (the hidden state unless set)."""
+        c = self.context_elements
+        n = (c[block] if block < len(c) else 0) if isinstance(c, tuple) else c
+        return int(n or self.hidden)
+
+    def context_row_bytes_at(self, block: int) -> int:
+        """coherent context rows of one block: the hidden state (or its K/V) + one int64 key."""
+        return self.element_bytes * self.context_elements_at(block) + FLOAT * 2
 
     @property
     def keyed_row_bytes(self) -> int:
@@ -326,7 +334,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 holders = {r: [t for t in keys if current[t] == r] for r in range(W)}
             if mode == COHERENT and current is not None:
                 counts = np.array([[len(holders[r])] * W for r in range(W)], dtype=np.int64)
-                step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes, block, "context"), comm=True)
+                step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes_at(block), block, "context"), comm=True)
             for r in range(W):
                 seqs = len({s for s, _ in holders[r]})
                 if holders[r]:

@@ -8,10 +8,12 @@ under the chosen hardware profile, on the plan's trace and workload, and the fas
 * `--mode auto`: the mode with the lower predicted seconds per generated token; on a tie (within
   `TIE`) standard EP, which moves no context traffic.
 * `--policy auto`: contiguous, eplb and ilp, each with and without replicas (one replica slot
-  per device), and ilp at a loose load cap as well: locality is weighed against load balance in
-  the profile's seconds (the load cap is the ILP's balance constraint; the cost model prices
-  both the traffic saved and the slowest rank's extra compute). Candidates that cannot be built
-  for this topology (e.g. contiguous when experts do not divide over devices) are skipped.
+  per device). The ILP's load cap is chosen in the profile's time units (`time_prices.py`): a
+  remote slot and a slot of max-load excess each get a price in seconds from the profile and the
+  workload, and the cap with the lowest priced objective on the trace is kept, per mode (one
+  ILP candidate per distinct cap). Then the cost model prices every candidate in full.
+  Candidates that cannot be built for this topology (e.g. contiguous when experts do not divide
+  over devices) are skipped.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ from moeplan.planner.errors import UserError
 
 MODES = (STANDARD, COHERENT)
 TIE = 0.01  # relative: a coherent win smaller than this is not worth its context traffic
-LOOSE_BALANCE = 0.5
 
 
 def predict_modes(hosts, gpus_per_node: int, shape, workload, trace_experts, profile, modes=MODES) -> dict:
@@ -37,7 +38,8 @@ def choose_mode(predictions: dict) -> str:
 
 
 def candidates(request, num_experts: int) -> list:
-    """(label, PlacementRequest) for --policy auto, built from the user's request (time limit, effort)."""
+    """(label, PlacementRequest) for --policy auto, built from the user's request (time limit,
+    effort); the ILP's load cap is left to `ilp_candidates`."""
     D = request.topology.devices
     out = []
     if num_experts % D == 0:
@@ -47,37 +49,63 @@ def candidates(request, num_experts: int) -> list:
             if (num_experts + redundant) % D == 0:
                 out.append((f"{policy}" + (f"+{redundant}" if redundant else ""),
                             replace(request, policy=policy, redundant=redundant)))
-    if num_experts % D == 0:
-        out.append((f"ilp@balance{LOOSE_BALANCE:g}", replace(request, policy="ilp", redundant=0, balance=LOOSE_BALANCE)))
     return out
+
+
+def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
+    """[(label@balance, request, placement)] of the ILP at the load cap each mode's time prices
+    choose (one per distinct cap), and the cap search's table."""
+    from moeplan.passes.optimize.time_prices import choose_load_cap
+
+    try:
+        chosen, table = choose_load_cap(trace, req, prices)
+    except UserError:
+        try:  # no cap over the mean is feasible: caps relative to EPLB's best instead
+            req = replace(req, balance_base="eplb")
+            chosen, table = choose_load_cap(trace, req, prices)
+        except UserError:
+            return [], []
+    out, seen = [], set()
+    for _, (placement, balance) in sorted(chosen.items()):
+        if balance not in seen:
+            seen.add(balance)
+            out.append((f"{label}@balance{balance:g}", replace(req, balance=balance), placement))
+    return out, table
 
 
 def choose_placement(trace, request, shape, profile, workload, mode: str) -> tuple:
     """Build every candidate, predict each under `mode` (or both for auto), keep the fastest.
 
-    Returns (placement, table): table rows {label, policy, redundant, mode, seconds_per_token,
-    total_bytes_per_token, modes: {mode: full prediction}} for plan.json."""
+    Returns (placement, table): table rows {label, policy, redundant, balance, mode,
+    seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json; the
+    ILP rows carry `prices` and `cap_search` (time_prices.py)."""
     from moeplan.passes.optimize.placement.policies import plan_placement
+    from moeplan.passes.optimize.time_prices import time_prices
 
-    rows, best = [], None
+    modes = MODES if mode == "auto" else (mode,)
+    topo = request.topology
+    prices = {m: time_prices(profile, shape, workload, topo.devices, topo.gpus_per_node, trace.num_experts, m) for m in modes}
+    built = []
     for label, req in candidates(request, trace.num_experts):
+        if req.policy == "ilp":
+            found, table = ilp_candidates(trace, label, req, prices)
+            built += [(lab, r, p, {"prices": {m: v.to_dict() for m, v in prices.items()}, "cap_search": table})
+                      for lab, r, p in found]
+            continue
         try:
-            placement = plan_placement(trace, req)
+            built.append((label, req, plan_placement(trace, req), {}))
         except UserError:
-            if req.policy != "ilp" or req.balance_base == "eplb":
-                continue
-            try:  # a load cap no placement meets over the mean: cap relative to EPLB's best instead
-                req = replace(req, balance_base="eplb")
-                placement = plan_placement(trace, req)
-            except UserError:
-                continue
+            continue
+    rows, best = [], None
+    for label, req, placement, extra in built:
         preds = predict_modes(placement.hosts(), req.topology.gpus_per_node, shape, workload, trace.experts, profile,
                               MODES if mode == "auto" else (mode,))
         chosen = choose_mode(preds) if mode == "auto" else mode
         p = preds[chosen]
         rows.append({"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
+                     "balance": req.balance if req.policy == "ilp" else None,
                      "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
-                     "modes": preds})
+                     "modes": preds, **extra})
         if best is None or p["seconds_per_token"] < best[0] * (1 - TIE):
             best = (p["seconds_per_token"], placement, label)
     if best is None:

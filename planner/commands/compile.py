@@ -10,7 +10,8 @@ import json
 import click
 
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
-                                               kubernetes_options, output_options, pop, serverless_options,
+                                               kubernetes_options, output_options, pop,
+                                               weights_options, serverless_options,
                                                topology_options)
 from moeplan.planner.errors import UserError
 from moeplan.planner.pipeline.cost import default_cost_options, describe_choice
@@ -97,9 +98,10 @@ def describe(summary: dict) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--sign-key", type=click.Path(dir_okay=False), default=None,
               help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
+@weights_options
 @output_options
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
-                as_json, quiet, hardware, workload, **flags):
+                as_json, quiet, hardware, workload, weights, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
     signer = _signer(sign_key, target)
     if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
@@ -110,10 +112,14 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
                                                                     "workload": workload, **flags})
     if with_kubernetes:
         raise UserError("--kubernetes applies to --target sglang; the torchrun bundle has --target kubernetes")
+    if weights != "copy" and target not in ("torchrun", "kubernetes"):
+        raise UserError(f"--weights {weights} applies to --target torchrun and kubernetes only")
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
                             pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say,
                             {"hardware": hardware, "workload": workload})
+    if weights == "reference":  # recorded in the plan's deployment; codegen writes checkpoint indexes
+        facts["target"]["weights"] = "reference"
     from moeplan.planner.pipeline.targets import run_target
 
     facts, timings = run_target(target, facts, quiet=quiet or as_json)

@@ -109,6 +109,14 @@ def kubernetes_options(f):
     ], f)
 
 
+def weights_options(f):
+    return _apply([
+        click.option("--weights", type=click.Choice(["copy", "reference"]), default="copy", show_default=True,
+                     help="torchrun/kubernetes: copy each rank's tensors into the bundle, or write per-rank indexes "
+                     "into the original safetensors checkpoint (README: Weights)"),
+    ], f)
+
+
 def output_options(f):
     return _apply([
         click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line"),

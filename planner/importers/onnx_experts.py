@@ -70,7 +70,7 @@ def expert_weight_names(index: GraphIndex, gate, stage: str, stop_position: int,
 
     Raises UserError when the graph does not split into `num_experts` routed experts.
     """
-    values = gate.node.output[0]
+    values = gate.weights_output or gate.node.output[0]  # the gate weights the combine multiplies by
     tainted = _forward_closure(index, values)
     start = gate.router_node.input[0]
     region = []  # nodes in topological order

@@ -77,6 +77,17 @@ class GraphIndex:
             return self.is_constant(node.input[0])
         return node is not None and node.op_type == "Constant"
 
+    def is_fill(self, name: str) -> bool:
+        """A fill value: a constant, or one broadcast to a shape (ConstantOfShape, Expand of a constant)."""
+        if self.is_constant(name):
+            return True
+        node = self.producer.get(name)
+        while node is not None and node.op_type in ("CastLike", "Cast", "Expand", "Identity"):
+            if self.is_constant(node.input[0]):
+                return True
+            node = self.producer.get(node.input[0])
+        return node is not None and node.op_type == "ConstantOfShape"
+
     def scores_source(self, name: str):
         """The node TopK's scores come from, looking through pass-through ops, a constant bias Add
         (DeepSeek's score correction) and masking (`Where(mask, fill, scores)`, node-limited
@@ -111,6 +122,11 @@ class GraphIndex:
             name = node.input[0]
         return name
 
+    def reaches_output(self, name: str) -> bool:
+        """Whether `name` is, through pass-through ops, a graph output (a head's logits, not a router's)."""
+        outputs = {o.name for o in self.graph.output}
+        return any(n in outputs for n in self.skip_forward(name))
+
     def skip_forward(self, name: str) -> list:
         """Tensors reachable from `name` through pass-through ops only (itself included)."""
         out, stack = [], [name]
@@ -127,11 +143,14 @@ class GraphIndex:
 class Gate:
     """One MoE layer's gate as found in the graph.
 
-    `topk` is the TopK node (pattern) or the contrib MoE node; `router_weight` the initializer of
-    the router MatMul/Gemm (None if the router logits come from elsewhere); `router_transposed`
-    is True when the weight is stored [E, D] (Gemm transB=1), False when stored [D, E].
-    `weights_output` is the tensor holding the final per-token gate weights [.., K] (after a
-    renormalising Div when the model has one); `indices_output` the chosen experts [.., K].
+    `node` is the TopK node or the last ArgMax of a chain of picks (kind "pattern"), or the contrib
+    MoE node; `router_weight` the initializer of the router MatMul/Gemm (None if the router logits
+    come from elsewhere); `router_transposed` is True when the weight is stored [E, D] (Gemm
+    transB=1), False when stored [D, E]. `weights_output` is the tensor holding the per-token gate
+    weights [.., K] as the router hands them to the experts (`handed_on`; "" when the graph joins
+    none); `indices_output` the chosen experts [.., K].
+    A router that scatters its chosen logits into a full row before scoring them (Llama-4:
+    sigmoid of -inf everywhere but the top-k) hands on dense scores: `weights_dense`.
     """
 
     node: object
@@ -143,6 +162,8 @@ class Gate:
     indices_output: str = ""
     weights_output: str = ""
     softmax_after_topk: bool = False
+    weights_dense: bool = False  # weights_output is [.., E]; the gate weights are its values at indices_output
+    gate_softmax: str = ""  # the router's Softmax output (before or after TopK), not an attention
 
 
 def node_module_path(node) -> str:
@@ -169,7 +190,7 @@ def _k_of(index: GraphIndex, node) -> Optional[int]:
     return None
 
 
-def _router(index: GraphIndex, logits: str):
+def router_of(index: GraphIndex, logits: str):
     """(router node, weight initializer, transposed) for router logits `logits`, else Nones."""
     node = index.skip_back(logits)
     if node is None or node.op_type not in ("MatMul", "Gemm"):
@@ -186,19 +207,76 @@ def _router(index: GraphIndex, logits: str):
     return node, weight, transposed
 
 
-def _renormalised(index: GraphIndex, values: str) -> str:
-    """`values / ReduceSum(values)` downstream of the TopK values, if the model renormalises."""
+def _scaled_copy(index: GraphIndex, node, current: str) -> bool:
+    """Whether `node` maps gate weights `current` to gate weights: a Softmax over them, a constant
+    scale (`routed_scaling_factor`), or a division by a constant or by their own sum or L1 norm
+    (renormalisation; the sum may get a constant epsilon added or a lower clamp). Casts and
+    reshapes in between are looked through by the caller."""
+    if node.op_type == "Softmax":
+        return True
+    if node.op_type == "Mul" and len(node.input) == 2 and current in node.input:
+        return index.is_constant(node.input[1] if node.input[0] == current else node.input[0])
+    if node.op_type != "Div" or node.input[0] != current:
+        return False
+    divisor = node.input[1]
+    while not index.is_constant(divisor):
+        producer = index.producer.get(divisor)
+        if producer is None:
+            return False
+        if producer.op_type in ("ReduceSum", "ReduceL1"):  # L1: DBRX's p-norm with p = 1 (weights >= 0)
+            return producer.input[0] == current
+        varying = [i for i in producer.input if i and not index.is_constant(i)]
+        if producer.op_type not in ("Add", "Max", "Clip", "Cast") or len(varying) != 1:
+            return False
+        divisor = varying[0]
+    return True
+
+
+def handed_on(index: GraphIndex, values: str) -> str:
+    """The gate weights as the router hands them to the experts: `values` (TopK values, or scores
+    gathered at the chosen indices) followed forward while they are only renormalised, scaled,
+    softmaxed or cast (DeepSeek-V3 and GLM-4.5 normalise the uncorrected sigmoid scores and scale
+    them by `routed_scaling_factor`; gpt-oss takes the softmax of the selected logits)."""
+    while True:
+        steps = [n for name in index.skip_forward(values) for n in index.consumers.get(name, ())
+                 if _scaled_copy(index, n, name)]
+        if len(steps) != 1:
+            return values
+        values = steps[0].output[0]
+
+
+def _scored_scatter(index: GraphIndex, topk) -> Optional[str]:
+    """Scores [.., E] a TopK on router logits hands on by scattering its values into a filled row
+    (`ScatterElements(fill, indices, values)`) and scoring that (Sigmoid/Softmax), else None."""
+    values, indices = topk.output[0], topk.output[1]
     for name in index.skip_forward(values):
         for node in index.consumers.get(name, ()):
-            if node.op_type == "Div" and node.input[0] == name:
-                divisor = index.producer.get(node.input[1])
-                if divisor is not None and divisor.op_type == "ReduceSum" and divisor.input[0] == name:
-                    return node.output[0]
-    return values
+            if (node.op_type == "ScatterElements" and len(node.input) == 3 and node.input[2] == name
+                    and node.input[1] in index.skip_forward(indices) and index.is_fill(node.input[0])):
+                scored = [c for c in index.consumers.get(node.output[0], ()) if c.op_type in SCORE_OPS]
+                return scored[0].output[0] if len(scored) == 1 else None
+    return None
+
+
+def _weights_source(index: GraphIndex, topk) -> str:
+    """What a TopK's gate weights start from: its values, unless nothing reads them and the
+    scores are gathered at its indices instead (DeepSeek-V3 selects on corrected scores but
+    weighs with the uncorrected ones)."""
+    values, indices = topk.output[0], topk.output[1]
+    if index.consumers.get(values):
+        return values
+    gathered = [
+        node.output[0] for name in index.skip_forward(indices) for node in index.consumers.get(name, ())
+        if node.op_type == "GatherElements" and len(node.input) > 1 and node.input[1] == name
+    ]
+    return gathered[0] if len(gathered) == 1 else values
 
 
 def find_gates(model) -> list:
-    """Every MoE gate in the main graph, in graph (topological) order."""
+    """Every MoE gate in the main graph, in graph (topological) order: TopK patterns, fused MoE
+    ops and top-k selections by repeated ArgMax (`onnx_argmax_gating.py`)."""
+    from moeplan.planner.importers.onnx_argmax_gating import argmax_gates
+
     index = GraphIndex(model.graph)
     gates = []
     for node in model.graph.node:
@@ -208,7 +286,7 @@ def find_gates(model) -> list:
             probs = index.skip_back(logits)
             if probs is not None and probs.op_type == "Softmax":  # router_probs given as probabilities
                 logits = probs.input[0]
-            router_node, weight, transposed = _router(index, logits)
+            router_node, weight, transposed = router_of(index, logits)
             gates.append(Gate(node, "contrib", k, router_node, weight, transposed))
             continue
         if node.op_type != "TopK":
@@ -219,20 +297,29 @@ def find_gates(model) -> list:
             continue
         values, indices = node.output[0], node.output[1]
         if source.op_type in SCORE_OPS:
-            router_node, weight, transposed = _router(index, source.input[0])
+            router_node, weight, transposed = router_of(index, source.input[0])
             if weight is not None:
                 gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
-                                  indices, _renormalised(index, values)))
+                                  indices, handed_on(index, _weights_source(index, node)),
+                                  gate_softmax=source.output[0] if source.op_type == "Softmax" else ""))
         elif source.op_type in ("MatMul", "Gemm"):
             softmax = next(
                 (c for name in index.skip_forward(values) for c in index.consumers.get(name, ())
                  if c.op_type == "Softmax"),
                 None,
             )
-            router_node, weight, transposed = _router(index, node.input[0])
+            router_node, weight, transposed = router_of(index, node.input[0])
             if softmax is not None and weight is not None:
                 gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
-                                  indices, softmax.output[0], softmax_after_topk=True))
+                                  indices, handed_on(index, values), softmax_after_topk=True,
+                                  gate_softmax=softmax.output[0]))
+            elif weight is not None:
+                dense = _scored_scatter(index, node)
+                if dense is not None and not index.reaches_output(router_node.output[0]):
+                    gates.append(Gate(node, "pattern", k, router_node, weight, transposed,
+                                      indices, dense, weights_dense=True))
+    gates += argmax_gates(model, index)
+    gates.sort(key=lambda g: index.position[id(g.node)])
     return _last_per_router(gates)
 
 
@@ -249,14 +336,7 @@ def _last_per_router(gates: list) -> list:
 def find_attention_softmaxes(model, gates) -> list:
     """Softmax nodes that are not part of a gate and whose output feeds a MatMul (probs @ V)."""
     index = GraphIndex(model.graph)
-    gate_softmaxes = set()
-    for gate in gates:
-        if gate.kind != "pattern":
-            continue
-        if gate.softmax_after_topk:
-            gate_softmaxes.add(gate.weights_output)
-        else:
-            gate_softmaxes.add(index.skip_back(gate.node.input[0]).output[0])
+    gate_softmaxes = {gate.gate_softmax for gate in gates if gate.gate_softmax}
     out = []
     for node in model.graph.node:
         if node.op_type != "Softmax" or node.output[0] in gate_softmaxes:

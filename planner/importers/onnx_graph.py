@@ -342,18 +342,18 @@ def _structural_names(model, gates, unowned, names: dict, params) -> dict:
     return overrides
 
 
-def import_onnx(path) -> ModelIR:
-    """The IR of the ONNX model at `path`; one-line UserError when it is not an MoE model."""
-    path = Path(path)
-    model = load_onnx_model(path)
+def _gate_owners(model, path: Path) -> tuple:
+    """(groups, [(gate, owning routed group)]) for the graph: every gate with the MoE layer or
+    attention-expert set whose router it reads; one-line UserError when that cannot be done."""
     gates = find_gates(model)
     if not gates:
         by_weights = [g.name for g in classify_parameter_groups(graph_params(model, [])[0]) if g.is_moe]
         if by_weights:
             raise UserError(
                 f"{path}: {len(by_weights)} MoE layers by their weights ({by_weights[0]}, ...) but no gate the "
-                "importer knows (router MatMul -> Softmax/Sigmoid -> TopK, or com.microsoft MoE): this "
-                "model routes another way (PhiMoE's sparsemixer does); import the torch model instead"
+                "importer knows (router MatMul -> Softmax/Sigmoid -> TopK, experts picked one by one by "
+                "ArgMax with masking, or com.microsoft MoE): this model routes another way; import the "
+                "torch model instead"
             )
         raise UserError(
             f"no MoE gating pattern (MatMul->Softmax->TopK or com.microsoft MoE) found in {path}: "
@@ -366,8 +366,7 @@ def import_onnx(path) -> ModelIR:
         overrides = _structural_names(model, gates, unowned, names, params)
         params, names = graph_params(model, gates, overrides)
         groups = classify_parameter_groups(params)
-    moe_groups = _routed_groups(groups)
-    top_k, sources = {}, {}
+    owners = []
     for gate in gates:
         owner = _owner(groups, names, gate)
         if owner is None:
@@ -377,11 +376,30 @@ def import_onnx(path) -> ModelIR:
                 "recognisable expert set; expert weights need module-path names such as "
                 "layers.0.moe.experts.3.w_up.weight (torch.onnx.export(..., dynamo=True) keeps them)"
             )
+        owners.append((gate, owner))
+    return groups, owners
+
+
+def moe_layer_gates(model, path) -> list:
+    """The gates of `model`'s MoE layers (the IR's MoE stages), in graph order: not those of
+    attention experts (JetMoE's), which the IR counts inside attention and tracing does not record."""
+    groups, owners = _gate_owners(model, Path(path))
+    layers = {id(g) for g in groups if g.is_moe}
+    return [gate for gate, owner in owners if id(owner) in layers]
+
+
+def import_onnx(path) -> ModelIR:
+    """The IR of the ONNX model at `path`; one-line UserError when it is not an MoE model."""
+    path = Path(path)
+    model = load_onnx_model(path)
+    groups, owners = _gate_owners(model, path)
+    top_k, sources = {}, {}
+    for gate, owner in owners:
         if owner.name in top_k:
             raise UserError(f"{path}: MoE layer {owner.name!r} has two gates; expected one TopK per layer")
         top_k[owner.name] = gate.top_k
         sources[owner.name] = f"onnx:{gate.node.name or gate.node.op_type}"
-    missing = [g.name for g in moe_groups if g.name not in top_k]
+    missing = [g.name for g in _routed_groups(groups) if g.name not in top_k]
     if missing:
         raise UserError(
             f"{path}: MoE layer {missing[0]!r} has expert weights but no gate (Softmax->TopK) "

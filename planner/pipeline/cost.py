@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 
@@ -45,32 +46,71 @@ def parse_workload(text: str) -> Workload:
     return Workload(prompt_lengths=(p,) * r, new_tokens=g)
 
 
-def shape_of_plan(plan: dict) -> ModelShape:
+def context_plan_of(module, choice: str = "auto") -> list:
+    """[[hidden | kv, elements per token]] per decoder block: the runtime's own choice of coherent
+    mode's context row (`backends/runtime/context_exchange.py`), read off the model's modules
+    (meta device is enough); [] when the runtime cannot run the model."""
+    from moeplan.backends.runtime.context_exchange import model_context_plan
+    from moeplan.backends.runtime.library_model import ModelError
+
+    if module is None:
+        return []
+    try:
+        return [[kind, int(n)] for kind, n in model_context_plan(module, choice)]
+    except (ModelError, StopIteration):
+        return []
+
+
+def shape_with_context(ir, context: list) -> ModelShape:
+    """The IR's shape with coherent mode's per-block context rows (when they cover every block)."""
+    shape = ModelShape.from_ir(ir)
+    if len(context) != shape.num_blocks:
+        return shape
+    return replace(shape, context_elements=tuple(n for _, n in context))
+
+
+def shape_of_plan(plan: dict, context: list | None = None) -> ModelShape:
+    return shape_with_context(_ir(plan), context or [])
+
+
+def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:
+    """The context plan a bundle's runtime follows: recorded by compile, else read off its model
+    (built on meta); with choice 'hidden' every block sends the hidden state."""
+    recorded = plan.get("predicted", {}).get("cost", {}).get("context") if choice == "auto" else None
+    if recorded is None and plan["model"].get("architecture") == "transformers":
+        from moeplan.backends.runtime.library_model import build_transformers
+
+        recorded = context_plan_of(build_transformers((root / plan["model"]["config"]).parent, device="meta"), choice)
+    return recorded or []
+
+
+def _ir(plan: dict):
     from moeplan.planner.ir import ModelIR
 
-    return ModelShape.from_ir(ModelIR.from_dict(plan["model"]["ir"]))
+    return ModelIR.from_dict(plan["model"]["ir"])
 
 
-def cost_fact(ir, trace, placement, mode: str, cost_options: dict) -> dict:
+def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None) -> dict:
     """What compile records under plan.json `predicted.cost` and the mode the bundle runs."""
     from moeplan.passes.optimize.by_predicted_time import choose_mode, predict_modes
     from moeplan.planner.hardware import load_hardware
 
     profile = load_hardware(cost_options["hardware"])
     workload = parse_workload(cost_options["workload"])
-    shape = ModelShape.from_ir(ir)
+    shape = shape_with_context(ir, context or [])
     preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
     chosen = choose_mode(preds) if mode == "auto" else mode
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
-                "mode": chosen, "modes": preds,
+                "mode": chosen, "modes": preds, "context": context or [],
                 "alternatives": placement.metrics.get("auto_predictions", [])},
     }
 
 
-def predict_run(root: Path, out_dir: Path, mode: str, profile=None) -> dict:
-    """The cost model on the routing a finished run recorded (its counters must match exactly)."""
+def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str = "auto") -> dict:
+    """The cost model on the routing a finished run recorded (its counters must match exactly);
+    `context`: the run's context choice (`serve --context`)."""
     import torch
 
     from moeplan.passes.optimize.placement.decision import placement_from_dict
@@ -82,17 +122,18 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None) -> dict:
     new_tokens = len(result["generated"][0]) if result["generated"] else 0
     workload = Workload(prompt_lengths=tuple(len(p) for p in result["prompt_ids"]), new_tokens=new_tokens)
     served = routing_from_keys(routing["keys"].numpy(), routing["experts"].numpy(), int(routing["max_len"]))
-    pred = predict(placement.hosts(), placement.topology.gpus_per_node, shape_of_plan(plan), mode, workload, served, profile)
-    return pred.summary(workload.prompt_tokens)
+    shape = shape_of_plan(plan, bundle_context_plan(root, plan, context))
+    pred = predict(placement.hosts(), placement.topology.gpus_per_node, shape, mode, workload, served, profile)
+    return pred.summary(workload.prompt_tokens) | {"context": [shape.context_elements_at(b) for b in range(shape.num_blocks)]}
 
 
-def auto_placement(ir, trace, request, mode: str, cost_options: dict):
+def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None):
     """--policy auto: every candidate policy priced by the cost model; the fastest, with the table
     of candidates under its metrics (`auto_candidates`)."""
     from moeplan.passes.optimize.by_predicted_time import choose_placement
     from moeplan.planner.hardware import load_hardware
 
-    placement, rows = choose_placement(trace, request, ModelShape.from_ir(ir), load_hardware(cost_options["hardware"]),
+    placement, rows = choose_placement(trace, request, shape_with_context(ir, context or []), load_hardware(cost_options["hardware"]),
                                        parse_workload(cost_options["workload"]), mode)
     placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
     placement.metrics["auto_predictions"] = rows
@@ -109,7 +150,8 @@ def describe_choice(plan: dict) -> str:
             f"predicted {modes}; hardware profile {cost['hardware']}{note}")
 
 
-def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, summary: dict) -> dict:
+def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, summary: dict,
+                              context: str = "auto") -> dict:
     """The keys `moeplan run` reports next to its measurements: the cost model on the run's own
     routing, priced with the plan's hardware profile (bytes only when that profile is a file not here)."""
     from moeplan.planner.hardware import BUILTIN, DEFAULT_HARDWARE, load_hardware
@@ -121,8 +163,9 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
         profile = load_hardware(name if name in BUILTIN or Path(name).is_file() else DEFAULT_HARDWARE)
     except UserError:
         profile = load_hardware(DEFAULT_HARDWARE)
-    pred = predict_run(root, out_dir, mode, profile)
+    pred = predict_run(root, out_dir, mode, profile, context)
     tps = summary["tokens_per_second"]
+    used = [int(n) for _, n in summary.get("context", [])]
     return {
         "predicted_bytes_per_token": pred["bytes_per_token"],
         "predicted_total_bytes_per_token": pred["total_bytes_per_token"],
@@ -132,6 +175,8 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
         "seconds_per_token": 1.0 / tps if tps > 0 else float("inf"),
         "bytes_match_prediction": abs(pred["total_bytes_per_token"] - summary["total_bytes_per_token"]) < 1e-6
                                   and abs(pred["bytes_per_token"] - summary["bytes_per_token"]) < 1e-6,
+        "context_elements": used,  # coherent: per block, what the runtime sent per token (hidden or K/V)
+        "context_matches_prediction": mode != "coherent" or used == pred["context"],
         "predicted": pred,
     }
 
@@ -150,12 +195,13 @@ def placement_or_auto(facts):
     request = PlacementRequest(topology=Topology(topo["nodes"], topo["gpus_per_node"]),
                                **{k: v for k, v in options.items() if k != "policy"})
     return {"placement": auto_placement(facts["model"].ir, facts["trace"], request, facts["mode"],
-                                        default_cost_options(facts.get("cost_options")))}
+                                        default_cost_options(facts.get("cost_options")),
+                                        context_plan_of(facts["model"].module))}
 
 
 def _cost(facts):
     return {"cost": cost_fact(facts["model"].ir, facts["trace"], facts["placement"], facts["mode"],
-                              default_cost_options(facts.get("cost_options")))}
+                              default_cost_options(facts.get("cost_options")), context_plan_of(facts["model"].module))}
 
 
 COST = Pass("cost", ("model", "trace", "placement", "mode", "cost_options"), ("cost",), _cost)

@@ -40,14 +40,18 @@ def run_bundle(bundle: str, nproc: int | None, prompts_path: str | None, new_tok
 
 
 def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_tokens: int, modes: tuple, verify: bool,
-              results: str | None, timeout: float) -> dict:
-    """One torchrun launch running every mode in turn on the same prompts; {mode: report}."""
+              results: str | None, timeout: float, context: str = "auto") -> dict:
+    """One torchrun launch running every mode in turn on the same prompts; {mode: report}.
+    `context`: coherent mode's context exchange (auto: hidden state or K/V per block; hidden)."""
     from moeplan.backends.common.manifest import BundleCheckError, check_bundle
 
     root = Path(bundle)
+    from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
+
     try:
         plan = check_bundle(root, nproc)
-    except BundleCheckError as exc:
+        check_referenced_checkpoint(root, plan)  # --weights reference: the checkpoint is the compiled one
+    except (BundleCheckError, BundleError) as exc:
         raise UserError(str(exc)) from None
     world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
     if new_tokens < 1:
@@ -63,12 +67,12 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create --results '{out_dir}' ({exc.strerror or exc}); choose a writable directory") from None
-        proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout)
+        proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout, context)
         if proc.returncode != 0:
             reason = failure_reason(proc.stderr + "\n" + proc.stdout)
             raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
         reference_cache = {}
-        reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache)
+        reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache, context)
                    for mode in modes}
         encoding = [l[len("prompts: "):] for l in proc.stdout.splitlines() if l.startswith("prompts: ")]
         for report in reports.values():  # how the runtime read the prompts (tokenizer.json or byte fallback)
@@ -77,7 +81,7 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
 
 
 def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_tokens: int, verify: bool,
-            reference_cache: dict) -> dict:
+            reference_cache: dict, context: str = "auto") -> dict:
     summary = json.loads((out_dir / "result.json").read_text())
     report = {
         "mode": mode, "world_size": world, "texts": summary["texts"],
@@ -91,7 +95,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
     }
     from moeplan.planner.pipeline.cost import measured_beside_predicted  # issue 12: the cost model, checked
 
-    report.update(measured_beside_predicted(root, plan, out_dir, mode, summary))
+    report.update(measured_beside_predicted(root, plan, out_dir, mode, summary, context))
     if verify:
         from moeplan.backends.torchrun.verify import VerifyError, compare
 

@@ -33,17 +33,27 @@ def codegen_from_plan(plan, model_spec: str, out: str) -> dict:
         return engines.write_engine_bundle(out, plan)
     runtime = lambda_.MODEL_FILES if plan.target == "lambda" else common.MODEL_FILES
     files = runtime.run({"model_spec": model_spec})["model_files"]
+    if plan.target != "lambda":  # a Hugging Face checkpoint streams; the hash is checked as it is written
+        loaded = torchrun.IMPORT.run({"model_spec": model_spec})["model"]
+        _require_weights(loaded, model_spec)
+        weights, checkpoint = torchrun.weights_source(model_spec, loaded, files, plan.deployment.get("weights", "copy"))
+        try:
+            return torchrun.write_torchrun_bundle(out, plan, weights, files, checkpoint)
+        except UserError as exc:
+            raise UserError(str(exc).replace("the weights are", f"the weights of '{model_spec}' are")) from None
     loaded = load_model(model_spec)
-    if loaded.module is None or not loaded.has_weights:
-        raise UserError(f"model '{model_spec}' has no weights to ship; codegen needs the weights the plan was made for")
+    _require_weights(loaded, model_spec)
     state = loaded.module.state_dict()
     expected = plan.model.get("weights_sha256")
     if expected is not None and state_dict_sha256(state) != expected:
         raise UserError(f"the weights of '{model_spec}' are not those the plan was made for (weights_sha256 differs); "
                         "give the plan's model with --model or plan again")
-    if plan.target == "lambda":
-        return lambda_.write_lambda_bundle(out, plan, state, files)
-    return torchrun.write_torchrun_bundle(out, plan, state, files)
+    return lambda_.write_lambda_bundle(out, plan, state, files)
+
+
+def _require_weights(loaded, model_spec: str) -> None:
+    if loaded.module is None or not loaded.has_weights:
+        raise UserError(f"model '{model_spec}' has no weights to ship; codegen needs the weights the plan was made for")
 
 
 def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str, placement_options: dict,

@@ -7,7 +7,11 @@ bundle into a temporary directory that is renamed onto --out only when everythin
 
 Facts read from the command: `topology` {"nodes", "gpus_per_node"}, `placement_options` (policy
 flags), `mode` (coherent | standard), `target` {"name", and for kubernetes "image",
-"storage_class"}, `out`.
+"storage_class"; "weights": "reference" for `--weights reference`}, `out`.
+
+A Hugging Face directory with safetensors is imported on `meta` and its checkpoint streamed into
+the shards tensor by tensor (`backends/common/checkpoint_index.py`): compile never holds the
+model's weights. With `--weights reference` the bundle holds per-rank indexes into the checkpoint.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import numpy as np
 from moeplan.planner.pass_manager import Pass
 from moeplan.planner.pipeline import cost as cost_passes
 from moeplan.planner.pipeline import placement as place_passes
-from moeplan.planner.pipeline.common import IMPORT, MODEL_FILES, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.pipeline import common
+from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, trace_matches_model
 from moeplan.planner.plan import Plan
 
 def _affinity(facts):
@@ -70,25 +75,37 @@ def _plan(facts):
     return {"plan": plan}
 
 
-def bundle_plan(plan: Plan, state: dict, model_files: dict) -> Plan:
-    """The plan with the bundle's layout filled in: shard names, model files' paths, the weights' hash."""
-    from moeplan.backends.common.shards import shard_name, state_dict_sha256
+def bundle_plan(plan: Plan, model_files: dict, checkpoint: dict | None = None) -> Plan:
+    """The plan with the bundle's layout filled in: shard names, model files' paths, and for
+    `--weights reference` the checkpoint the indexes point into (codegen adds the weights' hash)."""
+    from moeplan.backends.common.shards import shard_name
 
-    model = dict(plan.model, config="model/config.json", weights_sha256=state_dict_sha256(state))
+    model = dict(plan.model, config="model/config.json")
     if "model/model.py" in model_files["files"]:
         model["source"] = "model/model.py"
-    return dataclasses.replace(plan, model=model, shards=[shard_name(r) for r in range(plan.world_size)])
+    form = "reference" if checkpoint is not None else "copy"
+    if checkpoint is not None:
+        model["checkpoint"] = checkpoint
+    return dataclasses.replace(plan, model=model, shards=[shard_name(r, form) for r in range(plan.world_size)])
 
 
-def write_torchrun_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict:
-    """The torchrun bundle, plus kubernetes/ manifests for that target, written atomically at `out`."""
+def write_torchrun_bundle(out, plan: Plan, weights, model_files: dict, checkpoint: dict | None = None) -> dict:
+    """The torchrun bundle, plus kubernetes/ manifests for that target, written atomically at `out`.
+
+    `weights`: the library state dict or `TensorEntry`s (`weights_source`); `checkpoint`: the
+    referenced checkpoint ({"path", "files"}) for `--weights reference`.
+    """
     from moeplan.backends.common.manifest import write_manifest
-    from moeplan.backends.torchrun.codegen import write_bundle
+    from moeplan.backends.torchrun.codegen import WeightsMismatch, write_bundle
     from moeplan.planner.atomic import atomic_path
+    from moeplan.planner.errors import UserError
 
-    plan = bundle_plan(plan, state, model_files)
+    plan = bundle_plan(plan, model_files, checkpoint)
     with atomic_path(Path(out), kind="bundle") as tmp:
-        manifest = write_bundle(tmp, plan, state, model_files["files"])
+        try:
+            manifest = write_bundle(tmp, plan, weights, model_files["files"])
+        except WeightsMismatch as exc:
+            raise UserError(f"{exc}; give the plan's model with --model or plan again") from None
         if plan.target == "kubernetes":
             from moeplan.backends.kubernetes.codegen import write_manifests
 
@@ -97,9 +114,40 @@ def write_torchrun_bundle(out, plan: Plan, state: dict, model_files: dict) -> di
     return manifest
 
 
+def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy") -> tuple:
+    """(weights for codegen, referenced checkpoint or None): a Hugging Face safetensors directory is
+    streamed (`TensorEntry`s reading one tensor at a time); other models give their state dict."""
+    from moeplan.planner.errors import UserError
+    from moeplan.planner.importers.hf_streaming import streamable_directory
+
+    directory = streamable_directory(model_spec) if model_files["architecture"] == "transformers" else None
+    if directory is None:
+        if form == "reference":
+            raise UserError(f"--weights reference needs a Hugging Face model directory with safetensors weights; "
+                            f"'{model_spec}' is not one: use --weights copy")
+        return loaded.module.state_dict(), None
+    from moeplan.backends.common.checkpoint_index import checkpoint_entries, checkpoint_files
+    from moeplan.backends.common.model_source import expert_containers
+
+    containers = expert_containers("transformers", model_files["files"], spec=model_spec)
+    entries, tensors = checkpoint_entries(directory, loaded.module, containers, model_spec)
+    if form != "reference":
+        return entries, None
+    return entries, {"path": str(directory.resolve()), "files": checkpoint_files(directory, tensors)}
+
+
+def _import(facts):
+    """The model, on `meta` for a Hugging Face safetensors directory (codegen streams its weights)."""
+    from moeplan.planner.importers.hf_streaming import load_directory_meta, streamable_directory
+
+    directory = streamable_directory(facts["model_spec"])
+    return {"model": load_directory_meta(directory)} if directory is not None else common.IMPORT.run(facts)
+
+
 def _codegen(facts):
-    return {"manifest": write_torchrun_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(),
-                                              facts["model_files"])}
+    form = facts["target"].get("weights", "copy")
+    weights, checkpoint = weights_source(facts["model_spec"], facts["model"], facts["model_files"], form)
+    return {"manifest": write_torchrun_bundle(facts["out"], facts["plan"], weights, facts["model_files"], checkpoint)}
 
 
 AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
@@ -109,6 +157,8 @@ PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACE
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
                      "target", "cost"), ("plan",), _plan)
-CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
+CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out", "target"), ("manifest",), _codegen,
+               check=needs_weights)
+IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 
 PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, PLAN, CODEGEN]

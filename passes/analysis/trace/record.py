@@ -10,7 +10,9 @@ Hook points (found by `find_hook_points`), in forward order:
   registered as `probs` whose output is attention probabilities `[B, H, S, S]`;
 * Hugging Face transformers 5 MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3):
   the router module `layers[i].mlp.gate` (class `*TopKRouter`) returns
-  `(logits, weights [N, K], ids [N, K])`; attention weights are the second output of
+  `(logits, weights [N, K], ids [N, K])`, the weights the block hands its experts (DeepSeek-V3,
+  GLM-4.5: uncorrected scores, renormalised and scaled, not the bias-corrected selection scores;
+  `tests/test_trace_router_weights.py`); attention weights are the second output of
   `layers[i].self_attn`, which HF computes only with eager attention (switched on for the run).
 ONNX models run through `trace_onnx.record_onnx_routing` (onnxruntime) instead of hooks.
 
@@ -131,8 +133,12 @@ def _hf_routing_inputs(module) -> list:
         cls = type(sub).__name__
         if cls == "Llama4Router":
             def llama4(output, k=int(sub.top_k)):
-                weights, ids = torch.topk(output[0], k, dim=-1)  # sigmoid scores, 0 off the top-k
-                return ids, weights
+                # The router returns (scores [N, E], logits [N, E]) and chooses by torch.topk(logits, k, dim=1):
+                # the same call on the same logits gives its ids; the weights are its own scores there
+                # (sigmoid of the chosen logits), not re-derived.
+                scores, logits = output
+                ids = torch.topk(logits, k, dim=1)[1]
+                return ids, scores.gather(1, ids)
             routers.append((sub, llama4))
         elif cls == "JetMoeTopKGating" and ".mlp." in f".{name}.":  # not the attention experts' gate
             def jetmoe(output, k=int(sub.top_k)):

@@ -3,9 +3,11 @@
 The routing is read from the model's own gates, not recomputed: a copy of the graph (in memory;
 the file is untouched) gets extra outputs, and one run returns them beside the logits.
 
-* Gating pattern (MatMul -> Softmax -> TopK): the TopK indices, and the gate weights as the graph
-  computes them (after the renormalising `values / ReduceSum(values)` when the model has one,
-  else the TopK values; after the Softmax when it follows the TopK).
+* Gating pattern (MatMul -> Softmax -> TopK, or picks by repeated ArgMax): the chosen indices,
+  and the gate weights as the graph hands them to the experts (`onnx_gating.handed_on`: after
+  renormalisation, scaling and a Softmax that follows the TopK; gathered from the uncorrected
+  scores when the TopK ran on score-corrected ones; read at the chosen ids from the dense scores
+  of a router that scatters its top-k logits, as Llama-4's does).
 * `com.microsoft` MoE op: its routing happens inside the fused kernel, so its router-logit input
   is exposed and the op's routing is applied to it (softmax, top-k, optional renormalisation, as
   the op's `normalize_routing_weights` says; ties go to the lower expert id).
@@ -40,6 +42,7 @@ class _GateOutputs:
     weights: str = ""
     logits: str = ""
     normalize: bool = False
+    dense: bool = False  # `weights` is [.., E] scores; the weights are their values at `indices`
 
 
 @dataclass(frozen=True)
@@ -66,21 +69,12 @@ def _build(path: Path):
     import onnx
     import onnxruntime as ort
 
-    from moeplan.planner.importers.onnx_gating import (
-        find_attention_softmaxes,
-        find_gates,
-        node_position,
-    )
-    from moeplan.planner.importers.onnx_graph import load_onnx_model
+    from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
+    from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
     load_onnx_model(path)  # one-line errors for unreadable files, before the full load
     model = onnx.load(str(path))
-    gates = find_gates(model)
-    if not gates:
-        raise UserError(
-            f"no MoE gating pattern (MatMul->Softmax->TopK or com.microsoft MoE) found in {path}: "
-            "moeplan traces MoE models only"
-        )
+    gates = moe_layer_gates(model, path)  # one-line errors when the graph has no MoE layer
     layout = []
     for gate in gates:
         if gate.kind == "contrib":
@@ -90,8 +84,14 @@ def _build(path: Path):
             normalize = "normalize_routing_weights" in attrs and bool(attrs["normalize_routing_weights"].i)
             layout.append(_GateOutputs("contrib", gate.top_k, logits=gate.node.input[1], normalize=normalize))
         else:
-            layout.append(_GateOutputs("pattern", gate.top_k, indices=gate.indices_output, weights=gate.weights_output))
-    attention = _attention_before(gates, find_attention_softmaxes(model, gates), node_position(model))
+            if not gate.indices_output or not gate.weights_output:
+                where = gate.node.name or gate.node.op_type
+                raise UserError(f"{path}: gate {where!r} selects its top-{gate.top_k} experts, but the graph "
+                                "joins no per-token list of their ids and weights that tracing could read")
+            layout.append(_GateOutputs("pattern", gate.top_k, indices=gate.indices_output,
+                                       weights=gate.weights_output, dense=gate.weights_dense))
+    every_gate = find_gates(model)  # attention experts' gates too: their Softmaxes are no attention
+    attention = _attention_before(gates, find_attention_softmaxes(model, every_gate), node_position(model))
 
     existing = {o.name for o in model.graph.output}
     wanted = [n for g in layout for n in (g.indices, g.weights, g.logits) if n]
@@ -174,7 +174,11 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
             ids, w = _contrib_routing(logits, gate.top_k, gate.normalize)
         else:
             ids = out[gate.indices].reshape(-1, gate.top_k)
-            w = out[gate.weights].reshape(-1, gate.top_k)
+            if gate.dense:
+                scores = out[gate.weights]
+                w = np.take_along_axis(scores.reshape(-1, scores.shape[-1]), ids.astype(np.int64), -1)
+            else:
+                w = out[gate.weights].reshape(-1, gate.top_k)
         if ids.shape[0] != tokens:
             raise UserError(f"{path}: MoE layer {layer} routed {ids.shape[0]} tokens, expected {tokens} (batch x sequence)")
         order = np.argsort(-w, axis=-1, kind="stable")

@@ -1,0 +1,143 @@
+"""Reading tensors straight out of a safetensors checkpoint, one tensor (or one expert) at a time.
+
+A *recipe* says how one bundle tensor is made from the checkpoint: a list of parts, each a tensor
+of one checkpoint file, optionally cut to rows [start, stop) of its first dimension (one expert of
+a fused [E, ...] tensor, or of DBRX's flattened [E * r, D]) and squeezed; several parts are
+concatenated along `cat_dim` (transformers' MergeModulelist + Concatenate for per-expert
+checkpoints, e.g. Mixtral's w1 and w3 into gate_up_proj), then cast to `dtype`:
+
+    {"dtype": "F32", "shape": [2I, D], "cat_dim": 0,
+     "parts": [{"file": "model-00001-of-00002.safetensors", "tensor": "...experts.3.w1.weight",
+                "rows": null, "squeeze": false}, ...]}
+
+Compile uses recipes to stream a checkpoint into per-rank shards (`--weights copy`); ranks use
+them to read only their own tensors from the original checkpoint (`--weights reference`). Every
+read opens the file, reads the slice with safetensors' `get_slice` and closes it again, so no
+mapping of a whole file stays resident. Runtime code: torch and safetensors only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+CHECKPOINT_ENV = "MOEPLAN_CHECKPOINT"
+CHUNK_BYTES = 32 << 20
+
+
+class CheckpointError(Exception):
+    """A referenced checkpoint is missing or not the one the bundle was compiled from: one line."""
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as fh:
+        size = struct.unpack("<Q", fh.read(8))[0]
+        return json.loads(fh.read(size))
+
+
+def header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's length prefix and header: cheap, and changes with any layout change."""
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        return hashlib.sha256(prefix + fh.read(struct.unpack("<Q", prefix)[0])).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _part_layout(directory: Path, part: dict) -> tuple:
+    """(file path, first row, stop row, stored shape, stored dtype, shape the part yields), from the header."""
+    path = str(Path(directory) / part["file"])
+    with safe_open(path, framework="pt") as fh:
+        view = fh.get_slice(part["tensor"])
+        shape, dtype = list(view.get_shape()), DTYPES[view.get_dtype()]
+    if not shape:
+        return path, 0, 0, shape, dtype, []
+    start, stop = (0, shape[0]) if part.get("rows") is None else (int(part["rows"][0]), int(part["rows"][1]))
+    yields = shape[1:] if part.get("squeeze") else [stop - start, *shape[1:]]
+    return path, start, stop, shape, dtype, yields
+
+
+def read_part(directory: Path, part: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One part of a recipe (a checkpoint tensor, or rows [start, stop) of its first dimension),
+    written into `out` (any view of the part's shape; cast to its dtype) or into a new tensor.
+
+    Read in blocks of at most CHUNK_BYTES, the file opened for each block: safetensors maps the
+    file, and the pages a read touches count as this process's memory until the mapping closes,
+    so a big tensor read in one go would cost twice its size at the peak.
+    """
+    path, start, stop, shape, dtype, yields = _part_layout(directory, part)
+    out = torch.empty(yields, dtype=dtype) if out is None else out
+    if not shape:
+        with safe_open(path, framework="pt") as fh:
+            return out.copy_(fh.get_tensor(part["tensor"]))
+    dest = out.unsqueeze(0) if part.get("squeeze") else out
+    step = max(1, CHUNK_BYTES // max(1, math.prod(shape[1:]) * dtype.itemsize))
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        with safe_open(path, framework="pt") as fh:
+            dest[a - start:b - start] = fh.get_slice(part["tensor"])[a:b]
+    return out
+
+
+def read_recipe(directory: Path, recipe: dict) -> torch.Tensor:
+    """The bundle tensor a recipe describes, in the recipe's dtype and shape: each part is read
+    straight into its place along `cat_dim` (no concatenated copy)."""
+    out = torch.empty(recipe["shape"], dtype=DTYPES[recipe["dtype"]])
+    dim, offset = int(recipe.get("cat_dim") or 0), 0
+    for part in recipe["parts"]:
+        yields = _part_layout(directory, part)[5]
+        size = yields[dim] if yields else 0
+        if (len(yields) != out.dim() or any(y != o for i, (y, o) in enumerate(zip(yields, out.shape)) if i != dim)
+                or offset + size > (out.shape[dim] if out.dim() else 0)):
+            raise CheckpointError(f"checkpoint tensor {part['tensor']} gives shape {yields}, the bundle expects "
+                                  f"{list(recipe['shape'])}; recompile the bundle against this checkpoint")
+        read_part(directory, part, out.narrow(dim, offset, size) if out.dim() else out)
+        offset += size
+    if out.dim() and offset != out.shape[dim]:
+        raise CheckpointError(f"checkpoint tensors {[p['tensor'] for p in recipe['parts']]} fill {offset} of "
+                              f"{out.shape[dim]} rows of a bundle tensor; recompile the bundle against this checkpoint")
+    return out
+
+
+def checkpoint_directory(root: Path, reference: dict) -> Path:
+    """Where the referenced checkpoint is: $MOEPLAN_CHECKPOINT if set (a mounted volume), else the
+    path recorded at compile time (relative paths are relative to the bundle)."""
+    env = os.environ.get(CHECKPOINT_ENV)
+    path = Path(env) if env else Path(reference["path"])
+    return path if path.is_absolute() else Path(root) / path
+
+
+def check_checkpoint(directory: Path, reference: dict, full: bool) -> None:
+    """Refuse a checkpoint whose files differ from those compiled against: sizes and headers always,
+    the full sha256 of every file when `full` (moeplan run does that once before launching)."""
+    for name, expected in sorted(reference["files"].items()):
+        path = Path(directory) / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file '{path}' referenced by the bundle is missing; mount the checkpoint "
+                                  f"there or set {CHECKPOINT_ENV} to its directory")
+        if (path.stat().st_size != expected["size"] or header_sha256(path) != expected["header_sha256"]
+                or (full and file_sha256(path) != expected["sha256"])):
+            raise CheckpointError(f"checkpoint file '{path}' is not the one the bundle was compiled from (sha256 "
+                                  "differs); restore it or recompile the bundle with --weights reference")
+
+
+def read_reference_shard(directory: Path, index_path: Path) -> dict:
+    """{bundle tensor name: tensor} of one rank's reference index, read from the checkpoint."""
+    index = json.loads(Path(index_path).read_text())
+    return {name: read_recipe(directory, recipe) for name, recipe in sorted(index["tensors"].items())}

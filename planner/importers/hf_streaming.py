@@ -1,0 +1,51 @@
+"""A Hugging Face checkpoint directory imported without reading its weights, for `compile`.
+
+Planning needs shapes and dtypes, and compile's codegen streams the safetensors tensor by tensor
+(`backends/common/checkpoint_index.py`), so the model is built on `meta` exactly as
+`load_directory` would build it, and marked as having weights (they are in the directory, read
+later). The IR is the one `load_directory` gives (same `source_format`), so plans do not depend on
+which importer ran.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from moeplan.planner.importers import LoadedModel
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def has_safetensors(directory: Path) -> bool:
+    """A safetensors checkpoint: one or more *.safetensors files, or their index json."""
+    return directory.is_dir() and ((directory / INDEX).is_file() or any(directory.glob("*.safetensors")))
+
+
+def streamable_directory(spec: str) -> Optional[Path]:
+    """The directory when `spec` is a Hugging Face model directory with safetensors weights, else None."""
+    from moeplan.planner.importers.resolve import LOADER_KEY, read_json_object
+
+    path = Path(spec).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file() or not has_safetensors(path):
+        return None
+    data = read_json_object(path / "config.json")
+    if LOADER_KEY in data or "model_type" not in data:
+        return None
+    return path
+
+
+def load_directory_meta(directory: Path) -> LoadedModel:
+    """The model of a Hugging Face directory on `meta`, with the IR of its weighted import."""
+    from moeplan.planner.importers.hf_config import (build_model, checkpoint_storage, dtype_name, import_module,
+                                                      make_config, model_dtype, model_name, multimodal_notes)
+    from moeplan.planner.importers.resolve import read_json_object
+
+    config_path = directory / "config.json"
+    data = read_json_object(config_path)
+    dtype = model_dtype(data, str(config_path))
+    config = make_config(data, str(config_path))
+    module = build_model(config, dtype, meta=True).eval()
+    storage, notes = checkpoint_storage(data, dtype_name(data), str(config_path))
+    ir = import_module(module, name=model_name(data, config_path), config=config, source_format="hf", storage=storage)
+    return LoadedModel(ir=ir, module=module, has_weights=True, notes=notes + multimodal_notes(config, module))
