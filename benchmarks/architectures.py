@@ -6,9 +6,13 @@ through the real CLI: `moeplan trace`, `moeplan compile --target torchrun` at 2 
 and standard in one launch; a Kubernetes bundle's pods run exactly the bundle `run` launches),
 and `compile --target lambda`. A cell passes when both modes reproduce transformers' logits
 within 1e-4 (fp32) with identical greedy tokens and, in coherent mode, the measured
-gpu_local_fraction equals the planner's prediction; otherwise it shows the one-line reason.
+gpu_local_fraction equals the planner's prediction; otherwise it shows the one-line reason. The
+lambda cell compiles the Lambda bundle (`--slo 5`) and runs `moeplan run --verify`: the bundle's
+own state machine with every function in its own process against local S3 and Lambda endpoints;
+it passes when the logits are within 1e-4 of transformers' and the greedy tokens are identical.
 
-    .venv/bin/python benchmarks/architectures.py [--arch qwen3_moe olmoe ...] [--work build/architectures] [--json]
+    .venv/bin/python benchmarks/architectures.py [--arch qwen3_moe olmoe ...] [--targets lambda ...]
+                                                 [--work build/architectures] [--json]
 
 Reference figures: the table prints max |logit diff| per cell beside the 1e-4 tolerance; there is
 no timing in this benchmark (the machine's load would make it noise).
@@ -65,7 +69,8 @@ def verified_run(bundle: Path, ranks: int, prompts: Path) -> dict:
             "reason": "" if not bad else f"{','.join(bad)}: tokens_match/diff/locality failed ({diff:.2e})"}
 
 
-def check_architecture(arch: str, work: Path, ranks=(2, 4), kubernetes: bool = True, lambda_: bool = True) -> dict:
+def check_architecture(arch: str, work: Path, ranks=(2, 4), kubernetes: bool = True, lambda_: bool = True,
+                       torchrun: bool = True) -> dict:
     """One row of the matrix: {column: {'ok', 'diff', 'reason'}}."""
     root = work / arch
     shutil.rmtree(root, ignore_errors=True)
@@ -76,7 +81,8 @@ def check_architecture(arch: str, work: Path, ranks=(2, 4), kubernetes: bool = T
     row = {}
     code, out = cli(["trace", model, "--data", root / "data.txt", "--out", root / "trace.npz", "--quiet"])
     row["trace"] = {"ok": code == 0, "diff": None, "reason": "" if code == 0 else _reason(out)}
-    targets = [(f"torchrun-{n}", "torchrun", n) for n in ranks] + ([("kubernetes", "kubernetes", 2)] if kubernetes else [])
+    targets = ([(f"torchrun-{n}", "torchrun", n) for n in ranks] if torchrun else []) + \
+        ([("kubernetes", "kubernetes", 2)] if kubernetes else [])
     for column, target, n in targets:
         if not row["trace"]["ok"]:
             row[column] = {"ok": False, "diff": None, "reason": "no trace"}
@@ -98,8 +104,16 @@ def check_architecture(arch: str, work: Path, ranks=(2, 4), kubernetes: bool = T
 
 
 def verified_run_lambda(bundle: Path, prompts: Path) -> dict:
+    """`moeplan run --verify` of a Lambda bundle (the local state machine); {'ok', 'diff', 'reason'}."""
     code, out = cli(["run", bundle, "--verify", "--new-tokens", 3, "--prompts", prompts, "--json"])
-    return {"ok": code == 0, "diff": None, "reason": "" if code == 0 else _reason(out)}
+    try:
+        report = json.loads(next(l for l in reversed(out.splitlines()) if l.startswith("{")))
+    except (ValueError, StopIteration):
+        return {"ok": False, "diff": None, "reason": _reason(out)}
+    diff = report.get("max_abs_logit_diff", float("inf"))
+    ok = code == 0 and bool(report.get("verified")) and bool(report.get("tokens_match"))
+    return {"ok": ok, "diff": diff, "invocations": report.get("invocations"),
+            "reason": "" if ok else f"tokens_match={report.get('tokens_match')}, diff {diff:.2e}"}
 
 
 def _cell(c: dict) -> str:
@@ -114,13 +128,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", nargs="*", default=list(tiny.ARCHITECTURES), choices=tiny.ARCHITECTURES)
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4])
+    ap.add_argument("--targets", nargs="*", default=["torchrun", "kubernetes", "lambda"],
+                    choices=["torchrun", "kubernetes", "lambda"], help="which columns to fill (trace always runs)")
     ap.add_argument("--work", default=str(REPO / "build" / "architectures"))
     ap.add_argument("--json", action="store_true", help="print the matrix as one JSON object on the last line")
     args = ap.parse_args(argv)
     work = Path(args.work)
     matrix = {}
     for arch in args.arch:
-        matrix[arch] = check_architecture(arch, work, ranks=tuple(args.ranks))
+        matrix[arch] = check_architecture(arch, work, ranks=tuple(args.ranks), torchrun="torchrun" in args.targets,
+                                          kubernetes="kubernetes" in args.targets, lambda_="lambda" in args.targets)
         print(f"{arch:16s} " + " | ".join(f"{k}: {_cell(v)}" for k, v in matrix[arch].items()), flush=True)
     columns = [c for c in COLUMNS if any(c in row for row in matrix.values())]
     print()
@@ -128,8 +145,8 @@ def main(argv=None) -> int:
     print("|---" * (len(columns) + 1) + "|")
     for arch, row in matrix.items():
         print(f"| {arch} | " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
-    passed = sum(all(row[c]["ok"] for c in columns if c != "lambda") for row in matrix.values())
-    print(f"\n{passed}/{len(matrix)} architectures pass every torchrun/kubernetes cell (tolerance 1e-4, fp32)")
+    passed = sum(all(row[c]["ok"] for c in columns) for row in matrix.values())
+    print(f"\n{passed}/{len(matrix)} architectures pass every cell run ({', '.join(columns)}; tolerance 1e-4, fp32)")
     if args.json:
         print(json.dumps({"matrix": matrix, "columns": columns, "passed": passed, "architectures": len(matrix)},
                          sort_keys=True))

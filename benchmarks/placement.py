@@ -33,7 +33,9 @@ ilp work is set by --effort (deterministic); --time-limit is only a safety net, 
 short has stopped_by "time_limit" (not reproducible).
 
 With --json the last line is {"cases": [{"case", "policy", "gpu_local_fraction",
-"node_local_fraction", "max_over_mean_load", "solve_seconds", "gap"}, ...]}.
+"node_local_fraction", "max_over_mean_load", "solve_seconds", "gap"}, ...]}; with --corpus also
+"dominance": per baseline row, the ilp rows of its case at least as GPU-local at no higher held-out
+max/mean (an empty list is an exception, also printed).
 """
 from __future__ import annotations
 
@@ -229,6 +231,20 @@ def run_corpus_case(case, plan_trace, score_trace, time_limit: float, log, effor
     return rows
 
 
+def dominance(rows: list) -> list:
+    """Per corpus baseline row: the ilp rows of its case at least as GPU-local at no higher held-out
+    max/mean load (the issue's target), or none (an exception to state)."""
+    out = []
+    for base in rows:
+        if base["policy"].startswith("ilp"):
+            continue
+        ilp = [r for r in rows if r["case"] == base["case"] and r["policy"].startswith("ilp")]
+        wins = [r["policy"] for r in ilp if r["gpu_local_fraction"] >= base["gpu_local_fraction"]
+                and r["max_over_mean_load"] <= base["max_over_mean_load"]]
+        out.append({"case": base["case"], "baseline": base["policy"], "ilp_rows_at_least_as_good": wins})
+    return out
+
+
 def print_table(rows: list) -> None:
     base = {r["case"]: r["gpu_local_fraction"] for r in rows if r["policy"] == "contiguous"}
     header = (f"{'case':22s} {'policy':30s} {'gpu-local':>9s} {'x contig':>8s} {'node-local':>10s} {'max/mean':>8s} "
@@ -286,8 +302,12 @@ def main(argv=None) -> int:
             case = SYNTH_CASES[name]
             trace = synthesize_trace(**case.synth)
             rows += run_case(case, trace, trace, args.time_limit, log, args.effort)
+    verdicts = dominance(rows) if args.corpus else []
+    for v in verdicts:
+        if not v["ilp_rows_at_least_as_good"]:
+            log(f"  EXCEPTION {v['case']}: no ilp row is as GPU-local as {v['baseline']} at no higher held-out max/mean")
     if args.json:
-        print(json.dumps({"cases": rows}, sort_keys=True))
+        print(json.dumps({"cases": rows, **({"dominance": verdicts} if args.corpus else {})}, sort_keys=True))
     else:
         print_table(rows)
     return 0

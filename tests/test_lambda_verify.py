@@ -78,7 +78,7 @@ def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tm
     import shutil
 
     from moeplan.backends.lambda_.local_run import _batch
-    from moeplan.backends.runtime import lambda_ops as ops
+    from moeplan.backends.runtime import lambda_wire as ops
 
     out = tmp_path / "b"
     shutil.copytree(bundle(setup, "s3"), out)
@@ -124,7 +124,7 @@ def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
     import torch
     import yaml
 
-    from moeplan.backends.runtime import lambda_ops as ops
+    from moeplan.backends.runtime import lambda_wire as ops
 
     out = tmp_path / "b"
     shutil.copytree(bundle(setup, "s3"), out)
@@ -144,7 +144,7 @@ def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
         cloud.upload_weights()
         hidden = json.loads((out / "model" / "config.json").read_text())["hidden_size"]
         cloud.put(f"intermediates/r/layer-{other['layer']:03d}/{other['tag']}.in",
-                  ops.to_bytes({"rows": torch.zeros(1, hidden)}))
+                  ops.to_bytes({"rows": torch.zeros(1, hidden), "w": torch.ones(1)}))
         with pytest.raises(CloudError, match="IAM policy does not allow"):
             cloud.invoke(first, {"request": "r"})
     finally:

@@ -60,21 +60,26 @@ def model_files(model_spec: str) -> tuple:
 
 def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
     """The runtime's view of where each MoE layer's experts live, from the bundle's model files."""
-    from moeplan.backends.runtime.library_model import ModelError, build_tiny_moe, decoder_layers
+    from moeplan.backends.runtime.library_model import ModelError, decoder_layers
     from moeplan.backends.runtime.moe_adapter import find_containers
+
+    try:
+        prefix, layers = decoder_layers(bundle_model(arch, files, spec))
+    except ModelError as exc:
+        raise UserError(f"cannot compile '{spec}' for torchrun: {exc}") from None
+    return find_containers(layers, prefix)
+
+
+def bundle_model(arch: str, files: dict, spec: str | None = None):
+    """The library's model built from a bundle's model files (transformers: on the meta device)."""
+    from moeplan.backends.runtime.library_model import build_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
         for rel, data in files.items():
             (Path(tmp) / Path(rel).name).write_bytes(data)
-        try:
-            if arch == "tiny_moe":
-                model = build_tiny_moe(Path(tmp) / "config.json", Path(tmp) / "model.py")
-            else:
-                model = _build_meta(Path(tmp), spec)
-            prefix, layers = decoder_layers(model)
-        except ModelError as exc:
-            raise UserError(f"cannot compile '{spec}' for torchrun: {exc}") from None
-    return find_containers(layers, prefix)
+        if arch == "tiny_moe":
+            return build_tiny_moe(Path(tmp) / "config.json", Path(tmp) / "model.py")
+        return _build_meta(Path(tmp), spec)
 
 
 def _build_meta(config_dir: Path, spec):

@@ -1,9 +1,10 @@
 """Write a Lambda bundle: SAM template, state machine, handlers, per-function weights, Dockerfiles, README.
 
-Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers + one
-Dockerfile per function kind), weights/ (laid out as the S3 keys: weights/dense/slice-NN/ and
-weights/experts/layer-LLL/expert-EEE/, each with weights.safetensors + config.json), model/
-(config + source, for local verification), README.md, manifest.json.
+Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers, model/ (the
+config, and the source file of moeplan models) and requirements.txt for the image, one Dockerfile
+per function kind), weights/ (laid out as the S3 keys: weights/dense/slice-NN/ and
+weights/experts/layer-LLL/expert-EEE/, each a weights.safetensors holding only that function's
+tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
 
 Functions: one per dense slice (`DenseNN`) and one per expert replica (`ExpertLlllEeeeRr`), each
 with the memory the plan chose. Least privilege: a function's role reads only its own weight
@@ -21,10 +22,11 @@ from pathlib import Path
 
 from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
-from moeplan.backends.runtime.lambda_ops import unit_tensors
-from moeplan.backends.runtime.tiny_moe import is_expert_tensor
+from moeplan.backends.lambda_ import layout as lay
+from moeplan.backends.runtime.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.model_source import bundle_model
 from moeplan.backends.common.shards import write_shard
 
 KINDS = ("dense", "expert")
@@ -54,8 +56,10 @@ def function_suffix(logical_id: str) -> str:
     return logical_id.lower()
 
 
-def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, payload_limit: int) -> list:
-    """Per dense slice, its parts (one per segment it touches) with what each reads, writes, gathers, scatters."""
+def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, payload_limit: int,
+                layout=None, pieces=None) -> list:
+    """Per dense slice, its parts (one per segment it touches) with what each reads, writes, gathers,
+    scatters, and (with the model's layout) where in the model it starts and stops."""
     order = [u for s in slices for u in s["units"]]
     index = {u: i for i, u in enumerate(order)}
     out = []
@@ -74,6 +78,9 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
             if starts_segment and seg > 0 and layers[seg - 1]["method"] != "direct":
                 p["gather"] = {"layer": seg - 1, "replicas": {str(x["expert"]): x["replicas"] for x in layers[seg - 1]["experts"]}}
             ends_segment = last + 1 == len(order) or segment_of[order[last + 1]] != seg
+            if layout is not None:
+                p["start"], p["stop"] = lay.part_bounds(layout, pieces, p["units"], seg, starts_segment, ends_segment,
+                                                        None if ends_segment else order[last + 1])
             if ends_segment and seg < num_layers:
                 L = layers[seg]
                 p["scatter"] = {"layer": seg, "method": L["method"], "payload_limit": payload_limit,
@@ -109,6 +116,35 @@ def expert_intermediates(layer: int, replica_tag: str, method: str) -> dict:
             "writes": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.out"]}
 
 
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def check_memory(functions: list, runtime_mb: float) -> None:
+    """Every function's weights and the runtime must fit its planned memory (sizing counted the
+    same bytes; a mismatch means the plan is from another model or moeplan)."""
+    from moeplan.planner.errors import UserError
+
+    for f in functions:
+        need = runtime_mb + f["weight_bytes"] / 2**20
+        if need > f["memory_mb"]:
+            raise UserError(f"function {f['id']} holds {f['weight_bytes'] / 2**20:.1f} MB of weights, which with the "
+                            f"{runtime_mb:.0f} MB runtime exceed its planned {f['memory_mb']} MB; regenerate the plan "
+                            "from this model ('moeplan plan'), or give the platform larger memory_options_mb")
+
+
+def function_requirements(model: dict) -> str:
+    """The image's requirements: what the runtime imports, the model library at the plan's pins."""
+    import boto3
+    import safetensors
+    import torch
+
+    lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
+             f"boto3=={boto3.__version__}"]
+    lines += [f"{name}=={version}" for name, version in sorted(model.get("library", {}).items())]
+    return "\n".join(lines) + "\n"
+
+
 def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     """Write the bundle into `out` (which must not exist yet) from the lambda Plan; returns the manifest.
 
@@ -124,47 +160,53 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     requests_per_second = float(plan_doc["deployment"]["requests_per_second"])
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    config_text = model_files["model/config.json"]  # bytes
     pl = plan_doc
     layers = pl["placement"]["layers"]
     slices = pl["placement"]["dense_slices"]
     num_layers = len(layers)
-    dense_names = sorted(n for n in state if is_expert_tensor(n) is None)
+    stages = pl["model"]["ir"]["stages"]
+    model = bundle_model(pl["model"]["architecture"], model_files)
+    layout = lay.with_routing(lay.Layout.of(model), model)
+    state = split_expert_state(state, list(layout.containers))
+    owner = lay.expert_tensor_owner(layout)
+    dense_names = sorted(n for n in state if owner(n) is None)
+    layout = lay.with_tail(layout, dense_names, stages)
     covered = set()
     functions = []
-    parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit)
+    parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit, layout, lay.unit_pieces(layout, stages))
     for k, s in enumerate(slices):
-        tensors = {n: state[n] for u in s["units"] for n in unit_tensors(u, dense_names)}
+        tensors = {n: state[n] for p in parts[k] for n in lay.part_tensors(layout, dense_names, p["start"], p["stop"])}
         covered |= set(tensors)
         prefix = f"weights/dense/slice-{k:02d}/"
         write_shard(out / prefix / "weights.safetensors", tensors, k)
-        write_file(out / prefix / "config.json", config_text)
         invokes = [expert_id(p["scatter"]["layer"], int(e), r) for p in parts[k] if p.get("scatter", {}).get("method") == "direct"
                    for e, g in sorted(p["scatter"]["replicas"].items(), key=lambda kv: int(kv[0])) for r in range(g)]
+        spec = {"segments": [{k2: v for k2, v in p.items() if k2 != "units"} for p in parts[k]]}
         functions.append({"id": dense_id(k), "kind": "dense", "handler": "dense_handler", "memory_mb": int(s["memory_mb"]),
-                          "weights": prefix, "spec": {"segments": parts[k]}, "invokes": invokes,
+                          "weights": prefix, "spec": spec, "invokes": invokes, "weight_bytes": _nbytes(tensors),
                           "units": s["units"], **dense_intermediates(parts[k])})
     missing = sorted(set(dense_names) - covered)
     if missing:
-        raise ValueError(f"dense tensors {missing[:3]} belong to no dense unit")
+        raise lay.LayoutError(f"dense tensors {missing[:3]} belong to no dense function")
     expert_tensors = {}
     for n in sorted(state):
-        owner = is_expert_tensor(n)
-        if owner is not None:
-            expert_tensors.setdefault(owner, {})[n] = state[n]
+        o = owner(n)
+        if o is not None:
+            expert_tensors.setdefault(o, {})[n] = state[n]
     for L in layers:
         l = int(L["layer"])
         for x in L["experts"]:
             e = int(x["expert"])
             prefix = f"weights/experts/layer-{l:03d}/expert-{e:04d}/"
             write_shard(out / prefix / "weights.safetensors", expert_tensors[(l, e)], l * 10000 + e)
-            write_file(out / prefix / "config.json", config_text)
             for r in range(int(x["replicas"])):
                 functions.append({"id": expert_id(l, e, r), "kind": "expert", "handler": "expert_handler",
                                   "memory_mb": int(x["memory_mb"]), "weights": prefix, "invokes": [],
+                                  "weight_bytes": _nbytes(expert_tensors[(l, e)]),
                                   **expert_intermediates(l, tag(l, e, r), L["method"]),
                                   "spec": {"layer": l, "expert": e, "tag": tag(l, e, r), "method": L["method"],
                                            "beta": int(L["beta"])}})
+    check_memory(functions, float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0)))
     steps = []
     for seg in range(num_layers + 1):
         for k, p in enumerate(parts):
@@ -176,6 +218,10 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
     copy_runtime(out / "functions" / "runtime")
+    for rel, content in sorted(model_files.items()):  # what the functions build the model from
+        if rel != "model/tokenizer.json":
+            write_file(out / "functions" / rel, content)
+    write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
     env = template_env("lambda")
     for kind in KINDS:
         write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))

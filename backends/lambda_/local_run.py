@@ -21,8 +21,7 @@ import torch
 
 from moeplan.backends.lambda_.asl import ASLError, Machine
 from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
-from moeplan.backends.runtime import lambda_ops as ops
-from moeplan.backends.runtime.tiny_moe import decode, encode
+from moeplan.backends.runtime import lambda_wire as wire
 from moeplan.planner.errors import UserError
 
 LOGIT_TOLERANCE = 1e-4
@@ -47,18 +46,56 @@ def check_files(root: Path) -> dict:
 
 
 def load_reference(root: Path, plan: dict):
-    """The source model rebuilt from the bundle's model/ files and every function's weights."""
+    """The source model rebuilt from the bundle's model/ files and every function's weights
+    (transformers' own model for Hugging Face models, the shipped model.py for moeplan models)."""
     from safetensors.torch import load_file
 
+    from moeplan.backends.common.manifest import bundle_path
+    from moeplan.backends.common.model_source import expert_containers
     from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.backends.torchrun.verify import tiny_moe_reference
+    from moeplan.backends.runtime.moe_adapter import join_expert_state
+    from moeplan.backends.torchrun.verify import VerifyError, reference_model
 
     state = {}
     for path in sorted((root / "weights").rglob("weights.safetensors")):
         state.update(load_file(str(path)))
+    arch = plan["model"]["architecture"]
+    model_dir = bundle_path(root, plan["model"]["config"]).parent
+    files = {f"model/{p.name}": p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
+    state = join_expert_state(state, expert_containers(arch, files))
     if state_dict_sha256(state) != plan["model"]["weights_sha256"]:
         raise UserError("the bundle's weights differ from the source model's (weights_sha256); recompile the bundle")
-    return tiny_moe_reference(root, plan, state)
+    try:
+        return reference_model(root, plan, state)
+    except VerifyError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _check_library(plan: dict) -> None:
+    """The functions run here with this machine's transformers: it must be the version pinned."""
+    from moeplan.backends.runtime.bundle_io import BundleError, check_library
+
+    try:
+        check_library(plan)
+    except BundleError as exc:
+        raise UserError(str(exc).replace("requirements.txt", "functions/requirements.txt")) from None
+
+
+def _codec(root: Path, plan: dict):
+    """(TextCodec, max positions) of the bundle's model: its tokenizer.json, or bytes."""
+    from moeplan.backends.common.manifest import bundle_path
+    from moeplan.backends.runtime.text_codec import TextCodec
+
+    config_path = bundle_path(root, plan["model"]["config"])
+    if plan["model"]["architecture"] == "tiny_moe":
+        config = json.loads(config_path.read_text())
+        return TextCodec(None, int(config["vocab_size"]), native_bytes=True), int(config["max_positions"])
+    from moeplan.backends.runtime.library_model import transformers_config
+
+    config = transformers_config(config_path.parent)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return (TextCodec(config_path.parent / "tokenizer.json", int(text.vocab_size)),
+            int(getattr(text, "max_position_embeddings", 1 << 30)))
 
 
 def _batch(seqs: list) -> dict:
@@ -73,12 +110,16 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool)
     plan = check_files(root)
     if plan.get("target") != "lambda":
         raise UserError(f"'{root}' is not a lambda bundle")
+    _check_library(plan)
     platform = plan["inputs"]["facts"]["platform"]
     units = sum(len(s["units"]) for s in plan["placement"]["dense_slices"])
-    config = json.loads((root / plan["model"]["config"]).read_text())
-    seqs = [encode(p) for p in prompts]
-    if max(len(s) for s in seqs) + new_tokens > int(config["max_positions"]):
-        raise UserError(f"prompts plus {new_tokens} new tokens exceed the model's {config['max_positions']} positions")
+    codec, max_positions = _codec(root, plan)
+    try:
+        seqs = [codec.encode(p) for p in prompts]
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if max(len(s) for s in seqs) + new_tokens > max_positions:
+        raise UserError(f"prompts plus {new_tokens} new tokens exceed the model's {max_positions} positions")
     start = time.perf_counter()
     cloud = LocalCloud(root, platform["payload_limit_bytes"])
     try:
@@ -89,12 +130,12 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool)
         for t in range(new_tokens):
             request = f"verify-{t:03d}"
             current = [s + g for s, g in zip(seqs, generated)]
-            cloud.put(f"intermediates/{request}/state-000", ops.to_bytes(_batch(current)))
+            cloud.put(f"intermediates/{request}/state-000", wire.to_bytes(_batch(current)))
             try:
                 machine.run({"request": request})
             except (CloudError, ASLError) as exc:
                 raise UserError(f"the state machine failed at request {t}: {exc}") from None
-            state = ops.from_bytes(cloud.get(f"intermediates/{request}/state-{units:03d}"))
+            state = wire.from_bytes(cloud.get(f"intermediates/{request}/state-{units:03d}"))
             logits = state["logits"]
             ends = torch.cumsum(torch.tensor([len(s) for s in current]), 0) - 1
             for i, e in enumerate(ends.tolist()):
@@ -109,7 +150,8 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool)
     for i in inv:
         io.update(i.io)
     report = {
-        "target": "lambda", "requests": new_tokens, "texts": [decode(s + g) for s, g in zip(seqs, generated)],
+        "target": "lambda", "requests": new_tokens, "texts": [codec.decode(s + g) for s, g in zip(seqs, generated)],
+        "prompt_encoding": codec.source,
         "invocations": len(inv), "invocations_by_kind": dict(sorted(Counter(i.kind for i in inv).items())),
         "functions_used": len({i.function for i in inv}), "state_transitions": machine.transitions,
         "storage_bytes": {"functions_get": io["get_bytes"], "functions_put": io["put_bytes"],

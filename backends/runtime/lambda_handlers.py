@@ -6,11 +6,13 @@ role may read). Activations move through the `intermediates/<request>/` prefix (
 the invoke payload (direct method: the dense function that routes a layer invokes that layer's
 expert functions itself, boto3 `lambda.invoke`, and combines their answers). Storage and
 invocation are plain boto3 calls, so the same code runs on AWS and against local endpoints
-(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL_LAMBDA). Weights are loaded once per container.
+(AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL_LAMBDA). Weights are loaded once per container. The model
+is the library's own (`lambda_model.py`, built from `model/` beside the runtime in the image).
 
 Dense event: {"request", "segment"}; returns {"request", "active": {"L<l>E<e>R<r>": 1, ...}} naming
 the expert replicas the state machine must run next (S3 methods). Expert event (S3 methods):
-{"request"}; (direct): {"request", "rows": base64 tensor file} -> {"out": base64 tensor file}.
+{"request"}; (direct): {"request", "rows": base64 tensor file} -> {"out": base64 tensor file}. An
+expert's input file holds `rows` [m, D] and gate weights `w` [m]; its output `y` [m, D] is weighted.
 """
 from __future__ import annotations
 
@@ -18,26 +20,27 @@ import base64
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
-from . import lambda_ops as ops
+from . import lambda_wire as wire
+from .lambda_model import DenseShare, ExpertShare, build, model_dir_of
 
 _CACHE = {}
 IO = {"get_bytes": 0, "put_bytes": 0, "gets": 0, "puts": 0}  # storage traffic of this process (read by local runs)
 ACCESS = []  # (operation, key) of this invocation, so a local run can check them against the IAM policy
+MODEL_DIR = model_dir_of(Path(__file__).resolve().parent)  # functions/model/ in the image
 
 
 def prewarm() -> None:
-    """Create the boto3 clients and run one tiny op, as a container's init would (the local zygote
-    calls this once before forking, so functions do not each pay botocore's model loading)."""
+    """Create the boto3 clients and import the model's library code, as a container's init would
+    (the local zygote calls this once before forking, so functions do not each pay for it)."""
     import boto3
 
     _CACHE["s3"] = boto3.client("s3")
     _CACHE["lambda"] = boto3.client("lambda")
-    with torch.no_grad():
-        ops.expert_ffn({"p.w_gate.weight": torch.ones(2, 2), "p.w_up.weight": torch.ones(2, 2),
-                        "p.w_down.weight": torch.ones(2, 2)}, "p", ops.from_bytes(ops.to_bytes({"r": torch.ones(1, 2)}))["r"])
+    build(MODEL_DIR, device="meta")
 
 
 def _spec() -> dict:
@@ -67,13 +70,13 @@ def _put(key: str, data: bytes) -> None:
     ACCESS.append(("put", key))
 
 
-def _weights() -> tuple:
-    """(tensors, model config) from this function's own weight prefix, loaded once."""
-    if "weights" not in _CACHE:
+def _share(make):
+    """This function's share of the model, built once per container from its own weight prefix."""
+    if "share" not in _CACHE:
         prefix = os.environ["MOEPLAN_WEIGHTS"]
-        tensors = {k: v.float() for k, v in ops.from_bytes(_get(prefix + "weights.safetensors")).items()}
-        _CACHE["weights"] = (tensors, json.loads(_get(prefix + "config.json")))
-    return _CACHE["weights"]
+        tensors = {k: v.float() for k, v in wire.from_bytes(_get(prefix + "weights.safetensors")).items()}
+        _CACHE["share"] = make(tensors)
+    return _CACHE["share"]
 
 
 def _key(request: str, name: str) -> str:
@@ -87,43 +90,41 @@ def _tag(layer: int, expert: int, replica: int) -> str:
 
 
 def dense_handler(event, context=None):
-    """Run this slice's units of one segment: gather the previous MoE layer, compute, scatter the next."""
+    """Run this slice's part of one segment with the library's model: combine the previous MoE
+    layer's expert outputs (S3: gathered here; direct: already in the state), run, then hand the
+    next MoE layer's rows to its expert functions (S3 files, or direct invocation and combine)."""
     torch.set_num_threads(int(os.environ.get("MOEPLAN_THREADS", "1")))
     spec = _spec()
-    w, config = _weights()
+    share = _share(lambda w: DenseShare(MODEL_DIR, w))
     request, segment = str(event["request"]), int(event["segment"])
     part = next(p for p in spec["segments"] if p["segment"] == segment)
-    state = ops.from_bytes(_get(_key(request, part["read"])))
+    state = wire.from_bytes(_get(_key(request, part["read"])))
+    routed = state.pop("routed", None)
     gather = part.get("gather")
     if gather is not None:  # S3 method: the experts of the previous layer wrote their outputs
+        layer = int(gather["layer"])
         replicas = {int(e): int(g) for e, g in gather["replicas"].items()}
         outputs = {}
         for e, g in replicas.items():
-            for r, (tok, _) in enumerate(ops.assignment(state["route_ids"], e, g)):
+            for r, (tok, _) in enumerate(wire.assignment(state["route_ids"], e, g)):
                 if tok.numel():
-                    outputs[(e, r)] = ops.from_bytes(_get(_key(request, f"layer-{gather['layer']:03d}/{_tag(gather['layer'], e, r)}.out")))["y"]
-        ops.combine(state, outputs, replicas)
-    with torch.no_grad():
-        for unit in part["units"]:
-            ops.run_unit(unit, w, state, config)
+                    outputs[(e, r)] = wire.from_bytes(_get(_key(request, f"layer-{layer:03d}/{_tag(layer, e, r)}.out")))["y"]
+        routed = wire.routed_sum(state["route_ids"], outputs, replicas, state["x"].shape[1])
+    state, routing = share.run(state, part, routed)
     active = {}
     scatter = part.get("scatter")
     if scatter is not None:
         layer, replicas = int(scatter["layer"]), {int(e): int(g) for e, g in scatter["replicas"].items()}
-        jobs = []
-        for e, g in sorted(replicas.items()):
-            for r, (tok, _) in enumerate(ops.assignment(state["route_ids"], e, g)):
-                if tok.numel():
-                    jobs.append((e, r, state["h"][tok]))
+        h, ids, weights = routing
+        jobs = wire.expert_jobs(h, ids, weights, replicas)
         if scatter["method"] == "direct":
-            outputs = _invoke_direct(request, scatter, jobs)
-            ops.combine(state, outputs, replicas)
+            state["routed"] = wire.routed_sum(ids, _invoke_direct(request, scatter, jobs), replicas, h.shape[1])
         else:
-            for e, r, rows in jobs:
+            for e, r, rows, w in jobs:
                 tag = _tag(layer, e, r)
-                _put(_key(request, f"layer-{layer:03d}/{tag}.in"), ops.to_bytes({"rows": rows}))
+                _put(_key(request, f"layer-{layer:03d}/{tag}.in"), wire.to_bytes({"rows": rows, "w": w}))
                 active[tag] = 1
-    _put(_key(request, part["write"]), ops.to_bytes(state))
+    _put(_key(request, part["write"]), wire.to_bytes(state))
     return {"request": request, "active": active}
 
 
@@ -138,12 +139,13 @@ def _invoke_direct(request: str, scatter: dict, jobs: list) -> dict:
     names = scatter["functions"]
 
     def call(job):
-        e, r, rows = job
+        e, r, rows, w = job
         pieces, start = [], 0
         while start < rows.shape[0]:
             n = rows.shape[0] - start
             while True:
-                body = json.dumps({"request": request, "rows": base64.b64encode(ops.to_bytes({"rows": rows[start:start + n]})).decode()})
+                data = wire.to_bytes({"rows": rows[start:start + n], "w": w[start:start + n]})
+                body = json.dumps({"request": request, "rows": base64.b64encode(data).decode()})
                 if len(body) <= limit or n == 1:
                     break
                 n = max(1, n // 2)
@@ -152,7 +154,7 @@ def _invoke_direct(request: str, scatter: dict, jobs: list) -> dict:
             if reply.get("FunctionError"):
                 raise RuntimeError(f"expert {e} replica {r} failed: {reply['Payload'].read()[:300]!r}")
             out = json.loads(reply["Payload"].read())
-            pieces.append(ops.from_bytes(base64.b64decode(out["out"]))["y"])
+            pieces.append(wire.from_bytes(base64.b64decode(out["out"]))["y"])
             start += n
         return (e, r), torch.cat(pieces)
 
@@ -161,23 +163,23 @@ def _invoke_direct(request: str, scatter: dict, jobs: list) -> dict:
 
 
 def expert_handler(event, context=None):
-    """One expert replica: read its rows (S3 or payload), run the SwiGLU expert, answer the same way."""
+    """One expert replica: read its rows and gate weights (S3 or payload), run the library's experts
+    module on them, answer the weighted outputs the same way."""
     torch.set_num_threads(int(os.environ.get("MOEPLAN_THREADS", "1")))
     spec = _spec()
-    w, _ = _weights()
-    prefix = f"blocks.{spec['layer']}.moe.experts.{spec['expert']}"
+    share = _share(lambda w: ExpertShare(MODEL_DIR, w, int(spec["layer"]), int(spec["expert"])))
     request = str(event["request"])
     if "rows" in event:
-        rows = ops.from_bytes(base64.b64decode(event["rows"]))["rows"]
+        got = wire.from_bytes(base64.b64decode(event["rows"]))
     else:
-        rows = ops.from_bytes(_get(_key(request, f"layer-{spec['layer']:03d}/{spec['tag']}.in")))["rows"]
+        got = wire.from_bytes(_get(_key(request, f"layer-{spec['layer']:03d}/{spec['tag']}.in")))
+    rows, w = got["rows"], got["w"]
     beta = int(spec.get("beta") or 0)
-    with torch.no_grad():
-        if spec["method"] == "pipelined_s3" and beta > 0:  # minibatches of beta rows
-            y = torch.cat([ops.expert_ffn(w, prefix, rows[i:i + beta]) for i in range(0, rows.shape[0], beta)])
-        else:
-            y = ops.expert_ffn(w, prefix, rows)
+    if spec["method"] == "pipelined_s3" and beta > 0:  # minibatches of beta rows
+        y = torch.cat([share.run(rows[i:i + beta], w[i:i + beta]) for i in range(0, rows.shape[0], beta)])
+    else:
+        y = share.run(rows, w)
     if "rows" in event:
-        return {"out": base64.b64encode(ops.to_bytes({"y": y})).decode()}
-    _put(_key(request, f"layer-{spec['layer']:03d}/{spec['tag']}.out"), ops.to_bytes({"y": y}))
+        return {"out": base64.b64encode(wire.to_bytes({"y": y})).decode()}
+    _put(_key(request, f"layer-{spec['layer']:03d}/{spec['tag']}.out"), wire.to_bytes({"y": y}))
     return {"request": request}

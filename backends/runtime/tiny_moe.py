@@ -1,6 +1,7 @@
-"""TinyMoE's state-dict naming and byte tokenizer, for the Lambda bundle's unit split.
+"""TinyMoE's state-dict naming and byte tokenizer (tests use them).
 
-(The torchrun runtime runs TinyMoE's own module, `model/model.py`, through `library_model`.)
+(The torchrun and Lambda runtimes run TinyMoE's own module, `model/model.py`, through
+`library_model` and `lambda_model`.)
 """
 from __future__ import annotations
 

@@ -64,7 +64,12 @@ def load_reference(root: Path, plan: dict):
     expected = plan["model"].get("weights_sha256")
     if expected and state_dict_sha256(state) != expected:
         raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
-    if arch == "transformers":
+    return reference_model(root, plan, state)
+
+
+def reference_model(root: Path, plan: dict, state: dict):
+    """The source model of a bundle (torchrun or Lambda) with the library's state dict `state`."""
+    if plan["model"]["architecture"] == "transformers":
         return _transformers_reference(root, plan, state)
     return tiny_moe_reference(root, plan, state)
 

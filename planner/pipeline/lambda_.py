@@ -17,6 +17,11 @@ plan.json body (serverless version 1):
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
 * `deployment`: payload limit and the request rate the README's monthly cost is stated for.
+* `model.library`: the transformers / tokenizers versions the functions run (Hugging Face models).
+
+Dense units are grouped per decoder block before HyPAD (the functions run the library's model,
+which they can cut only between blocks; `backends/lambda_/layout.py`), each group sized by the
+tensors its function will hold.
 """
 from __future__ import annotations
 
@@ -103,8 +108,43 @@ def _partition(facts):
     loaded, o = facts["model"], facts["serverless_options"]
     units = P.units_from_profile(loaded.ir, facts["profile"], o["batch_tokens"],
                                  loaded.module if loaded.has_weights else None, seed=o["seed"])
+    units = _runtime_units(loaded, facts["model_spec"], units)
     return {"partition": (P.hypad(units, facts["platform"], o["batch_tokens"], max_eta=1),
                           {n: u.segment for u in units for n in u.names})}
+
+
+def _runtime_units(loaded, spec: str, units: list) -> list:
+    """Units grouped where the Lambda runtime can cut (between decoder blocks of the library's
+    model), each group's bytes those its function will ship (`backends/lambda_/layout.py`);
+    unchanged for models the runtime cannot run (ONNX graphs: plan only)."""
+    from moeplan.backends.lambda_ import layout as lay
+    from moeplan.passes.optimize.serverless import partition as P
+
+    if loaded.module is None:
+        return units
+    try:
+        layout = lay.Layout.of(loaded.module)
+    except lay.LayoutError:
+        return units
+    stages = loaded.ir.to_dict()["stages"]
+    layout, sizes = lay.dense_tensor_bytes(lay.with_routing(layout, _meta_model(loaded, spec)), loaded.module, stages)
+    pieces = lay.unit_pieces(layout, stages)
+    if len(layout.moe_layers) != len(loaded.ir.moe_stages) or any(u not in pieces for x in units for u in x.names):
+        return units
+    return P.group_units(units, lambda name: pieces[name],
+                         lambda u, opens: lay.group_bytes(layout, sizes, pieces, u.names, u.segment, opens))
+
+
+def _meta_model(loaded, spec: str):
+    """The model as the bundle's functions build it (transformers: on the meta device), so that
+    probing its blocks never copies real weights; the loaded module where no bundle could be made."""
+    from moeplan.backends.common.model_source import bundle_model, model_files
+
+    try:
+        arch, files = model_files(spec)
+        return bundle_model(arch, files, spec)
+    except UserError:
+        return loaded.module
 
 
 def _u_table(facts, batch_tokens) -> dict:
@@ -159,7 +199,10 @@ def _plan(facts):
         "dense_slices": [{"slice": k, "units": list(s.names), "segments": list(s.segments), "memory_mb": s.memory_mb,
                           "eta": s.eta} for k, s in enumerate(part.slices)],
         "unit_segments": dict(sorted(segment_of.items()))}
-    model = {"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()}
+    from moeplan.backends.common.model_source import library_pins
+
+    model = {"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict(),
+             "library": library_pins("transformers" if ir.source_format.startswith("hf") else "")}
     functions = len(part.slices) + sum(int(c.replicas) for d in layers for c in d.experts)
     inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "slo_s": o["slo"],
               "validation_fraction": o["validation_fraction"], "methods": o["methods"].split(","), "size_for": o["size_for"],
@@ -181,11 +224,18 @@ def _plan(facts):
 
 
 def _lambda_model_files(facts):
-    from moeplan.backends.common.model_source import model_files
+    """The model files a Lambda bundle ships, once the runtime is known to cut this model into functions."""
+    from moeplan.backends.common.model_source import bundle_model, model_files
+    from moeplan.backends.lambda_.layout import Layout, LayoutError
 
-    arch, files = model_files(facts["model_spec"])
-    if arch != "tiny_moe":
-        raise UserError(f"the lambda target runs TinyMoE-family models (see examples/tiny_moe); '{facts['model_spec']}' is {arch}")
+    try:
+        arch, files = model_files(facts["model_spec"])
+    except UserError as exc:  # its messages name the torchrun target, whose models this one runs too
+        raise UserError(str(exc).replace("torchrun", "lambda")) from None
+    try:
+        Layout.of(bundle_model(arch, files, facts["model_spec"]))
+    except LayoutError as exc:
+        raise UserError(f"cannot compile '{facts['model_spec']}' for lambda: {exc}") from None
     return {"model_files": {"architecture": arch, "files": files}}
 
 
@@ -195,8 +245,10 @@ def write_lambda_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict
     from moeplan.backends.lambda_.codegen import write_bundle
     from moeplan.planner.atomic import atomic_path
 
-    model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json", source="model/model.py",
+    model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json",
                  weights_sha256=state_dict_sha256(state))
+    if "model/model.py" in model_files["files"]:
+        model["source"] = "model/model.py"
     plan = dataclasses.replace(plan, model=model)
     with atomic_path(Path(out), kind="bundle") as tmp:
         return write_bundle(tmp, plan, state, model_files["files"])
@@ -266,7 +318,7 @@ PLATFORM = Pass("platform", ("serverless_options",), ("platform",), _platform, c
 PROFILE = Pass("profile", ("model", "trace", "serverless_options"), ("profile",), _profile, check=trace_matches_model)
 FACTS = Pass("facts", ("model", "profile", "platform"), ("serverless_facts",), _facts)
 SIZING = Pass("sizing", ("serverless_facts", "trace", "serverless_options", "progress"), ("sizing",), _sizing)
-PARTITION = Pass("partition", ("model", "profile", "platform", "serverless_options"), ("partition",), _partition)
+PARTITION = Pass("partition", ("model", "model_spec", "profile", "platform", "serverless_options"), ("partition",), _partition)
 PLAN = Pass("plan", ("model", "model_spec", "trace_sha256", "serverless_options", "serverless_facts", "profile", "platform",
                      "sizing", "partition"), ("plan",), _plan)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)

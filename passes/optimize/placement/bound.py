@@ -172,6 +172,88 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     return float(c.sum() + result.objective)
 
 
+def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float,
+                                  cap_to: float, slots_per_partition: int, partitions: int, max_replicas: int,
+                                  iteration_limit: int = None, time_limit: float = 10.0) -> float:
+    """`capped_matching_bound` with each expert's copy count chosen in the LP; None if the LP stops early.
+
+    Why: with replicas, `capped_matching_bound` must charge every copy the load of an expert with
+    the most copies (load / max_replicas), so a hot expert looks light and the load rows bind no
+    more (on the corpus the bound said every transition could be local, gap 0.999). Here the copy
+    count is a choice: z_to[b, k] = 1 when b has k copies at l+1 (relaxed to [0, 1], one k per
+    expert, copies summing to the slots per layer), and the share y[a, b] of a -> b transitions
+    kept local is split by that choice, y[a, b] = sum_k y[a, b, k] with y[a, b, k] <= z_to[b, k];
+    a copy of b then weighs load_to[b] / k. The same split by a's copy count j (x[a, b, j] <=
+    z_from[a, j], weight load_from[a] / j) serves the column rows. Rows, per a and per b:
+      sum_b y[a, b] <= Q r[a],  sum_{b, k} (load_to[b] / k) y[a, b, k] <= cap_to r[a],  r[a] = sum_j j z_from[a, j]
+    (a's r[a] copies share their GPUs with Q experts of l+1 each, whose loads fit under the cap;
+    every local successor shares a GPU with one of them), the same per b, and sum y <= P Q^2.
+    An integral placement is a point of this LP (z from its copy counts, y its local shares), so
+    the LP's optimum bounds its local transitions from above. Columns: (2 max_replicas + 1) per
+    observed pair."""
+    E = counts.shape[0]
+    a, b = np.nonzero(counts)
+    c = counts[a, b]
+    n = len(c)
+    if n == 0:
+        return 0.0
+    K = max(1, int(max_replicas))
+    Q = slots_per_partition
+    ks = np.arange(1, K + 1, dtype=np.float64)
+    # columns: y[i, k] (n K), x[i, j] (n K), z_to[b, k] (E K), z_from[a, j] (E K)
+    y0, x0 = 0, n * K
+    zt0, zf0 = 2 * n * K, 2 * n * K + E * K
+    ncols = 2 * n * K + 2 * E * K
+    pair = np.repeat(np.arange(n), K)  # pair of each y / x column
+    k_of = np.tile(np.arange(K), n)
+    y_cols = y0 + np.arange(n * K)
+    x_cols = x0 + np.arange(n * K)
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+
+    def add(row_ids, col_ids, values, lower, upper, count):
+        nonlocal r
+        rows.append(r + np.asarray(row_ids)); cols.append(np.asarray(col_ids)); vals.append(np.asarray(values, dtype=float))
+        lo.append(np.broadcast_to(np.asarray(lower, dtype=float), (count,))); hi.append(np.broadcast_to(np.asarray(upper, dtype=float), (count,)))
+        r += count
+
+    # y[i, k] - z_to[b_i, k] <= 0 ; x[i, j] - z_from[a_i, j] <= 0
+    idx = np.arange(n * K)
+    add(np.concatenate([idx, idx]), np.concatenate([y_cols, zt0 + b[pair] * K + k_of]),
+        np.concatenate([np.ones(n * K), -np.ones(n * K)]), -np.inf, 0.0, n * K)
+    add(np.concatenate([idx, idx]), np.concatenate([x_cols, zf0 + a[pair] * K + k_of]),
+        np.concatenate([np.ones(n * K), -np.ones(n * K)]), -np.inf, 0.0, n * K)
+    # sum_k y[i, k] - sum_j x[i, j] = 0 ; sum_k y[i, k] <= 1
+    add(np.concatenate([pair, pair]), np.concatenate([y_cols, x_cols]), np.concatenate([np.ones(n * K), -np.ones(n * K)]),
+        0.0, 0.0, n)
+    add(pair, y_cols, np.ones(n * K), -np.inf, 1.0, n)
+    # one copy count per expert, copies summing to the slots
+    experts_k = np.repeat(np.arange(E), K)
+    for z0 in (zt0, zf0):
+        add(experts_k, z0 + np.arange(E * K), np.ones(E * K), 1.0, 1.0, E)
+        add(np.zeros(E * K, dtype=int), z0 + np.arange(E * K), np.tile(ks, E), float(Q * partitions), float(Q * partitions), 1)
+    # per a: successors and their loads under a's copies
+    add(np.concatenate([a[pair], experts_k]), np.concatenate([y_cols, zf0 + np.arange(E * K)]),
+        np.concatenate([np.ones(n * K), -Q * np.tile(ks, E)]), -np.inf, 0.0, E)
+    add(np.concatenate([a[pair], experts_k]), np.concatenate([y_cols, zf0 + np.arange(E * K)]),
+        np.concatenate([load_to[b[pair]] / ks[k_of], -cap_to * np.tile(ks, E)]), -np.inf, 0.0, E)
+    # per b: predecessors and their loads under b's copies
+    add(np.concatenate([b[pair], experts_k]), np.concatenate([x_cols, zt0 + np.arange(E * K)]),
+        np.concatenate([np.ones(n * K), -Q * np.tile(ks, E)]), -np.inf, 0.0, E)
+    add(np.concatenate([b[pair], experts_k]), np.concatenate([x_cols, zt0 + np.arange(E * K)]),
+        np.concatenate([load_from[a[pair]] / ks[k_of], -cap_from * np.tile(ks, E)]), -np.inf, 0.0, E)
+    # co-located pairs
+    add(np.zeros(n * K, dtype=int), y_cols, np.ones(n * K), -np.inf, float(partitions * Q * Q), 1)
+    A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, ncols)).tocsc()
+    cost = np.zeros(ncols)
+    cost[y_cols] = -c[pair]
+    result = solve_milp(cost, A, np.concatenate(lo), np.concatenate(hi), np.zeros(ncols), np.ones(ncols),
+                        np.zeros(ncols, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
+    if result.status != "optimal":
+        return None
+    return float(c.sum() + result.objective)
+
+
 def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: np.ndarray, partitions: int,
                                   slots_per_partition: int, max_replicas: int = 1,
                                   budget: WorkBudget = None) -> tuple[float, str]:
@@ -197,9 +279,16 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
         iterations = budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * n))
         values = [matching_bound(c, row_cap, row_cap, pair_cap, budget.seconds_left(), iterations)]
         capped_left -= n
+        if max_replicas > 1:  # the copy counts chosen in the LP: (2 max_replicas + 1) columns per pair
+            capped_left -= 2 * max_replicas * n
         if capped_left >= 0:
             values.append(capped_matching_bound(c, per_copy[i], per_copy[i + 1], caps[i], caps[i + 1], Q, partitions,
                                                 max(1, max_replicas), iterations, budget.seconds_left()))
+            if max_replicas > 1:
+                values.append(replica_capped_matching_bound(c, loads[i], loads[i + 1], caps[i], caps[i + 1], Q,
+                                                            partitions, max_replicas,
+                                                            budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * 2 * max_replicas * n)),
+                                                            budget.seconds_left()))
             capped += values[-1] is not None
         for value in values:
             if value is not None:

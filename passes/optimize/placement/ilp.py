@@ -43,8 +43,9 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing
+from moeplan.passes.optimize.placement.held_out import held_out_caps
 from moeplan.passes.optimize.placement.joint import polish_windows
-from moeplan.passes.optimize.placement.metrics import over_cap_layers
+from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
 from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
                                                       routed_value)
@@ -431,7 +432,8 @@ class StagedSolution:
 
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
-                     solver: str, budget: WorkBudget = None, routed: RoutedTrace = None) -> StagedSolution:
+                     solver: str, budget: WorkBudget = None, routed: RoutedTrace = None,
+                     scenarios: np.ndarray = None) -> StagedSolution:
     """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
 
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
@@ -442,15 +444,55 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     the packing, which fits whenever the cap is achievable by it. Where re-slotting applies
     (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
     start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
-    counts returned are then the solution's own, which may differ from EPLB's rule."""
+    counts returned are then the solution's own, which may differ from EPLB's rule.
+
+    With `scenarios` (float [S, L, E], `placement/held_out.py`): when the solution's expected
+    held-out max load rises more than EPLB's packing's, the layers concerned get their caps lowered
+    by the excess (`held_out.held_out_caps`) and the solution is walked down to them by re-slotting
+    moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
+    under the lowered caps lost it), then polished by routed steps; a layer the walk cannot fit
+    keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) this is skipped."""
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
     replicas, caps = eplb_replicas_and_caps(loads, D, redundant, balance, balance_base)
     budget = budget or WorkBudget()
+    packed = initial_hosts(loads, replicas, D, slots)
+    solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
+    if scenarios is None or len(scenarios) == 0 or not reslot_applies(E + redundant, D, budget) or budget.expired():
+        return solution  # at DeepSeek-V3 scale the walk (re-slotting moves) is too costly at effort 1
+    floor = np.minimum(least_max_load(loads, replicas, D, slots) * (1 + 1e-6), caps)
+    hosts, current, lowered, moves = solution.hosts, caps, 0, 0
+    for _ in range(HELD_OUT_ROUNDS):
+        robust = held_out_caps(hosts, packed, loads, caps, current, scenarios, floor)
+        if not np.any(robust < current * (1 - 1e-9)) or budget.expired():
+            break
+        lowered += int((robust < current * (1 - 1e-9)).sum())
+        walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
+        walked[over] = hosts[over]  # layers the walk could not bring under the lowered cap keep their placement
+        current = np.maximum(robust, max_gpu_loads(walked, loads))
+        if routed is not None:
+            walked, _ = routed_polish(walked, routed, loads, current, budget, solver)
+        hosts, moves = walked, moves + made
+    if lowered:
+        solution.hosts, solution.replicas = hosts, hosts.sum(axis=2)
+        solution.caps = current  # the bound is then for placements at least as balanced, layer by layer
+        solution.sweeps["held_out_caps"] = {"layers_lowered": lowered, "moves": moves,
+                                            "mean_lowering": float(np.mean(1 - current / caps))}
+    return solution
+
+
+HELD_OUT_ROUNDS = 3  # re-solves under lowered caps at most (each only if some layer's held-out rise is too large)
+
+
+def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget,
+                      routed) -> StagedSolution:
+    """The stages, re-slotting and routed finish of `staged_placement` under float [L] caps."""
+    L, E = loads.shape
+    D = topology.devices
+    slots = (E + redundant) // D
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
                            max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
-    packed = initial_hosts(loads, replicas, D, slots)
     best = None
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
@@ -486,7 +528,8 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     elif routed is not None:  # DeepSeek-V3 scale: layer MIPs are too big; routed exchanges instead
         hosts, gain = routed_swaps(best[1], routed, loads, caps, budget)
         best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
-    return StagedSolution(best[1], best[1].sum(axis=2), caps, counts, best[2], problem.notes)
+    hosts = best[1]
+    return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes)
 
 
 def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):

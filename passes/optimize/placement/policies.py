@@ -24,6 +24,7 @@ from moeplan.passes.optimize.milp import relative_gap
 from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT, WorkBudget
 from moeplan.passes.optimize.placement.eplb import eplb_placement
+from moeplan.passes.optimize.placement.held_out import load_scenarios
 from moeplan.passes.optimize.placement.ilp import BALANCE_BASES, staged_placement
 from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.passes.optimize.placement.routed import RoutedTrace
@@ -45,6 +46,7 @@ class PlacementRequest:
     time_limit: float = 300.0  # ilp: wall-clock safety net only
     expert_groups: int = 0
     effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
+    held_out_caps: bool = True  # ilp: lower caps where loads would rise more on unseen traffic than EPLB's (`held_out.py`)
 
 
 def check_request(trace: Trace, request: PlacementRequest) -> None:
@@ -129,7 +131,8 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
     solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
                                 request.solver, budget,
-                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node))
+                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node),
+                                load_scenarios(trace) if request.held_out_caps else None)
     slots = (trace.num_experts + request.redundant) // D
     bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, int(solution.replicas.max()),
                                                   budget=budget)

@@ -228,6 +228,22 @@ def merge(a: DenseUnit, b: DenseUnit) -> DenseUnit:
                      tuple(x + y for x, y in zip(a.s_per_token, b.s_per_token)), a.threads)
 
 
+def group_units(units: list, key, param_bytes=None) -> list:
+    """Merge neighbouring units of one segment with the same `key(name)`: the places a runtime
+    cannot cut between (the Lambda runtime cuts only between decoder blocks). `param_bytes(unit,
+    first_of_segment)`, when given, replaces a group's bytes with what its function will hold."""
+    out = []
+    for u in units:
+        if out and out[-1].segment == u.segment and key(out[-1].names[-1]) == key(u.names[0]):
+            out[-1] = merge(out[-1], u)
+        else:
+            out.append(u)
+    if param_bytes is not None:
+        out = [replace(u, param_bytes=int(param_bytes(u, k == 0 or out[k - 1].segment != u.segment)))
+               for k, u in enumerate(out)]
+    return out
+
+
 def vertical_split(model: CostModel) -> list:
     """MOPAR step 2: exact DP over contiguous slices (minimum memory, eta 1) for least cost."""
     n = len(model.units)
