@@ -34,7 +34,7 @@ def test_compile_writes_a_bundle_whose_plan_records_the_placement_and_its_predic
                                               "--out", str(tmp_path / "b"), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
-    assert [p["pass"] for p in summary["passes"]] == ["runtime", "import", "trace", "affinity", "placement", "cost", "plan", "codegen"]
+    assert [p["pass"] for p in summary["passes"]] == ["runtime", "import", "trace", "affinity", "placement", "cost", "expert_cache", "plan", "codegen"]
     plan = json.loads((tmp_path / "b" / "plan.json").read_text())
     assert plan["version"] == 1 and plan["target"] == "torchrun" and plan["topology"] == {"nodes": 1, "gpus_per_node": 2}
     placement = placement_from_dict(json.loads((tmp_path / "b" / "placement.json").read_text()))

@@ -102,7 +102,8 @@ def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
 def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     """(RankModel with this rank's experts, TextCodec) for a bundle."""
     arch = architecture(plan)
-    weights = load_rank_weights(root, plan, rank, "cpu")
+    offload = plan.get("communication", {}).get("expert_cache")  # issue 13: experts stay in the shard until used
+    weights = None if offload else load_rank_weights(root, plan, rank, "cpu")
     local: dict = {}
     for layer, expert in table.experts_on(rank):
         local.setdefault(layer, []).append(expert)
@@ -119,7 +120,13 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
         max_positions, vocab = int(getattr(text, "max_position_embeddings", 1 << 30)), int(text.vocab_size)
         top_k = transformers_top_k(text)
         codec = TextCodec(config_path.parent / "tokenizer.json", vocab)
-    rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
+    if offload:
+        from .expert_cache import offloaded_rank_model
+
+        rank_model = offloaded_rank_model(root / plan["shards"][rank], model, arch, offload, rank,
+                                          {l: sorted(e) for l, e in local.items()}, max_positions, device)
+    else:
+        rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
     rank_model.top_k = top_k
     model.to(device)
     return rank_model, codec

@@ -1,28 +1,35 @@
-"""A bounded cache of expert tensors on the compute device, backed by the rank's safetensors shard.
+"""A bounded cache of expert weights on the compute device, backed by the rank's safetensors shard.
 
 Why: a GPU that holds the dense weights but only some experts (offloading, issue 13) keeps a
-planned number of (layer, expert) entries resident and loads the others when the router asks for
-them. The engine iterates `serve(layer, experts, token)` once per MoE layer step, with the step's
-distinct experts in request order (token order, then each token's top-k order: the order of the
-simulator's request stream) and computes each expert as it is yielded; the cache makes each one
-resident in the weights dict the architecture reads (evicting by its policy) and counts requests,
-hits, loads and bytes moved, the figures `moeplan simulate` predicts.
+planned number C of (MoE layer, expert) entries resident and loads the others when the router asks
+for them. The cache wraps the one function the runtime runs experts through
+(`MoEAdapter.local_expert_output`), so it works for every block kind the adapter supports: the
+library's own experts module computes, on weights the cache put in place.
 
-* Backing store: `ShardStore` reads an expert's tensors from the shard file on each load
-  (safetensors memory map); on CUDA it keeps them in pinned host memory and copies on a side
-  stream, which the compute stream waits for before the layer runs.
-* Policies: `LRUPolicy` is built in. Any object with the simulator's policy interface
-  (passes/optimize/offload/policies.py: start, begin_step, touch, victim, inserted, evicted) can
-  be plugged in; it sees the requests through `OnlineStream`, which grows step by step exactly
-  like the simulator's precomputed stream, so the same policy takes the same decisions.
+* `ExpertPool`: C slots of expert weights, shared by every MoE layer of the rank (so device memory
+  holds exactly C experts whatever the layer mix). For a stacked experts module the pool is one
+  tensor [C, ...] per expert parameter, set as that parameter of every layer's module (its expert
+  count becomes C: the library indexes slots); TinyMoE gets C expert modules.
+* `ExpertCache.output`: for one MoE layer step, the step's distinct experts in request order (row
+  by row, each row's top-k order: the order of the simulator's request stream); each is made
+  resident just before its rows compute (evicting the policy's victim), so C may be smaller than a
+  prefill step's expert count. It counts requests, hits, loads and bytes moved and keeps the request
+  log (`OnlineStream`), which `moeplan run --verify` replays through the simulator.
+* `ShardStore`: reads one expert's tensors with safetensors' `safe_open` on each load; on CUDA it
+  keeps them in pinned host memory and copies on a side stream that the compute stream waits for
+  (that path cannot run on this CPU-only machine).
+* Policies: the simulator's own classes (passes/optimize/offload/policies.py and next_use.py,
+  copied into the bundle as `runtime/offload_policies.py` and `runtime/offload_next_use.py` by the
+  offload codegen), driven through `OnlineStream` exactly as the simulator drives them.
 Nothing here imports moeplan: bundles run without it.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import copy
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 
 class OnlineStream:
@@ -50,95 +57,143 @@ class OnlineStream:
         self.step_seq.append(seq)
         return len(self.step_layer) - 1
 
+    def to_record(self) -> dict:
+        """The log as int64 tensors: keys [R], step_start [S+1], step_layer/step_token/step_seq [S]."""
+        as_t = lambda v: torch.tensor(np.asarray(v, dtype=np.int64))
+        return {"keys": as_t(self.keys), "step_start": as_t(self.step_start), "step_layer": as_t(self.step_layer),
+                "step_token": as_t(self.step_token), "step_seq": as_t(self.step_seq),
+                "num_layers": self.num_layers, "num_experts": self.num_experts}
 
-class LRUPolicy:
-    """Least recently used; the initial residents count as used in their listed order."""
 
-    name = "lru"
+def per_expert_shape(full_shape, num_experts: int) -> tuple:
+    """[E, ...] -> [...]; [E * r, ...] (DBRX) -> [r, ...]."""
+    if full_shape[0] == num_experts:
+        return tuple(full_shape[1:])
+    return (full_shape[0] // num_experts, *full_shape[1:])
 
-    def start(self, stream, cached, resident):
-        self.order = OrderedDict((int(k), None) for k in resident)
 
-    def begin_step(self, s):
-        pass
+class ExpertPool:
+    """C slots of expert weights on `device`, shared by every MoE layer (see module docstring)."""
 
-    def touch(self, r, key, hit):
-        self.order[key] = None
-        self.order.move_to_end(key)
+    def __init__(self, containers: list, template_block, capacity: int, device):
+        first = containers[0]
+        self.kind, self.capacity, self.device = first.kind, int(capacity), torch.device(device)
+        if self.kind == "tiny_moe":
+            spec = sorted({p.split(".", 1)[1] for p, _ in first.params})
+            self.modules = nn.ModuleList(copy.deepcopy(template_block.experts[0]) for _ in range(self.capacity)).to(self.device)
+            self.params = tuple(spec)
+        else:
+            spec = tuple((p, per_expert_shape(full, first.num_experts)) for p, full in first.params)
+            self.tensors = {}
+            for (p, per), (_, full) in zip(spec, first.params):
+                shape = (self.capacity, *per) if full[0] == first.num_experts else (self.capacity * per[0], *per[1:])
+                self.tensors[p] = torch.zeros(shape, device=self.device)
+            self.params = tuple(p for p, _ in spec)
+        for c in containers[1:]:
+            other = (sorted({p.split(".", 1)[1] for p, _ in c.params}) if self.kind == "tiny_moe"
+                     else tuple((p, per_expert_shape(s, c.num_experts)) for p, s in c.params))
+            if c.kind != self.kind or (list(other) != list(spec)):
+                raise ValueError(f"MoE layer {c.moe}'s experts differ from layer {first.moe}'s; the expert cache needs "
+                                 "one expert shape across MoE layers")
 
-    def inserted(self, key, r):
-        self.order[key] = None
+    def slot_view(self, param: str) -> torch.Tensor:
+        """[C, ...] view of one parameter's pool (DBRX's [C * r, ...] regrouped per slot)."""
+        t = self.tensors[param]
+        return t if t.shape[0] == self.capacity else t.view(self.capacity, t.shape[0] // self.capacity, *t.shape[1:])
 
-    def evicted(self, key):
-        del self.order[key]
-
-    def victim(self, r, exclude=()):
-        return next(iter(self.order))
+    def write(self, slot: int, tensors: dict) -> None:
+        """Copy one expert's tensors {param: tensor} into `slot`."""
+        with torch.no_grad():
+            if self.kind == "tiny_moe":
+                own = dict(self.modules[slot].named_parameters())
+                for p, t in tensors.items():
+                    own[p].copy_(t, non_blocking=True)
+                return
+            for p, t in tensors.items():
+                self.slot_view(p)[slot].copy_(t.reshape(self.slot_view(p).shape[1:]), non_blocking=True)
 
 
 class ShardStore:
-    """An expert's tensors by (layer, expert), read from a safetensors shard when loaded."""
+    """An expert's tensors by (MoE layer, expert), read from the rank's safetensors shard per load."""
 
-    def __init__(self, path, names_of: dict, pinned: bool = False):
+    def __init__(self, path, owner, pinned: bool = False):
+        """`owner(name)` -> (MoE layer, expert, param) for per-expert tensor names, None for others."""
         from safetensors import safe_open
 
         self.file = safe_open(str(path), framework="pt")
-        self.names_of = names_of  # (layer, expert) -> [tensor names]
+        self.names_of = {}
+        for name in self.file.keys():
+            o = owner(name)
+            if o is not None:
+                self.names_of.setdefault((o[0], o[1]), []).append((o[2], name))
         self.pinned = pinned
 
     def load(self, layer: int, expert: int) -> dict:
+        """{param: float32 tensor} of one expert (pinned host memory when `pinned`)."""
         out = {}
-        for name in self.names_of[(layer, expert)]:
+        for param, name in self.names_of[(layer, expert)]:
             t = self.file.get_tensor(name).float()
-            out[name] = t.pin_memory() if self.pinned else t
+            out[param] = t.pin_memory() if self.pinned else t
         return out
 
 
-
 class ExpertCache:
-    """At most `capacity` (layer, expert) entries of `weights` (the architecture's tensor dict)."""
+    """At most `capacity` (MoE layer, expert) entries in `pool`, loaded from `store` on demand."""
 
-    def __init__(self, capacity: int, store: ShardStore, weights: dict, num_layers: int, num_experts: int, device,
-                 policy=None, resident=()):
-        if capacity < 1:
-            raise ValueError("the expert cache needs at least one entry")
-        self.capacity, self.store, self.weights, self.device = capacity, store, weights, torch.device(device)
-        self.E = num_experts
-        self.stream = OnlineStream(num_layers, num_experts)
-        self.policy = policy or LRUPolicy()
-        self.cached = np.zeros(num_layers * num_experts, dtype=bool)
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.requests = self.hits = self.loads = self.bytes_moved = 0
-        resident = [int(k) for k in list(resident)[:capacity]]
-        for k in resident:
+    def __init__(self, capacity: int, store: ShardStore, pool: ExpertPool, num_layers: int, num_experts: int,
+                 policy_factory, resident=()):
+        if capacity < 1 or capacity > pool.capacity:
+            raise ValueError(f"expert cache capacity {capacity} must be between 1 and the pool's {pool.capacity} slots")
+        self.capacity, self.store, self.pool = capacity, store, pool
+        self.L, self.E = num_layers, num_experts
+        self.policy_factory = policy_factory
+        self.initial = [int(k) for k in list(resident)[:capacity]]
+        self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self.token, self.seq = -1, 0
+        self.restart()
+
+    def restart(self) -> None:
+        """Back to the planned residents with fresh counters, log and policy (one run = one stream)."""
+        self.stream = OnlineStream(self.L, self.E)
+        self.policy = self.policy_factory()
+        self.cached = np.zeros(self.L * self.E, dtype=bool)
+        self.slot_of, self.free = {}, list(range(self.capacity - 1, -1, -1))
+        self.loads = self.bytes_moved = 0
+        for k in self.initial:
             self._install(k)
-        self.loads = self.bytes_moved = 0  # the initial fill is not traffic of the run
-        self.policy.start(self.stream, self.cached, resident)
-        self.size = len(resident)
+        self.requests = self.hits = self.loads = self.bytes_moved = 0  # the initial fill is not traffic of the run
+        self.policy.start(self.stream, self.cached, self.initial)
+        self.size = len(self.initial)
+        self.token = -1
 
-    def _install(self, key: int) -> None:
+    def new_forward(self) -> None:
+        """A library forward begins: its steps get the next token index (the simulator's step_token)."""
+        self.token += 1
+
+    def _install(self, key: int) -> int:
         tensors = self.store.load(key // self.E, key % self.E)
+        slot = self.free.pop()
         if self.copy_stream is not None:  # pinned host -> device on the side stream
             with torch.cuda.stream(self.copy_stream):
-                moved = {n: t.to(self.device, non_blocking=True) for n, t in tensors.items()}
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+                self.pool.write(slot, tensors)
+            torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         else:
-            moved = {n: t.to(self.device) for n, t in tensors.items()}
-        self.weights.update(moved)
+            self.pool.write(slot, tensors)
+        self.slot_of[key] = slot
         self.cached[key] = True
         self.loads += 1
         self.bytes_moved += sum(t.numel() * t.element_size() for t in tensors.values())
+        return slot
 
     def _drop(self, key: int) -> None:
-        for name in self.store.names_of[(key // self.E, key % self.E)]:
-            self.weights.pop(name, None)
+        self.free.append(self.slot_of.pop(key))
         self.cached[key] = False
 
-    def serve(self, layer: int, experts: list, token: int, seq: int = 0):
-        """Yield the step's experts (distinct, in request order), each made resident just before
-        its turn (evicting by the policy): an expert computes before the next one is loaded."""
+    def serve(self, layer: int, experts: list):
+        """Yield the slot of each of the step's experts (distinct, request order), each made resident
+        just before its turn (evicting by the policy): an expert computes before the next one loads."""
         keys = [layer * self.E + int(e) for e in experts]
-        s = self.stream.add_step(layer, token, seq, keys)
+        s = self.stream.add_step(layer, self.token, self.seq, keys)
         self.policy.begin_step(s)
         r0 = self.stream.step_start[s]
         for i, key in enumerate(keys):
@@ -157,8 +212,105 @@ class ExpertCache:
                 self._install(key)
                 self.policy.inserted(key, r)
                 self.policy.touch(r, key, False)
-            yield key % self.E
+            yield self.slot_of[key]
+
+    def output(self, adapter, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`adapter.local_expert_output` through the cache: h [M, D], local_ids [M] (index in
+        adapter.local), weights [M] -> weighted outputs [M, D], expert by expert in request order."""
+        out = torch.zeros_like(h)
+        experts = torch.tensor([adapter.local[i] for i in local_ids.tolist()], dtype=torch.int64)
+        order = list(dict.fromkeys(experts.tolist()))
+        for e, slot in zip(order, self.serve(adapter.moe, order)):
+            rows = (experts == e).nonzero().flatten().to(h.device)
+            slots = torch.full((rows.numel(),), slot, dtype=torch.int64, device=h.device)
+            out[rows] = adapter.slot_output(h[rows], slots, weights[rows]).to(out.dtype)
+        return out
 
     def stats(self) -> dict:
         return {"requests": self.requests, "hits": self.hits, "loads": self.loads, "bytes_moved": self.bytes_moved,
                 "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity}
+
+    def record(self) -> dict:
+        """Counters and the request log, for results (rank-<r>.pt)."""
+        return {"stats": self.stats(), "log": self.stream.to_record(), "resident": list(self.initial)}
+
+
+# --- building a rank's cache from a bundle --------------------------------------------------------
+
+def runtime_policy_factory(spec: dict):
+    """() -> a fresh policy of the plan's eviction rule, from the simulator's classes shipped in the
+    bundle (`runtime/offload_policies.py`, `runtime/offload_next_use.py`)."""
+    from .offload_policies import DEMAND_POLICIES, make_policy  # written into bundles by the offload codegen
+
+    name = spec["eviction"]
+    if name == "belady" or name not in DEMAND_POLICIES:
+        raise ValueError(f"eviction policy '{name}' cannot run online; plan with lru, lfu, lifo, moe-infinity or moeplan")
+    model = None
+    if name == "moeplan":
+        from .offload_next_use import NextUseModel
+
+        model = NextUseModel.from_dict(spec["policy_model"])
+    return lambda: make_policy(name, model)
+
+
+def expert_tensor_owner(containers: list):
+    """name -> (MoE layer, expert, param relative to the expert) for per-expert bundle tensors."""
+    owners = {}
+    for c in containers:
+        for p, _ in c.params:
+            if c.kind == "tiny_moe":
+                e, rel = p.split(".", 1)
+                owners[f"{c.path}.{p}"] = (c.moe, int(e), rel)
+            else:
+                for e in range(c.num_experts):
+                    owners[f"{c.path}.{e}.{p}"] = (c.moe, e, p)
+    return owners.get
+
+
+def dense_tensors(path, owner) -> dict:
+    """The shard's tensors that are not per-expert (float32, CPU): experts stay on disk."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name).float() for name in f.keys() if owner(name) is None}
+
+
+def attach_expert_cache(rank_model, pool: ExpertPool, store: ShardStore, spec: dict, rank: int, local: dict) -> ExpertCache:
+    """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
+    section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
+    containers = rank_model.containers
+    E = containers[0].num_experts
+    resident = [int(l) * E + int(e) for l, e in spec["resident"][rank]]
+    cache = ExpertCache(int(spec["capacity"][rank]), store, pool, len(containers), E, runtime_policy_factory(spec),
+                        resident)
+    for adapter in rank_model.adapters:
+        adapter.use_pool(rank_model.model, pool, local.get(adapter.moe, []), cache)
+    forward = rank_model.forward
+
+    def counted_forward(*args, **kwargs):
+        cache.new_forward()
+        return forward(*args, **kwargs)
+
+    rank_model.forward = counted_forward
+    rank_model.expert_cache = cache
+    return cache
+
+
+def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device):
+    """A RankModel whose experts live in an expert cache: dense weights from the shard, expert
+    tensors read from it on demand, `spec["capacity"][rank]` slots on `device`."""
+    from .library_model import RankModel, decoder_layers
+    from .moe_adapter import find_containers
+
+    if str(shard_path).endswith(".index.json"):
+        raise ValueError("expert caches read experts from a copied shard; compile the bundle with --weights copy")
+    prefix, layers = decoder_layers(model)
+    containers = find_containers(layers, prefix)
+    owner = expert_tensor_owner(containers)
+    device = torch.device(device)
+    pool = ExpertPool(containers, model.get_submodule(containers[0].block), int(spec["capacity"][rank]), device)
+    rank_model = RankModel(model, arch, None, {}, dense_tensors(shard_path, owner), max_positions)
+    model.to(device)
+    store = ShardStore(shard_path, owner, pinned=device.type == "cuda")
+    attach_expert_cache(rank_model, pool, store, spec, rank, local)
+    return rank_model

@@ -151,6 +151,8 @@ class MoEAdapter:
         self.local = list(local)                      # global expert ids held here, ascending
         self.local_index = {e: i for i, e in enumerate(self.local)}
         self.route_fn = route_fn
+        self.num_slots = len(self.local)  # expert slots of the library module (an expert cache's pool: C)
+        self.expert_cache = None
         self.block = _module(root, container.block)
         kind = container.kind
         self._install_local_weights(root, weights)
@@ -188,15 +190,36 @@ class MoEAdapter:
                 stacked = torch.zeros(0, *per)
             if shape[0] != c.num_experts:  # DBRX: [E * r, ...]
                 stacked = stacked.reshape(n * (shape[0] // c.num_experts), *shape[1:])
-            module_path, _, leaf = p.rpartition(".")
-            target = owner.get_submodule(module_path) if module_path else owner
-            setattr(target, leaf, nn.Parameter(stacked, requires_grad=False))
-        if c.kind == "jetmoe":  # its router keeps counting all experts
+            self._set_param(owner, p, stacked)
+        self._set_expert_count(owner, n)
+
+    @staticmethod
+    def _set_param(owner, p: str, tensor) -> None:
+        module_path, _, leaf = p.rpartition(".")
+        target = owner.get_submodule(module_path) if module_path else owner
+        setattr(target, leaf, nn.Parameter(tensor, requires_grad=False))
+
+    def _set_expert_count(self, owner, n: int) -> None:
+        if self.container.kind == "jetmoe":  # its router keeps counting all experts
             self.block.input_linear.num_experts = self.block.output_linear.num_experts = n
             return
         for m in owner.modules():  # experts modules size their loops by num_experts
             if hasattr(m, "num_experts"):
                 m.num_experts = n
+
+    def use_pool(self, root, pool, local: list, cache) -> None:
+        """Run this block's experts from an expert cache's pool (backends/runtime/expert_cache.py):
+        the library module's expert parameters become the pool's slots, shared by every MoE layer."""
+        self.local = list(local)
+        self.local_index = {e: i for i, e in enumerate(self.local)}
+        self.num_slots, self.expert_cache = pool.capacity, cache
+        if self.container.kind == "tiny_moe":
+            self.block.experts = pool.modules
+            return
+        owner = self.library_experts if self.container.kind in ("experts", "llama4") else _module(root, self.container.path)
+        for p in pool.params:
+            self._set_param(owner, p, pool.tensors[p])
+        self._set_expert_count(owner, pool.capacity)
 
     @property
     def library_experts(self):
@@ -207,6 +230,13 @@ class MoEAdapter:
     def local_expert_output(self, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted outputs [M, D] of M (token, slot) rows: h [M, D] routed to local expert
         index local_ids [M] (position in `self.local`) with gate weight weights [M]."""
+        if self.expert_cache is not None:  # offloading: the cache loads each expert into a slot first
+            return self.expert_cache.output(self, h, local_ids, weights)
+        return self.slot_output(h, local_ids, weights)
+
+    def slot_output(self, h: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `local_expert_output`, with slots [M] indexing the library module's experts directly."""
+        local_ids = slots
         kind = self.container.kind
         if h.shape[0] == 0:
             return torch.zeros_like(h)
@@ -214,14 +244,14 @@ class MoEAdapter:
             out = self.library_experts(h, local_ids[:, None], weights[:, None].to(h.dtype))
             return out.reshape(h.shape)
         if kind == "llama4":  # the library's experts take [E_local * m, D] inputs, weight folded in
-            n, rows = len(self.local), torch.arange(h.shape[0], device=h.device)
+            n, rows = self.num_slots, torch.arange(h.shape[0], device=h.device)
             inp = h.new_zeros(n, h.shape[0], h.shape[1])
             inp[local_ids, rows] = h * weights[:, None].to(h.dtype)
             return self.library_experts(inp.reshape(-1, h.shape[1])).view(n, h.shape[0], -1)[local_ids, rows]
         if kind == "jetmoe":
             block = self.block
             order = torch.argsort(local_ids, stable=True)
-            sizes = torch.bincount(local_ids, minlength=len(self.local)).tolist()
+            sizes = torch.bincount(local_ids, minlength=self.num_slots).tolist()
             hidden = block.input_linear(h[order], sizes)
             a, b = hidden.chunk(2, dim=-1)
             out = block.output_linear(block.activation(a) * b, sizes) * weights[order, None].to(h.dtype)

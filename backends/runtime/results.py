@@ -25,8 +25,10 @@ def write_rank(out_dir, rank: int, engine, out: dict, mode: str) -> None:
     for layer, parts in trace.items():
         if parts:
             routing[layer] = tuple(torch.cat(p) for p in zip(*parts))
+    cache = getattr(engine.model, "expert_cache", None)  # offloading: counters and request log
+    extra = {"expert_cache": cache.record()} if cache is not None else {}
     torch.save({"mode": mode, "max_len": engine.max_len, "logit_keys": keys, "logits": logits,
-                "routing": routing, **out}, Path(out_dir) / f"rank-{rank}.pt")
+                "routing": routing, **extra, **out}, Path(out_dir) / f"rank-{rank}.pt")
 
 
 def _summarise(counters: dict, generated_tokens: int) -> dict:
@@ -110,5 +112,17 @@ def merge(out_dir, world: int, prompts: list, decode) -> dict:
         "context": ranks[0].get("context", []),  # coherent: per block [hidden | kv, elements per token]
         **_summarise(counters, n_gen),
     }
+    if "expert_cache" in ranks[0]:
+        summary["expert_cache"] = merge_expert_caches(out_dir, ranks)
     (out_dir / "result.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
+
+
+def merge_expert_caches(out_dir: Path, ranks: list) -> dict:
+    """Offloading: per-rank cache counters summed (result.json) and the request logs (expert_cache.pt)."""
+    per_rank = [r["expert_cache"]["stats"] for r in ranks]
+    torch.save({"logs": [r["expert_cache"]["log"] for r in ranks], "resident": [r["expert_cache"]["resident"] for r in ranks]},
+               out_dir / "expert_cache.pt")
+    total = {k: sum(s[k] for s in per_rank) for k in ("requests", "hits", "loads", "bytes_moved")}
+    total["hit_ratio"] = total["hits"] / total["requests"] if total["requests"] else 0.0
+    return {**total, "ranks": per_rank}

@@ -91,6 +91,8 @@ def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, ra
                context: str = "auto") -> None:
     """Generate for every prompt in one mode; rank 0 merges the ranks' results and prints them."""
     counters = Counters(model.num_layers)  # per block; MoE-only counts stay zero on dense blocks
+    if getattr(model, "expert_cache", None) is not None:  # offloading: each mode starts from the planned residents
+        model.expert_cache.restart()
     engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device,
                     model.top_k, context)
     dist.barrier()

@@ -13,12 +13,13 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
                                                kubernetes_options, output_options, pop,
                                                weights_options, serverless_options,
                                                topology_options)
+from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, offload_request
 from moeplan.planner.errors import UserError
 from moeplan.planner.pipeline.cost import default_cost_options, describe_choice
 
 
 def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, placement, serverless,
-                    out, say, cost=None) -> dict:
+                    out, say, cost=None, offload=None) -> dict:
     """The facts a target's pass list starts from, with the flags that do not apply to it refused."""
     if target != "kubernetes" and (image is not None or storage_class is not None):
         raise UserError("--image and --storage-class apply to --target kubernetes only")
@@ -41,7 +42,7 @@ def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image
     return {"model_spec": str(model), "trace_path": str(trace_path), "out": str(out) if out is not None else None,
             "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": placement,
             "mode": mode, "target": spec, "serverless_options": serverless, "progress": say,
-            "cost_options": default_cost_options(cost)}
+            "cost_options": default_cost_options(cost), "offload_options": offload}
 
 
 def summary_of(plan, out, timings, manifest=None) -> dict:
@@ -61,6 +62,10 @@ def summary_of(plan, out, timings, manifest=None) -> dict:
         summary.update(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
                        predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction",
                                                                      "max_over_mean_load")})
+        cache = doc["communication"].get("expert_cache")
+        if cache:  # issue 13: per-rank expert caches
+            summary["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"],
+                                       "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
         cost = doc["predicted"].get("cost")
         if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
             chosen = cost["modes"][cost["mode"]]
@@ -79,7 +84,10 @@ def describe(summary: dict) -> str:
     p = summary["predicted"]
     return (f"{what}: {summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
             f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"
-            + (f"\n{summary['choice']}" if "choice" in summary else ""))
+            + (f"\n{summary['choice']}" if "choice" in summary else "")
+            + (f"\nexpert caches: {summary['expert_cache']['capacity']} entries per rank, eviction "
+               f"{summary['expert_cache']['eviction']}, predicted hit ratio {summary['expert_cache']['predicted_hit_ratio']:.3f}"
+               if "expert_cache" in summary else ""))
 
 
 @click.command("compile")
@@ -98,12 +106,20 @@ def describe(summary: dict) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--sign-key", type=click.Path(dir_okay=False), default=None,
               help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
+@offload_options
 @weights_options
 @output_options
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
                 as_json, quiet, hardware, workload, weights, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
     signer = _signer(sign_key, target)
+    offload = pop(flags, OFFLOAD_FLAGS)  # issue 13: per-rank expert caches (--gpu-memory / --expert-cache)
+    if target in ("torchrun", "kubernetes"):
+        offload = offload_request(offload, flags["validation_fraction"], flags["seed"], target=target)
+    elif offload["gpu_memory"] is not None or offload["expert_cache"] is not None:
+        raise UserError("--gpu-memory / --expert-cache apply to --target torchrun or kubernetes ('moeplan plan --target offload' plans one GPU)")
+    else:
+        offload = None
     if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
         from moeplan.planner.commands.engine_compile import compile_engine
 
@@ -117,8 +133,10 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
                             pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), out, say,
-                            {"hardware": hardware, "workload": workload})
+                            {"hardware": hardware, "workload": workload}, offload)
     if weights == "reference":  # recorded in the plan's deployment; codegen writes checkpoint indexes
+        if offload is not None:
+            raise UserError("--gpu-memory / --expert-cache need --weights copy (the expert cache reads experts from copied shards)")
         facts["target"]["weights"] = "reference"
     from moeplan.planner.pipeline.targets import run_target
 

@@ -14,7 +14,7 @@ import json
 import click
 
 from moeplan.planner.commands.compile import describe, pipeline_inputs, summary_of
-from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, plan_offload_command
+from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, offload_request, plan_offload_command
 from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS, auto_placement_options, cost_options,
                                                kubernetes_options, output_options, pop, serverless_options,
                                                topology_options)
@@ -43,9 +43,10 @@ def plan(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_c
     from moeplan.planner.pipeline.targets import run_target
 
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
+    cache = offload_request(offload, flags["validation_fraction"], flags["seed"], target=target) if target != "lambda" else None
     facts = pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class,
                             pop(flags, PLACEMENT_FLAGS), pop(flags, SERVERLESS_FLAGS), None, say,
-                            {"hardware": hardware, "workload": workload})
+                            {"hardware": hardware, "workload": workload}, cache)
     facts, timings = run_target(target, facts, plan_only=True, quiet=quiet or as_json)
     the_plan = facts["plan"]
     write_text_atomic(out, the_plan.to_json(), kind="plan")

@@ -25,7 +25,8 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "serve_batch", "max_length", "prompt_tokens")
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "serve_batch", "max_length", "prompt_tokens", "eviction")
+EVICTIONS = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")
 
 
 def offload_options(f):
@@ -37,32 +38,49 @@ def offload_options(f):
         click.option("--batch", "serve_batch", type=int, default=1, show_default=True, help="offload: sequences served at once (KV cache sizing)"),
         click.option("--max-length", type=int, default=4096, show_default=True, help="offload: tokens per sequence (KV cache sizing)"),
         click.option("--prompt-tokens", type=int, default=0, show_default=True, help="offload: first P tokens of a sequence are one prefill step"),
+        click.option("--eviction", type=click.Choice(EVICTIONS), default=None,
+                     help="torchrun/kubernetes with --gpu-memory/--expert-cache: the ranks' eviction policy "
+                          "(default: the best on held-out sequences)"),
     ]
     for opt in reversed(options):
         f = opt(f)
     return f
 
 
-def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, gpu_memory, expert_cache,
-                         hardware, serve_batch, max_length, prompt_tokens):
+def offload_request(flags: dict, validation_fraction: float, seed: int, hardware=None, target: str = "offload"):
+    """The pipeline's `offload_options` from the offload flags; None for torchrun/kubernetes without
+    --gpu-memory/--expert-cache (no expert cache). Bad values are UserErrors."""
+    gpu_memory, expert_cache = flags["gpu_memory"], flags["expert_cache"]
+    if target != "offload" and gpu_memory is None and expert_cache is None:
+        if flags["eviction"] is not None:
+            raise UserError("--eviction needs --gpu-memory BYTES or --expert-cache N (an expert cache to evict from)")
+        return None
+    if target == "offload" and flags["eviction"] is not None:
+        raise UserError("--eviction sets a bundle's policy (compile --target torchrun); --target offload compares them all")
+    if (gpu_memory is None) == (expert_cache is None):
+        raise UserError(f"--target {target} needs exactly one of --gpu-memory BYTES or --expert-cache N")
+    for name, value in (("--batch", flags["serve_batch"]), ("--max-length", flags["max_length"])):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if flags["prompt_tokens"] < 0:
+        raise UserError(f"--prompt-tokens must be 0 or more, got {flags['prompt_tokens']}")
+    if not 0 < validation_fraction < 1:
+        raise UserError(f"--validation-fraction must be between 0 and 1, got {validation_fraction}")
+    return {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
+            "expert_cache": expert_cache, "hardware": hardware, "batch": flags["serve_batch"],
+            "max_length": flags["max_length"], "prompt_tokens": flags["prompt_tokens"],
+            "validation_fraction": validation_fraction, "seed": seed, "eviction": flags["eviction"]}
+
+
+def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, hardware, **flags):
     from moeplan.planner.atomic import write_text_atomic
     from moeplan.planner.pass_manager import PassManager
     from moeplan.planner.pipeline.offload import PASSES
 
-    if (gpu_memory is None) == (expert_cache is None):
-        raise UserError("--target offload needs exactly one of --gpu-memory BYTES or --expert-cache N")
-    for name, value in (("--batch", serve_batch), ("--max-length", max_length)):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1, got {value}")
-    if prompt_tokens < 0:
-        raise UserError(f"--prompt-tokens must be 0 or more, got {prompt_tokens}")
-    if not 0 < validation_fraction < 1:
-        raise UserError(f"--validation-fraction must be between 0 and 1, got {validation_fraction}")
+    options = offload_request(flags, validation_fraction, seed, hardware)
+    options.pop("eviction")
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     t0 = time.perf_counter()
-    options = {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
-               "expert_cache": expert_cache, "hardware": hardware, "batch": serve_batch, "max_length": max_length,
-               "prompt_tokens": prompt_tokens, "validation_fraction": validation_fraction, "seed": seed}
     facts = PassManager(PASSES, quiet=True).run({"model_spec": str(model), "trace_path": str(trace_path),
                                                  "offload_options": options, "progress": say})
     the_plan = facts["plan"]

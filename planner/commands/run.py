@@ -47,7 +47,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
-            "predicted_hardware", "prompt_encoding")
+            "predicted_hardware", "prompt_encoding", "expert_cache")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[mode] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -115,6 +115,14 @@ def _print(report: dict, verify: bool) -> None:
     else:
         click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f} (slots on the home rank; "
                    f"the planner's {report['predicted_gpu_local_fraction']:.4f} is for coherent mode)")
+    if "expert_cache" in report:  # issue 13: offloaded experts
+        c = report["expert_cache"]
+        m, p = c["measured"], c["simulated"]
+        click.echo(f"  expert cache ({c['eviction']}, {c['capacity']} per rank): hit ratio {m['hit_ratio']:.4f} "
+                   f"({m['hits']}/{m['requests']}), {m['loads']} loads, {m['bytes_moved']} bytes moved; simulated "
+                   f"{p['hit_ratio']:.4f}, {p['loads']} loads, {p['bytes_moved']} bytes"
+                   + ("" if c["matches_simulation"] else " - DIFFERS")
+                   + ("" if c["requests_match_routing"] else "; requests differ from the routing"))
     if verify:
         verdict = "PASS" if report["verified"] else "FAIL"
         click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {LOGIT_TOLERANCE:g}), "

@@ -7,6 +7,8 @@ validation_fraction, seed) and `progress` (a callable for progress lines).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from moeplan.planner.pass_manager import Pass
 from moeplan.planner.pipeline.common import IMPORT, TRACE, trace_matches_model
 from moeplan.planner.plan import Plan
@@ -46,3 +48,113 @@ def _plan(facts):
 PLAN = Pass("plan", ("model", "model_spec", "trace", "trace_sha256", "offload_options", "progress"), ("plan",), _plan,
             check=routed_trace_matches_model)
 PASSES = [IMPORT, TRACE, PLAN]
+
+
+# --- expert caches inside torchrun bundles (compile --gpu-memory / --expert-cache) -------------------
+
+RUNTIME_POLICY_FILES = {"runtime/offload_policies.py": "policies.py", "runtime/offload_next_use.py": "next_use.py"}
+
+
+def _offload_request(o: dict):
+    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
+    from moeplan.passes.optimize.offload.plan import OffloadRequest
+
+    return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
+                          expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
+                          prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"])
+
+
+def _expert_cache(facts):
+    """Per-rank expert caches when compile was asked for them (`offload_options` not None)."""
+    o = facts["offload_options"]
+    if o is None:
+        return {"expert_cache": None}
+    from moeplan.passes.analysis.trace.format import require_routing
+    from moeplan.passes.optimize.offload.plan import kv_bytes_per_token
+    from moeplan.passes.optimize.offload.ranks import plan_rank_caches
+
+    require_routing(facts["trace"], "an expert cache (per-token expert requests)")
+    loaded = facts["model"]
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
+                            kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"))
+    return {"expert_cache": body}
+
+
+def runtime_policy_files() -> dict:
+    """The simulator's policy modules, shipped as the bundle runtime's policies (one implementation:
+    they import nothing of moeplan, so the runtime runs the very code the simulator ran)."""
+    from importlib import resources
+
+    package = resources.files("moeplan.passes.optimize.offload")
+    return {dest: package.joinpath(src).read_text() for dest, src in RUNTIME_POLICY_FILES.items()}
+
+
+EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options"), ("expert_cache",),
+                    _expert_cache)
+
+
+def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
+    """`moeplan run` on a bundle with expert caches: the measured counters beside the simulator's
+    replay of the requests each rank logged (same policy, capacity and residents), and whether those
+    requests are the ones the run's routing implies (routing.pt; exact order on one rank)."""
+    import numpy as np
+    import torch
+
+    from moeplan.passes.optimize.offload.next_use import NextUseModel
+    from moeplan.passes.optimize.offload.policies import make_policy
+    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.passes.optimize.offload.stream import stream_from_log
+
+    spec = plan["communication"]["expert_cache"]
+    data = torch.load(Path(out_dir) / "expert_cache.pt", weights_only=True)
+    model = NextUseModel.from_dict(spec["policy_model"]) if spec["eviction"] == "moeplan" else None
+    streams = [stream_from_log(log) for log in data["logs"]]
+    E = streams[0].num_experts
+    sims = [simulate_demand(s, int(spec["capacity"][r]), make_policy(spec["eviction"], model),
+                            resident=[l * E + e for l, e in spec["resident"][r]], expert_bytes=int(spec["runtime_expert_bytes"]))
+            for r, s in enumerate(streams)]
+    predicted = {"requests": sum(x.requests for x in sims), "hits": sum(x.hits for x in sims),
+                 "loads": sum(x.loads for x in sims), "bytes_moved": sum(x.loads * x.expert_bytes for x in sims)}
+    predicted["hit_ratio"] = predicted["hits"] / predicted["requests"] if predicted["requests"] else 0.0
+    measured = summary["expert_cache"]
+    match = all(measured[k] == predicted[k] for k in ("requests", "hits", "loads", "bytes_moved"))
+    return {"expert_cache": {"eviction": spec["eviction"], "capacity": spec["capacity"], "measured": measured,
+                             "simulated": predicted, "matches_simulation": match,
+                             "requests_match_routing": _requests_match_routing(out_dir, summary, streams)}}
+
+
+def _requests_match_routing(out_dir, summary: dict, streams: list) -> bool:
+    """One rank: the logged stream is exactly the batched engine's stream of routing.pt (order
+    included). More ranks: per (forward, layer), the union of the ranks' requested experts is the
+    set the routing implies."""
+    import numpy as np
+    import torch
+
+    from moeplan.passes.optimize.offload.stream import batched_stream
+
+    routing = torch.load(Path(out_dir) / "routing.pt", weights_only=True)
+    keys, experts, max_len = routing["keys"].numpy(), routing["experts"].numpy(), int(routing["max_len"])
+    seq, pos = keys // max_len, keys % max_len
+    prompt_len = np.array([len(p) for p in summary["prompt_ids"]])[seq]
+    forward = np.where(pos < prompt_len, 0, pos - prompt_len + 1)
+    order = np.lexsort((keys, forward))
+    expected = batched_stream(experts[order], forward[order], streams[0].num_experts)
+    if len(streams) == 1:
+        got = streams[0]
+        return all(np.array_equal(getattr(got, f), getattr(expected, f))
+                   for f in ("keys", "step_start", "step_layer", "step_token"))
+
+    def pairs(s):
+        return {(int(s.step_token[st]), int(k)) for st, k in zip(s.step, s.keys)}
+
+    return set().union(*(pairs(s) for s in streams)) == pairs(expected)
+
+
+def with_numpy(requirements: str) -> str:
+    """A bundle's requirements.txt plus the numpy its expert cache and policies import (pinned)."""
+    import numpy
+
+    if any(line.split("==")[0] == "numpy" for line in requirements.splitlines()):
+        return requirements
+    return requirements + f"numpy=={numpy.__version__}\n"

@@ -96,6 +96,10 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
     from moeplan.planner.pipeline.cost import measured_beside_predicted  # issue 12: the cost model, checked
 
     report.update(measured_beside_predicted(root, plan, out_dir, mode, summary, context))
+    if plan["communication"].get("expert_cache"):  # issue 13: measured cache counters beside the simulator's
+        from moeplan.planner.pipeline.offload import cache_beside_simulation
+
+        report.update(cache_beside_simulation(root, plan, out_dir, summary))
     if verify:
         from moeplan.backends.torchrun.verify import VerifyError, compare
 
@@ -105,5 +109,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
             raise UserError(str(exc)) from None
         locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
         report["locality_matches_prediction"] = locality_ok
-        report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok)
+        cache = report.get("expert_cache", {"matches_simulation": True, "requests_match_routing": True})
+        report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE and locality_ok
+                                  and cache["matches_simulation"] and cache["requests_match_routing"])
     return report

@@ -58,7 +58,7 @@ def _require_weights(loaded, model_spec: str) -> None:
 
 def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str, placement_options: dict,
                    mode: str = "coherent", quiet: bool = False, target: dict | None = None,
-                   cost_options: dict | None = None) -> tuple:
+                   cost_options: dict | None = None, offload_options: dict | None = None) -> tuple:
     """A torchrun (or kubernetes) bundle from Python, as `moeplan compile` writes it; (facts, timings).
 
     `placement_options` holds any `PlacementRequest` fields (policy, redundant, time_limit, ...);
@@ -73,4 +73,5 @@ def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: 
     return run_target(target["name"], {
         "model_spec": str(model_spec), "trace_path": str(trace_path), "out": str(out),
         "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": dict(placement_options),
-        "mode": mode, "target": target, "cost_options": default_cost_options(cost_options)}, quiet=quiet)
+        "mode": mode, "target": target, "cost_options": default_cost_options(cost_options),
+        "offload_options": offload_options}, quiet=quiet)

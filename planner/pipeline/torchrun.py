@@ -23,6 +23,7 @@ import numpy as np
 
 from moeplan.planner.pass_manager import Pass
 from moeplan.planner.pipeline import cost as cost_passes
+from moeplan.planner.pipeline import offload as offload_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline import common
 from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, trace_matches_model
@@ -72,6 +73,10 @@ def _plan(facts):
                 "options": facts["placement_options"]},
         deployment={k: v for k, v in target.items() if k != "name"},
     )
+    if facts["expert_cache"] is not None:  # issue 13: each rank caches among its experts (pipeline/offload.py)
+        plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
+                                   predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
+                                   inputs={**plan.inputs, "offload": facts["offload_options"]})
     return {"plan": plan}
 
 
@@ -106,6 +111,13 @@ def write_torchrun_bundle(out, plan: Plan, weights, model_files: dict, checkpoin
             manifest = write_bundle(tmp, plan, weights, model_files["files"])
         except WeightsMismatch as exc:
             raise UserError(f"{exc}; give the plan's model with --model or plan again") from None
+        if plan.communication.get("expert_cache"):  # the runtime's cache runs the simulator's policy code
+            from moeplan.backends.common.files import write_file
+
+            for rel, text in offload_passes.runtime_policy_files().items():
+                write_file(tmp / rel, text)
+            write_file(tmp / "requirements.txt", offload_passes.with_numpy((tmp / "requirements.txt").read_text()))
+            manifest = write_manifest(tmp)
         if plan.target == "kubernetes":
             from moeplan.backends.kubernetes.codegen import write_manifests
 
@@ -156,9 +168,9 @@ AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
 PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
-                     "target", "cost"), ("plan",), _plan)
+                     "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out", "target"), ("manifest",), _codegen,
                check=needs_weights)
 IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 
-PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, PLAN, CODEGEN]
+PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN, CODEGEN]

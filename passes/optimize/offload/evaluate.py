@@ -14,10 +14,13 @@ from moeplan.passes.optimize.offload.simulate import simulate_demand, simulate_t
 PREFETCH_MODES = ("none", "moe-infinity", "moeplan")
 
 
-def run_demand(stream, capacity, resident, model, policies=DEMAND_POLICIES, expert_bytes: int = 0) -> dict:
-    """{policy: Result.to_dict()} in demand mode."""
-    return {name: simulate_demand(stream, capacity, make_policy(name, model), resident=resident,
-                                  expert_bytes=expert_bytes).to_dict() for name in policies}
+def run_demand(stream, capacity, resident, model, policies=DEMAND_POLICIES, expert_bytes: int = 0, known=None) -> dict:
+    """{policy: Result.to_dict()} in demand mode; `known` {policy: result} already simulated on the
+    same stream, capacity, residents and model (the planner's mix tuning ran moeplan) is reused."""
+    known = known or {}
+    return {name: known[name] if name in known else
+            simulate_demand(stream, capacity, make_policy(name, model), resident=resident, expert_bytes=expert_bytes).to_dict()
+            for name in policies}
 
 
 def run_prefetch(stream, capacity, resident, model, eamc, timing, modes=PREFETCH_MODES) -> dict:

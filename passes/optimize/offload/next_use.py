@@ -176,14 +176,21 @@ def _shrunk(sums: np.ndarray, counts: np.ndarray, fallback: float = 0.0) -> np.n
 def _affinity(stream, T: int, prior: np.ndarray) -> np.ndarray:
     """P(token uses e at lc+1 | it uses e' at lc) [L, E, E], smoothed towards prior[lc+1, e]."""
     L, E = stream.num_layers, stream.num_experts
-    X = np.zeros((T, L, E), dtype=np.float32)
     keep = stream.step_token[stream.step] < T
     k = stream.keys[keep]
-    X[stream.step_token[stream.step[keep]], k // E, k % E] = 1.0
+    tok, layer, expert = stream.step_token[stream.step[keep]], k // E, k % E
+    by_layer = [(tok[layer == l], expert[layer == l]) for l in range(L)]  # each token's distinct experts per layer
     out = np.repeat(prior[:, None, :], E, axis=1)  # last layer: unused
-    for lc in range(L - 1):
-        joint = (X[:, lc, :].T @ X[:, lc + 1, :]).astype(np.float64)
-        n = X[:, lc, :].sum(axis=0).astype(np.float64)
+    for lc in range(L - 1):  # co-occurrence counts by a join on the token (sparse: k x k pairs per token)
+        (t0, e0), (t1, e1) = by_layer[lc], by_layer[lc + 1]
+        o0, o1 = np.argsort(t0, kind="stable"), np.argsort(t1, kind="stable")
+        t0, e0, t1, e1 = t0[o0], e0[o0], t1[o1], e1[o1]
+        lo, hi = np.searchsorted(t1, t0, side="left"), np.searchsorted(t1, t0, side="right")
+        reps = hi - lo
+        first = np.repeat(e0, reps)
+        idx = np.repeat(lo - np.r_[0, np.cumsum(reps)[:-1]], reps) + np.arange(reps.sum())
+        joint = np.bincount(first * E + e1[idx], minlength=E * E).reshape(E, E).astype(np.float64)
+        n = np.bincount(e0, minlength=E).astype(np.float64)
         out[lc] = (joint + SHRINK * prior[lc + 1][None, :]) / (n[:, None] + SHRINK)
     return out
 

@@ -152,12 +152,16 @@ def capped(stream, max_requests: int):
 MIXES = (0.0, 0.25, 0.5, 0.75)  # 1.0 would drop the learned model for a (Bayesian) LFU
 
 
-def tune_mix(model, stream, capacity: int, resident) -> tuple:
+def tune_mix(model, stream, capacity: int, resident, expert_bytes: int = 0, results: dict | None = None) -> tuple:
     """The moeplan policy's frequency weight with the best demand hit ratio on `stream` (ties: the
-    smaller weight), and every weight's hit ratio."""
-    hits = {w: simulate_demand(stream, capacity, make_policy("moeplan", model.with_mix(w)), resident=resident).hit_ratio
-            for w in MIXES}
+    smaller weight), and every weight's hit ratio. With `results` (a dict), the chosen weight's
+    simulation is stored there as results["moeplan"] (Result.to_dict()), so it is not run again."""
+    runs = {w: simulate_demand(stream, capacity, make_policy("moeplan", model.with_mix(w)), resident=resident,
+                               expert_bytes=expert_bytes) for w in MIXES}
+    hits = {w: r.hit_ratio for w, r in runs.items()}
     best = max(MIXES, key=lambda w: (hits[w], -w))
+    if results is not None:
+        results["moeplan"] = runs[best].to_dict()
     return model.with_mix(best), hits
 
 
@@ -179,9 +183,10 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
     timing = timing_for(ir, req.hardware, host_keys)
     timing = Timing.from_dict(timing.to_dict(), host_keys)  # exactly what the plan stores
     stream = capped(build_stream(val, req.prompt_tokens), req.max_sim_requests)
-    model, mix_hits = tune_mix(model, stream, capacity, resident)
+    tuned = {}
+    model, mix_hits = tune_mix(model, stream, capacity, resident, budget["expert_bytes"], tuned)
     say("moeplan policy mix (frequency weight): " + ", ".join(f"{w:g} -> {h:.4f}" for w, h in mix_hits.items()))
-    demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"])
+    demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"], known=tuned)
     eviction = max(ONLINE_POLICIES, key=lambda p: (demand[p]["hit_ratio"], -ONLINE_POLICIES.index(p)))
     prefetch = run_prefetch(stream, capacity, resident, model, eamc.eamc, timing)
     best_prefetch = min(PREFETCH_MODES, key=lambda m: (prefetch[m]["seconds_per_token"], PREFETCH_MODES.index(m)))

@@ -73,16 +73,7 @@ def build_stream(trace: Trace, prompt_tokens: int = 0) -> Stream:
     f_e = np.repeat(forward_of, L * K)
     l_e = np.tile(np.repeat(np.arange(L), K), T)
     o_e = np.repeat(row_in_forward, L * K) * K + np.tile(np.arange(K), T * L)
-    e_e = ex.reshape(-1).astype(np.int64)
-    order_e = np.lexsort((o_e, l_e, f_e))
-    f_e, l_e, e_e = f_e[order_e], l_e[order_e], e_e[order_e]
-    valid = e_e >= 0
-    f_e, l_e, e_e = f_e[valid], l_e[valid], e_e[valid]
-    step_e = f_e * L + l_e
-    # a step requests each expert once: keep the first occurrence (only prefill or repeated ids)
-    _, first = np.unique(step_e * E + e_e, return_index=True)
-    keep = np.sort(first)
-    step_e, keys = step_e[keep], l_e[keep] * E + e_e[keep]
+    step_e, keys = _requests(f_e, l_e, o_e, ex.reshape(-1).astype(np.int64), L, E)
     S = F * L
     step_layer = np.tile(np.arange(L, dtype=np.int64), F)
     step_token = np.repeat(np.arange(F, dtype=np.int64), L)
@@ -92,6 +83,20 @@ def build_stream(trace: Trace, prompt_tokens: int = 0) -> Stream:
     return Stream(keys=keys.astype(np.int64), step=step_e.astype(np.int64), step_layer=step_layer,
                   step_token=step_token, step_seq=step_seq, step_start=step_start, num_layers=L,
                   num_experts=E, num_tokens=F, generated_tokens=T)
+
+
+def _requests(f_e, l_e, o_e, e_e, L: int, E: int) -> tuple:
+    """(step = forward * L + layer, key) of every request, in stream order, from one entry per
+    (row, layer, choice): ordered by (forward, layer, row order o_e); -1s dropped; a step requests
+    each expert once (the first occurrence is kept: prefill, or a repeated id)."""
+    order = np.lexsort((o_e, l_e, f_e))
+    f_e, l_e, e_e = f_e[order], l_e[order], e_e[order]
+    valid = e_e >= 0
+    f_e, l_e, e_e = f_e[valid], l_e[valid], e_e[valid]
+    step_e = f_e * L + l_e
+    _, first = np.unique(step_e * E + e_e, return_index=True)
+    keep = np.sort(first)
+    return step_e[keep], l_e[keep] * E + e_e[keep]
 
 
 def truncate(stream: Stream, max_requests: int) -> Stream:
@@ -105,3 +110,45 @@ def truncate(stream: Stream, max_requests: int) -> Stream:
                   step_token=stream.step_token[:S], step_seq=stream.step_seq[:S], step_start=stream.step_start[:S + 1],
                   num_layers=L, num_experts=stream.num_experts, num_tokens=forwards,
                   generated_tokens=min(stream.generated_tokens, forwards))
+
+
+def restrict(stream: Stream, key_mask: np.ndarray) -> Stream:
+    """The requests of keys in `key_mask` (bool [N]) only, steps kept: what one rank of an
+    expert-parallel deployment serves from its own experts."""
+    keep = key_mask[stream.keys]
+    kept_before = np.r_[0, np.cumsum(keep)]
+    return Stream(keys=stream.keys[keep], step=stream.step[keep], step_layer=stream.step_layer,
+                  step_token=stream.step_token, step_seq=stream.step_seq,
+                  step_start=kept_before[stream.step_start].astype(np.int64), num_layers=stream.num_layers,
+                  num_experts=stream.num_experts, num_tokens=stream.num_tokens, generated_tokens=stream.generated_tokens)
+
+
+def stream_from_log(log: dict) -> Stream:
+    """The stream a runtime expert cache recorded (backends/runtime/expert_cache.OnlineStream.to_record):
+    its steps as served, so the simulator replays exactly the requests the run made."""
+    arr = lambda name: np.asarray(log[name], dtype=np.int64).reshape(-1)
+    keys, start = arr("keys"), arr("step_start")
+    step = np.repeat(np.arange(len(start) - 1, dtype=np.int64), np.diff(start))
+    tokens = arr("step_token")
+    forwards = int(tokens.max()) + 1 if len(tokens) else 0
+    return Stream(keys=keys, step=step, step_layer=arr("step_layer"), step_token=tokens, step_seq=arr("step_seq"),
+                  step_start=start, num_layers=int(log["num_layers"]), num_experts=int(log["num_experts"]),
+                  num_tokens=forwards, generated_tokens=forwards)
+
+
+def batched_stream(experts: np.ndarray, forward: np.ndarray, num_experts: int) -> Stream:
+    """The stream of a batched engine (one rank holding every expert): experts [T, L, K] of rows
+    already in the engine's row order, forward [T] the forward pass of each row (non-decreasing).
+    Per forward and MoE layer one step requesting its rows' distinct experts in row-major order;
+    steps without requests are dropped (the runtime logs none). All steps are sequence 0."""
+    T, L, K = experts.shape
+    F = int(forward[-1]) + 1 if T else 0
+    f_e = np.repeat(forward.astype(np.int64), L * K)
+    l_e = np.tile(np.repeat(np.arange(L), K), T)
+    o_e = np.arange(T * L * K) % K + np.repeat(np.arange(T), L * K) * K
+    step_full, keys = _requests(f_e, l_e, o_e, experts.reshape(-1).astype(np.int64), L, num_experts)
+    used, step = np.unique(step_full, return_inverse=True)
+    start = np.searchsorted(step, np.arange(len(used) + 1), side="left").astype(np.int64)
+    return Stream(keys=keys.astype(np.int64), step=step.astype(np.int64), step_layer=(used % L).astype(np.int64),
+                  step_token=(used // L).astype(np.int64), step_seq=np.zeros(len(used), np.int64), step_start=start,
+                  num_layers=L, num_experts=num_experts, num_tokens=F, generated_tokens=T)

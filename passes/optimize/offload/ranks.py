@@ -1,0 +1,84 @@
+"""Expert caches for an expert-parallel bundle (`moeplan compile --target torchrun --gpu-memory B |
+--expert-cache N`): each rank caches among its own experts.
+
+Why per rank: under expert parallelism a rank only ever runs the experts the placement gives it,
+so its cache competes only among those keys; the request stream it sees is the planning stream
+restricted to them (stream.restrict). Per rank r:
+* capacity C_r = min(C, |experts of r|), C from the one-GPU memory budget (plan.memory_budget:
+  dense weights, KV cache, activations, reserve; every rank holds the dense weights) or N;
+* residents: its C_r most popular keys on the planning half;
+* eviction: given, or the online policy with the most held-out hits summed over ranks (ties:
+  moeplan first); the moeplan policy's frequency weight is tuned on the same sum.
+The runtime runs demand paging (no prefetch): its hit ratio and bytes must equal the simulator's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moeplan.passes.analysis.activation import popularity_by_layer
+from moeplan.passes.optimize.offload.next_use import fit_next_use
+from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, memory_budget,
+                                                 popular_keys, split_by_sequence)
+from moeplan.passes.optimize.offload.policies import make_policy
+from moeplan.passes.optimize.offload.simulate import simulate_demand
+from moeplan.passes.optimize.offload.stream import build_stream, restrict
+from moeplan.planner.errors import UserError
+
+RUNTIME_POLICIES = ONLINE_POLICIES  # what a bundle can run (Belady needs the future)
+
+
+def runtime_expert_bytes(ir) -> int:
+    """Bytes one expert load moves in the runtime, which holds weights as float32."""
+    from moeplan.planner.ir import dtype_bytes
+
+    return int(round(ir.moe_stages[0].expert_param_bytes / dtype_bytes(ir.dtype))) * 4
+
+
+def rank_keys(hosts: np.ndarray) -> list:
+    """Per rank, the bool [L * E] mask of the keys it hosts (hosts: bool [L, E, D])."""
+    L, E, D = hosts.shape
+    return [hosts[:, :, d].reshape(L * E) for d in range(D)]
+
+
+def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_token: int, eviction=None,
+                     say=lambda m: None) -> dict:
+    """{"communication": the plan's expert_cache section, "predicted": per-rank held-out figures}."""
+    if eviction is not None and eviction not in RUNTIME_POLICIES:
+        raise UserError(f"--eviction {eviction} cannot run in a bundle; use one of {', '.join(RUNTIME_POLICIES)}")
+    budget = memory_budget(ir, kv_per_token, req)
+    masks = rank_keys(hosts)
+    fit_rows, val_rows = split_by_sequence(trace, req.validation_fraction)
+    fit, val = trace.select(fit_rows), trace.select(val_rows)
+    popularity = popularity_by_layer(fit)
+    model = fit_next_use(build_stream(fit), popularity)
+    flat_pop = popularity.reshape(-1)
+    capacities, residents = [], []
+    for mask in masks:
+        local = int(mask.sum())
+        cap = max(1, min(int(budget["capacity"]), local))
+        capacities.append(cap)
+        residents.append(popular_keys(np.where(mask, flat_pop, -1.0), min(cap, local)))
+    stream = capped(build_stream(val, req.prompt_tokens), req.max_sim_requests)
+    per_rank = [restrict(stream, m) for m in masks]
+
+    def hits(name, m):
+        return [simulate_demand(s, c, make_policy(name, m), resident=r) for s, c, r in zip(per_rank, capacities, residents)]
+
+    mix_hits = {w: sum(x.hits for x in hits("moeplan", model.with_mix(w))) for w in MIXES}
+    model = model.with_mix(max(MIXES, key=lambda w: (mix_hits[w], -w)))
+    results = {name: hits(name, model) for name in RUNTIME_POLICIES}
+    total = {name: sum(x.hits for x in rs) for name, rs in results.items()}
+    chosen = eviction or max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
+    requests = sum(x.requests for x in results[chosen])
+    E = ir.moe_stages[0].num_experts
+    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}")
+    return {
+        "communication": {"capacity": capacities, "eviction": chosen, "prefetch": "none",
+                          "resident": [[[k // E, k % E] for k in r] for r in residents],
+                          "memory": budget, "policy_model": model.to_dict(),
+                          "runtime_expert_bytes": runtime_expert_bytes(ir)},
+        "predicted": {"hit_ratio": total[chosen] / requests if requests else 0.0,
+                      "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
+                      "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
+                      "validation_tokens": stream.num_tokens},
+    }
