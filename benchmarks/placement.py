@@ -82,6 +82,27 @@ def split_by_sequence(trace):
     return trace.select(~held_out), trace.select(held_out)
 
 
+def placement_row(case_name: str, label: str, placement, metrics: dict, seconds: float) -> dict:
+    """One benchmark row: the scored metrics beside the solver's own record (seconds, gap, stop)."""
+    return {
+        "case": case_name,
+        "policy": label,
+        "gpu_local_fraction": metrics["gpu_local_fraction"],
+        "node_local_fraction": metrics["node_local_fraction"],
+        "max_over_mean_load": metrics["max_over_mean_load"],
+        "solve_seconds": placement.metrics.get("solve_seconds", seconds),
+        "gap": placement.metrics.get("gap"),
+        "stopped_by": placement.metrics.get("stopped_by"),
+    }
+
+
+def row_summary(row: dict) -> str:
+    """The log line's common part: locality, balance, seconds and the gap where there is one."""
+    return (f"gpu-local {row['gpu_local_fraction']:.4f}  node-local {row['node_local_fraction']:.4f}  "
+            f"max/mean {row['max_over_mean_load']:.4f}  {row['solve_seconds']:.1f}s"
+            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else ""))
+
+
 def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0) -> list:
     from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
     from moeplan.passes.optimize.placement.decision import Topology
@@ -118,20 +139,9 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort
             placement = plan_placement(plan_trace, request)
         seconds = time.perf_counter() - start
         metrics = evaluate_placement(placement, score_trace) if score_trace is not plan_trace else placement.metrics
-        row = {
-            "case": case.name,
-            "policy": label,
-            "gpu_local_fraction": metrics["gpu_local_fraction"],
-            "node_local_fraction": metrics["node_local_fraction"],
-            "max_over_mean_load": metrics["max_over_mean_load"],
-            "solve_seconds": placement.metrics.get("solve_seconds", seconds),
-            "gap": placement.metrics.get("gap"),
-            "stopped_by": placement.metrics.get("stopped_by"),
-        }
+        row = placement_row(case.name, label, placement, metrics, seconds)
         rows.append(row)
-        log(f"  {case.name:14s} {label:22s} gpu-local {row['gpu_local_fraction']:.4f}  node-local "
-            f"{row['node_local_fraction']:.4f}  max/mean {row['max_over_mean_load']:.4f}  {row['solve_seconds']:.1f}s"
-            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else "")
+        log(f"  {case.name:14s} {label:22s} " + row_summary(row)
             + ("  STOPPED BY TIME LIMIT (not reproducible)" if row["stopped_by"] == "time_limit" else ""))
     return rows
 
@@ -211,21 +221,11 @@ def run_corpus_case(case, plan_trace, score_trace, time_limit: float, log, effor
             continue
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
-        metrics = evaluate_placement(placement, score_trace)
-        row = {
-            "case": case.name, "policy": attempt_label, "cpu_seconds": cpu_seconds,
-            "plan_max_over_mean_load": evaluate_placement(placement, plan_trace)["max_over_mean_load"],
-            "gpu_local_fraction": metrics["gpu_local_fraction"],
-            "node_local_fraction": metrics["node_local_fraction"],
-            "max_over_mean_load": metrics["max_over_mean_load"],
-            "solve_seconds": placement.metrics.get("solve_seconds", seconds),
-            "gap": placement.metrics.get("gap"),
-            "stopped_by": placement.metrics.get("stopped_by"),
-        }
+        row = {**placement_row(case.name, attempt_label, placement, evaluate_placement(placement, score_trace), seconds),
+               "cpu_seconds": cpu_seconds,
+               "plan_max_over_mean_load": evaluate_placement(placement, plan_trace)["max_over_mean_load"]}
         rows.append(row)
-        log(f"  {case.name:22s} {attempt_label:30s} gpu-local {row['gpu_local_fraction']:.4f}  node-local "
-            f"{row['node_local_fraction']:.4f}  max/mean {row['max_over_mean_load']:.4f}  {row['solve_seconds']:.1f}s"
-            + (f"  gap {row['gap']:.3f}" if row["gap"] is not None else "")
+        log(f"  {case.name:22s} {attempt_label:30s} " + row_summary(row)
             + (f"  stopped_by {row['stopped_by']}" if row["stopped_by"] else "")
             + f"  (planning half max/mean {row['plan_max_over_mean_load']:.4f}, cpu {cpu_seconds:.1f}s)")
     return rows
