@@ -40,6 +40,14 @@ def counting_bound(counts: np.ndarray, row_cap: int, col_cap: int) -> float:
     return float(total - min(best_rows, best_cols, total))
 
 
+def _cross_transitions(result, weights: np.ndarray):
+    """Transitions no placement keeps local: all of them (weights: float [n], one per observed pair)
+    less the LP's most local ones (its objective is their negation); None if the LP stopped early."""
+    if result.status != "optimal":
+        return None
+    return float(weights.sum() + result.objective)
+
+
 def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: float, time_limit: float,
                    iteration_limit: int = None) -> float:
     """Cross transitions >= total - max fractional b-matching (see module); None if the LP stops early."""
@@ -58,9 +66,7 @@ def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: flo
     upper = np.concatenate([np.full(E, row_cap), np.full(E, col_cap), [pair_cap]]).astype(np.float64)
     result = solve_milp(-weights, A, np.full(2 * E + 1, -np.inf), upper, np.zeros(n), np.ones(n),
                         np.zeros(n, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
-    if result.status != "optimal":
-        return None
-    return float(weights.sum() + result.objective)
+    return _cross_transitions(result, weights)
 
 
 def transition_lower_bound(counts: np.ndarray, partitions: int, slots_per_partition: int,
@@ -167,9 +173,7 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     cost = np.concatenate([-c, np.zeros(2 * E)])
     result = solve_milp(cost, A, lo, hi, lower, upper, np.zeros(n + 2 * E, dtype=bool), time_limit=time_limit,
                         iteration_limit=iteration_limit)
-    if result.status != "optimal":
-        return None
-    return float(c.sum() + result.objective)
+    return _cross_transitions(result, c)
 
 
 def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float,
@@ -249,9 +253,7 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
     cost[y_cols] = -c[pair]
     result = solve_milp(cost, A, np.concatenate(lo), np.concatenate(hi), np.zeros(ncols), np.ones(ncols),
                         np.zeros(ncols, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
-    if result.status != "optimal":
-        return None
-    return float(c.sum() + result.objective)
+    return _cross_transitions(result, c)
 
 
 def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: np.ndarray, partitions: int,
