@@ -43,12 +43,15 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing
-from moeplan.passes.optimize.placement.held_out import held_out_caps
+from moeplan.passes.optimize.placement.exchanges import pair_tables, steepest_exchanges
+from moeplan.passes.optimize.placement.gpu_sweeps import gpu_sweeps
+from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_caps
 from moeplan.passes.optimize.placement.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
 from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
                                                       routed_value)
+from moeplan.passes.optimize.placement.transport import TransportLP
 from moeplan.planner.errors import UserError
 
 
@@ -147,19 +150,9 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
 def improve_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -> np.ndarray:
     """Steepest-ascent exchanges: move one replica of e from p to q and one of f from q to p
     while that gains and keeps both partitions under the cap and within the per-partition limit.
-    Deterministic (ties: lowest index) and vectorised over all unit pairs."""
-    assign = assign.copy()
-    partition_load = loads @ assign
-    for _ in range(max_rounds):
-        e, p, delta, shift, ok = _exchanges(gain, assign, limit, loads)
-        ok &= partition_load[p][:, None] + shift <= cap * (1 + 1e-9)
-        ok &= partition_load[p][None, :] - shift <= cap * (1 + 1e-9)
-        delta = np.where(ok, delta, -np.inf)
-        i, j = divmod(int(np.argmax(delta)), len(e))
-        if not delta[i, j] > 1e-9:
-            break
-        _exchange(assign, partition_load, loads, e, p, i, j)
-    return assign
+    Deterministic (ties: lowest index); the pair tables are patched move by move
+    (`placement/exchanges.py`), not recomputed."""
+    return steepest_exchanges(gain, assign, limit, loads, cap, max_rounds)
 
 
 def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -> np.ndarray:
@@ -174,7 +167,7 @@ def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -
         over = np.clip(partition_load - cap, 0, None)
         if over.sum() <= 0:
             break
-        e, p, delta, shift, ok = _exchanges(gain, assign, limit, loads)
+        e, p, delta, shift, ok = pair_tables(gain, assign, limit, loads)
         new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
         new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
         cut = over[p][:, None] + over[p][None, :] - new_i - new_j
@@ -185,18 +178,6 @@ def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -
             break
         _exchange(assign, partition_load, loads, e, p, i, j)
     return assign
-
-
-def _exchanges(gain, assign, limit, loads):
-    """Every exchange of two units (i = e_i on p_i, j = e_j on p_j): (e, p, gain [i, j], load shift
-    on p_i [i, j], allowed [i, j] by distinct partitions/experts and the per-partition limit)."""
-    e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
-    delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
-    ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
-    ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
-    ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
-    shift = loads[e][None, :] - loads[e][:, None]
-    return e, p, delta, shift, ok
 
 
 def _exchange(assign, partition_load, loads, e, p, i, j) -> None:
@@ -219,8 +200,9 @@ def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25
     n, P = gain.shape
     price = np.zeros(P)
     scale = max(float(np.abs(gain).max()), 1e-9) / max(float(loads.max()), 1e-9)
+    lp = None if np.all(to_place == 1) else TransportLP(to_place, limit, slots)
     for round_ in range(rounds):
-        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots, budget)
+        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots, budget, lp)
         if assign is None:
             return None
         partition_load = loads @ assign
@@ -231,8 +213,10 @@ def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25
     return None
 
 
-def _transport(value, to_place, limit, slots, budget: WorkBudget = None):
-    """int [n, P] maximising sum value * m with row sums to_place, column sums slots, m <= limit."""
+def _transport(value, to_place, limit, slots, budget: WorkBudget = None, lp: TransportLP = None):
+    """int [n, P] maximising sum value * m with row sums to_place, column sums slots, m <= limit
+    (None when the LP stopped early). One replica per expert: a linear assignment; otherwise the
+    step's `TransportLP` (built here when not given), re-solved from its last basis."""
     n, P = value.shape
     if np.all(to_place == 1):
         from scipy.optimize import linear_sum_assignment
@@ -242,24 +226,12 @@ def _transport(value, to_place, limit, slots, budget: WorkBudget = None):
         assign = np.zeros((n, P), dtype=np.int64)
         assign[rows, columns[cols]] = 1
         return assign
-    nm = n * P
-    index = np.arange(nm)
-    A = sp.vstack([
-        sp.csr_matrix((np.ones(nm), (np.repeat(np.arange(n), P), index)), shape=(n, nm)),
-        sp.csr_matrix((np.ones(nm), (np.tile(np.arange(P), n), index)), shape=(P, nm)),
-    ]).tocsc()
-    bounds = np.concatenate([to_place, slots]).astype(float)
     budget = budget or WorkBudget()
-    result = solve_milp(-value.ravel(), A, bounds, bounds, np.zeros(nm), np.repeat(limit, P).astype(float),
-                        np.zeros(nm, dtype=bool), time_limit=budget.seconds_left())
-    budget.record(result)
-    if result.x is None:
-        return None
-    x = result.x.reshape(n, P)
-    rounded = np.rint(x)
-    if np.abs(x - rounded).max() > 1e-6:  # a non-vertex optimum: leave it to the MIP
-        return None
-    return rounded.astype(np.int64)
+    lp = lp or TransportLP(to_place, limit, slots)
+    assign, status = lp.solve(value, budget.seconds_left())
+    if status == "time_limit":
+        budget.timed_out = True
+    return assign
 
 
 def _objective(counts, share, present):
@@ -433,7 +405,7 @@ class StagedSolution:
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
                      solver: str, budget: WorkBudget = None, routed: RoutedTrace = None,
-                     scenarios: np.ndarray = None) -> StagedSolution:
+                     scenarios: np.ndarray = None, held_out_balance: bool = False) -> StagedSolution:
     """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
 
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
@@ -451,29 +423,53 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     by the excess (`held_out.held_out_caps`) and the solution is walked down to them by re-slotting
     moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
     under the lowered caps lost it), then polished by routed steps; a layer the walk cannot fit
-    keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) this is skipped."""
+    keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) the walk is GPU-level
+    exchange sweeps over the lowered layers (`gpu_sweeps.py`).
+
+    `held_out_balance`: the caps are for held-out traffic, not the planning trace: each layer's
+    planning cap is first lowered by the packing's expected held-out rise (sampling noise: +0.07 x
+    mean at 64 GPUs with 5 slots each, where a placement planned at 1.10 lands at 1.16), never
+    below the packing's own max load; the walk above then keeps the expected held-out max under
+    the requested cap."""
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
     replicas, caps = eplb_replicas_and_caps(loads, D, redundant, balance, balance_base)
     budget = budget or WorkBudget()
     packed = initial_hosts(loads, replicas, D, slots)
+    has_scenarios = scenarios is not None and len(scenarios) > 0
+    if held_out_balance and has_scenarios:
+        packed_max = max_gpu_loads(packed, loads)
+        rise = np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+        caps = np.minimum(np.maximum(caps - rise, packed_max * (1 + 1e-9)), caps)
     solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
-    if scenarios is None or len(scenarios) == 0 or not reslot_applies(E + redundant, D, budget) or budget.expired():
-        return solution  # at DeepSeek-V3 scale the walk (re-slotting moves) is too costly at effort 1
+    if not has_scenarios or budget.expired():
+        return solution
+    at_scale = not reslot_applies(E + redundant, D, budget)  # re-slotting moves cost minutes there: GPU sweeps walk
     floor = np.minimum(least_max_load(loads, replicas, D, slots) * (1 + 1e-6), caps)
     hosts, current, lowered, moves = solution.hosts, caps, 0, 0
-    for _ in range(HELD_OUT_ROUNDS):
+    for _ in range(HELD_OUT_ROUNDS_AT_SCALE if at_scale else HELD_OUT_ROUNDS):
         robust = held_out_caps(hosts, packed, loads, caps, current, scenarios, floor)
         if not np.any(robust < current * (1 - 1e-9)) or budget.expired():
             break
         lowered += int((robust < current * (1 - 1e-9)).sum())
-        walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
+        if at_scale:
+            walked, made = gpu_sweeps(hosts, counts, loads, robust, topology.gpus_per_node, budget,
+                                      layers=np.flatnonzero(robust < current * (1 - 1e-9)))
+            over = over_cap_layers(walked, loads, robust)
+            if over:  # exchanges alone could not fit these: walk them again from the packing, the least rising start
+                walked[over] = packed[over]
+                walked, more = gpu_sweeps(walked, counts, loads, robust, topology.gpus_per_node, budget, layers=over)
+                made, over = made + more, over_cap_layers(walked, loads, robust)
+        else:
+            walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
         walked[over] = hosts[over]  # layers the walk could not bring under the lowered cap keep their placement
         current = np.maximum(robust, max_gpu_loads(walked, loads))
-        if routed is not None:
+        if routed is not None and not at_scale:
             walked, _ = routed_polish(walked, routed, loads, current, budget, solver)
         hosts, moves = walked, moves + made
+    if lowered and at_scale:
+        hosts, current = _packing_where_rising(hosts, packed, counts, loads, caps, current, scenarios, topology, budget)
     if lowered:
         solution.hosts, solution.replicas = hosts, hosts.sum(axis=2)
         solution.caps = current  # the bound is then for placements at least as balanced, layer by layer
@@ -482,7 +478,28 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     return solution
 
 
+def _packing_where_rising(hosts, packed, counts, loads, caps, current, scenarios, topology, budget) -> tuple:
+    """Layers still expected to rise above the packing's held-out max after the walk (their cap at its
+    floor, the hottest replica's GPU) restart from the packing, improved by GPU sweeps under its own max
+    load, and keep it outright if those sweeps raise the expected max again. Returns (hosts, caps met)."""
+    packed_max = max_gpu_loads(packed, loads)
+    allowed = caps + np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+    rising = np.flatnonzero(expected_max_loads(hosts, loads, scenarios) > allowed * (1 + 1e-9))
+    if len(rising) == 0:
+        return hosts, current
+    hosts = hosts.copy()
+    hosts[rising] = packed[rising]
+    current = current.copy()
+    current[rising] = np.minimum(current[rising], packed_max[rising] * (1 + 1e-9))
+    hosts, _ = gpu_sweeps(hosts, counts, loads, current, topology.gpus_per_node, budget, layers=rising)
+    again = rising[expected_max_loads(hosts[rising], loads[rising], scenarios[:, rising]) > allowed[rising] * (1 + 1e-9)]
+    hosts[again] = packed[again]
+    return hosts, current
+
+
 HELD_OUT_ROUNDS = 3  # re-solves under lowered caps at most (each only if some layer's held-out rise is too large)
+HELD_OUT_ROUNDS_AT_SCALE = 8  # GPU-sweep walks of the lowered layers only (~1 CPU s each at DeepSeek-V3 scale); a
+# lowering by the excess undershoots (GPUs under the cap rise too), 3 rounds left 14 of 58 layers above it there
 
 
 def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget,
@@ -493,6 +510,8 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
     slots = (E + redundant) // D
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
                            max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
+    if not reslot_applies(E + redundant, D, budget):
+        return _solve_at_scale(problem, topology, packed, slots, routed)
     best = None
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
@@ -530,6 +549,20 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
         best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
     hosts = best[1]
     return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes)
+
+
+def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
+    """DeepSeek-V3 scale: GPU-level exchange sweeps from the packing (`gpu_sweeps.py`; the staged steps'
+    node splits pack badly under a tight cap there), layers left over their cap repaired, then
+    routed exchanges valued on the planning trace itself (`routed.routed_swaps`)."""
+    hosts, sweeps = gpu_sweeps(packed, problem.counts, problem.loads, problem.caps, topology.gpus_per_node,
+                               problem.budget)
+    hosts = _repair_layers(problem, hosts, packed, slots)
+    info = {"start": "packing", "gpu_sweeps": sweeps}
+    if routed is not None:
+        hosts, gain = routed_swaps(hosts, routed, problem.loads, problem.caps, problem.budget)
+        info.update(finish="routed swaps", routed_gain=int(gain))
+    return StagedSolution(hosts, hosts.sum(axis=2), problem.caps, problem.counts, info, problem.notes)
 
 
 def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):
