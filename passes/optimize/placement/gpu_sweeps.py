@@ -25,13 +25,14 @@ from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.reslot import layer_gain_tables
 
 SWEEPS = 12  # at effort 1; the drift and planted DeepSeek-V3 traces stop gaining (< 0.1% a sweep) by about 10
+WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`ilp.staged_placement`)
 MOVES_PER_LAYER = 400  # exchanges per layer step at effort 1
 
 
 def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: np.ndarray, gpus_per_node: int,
-               budget: WorkBudget = None, layers=None) -> tuple:
+               budget: WorkBudget = None, layers=None, sweeps: int = SWEEPS) -> tuple:
     """Improve bool [L, E, D] hosts (a copy is returned) under float [L] caps; `layers`: the layers
-    to visit (default all). Returns (hosts, sweeps run)."""
+    to visit (default all); `sweeps`: at most this many at effort 1. Returns (hosts, sweeps run)."""
     from moeplan.passes.optimize.placement.ilp import _objective, improve_by_swaps, repair_by_swaps
 
     budget = budget or WorkBudget()
@@ -42,8 +43,8 @@ def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: n
     moves = budget.scaled(MOVES_PER_LAYER)
     one = np.ones(E, dtype=np.int64)
     previous = None
-    sweeps = 0
-    for sweep in range(budget.scaled(SWEEPS)):
+    limit, sweeps = budget.scaled(sweeps), 0
+    for sweep in range(limit):
         for l in (visit if sweep % 2 == 0 else visit[::-1]):
             if budget.expired():
                 return hosts, sweeps

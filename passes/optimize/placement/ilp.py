@@ -24,8 +24,10 @@ better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then
 of layers where it is small enough. Last, the result is valued on the planning trace itself with
 the metric's routing (`placement/routed.py`): the even-split model misjudges replicated experts,
 so the staged result and a routed layer chain are both polished by routed layer MIPs and the one
-with more GPU-local transitions wins (at DeepSeek-V3 scale: routed exchanges on the staged
-result). A valid bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
+with more GPU-local transitions wins. At DeepSeek-V3 scale (64 GPUs with replicas, where
+re-slotting and the step MIPs do not fit the budget) the stages give way to GPU-level exchange
+sweeps (`placement/gpu_sweeps.py`) from the balanced packing, then routed exchanges. A valid
+bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
 (`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
@@ -44,7 +46,7 @@ from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing
 from moeplan.passes.optimize.placement.exchanges import pair_tables, steepest_exchanges
-from moeplan.passes.optimize.placement.gpu_sweeps import gpu_sweeps
+from moeplan.passes.optimize.placement.gpu_sweeps import WALK_SWEEPS, gpu_sweeps
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_caps
 from moeplan.passes.optimize.placement.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
@@ -455,11 +457,12 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         lowered += int((robust < current * (1 - 1e-9)).sum())
         if at_scale:
             walked, made = gpu_sweeps(hosts, counts, loads, robust, topology.gpus_per_node, budget,
-                                      layers=np.flatnonzero(robust < current * (1 - 1e-9)))
+                                      layers=np.flatnonzero(robust < current * (1 - 1e-9)), sweeps=WALK_SWEEPS)
             over = over_cap_layers(walked, loads, robust)
             if over:  # exchanges alone could not fit these: walk them again from the packing, the least rising start
                 walked[over] = packed[over]
-                walked, more = gpu_sweeps(walked, counts, loads, robust, topology.gpus_per_node, budget, layers=over)
+                walked, more = gpu_sweeps(walked, counts, loads, robust, topology.gpus_per_node, budget, layers=over,
+                                          sweeps=WALK_SWEEPS)
                 made, over = made + more, over_cap_layers(walked, loads, robust)
         else:
             walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
