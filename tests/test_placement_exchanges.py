@@ -2,20 +2,31 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.exchanges import pair_tables, steepest_exchanges
+from moeplan.passes.optimize.placement.exchanges import pair_tables, repair_exchanges, steepest_exchanges
 
 
-def recomputed_exchanges(gain, assign, limit, loads, cap, max_rounds):
-    """Reference: every pair's gain and feasibility recomputed from scratch before each move."""
+def recomputed_exchanges(gain, assign, limit, loads, cap, max_rounds, repair=False):
+    """Reference: every pair's gain and feasibility recomputed from scratch before each move; the
+    steepest gain under the cap, or (repair) the largest cut of the overload, gain breaking ties."""
     assign = assign.copy()
     partition_load = loads @ assign
     for _ in range(max_rounds):
         e, p, delta, shift, ok = pair_tables(gain, assign, limit, loads)
-        ok &= partition_load[p][:, None] + shift <= cap * (1 + 1e-9)
-        ok &= partition_load[p][None, :] - shift <= cap * (1 + 1e-9)
-        delta = np.where(ok, delta, -np.inf)
-        i, j = divmod(int(np.argmax(delta)), len(e))
-        if not delta[i, j] > 1e-9:
+        if repair:
+            over = np.clip(partition_load - cap, 0, None)
+            if over.sum() <= 0:
+                break
+            new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
+            new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
+            cut = over[p][:, None] + over[p][None, :] - new_i - new_j
+            scale = max(float(np.abs(delta[ok]).max(initial=0.0)), 1.0)
+            merit = np.where(ok & (cut > 1e-9 * cap), cut * (4.0 * scale / max(float(cut.max()), 1e-12)) + delta, -np.inf)
+        else:
+            ok &= partition_load[p][:, None] + shift <= cap * (1 + 1e-9)
+            ok &= partition_load[p][None, :] - shift <= cap * (1 + 1e-9)
+            merit = np.where(ok, delta, -np.inf)
+        i, j = divmod(int(np.argmax(merit)), len(e))
+        if not (np.isfinite(merit[i, j]) if repair else merit[i, j] > 1e-9):
             break
         for unit, source, target in ((i, p[i], p[j]), (j, p[j], p[i])):
             assign[e[unit], source] -= 1
@@ -66,3 +77,16 @@ def test_patched_tables_give_the_recomputed_result(step):
     assert np.all(got <= limit[:, None])
     assert (loads @ got).max() <= max(cap, (loads @ assign).max()) * (1 + 1e-9)
     assert (gain * got).sum() >= (gain * assign).sum() - 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(layer_steps(), st.floats(0.6, 1.0))
+def test_patched_repair_gives_the_recomputed_result_and_never_adds_overload(step, tighter):
+    if step is None:
+        return
+    gain, assign, limit, loads, cap = step
+    cap = cap * tighter  # often below the start's max load: the repair has work to do
+    got = repair_exchanges(gain, assign, limit, loads, cap, 300)
+    assert np.array_equal(got, recomputed_exchanges(gain, assign, limit, loads, cap, 300, repair=True))
+    overload = lambda a: np.clip(loads @ a - cap, 0, None).sum()
+    assert overload(got) <= overload(assign) + 1e-9

@@ -110,3 +110,26 @@ def steepest_exchanges(gain, assign, limit, loads, cap, max_rounds: int) -> np.n
             break
         tables.apply(i, j)
     return assign
+
+
+def repair_exchanges(gain, assign, limit, loads, cap, max_rounds: int) -> np.ndarray:
+    """`ilp.repair_by_swaps` on incrementally kept tables: each move the exchange that cuts the load
+    over the cap most (ties: most gain), until the layer fits or no exchange cuts its overload."""
+    assign = assign.copy()
+    tables = ExchangeTables(gain, assign, limit, loads)
+    for _ in range(max_rounds):
+        partition_load = tables.partition_load
+        over = np.clip(partition_load - cap, 0, None)
+        if over.sum() <= 0 or len(tables.e) < 2:
+            break
+        p, delta, shift, ok = tables.p, tables.delta, tables.shift, tables.ok
+        new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
+        new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
+        cut = over[p][:, None] + over[p][None, :] - new_i - new_j
+        scale = max(float(np.abs(delta[ok]).max(initial=0.0)), 1.0)
+        merit = np.where(ok & (cut > 1e-9 * cap), cut * (4.0 * scale / max(float(cut.max()), 1e-12)) + delta, -np.inf)
+        i, j = divmod(int(np.argmax(merit)), len(tables.e))
+        if not np.isfinite(merit[i, j]):
+            break
+        tables.apply(i, j)
+    return assign

@@ -45,7 +45,7 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing
-from moeplan.passes.optimize.placement.exchanges import pair_tables, steepest_exchanges
+from moeplan.passes.optimize.placement.exchanges import repair_exchanges, steepest_exchanges
 from moeplan.passes.optimize.placement.gpu_sweeps import WALK_SWEEPS, gpu_sweeps
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_caps
 from moeplan.passes.optimize.placement.joint import polish_windows
@@ -162,31 +162,9 @@ def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -
 
     Why: at 64-GPU scale a node's replicas, packed onto its GPUs, often miss the per-GPU cap by a
     little; finding a fitting start by exchanges takes milliseconds where the step MIP spends
-    seconds at its root. Deterministic (ties: lowest index)."""
-    assign = assign.copy()
-    partition_load = loads @ assign
-    for _ in range(max_rounds):
-        over = np.clip(partition_load - cap, 0, None)
-        if over.sum() <= 0:
-            break
-        e, p, delta, shift, ok = pair_tables(gain, assign, limit, loads)
-        new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
-        new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
-        cut = over[p][:, None] + over[p][None, :] - new_i - new_j
-        scale = max(float(np.abs(delta[ok]).max(initial=0.0)), 1.0)
-        merit = np.where(ok & (cut > 1e-9 * cap), cut * (4.0 * scale / max(float(cut.max()), 1e-12)) + delta, -np.inf)
-        i, j = divmod(int(np.argmax(merit)), len(e))
-        if not np.isfinite(merit[i, j]):
-            break
-        _exchange(assign, partition_load, loads, e, p, i, j)
-    return assign
-
-
-def _exchange(assign, partition_load, loads, e, p, i, j) -> None:
-    assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
-    assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
-    partition_load[p[i]] += loads[e[j]] - loads[e[i]]
-    partition_load[p[j]] += loads[e[i]] - loads[e[j]]
+    seconds at its root. Deterministic (ties: lowest index); tables patched per move
+    (`placement/exchanges.py`)."""
+    return repair_exchanges(gain, assign, limit, loads, cap, max_rounds)
 
 
 def _fits(assign, loads, cap) -> bool:
