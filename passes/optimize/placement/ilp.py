@@ -24,8 +24,8 @@ better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then
 of layers where it is small enough. Last, the result is valued on the planning trace itself with
 the metric's routing (`placement/routed.py`): the even-split model misjudges replicated experts,
 so the staged result and a routed layer chain are both polished by routed layer MIPs and the one
-with more GPU-local transitions wins. At DeepSeek-V3 scale (64 GPUs with replicas, where
-re-slotting and the step MIPs do not fit the budget) the stages give way to GPU-level exchange
+with more GPU-local transitions wins. At DeepSeek-V3 scale with replicas (where re-slotting
+and the step MIPs do not fit the budget) the stages give way to GPU-level exchange
 sweeps (`placement/gpu_sweeps.py`) from the balanced packing, then routed exchanges. A valid
 bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
 
@@ -53,7 +53,6 @@ from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_la
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
 from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
                                                       routed_value)
-from moeplan.passes.optimize.placement.transport import TransportLP
 from moeplan.planner.errors import UserError
 
 
@@ -180,9 +179,8 @@ def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25
     n, P = gain.shape
     price = np.zeros(P)
     scale = max(float(np.abs(gain).max()), 1e-9) / max(float(loads.max()), 1e-9)
-    lp = None if np.all(to_place == 1) else TransportLP(to_place, limit, slots)
     for round_ in range(rounds):
-        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots, budget, lp)
+        assign = _transport(gain - loads[:, None] * price[None, :], to_place, limit, slots, budget)
         if assign is None:
             return None
         partition_load = loads @ assign
@@ -193,10 +191,8 @@ def _flow_with_prices(gain, to_place, limit, slots, loads, cap, rounds: int = 25
     return None
 
 
-def _transport(value, to_place, limit, slots, budget: WorkBudget = None, lp: TransportLP = None):
-    """int [n, P] maximising sum value * m with row sums to_place, column sums slots, m <= limit
-    (None when the LP stopped early). One replica per expert: a linear assignment; otherwise the
-    step's `TransportLP` (built here when not given), re-solved from its last basis."""
+def _transport(value, to_place, limit, slots, budget: WorkBudget = None):
+    """int [n, P] maximising sum value * m with row sums to_place, column sums slots, m <= limit."""
     n, P = value.shape
     if np.all(to_place == 1):
         from scipy.optimize import linear_sum_assignment
@@ -206,12 +202,24 @@ def _transport(value, to_place, limit, slots, budget: WorkBudget = None, lp: Tra
         assign = np.zeros((n, P), dtype=np.int64)
         assign[rows, columns[cols]] = 1
         return assign
+    nm = n * P
+    index = np.arange(nm)
+    A = sp.vstack([
+        sp.csr_matrix((np.ones(nm), (np.repeat(np.arange(n), P), index)), shape=(n, nm)),
+        sp.csr_matrix((np.ones(nm), (np.tile(np.arange(P), n), index)), shape=(P, nm)),
+    ]).tocsc()
+    bounds = np.concatenate([to_place, slots]).astype(float)
     budget = budget or WorkBudget()
-    lp = lp or TransportLP(to_place, limit, slots)
-    assign, status = lp.solve(value, budget.seconds_left())
-    if status == "time_limit":
-        budget.timed_out = True
-    return assign
+    result = solve_milp(-value.ravel(), A, bounds, bounds, np.zeros(nm), np.repeat(limit, P).astype(float),
+                        np.zeros(nm, dtype=bool), time_limit=budget.seconds_left())
+    budget.record(result)
+    if result.x is None:
+        return None
+    x = result.x.reshape(n, P)
+    rounded = np.rint(x)
+    if np.abs(x - rounded).max() > 1e-6:  # a non-vertex optimum: leave it to the MIP
+        return None
+    return rounded.astype(np.int64)
 
 
 def _objective(counts, share, present):
@@ -491,7 +499,7 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
     slots = (E + redundant) // D
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
                            max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
-    if not reslot_applies(E + redundant, D, budget):
+    if redundant and not reslot_applies(E + redundant, D, budget):  # without replicas steps are exact assignments
         return _solve_at_scale(problem, topology, packed, slots, routed)
     best = None
     loose = None
@@ -533,8 +541,8 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
 
 
 def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
-    """DeepSeek-V3 scale: GPU-level exchange sweeps from the packing (`gpu_sweeps.py`; the staged steps'
-    node splits pack badly under a tight cap there), layers left over their cap repaired, then
+    """DeepSeek-V3 scale with replicas: GPU-level exchange sweeps from the packing (`gpu_sweeps.py`; the
+    staged steps' priced node splits pack badly under a tight cap there), layers left over their cap repaired, then
     routed exchanges valued on the planning trace itself (`routed.routed_swaps`)."""
     hosts, sweeps = gpu_sweeps(packed, problem.counts, problem.loads, problem.caps, topology.gpus_per_node,
                                problem.budget)
