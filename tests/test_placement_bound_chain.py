@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound
+from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, transition_lower_bound
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.chain_bound import best_columns, chain_bound_applies, chain_configuration_bound
 from moeplan.passes.optimize.placement.decision import Topology
@@ -47,15 +47,18 @@ def conflicting_pairs():
 
 def test_chain_bound_sees_what_a_bound_over_one_layer_pair_cannot():
     """Each layer pair alone can keep every transition local, both together cannot: the pair
-    bounds say 0, the chain bound says some transitions cross, and brute force agrees."""
+    bound says 0, the chain bound says some transitions cross (and the reported bound takes it),
+    and brute force agrees."""
     counts, loads, caps = conflicting_pairs()
-    pairwise, _ = capped_transition_lower_bound(counts, loads, caps, 2, 2)
+    pairwise, _ = transition_lower_bound(counts, 2, 2)
     chain = chain_configuration_bound(counts, loads, caps, 2, 2, 1, WorkBudget(4.0))
+    reported, method = capped_transition_lower_bound(counts, loads, caps, 2, 2)
     options = layer_options(4, 2, 2)
     best = min(sum((counts[l] * (x[l].astype(float) @ x[l + 1].T == 0)).sum() for l in range(2))
                for x in itertools.product(options, repeat=3))
     assert pairwise == 0.0
     assert 0.0 < chain <= best
+    assert reported >= chain - 1e-9 and "column" in method
 
 
 def test_best_columns_is_the_exact_maximum():
