@@ -34,14 +34,13 @@ import itertools
 import math
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import linprog
 
 from moeplan.passes.optimize.placement.budget import WorkBudget
 
 CHAIN_WORK = 20_000_000  # (Q-subsets per layer)^2 x layer pairs, at effort 1: above it the bound is skipped
-CHAIN_ROUNDS = 60  # column-generation rounds at effort 1
-COLUMNS_PER_ROUND = 10  # best columns (by their first layer's state) added per round
+CHAIN_ROUNDS = 150  # column-generation rounds at effort 1
+COLUMNS_PER_ROUND = 40  # best columns (by their first layer's state) added per round
+SMOOTHING = 0.85  # weight of the best multipliers so far in the pricing point
 
 
 def chain_work(experts: int, slots_per_gpu: int, layers: int) -> float:
@@ -116,45 +115,92 @@ def chain_configuration_bound(counts: np.ndarray, loads: np.ndarray, caps: np.nd
     layer, a, b = np.nonzero(counts)
     c = counts[layer, a, b]
     total = float(counts.sum())
-    pi = np.ones_like(counts)
-    mu = np.zeros((L, E))
-    best = math.inf
+    master = (np.ones_like(counts), np.zeros((L, E)))  # the master LP's latest duals (pi, mu)
+    center, best = None, math.inf  # the multipliers of the best bound so far, and that bound
+    lp = _Master(layer, a, b, c, L, E, P, total)
+    seen = {tuple(col) for col in columns}
+    if columns:
+        lp.add(columns, subsets)
     for _ in range(budget.scaled(CHAIN_ROUNDS)):
-        top, found = best_columns(subsets, feasible, pi * counts, mu, COLUMNS_PER_ROUND)
-        best = min(best, float((counts * np.maximum(0.0, 1.0 - pi)).sum()) - mu.sum() + P * top)
-        fresh = [col for col in found if col not in columns]
+        fresh = []
+        # price at a point between the best multipliers and the master's (Wentges smoothing: the
+        # master's duals jump about, the bound converges in far fewer rounds); if that finds no new
+        # column, price at the master's own duals, which settles whether the LP is solved
+        for pi, mu in ([] if center is None else [_between(center, master, SMOOTHING)]) + [master]:
+            top, found = best_columns(subsets, feasible, pi * counts, mu, COLUMNS_PER_ROUND)
+            value = float((counts * np.maximum(0.0, 1.0 - pi)).sum()) - mu.sum() + P * top
+            if value < best:
+                center, best = (pi, mu), value
+            fresh = [col for col in found if tuple(col) not in seen]
+            if fresh:
+                break
         if not fresh or budget.expired():
             break
-        columns += fresh
-        pi, mu = _master_duals(columns, subsets, layer, a, b, c, L, E, P, total)
-        if pi is None:
+        seen.update(tuple(col) for col in fresh)
+        lp.add(fresh, subsets)
+        duals = lp.duals()
+        if duals is None:
             break
         pi_full = np.zeros_like(counts)
-        pi_full[layer, a, b] = pi
-        pi = pi_full
+        pi_full[layer, a, b] = duals[0]
+        master = (pi_full, duals[1])
     return max(0.0, total - min(best, total))
 
 
-def _master_duals(columns, subsets, layer, a, b, c, L, E, P, penalty):
-    """Duals (pi per observed pair float [n], mu float [L, E]) of the configuration LP over
-    `columns`: max sum c y, y[lab] <= GPUs whose column holds a at l and b at l+1, y <= 1, every
-    expert hosted (a slack at `penalty` per unit keeps it feasible), P columns in all."""
-    m, n = len(columns), len(c)
-    member = np.stack([subsets[col] for col in columns])  # [m, L, E]
-    holds_pair = member[:, layer, a] * member[:, layer + 1, b]  # [m, n]
-    cover = member.reshape(m, L * E).T  # [L E, m]
-    A_ub = sp.vstack([
-        sp.hstack([-sp.csr_matrix(cover), sp.csr_matrix((L * E, n)), -sp.eye(L * E)]),
-        sp.hstack([-sp.csr_matrix(holds_pair.T), sp.eye(n), sp.csr_matrix((n, L * E))]),
-    ]).tocsr()
-    b_ub = np.concatenate([-np.ones(L * E), np.zeros(n)])
-    A_eq = sp.csr_matrix(np.concatenate([np.ones(m), np.zeros(n + L * E)])[None, :])
-    cost = np.concatenate([np.zeros(m), -c, np.full(L * E, penalty)])
-    bounds = np.array([(0, None)] * m + [(0, 1)] * n + [(0, None)] * (L * E), dtype=float)
-    result = linprog(cost, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=[float(P)], bounds=bounds, method="highs")
-    if result.status != 0:
-        return None, None
-    duals = -result.ineqlin.marginals
-    mu = np.clip(duals[:L * E], 0.0, None).reshape(L, E)
-    pi = np.clip(duals[L * E:], 0.0, None) / c
-    return pi, mu
+def _between(center, master, weight):
+    """The multipliers weight x center + (1 - weight) x master (still >= 0, so still valid)."""
+    return tuple(weight * x + (1.0 - weight) * y for x, y in zip(center, master))
+
+
+class _Master:
+    """The configuration LP over the columns found so far, kept in one HiGHS model so each round
+    adds columns and re-solves from the last basis: max sum c y, y[lab] <= GPUs whose column holds
+    a at l and b at l+1, y <= 1, every expert hosted (a slack at `penalty` per unit keeps it
+    feasible), P columns in all. Its row duals are the multipliers (pi, mu) of the bound."""
+
+    def __init__(self, layer, a, b, c, L, E, P, penalty):
+        import highspy
+
+        self.layer, self.a, self.b, self.c, self.L, self.E = layer, a, b, c, L, E
+        n, cover = len(c), L * E
+        self.count_row = cover + n
+        h = self.h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("random_seed", 0)
+        h.setOptionValue("presolve", "off")  # each round starts from the last basis
+        h.setOptionValue("solver", "simplex")
+        lower = np.concatenate([np.ones(cover), np.full(n, -highspy.kHighsInf), [float(P)]])
+        upper = np.concatenate([np.full(cover, highspy.kHighsInf), np.zeros(n), [float(P)]])
+        h.addRows(len(lower), lower, upper, 0, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+        h.addCols(n, -c, np.zeros(n), np.ones(n), n, np.arange(n, dtype=np.int32),
+                  (cover + np.arange(n)).astype(np.int32), np.ones(n))  # y
+        h.addCols(cover, np.full(cover, float(penalty)), np.zeros(cover), np.full(cover, highspy.kHighsInf), cover,
+                  np.arange(cover, dtype=np.int32), np.arange(cover, dtype=np.int32), np.ones(cover))  # slacks
+
+    def add(self, columns, subsets):
+        """Add GPU columns (int [L] subset indices each)."""
+        starts, rows, values = [], [], []
+        for column in columns:
+            member = subsets[column]  # [L, E]
+            covered = np.flatnonzero(member.ravel())
+            held = np.flatnonzero(member[self.layer, self.a] * member[self.layer + 1, self.b])
+            starts.append(len(rows))
+            rows += covered.tolist() + (self.L * self.E + held).tolist() + [self.count_row]
+            values += [1.0] * len(covered) + [-1.0] * len(held) + [1.0]
+        m = len(columns)
+        self.h.addCols(m, np.zeros(m), np.zeros(m), np.full(m, np.inf), len(rows), np.array(starts, dtype=np.int32),
+                       np.array(rows, dtype=np.int32), np.array(values))
+
+    def duals(self):
+        """(pi float [n], mu float [L, E]) at the LP optimum, or None if HiGHS did not reach it."""
+        import highspy
+
+        self.h.run()
+        if self.h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        dual = np.asarray(self.h.getSolution().row_dual)
+        cover = self.L * self.E
+        mu = np.clip(dual[:cover], 0.0, None).reshape(self.L, self.E)
+        pi = np.clip(-dual[cover:cover + len(self.c)], 0.0, None) / self.c
+        return pi, mu
