@@ -248,14 +248,6 @@ def expert_tensor_owner(containers: list):
     return owners.get
 
 
-def dense_tensors(path, owner) -> dict:
-    """The shard's tensors that are not per-expert (float32, CPU): experts stay on disk."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name).float() for name in f.keys() if owner(name) is None}
-
-
 def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: dict, rank: int, local: dict) -> ExpertCache:
     """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
@@ -277,21 +269,24 @@ def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: 
     return cache
 
 
-def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device):
-    """A RankModel whose experts live in an expert cache: dense weights from the shard, expert
-    tensors read from it on demand, `spec["capacity"][rank]` slots on `device`."""
+def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device,
+                         checkpoint_dir=None):
+    """A RankModel whose experts live in an expert cache: dense weights from the rank's shard (or,
+    for a reference index, from the checkpoint in `checkpoint_dir`), expert tensors read from it on
+    demand through the host tier (`spec["host"]`), `spec["capacity"][rank]` slots on `device`."""
+    from .expert_store import open_rank_store
     from .library_model import RankModel, decoder_layers
     from .moe_adapter import find_containers
 
-    if str(shard_path).endswith(".index.json"):
-        raise ValueError("expert caches read experts from a copied shard; compile the bundle with --weights copy")
     prefix, layers = decoder_layers(model)
     containers = find_containers(layers, prefix)
     owner = expert_tensor_owner(containers)
     device = torch.device(device)
     pool = ExpertPool(containers, model.get_submodule(containers[0].block), int(spec["capacity"][rank]), device)
-    rank_model = RankModel(model, arch, None, {}, dense_tensors(shard_path, owner), max_positions)
+    host = spec.get("host")  # plans without a host tier read every load from the files
+    store, dense = open_rank_store(shard_path, owner, pinned=device.type == "cuda",
+                                   host_keys=host["resident"][rank] if host else (), checkpoint_dir=checkpoint_dir)
+    rank_model = RankModel(model, arch, None, {}, dense, max_positions)
     model.to(device)
-    store = ShardStore(shard_path, owner, pinned=device.type == "cuda")
     attach_expert_cache(rank_model, pool, store, spec, rank, local)
     return rank_model
