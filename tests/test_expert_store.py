@@ -198,3 +198,30 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     assert {"name": "MOEPLAN_CHECKPOINT", "value": "/checkpoint"} in ranks["env"]
     assert {"name": "checkpoint", "mountPath": "/checkpoint", "readOnly": True} in ranks["volumeMounts"]
     assert (out / "runtime" / "expert_store.py").is_file() and (out / "runtime" / "offload_policies.py").is_file()
+
+
+def test_host_memory_sizes_the_offload_plans_host_tier(tmp_path):
+    """`plan --target offload --host-memory B`: B // expert bytes experts in host memory (the most
+    popular), the rest on disk; the timed simulator's host keys are those."""
+    from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+
+    save_trace(synthesize_routed_tokens(tokens=600, layers=6, experts=16, top_k=2, seq_len=100, seed=0), tmp_path / "t.npz")
+    base = ["plan", "examples/tiny_moe", "--trace", str(tmp_path / "t.npz"), "--target", "offload", "--expert-cache", "20"]
+    tiers = {}
+    for host in ("0", "10.5e0", None):
+        out = tmp_path / f"plan-{host}.json"
+        result = CliRunner().invoke(main, base + (["--host-memory", str(int(float(host) * expert_bytes_of(tmp_path, base)))]
+                                                  if host else []) + ["--out", str(out), "--quiet"])
+        assert result.exit_code == 0, result.output
+        c = json.loads(out.read_text())["communication"]
+        tiers[host] = (c["tiers"]["host_experts"], c["tiers"]["disk_experts"], c["host_resident"])
+    assert tiers["0"][:2] == (0, 96) and tiers["0"][2] == []
+    assert tiers["10.5e0"][:2] == (10, 86) and len(tiers["10.5e0"][2]) == 10
+    assert tiers[None][:2] == (96, 0) and tiers[None][2] is None  # the profile's 64 GiB hold every expert
+
+
+def expert_bytes_of(tmp_path, base) -> int:
+    out = tmp_path / "probe.json"
+    if not out.exists():
+        assert CliRunner().invoke(main, base + ["--out", str(out), "--quiet"]).exit_code == 0
+    return json.loads(out.read_text())["communication"]["memory"]["expert_bytes"]
