@@ -198,6 +198,10 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     assert {"name": "MOEPLAN_CHECKPOINT", "value": "/checkpoint"} in ranks["env"]
     assert {"name": "checkpoint", "mountPath": "/checkpoint", "readOnly": True} in ranks["volumeMounts"]
     assert (out / "runtime" / "expert_store.py").is_file() and (out / "runtime" / "offload_policies.py").is_file()
+    result = CliRunner().invoke(main, ["codegen", str(out / "plan.json"), "--out", str(tmp_path / "again")])
+    assert result.exit_code == 0, result.output  # plan.json alone gives the same bundle, byte for byte
+    files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    assert files(tmp_path / "again") == files(out)
 
 
 def test_host_memory_sizes_the_offload_plans_host_tier(tmp_path):
