@@ -141,6 +141,8 @@ def test_reference_weights_with_an_expert_cache_run_verified_with_the_disk_host_
     assert not list(bundle.rglob("*.safetensors"))  # experts come from the original checkpoint
     per_rank = 40000 // expert_bytes  # 80000 at 2 ranks: shared by the machine's two ranks
     assert spec["host"]["capacity"] == [per_rank] * ranks and 0 < per_rank < 8 // ranks * len(_containers(directory))
+    predicted = plan["predicted"]["expert_cache"]  # held-out split: the most popular keys are in host memory
+    assert predicted["host_bytes_per_token"] > 0 and predicted["disk_bytes_per_token"] > 0
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
     result = _run(bundle, ranks, prompts)
@@ -189,6 +191,8 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     plan = _compile(directory, out, 2, "--target", "kubernetes", "--weights", "reference", "--expert-cache", "3",
                     "--host-memory", "0")
     assert plan["communication"]["expert_cache"]["host"]["capacity"] == [0, 0]  # every load reads the checkpoint
+    predicted = plan["predicted"]["expert_cache"]
+    assert predicted["host_bytes_per_token"] == 0 < predicted["disk_bytes_per_token"]
     for name in FILES:
         items = list(yaml.safe_load_all((out / "kubernetes" / name).read_text()))
         for item in items:
