@@ -15,9 +15,10 @@ library's own experts module computes, on weights the cache put in place.
   resident just before its rows compute (evicting the policy's victim), so C may be smaller than a
   prefill step's expert count. It counts requests, hits, loads and bytes moved and keeps the request
   log (`OnlineStream`), which `moeplan run --verify` replays through the simulator.
-* `ShardStore`: reads one expert's tensors with safetensors' `safe_open` on each load; on CUDA it
-  keeps them in pinned host memory and copies on a side stream that the compute stream waits for
-  (that path cannot run on this CPU-only machine).
+* The store (`expert_store.py`: the copied shard, or the original checkpoint through the rank's
+  reference index) hands over one expert's float32 tensors per load, pinned on CUDA, where the
+  cache copies them on a side stream that the compute stream waits for (that path cannot run on
+  this CPU-only machine); the store counts bytes read from disk and served from host memory.
 * Policies: the simulator's own classes (passes/optimize/offload/policies.py and next_use.py,
   copied into the bundle as `runtime/offload_policies.py` and `runtime/offload_next_use.py` by the
   offload codegen), driven through `OnlineStream` exactly as the simulator drives them.
@@ -30,6 +31,8 @@ import copy
 import numpy as np
 import torch
 import torch.nn as nn
+
+from .expert_store import ExpertStore, ShardStore  # noqa: F401  (ShardStore: the copy form)
 
 
 class OnlineStream:
@@ -113,34 +116,10 @@ class ExpertPool:
                 self.slot_view(p)[slot].copy_(t.reshape(self.slot_view(p).shape[1:]), non_blocking=True)
 
 
-class ShardStore:
-    """An expert's tensors by (MoE layer, expert), read from the rank's safetensors shard per load."""
-
-    def __init__(self, path, owner, pinned: bool = False):
-        """`owner(name)` -> (MoE layer, expert, param) for per-expert tensor names, None for others."""
-        from safetensors import safe_open
-
-        self.file = safe_open(str(path), framework="pt")
-        self.names_of = {}
-        for name in self.file.keys():
-            o = owner(name)
-            if o is not None:
-                self.names_of.setdefault((o[0], o[1]), []).append((o[2], name))
-        self.pinned = pinned
-
-    def load(self, layer: int, expert: int) -> dict:
-        """{param: float32 tensor} of one expert (pinned host memory when `pinned`)."""
-        out = {}
-        for param, name in self.names_of[(layer, expert)]:
-            t = self.file.get_tensor(name).float()
-            out[param] = t.pin_memory() if self.pinned else t
-        return out
-
-
 class ExpertCache:
     """At most `capacity` (MoE layer, expert) entries in `pool`, loaded from `store` on demand."""
 
-    def __init__(self, capacity: int, store: ShardStore, pool: ExpertPool, num_layers: int, num_experts: int,
+    def __init__(self, capacity: int, store: ExpertStore, pool: ExpertPool, num_layers: int, num_experts: int,
                  policy_factory, resident=()):
         if capacity < 1 or capacity > pool.capacity:
             raise ValueError(f"expert cache capacity {capacity} must be between 1 and the pool's {pool.capacity} slots")
@@ -162,6 +141,7 @@ class ExpertCache:
         for k in self.initial:
             self._install(k)
         self.requests = self.hits = self.loads = self.bytes_moved = 0  # the initial fill is not traffic of the run
+        self.store.reset_counters()  # store hook: disk/host counters of the run only
         self.policy.start(self.stream, self.cached, self.initial)
         self.size = len(self.initial)
         self.token = -1
@@ -228,7 +208,8 @@ class ExpertCache:
 
     def stats(self) -> dict:
         return {"requests": self.requests, "hits": self.hits, "loads": self.loads, "bytes_moved": self.bytes_moved,
-                "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity}
+                "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity,
+                **self.store.counters()}  # store hook: bytes read from disk vs served from host memory
 
     def record(self) -> dict:
         """Counters and the request log, for results (rank-<r>.pt)."""
@@ -267,15 +248,7 @@ def expert_tensor_owner(containers: list):
     return owners.get
 
 
-def dense_tensors(path, owner) -> dict:
-    """The shard's tensors that are not per-expert (float32, CPU): experts stay on disk."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name).float() for name in f.keys() if owner(name) is None}
-
-
-def attach_expert_cache(rank_model, pool: ExpertPool, store: ShardStore, spec: dict, rank: int, local: dict) -> ExpertCache:
+def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: dict, rank: int, local: dict) -> ExpertCache:
     """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
     containers = rank_model.containers
@@ -296,21 +269,24 @@ def attach_expert_cache(rank_model, pool: ExpertPool, store: ShardStore, spec: d
     return cache
 
 
-def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device):
-    """A RankModel whose experts live in an expert cache: dense weights from the shard, expert
-    tensors read from it on demand, `spec["capacity"][rank]` slots on `device`."""
+def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device,
+                         checkpoint_dir=None):
+    """A RankModel whose experts live in an expert cache: dense weights from the rank's shard (or,
+    for a reference index, from the checkpoint in `checkpoint_dir`), expert tensors read from it on
+    demand through the host tier (`spec["host"]`), `spec["capacity"][rank]` slots on `device`."""
+    from .expert_store import open_rank_store
     from .library_model import RankModel, decoder_layers
     from .moe_adapter import find_containers
 
-    if str(shard_path).endswith(".index.json"):
-        raise ValueError("expert caches read experts from a copied shard; compile the bundle with --weights copy")
     prefix, layers = decoder_layers(model)
     containers = find_containers(layers, prefix)
     owner = expert_tensor_owner(containers)
     device = torch.device(device)
     pool = ExpertPool(containers, model.get_submodule(containers[0].block), int(spec["capacity"][rank]), device)
-    rank_model = RankModel(model, arch, None, {}, dense_tensors(shard_path, owner), max_positions)
+    host = spec.get("host")  # plans without a host tier read every load from the files
+    store, dense = open_rank_store(shard_path, owner, pinned=device.type == "cuda",
+                                   host_keys=host["resident"][rank] if host else (), checkpoint_dir=checkpoint_dir)
+    rank_model = RankModel(model, arch, None, {}, dense, max_positions)
     model.to(device)
-    store = ShardStore(shard_path, owner, pinned=device.type == "cuda")
     attach_expert_cache(rank_model, pool, store, spec, rank, local)
     return rank_model

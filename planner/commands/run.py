@@ -120,7 +120,9 @@ def _print(report: dict, verify: bool) -> None:
         m, p = c["measured"], c["simulated"]
         click.echo(f"  expert cache ({c['eviction']}, {c['capacity']} per rank): hit ratio {m['hit_ratio']:.4f} "
                    f"({m['hits']}/{m['requests']}), {m['loads']} loads, {m['bytes_moved']} bytes moved; simulated "
-                   f"{p['hit_ratio']:.4f}, {p['loads']} loads, {p['bytes_moved']} bytes"
+                   f"{p['hit_ratio']:.4f}, {p['loads']} loads, {p['bytes_moved']} bytes; disk {m.get('disk_loads', 0)} "
+                   f"loads {m.get('disk_bytes', 0)} bytes, host {m.get('host_loads', 0)} loads {m.get('host_bytes', 0)} bytes "
+                   f"(simulated disk {p.get('disk_bytes', 0)}, host {p.get('host_bytes', 0)})"
                    + ("" if c["matches_simulation"] else " - DIFFERS")
                    + ("" if c["requests_match_routing"] else "; requests differ from the routing"))
     if verify:

@@ -32,10 +32,12 @@ def _plan(facts):
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     req = OffloadRequest(hardware=hw, gpu_memory_bytes=o["gpu_memory_bytes"], expert_cache=o["expert_cache"],
                          batch=o["batch"], max_length=o["max_length"], prompt_tokens=o["prompt_tokens"],
-                         validation_fraction=o["validation_fraction"], seed=o["seed"])
+                         validation_fraction=o["validation_fraction"], seed=o["seed"],
+                         host_memory_bytes=o.get("host_memory_bytes"))
     body = plan_offload(ir, facts["trace"], req, kv_bytes_per_token(config, ir), say=facts["progress"])
     inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "gpu_memory_bytes": o["gpu_memory_bytes"],
               "expert_cache": o["expert_cache"], "hardware": hw.name, "batch": o["batch"], "max_length": o["max_length"],
+              **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
               **body["inputs_extra"]}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
@@ -61,7 +63,8 @@ def _offload_request(o: dict):
 
     return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
-                          prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"])
+                          prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"],
+                          host_memory_bytes=o.get("host_memory_bytes"))
 
 
 def _expert_cache(facts):
@@ -77,7 +80,8 @@ def _expert_cache(facts):
     loaded = facts["model"]
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
-                            kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"))
+                            kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"),
+                            ranks_per_node=facts["placement"].topology.gpus_per_node)
     return {"expert_cache": body}
 
 
@@ -96,8 +100,9 @@ EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_opt
 
 def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     """`moeplan run` on a bundle with expert caches: the measured counters beside the simulator's
-    replay of the requests each rank logged (same policy, capacity and residents), and whether those
-    requests are the ones the run's routing implies (routing.pt; exact order on one rank)."""
+    replay of the requests each rank logged (same policy, capacity and residents; its loads split
+    into disk reads and host-tier copies by the plan's host tier), and whether those requests are
+    the ones the run's routing implies (routing.pt; exact order on one rank)."""
     import numpy as np
     import torch
 
@@ -105,20 +110,27 @@ def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     from moeplan.passes.optimize.offload.policies import make_policy
     from moeplan.passes.optimize.offload.simulate import simulate_demand
     from moeplan.passes.optimize.offload.stream import stream_from_log
+    from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
 
     spec = plan["communication"]["expert_cache"]
     data = torch.load(Path(out_dir) / "expert_cache.pt", weights_only=True)
     model = NextUseModel.from_dict(spec["policy_model"]) if spec["eviction"] == "moeplan" else None
     streams = [stream_from_log(log) for log in data["logs"]]
     E = streams[0].num_experts
-    sims = [simulate_demand(s, int(spec["capacity"][r]), make_policy(spec["eviction"], model),
-                            resident=[l * E + e for l, e in spec["resident"][r]], expert_bytes=int(spec["runtime_expert_bytes"]))
-            for r, s in enumerate(streams)]
+    host = spec.get("host") or {"resident": [[] for _ in streams]}  # plans before the host tier: all disk
+    sims, splits = [], []
+    for r, s in enumerate(streams):
+        recorder = LoadRecorder(make_policy(spec["eviction"], model))
+        sims.append(simulate_demand(s, int(spec["capacity"][r]), recorder, resident=[l * E + e for l, e in spec["resident"][r]],
+                                    expert_bytes=int(spec["runtime_expert_bytes"])))
+        splits.append(tier_split(recorder.loaded, [l * E + e for l, e in host["resident"][r]],
+                                 int(spec.get("disk_expert_bytes", spec["runtime_expert_bytes"])), int(spec["runtime_expert_bytes"])))
     predicted = {"requests": sum(x.requests for x in sims), "hits": sum(x.hits for x in sims),
-                 "loads": sum(x.loads for x in sims), "bytes_moved": sum(x.loads * x.expert_bytes for x in sims)}
+                 "loads": sum(x.loads for x in sims), "bytes_moved": sum(x.loads * x.expert_bytes for x in sims),
+                 **{k: sum(one[k] for one in splits) for k in TIER_COUNTERS}}
     predicted["hit_ratio"] = predicted["hits"] / predicted["requests"] if predicted["requests"] else 0.0
     measured = summary["expert_cache"]
-    match = all(measured[k] == predicted[k] for k in ("requests", "hits", "loads", "bytes_moved"))
+    match = all(measured[k] == predicted[k] for k in ("requests", "hits", "loads", "bytes_moved", *TIER_COUNTERS))
     return {"expert_cache": {"eviction": spec["eviction"], "capacity": spec["capacity"], "measured": measured,
                              "simulated": predicted, "matches_simulation": match,
                              "requests_match_routing": _requests_match_routing(out_dir, summary, streams)}}

@@ -8,8 +8,13 @@ restricted to them (stream.restrict). Per rank r:
   dense weights, KV cache, activations, reserve; every rank holds the dense weights) or N;
 * residents: its C_r most popular keys on the planning half;
 * eviction: given, or the online policy with the most held-out hits summed over ranks (ties:
-  moeplan first); the moeplan policy's frequency weight is tuned on the same sum.
-The runtime runs demand paging (no prefetch): its hit ratio and bytes must equal the simulator's.
+  moeplan first); the moeplan policy's frequency weight is tuned on the same sum;
+* host tier: the machine's host memory for experts (--host-memory, else the profile's less a
+  reserve) split evenly among its ranks; each rank holds its most popular keys that fit, as the
+  float32 copies the runtime keeps (`runtime_expert_bytes`), and reads the others from disk at
+  every load (tiers.py). Recorded per rank, with the held-out disk/host bytes per token.
+The runtime runs demand paging (no prefetch): its hit ratio, bytes and disk/host split must equal
+the simulator's.
 """
 from __future__ import annotations
 
@@ -17,11 +22,12 @@ import numpy as np
 
 from moeplan.passes.analysis.activation import popularity_by_layer
 from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, memory_budget,
-                                                 popular_keys, split_by_sequence)
+from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, host_tier_bytes,
+                                                 memory_budget, popular_keys, split_by_sequence)
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.simulate import simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
+from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
 from moeplan.planner.errors import UserError
 
 RUNTIME_POLICIES = ONLINE_POLICIES  # what a bundle can run (Belady needs the future)
@@ -40,8 +46,20 @@ def rank_keys(hosts: np.ndarray) -> list:
     return [hosts[:, :, d].reshape(L * E) for d in range(D)]
 
 
+def host_tiers(masks: list, popularity: np.ndarray, req: OffloadRequest, ranks_per_node: int, expert_bytes: int) -> dict:
+    """The plan's host tier: {"memory_bytes" per rank, "capacity" [per rank], "resident" [per rank:
+    sorted [layer, expert] pairs]}, each rank's most popular keys (popularity [L, E]) that fit."""
+    per_rank = host_tier_bytes(req) // max(1, int(ranks_per_node))
+    fits = per_rank // max(1, int(expert_bytes))
+    E = popularity.shape[1]
+    flat = popularity.reshape(-1)
+    keys = [sorted(popular_keys(np.where(mask, flat, -1.0), int(min(fits, mask.sum())))) for mask in masks]
+    return {"memory_bytes": int(per_rank), "capacity": [len(k) for k in keys],
+            "resident": [[[k // E, k % E] for k in ks] for ks in keys]}
+
+
 def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_token: int, eviction=None,
-                     say=lambda m: None) -> dict:
+                     say=lambda m: None, ranks_per_node: int = 1) -> dict:
     """{"communication": the plan's expert_cache section, "predicted": per-rank held-out figures}."""
     if eviction is not None and eviction not in RUNTIME_POLICIES:
         raise UserError(f"--eviction {eviction} cannot run in a bundle; use one of {', '.join(RUNTIME_POLICIES)}")
@@ -71,14 +89,25 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     chosen = eviction or max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
     requests = sum(x.requests for x in results[chosen])
     E = ir.moe_stages[0].num_experts
-    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}")
+    host_bytes, disk_bytes = runtime_expert_bytes(ir), int(ir.moe_stages[0].expert_param_bytes)
+    host = host_tiers(masks, popularity, req, ranks_per_node, host_bytes)
+    split = dict.fromkeys(TIER_COUNTERS, 0)
+    for s, c, r, tier in zip(per_rank, capacities, residents, host["resident"]):
+        recorder = LoadRecorder(make_policy(chosen, model))
+        simulate_demand(s, c, recorder, resident=r)
+        one = tier_split(recorder.loaded, [l * E + e for l, e in tier], disk_bytes, host_bytes)
+        split = {k: split[k] + one[k] for k in split}
+    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}; "
+        f"host tier {host['capacity']} experts per rank")
+    tokens = max(stream.num_tokens, 1)
     return {
         "communication": {"capacity": capacities, "eviction": chosen, "prefetch": "none",
                           "resident": [[[k // E, k % E] for k in r] for r in residents],
                           "memory": budget, "policy_model": model.to_dict(),
-                          "runtime_expert_bytes": runtime_expert_bytes(ir)},
+                          "runtime_expert_bytes": host_bytes, "disk_expert_bytes": disk_bytes, "host": host},
         "predicted": {"hit_ratio": total[chosen] / requests if requests else 0.0,
                       "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
                       "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
-                      "validation_tokens": stream.num_tokens},
+                      "validation_tokens": stream.num_tokens,
+                      "disk_bytes_per_token": split["disk_bytes"] / tokens, "host_bytes_per_token": split["host_bytes"] / tokens},
     }
