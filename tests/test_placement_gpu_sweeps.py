@@ -87,3 +87,13 @@ def test_at_scale_the_ilp_runs_gpu_sweeps_and_held_out_balance_lowers_the_expect
     mean = loads.sum(axis=1) / 8
     assert (expected_max_loads(robust.hosts, loads, scenarios) / mean).mean() < \
         (expected_max_loads(plain.hosts, loads, scenarios) / mean).mean()
+
+
+def test_held_out_balance_on_a_trace_too_short_for_scenarios_says_so():
+    trace = planted(3, tokens=200)
+    loads = trace.expert_loads().astype(float)
+    assert len(load_scenarios(trace)) == 0
+    solution = staged_placement(transition_counts(trace), loads, Topology(2, 4), 8, 0.5, "mean", "highs",
+                                WorkBudget(effort=0.1), None, load_scenarios(trace), held_out_balance=True)
+    assert any("too short" in note for note in solution.notes)
+    assert np.all(max_gpu_loads(solution.hosts, loads) <= solution.caps * (1 + 1e-9))

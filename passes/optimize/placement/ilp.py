@@ -431,6 +431,9 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         rise = np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
         caps = np.minimum(np.maximum(caps - rise, packed_max * (1 + 1e-9)), caps)
     solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
+    if held_out_balance and not has_scenarios:
+        solution.notes.append("held-out balance asked for, but the trace is too short (or loads only) to estimate "
+                              "held-out loads: the caps hold on the planning trace only")
     if not has_scenarios or budget.expired():
         return solution
     at_scale = not reslot_applies(E + redundant, D, budget)  # re-slotting moves cost minutes there: GPU sweeps walk
