@@ -8,19 +8,29 @@ restricted to them (stream.restrict). Per rank r:
   dense weights, KV cache, activations, reserve; every rank holds the dense weights) or N;
 * residents: its C_r most popular keys on the planning half;
 * eviction: given, or the online policy with the most held-out hits summed over ranks (ties:
-  moeplan first); the moeplan policy's frequency weight is tuned on the same sum.
-The runtime runs demand paging (no prefetch): its hit ratio and bytes must equal the simulator's.
+  moeplan first); the moeplan policy's frequency weight is tuned on the same sum;
+* prefetch: given, or of none, MoE-Infinity's EAMC prefetch and ours (prefetch.py) the one with the
+  lowest held-out seconds per token on the hardware profile's timing (the slowest rank's; ties:
+  none first). Without --eviction each prefetcher brings its own cache policy (none: the best
+  demand policy; moe-infinity: MoE-Infinity's; moeplan: ours, which its prefetcher needs); with
+  --eviction only the prefetchers that can run beside it compete. A rank prefetches its own
+  experts only. The plan records the timing (and for moe-infinity the EAMC) the runtime's stepper
+  needs; with prefetch none the section is what it was before prefetch existed.
+The runtime drives the simulator's stepper (stepper.py): its hits, loads, prefetches and bytes
+must equal the simulator's replay of the same requests.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.activation import popularity_by_layer
+from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
+from moeplan.passes.optimize.offload.evaluate import PAIRED_EVICTION, PREFETCH_MODES
 from moeplan.passes.optimize.offload.next_use import fit_next_use
 from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, memory_budget,
-                                                 popular_keys, split_by_sequence)
+                                                 popular_keys, split_by_sequence, timing_for)
 from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.simulate import simulate_demand
+from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.planner.errors import UserError
 
@@ -40,11 +50,25 @@ def rank_keys(hosts: np.ndarray) -> list:
     return [hosts[:, :, d].reshape(L * E) for d in range(D)]
 
 
+def prefetch_candidates(eviction, prefetch) -> list:
+    """[(prefetch, eviction or None = the best demand policy)] the planner compares; UserError for
+    a pair that cannot run (ours prefetches by our policy's scores)."""
+    if prefetch == "moeplan" and eviction not in (None, "moeplan"):
+        raise UserError(f"--prefetch moeplan needs --eviction moeplan (it ranks experts by that policy's scores), "
+                        f"got --eviction {eviction}; drop --eviction or choose another --prefetch")
+    modes = [prefetch] if prefetch is not None else [m for m in PREFETCH_MODES
+                                                     if not (m == "moeplan" and eviction not in (None, "moeplan"))]
+    return [(m, eviction or (None if m == "none" else PAIRED_EVICTION[m])) for m in modes]
+
+
 def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_token: int, eviction=None,
-                     say=lambda m: None) -> dict:
+                     say=lambda m: None, prefetch=None) -> dict:
     """{"communication": the plan's expert_cache section, "predicted": per-rank held-out figures}."""
     if eviction is not None and eviction not in RUNTIME_POLICIES:
         raise UserError(f"--eviction {eviction} cannot run in a bundle; use one of {', '.join(RUNTIME_POLICIES)}")
+    if prefetch is not None and prefetch not in PREFETCH_MODES:
+        raise UserError(f"--prefetch {prefetch} is not a prefetcher; use one of {', '.join(PREFETCH_MODES)}")
+    candidates = prefetch_candidates(eviction, prefetch)
     budget = memory_budget(ir, kv_per_token, req)
     masks = rank_keys(hosts)
     fit_rows, val_rows = split_by_sequence(trace, req.validation_fraction)
@@ -68,17 +92,37 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     model = model.with_mix(max(MIXES, key=lambda w: (mix_hits[w], -w)))
     results = {name: hits(name, model) for name in RUNTIME_POLICIES}
     total = {name: sum(x.hits for x in rs) for name, rs in results.items()}
-    chosen = eviction or max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
+    best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
+    candidates = [(m, ev or best_demand) for m, ev in candidates]
+    timed = {}
+    if candidates != [("none", best_demand)] or prefetch is None:  # an explicit --prefetch none plans as before prefetch
+        timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
+        eamc = build_eamc(fit, val, seed=req.seed).eamc if any(m == "moe-infinity" for m, _ in candidates) else None
+        for m, ev in candidates:
+            runs = [simulate_timed(s, c, make_policy(ev, model), timing, make_prefetcher(m, eamc, mask), resident=r)
+                    for s, c, r, mask in zip(per_rank, capacities, residents, masks)]
+            timed[m] = {"eviction": ev, "seconds_per_token": max(x.seconds for x in runs) / max(stream.num_tokens, 1),
+                        "prefetches": sum(x.prefetches for x in runs), "prefetch_hits": sum(x.prefetch_hits for x in runs),
+                        "hit_ratio": sum(x.hits for x in runs) / max(sum(x.requests for x in runs), 1),
+                        "hit_ratio_by_rank": [x.hit_ratio for x in runs]}
+    mode = min(timed, key=lambda m: (timed[m]["seconds_per_token"], PREFETCH_MODES.index(m))) if timed else "none"
+    chosen = timed[mode]["eviction"] if timed else candidates[0][1]
     requests = sum(x.requests for x in results[chosen])
     E = ir.moe_stages[0].num_experts
-    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}")
-    return {
-        "communication": {"capacity": capacities, "eviction": chosen, "prefetch": "none",
-                          "resident": [[[k // E, k % E] for k in r] for r in residents],
-                          "memory": budget, "policy_model": model.to_dict(),
-                          "runtime_expert_bytes": runtime_expert_bytes(ir)},
-        "predicted": {"hit_ratio": total[chosen] / requests if requests else 0.0,
-                      "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
-                      "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
-                      "validation_tokens": stream.num_tokens},
-    }
+    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}, prefetch {mode}")
+    communication = {"capacity": capacities, "eviction": chosen, "prefetch": mode,
+                     "resident": [[[k // E, k % E] for k in r] for r in residents],
+                     "memory": budget, "policy_model": model.to_dict(),
+                     "runtime_expert_bytes": runtime_expert_bytes(ir)}
+    if mode != "none":  # what the runtime's stepper needs besides the policy
+        communication["timing"] = timing.to_dict()
+    if mode == "moe-infinity":
+        communication["eamc"] = eamc.tolist()
+    predicted = {"hit_ratio": total[chosen] / requests if requests else 0.0,
+                 "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
+                 "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
+                 "validation_tokens": stream.num_tokens}
+    if timed:  # with prefetch the hits are the timed run's (prefetched keys hit too)
+        predicted.update(hit_ratio=timed[mode]["hit_ratio"], hit_ratio_by_rank=timed[mode]["hit_ratio_by_rank"],
+                         seconds_per_token=timed[mode]["seconds_per_token"], prefetch=timed, hardware=req.hardware.name)
+    return {"communication": communication, "predicted": predicted}
