@@ -83,7 +83,7 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
             "expert_cache": expert_cache, "hardware": hardware, "batch": flags["serve_batch"],
             "max_length": flags["max_length"], "prompt_tokens": flags["prompt_tokens"],
             "validation_fraction": validation_fraction, "seed": seed, "eviction": flags["eviction"],
-            **({"prefetch": prefetch} if prefetch is not None else {})}
+            "prefetch": prefetch}
 
 
 def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, hardware, **flags):

@@ -88,6 +88,12 @@ def _expert_cache(facts):
     return {"expert_cache": body}
 
 
+def recorded_options(o: dict) -> dict:
+    """The offload options as plan.json's inputs record them: `prefetch` only when it prefetches
+    (so that --prefetch none plans byte for byte as before the flag existed)."""
+    return {k: v for k, v in o.items() if not (k == "prefetch" and v in (None, "none"))}
+
+
 def runtime_policy_files() -> dict:
     """The simulator's policy, prefetch and stepper modules, shipped as the bundle runtime's (one
     implementation: the runtime runs the very code the simulator ran). They import numpy and each

@@ -95,7 +95,7 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
     candidates = [(m, ev or best_demand) for m, ev in candidates]
     timed = {}
-    if candidates != [("none", best_demand)] or prefetch is None:  # an explicit --prefetch none plans as before prefetch
+    if prefetch != "none":  # an explicit --prefetch none plans exactly as before prefetch existed
         timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
         eamc = build_eamc(fit, val, seed=req.seed).eamc if any(m == "moe-infinity" for m, _ in candidates) else None
         for m, ev in candidates:
