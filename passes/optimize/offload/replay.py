@@ -21,12 +21,14 @@ from moeplan.passes.optimize.offload.stream import stream_from_log
 COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved")
 
 
-def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream) -> TimedCache:
-    """A fresh stepper for `rank` of the plan's expert_cache section `spec` over `stream`."""
+def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream, timing: Timing | None = None) -> TimedCache:
+    """A fresh stepper for `rank` of the plan's expert_cache section `spec` over `stream` (`timing`:
+    another clock, e.g. to model a demand-only run on a prefetch plan's hardware)."""
     E = stream.num_experts
     model = NextUseModel.from_dict(spec["policy_model"]) if spec["eviction"] == "moeplan" else None
     prefetch = spec.get("prefetch", "none")
-    timing = NO_TIME if prefetch == "none" else Timing.from_dict(spec["timing"])
+    if timing is None:
+        timing = NO_TIME if prefetch == "none" else Timing.from_dict(spec["timing"])
     eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
     return TimedCache(stream, int(spec["capacity"][rank]), make_policy(spec["eviction"], model), timing,
                       make_prefetcher(prefetch, eamc, allowed), [l * E + e for l, e in spec["resident"][rank]])
