@@ -13,13 +13,15 @@ waited for its background reader; then per pair the ratios prefetch / demand. Ev
 verify (logits, tokens, measured == simulated); the script stops otherwise.
 
     .venv/bin/python benchmarks/offload_runtime.py [--caches 0.2 0.4] [--new-tokens 16]
-        [--prompts 4] [--repeats 2] [--json]
+        [--prompts 4] [--repeats 3] [--json]
 
-Wall times are the best of `--repeats` launches. The machine is shared (other jobs load its two
-cores), so wall times are noisy: compare the ratios of one run, not absolute figures. Experts of
-this model are 96 KiB (float32), read from the page cache: on CPU a load costs little next to
-Python overhead, so the wall-time effect of prefetch here says little about a GPU with PCIe copies;
-the modelled figures are the planner's view of that setting.
+Wall times are the best of `--repeats` launches, demand and prefetch launched in turn. The
+machine is shared (other jobs load its two cores), so wall times are noisy: compare the ratios of
+one run, not absolute figures. Loads on demand (loads less prefetches) are deterministic: the
+reads a step waits for on the compute thread. Experts of this model are 96 KiB (float32), read
+from the page cache: on CPU a load costs little next to Python overhead, so the wall-time effect
+of prefetch here says little about a GPU with PCIe copies; the modelled figures are the planner's
+view of that setting.
 
 `--json`: the last line is {"cases": [...], "pairs": [...], "setting": ...}.
 """
@@ -60,28 +62,38 @@ def prompts_file(count: int) -> Path:
     return out
 
 
-def run_case(trace: Path, prompts: Path, cache: int, eviction: str, prefetch: str, new_tokens: int, repeats: int) -> dict:
+def compile_bundle(trace: Path, cache: int, eviction: str, prefetch: str) -> Path:
     bundle = BUILD / f"bundle_{cache}_{eviction}_{prefetch}"
     moeplan("compile", MODEL, "--trace", trace, "--policy", "contiguous", "--mode", "standard", "--expert-cache", cache,
             "--eviction", eviction, "--prefetch", prefetch, "--out", bundle, "--quiet")
-    walls, report = [], None
-    for _ in range(repeats):
-        report = json.loads(moeplan("run", bundle, "--verify", "--new-tokens", new_tokens, "--mode", "standard",
-                                    "--prompts", prompts, "--results", bundle.with_name(bundle.name + "_results"),
-                                    "--json").strip().splitlines()[-1])
-        c = report["expert_cache"]
-        if not (report["verified"] and c["matches_simulation"]):
-            raise SystemExit(f"bundle {bundle.name} did not verify: {json.dumps(c)}")
-        walls.append(c["seconds_per_token"]["measured_wall"])
+    return bundle
+
+
+def run_bundle(bundle: Path, prompts: Path, new_tokens: int) -> dict:
+    """One verified launch; its expert-cache report."""
+    report = json.loads(moeplan("run", bundle, "--verify", "--new-tokens", new_tokens, "--mode", "standard",
+                                "--prompts", prompts, "--results", bundle.with_name(bundle.name + "_results"),
+                                "--json").strip().splitlines()[-1])
     c = report["expert_cache"]
+    if not (report["verified"] and c["matches_simulation"]):
+        raise SystemExit(f"bundle {bundle.name} did not verify: {json.dumps(c)}")
+    return c
+
+
+def summarise(bundle: Path, cache: int, eviction: str, prefetch: str, reports: list) -> dict:
+    """The counters (the same in every launch: they depend on the routing only) and the best wall time."""
+    walls = [c["seconds_per_token"]["measured_wall"] for c in reports]
+    c = reports[-1]
     m, t = c["measured"], c["seconds_per_token"]
     return {"cache": cache, "eviction": eviction, "prefetch": prefetch, "hit_ratio": round(m["hit_ratio"], 4),
             "requests": m["requests"], "loads": m["loads"], "prefetches": m["prefetches"], "prefetch_hits": m["prefetch_hits"],
-            "bytes_moved": m["bytes_moved"], "wall_ms_per_forward": round(min(walls) * 1e3, 3),
-            "wall_ms_per_forward_all": [round(w * 1e3, 3) for w in walls],
+            "demand_loads": m["loads"] - m["prefetches"], "bytes_moved": m["bytes_moved"],
+            "wall_ms_per_forward": round(min(walls) * 1e3, 3), "wall_ms_per_forward_all": [round(w * 1e3, 3) for w in walls],
             "modelled_ms_per_forward": round(t["modelled_for_these_tokens"] * 1e3, 4) if t["modelled_for_these_tokens"] else None,
-            "reader_wait_ms": round(m["prefetch_wait_s"] * 1e3, 3), "forwards": t["forwards"],
-            "measured_equals_simulated": c["matches_simulation"], "bundle": bundle}
+            "reader_wait_ms": round(min(r["measured"]["prefetch_wait_s"] for r in reports) * 1e3, 3), "forwards": t["forwards"],
+            "measured_equals_simulated": all(r["matches_simulation"] for r in reports),
+            "counters_equal_across_launches": all(r["measured"]["loads"] == m["loads"] and r["measured"]["hits"] == m["hits"]
+                                                  for r in reports), "bundle": bundle}
 
 
 def modelled_demand_ms(demand: dict, prefetched: dict) -> float:
@@ -110,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plan-tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     trace, prompts = planning_trace(args.plan_tokens), prompts_file(args.prompts)
@@ -119,23 +131,29 @@ def main(argv=None) -> int:
     for share in args.caches:
         cache = max(1, int(round(share * 96)))
         for eviction, prefetcher in PAIRS:
-            demand = run_case(trace, prompts, cache, eviction, "none", args.new_tokens, args.repeats)
-            pre = run_case(trace, prompts, cache, eviction, prefetcher, args.new_tokens, args.repeats)
+            bundles = {p: compile_bundle(trace, cache, eviction, p) for p in ("none", prefetcher)}
+            reports = {p: [] for p in bundles}
+            for _ in range(args.repeats):  # interleaved launches, so both see the same machine load
+                for p, bundle in bundles.items():
+                    reports[p].append(run_bundle(bundle, prompts, args.new_tokens))
+            demand, pre = (summarise(bundles[p], cache, eviction, p, reports[p]) for p in ("none", prefetcher))
             cases += [demand, pre]
             for r in (demand, pre):
                 print(f"cache {cache:>3} {r['eviction']:<12} prefetch {r['prefetch']:<12} hit ratio {r['hit_ratio']:.4f}  "
-                      f"loads {r['loads']:>4} ({r['prefetches']} prefetched, {r['prefetch_hits']} hit)  "
+                      f"loads {r['loads']:>4} ({r['prefetches']} prefetched, {r['prefetch_hits']} hit; "
+                      f"{r['demand_loads']} on demand)  "
                       f"{r['bytes_moved'] / 2**20:7.1f} MiB  wall {r['wall_ms_per_forward']:7.2f} ms/forward  "
                       f"waited {r['reader_wait_ms']:.2f} ms", file=out, flush=True)
             pair = {"cache": cache, "eviction": eviction, "prefetcher": prefetcher,
                     "wall_ratio": round(pre["wall_ms_per_forward"] / demand["wall_ms_per_forward"], 3),
                     "hit_ratio_ratio": round(pre["hit_ratio"] / demand["hit_ratio"], 3) if demand["hit_ratio"] else None,
                     "bytes_ratio": round(pre["bytes_moved"] / demand["bytes_moved"], 3) if demand["bytes_moved"] else None,
+                    "demand_loads_ratio": round(pre["demand_loads"] / demand["demand_loads"], 3) if demand["demand_loads"] else None,
                     "modelled_ms_demand": modelled_demand_ms(demand, pre), "modelled_ms_prefetch": pre["modelled_ms_per_forward"]}
             pair["modelled_ratio"] = round(pair["modelled_ms_prefetch"] / pair["modelled_ms_demand"], 3)
             pairs.append(pair)
             print(f"  {prefetcher} prefetch / demand: wall {pair['wall_ratio']:.3f}x, hit ratio {pair['hit_ratio_ratio']}x, "
-                  f"bytes {pair['bytes_ratio']}x; modelled on rtx4090-pcie4 {pair['modelled_ms_prefetch']} vs "
+                  f"bytes {pair['bytes_ratio']}x, loads on demand {pair['demand_loads_ratio']}x; modelled on rtx4090-pcie4 {pair['modelled_ms_prefetch']} vs "
                   f"{pair['modelled_ms_demand']} ms/forward ({pair['modelled_ratio']}x)",
                   file=out, flush=True)
     setting = ("examples/tiny_moe (6 MoE layers x 16 experts, top-2, 96 KiB float32 experts), 1 rank on CPU, "

@@ -7,8 +7,9 @@ moved by the cache (background reads, installed before the next step computes).
   the last step the pool holds exactly the stepper's cached keys; hypothesis varies the stream,
   capacity, timing and the keys a rank may prefetch.
 * End to end (real CLI, real torchrun): compile with prefetch at 1 rank and 2 ranks (expert
-  parallel), `run --verify`: measured == simulated with prefetches that hit; plan + codegen equal
-  compile; `--prefetch none` plans no timing; bad flag combinations stop in one line.
+  parallel), `run --verify`: measured == simulated with prefetches that hit; `--prefetch none`
+  plans no timing; bad flag combinations stop in one line (plan + codegen == compile with prefetch:
+  tests/test_offload_runtime.py).
 """
 import json
 from types import SimpleNamespace
@@ -16,7 +17,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
@@ -29,8 +29,7 @@ from moeplan.passes.optimize.offload.prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
 from moeplan.passes.optimize.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
-from moeplan.planner.cli import main
-from runtime_fixtures import small_model_dir
+from test_offload_runtime import cli, offload_inputs  # noqa: F401 (the module's fixture: a small model and its trace)
 
 L, E, K = 3, 8, 2
 SHAPE = (8, 4)
@@ -153,26 +152,9 @@ def test_a_prefetcher_copies_only_the_keys_it_may(fitted):
 
 # --- end to end --------------------------------------------------------------------------------
 
-def cli(args):
-    result = CliRunner().invoke(main, args)
-    return result.exit_code, result.output
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("prefetch_bundle")
-    model_dir = small_model_dir(root)
-    (root / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    code, out = cli(["trace", str(model_dir), "--data", str(root / "data.txt"), "--out", str(root / "t.npz"),
-                     "--seq-len", "32", "--quiet"])
-    assert code == 0, out
-    (root / "prompts.txt").write_text("hello world\nabc\n")
-    return root, model_dir
-
-
 @pytest.mark.parametrize("gpus, cache, prefetch, mode", [(1, 5, "moeplan", "standard"), (2, 3, "moe-infinity", "both")])
-def test_bundle_with_prefetch_measures_what_the_simulator_predicts(inputs, gpus, cache, prefetch, mode):
-    root, model_dir = inputs
+def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_inputs, gpus, cache, prefetch, mode):
+    root, model_dir = offload_inputs
     bundle = root / f"bundle-{prefetch}-{gpus}"
     code, out = cli(["compile", str(model_dir), "--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard",
                      "--gpus-per-node", str(gpus), "--expert-cache", str(cache), "--prefetch", prefetch,
@@ -199,25 +181,8 @@ def test_bundle_with_prefetch_measures_what_the_simulator_predicts(inputs, gpus,
         assert t["measured_wall"] > 0 and t["modelled_for_these_tokens"] > 0 and t["planned"] > 0
 
 
-def test_plan_then_codegen_gives_the_compiled_prefetch_bundle_byte_for_byte(inputs, tmp_path):
-    root, model_dir = inputs
-    flags = ["--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard", "--expert-cache", "5",
-             "--prefetch", "moe-infinity"]
-    code, out = cli(["compile", str(model_dir), *flags, "--out", str(tmp_path / "compiled"), "--quiet"])
-    assert code == 0, out
-    code, out = cli(["plan", str(model_dir), *flags, "--target", "torchrun", "--out", str(tmp_path / "plan.json"), "--quiet"])
-    assert code == 0, out
-    code, out = cli(["codegen", str(tmp_path / "plan.json"), "--out", str(tmp_path / "generated")])
-    assert code == 0, out
-
-    def files(d):
-        return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
-
-    assert files(tmp_path / "compiled") == files(tmp_path / "generated")
-
-
-def test_prefetch_none_plans_demand_paging_and_the_default_compares_all(inputs, tmp_path):
-    root, model_dir = inputs
+def test_prefetch_none_plans_demand_paging_and_the_default_compares_all(offload_inputs, tmp_path):
+    root, model_dir = offload_inputs
     flags = ["--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard", "--expert-cache", "5",
              "--target", "torchrun", "--quiet"]
     code, out = cli(["plan", str(model_dir), *flags, "--prefetch", "none", "--out", str(tmp_path / "none.json")])
@@ -238,15 +203,15 @@ def test_prefetch_none_plans_demand_paging_and_the_default_compares_all(inputs, 
     (["--prefetch", "moeplan"], "error: --prefetch needs --gpu-memory"),
     (["--expert-cache", "4", "--prefetch", "moeplan", "--eviction", "lru"], "error: --prefetch moeplan needs --eviction moeplan"),
 ])
-def test_bad_prefetch_flags_are_refused_in_one_line(inputs, args, message):
-    root, model_dir = inputs
+def test_bad_prefetch_flags_are_refused_in_one_line(offload_inputs, args, message):
+    root, model_dir = offload_inputs
     code, out = cli(["compile", str(model_dir), "--trace", str(root / "t.npz"), *args, "--out", str(root / "x")])
     assert code == 2 and out.strip().splitlines()[-1].startswith(message) and len(out.strip().splitlines()) == 1, out
     assert not (root / "x").exists()
 
 
-def test_the_offload_target_compares_prefetchers_itself(inputs):
-    root, model_dir = inputs
+def test_the_offload_target_compares_prefetchers_itself(offload_inputs):
+    root, model_dir = offload_inputs
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "t.npz"), "--target", "offload", "--expert-cache", "5",
                      "--prefetch", "moeplan", "--out", str(root / "p.json")])
     assert code == 2 and out.strip().startswith("error: --prefetch sets a bundle's prefetcher")

@@ -163,10 +163,11 @@ def test_the_shipped_policy_modules_import_nothing_of_moeplan(tmp_path):
         assert [m for _, m in imported_modules(tmp_path / "f.py") if m.startswith("moeplan")] == [], rel
 
 
-def test_plan_then_codegen_gives_the_compiled_offload_bundle_byte_for_byte(offload_inputs, tmp_path):
+@pytest.mark.parametrize("cache_flags", [["--eviction", "lru"], ["--prefetch", "moe-infinity"]])
+def test_plan_then_codegen_gives_the_compiled_offload_bundle_byte_for_byte(offload_inputs, tmp_path, cache_flags):
     root, model_dir = offload_inputs
     flags = ["--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard", "--expert-cache", "5",
-             "--eviction", "lru"]
+             *cache_flags]
     code, out = cli(["compile", str(model_dir), *flags, "--out", str(tmp_path / "compiled"), "--quiet"])
     assert code == 0, out
     code, out = cli(["plan", str(model_dir), *flags, "--target", "torchrun", "--out", str(tmp_path / "plan.json"), "--quiet"])

@@ -61,6 +61,18 @@ def prefetch_candidates(eviction, prefetch) -> list:
     return [(m, eviction or (None if m == "none" else PAIRED_EVICTION[m])) for m in modes]
 
 
+def price_prefetcher(mode: str, eviction: str, per_rank: list, capacities: list, residents: list, masks: list, model,
+                     timing: Timing, eamc) -> dict:
+    """One prefetcher with its eviction policy on every rank's held-out stream, on the modelled clock:
+    seconds per token of the slowest rank, prefetches, prefetched keys that hit, hit ratios."""
+    runs = [simulate_timed(s, c, make_policy(eviction, model), timing, make_prefetcher(mode, eamc, mask), resident=r)
+            for s, c, r, mask in zip(per_rank, capacities, residents, masks)]
+    return {"eviction": eviction, "seconds_per_token": max(x.seconds for x in runs) / max(per_rank[0].num_tokens, 1),
+            "prefetches": sum(x.prefetches for x in runs), "prefetch_hits": sum(x.prefetch_hits for x in runs),
+            "hit_ratio": sum(x.hits for x in runs) / max(sum(x.requests for x in runs), 1),
+            "hit_ratio_by_rank": [x.hit_ratio for x in runs]}
+
+
 def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_token: int, eviction=None,
                      say=lambda m: None, prefetch=None) -> dict:
     """{"communication": the plan's expert_cache section, "predicted": per-rank held-out figures}."""
@@ -94,17 +106,12 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     total = {name: sum(x.hits for x in rs) for name, rs in results.items()}
     best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
     candidates = [(m, ev or best_demand) for m, ev in candidates]
-    timed = {}
+    timed, timing, eamc = {}, None, None
     if prefetch != "none":  # an explicit --prefetch none plans exactly as before prefetch existed
         timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
         eamc = build_eamc(fit, val, seed=req.seed).eamc if any(m == "moe-infinity" for m, _ in candidates) else None
-        for m, ev in candidates:
-            runs = [simulate_timed(s, c, make_policy(ev, model), timing, make_prefetcher(m, eamc, mask), resident=r)
-                    for s, c, r, mask in zip(per_rank, capacities, residents, masks)]
-            timed[m] = {"eviction": ev, "seconds_per_token": max(x.seconds for x in runs) / max(stream.num_tokens, 1),
-                        "prefetches": sum(x.prefetches for x in runs), "prefetch_hits": sum(x.prefetch_hits for x in runs),
-                        "hit_ratio": sum(x.hits for x in runs) / max(sum(x.requests for x in runs), 1),
-                        "hit_ratio_by_rank": [x.hit_ratio for x in runs]}
+        timed = {m: price_prefetcher(m, ev, per_rank, capacities, residents, masks, model, timing, eamc)
+                 for m, ev in candidates}
     mode = min(timed, key=lambda m: (timed[m]["seconds_per_token"], PREFETCH_MODES.index(m))) if timed else "none"
     chosen = timed[mode]["eviction"] if timed else candidates[0][1]
     requests = sum(x.requests for x in results[chosen])
