@@ -147,18 +147,26 @@ class ShardStore:
 class PrefetchReader:
     """Reads the tensors of decided prefetch copies on one background thread (the store's shard;
     pinned host memory on CUDA), so the reading overlaps the step's compute and the next layer's;
-    `take` hands them over, waiting if the thread is not done (the wait is counted, in wall time)."""
+    `take` hands them over, waiting if the thread is not done (the wait is counted, in wall time).
+    Demand reads on the compute thread go through `read` too: one reader of the store at a time."""
 
     def __init__(self, store, num_experts: int):
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         self.store, self.E = store, num_experts
+        self.lock = threading.Lock()  # one reader of the store at a time (its file handle and counters)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeplan-prefetch")
         self.job = None
         self.waits, self.wait_s = 0, 0.0
 
+    def read(self, key: int) -> dict:
+        """One expert's tensors from the store, on whichever thread calls it."""
+        with self.lock:
+            return self.store.load(key // self.E, key % self.E)
+
     def start(self, keys: list) -> None:
-        self.job = self.thread.submit(lambda: [self.store.load(k // self.E, k % self.E) for k in keys])
+        self.job = self.thread.submit(lambda: [self.read(k) for k in keys])
 
     def take(self) -> list:
         """[{param: tensor}] of the last `start`'s keys, in order."""
@@ -217,7 +225,7 @@ class ExpertCache:
         self.slot_of, self.free = {}, list(range(self.capacity - 1, -1, -1))
         for k in self.initial:
             slot = self.free.pop()
-            self._write(slot, self.store.load(k // self.E, k % self.E))
+            self._write(slot, self.reader.read(k))
             self.slot_of[k] = slot
         self.stepper = self.new_stepper(self.stream, self.capacity, self.initial)
         self.policy, self.cached = self.stepper.policy, self.stepper.cached
@@ -295,7 +303,7 @@ class ExpertCache:
                 self.prefetch_hits += 1
                 self.unused_prefetch.discard(key)
             return self.slot_of[key]
-        return self._install(key, evicted, self.store.load(key // self.E, key % self.E))
+        return self._install(key, evicted, self.reader.read(key))
 
     def end_step(self) -> None:
         """The step's compute is enqueued (CUDA: an event the next step's copies wait for)."""
