@@ -72,26 +72,33 @@ def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = Fals
     if not path.name.endswith(".index.json"):  # read as the checkpoint is: one tensor, one block at a time
         return {name: read_part(path.parent, {"file": path.name, "tensor": name})
                 for name in sorted(read_header(path)) if name != "__metadata__"}
-    reference = plan["model"].get("checkpoint")
-    if not isinstance(reference, dict):
+    if not isinstance(plan["model"].get("checkpoint"), dict):
         raise BundleError(f"shard '{path}' is a checkpoint index but plan.json names no checkpoint; recompile the bundle")
+    directory = checked_checkpoint_directory(root, plan, full=full_check)
     try:
-        directory = checkpoint_directory(root, reference)
-        check_checkpoint(directory, reference, full=full_check)
         return read_reference_shard(directory, path)
     except CheckpointError as exc:
         raise BundleError(str(exc)) from None
 
 
-def check_referenced_checkpoint(root: Path, plan: dict) -> None:
-    """For a `--weights reference` bundle: the checkpoint is where the plan says (or $MOEPLAN_CHECKPOINT)
-    and every file's full sha256 is the compiled one. Run once before the ranks start."""
+def checked_checkpoint_directory(root: Path, plan: dict, full: bool = False):
+    """For a `--weights reference` bundle, where the checkpoint is ($MOEPLAN_CHECKPOINT, else the
+    path in the plan) after checking every file's size and header against the plan, and with
+    `full` its sha256 (moeplan run does that once before the ranks start); None for a copy bundle."""
     reference = plan["model"].get("checkpoint")
-    if isinstance(reference, dict):
-        try:
-            check_checkpoint(checkpoint_directory(root, reference), reference, full=True)
-        except CheckpointError as exc:
-            raise BundleError(str(exc)) from None
+    if not isinstance(reference, dict):
+        return None
+    try:
+        directory = checkpoint_directory(root, reference)
+        check_checkpoint(directory, reference, full=full)
+    except CheckpointError as exc:
+        raise BundleError(str(exc)) from None
+    return directory
+
+
+def check_referenced_checkpoint(root: Path, plan: dict) -> None:
+    """Before the ranks start: the referenced checkpoint's full sha256 is the compiled one."""
+    checked_checkpoint_directory(root, plan, full=True)
 
 
 def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
@@ -124,7 +131,8 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
         from .expert_cache import offloaded_rank_model
 
         rank_model = offloaded_rank_model(root / plan["shards"][rank], model, arch, offload, rank,
-                                          {l: sorted(e) for l, e in local.items()}, max_positions, device)
+                                          {l: sorted(e) for l, e in local.items()}, max_positions, device,
+                                          checkpoint_dir=checked_checkpoint_directory(root, plan))
     else:
         rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
     rank_model.top_k = top_k

@@ -13,10 +13,12 @@ checkpoints, e.g. Mixtral's w1 and w3 into gate_up_proj), then cast to `dtype`:
 Compile uses recipes to stream a checkpoint into per-rank shards (`--weights copy`); ranks use
 them to read only their own tensors from the original checkpoint (`--weights reference`). Every
 read opens the file, reads the slice with safetensors' `get_slice` and closes it again, so no
-mapping of a whole file stays resident. Runtime code: torch and safetensors only.
+mapping of a whole file stays resident; an expert cache's store, which reads one expert per miss
+for the whole run, keeps its files open instead (`OpenFiles`). Runtime code: torch and safetensors only.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -60,10 +62,29 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _part_layout(directory: Path, part: dict) -> tuple:
+class OpenFiles:
+    """Checkpoint files kept open across reads (`safe_open` handles by file name), for a reader that
+    reads many small slices (an expert cache's store): each read then costs no header parse.
+    Without one, every block opens and closes its file (see `read_part`)."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.handles = Path(directory), {}
+
+    def __call__(self, name: str):
+        if name not in self.handles:
+            self.handles[name] = safe_open(str(self.directory / name), framework="pt")
+        return contextlib.nullcontext(self.handles[name])
+
+
+def _opener(directory: Path, files: OpenFiles | None):
+    """file name -> a context manager giving an open handle: `files`' own, or a fresh one."""
+    return files if files is not None else (lambda name: safe_open(str(Path(directory) / name), framework="pt"))
+
+
+def _part_layout(directory: Path, part: dict, files: OpenFiles | None = None) -> tuple:
     """(file path, first row, stop row, stored shape, stored dtype, shape the part yields), from the header."""
     path = str(Path(directory) / part["file"])
-    with safe_open(path, framework="pt") as fh:
+    with _opener(directory, files)(part["file"]) as fh:
         view = fh.get_slice(part["tensor"])
         shape, dtype = list(view.get_shape()), DTYPES[view.get_dtype()]
     if not shape:
@@ -73,41 +94,42 @@ def _part_layout(directory: Path, part: dict) -> tuple:
     return path, start, stop, shape, dtype, yields
 
 
-def read_part(directory: Path, part: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_part(directory: Path, part: dict, out: torch.Tensor | None = None, files: OpenFiles | None = None) -> torch.Tensor:
     """One part of a recipe (a checkpoint tensor, or rows [start, stop) of its first dimension),
     written into `out` (any view of the part's shape; cast to its dtype) or into a new tensor.
 
-    Read in blocks of at most CHUNK_BYTES, the file opened for each block: safetensors maps the
-    file, and the pages a read touches count as this process's memory until the mapping closes,
-    so a big tensor read in one go would cost twice its size at the peak.
+    Read in blocks of at most CHUNK_BYTES, the file opened for each block (unless `files` keeps it
+    open): safetensors maps the file, and the pages a read touches count as this process's memory
+    until the mapping closes, so a big tensor read in one go would cost twice its size at the peak.
     """
-    path, start, stop, shape, dtype, yields = _part_layout(directory, part)
+    _, start, stop, shape, dtype, yields = _part_layout(directory, part, files)
     out = torch.empty(yields, dtype=dtype) if out is None else out
+    opener = _opener(directory, files)
     if not shape:
-        with safe_open(path, framework="pt") as fh:
+        with opener(part["file"]) as fh:
             return out.copy_(fh.get_tensor(part["tensor"]))
     dest = out.unsqueeze(0) if part.get("squeeze") else out
     step = max(1, CHUNK_BYTES // max(1, math.prod(shape[1:]) * dtype.itemsize))
     for a in range(start, stop, step):
         b = min(stop, a + step)
-        with safe_open(path, framework="pt") as fh:
+        with opener(part["file"]) as fh:
             dest[a - start:b - start] = fh.get_slice(part["tensor"])[a:b]
     return out
 
 
-def read_recipe(directory: Path, recipe: dict) -> torch.Tensor:
+def read_recipe(directory: Path, recipe: dict, files: OpenFiles | None = None) -> torch.Tensor:
     """The bundle tensor a recipe describes, in the recipe's dtype and shape: each part is read
-    straight into its place along `cat_dim` (no concatenated copy)."""
+    straight into its place along `cat_dim` (no concatenated copy); `files`: handles kept open."""
     out = torch.empty(recipe["shape"], dtype=DTYPES[recipe["dtype"]])
     dim, offset = int(recipe.get("cat_dim") or 0), 0
     for part in recipe["parts"]:
-        yields = _part_layout(directory, part)[5]
+        yields = _part_layout(directory, part, files)[5]
         size = yields[dim] if yields else 0
         if (len(yields) != out.dim() or any(y != o for i, (y, o) in enumerate(zip(yields, out.shape)) if i != dim)
                 or offset + size > (out.shape[dim] if out.dim() else 0)):
             raise CheckpointError(f"checkpoint tensor {part['tensor']} gives shape {yields}, the bundle expects "
                                   f"{list(recipe['shape'])}; recompile the bundle against this checkpoint")
-        read_part(directory, part, out.narrow(dim, offset, size) if out.dim() else out)
+        read_part(directory, part, out.narrow(dim, offset, size) if out.dim() else out, files)
         offset += size
     if out.dim() and offset != out.shape[dim]:
         raise CheckpointError(f"checkpoint tensors {[p['tensor'] for p in recipe['parts']]} fill {offset} of "

@@ -20,10 +20,11 @@ library's own experts module computes, on weights the cache put in place.
   installed before the next MoE step computes (waiting for the thread if it is not done). It
   counts requests, hits, loads, prefetches and bytes moved and keeps the request log
   (`OnlineStream`), which `moeplan run --verify` replays through the simulator.
-* `ShardStore`: reads one expert's tensors with safetensors' `safe_open` on each load; on CUDA it
-  keeps them in pinned host memory. CUDA copies run on a side stream after an event of the last
-  compute that may read the slot, and the compute stream waits for them (that path cannot run on
-  this CPU-only machine: written, never run).
+* The store (`expert_store.py`: the copied shard, or the original checkpoint through the rank's
+  reference index) hands over one expert's float32 tensors per load, pinned on CUDA; the store
+  counts bytes read from disk and served from host memory. CUDA copies run on a side stream after
+  an event of the last compute that may read the slot, and the compute stream waits for them
+  (that path cannot run on this CPU-only machine: written, never run).
 * Policies, prefetchers and the stepper: the simulator's own modules (passes/optimize/offload/
   policies.py, next_use.py, prefetch.py, stepper.py and passes/analysis/eam_match.py), copied into
   the bundle as `runtime/offload_*.py` by the offload codegen, driven through `OnlineStream` exactly
@@ -37,6 +38,8 @@ import copy
 import numpy as np
 import torch
 import torch.nn as nn
+
+from .expert_store import ExpertStore, ShardStore  # noqa: F401  (ShardStore: the copy form)
 
 
 class OnlineStream:
@@ -120,30 +123,6 @@ class ExpertPool:
                 self.slot_view(p)[slot].copy_(t.reshape(self.slot_view(p).shape[1:]), non_blocking=True)
 
 
-class ShardStore:
-    """An expert's tensors by (MoE layer, expert), read from the rank's safetensors shard per load."""
-
-    def __init__(self, path, owner, pinned: bool = False):
-        """`owner(name)` -> (MoE layer, expert, param) for per-expert tensor names, None for others."""
-        from safetensors import safe_open
-
-        self.file = safe_open(str(path), framework="pt")
-        self.names_of = {}
-        for name in self.file.keys():
-            o = owner(name)
-            if o is not None:
-                self.names_of.setdefault((o[0], o[1]), []).append((o[2], name))
-        self.pinned = pinned
-
-    def load(self, layer: int, expert: int) -> dict:
-        """{param: float32 tensor} of one expert (pinned host memory when `pinned`)."""
-        out = {}
-        for param, name in self.names_of[(layer, expert)]:
-            t = self.file.get_tensor(name).float()
-            out[param] = t.pin_memory() if self.pinned else t
-        return out
-
-
 class PrefetchReader:
     """Reads the tensors of decided prefetch copies on one background thread (the store's shard;
     pinned host memory on CUDA), so the reading overlaps the step's compute and the next layer's;
@@ -204,7 +183,7 @@ class ExpertCache:
     the stepper; `moeplan run --verify` checks them against the simulator's replay of the log.
     """
 
-    def __init__(self, capacity: int, store: ShardStore, pool: ExpertPool, num_layers: int, num_experts: int,
+    def __init__(self, capacity: int, store: ExpertStore, pool: ExpertPool, num_layers: int, num_experts: int,
                  new_stepper, resident=()):
         if capacity < 1 or capacity > pool.capacity:
             raise ValueError(f"expert cache capacity {capacity} must be between 1 and the pool's {pool.capacity} slots")
@@ -231,6 +210,7 @@ class ExpertCache:
         self.policy, self.cached = self.stepper.policy, self.stepper.cached
         self.requests = self.hits = self.loads = self.bytes_moved = self.prefetches = self.prefetch_hits = 0
         self.unused_prefetch = set()
+        self.store.reset_counters()  # store hook: disk/host counters of the run only (not the initial fill)
         self.token = -1
 
     def new_forward(self) -> None:
@@ -342,7 +322,8 @@ class ExpertCache:
                 "prefetches": self.prefetches, "prefetch_hits": self.prefetch_hits,
                 "resident_at_layer_start": int(self.stepper.resident_at_start), "modelled_seconds": float(self.stepper.now),
                 "prefetch_waits": self.reader.waits, "prefetch_wait_s": self.reader.wait_s,
-                "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity}
+                "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity,
+                **self.store.counters()}  # store hook: bytes read from disk vs served from host memory
 
     def record(self) -> dict:
         """Counters and the request log, for results (rank-<r>.pt)."""
@@ -388,15 +369,7 @@ def expert_tensor_owner(containers: list):
     return owners.get
 
 
-def dense_tensors(path, owner) -> dict:
-    """The shard's tensors that are not per-expert (float32, CPU): experts stay on disk."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return {name: f.get_tensor(name).float() for name in f.keys() if owner(name) is None}
-
-
-def attach_expert_cache(rank_model, pool: ExpertPool, store: ShardStore, spec: dict, rank: int, local: dict) -> ExpertCache:
+def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: dict, rank: int, local: dict) -> ExpertCache:
     """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
     containers = rank_model.containers
@@ -420,21 +393,24 @@ def attach_expert_cache(rank_model, pool: ExpertPool, store: ShardStore, spec: d
     return cache
 
 
-def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device):
-    """A RankModel whose experts live in an expert cache: dense weights from the shard, expert
-    tensors read from it on demand, `spec["capacity"][rank]` slots on `device`."""
+def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, local: dict, max_positions: int, device,
+                         checkpoint_dir=None):
+    """A RankModel whose experts live in an expert cache: dense weights from the rank's shard (or,
+    for a reference index, from the checkpoint in `checkpoint_dir`), expert tensors read from it on
+    demand through the host tier (`spec["host"]`), `spec["capacity"][rank]` slots on `device`."""
+    from .expert_store import open_rank_store
     from .library_model import RankModel, decoder_layers
     from .moe_adapter import find_containers
 
-    if str(shard_path).endswith(".index.json"):
-        raise ValueError("expert caches read experts from a copied shard; compile the bundle with --weights copy")
     prefix, layers = decoder_layers(model)
     containers = find_containers(layers, prefix)
     owner = expert_tensor_owner(containers)
     device = torch.device(device)
     pool = ExpertPool(containers, model.get_submodule(containers[0].block), int(spec["capacity"][rank]), device)
-    rank_model = RankModel(model, arch, None, {}, dense_tensors(shard_path, owner), max_positions)
+    host = spec.get("host")  # plans without a host tier read every load from the files
+    store, dense = open_rank_store(shard_path, owner, pinned=device.type == "cuda",
+                                   host_keys=host["resident"][rank] if host else (), checkpoint_dir=checkpoint_dir)
+    rank_model = RankModel(model, arch, None, {}, dense, max_positions)
     model.to(device)
-    store = ShardStore(shard_path, owner, pinned=device.type == "cuda")
     attach_expert_cache(rank_model, pool, store, spec, rank, local)
     return rank_model

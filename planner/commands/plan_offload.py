@@ -25,7 +25,8 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "serve_batch", "max_length", "prompt_tokens", "eviction", "prefetch")
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "serve_batch", "max_length", "prompt_tokens", "eviction",
+                 "prefetch")
 EVICTIONS = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")
 PREFETCHES = ("none", "moeplan", "moe-infinity")
 
@@ -36,6 +37,10 @@ def offload_options(f):
     options = [
         click.option("--gpu-memory", default=None, help="offload: GPU memory for the model, bytes or e.g. 24GiB"),
         click.option("--expert-cache", type=int, default=None, help="offload: expert cache entries ((layer, expert) pairs) instead of --gpu-memory"),
+        click.option("--host-memory", default=None,
+                     help="offload: host memory for the experts' host tier, bytes or e.g. 48GiB, per machine (shared by "
+                          "its ranks); the rest are read from disk on every load (default: the hardware profile's host "
+                          "memory less 8 GiB)"),
         click.option("--batch", "serve_batch", type=int, default=1, show_default=True, help="offload: sequences served at once (KV cache sizing)"),
         click.option("--max-length", type=int, default=4096, show_default=True, help="offload: tokens per sequence (KV cache sizing)"),
         click.option("--prompt-tokens", type=int, default=0, show_default=True, help="offload: first P tokens of a sequence are one prefill step"),
@@ -57,10 +62,9 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
     gpu_memory, expert_cache = flags["gpu_memory"], flags["expert_cache"]
     prefetch = flags.get("prefetch")
     if target != "offload" and gpu_memory is None and expert_cache is None:
-        if flags["eviction"] is not None:
-            raise UserError("--eviction needs --gpu-memory BYTES or --expert-cache N (an expert cache to evict from)")
-        if prefetch is not None:
-            raise UserError("--prefetch needs --gpu-memory BYTES or --expert-cache N (an expert cache to prefetch into)")
+        for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory"), ("prefetch", "--prefetch")):
+            if flags.get(flag) is not None:
+                raise UserError(f"{name} needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
         return None
     if target == "offload" and flags["eviction"] is not None:
         raise UserError("--eviction sets a bundle's policy (compile --target torchrun); --target offload compares them all")
@@ -81,6 +85,7 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
         raise UserError(f"--validation-fraction must be between 0 and 1, got {validation_fraction}")
     return {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
             "expert_cache": expert_cache, "hardware": hardware, "batch": flags["serve_batch"],
+            "host_memory_bytes": parse_bytes(flags["host_memory"], "--host-memory") if flags["host_memory"] is not None else None,
             "max_length": flags["max_length"], "prompt_tokens": flags["prompt_tokens"],
             "validation_fraction": validation_fraction, "seed": seed, "eviction": flags["eviction"],
             "prefetch": prefetch}

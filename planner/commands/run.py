@@ -121,7 +121,9 @@ def _print(report: dict, verify: bool) -> None:
         click.echo(f"  expert cache ({c['eviction']}, prefetch {c['prefetch']}, {c['capacity']} per rank): hit ratio "
                    f"{m['hit_ratio']:.4f} ({m['hits']}/{m['requests']}), {m['loads']} loads ({m['prefetches']} prefetched, "
                    f"{m['prefetch_hits']} of them hit), {m['bytes_moved']} bytes moved; simulated {p['hit_ratio']:.4f}, "
-                   f"{p['loads']} loads ({p['prefetches']} prefetched, {p['prefetch_hits']} hit), {p['bytes_moved']} bytes"
+                   f"{p['loads']} loads ({p['prefetches']} prefetched, {p['prefetch_hits']} hit), {p['bytes_moved']} bytes; "
+                   f"disk {m.get('disk_loads', 0)} loads {m.get('disk_bytes', 0)} bytes, host {m.get('host_loads', 0)} loads "
+                   f"{m.get('host_bytes', 0)} bytes (simulated disk {p.get('disk_bytes', 0)}, host {p.get('host_bytes', 0)})"
                    + ("" if c["matches_simulation"] else " - DIFFERS")
                    + ("" if c["requests_match_routing"] else "; requests differ from the routing"))
         t = c["seconds_per_token"]

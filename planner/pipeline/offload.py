@@ -32,10 +32,12 @@ def _plan(facts):
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     req = OffloadRequest(hardware=hw, gpu_memory_bytes=o["gpu_memory_bytes"], expert_cache=o["expert_cache"],
                          batch=o["batch"], max_length=o["max_length"], prompt_tokens=o["prompt_tokens"],
-                         validation_fraction=o["validation_fraction"], seed=o["seed"])
+                         validation_fraction=o["validation_fraction"], seed=o["seed"],
+                         host_memory_bytes=o.get("host_memory_bytes"))
     body = plan_offload(ir, facts["trace"], req, kv_bytes_per_token(config, ir), say=facts["progress"])
     inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "gpu_memory_bytes": o["gpu_memory_bytes"],
               "expert_cache": o["expert_cache"], "hardware": hw.name, "batch": o["batch"], "max_length": o["max_length"],
+              **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
               **body["inputs_extra"]}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
@@ -67,7 +69,8 @@ def _offload_request(o: dict):
 
     return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
-                          prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"])
+                          prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"],
+                          host_memory_bytes=o.get("host_memory_bytes"))
 
 
 def _expert_cache(facts):
@@ -84,7 +87,7 @@ def _expert_cache(facts):
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
                             kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"),
-                            prefetch=o.get("prefetch"))
+                            prefetch=o.get("prefetch"), ranks_per_node=facts["placement"].topology.gpus_per_node)
     return {"expert_cache": body}
 
 
@@ -121,9 +124,10 @@ EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_opt
 def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     """`moeplan run` on a bundle with expert caches: the measured counters beside the simulator's
     replay of the requests each rank logged (passes/optimize/offload/replay.py: same policy,
-    prefetcher, timing, capacity and residents), whether those requests are the ones the run's
-    routing implies (routing.pt; exact order on one rank), and the measured wall seconds per token
-    beside the modelled ones (reported, not checked: the plan models its hardware profile)."""
+    prefetcher, timing, capacity and residents; its loads split into disk reads and host-tier copies
+    by the plan's host tier), whether those requests are the ones the run's routing implies
+    (routing.pt; exact order on one rank), and the measured wall seconds per token beside the
+    modelled ones (reported, not checked: the plan models its hardware profile)."""
     import json
 
     import torch

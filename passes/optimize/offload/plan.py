@@ -13,7 +13,8 @@ Decisions, all by simulation of the held-out part of the planning trace (its las
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
 * prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
-* tiers: host DRAM holds the most popular experts that fit beside a host reserve, disk the rest.
+* tiers: host DRAM holds the most popular experts that fit in --host-memory (default: the
+  profile's host memory less a reserve), disk the rest.
 
 Timing (decode, memory-bound): a layer step reads its dense share and its experts at the GPU's
 memory bandwidth x efficiency, plus a per-layer overhead; an expert copy takes a fixed latency
@@ -50,6 +51,7 @@ class OffloadRequest:
     prefill_chunk: int = 512
     reserve_bytes: int = GIB
     host_reserve_bytes: int = 8 * GIB
+    host_memory_bytes: Optional[int] = None  # the host tier; None: the profile's host memory less host_reserve_bytes
     prompt_tokens: int = 0
     validation_fraction: float = 0.2
     seed: int = 0
@@ -104,6 +106,13 @@ def memory_budget(ir, kv_per_token: int, req: OffloadRequest) -> dict:
     out["capacity"] = min(left // expert_bytes, total_keys)
     out["gpu_memory_bytes"] = gpu
     return out
+
+
+def host_tier_bytes(req: OffloadRequest) -> int:
+    """Host memory for experts (one machine): --host-memory, else the profile's less the host reserve."""
+    if req.host_memory_bytes is not None:
+        return max(0, int(req.host_memory_bytes))
+    return max(0, int(req.hardware.host_memory_bytes - req.host_reserve_bytes))
 
 
 def timing_for(ir, hw: Hardware, host_keys=None) -> Timing:
@@ -177,7 +186,7 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
     eamc = build_eamc(fit, val, seed=req.seed)
     say(f"EAMC: {eamc.capacity} entries (held-out recall {eamc.recall_by_capacity.get(eamc.capacity, 0):.3f})")
     resident = popular_keys(popularity, capacity)
-    host_capacity = max(0, int((req.hardware.host_memory_bytes - req.host_reserve_bytes) // budget["expert_bytes"]))
+    host_capacity = max(0, int(host_tier_bytes(req) // budget["expert_bytes"]))
     total = budget["total_experts"]
     host_keys = None if host_capacity >= total else popular_keys(popularity, host_capacity)
     timing = timing_for(ir, req.hardware, host_keys)

@@ -16,8 +16,12 @@ restricted to them (stream.restrict). Per rank r:
   --eviction only the prefetchers that can run beside it compete. A rank prefetches its own
   experts only. The plan records the timing (and for moe-infinity the EAMC) the runtime's stepper
   needs; with prefetch none the section is what it was before prefetch existed.
-The runtime drives the simulator's stepper (stepper.py): its hits, loads, prefetches and bytes
-must equal the simulator's replay of the same requests.
+* host tier: the machine's host memory for experts (--host-memory, else the profile's less a
+  reserve) split evenly among its ranks; each rank holds its most popular keys that fit, as the
+  float32 copies the runtime keeps (`runtime_expert_bytes`), and reads the others from disk at
+  every load (tiers.py). Recorded per rank, with the held-out disk/host bytes per token.
+The runtime drives the simulator's stepper (stepper.py): its hits, loads, prefetches, bytes and
+disk/host split must equal the simulator's replay of the same requests.
 """
 from __future__ import annotations
 
@@ -26,12 +30,13 @@ import numpy as np
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from moeplan.passes.optimize.offload.evaluate import PAIRED_EVICTION, PREFETCH_MODES
 from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, memory_budget,
-                                                 popular_keys, split_by_sequence, timing_for)
+from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, host_tier_bytes,
+                                                 memory_budget, popular_keys, split_by_sequence, timing_for)
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
+from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
 from moeplan.planner.errors import UserError
 
 RUNTIME_POLICIES = ONLINE_POLICIES  # what a bundle can run (Belady needs the future)
@@ -73,8 +78,20 @@ def price_prefetcher(mode: str, eviction: str, per_rank: list, capacities: list,
             "hit_ratio_by_rank": [x.hit_ratio for x in runs]}
 
 
+def host_tiers(masks: list, popularity: np.ndarray, req: OffloadRequest, ranks_per_node: int, expert_bytes: int) -> dict:
+    """The plan's host tier: {"memory_bytes" per rank, "capacity" [per rank], "resident" [per rank:
+    sorted [layer, expert] pairs]}, each rank's most popular keys (popularity [L, E]) that fit."""
+    per_rank = host_tier_bytes(req) // max(1, int(ranks_per_node))
+    fits = per_rank // max(1, int(expert_bytes))
+    E = popularity.shape[1]
+    flat = popularity.reshape(-1)
+    keys = [sorted(popular_keys(np.where(mask, flat, -1.0), int(min(fits, mask.sum())))) for mask in masks]
+    return {"memory_bytes": int(per_rank), "capacity": [len(k) for k in keys],
+            "resident": [[[k // E, k % E] for k in ks] for ks in keys]}
+
+
 def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_token: int, eviction=None,
-                     say=lambda m: None, prefetch=None) -> dict:
+                     say=lambda m: None, prefetch=None, ranks_per_node: int = 1) -> dict:
     """{"communication": the plan's expert_cache section, "predicted": per-rank held-out figures}."""
     if eviction is not None and eviction not in RUNTIME_POLICIES:
         raise UserError(f"--eviction {eviction} cannot run in a bundle; use one of {', '.join(RUNTIME_POLICIES)}")
@@ -116,11 +133,24 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     chosen = timed[mode]["eviction"] if timed else candidates[0][1]
     requests = sum(x.requests for x in results[chosen])
     E = ir.moe_stages[0].num_experts
-    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}, prefetch {mode}")
+    host_bytes, disk_bytes = runtime_expert_bytes(ir), int(ir.moe_stages[0].expert_param_bytes)
+    host = host_tiers(masks, popularity, req, ranks_per_node, host_bytes)
+    split = dict.fromkeys(TIER_COUNTERS, 0)
+    for s, c, r, tier, mask in zip(per_rank, capacities, residents, host["resident"], masks):
+        recorder = LoadRecorder(make_policy(chosen, model))  # the chosen mode's loads, demand and prefetch
+        if mode == "none":
+            simulate_demand(s, c, recorder, resident=r)
+        else:
+            simulate_timed(s, c, recorder, timing, make_prefetcher(mode, eamc, mask), resident=r)
+        one = tier_split(recorder.loaded, [l * E + e for l, e in tier], disk_bytes, host_bytes)
+        split = {k: split[k] + one[k] for k in split}
+    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}, prefetch {mode}; "
+        f"host tier {host['capacity']} experts per rank")
+    tokens = max(stream.num_tokens, 1)
     communication = {"capacity": capacities, "eviction": chosen, "prefetch": mode,
                      "resident": [[[k // E, k % E] for k in r] for r in residents],
                      "memory": budget, "policy_model": model.to_dict(),
-                     "runtime_expert_bytes": runtime_expert_bytes(ir)}
+                     "runtime_expert_bytes": host_bytes, "disk_expert_bytes": disk_bytes, "host": host}
     if mode != "none":  # what the runtime's stepper needs besides the policy
         communication["timing"] = timing.to_dict()
     if mode == "moe-infinity":
@@ -128,7 +158,8 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     predicted = {"hit_ratio": total[chosen] / requests if requests else 0.0,
                  "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
                  "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
-                 "validation_tokens": stream.num_tokens}
+                 "validation_tokens": stream.num_tokens,
+                 "disk_bytes_per_token": split["disk_bytes"] / tokens, "host_bytes_per_token": split["host_bytes"] / tokens}
     if timed:  # with prefetch the hits are the timed run's (prefetched keys hit too)
         predicted.update(hit_ratio=timed[mode]["hit_ratio"], hit_ratio_by_rank=timed[mode]["hit_ratio_by_rank"],
                          seconds_per_token=timed[mode]["seconds_per_token"], prefetch=timed, hardware=req.hardware.name)
