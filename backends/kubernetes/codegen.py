@@ -52,7 +52,9 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
     name = slug(str(plan.model["name"]))
     shard_sizes = [_rank_weight_bytes(bundle / s) for s in plan.shards]
     node_shards = max(sum(shard_sizes[n * gpn:(n + 1) * gpn]) for n in range(nodes))
-    memory_mib = 2 * _mib(node_shards) + gpn * RANK_RUNTIME_MIB
+    host_sizes = _rank_host_bytes(plan, shard_sizes)
+    node_host = max(sum(host_sizes[n * gpn:(n + 1) * gpn]) for n in range(nodes))
+    memory_mib = _mib(node_host) + gpn * RANK_RUNTIME_MIB
     bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     storage_gib = max(1, math.ceil(bundle_bytes * 1.25 / 2**30))
     names = {"configmap": f"{name}-plan", "pvc": f"{name}-bundle", "service": f"{name}-ranks", "job": name,
@@ -74,14 +76,28 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
         "nodes": nodes, "gpus_per_node": gpn, "world_size": nodes * gpn, "image": str(image), "base_image": BASE_IMAGE,
         "storage_class": storage_class, "storage_request": f"{storage_gib}Gi",
         "resources": {"nvidia.com/gpu": str(gpn), "memory": f"{memory_mib}Mi", "cpu": str(gpn)},
-        "shard_mib": _mib(node_shards), "rank_runtime_mib": RANK_RUNTIME_MIB, "shm_size": SHM_SIZE,
+        "shard_mib": _mib(node_shards), "host_mib": _mib(node_host), "rank_runtime_mib": RANK_RUNTIME_MIB, "shm_size": SHM_SIZE,
         "master_port": MASTER_PORT, "master_addr": f"{names['job']}-0.{names['service']}",
         "stage_command": ["sh", "-c", stage],
         "launch_args": ["--prompts", "/work/prompts.txt", "--new-tokens", str(int(new_tokens)), "--out", "/results"],
         "configmap_data": sorted(configmap),
         "pip_packages": _pip_packages(bundle),
         "checkpoint": checkpoint, "checkpoint_mount": CHECKPOINT_MOUNT,
+        "expert_cache": bool(plan.communication.get("expert_cache")),
     }
+
+
+def _rank_host_bytes(plan, shard_sizes: list) -> list:
+    """Host memory per rank for its weights: twice what it loads (read buffer + the loaded copy),
+    or, with an expert cache (issue 13), twice its dense weights plus its host tier of experts:
+    the cache itself lives in GPU memory and the other experts stay on the volume."""
+    cache = plan.communication.get("expert_cache")
+    if not cache:
+        return [2 * size for size in shard_sizes]
+    local = [sum(len(layer["devices"][r]) for layer in plan.placement["layers"]) for r in range(len(shard_sizes))]
+    disk, host = int(cache["disk_expert_bytes"]), int(cache["runtime_expert_bytes"])
+    tier = cache["host"]["capacity"]
+    return [2 * max(size - n * disk, 0) + t * host for size, n, t in zip(shard_sizes, local, tier)]
 
 
 def _rank_weight_bytes(path: Path) -> int:
