@@ -154,11 +154,17 @@ def test_a_prefetcher_copies_only_the_keys_it_may(fitted):
 
 @pytest.mark.parametrize("gpus, cache, prefetch, mode", [(1, 5, "moeplan", "standard"), (2, 3, "moe-infinity", "both")])
 def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_inputs, gpus, cache, prefetch, mode):
+    """With a host tier of 4 experts per rank: prefetched and demand loads both split into host
+    copies and disk reads exactly as the replay predicts."""
+    from moeplan.passes.optimize.offload.ranks import runtime_expert_bytes
+    from moeplan.planner.importers import load_model
+
     root, model_dir = offload_inputs
     bundle = root / f"bundle-{prefetch}-{gpus}"
+    host_memory = 4 * gpus * runtime_expert_bytes(load_model(str(model_dir)).ir)
     code, out = cli(["compile", str(model_dir), "--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard",
                      "--gpus-per-node", str(gpus), "--expert-cache", str(cache), "--prefetch", prefetch,
-                     "--out", str(bundle), "--quiet"])
+                     "--host-memory", str(host_memory), "--out", str(bundle), "--quiet"])
     assert code == 0, out
     spec = json.loads((bundle / "plan.json").read_text())["communication"]["expert_cache"]
     assert spec["prefetch"] == prefetch and spec["capacity"] == [cache] * gpus and "timing" in spec
@@ -173,8 +179,10 @@ def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_input
         c = report["expert_cache"]
         m, s = c["measured"], c["simulated"]
         assert c["matches_simulation"] and c["requests_match_routing"]
-        for k in ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved"):
+        for k in ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved",
+                  "disk_loads", "disk_bytes", "host_loads", "host_bytes"):
             assert m[k] == s[k], k
+        assert m["disk_loads"] > 0 and m["host_loads"] > 0 and m["disk_loads"] + m["host_loads"] == m["loads"]
         assert m["prefetch_hits"] > 0 and m["hits"] < m["requests"]  # prefetched experts served requests; real misses too
         assert m["bytes_moved"] == m["loads"] * spec["runtime_expert_bytes"]
         t = c["seconds_per_token"]
