@@ -102,7 +102,7 @@ def modelled_demand_ms(demand: dict, prefetched: dict) -> float:
     import torch
 
     from moeplan.passes.optimize.offload.replay import rank_stepper
-    from moeplan.passes.optimize.offload.stepper import Timing
+    from moeplan.passes.optimize.offload.stepper import rank_timing
     from moeplan.passes.optimize.offload.stream import stream_from_log
 
     spec = json.loads((demand["bundle"] / "plan.json").read_text())["communication"]["expert_cache"]
@@ -110,7 +110,8 @@ def modelled_demand_ms(demand: dict, prefetched: dict) -> float:
     log = torch.load(demand["bundle"].with_name(demand["bundle"].name + "_results") / "standard" / "expert_cache.pt",
                      weights_only=True)["logs"][0]
     stream = stream_from_log(log)
-    cache = rank_stepper(spec, 0, None, stream, timing=Timing.from_dict(timing))
+    cache = rank_stepper(spec, 0, None, stream, timing=rank_timing({"timing": timing, "host": spec.get("host")}, 0,
+                                                                   stream.num_experts))
     for s in range(len(stream.step_layer)):
         cache.step(s)
     return round(cache.now / stream.num_tokens * 1e3, 4)

@@ -333,13 +333,14 @@ class ExpertCache:
 
 # --- building a rank's cache from a bundle --------------------------------------------------------
 
-def runtime_stepper_factory(spec: dict, allowed: np.ndarray):
+def runtime_stepper_factory(spec: dict, allowed: np.ndarray, rank: int, num_experts: int):
     """(stream, capacity, resident) -> a fresh stepper with the plan's eviction policy, prefetcher and
     timing, from the simulator's own modules shipped in the bundle (runtime/offload_*.py, written by
-    the offload codegen). `allowed`: bool [L * E], the rank's experts (the only keys it prefetches)."""
+    the offload codegen). `allowed`: bool [L * E], the rank's experts (the only keys it prefetches);
+    the clock is the rank's (its host tier's keys skip the NVMe read)."""
     from .offload_policies import DEMAND_POLICIES, make_policy  # written into bundles by the offload codegen
     from .offload_prefetch import make_prefetcher
-    from .offload_stepper import NO_TIME, TimedCache, Timing
+    from .offload_stepper import NO_TIME, TimedCache, rank_timing
 
     name, prefetch = spec["eviction"], spec.get("prefetch", "none")
     if name == "belady" or name not in DEMAND_POLICIES:
@@ -349,7 +350,7 @@ def runtime_stepper_factory(spec: dict, allowed: np.ndarray):
         from .offload_next_use import NextUseModel
 
         model = NextUseModel.from_dict(spec["policy_model"])
-    timing = NO_TIME if prefetch == "none" else Timing.from_dict(spec["timing"])
+    timing = NO_TIME if prefetch == "none" else rank_timing(spec, rank, num_experts)
     eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
     return lambda stream, capacity, resident: TimedCache(stream, capacity, make_policy(name, model), timing,
                                                          make_prefetcher(prefetch, eamc, allowed), resident)
@@ -379,7 +380,7 @@ def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: 
     for layer, experts in local.items():
         allowed[[int(layer) * E + int(e) for e in experts]] = True
     cache = ExpertCache(int(spec["capacity"][rank]), store, pool, len(containers), E,
-                        runtime_stepper_factory(spec, allowed), resident)
+                        runtime_stepper_factory(spec, allowed, rank, E), resident)
     for adapter in rank_model.adapters:
         adapter.use_pool(rank_model.model, pool, local.get(adapter.moe, []), cache)
     forward = rank_model.forward

@@ -35,6 +35,7 @@ from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, Offloa
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
+from moeplan.passes.optimize.offload.stepper import rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
 from moeplan.planner.errors import UserError
@@ -67,15 +68,17 @@ def prefetch_candidates(eviction, prefetch) -> list:
 
 
 def price_prefetcher(mode: str, eviction: str, per_rank: list, capacities: list, residents: list, masks: list, model,
-                     timing: Timing, eamc) -> dict:
-    """One prefetcher with its eviction policy on every rank's held-out stream, on the modelled clock:
-    seconds per token of the slowest rank, prefetches, prefetched keys that hit, hit ratios."""
-    runs = [simulate_timed(s, c, make_policy(eviction, model), timing, make_prefetcher(mode, eamc, mask), resident=r)
-            for s, c, r, mask in zip(per_rank, capacities, residents, masks)]
-    return {"eviction": eviction, "seconds_per_token": max(x.seconds for x in runs) / max(per_rank[0].num_tokens, 1),
-            "prefetches": sum(x.prefetches for x in runs), "prefetch_hits": sum(x.prefetch_hits for x in runs),
-            "hit_ratio": sum(x.hits for x in runs) / max(sum(x.requests for x in runs), 1),
-            "hit_ratio_by_rank": [x.hit_ratio for x in runs]}
+                     timings: list, eamc) -> tuple:
+    """One prefetcher with its eviction policy on every rank's held-out stream, on each rank's
+    modelled clock: ({seconds per token of the slowest rank, prefetches, prefetched keys that hit,
+    hit ratios}, per rank the keys it loaded, demand and prefetch, for the tier split)."""
+    recorders = [LoadRecorder(make_policy(eviction, model)) for _ in per_rank]
+    runs = [simulate_timed(s, c, rec, t, make_prefetcher(mode, eamc, mask), resident=r)
+            for s, c, r, mask, rec, t in zip(per_rank, capacities, residents, masks, recorders, timings)]
+    return ({"eviction": eviction, "seconds_per_token": max(x.seconds for x in runs) / max(per_rank[0].num_tokens, 1),
+             "prefetches": sum(x.prefetches for x in runs), "prefetch_hits": sum(x.prefetch_hits for x in runs),
+             "hit_ratio": sum(x.hits for x in runs) / max(sum(x.requests for x in runs), 1),
+             "hit_ratio_by_rank": [x.hit_ratio for x in runs]}, [rec.loaded for rec in recorders])
 
 
 def host_tiers(masks: list, popularity: np.ndarray, req: OffloadRequest, ranks_per_node: int, expert_bytes: int) -> dict:
@@ -123,26 +126,28 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     total = {name: sum(x.hits for x in rs) for name, rs in results.items()}
     best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
     candidates = [(m, ev or best_demand) for m, ev in candidates]
-    timed, timing, eamc = {}, None, None
-    if prefetch != "none":  # an explicit --prefetch none plans exactly as before prefetch existed
-        timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
-        eamc = build_eamc(fit, val, seed=req.seed).eamc if any(m == "moe-infinity" for m, _ in candidates) else None
-        timed = {m: price_prefetcher(m, ev, per_rank, capacities, residents, masks, model, timing, eamc)
-                 for m, ev in candidates}
-    mode = min(timed, key=lambda m: (timed[m]["seconds_per_token"], PREFETCH_MODES.index(m))) if timed else "none"
-    chosen = timed[mode]["eviction"] if timed else candidates[0][1]
-    requests = sum(x.requests for x in results[chosen])
     E = ir.moe_stages[0].num_experts
     host_bytes, disk_bytes = runtime_expert_bytes(ir), int(ir.moe_stages[0].expert_param_bytes)
     host = host_tiers(masks, popularity, req, ranks_per_node, host_bytes)
+    host_keys = [[l * E + e for l, e in tier] for tier in host["resident"]]
+    timed, loaded, timing, eamc = {}, {}, None, None
+    if prefetch != "none":  # an explicit --prefetch none plans exactly as before prefetch existed
+        timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
+        timings = [rank_timing({"timing": timing.to_dict(), "host": host}, r, E) for r in range(len(masks))]
+        eamc = build_eamc(fit, val, seed=req.seed).eamc if any(m == "moe-infinity" for m, _ in candidates) else None
+        for m, ev in candidates:
+            timed[m], loaded[m] = price_prefetcher(m, ev, per_rank, capacities, residents, masks, model, timings, eamc)
+    mode = min(timed, key=lambda m: (timed[m]["seconds_per_token"], PREFETCH_MODES.index(m))) if timed else "none"
+    chosen = timed[mode]["eviction"] if timed else candidates[0][1]
+    requests = sum(x.requests for x in results[chosen])
+    if mode not in loaded:  # demand paging only: the loads of the chosen policy
+        recorders = [LoadRecorder(make_policy(chosen, model)) for _ in per_rank]
+        for s, c, r, rec in zip(per_rank, capacities, residents, recorders):
+            simulate_demand(s, c, rec, resident=r)
+        loaded[mode] = [rec.loaded for rec in recorders]
     split = dict.fromkeys(TIER_COUNTERS, 0)
-    for s, c, r, tier, mask in zip(per_rank, capacities, residents, host["resident"], masks):
-        recorder = LoadRecorder(make_policy(chosen, model))  # the chosen mode's loads, demand and prefetch
-        if mode == "none":
-            simulate_demand(s, c, recorder, resident=r)
-        else:
-            simulate_timed(s, c, recorder, timing, make_prefetcher(mode, eamc, mask), resident=r)
-        one = tier_split(recorder.loaded, [l * E + e for l, e in tier], disk_bytes, host_bytes)
+    for keys, tier in zip(loaded[mode], host_keys):
+        one = tier_split(keys, tier, disk_bytes, host_bytes)
         split = {k: split[k] + one[k] for k in split}
     say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}, prefetch {mode}; "
         f"host tier {host['capacity']} experts per rank")

@@ -16,7 +16,7 @@ import numpy as np
 from moeplan.passes.optimize.offload.next_use import NextUseModel
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.stepper import NO_TIME, TimedCache, Timing
+from moeplan.passes.optimize.offload.stepper import NO_TIME, TimedCache, Timing, rank_timing
 from moeplan.passes.optimize.offload.stream import stream_from_log
 from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
 
@@ -32,7 +32,7 @@ def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream, timing: Tim
     model = NextUseModel.from_dict(spec["policy_model"]) if spec["eviction"] == "moeplan" else None
     prefetch = spec.get("prefetch", "none")
     if timing is None:
-        timing = NO_TIME if prefetch == "none" else Timing.from_dict(spec["timing"])
+        timing = NO_TIME if prefetch == "none" else rank_timing(spec, rank, E)
     eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
     return TimedCache(stream, int(spec["capacity"][rank]), wrap(make_policy(spec["eviction"], model)), timing,
                       make_prefetcher(prefetch, eamc, allowed), [l * E + e for l, e in spec["resident"][rank]])

@@ -67,6 +67,14 @@ class Timing:
 NO_TIME = Timing(0.0, 0.0, 0.0)  # demand paging only: without a prefetcher no decision reads the clock
 
 
+def rank_timing(spec: dict, rank: int, num_experts: int) -> Timing:
+    """One rank's modelled clock from a plan's expert_cache section ({"timing", "host"}): copies of
+    keys outside the rank's host tier pay the NVMe read first (no host tier recorded: none do)."""
+    host = spec.get("host")
+    keys = None if host is None else [int(l) * num_experts + int(e) for l, e in host["resident"][rank]]
+    return Timing.from_dict(spec["timing"], keys)
+
+
 def start_cache(stream, capacity: int, policy, resident) -> tuple:
     """(cached bool [N], size) with `resident` (at most `capacity`) in place and the policy started."""
     if capacity < 1:
