@@ -25,6 +25,7 @@ import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
+from moeplan.passes.optimize.placement.chain_bound import chain_configuration_bound
 
 LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
 CAPPED_LP_COLUMNS = 200_000  # observed pairs given the load-capped LP too, at effort 1 (all of them at 8 GPUs)
@@ -263,7 +264,10 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
 
     Per layer pair the largest of the counting and dual bounds, the matching LP without the cap
     (within `LP_COLUMNS`, as `transition_lower_bound`) and `capped_matching_bound` (within
-    `CAPPED_LP_COLUMNS`: every pair at 8-GPU scale, the first few at DeepSeek-V3's)."""
+    `CAPPED_LP_COLUMNS`: every pair at 8-GPU scale, the first few at DeepSeek-V3's); without
+    replicas and where its exact pricing fits the work budget (16 experts on 8 GPUs, not 64), the
+    whole-column bound of `chain_bound.py` too, which sees that a GPU's experts at l serve both
+    pairs (l-1, l) and (l, l+1)."""
     budget = budget or WorkBudget()
     Q = slots_per_partition
     row_cap = min(counts.shape[1], Q * max(1, max_replicas))
@@ -297,4 +301,10 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
                 bounds[i] = max(bounds[i], value)
     method = ("b-matching LP with load caps" if capped == len(counts)
               else f"b-matching LP with load caps on {capped}/{len(counts)} layer pairs, without elsewhere")
-    return float(sum(bounds)), method
+    pairwise = float(sum(bounds))
+    # without replicas only: with them, the column LP (a copy weighs at least load / max_replicas)
+    # found every transition local on the corpus case it fits (mixtral-16x2-s1: 4 of 163,840)
+    chain = chain_configuration_bound(counts, loads, caps, partitions, Q, 1, budget) if max_replicas <= 1 else None
+    if chain is not None and chain > pairwise:  # both are valid: the larger holds
+        return chain, "whole-GPU-column configuration bound (chain_bound.py)"
+    return pairwise, method
