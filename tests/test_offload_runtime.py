@@ -24,6 +24,7 @@ from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
 from moeplan.passes.optimize.offload.next_use import fit_next_use
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.simulate import simulate_demand
+from moeplan.passes.optimize.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.cli import main
 from runtime_fixtures import small_model_dir
@@ -69,13 +70,16 @@ def test_runtime_cache_matches_simulator_exactly(tmp_path):
             resident = list(range(0, L * E, (L * E) // capacity))[:capacity]
             for name in ("lru", "lfu", "lifo", "moe-infinity", "moeplan"):
                 pool = pool_of(capacity)
-                cache = ExpertCache(capacity, store, pool, L, E, lambda: make_policy(name, model), resident=resident)
+                cache = ExpertCache(capacity, store, pool, L, E,
+                                    lambda st, c, r: TimedCache(st, c, make_policy(name, model), resident=r), resident=resident)
                 for s in range(len(stream.step_layer)):
                     keys = stream.keys[stream.step_start[s]:stream.step_start[s + 1]]
                     cache.token = int(stream.step_token[s])
                     cache.seq = int(stream.step_seq[s])
                     layer = int(stream.step_layer[s])
-                    for e, slot in zip((keys % E).tolist(), cache.serve(layer, (keys % E).tolist())):
+                    experts = (keys % E).tolist()
+                    for i, slot in enumerate(cache.serve(layer, experts)):
+                        e = experts[i]
                         # resident when served: the slot holds this expert's weights
                         assert torch.equal(pool.tensors["up"][slot], tensors[f"blocks.{layer}.experts.{e}.up"])
                     assert int(cache.cached.sum()) == len(cache.slot_of) <= capacity
@@ -146,22 +150,24 @@ def test_cache_flags_without_a_cache_or_with_both_sizes_are_refused_in_one_line(
     assert not (root / "x").exists()
 
 
-def test_the_shipped_policy_modules_import_nothing_of_moeplan():
-    """policies.py and next_use.py run inside bundles (runtime/offload_*.py), where moeplan is absent."""
-    from pathlib import Path
-
-    from moeplan.planner.pipeline.offload import RUNTIME_POLICY_FILES
+def test_the_shipped_policy_modules_import_nothing_of_moeplan(tmp_path):
+    """policies.py, next_use.py, stepper.py, prefetch.py and eam_match.py run inside bundles
+    (runtime/offload_*.py), where moeplan is absent: as shipped they import numpy and each other."""
+    from moeplan.planner.pipeline.offload import runtime_policy_files
     from test_import_rules import imported_modules
 
-    folder = Path(__file__).resolve().parents[1] / "passes" / "optimize" / "offload"
-    for source in RUNTIME_POLICY_FILES.values():
-        assert [m for _, m in imported_modules(folder / source) if m.startswith("moeplan")] == []
+    shipped = runtime_policy_files()
+    assert {"runtime/offload_stepper.py", "runtime/offload_prefetch.py", "runtime/offload_eam_match.py"} <= set(shipped)
+    for rel, text in shipped.items():
+        (tmp_path / "f.py").write_text(text)
+        assert [m for _, m in imported_modules(tmp_path / "f.py") if m.startswith("moeplan")] == [], rel
 
 
-def test_plan_then_codegen_gives_the_compiled_offload_bundle_byte_for_byte(offload_inputs, tmp_path):
+@pytest.mark.parametrize("cache_flags", [["--eviction", "lru"], ["--prefetch", "moe-infinity"]])
+def test_plan_then_codegen_gives_the_compiled_offload_bundle_byte_for_byte(offload_inputs, tmp_path, cache_flags):
     root, model_dir = offload_inputs
     flags = ["--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard", "--expert-cache", "5",
-             "--eviction", "lru"]
+             *cache_flags]
     code, out = cli(["compile", str(model_dir), *flags, "--out", str(tmp_path / "compiled"), "--quiet"])
     assert code == 0, out
     code, out = cli(["plan", str(model_dir), *flags, "--target", "torchrun", "--out", str(tmp_path / "plan.json"), "--quiet"])

@@ -13,15 +13,22 @@ library's own experts module computes, on weights the cache put in place.
 * `ExpertCache.output`: for one MoE layer step, the step's distinct experts in request order (row
   by row, each row's top-k order: the order of the simulator's request stream); each is made
   resident just before its rows compute (evicting the policy's victim), so C may be smaller than a
-  prefill step's expert count. It counts requests, hits, loads and bytes moved and keeps the request
-  log (`OnlineStream`), which `moeplan run --verify` replays through the simulator.
+  prefill step's expert count. Which requests hit, which keys are evicted and which are prefetched
+  is decided by the simulator's own stepper (`TimedCache`: policy, prefetcher and a modelled
+  clock), so it depends on the routing only, never on wall-clock timing; the cache moves the
+  weights: prefetched experts are read by a background thread while the model computes and
+  installed before the next MoE step computes (waiting for the thread if it is not done). It
+  counts requests, hits, loads, prefetches and bytes moved and keeps the request log
+  (`OnlineStream`), which `moeplan run --verify` replays through the simulator.
 * The store (`expert_store.py`: the copied shard, or the original checkpoint through the rank's
-  reference index) hands over one expert's float32 tensors per load, pinned on CUDA, where the
-  cache copies them on a side stream that the compute stream waits for (that path cannot run on
-  this CPU-only machine); the store counts bytes read from disk and served from host memory.
-* Policies: the simulator's own classes (passes/optimize/offload/policies.py and next_use.py,
-  copied into the bundle as `runtime/offload_policies.py` and `runtime/offload_next_use.py` by the
-  offload codegen), driven through `OnlineStream` exactly as the simulator drives them.
+  reference index) hands over one expert's float32 tensors per load, pinned on CUDA; the store
+  counts bytes read from disk and served from host memory. CUDA copies run on a side stream after
+  an event of the last compute that may read the slot, and the compute stream waits for them
+  (that path cannot run on this CPU-only machine: written, never run).
+* Policies, prefetchers and the stepper: the simulator's own modules (passes/optimize/offload/
+  policies.py, next_use.py, prefetch.py, stepper.py and passes/analysis/eam_match.py), copied into
+  the bundle as `runtime/offload_*.py` by the offload codegen, driven through `OnlineStream` exactly
+  as the simulator drives them.
 Nothing here imports moeplan: bundles run without it.
 """
 from __future__ import annotations
@@ -116,83 +123,183 @@ class ExpertPool:
                 self.slot_view(p)[slot].copy_(t.reshape(self.slot_view(p).shape[1:]), non_blocking=True)
 
 
+class PrefetchReader:
+    """Reads the tensors of decided prefetch copies on one background thread (the store's shard;
+    pinned host memory on CUDA), so the reading overlaps the step's compute and the next layer's;
+    `take` hands them over, waiting if the thread is not done (the wait is counted, in wall time).
+    Demand reads on the compute thread go through `read` too: one reader of the store at a time."""
+
+    def __init__(self, store, num_experts: int):
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.store, self.E = store, num_experts
+        self.lock = threading.Lock()  # one reader of the store at a time (its file handle and counters)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeplan-prefetch")
+        self.job = None
+        self.waits, self.wait_s = 0, 0.0
+
+    def read(self, key: int) -> dict:
+        """One expert's tensors from the store, on whichever thread calls it."""
+        with self.lock:
+            return self.store.load(key // self.E, key % self.E)
+
+    def start(self, keys: list) -> None:
+        self.job = self.thread.submit(lambda: [self.read(k) for k in keys])
+
+    def take(self) -> list:
+        """[{param: tensor}] of the last `start`'s keys, in order."""
+        import time
+
+        job, self.job = self.job, None
+        if not job.done():
+            t0 = time.perf_counter()
+            self.waits += 1
+            out = job.result()
+            self.wait_s += time.perf_counter() - t0
+            return out
+        return job.result()
+
+    def drop(self) -> None:
+        if self.job is not None:
+            self.job.result()
+            self.job = None
+        self.waits, self.wait_s = 0, 0.0
+
+
 class ExpertCache:
-    """At most `capacity` (MoE layer, expert) entries in `pool`, loaded from `store` on demand."""
+    """At most `capacity` (MoE layer, expert) entries in `pool`, loaded from `store` on demand and by
+    prefetch, as the simulator's stepper decides.
+
+    `new_stepper(stream, capacity, resident)` -> a fresh `TimedCache` (passes/optimize/offload/
+    stepper.py, shipped as runtime/offload_stepper.py) with the plan's policy, prefetcher and timing:
+    it decides every hit, eviction and prefetch from the routing and a modelled clock; this class
+    moves the weights. Per step (`begin_step`): (1) the copies decided after the previous step are
+    installed (their tensors read by the background `PrefetchReader`; waited for if not done);
+    (2) the stepper serves the step and decides the next copies, whose reading starts at once;
+    (3) `make_resident` per request: a hit must already be in the pool, a miss is read now into the
+    evicted key's slot (demand), each just before its rows compute. Counters (requests, hits, loads,
+    bytes, prefetches, prefetched keys that hit) are counted from what was moved, not copied from
+    the stepper; `moeplan run --verify` checks them against the simulator's replay of the log.
+    """
 
     def __init__(self, capacity: int, store: ExpertStore, pool: ExpertPool, num_layers: int, num_experts: int,
-                 policy_factory, resident=()):
+                 new_stepper, resident=()):
         if capacity < 1 or capacity > pool.capacity:
             raise ValueError(f"expert cache capacity {capacity} must be between 1 and the pool's {pool.capacity} slots")
         self.capacity, self.store, self.pool = capacity, store, pool
         self.L, self.E = num_layers, num_experts
-        self.policy_factory = policy_factory
+        self.new_stepper = new_stepper
         self.initial = [int(k) for k in list(resident)[:capacity]]
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
+        self.reader = PrefetchReader(store, num_experts)
         self.token, self.seq = -1, 0
         self.restart()
 
     def restart(self) -> None:
-        """Back to the planned residents with fresh counters, log and policy (one run = one stream)."""
+        """Back to the planned residents with fresh counters, log and stepper (one run = one stream)."""
+        self.reader.drop()
+        self.pending, self.computed = [], None
         self.stream = OnlineStream(self.L, self.E)
-        self.policy = self.policy_factory()
-        self.cached = np.zeros(self.L * self.E, dtype=bool)
         self.slot_of, self.free = {}, list(range(self.capacity - 1, -1, -1))
-        self.loads = self.bytes_moved = 0
         for k in self.initial:
-            self._install(k)
-        self.requests = self.hits = self.loads = self.bytes_moved = 0  # the initial fill is not traffic of the run
-        self.store.reset_counters()  # store hook: disk/host counters of the run only
-        self.policy.start(self.stream, self.cached, self.initial)
-        self.size = len(self.initial)
+            slot = self.free.pop()
+            self._write(slot, self.reader.read(k))
+            self.slot_of[k] = slot
+        self.stepper = self.new_stepper(self.stream, self.capacity, self.initial)
+        self.policy, self.cached = self.stepper.policy, self.stepper.cached
+        self.requests = self.hits = self.loads = self.bytes_moved = self.prefetches = self.prefetch_hits = 0
+        self.unused_prefetch = set()
+        self.store.reset_counters()  # store hook: disk/host counters of the run only (not the initial fill)
         self.token = -1
 
     def new_forward(self) -> None:
         """A library forward begins: its steps get the next token index (the simulator's step_token)."""
         self.token += 1
 
-    def _install(self, key: int) -> int:
-        tensors = self.store.load(key // self.E, key % self.E)
-        slot = self.free.pop()
-        if self.copy_stream is not None:  # pinned host -> device on the side stream
-            with torch.cuda.stream(self.copy_stream):
-                self.pool.write(slot, tensors)
-            torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
-        else:
+    # --- moving weights ----------------------------------------------------------------------
+    def _write(self, slot: int, tensors: dict, after=None) -> None:
+        """Copy one expert into `slot`. CUDA: on the side stream, after `after` (an event: the last
+        compute that may read the slot's old expert) or else everything enqueued so far."""
+        if self.copy_stream is None:
             self.pool.write(slot, tensors)
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        if after is not None:
+            self.copy_stream.wait_event(after)
+        else:
+            self.copy_stream.wait_stream(compute)
+        with torch.cuda.stream(self.copy_stream):
+            self.pool.write(slot, tensors)
+        compute.wait_stream(self.copy_stream)
+
+    def _vacate(self, victim) -> int:
+        """The slot a new key takes: the evicted key's, or a free one."""
+        if victim is None:
+            return self.free.pop()
+        self.unused_prefetch.discard(victim)
+        return self.slot_of.pop(victim)
+
+    def _install(self, key: int, victim, tensors: dict, after=None) -> int:
+        slot = self._vacate(victim)
+        self._write(slot, tensors, after)
         self.slot_of[key] = slot
-        self.cached[key] = True
         self.loads += 1
         self.bytes_moved += sum(t.numel() * t.element_size() for t in tensors.values())
         return slot
 
-    def _drop(self, key: int) -> None:
-        self.free.append(self.slot_of.pop(key))
-        self.cached[key] = False
+    def _install_pending(self) -> None:
+        """The copies decided after the previous step, into their slots (before this step computes)."""
+        if not self.pending:
+            return
+        staged = self.reader.take()
+        for (key, victim), tensors in zip(self.pending, staged):
+            self._install(key, victim, tensors, after=self.computed)
+            self.prefetches += 1
+            self.unused_prefetch.add(key)
+        self.pending = []
+
+    # --- one step ------------------------------------------------------------------------------
+    def begin_step(self, layer: int, experts: list) -> list:
+        """Log one MoE layer step (distinct experts, request order), install the pending copies, run
+        the stepper; returns its requests [(key, hit, evicted key or None)] and starts reading the
+        copies it decided."""
+        keys = [layer * self.E + int(e) for e in experts]
+        s = self.stream.add_step(layer, self.token, self.seq, keys)
+        self._install_pending()
+        served, self.pending = self.stepper.step(s)
+        if self.pending:
+            self.reader.start([k for k, _ in self.pending])
+        return served
+
+    def make_resident(self, key: int, hit: bool, evicted) -> int:
+        """The slot of one served request: a hit must be in the pool; a miss is read now (demand)."""
+        self.requests += 1
+        if hit:
+            if key not in self.slot_of:
+                raise RuntimeError(f"expert cache out of step with its stepper: key {key} is a hit but not in the pool")
+            self.hits += 1
+            if key in self.unused_prefetch:
+                self.prefetch_hits += 1
+                self.unused_prefetch.discard(key)
+            return self.slot_of[key]
+        return self._install(key, evicted, self.reader.read(key))
+
+    def end_step(self) -> None:
+        """The step's compute is enqueued (CUDA: an event the next step's copies wait for)."""
+        if self.copy_stream is not None:
+            self.computed = torch.cuda.current_stream(self.pool.device).record_event()
 
     def serve(self, layer: int, experts: list):
         """Yield the slot of each of the step's experts (distinct, request order), each made resident
-        just before its turn (evicting by the policy): an expert computes before the next one loads."""
-        keys = [layer * self.E + int(e) for e in experts]
-        s = self.stream.add_step(layer, self.token, self.seq, keys)
-        self.policy.begin_step(s)
-        r0 = self.stream.step_start[s]
-        for i, key in enumerate(keys):
-            r = r0 + i
-            self.requests += 1
-            if self.cached[key]:
-                self.hits += 1
-                self.policy.touch(r, key, True)
-            else:
-                if self.size >= self.capacity:
-                    v = int(self.policy.victim(r))
-                    self._drop(v)
-                    self.policy.evicted(v)
-                else:
-                    self.size += 1
-                self._install(key)
-                self.policy.inserted(key, r)
-                self.policy.touch(r, key, False)
-            yield self.slot_of[key]
+        just before its turn: an expert computes before the next one loads. Exhaust it."""
+        for request in self.begin_step(layer, experts):
+            yield self.make_resident(*request)
+        self.end_step()
+
+    def flush(self) -> None:
+        """Install the copies decided after the last step (every decided copy moves)."""
+        self._install_pending()
 
     def output(self, adapter, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`adapter.local_expert_output` through the cache: h [M, D], local_ids [M] (index in
@@ -200,30 +307,42 @@ class ExpertCache:
         out = torch.zeros_like(h)
         experts = torch.tensor([adapter.local[i] for i in local_ids.tolist()], dtype=torch.int64)
         order = list(dict.fromkeys(experts.tolist()))
-        for e, slot in zip(order, self.serve(adapter.moe, order)):
+        for e, request in zip(order, self.begin_step(adapter.moe, order)):
+            slot = self.make_resident(*request)
             rows = (experts == e).nonzero().flatten().to(h.device)
             slots = torch.full((rows.numel(),), slot, dtype=torch.int64, device=h.device)
             out[rows] = adapter.slot_output(h[rows], slots, weights[rows]).to(out.dtype)
+        self.end_step()
         return out
 
     def stats(self) -> dict:
+        """Counted from the weights moved, plus the stepper's modelled figures (resident at layer
+        start, seconds) and the reader's waits (wall clock, not deterministic)."""
         return {"requests": self.requests, "hits": self.hits, "loads": self.loads, "bytes_moved": self.bytes_moved,
+                "prefetches": self.prefetches, "prefetch_hits": self.prefetch_hits,
+                "resident_at_layer_start": int(self.stepper.resident_at_start), "modelled_seconds": float(self.stepper.now),
+                "prefetch_waits": self.reader.waits, "prefetch_wait_s": self.reader.wait_s,
                 "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity,
                 **self.store.counters()}  # store hook: bytes read from disk vs served from host memory
 
     def record(self) -> dict:
         """Counters and the request log, for results (rank-<r>.pt)."""
+        self.flush()
         return {"stats": self.stats(), "log": self.stream.to_record(), "resident": list(self.initial)}
 
 
 # --- building a rank's cache from a bundle --------------------------------------------------------
 
-def runtime_policy_factory(spec: dict):
-    """() -> a fresh policy of the plan's eviction rule, from the simulator's classes shipped in the
-    bundle (`runtime/offload_policies.py`, `runtime/offload_next_use.py`)."""
+def runtime_stepper_factory(spec: dict, allowed: np.ndarray, rank: int, num_experts: int):
+    """(stream, capacity, resident) -> a fresh stepper with the plan's eviction policy, prefetcher and
+    timing, from the simulator's own modules shipped in the bundle (runtime/offload_*.py, written by
+    the offload codegen). `allowed`: bool [L * E], the rank's experts (the only keys it prefetches);
+    the clock is the rank's (its host tier's keys skip the NVMe read)."""
     from .offload_policies import DEMAND_POLICIES, make_policy  # written into bundles by the offload codegen
+    from .offload_prefetch import make_prefetcher
+    from .offload_stepper import NO_TIME, TimedCache, rank_timing
 
-    name = spec["eviction"]
+    name, prefetch = spec["eviction"], spec.get("prefetch", "none")
     if name == "belady" or name not in DEMAND_POLICIES:
         raise ValueError(f"eviction policy '{name}' cannot run online; plan with lru, lfu, lifo, moe-infinity or moeplan")
     model = None
@@ -231,7 +350,10 @@ def runtime_policy_factory(spec: dict):
         from .offload_next_use import NextUseModel
 
         model = NextUseModel.from_dict(spec["policy_model"])
-    return lambda: make_policy(name, model)
+    timing = NO_TIME if prefetch == "none" else rank_timing(spec, rank, num_experts)
+    eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
+    return lambda stream, capacity, resident: TimedCache(stream, capacity, make_policy(name, model), timing,
+                                                         make_prefetcher(prefetch, eamc, allowed), resident)
 
 
 def expert_tensor_owner(containers: list):
@@ -254,8 +376,11 @@ def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: 
     containers = rank_model.containers
     E = containers[0].num_experts
     resident = [int(l) * E + int(e) for l, e in spec["resident"][rank]]
-    cache = ExpertCache(int(spec["capacity"][rank]), store, pool, len(containers), E, runtime_policy_factory(spec),
-                        resident)
+    allowed = np.zeros(len(containers) * E, dtype=bool)
+    for layer, experts in local.items():
+        allowed[[int(layer) * E + int(e) for e in experts]] = True
+    cache = ExpertCache(int(spec["capacity"][rank]), store, pool, len(containers), E,
+                        runtime_stepper_factory(spec, allowed, rank, E), resident)
     for adapter in rank_model.adapters:
         adapter.use_pool(rank_model.model, pool, local.get(adapter.moe, []), cache)
     forward = rank_model.forward

@@ -123,7 +123,9 @@ def merge_expert_caches(out_dir: Path, ranks: list) -> dict:
     per_rank = [r["expert_cache"]["stats"] for r in ranks]
     torch.save({"logs": [r["expert_cache"]["log"] for r in ranks], "resident": [r["expert_cache"]["resident"] for r in ranks]},
                out_dir / "expert_cache.pt")
-    total = {k: sum(s.get(k, 0) for s in per_rank) for k in ("requests", "hits", "loads", "bytes_moved", "disk_loads",
-                                                             "disk_bytes", "host_loads", "host_bytes", "preload_bytes")}
+    total = {k: sum(s.get(k, 0) for s in per_rank) for k in ("requests", "hits", "loads", "bytes_moved", "prefetches",
+                                                             "prefetch_hits", "resident_at_layer_start", "prefetch_waits",
+                                                             "prefetch_wait_s", "disk_loads", "disk_bytes", "host_loads",
+                                                             "host_bytes", "preload_bytes")}
     total["hit_ratio"] = total["hits"] / total["requests"] if total["requests"] else 0.0
     return {**total, "ranks": per_rank}

@@ -64,7 +64,7 @@ def summary_of(plan, out, timings, manifest=None) -> dict:
                                                                      "max_over_mean_load")})
         cache = doc["communication"].get("expert_cache")
         if cache:  # issue 13: per-rank expert caches
-            summary["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"],
+            summary["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
                                        "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
         cost = doc["predicted"].get("cost")
         if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
@@ -86,7 +86,7 @@ def describe(summary: dict) -> str:
             f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"
             + (f"\n{summary['choice']}" if "choice" in summary else "")
             + (f"\nexpert caches: {summary['expert_cache']['capacity']} entries per rank, eviction "
-               f"{summary['expert_cache']['eviction']}, predicted hit ratio {summary['expert_cache']['predicted_hit_ratio']:.3f}"
+               f"{summary['expert_cache']['eviction']}, prefetch {summary['expert_cache']['prefetch']}, predicted hit ratio {summary['expert_cache']['predicted_hit_ratio']:.3f}"
                if "expert_cache" in summary else ""))
 
 

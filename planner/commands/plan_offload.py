@@ -25,8 +25,10 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "serve_batch", "max_length", "prompt_tokens", "eviction")
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "serve_batch", "max_length", "prompt_tokens", "eviction",
+                 "prefetch")
 EVICTIONS = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")
+PREFETCHES = ("none", "moeplan", "moe-infinity")
 
 
 def offload_options(f):
@@ -45,6 +47,9 @@ def offload_options(f):
         click.option("--eviction", type=click.Choice(EVICTIONS), default=None,
                      help="torchrun/kubernetes with --gpu-memory/--expert-cache: the ranks' eviction policy "
                           "(default: the best on held-out sequences)"),
+        click.option("--prefetch", type=click.Choice(PREFETCHES), default=None,
+                     help="torchrun/kubernetes with --gpu-memory/--expert-cache: the ranks' prefetcher (none: demand "
+                          "paging only; default: the fastest on held-out sequences; docs/offload.md)"),
     ]
     for opt in reversed(options):
         f = opt(f)
@@ -55,13 +60,20 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
     """The pipeline's `offload_options` from the offload flags; None for torchrun/kubernetes without
     --gpu-memory/--expert-cache (no expert cache). Bad values are UserErrors."""
     gpu_memory, expert_cache = flags["gpu_memory"], flags["expert_cache"]
+    prefetch = flags.get("prefetch")
     if target != "offload" and gpu_memory is None and expert_cache is None:
-        for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory")):
-            if flags[flag] is not None:
+        for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory"), ("prefetch", "--prefetch")):
+            if flags.get(flag) is not None:
                 raise UserError(f"{name} needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
         return None
     if target == "offload" and flags["eviction"] is not None:
         raise UserError("--eviction sets a bundle's policy (compile --target torchrun); --target offload compares them all")
+    if target == "offload" and prefetch is not None:
+        raise UserError("--prefetch sets a bundle's prefetcher (compile --target torchrun); --target offload compares them all")
+    if prefetch is not None:  # a pair that cannot run stops here, before any pass
+        from moeplan.passes.optimize.offload.ranks import prefetch_candidates
+
+        prefetch_candidates(flags["eviction"], prefetch)
     if (gpu_memory is None) == (expert_cache is None):
         raise UserError(f"--target {target} needs exactly one of --gpu-memory BYTES or --expert-cache N")
     for name, value in (("--batch", flags["serve_batch"]), ("--max-length", flags["max_length"])):
@@ -75,7 +87,8 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
             "expert_cache": expert_cache, "hardware": hardware, "batch": flags["serve_batch"],
             "host_memory_bytes": parse_bytes(flags["host_memory"], "--host-memory") if flags["host_memory"] is not None else None,
             "max_length": flags["max_length"], "prompt_tokens": flags["prompt_tokens"],
-            "validation_fraction": validation_fraction, "seed": seed, "eviction": flags["eviction"]}
+            "validation_fraction": validation_fraction, "seed": seed, "eviction": flags["eviction"],
+            "prefetch": prefetch}
 
 
 def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, hardware, **flags):
@@ -85,6 +98,7 @@ def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_j
 
     options = offload_request(flags, validation_fraction, seed, hardware)
     options.pop("eviction")
+    options.pop("prefetch", None)
     say = (lambda msg: None) if quiet or as_json else (lambda msg: click.echo(msg, err=True))
     t0 = time.perf_counter()
     facts = PassManager(PASSES, quiet=True).run({"model_spec": str(model), "trace_path": str(trace_path),

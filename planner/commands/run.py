@@ -118,13 +118,19 @@ def _print(report: dict, verify: bool) -> None:
     if "expert_cache" in report:  # issue 13: offloaded experts
         c = report["expert_cache"]
         m, p = c["measured"], c["simulated"]
-        click.echo(f"  expert cache ({c['eviction']}, {c['capacity']} per rank): hit ratio {m['hit_ratio']:.4f} "
-                   f"({m['hits']}/{m['requests']}), {m['loads']} loads, {m['bytes_moved']} bytes moved; simulated "
-                   f"{p['hit_ratio']:.4f}, {p['loads']} loads, {p['bytes_moved']} bytes; disk {m.get('disk_loads', 0)} "
-                   f"loads {m.get('disk_bytes', 0)} bytes, host {m.get('host_loads', 0)} loads {m.get('host_bytes', 0)} bytes "
-                   f"(simulated disk {p.get('disk_bytes', 0)}, host {p.get('host_bytes', 0)})"
+        click.echo(f"  expert cache ({c['eviction']}, prefetch {c['prefetch']}, {c['capacity']} per rank): hit ratio "
+                   f"{m['hit_ratio']:.4f} ({m['hits']}/{m['requests']}), {m['loads']} loads ({m['prefetches']} prefetched, "
+                   f"{m['prefetch_hits']} of them hit), {m['bytes_moved']} bytes moved; simulated {p['hit_ratio']:.4f}, "
+                   f"{p['loads']} loads ({p['prefetches']} prefetched, {p['prefetch_hits']} hit), {p['bytes_moved']} bytes; "
+                   f"disk {m.get('disk_loads', 0)} loads {m.get('disk_bytes', 0)} bytes, host {m.get('host_loads', 0)} loads "
+                   f"{m.get('host_bytes', 0)} bytes (simulated disk {p.get('disk_bytes', 0)}, host {p.get('host_bytes', 0)})"
                    + ("" if c["matches_simulation"] else " - DIFFERS")
                    + ("" if c["requests_match_routing"] else "; requests differ from the routing"))
+        t = c["seconds_per_token"]
+        click.echo(f"  expert cache time: measured {t['measured_wall'] * 1e3:.2f} ms/token (wall, this machine)"
+                   + (f"; modelled {t['modelled_for_these_tokens'] * 1e3:.3f} ms/token for these tokens"
+                      if t["modelled_for_these_tokens"] is not None else "")
+                   + (f", planned {t['planned'] * 1e3:.3f} ms/token on held-out tokens" if t["planned"] is not None else ""))
     if verify:
         verdict = "PASS" if report["verified"] else "FAIL"
         click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {LOGIT_TOLERANCE:g}), "

@@ -54,7 +54,13 @@ PASSES = [IMPORT, TRACE, PLAN]
 
 # --- expert caches inside torchrun bundles (compile --gpu-memory / --expert-cache) -------------------
 
-RUNTIME_POLICY_FILES = {"runtime/offload_policies.py": "policies.py", "runtime/offload_next_use.py": "next_use.py"}
+RUNTIME_POLICY_FILES = {  # bundle path: the simulator's module it is a copy of
+    "runtime/offload_policies.py": "moeplan.passes.optimize.offload.policies",
+    "runtime/offload_next_use.py": "moeplan.passes.optimize.offload.next_use",
+    "runtime/offload_stepper.py": "moeplan.passes.optimize.offload.stepper",
+    "runtime/offload_prefetch.py": "moeplan.passes.optimize.offload.prefetch",
+    "runtime/offload_eam_match.py": "moeplan.passes.analysis.eam_match",
+}
 
 
 def _offload_request(o: dict):
@@ -81,17 +87,34 @@ def _expert_cache(facts):
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
                             kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"),
-                            ranks_per_node=facts["placement"].topology.gpus_per_node)
+                            prefetch=o.get("prefetch"), ranks_per_node=facts["placement"].topology.gpus_per_node)
     return {"expert_cache": body}
 
 
-def runtime_policy_files() -> dict:
-    """The simulator's policy modules, shipped as the bundle runtime's policies (one implementation:
-    they import nothing of moeplan, so the runtime runs the very code the simulator ran)."""
-    from importlib import resources
+def recorded_options(o: dict) -> dict:
+    """The offload options as plan.json's inputs record them: `prefetch` only when it prefetches
+    (so that --prefetch none plans byte for byte as before the flag existed)."""
+    return {k: v for k, v in o.items() if not (k == "prefetch" and v in (None, "none"))}
 
-    package = resources.files("moeplan.passes.optimize.offload")
-    return {dest: package.joinpath(src).read_text() for dest, src in RUNTIME_POLICY_FILES.items()}
+
+def runtime_policy_files() -> dict:
+    """The simulator's policy, prefetch and stepper modules, shipped as the bundle runtime's (one
+    implementation: the runtime runs the very code the simulator ran). They import numpy and each
+    other only; `from moeplan.<shipped module> import` lines become `from .offload_<name> import`."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    shipped = {module: "." + Path(dest).stem for dest, module in RUNTIME_POLICY_FILES.items()}
+
+    def local_import(m):
+        if m.group(1) not in shipped:
+            raise ValueError(f"a shipped offload module imports {m.group(1)}, which bundles do not ship")
+        return f"from {shipped[m.group(1)]} import"
+
+    return {dest: re.sub(r"^from (moeplan[\w.]*) import", local_import,
+                         Path(importlib.util.find_spec(module).origin).read_text(), flags=re.MULTILINE)
+            for dest, module in RUNTIME_POLICY_FILES.items()}
 
 
 EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options"), ("expert_cache",),
@@ -100,39 +123,34 @@ EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_opt
 
 def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     """`moeplan run` on a bundle with expert caches: the measured counters beside the simulator's
-    replay of the requests each rank logged (same policy, capacity and residents; its loads split
-    into disk reads and host-tier copies by the plan's host tier), and whether those requests are
-    the ones the run's routing implies (routing.pt; exact order on one rank)."""
-    import numpy as np
+    replay of the requests each rank logged (passes/optimize/offload/replay.py: same policy,
+    prefetcher, timing, capacity and residents; its loads split into disk reads and host-tier copies
+    by the plan's host tier), whether those requests are the ones the run's routing implies
+    (routing.pt; exact order on one rank), and the measured wall seconds per token beside the
+    modelled ones (reported, not checked: the plan models its hardware profile)."""
+    import json
+
     import torch
 
-    from moeplan.passes.optimize.offload.next_use import NextUseModel
-    from moeplan.passes.optimize.offload.policies import make_policy
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.passes.optimize.offload.ranks import rank_keys
+    from moeplan.passes.optimize.offload.replay import matches, replay_rank_logs
     from moeplan.passes.optimize.offload.stream import stream_from_log
-    from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
+    from moeplan.passes.optimize.placement.decision import placement_from_dict
 
     spec = plan["communication"]["expert_cache"]
     data = torch.load(Path(out_dir) / "expert_cache.pt", weights_only=True)
-    model = NextUseModel.from_dict(spec["policy_model"]) if spec["eviction"] == "moeplan" else None
-    streams = [stream_from_log(log) for log in data["logs"]]
-    E = streams[0].num_experts
-    host = spec.get("host") or {"resident": [[] for _ in streams]}  # plans before the host tier: all disk
-    sims, splits = [], []
-    for r, s in enumerate(streams):
-        recorder = LoadRecorder(make_policy(spec["eviction"], model))
-        sims.append(simulate_demand(s, int(spec["capacity"][r]), recorder, resident=[l * E + e for l, e in spec["resident"][r]],
-                                    expert_bytes=int(spec["runtime_expert_bytes"])))
-        splits.append(tier_split(recorder.loaded, [l * E + e for l, e in host["resident"][r]],
-                                 int(spec.get("disk_expert_bytes", spec["runtime_expert_bytes"])), int(spec["runtime_expert_bytes"])))
-    predicted = {"requests": sum(x.requests for x in sims), "hits": sum(x.hits for x in sims),
-                 "loads": sum(x.loads for x in sims), "bytes_moved": sum(x.loads * x.expert_bytes for x in sims),
-                 **{k: sum(one[k] for one in splits) for k in TIER_COUNTERS}}
-    predicted["hit_ratio"] = predicted["hits"] / predicted["requests"] if predicted["requests"] else 0.0
+    masks = rank_keys(placement_from_dict(json.loads((Path(root) / "placement.json").read_text())).hosts())
+    simulated = replay_rank_logs(spec, data["logs"], masks)
     measured = summary["expert_cache"]
-    match = all(measured[k] == predicted[k] for k in ("requests", "hits", "loads", "bytes_moved", *TIER_COUNTERS))
-    return {"expert_cache": {"eviction": spec["eviction"], "capacity": spec["capacity"], "measured": measured,
-                             "simulated": predicted, "matches_simulation": match,
+    forwards = simulated.pop("forwards")
+    modelled = simulated.pop("modelled_seconds_by_rank")
+    seconds = {"measured_wall": summary["elapsed_s"] / forwards if forwards else 0.0,
+               "modelled_for_these_tokens": max(modelled) / forwards if forwards and spec.get("prefetch", "none") != "none" else None,
+               "planned": plan["predicted"].get("expert_cache", {}).get("seconds_per_token"), "forwards": forwards}
+    streams = [stream_from_log(log) for log in data["logs"]]
+    return {"expert_cache": {"eviction": spec["eviction"], "prefetch": spec.get("prefetch", "none"), "capacity": spec["capacity"],
+                             "measured": measured, "simulated": simulated, "matches_simulation": matches(measured, simulated),
+                             "seconds_per_token": seconds,
                              "requests_match_routing": _requests_match_routing(out_dir, summary, streams)}}
 
 

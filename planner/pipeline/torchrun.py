@@ -76,7 +76,7 @@ def _plan(facts):
     if facts["expert_cache"] is not None:  # issue 13: each rank caches among its experts (pipeline/offload.py)
         plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
                                    predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
-                                   inputs={**plan.inputs, "offload": facts["offload_options"]})
+                                   inputs={**plan.inputs, "offload": offload_passes.recorded_options(facts["offload_options"])})
     return {"plan": plan}
 
 

@@ -8,10 +8,11 @@ its cache priority) and moeplan (next-use prefetch + next-use eviction).
 from __future__ import annotations
 
 from moeplan.passes.optimize.offload.policies import DEMAND_POLICIES, make_policy
-from moeplan.passes.optimize.offload.prefetch import EAMCPrefetch, NextUsePrefetch
+from moeplan.passes.optimize.offload.prefetch import PREFETCHERS, make_prefetcher
 from moeplan.passes.optimize.offload.simulate import simulate_demand, simulate_timed
 
-PREFETCH_MODES = ("none", "moe-infinity", "moeplan")
+PREFETCH_MODES = PREFETCHERS
+PAIRED_EVICTION = {"none": "moeplan", "moe-infinity": "moe-infinity", "moeplan": "moeplan"}  # each prefetcher's own cache policy
 
 
 def run_demand(stream, capacity, resident, model, policies=DEMAND_POLICIES, expert_bytes: int = 0, known=None) -> dict:
@@ -25,16 +26,8 @@ def run_demand(stream, capacity, resident, model, policies=DEMAND_POLICIES, expe
 
 def run_prefetch(stream, capacity, resident, model, eamc, timing, modes=PREFETCH_MODES) -> dict:
     """{mode: Result.to_dict()} of the timed simulation with each prefetcher."""
-    out = {}
-    for mode in modes:
-        if mode == "none":
-            policy, pre = make_policy("moeplan", model), None
-        elif mode == "moe-infinity":
-            policy, pre = make_policy("moe-infinity"), EAMCPrefetch(eamc)
-        else:
-            policy, pre = make_policy("moeplan", model), NextUsePrefetch()
-        out[mode] = simulate_timed(stream, capacity, policy, timing, prefetcher=pre, resident=resident).to_dict()
-    return out
+    return {mode: simulate_timed(stream, capacity, make_policy(PAIRED_EVICTION[mode], model), timing,
+                                 prefetcher=make_prefetcher(mode, eamc), resident=resident).to_dict() for mode in modes}
 
 
 def gap_to_belady(policies: dict) -> float:

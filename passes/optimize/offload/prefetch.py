@@ -1,7 +1,10 @@
 """Prefetchers for the timed simulation: MoE-Infinity's EAMC-guided one and the planner's.
 
-Interface (see simulate.simulate_timed): `start(stream, cached, policy)`, `after_step(s)` -> keys
+Interface (see stepper.TimedCache): `start(stream, cached, policy)`, `after_step(s)` -> keys
 to copy next in order, `victim_for(key, exclude)` -> the key to evict for it, or None to decline.
+`allowed` (bool [L * E], optional): the only keys it may queue (a rank of an expert-parallel
+bundle caches its own experts only). Shipped into bundles as `runtime/offload_prefetch.py` (its
+two moeplan imports are rewritten to the shipped siblings by the offload codegen).
 
 * `EAMCPrefetch` (MoE-Infinity Alg. 1): after each router, add the step to the sequence's running
   EAM, match the nearest EAMC entry R (the paper's distance over the layers that ran), and queue
@@ -19,19 +22,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.activation import nearest_entry, row_normalised
+from moeplan.passes.analysis.eam_match import nearest_entry, row_normalised
 from moeplan.passes.optimize.offload.policies import EPS
+
+
+def allowed_mask(allowed, num_keys: int) -> np.ndarray:
+    """bool [N]: the keys a prefetcher may copy (None: all; under expert parallelism a rank's own)."""
+    return np.ones(num_keys, dtype=bool) if allowed is None else np.asarray(allowed, dtype=bool).reshape(num_keys)
 
 
 class EAMCPrefetch:
     name = "moe-infinity"
 
-    def __init__(self, eamc: np.ndarray):
+    def __init__(self, eamc: np.ndarray, allowed=None):
         self.eamc = np.asarray(eamc, dtype=float)
         self.unit = row_normalised(self.eamc)
+        self.allowed = allowed
 
     def start(self, stream, cached, policy):
         self.stream, self.cached, self.policy = stream, cached, policy
+        self.may_copy = allowed_mask(self.allowed, stream.num_keys)
         self.eam = np.zeros((stream.num_layers, stream.num_experts))
         self.seq = -1
 
@@ -53,7 +63,7 @@ class EAMCPrefetch:
         f, j = np.nonzero(R > 0)
         order = np.lexsort((j, f, -prio[f, j]))
         cand = (f[order] + lc + 1) * E + j[order]
-        return [int(k) for k in cand if not self.cached[k]]
+        return [int(k) for k in cand if not self.cached[k] and self.may_copy[k]]
 
     def victim_for(self, key: int, exclude) -> int:
         return self.policy.victim(-1, exclude)
@@ -63,15 +73,20 @@ class NextUsePrefetch:
     name = "moeplan"
     idle_only = True  # a copy must arrive before the next router: prefetching never delays demand
 
+    def __init__(self, allowed=None):
+        self.allowed = allowed
+
     def start(self, stream, cached, policy):
         if not hasattr(policy, "scores"):
             raise ValueError("the moeplan prefetcher needs the moeplan eviction policy")
         self.stream, self.cached, self.policy = stream, cached, policy
+        self.may_copy = allowed_mask(self.allowed, stream.num_keys)
         self.L, self.E = stream.num_layers, stream.num_experts
 
     def after_step(self, s: int) -> list:
         nxt = (int(self.stream.step_layer[s]) + 1) % self.L
-        cand = nxt * self.E + np.flatnonzero(~self.cached[nxt * self.E:(nxt + 1) * self.E])
+        span = slice(nxt * self.E, (nxt + 1) * self.E)
+        cand = nxt * self.E + np.flatnonzero(~self.cached[span] & self.may_copy[span])
         if len(cand) == 0:
             return []
         score = self.policy.scores(cand)
@@ -83,3 +98,19 @@ class NextUsePrefetch:
         v = self.policy.victim(-1, exclude)
         sv = float(self.policy.state.all_scores()[v])
         return v if self.queued.get(key, np.inf) < sv else None
+
+
+PREFETCHERS = ("none", "moe-infinity", "moeplan")
+
+
+def make_prefetcher(name: str, eamc=None, allowed=None):
+    """A fresh prefetcher by name (None for "none"); "moe-infinity" needs the EAMC [P, L, E]."""
+    if name == "none":
+        return None
+    if name == "moe-infinity":
+        if eamc is None:
+            raise ValueError("the moe-infinity prefetcher needs the EAMC")
+        return EAMCPrefetch(eamc, allowed)
+    if name == "moeplan":
+        return NextUsePrefetch(allowed)
+    raise ValueError(f"unknown prefetcher '{name}'; use one of {', '.join(PREFETCHERS)}")

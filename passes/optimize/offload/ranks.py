@@ -9,23 +9,33 @@ restricted to them (stream.restrict). Per rank r:
 * residents: its C_r most popular keys on the planning half;
 * eviction: given, or the online policy with the most held-out hits summed over ranks (ties:
   moeplan first); the moeplan policy's frequency weight is tuned on the same sum;
+* prefetch: given, or of none, MoE-Infinity's EAMC prefetch and ours (prefetch.py) the one with the
+  lowest held-out seconds per token on the hardware profile's timing (the slowest rank's; ties:
+  none first). Without --eviction each prefetcher brings its own cache policy (none: the best
+  demand policy; moe-infinity: MoE-Infinity's; moeplan: ours, which its prefetcher needs); with
+  --eviction only the prefetchers that can run beside it compete. A rank prefetches its own
+  experts only. The plan records the timing (and for moe-infinity the EAMC) the runtime's stepper
+  needs; with prefetch none the section is what it was before prefetch existed.
 * host tier: the machine's host memory for experts (--host-memory, else the profile's less a
   reserve) split evenly among its ranks; each rank holds its most popular keys that fit, as the
   float32 copies the runtime keeps (`runtime_expert_bytes`), and reads the others from disk at
   every load (tiers.py). Recorded per rank, with the held-out disk/host bytes per token.
-The runtime runs demand paging (no prefetch): its hit ratio, bytes and disk/host split must equal
-the simulator's.
+The runtime drives the simulator's stepper (stepper.py): its hits, loads, prefetches, bytes and
+disk/host split must equal the simulator's replay of the same requests.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.activation import popularity_by_layer
+from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
+from moeplan.passes.optimize.offload.evaluate import PAIRED_EVICTION, PREFETCH_MODES
 from moeplan.passes.optimize.offload.next_use import fit_next_use
 from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, host_tier_bytes,
-                                                 memory_budget, popular_keys, split_by_sequence)
+                                                 memory_budget, popular_keys, split_by_sequence, timing_for)
 from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.simulate import simulate_demand
+from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
+from moeplan.passes.optimize.offload.stepper import rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
 from moeplan.planner.errors import UserError
@@ -46,6 +56,31 @@ def rank_keys(hosts: np.ndarray) -> list:
     return [hosts[:, :, d].reshape(L * E) for d in range(D)]
 
 
+def prefetch_candidates(eviction, prefetch) -> list:
+    """[(prefetch, eviction or None = the best demand policy)] the planner compares; UserError for
+    a pair that cannot run (ours prefetches by our policy's scores)."""
+    if prefetch == "moeplan" and eviction not in (None, "moeplan"):
+        raise UserError(f"--prefetch moeplan needs --eviction moeplan (it ranks experts by that policy's scores), "
+                        f"got --eviction {eviction}; drop --eviction or choose another --prefetch")
+    modes = [prefetch] if prefetch is not None else [m for m in PREFETCH_MODES
+                                                     if not (m == "moeplan" and eviction not in (None, "moeplan"))]
+    return [(m, eviction or (None if m == "none" else PAIRED_EVICTION[m])) for m in modes]
+
+
+def price_prefetcher(mode: str, eviction: str, per_rank: list, capacities: list, residents: list, masks: list, model,
+                     timings: list, eamc) -> tuple:
+    """One prefetcher with its eviction policy on every rank's held-out stream, on each rank's
+    modelled clock: ({seconds per token of the slowest rank, prefetches, prefetched keys that hit,
+    hit ratios}, per rank the keys it loaded, demand and prefetch, for the tier split)."""
+    recorders = [LoadRecorder(make_policy(eviction, model)) for _ in per_rank]
+    runs = [simulate_timed(s, c, rec, t, make_prefetcher(mode, eamc, mask), resident=r)
+            for s, c, r, mask, rec, t in zip(per_rank, capacities, residents, masks, recorders, timings)]
+    return ({"eviction": eviction, "seconds_per_token": max(x.seconds for x in runs) / max(per_rank[0].num_tokens, 1),
+             "prefetches": sum(x.prefetches for x in runs), "prefetch_hits": sum(x.prefetch_hits for x in runs),
+             "hit_ratio": sum(x.hits for x in runs) / max(sum(x.requests for x in runs), 1),
+             "hit_ratio_by_rank": [x.hit_ratio for x in runs]}, [rec.loaded for rec in recorders])
+
+
 def host_tiers(masks: list, popularity: np.ndarray, req: OffloadRequest, ranks_per_node: int, expert_bytes: int) -> dict:
     """The plan's host tier: {"memory_bytes" per rank, "capacity" [per rank], "resident" [per rank:
     sorted [layer, expert] pairs]}, each rank's most popular keys (popularity [L, E]) that fit."""
@@ -59,10 +94,13 @@ def host_tiers(masks: list, popularity: np.ndarray, req: OffloadRequest, ranks_p
 
 
 def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_token: int, eviction=None,
-                     say=lambda m: None, ranks_per_node: int = 1) -> dict:
+                     say=lambda m: None, prefetch=None, ranks_per_node: int = 1) -> dict:
     """{"communication": the plan's expert_cache section, "predicted": per-rank held-out figures}."""
     if eviction is not None and eviction not in RUNTIME_POLICIES:
         raise UserError(f"--eviction {eviction} cannot run in a bundle; use one of {', '.join(RUNTIME_POLICIES)}")
+    if prefetch is not None and prefetch not in PREFETCH_MODES:
+        raise UserError(f"--prefetch {prefetch} is not a prefetcher; use one of {', '.join(PREFETCH_MODES)}")
+    candidates = prefetch_candidates(eviction, prefetch)
     budget = memory_budget(ir, kv_per_token, req)
     masks = rank_keys(hosts)
     fit_rows, val_rows = split_by_sequence(trace, req.validation_fraction)
@@ -86,28 +124,48 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     model = model.with_mix(max(MIXES, key=lambda w: (mix_hits[w], -w)))
     results = {name: hits(name, model) for name in RUNTIME_POLICIES}
     total = {name: sum(x.hits for x in rs) for name, rs in results.items()}
-    chosen = eviction or max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
-    requests = sum(x.requests for x in results[chosen])
+    best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
+    candidates = [(m, ev or best_demand) for m, ev in candidates]
     E = ir.moe_stages[0].num_experts
     host_bytes, disk_bytes = runtime_expert_bytes(ir), int(ir.moe_stages[0].expert_param_bytes)
     host = host_tiers(masks, popularity, req, ranks_per_node, host_bytes)
+    host_keys = [[l * E + e for l, e in tier] for tier in host["resident"]]
+    timed, loaded, timing, eamc = {}, {}, None, None
+    if prefetch != "none":  # an explicit --prefetch none plans exactly as before prefetch existed
+        timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
+        timings = [rank_timing({"timing": timing.to_dict(), "host": host}, r, E) for r in range(len(masks))]
+        eamc = build_eamc(fit, val, seed=req.seed).eamc if any(m == "moe-infinity" for m, _ in candidates) else None
+        for m, ev in candidates:
+            timed[m], loaded[m] = price_prefetcher(m, ev, per_rank, capacities, residents, masks, model, timings, eamc)
+    mode = min(timed, key=lambda m: (timed[m]["seconds_per_token"], PREFETCH_MODES.index(m))) if timed else "none"
+    chosen = timed[mode]["eviction"] if timed else candidates[0][1]
+    requests = sum(x.requests for x in results[chosen])
+    if mode not in loaded:  # demand paging only: the loads of the chosen policy
+        recorders = [LoadRecorder(make_policy(chosen, model)) for _ in per_rank]
+        for s, c, r, rec in zip(per_rank, capacities, residents, recorders):
+            simulate_demand(s, c, rec, resident=r)
+        loaded[mode] = [rec.loaded for rec in recorders]
     split = dict.fromkeys(TIER_COUNTERS, 0)
-    for s, c, r, tier in zip(per_rank, capacities, residents, host["resident"]):
-        recorder = LoadRecorder(make_policy(chosen, model))
-        simulate_demand(s, c, recorder, resident=r)
-        one = tier_split(recorder.loaded, [l * E + e for l, e in tier], disk_bytes, host_bytes)
+    for keys, tier in zip(loaded[mode], host_keys):
+        one = tier_split(keys, tier, disk_bytes, host_bytes)
         split = {k: split[k] + one[k] for k in split}
-    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}; "
+    say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}, prefetch {mode}; "
         f"host tier {host['capacity']} experts per rank")
     tokens = max(stream.num_tokens, 1)
-    return {
-        "communication": {"capacity": capacities, "eviction": chosen, "prefetch": "none",
-                          "resident": [[[k // E, k % E] for k in r] for r in residents],
-                          "memory": budget, "policy_model": model.to_dict(),
-                          "runtime_expert_bytes": host_bytes, "disk_expert_bytes": disk_bytes, "host": host},
-        "predicted": {"hit_ratio": total[chosen] / requests if requests else 0.0,
-                      "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
-                      "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
-                      "validation_tokens": stream.num_tokens,
-                      "disk_bytes_per_token": split["disk_bytes"] / tokens, "host_bytes_per_token": split["host_bytes"] / tokens},
-    }
+    communication = {"capacity": capacities, "eviction": chosen, "prefetch": mode,
+                     "resident": [[[k // E, k % E] for k in r] for r in residents],
+                     "memory": budget, "policy_model": model.to_dict(),
+                     "runtime_expert_bytes": host_bytes, "disk_expert_bytes": disk_bytes, "host": host}
+    if mode != "none":  # what the runtime's stepper needs besides the policy
+        communication["timing"] = timing.to_dict()
+    if mode == "moe-infinity":
+        communication["eamc"] = eamc.tolist()
+    predicted = {"hit_ratio": total[chosen] / requests if requests else 0.0,
+                 "hit_ratio_by_rank": [x.hit_ratio for x in results[chosen]],
+                 "policies": {name: total[name] / requests if requests else 0.0 for name in RUNTIME_POLICIES},
+                 "validation_tokens": stream.num_tokens,
+                 "disk_bytes_per_token": split["disk_bytes"] / tokens, "host_bytes_per_token": split["host_bytes"] / tokens}
+    if timed:  # with prefetch the hits are the timed run's (prefetched keys hit too)
+        predicted.update(hit_ratio=timed[mode]["hit_ratio"], hit_ratio_by_rank=timed[mode]["hit_ratio_by_rank"],
+                         seconds_per_token=timed[mode]["seconds_per_token"], prefetch=timed, hardware=req.hardware.name)
+    return {"communication": communication, "predicted": predicted}
