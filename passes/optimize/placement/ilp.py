@@ -24,8 +24,10 @@ better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then
 of layers where it is small enough. Last, the result is valued on the planning trace itself with
 the metric's routing (`placement/routed.py`): the even-split model misjudges replicated experts,
 so the staged result and a routed layer chain are both polished by routed layer MIPs and the one
-with more GPU-local transitions wins (at DeepSeek-V3 scale: routed exchanges on the staged
-result). A valid bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
+with more GPU-local transitions wins. At DeepSeek-V3 scale with replicas (where re-slotting
+and the step MIPs do not fit the budget) the stages give way to GPU-level exchange
+sweeps (`placement/gpu_sweeps.py`) from the balanced packing, then routed exchanges. A valid
+bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
 (`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
@@ -43,7 +45,9 @@ import scipy.sparse as sp
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.eplb import balanced_packing
-from moeplan.passes.optimize.placement.held_out import held_out_caps
+from moeplan.passes.optimize.placement.exchanges import repair_exchanges, steepest_exchanges
+from moeplan.passes.optimize.placement.gpu_sweeps import WALK_SWEEPS, gpu_sweeps
+from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_caps
 from moeplan.passes.optimize.placement.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
 from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
@@ -147,19 +151,9 @@ def assignment_mip(in_gain, out_gain, to_place, max_per_partition, slots, loads,
 def improve_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -> np.ndarray:
     """Steepest-ascent exchanges: move one replica of e from p to q and one of f from q to p
     while that gains and keeps both partitions under the cap and within the per-partition limit.
-    Deterministic (ties: lowest index) and vectorised over all unit pairs."""
-    assign = assign.copy()
-    partition_load = loads @ assign
-    for _ in range(max_rounds):
-        e, p, delta, shift, ok = _exchanges(gain, assign, limit, loads)
-        ok &= partition_load[p][:, None] + shift <= cap * (1 + 1e-9)
-        ok &= partition_load[p][None, :] - shift <= cap * (1 + 1e-9)
-        delta = np.where(ok, delta, -np.inf)
-        i, j = divmod(int(np.argmax(delta)), len(e))
-        if not delta[i, j] > 1e-9:
-            break
-        _exchange(assign, partition_load, loads, e, p, i, j)
-    return assign
+    Deterministic (ties: lowest index); the pair tables are patched move by move
+    (`placement/exchanges.py`), not recomputed."""
+    return steepest_exchanges(gain, assign, limit, loads, cap, max_rounds)
 
 
 def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -> np.ndarray:
@@ -167,43 +161,9 @@ def repair_by_swaps(gain, assign, limit, loads, cap, max_rounds: int = 10_000) -
 
     Why: at 64-GPU scale a node's replicas, packed onto its GPUs, often miss the per-GPU cap by a
     little; finding a fitting start by exchanges takes milliseconds where the step MIP spends
-    seconds at its root. Deterministic (ties: lowest index)."""
-    assign = assign.copy()
-    partition_load = loads @ assign
-    for _ in range(max_rounds):
-        over = np.clip(partition_load - cap, 0, None)
-        if over.sum() <= 0:
-            break
-        e, p, delta, shift, ok = _exchanges(gain, assign, limit, loads)
-        new_i = np.clip(partition_load[p][:, None] + shift - cap, 0, None)
-        new_j = np.clip(partition_load[p][None, :] - shift - cap, 0, None)
-        cut = over[p][:, None] + over[p][None, :] - new_i - new_j
-        scale = max(float(np.abs(delta[ok]).max(initial=0.0)), 1.0)
-        merit = np.where(ok & (cut > 1e-9 * cap), cut * (4.0 * scale / max(float(cut.max()), 1e-12)) + delta, -np.inf)
-        i, j = divmod(int(np.argmax(merit)), len(e))
-        if not np.isfinite(merit[i, j]):
-            break
-        _exchange(assign, partition_load, loads, e, p, i, j)
-    return assign
-
-
-def _exchanges(gain, assign, limit, loads):
-    """Every exchange of two units (i = e_i on p_i, j = e_j on p_j): (e, p, gain [i, j], load shift
-    on p_i [i, j], allowed [i, j] by distinct partitions/experts and the per-partition limit)."""
-    e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
-    delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
-    ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
-    ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
-    ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
-    shift = loads[e][None, :] - loads[e][:, None]
-    return e, p, delta, shift, ok
-
-
-def _exchange(assign, partition_load, loads, e, p, i, j) -> None:
-    assign[e[i], p[i]] -= 1; assign[e[i], p[j]] += 1
-    assign[e[j], p[j]] -= 1; assign[e[j], p[i]] += 1
-    partition_load[p[i]] += loads[e[j]] - loads[e[i]]
-    partition_load[p[j]] += loads[e[i]] - loads[e[j]]
+    seconds at its root. Deterministic (ties: lowest index); tables patched per move
+    (`placement/exchanges.py`)."""
+    return repair_exchanges(gain, assign, limit, loads, cap, max_rounds)
 
 
 def _fits(assign, loads, cap) -> bool:
@@ -433,7 +393,7 @@ class StagedSolution:
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
                      solver: str, budget: WorkBudget = None, routed: RoutedTrace = None,
-                     scenarios: np.ndarray = None) -> StagedSolution:
+                     scenarios: np.ndarray = None, held_out_balance: bool = False) -> StagedSolution:
     """Stage 1 (nodes) then stage 2 (GPUs of each node), from two starts; see module docstring.
 
     Start A is the EPLB-style packing. Start B first finds the affinity structure with no load
@@ -451,29 +411,57 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     by the excess (`held_out.held_out_caps`) and the solution is walked down to them by re-slotting
     moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
     under the lowered caps lost it), then polished by routed steps; a layer the walk cannot fit
-    keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) this is skipped."""
+    keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) the walk is GPU-level
+    exchange sweeps over the lowered layers (`gpu_sweeps.py`).
+
+    `held_out_balance`: the caps are for held-out traffic, not the planning trace: each layer's
+    planning cap is first lowered by the packing's expected held-out rise (sampling noise: +0.07 x
+    mean at 64 GPUs with 5 slots each, where a placement planned at 1.10 lands at 1.16), never
+    below the packing's own max load; the walk above then keeps the expected held-out max under
+    the requested cap."""
     L, E = loads.shape
     D = topology.devices
     slots = (E + redundant) // D
     replicas, caps = eplb_replicas_and_caps(loads, D, redundant, balance, balance_base)
     budget = budget or WorkBudget()
     packed = initial_hosts(loads, replicas, D, slots)
+    has_scenarios = scenarios is not None and len(scenarios) > 0
+    if held_out_balance and has_scenarios:
+        packed_max = max_gpu_loads(packed, loads)
+        rise = np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+        caps = np.minimum(np.maximum(caps - rise, packed_max * (1 + 1e-9)), caps)
     solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
-    if scenarios is None or len(scenarios) == 0 or not reslot_applies(E + redundant, D, budget) or budget.expired():
-        return solution  # at DeepSeek-V3 scale the walk (re-slotting moves) is too costly at effort 1
+    if held_out_balance and not has_scenarios:
+        solution.notes.append("held-out balance asked for, but the trace is too short (or loads only) to estimate "
+                              "held-out loads: the caps hold on the planning trace only")
+    if not has_scenarios or budget.expired():
+        return solution
+    at_scale = not reslot_applies(E + redundant, D, budget)  # re-slotting moves cost minutes there: GPU sweeps walk
     floor = np.minimum(least_max_load(loads, replicas, D, slots) * (1 + 1e-6), caps)
     hosts, current, lowered, moves = solution.hosts, caps, 0, 0
-    for _ in range(HELD_OUT_ROUNDS):
+    for _ in range(HELD_OUT_ROUNDS_AT_SCALE if at_scale else HELD_OUT_ROUNDS):
         robust = held_out_caps(hosts, packed, loads, caps, current, scenarios, floor)
         if not np.any(robust < current * (1 - 1e-9)) or budget.expired():
             break
         lowered += int((robust < current * (1 - 1e-9)).sum())
-        walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
+        if at_scale:
+            walked, made = gpu_sweeps(hosts, counts, loads, robust, topology.gpus_per_node, budget,
+                                      layers=np.flatnonzero(robust < current * (1 - 1e-9)), sweeps=WALK_SWEEPS)
+            over = over_cap_layers(walked, loads, robust)
+            if over:  # exchanges alone could not fit these: walk them again from the packing, the least rising start
+                walked[over] = packed[over]
+                walked, more = gpu_sweeps(walked, counts, loads, robust, topology.gpus_per_node, budget, layers=over,
+                                          sweeps=WALK_SWEEPS)
+                made, over = made + more, over_cap_layers(walked, loads, robust)
+        else:
+            walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
         walked[over] = hosts[over]  # layers the walk could not bring under the lowered cap keep their placement
         current = np.maximum(robust, max_gpu_loads(walked, loads))
-        if routed is not None:
+        if routed is not None and not at_scale:
             walked, _ = routed_polish(walked, routed, loads, current, budget, solver)
         hosts, moves = walked, moves + made
+    if lowered and at_scale:
+        hosts, current = _packing_where_rising(hosts, packed, counts, loads, caps, current, scenarios, topology, budget)
     if lowered:
         solution.hosts, solution.replicas = hosts, hosts.sum(axis=2)
         solution.caps = current  # the bound is then for placements at least as balanced, layer by layer
@@ -482,7 +470,28 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     return solution
 
 
+def _packing_where_rising(hosts, packed, counts, loads, caps, current, scenarios, topology, budget) -> tuple:
+    """Layers still expected to rise above the packing's held-out max after the walk (their cap at its
+    floor, the hottest replica's GPU) restart from the packing, improved by GPU sweeps under its own max
+    load, and keep it outright if those sweeps raise the expected max again. Returns (hosts, caps met)."""
+    packed_max = max_gpu_loads(packed, loads)
+    allowed = caps + np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+    rising = np.flatnonzero(expected_max_loads(hosts, loads, scenarios) > allowed * (1 + 1e-9))
+    if len(rising) == 0:
+        return hosts, current
+    hosts = hosts.copy()
+    hosts[rising] = packed[rising]
+    current = current.copy()
+    current[rising] = np.minimum(current[rising], packed_max[rising] * (1 + 1e-9))
+    hosts, _ = gpu_sweeps(hosts, counts, loads, current, topology.gpus_per_node, budget, layers=rising)
+    again = rising[expected_max_loads(hosts[rising], loads[rising], scenarios[:, rising]) > allowed[rising] * (1 + 1e-9)]
+    hosts[again] = packed[again]
+    return hosts, current
+
+
 HELD_OUT_ROUNDS = 3  # re-solves under lowered caps at most (each only if some layer's held-out rise is too large)
+HELD_OUT_ROUNDS_AT_SCALE = 8  # GPU-sweep walks of the lowered layers only (~1 CPU s each at DeepSeek-V3 scale); a
+# lowering by the excess undershoots (GPUs under the cap rise too), 3 rounds left 14 of 58 layers above it there
 
 
 def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget,
@@ -493,6 +502,8 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
     slots = (E + redundant) // D
     problem = LayerProblem(counts, loads, replicas, caps, solver, budget=budget,
                            max_sweeps=sweep_limit(budget, L, E, E + redundant, D))
+    if redundant and not reslot_applies(E + redundant, D, budget):  # without replicas steps are exact assignments
+        return _solve_at_scale(problem, topology, packed, slots, routed)
     best = None
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
@@ -530,6 +541,20 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
         best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
     hosts = best[1]
     return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes)
+
+
+def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
+    """DeepSeek-V3 scale with replicas: GPU-level exchange sweeps from the packing (`gpu_sweeps.py`; the
+    staged steps' priced node splits pack badly under a tight cap there), layers left over their cap repaired, then
+    routed exchanges valued on the planning trace itself (`routed.routed_swaps`)."""
+    hosts, sweeps = gpu_sweeps(packed, problem.counts, problem.loads, problem.caps, topology.gpus_per_node,
+                               problem.budget)
+    hosts = _repair_layers(problem, hosts, packed, slots)
+    info = {"start": "packing", "gpu_sweeps": sweeps}
+    if routed is not None:
+        hosts, gain = routed_swaps(hosts, routed, problem.loads, problem.caps, problem.budget)
+        info.update(finish="routed swaps", routed_gain=int(gain))
+    return StagedSolution(hosts, hosts.sum(axis=2), problem.caps, problem.counts, info, problem.notes)
 
 
 def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):

@@ -47,6 +47,7 @@ class PlacementRequest:
     expert_groups: int = 0
     effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
     held_out_caps: bool = True  # ilp: lower caps where loads would rise more on unseen traffic than EPLB's (`held_out.py`)
+    held_out_balance: bool = False  # ilp: `balance` bounds the expected held-out max load, not the planning trace's
 
 
 def check_request(trace: Trace, request: PlacementRequest) -> None:
@@ -132,7 +133,7 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
                                 request.solver, budget,
                                 None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node),
-                                load_scenarios(trace) if request.held_out_caps else None)
+                                load_scenarios(trace) if request.held_out_caps else None, request.held_out_balance)
     slots = (trace.num_experts + request.redundant) // D
     bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, int(solution.replicas.max()),
                                                   budget=budget)

@@ -43,7 +43,7 @@ def reslot_search(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps
         for l in order:
             if budget.expired():
                 return hosts, moves
-            gains = _layer_gains(hosts, counts, l, gpus_per_node)
+            gains = layer_gain_tables(hosts, counts, l, gpus_per_node)
             made += _improve_layer(hosts[l], gains, loads[l], caps[l], gpus_per_node, max_replicas,
                                    budget.scaled(MOVES_PER_LAYER))
         moves += made
@@ -52,7 +52,7 @@ def reslot_search(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps
     return hosts, moves
 
 
-def _layer_gains(hosts, counts, l, G):
+def layer_gain_tables(hosts, counts, l, G):
     """Per-expert gain tables of layer l with its neighbours fixed: (inG, outG, inN, outN)."""
     L, E, D = hosts.shape
     N = D // G
