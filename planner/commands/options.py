@@ -11,7 +11,8 @@ import click
 
 from moeplan.planner import cli_types as T
 
-PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "expert_groups", "solver", "effort", "time_limit")
+PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_balance", "expert_groups", "solver", "effort",
+                   "time_limit")
 SERVERLESS_FLAGS = ("slo", "platform_file", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
                     "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
 
@@ -47,6 +48,9 @@ def _placement_options(f, policies, default):
                      help="ilp: per layer, every GPU's load <= (1 + B) x the reference load"),
         click.option("--balance-base", type=click.Choice(["mean", "eplb"]), default="mean", show_default=True,
                      help="ilp: reference load per layer: the mean GPU load, or EPLB's max GPU load with the same replicas"),
+        click.option("--held-out-balance", is_flag=True, default=False,
+                     help="ilp: --balance bounds the expected max load on traffic the trace has not seen (planning caps "
+                          "lowered by the rise EPLB's packing shows across blocks of the trace), not on the trace itself"),
         click.option("--expert-groups", type=T.NON_NEGATIVE_INT, default=0, show_default=True,
                      help="eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy"),
         click.option("--solver", type=click.Choice(["highs", "gurobi"]), default="highs", show_default=True,
@@ -125,4 +129,9 @@ def output_options(f):
 
 
 def pop(kwargs: dict, names) -> dict:
-    return {n: kwargs.pop(n) for n in names}
+    """The named flags out of `kwargs`; an unset --held-out-balance is left out, so that plans made
+    without it keep their recorded options (and bytes)."""
+    out = {n: kwargs.pop(n) for n in names}
+    if out.get("held_out_balance") is False:
+        del out["held_out_balance"]
+    return out

@@ -122,6 +122,8 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         metrics["balance"] = request.balance
         metrics["balance_base"] = request.balance_base
         metrics["effort"] = request.effort
+        if request.held_out_balance:
+            metrics["held_out_balance"] = True
     return Placement.from_hosts(request.policy, topology, hosts, metrics)
 
 
