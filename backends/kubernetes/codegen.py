@@ -51,9 +51,9 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
     nodes, gpn = int(topo["nodes"]), int(topo["gpus_per_node"])
     name = slug(str(plan.model["name"]))
     shard_sizes = [_rank_weight_bytes(bundle / s) for s in plan.shards]
-    node_shards = max(sum(shard_sizes[n * gpn:(n + 1) * gpn]) for n in range(nodes))
-    host_sizes = _rank_host_bytes(plan, shard_sizes)
-    node_host = max(sum(host_sizes[n * gpn:(n + 1) * gpn]) for n in range(nodes))
+    largest_node = lambda per_rank: max(sum(per_rank[n * gpn:(n + 1) * gpn]) for n in range(nodes))
+    node_shards = largest_node(shard_sizes)
+    node_host = largest_node(_rank_host_bytes(plan, shard_sizes))
     memory_mib = _mib(node_host) + gpn * RANK_RUNTIME_MIB
     bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
     storage_gib = max(1, math.ceil(bundle_bytes * 1.25 / 2**30))

@@ -13,6 +13,8 @@ from moeplan.planner import cli_types as T
 
 PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_balance", "expert_groups", "solver", "effort",
                    "time_limit")
+# on/off flags added after plans recorded their options: left out while off, so older plans keep their bytes
+RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
 SERVERLESS_FLAGS = ("slo", "platform_file", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
                     "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
 
@@ -129,9 +131,6 @@ def output_options(f):
 
 
 def pop(kwargs: dict, names) -> dict:
-    """The named flags out of `kwargs`; an unset --held-out-balance is left out, so that plans made
-    without it keep their recorded options (and bytes)."""
+    """The named flags out of `kwargs`, less those of RECORDED_ONLY_WHEN_ON that are off."""
     out = {n: kwargs.pop(n) for n in names}
-    if out.get("held_out_balance") is False:
-        del out["held_out_balance"]
-    return out
+    return {n: v for n, v in out.items() if not (n in RECORDED_ONLY_WHEN_ON and v is False)}
