@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.planner.importers.resolve import import_file
 
