@@ -47,8 +47,10 @@ def test_summary_counts_dominance_and_pairs_differences(splits):
 
     rows = [row("eplb+8", 0, 0.2, 1.10), row("ilp+8", 0, 0.7, 1.12),   # more local but higher load: not dominated
             row("eplb+8", 1, 0.2, 1.10), row("ilp+8", 1, 0.7, 1.10),   # equal load: dominated
-            row("eplb+8", 2, 0.3, 1.10), row("ilp+8", 2, 0.25, 1.00)]  # less local: not dominated
-    (summary,) = splits.summarise(rows)
+            row("eplb+8", 2, 0.3, 1.10), row("ilp+8", 2, 0.25, 1.00),  # less local: not dominated
+            row("chain", 0, 0.9, 1.2)]  # a baseline that ran on one split only
+    chain, summary = splits.summarise(rows)
+    assert chain["baseline"] == "chain" and chain["splits"] == 1 and chain["splits_dominated"] == 0
     assert summary["baseline"] == "eplb+8" and summary["splits_dominated"] == 1 and summary["splits"] == 3
     (paired,) = summary["paired"]
     assert paired["gpu_local_diff_mean"] == pytest.approx((0.5 + 0.5 - 0.05) / 3)
