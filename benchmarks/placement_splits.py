@@ -10,9 +10,10 @@ is planned on the planning half and scored on the other, as in the benchmark.
 
 For each baseline row and split it reports whether some ilp row is at least as GPU-local at no
 higher held-out max/mean (the issue's test), counted over the splits the row ran on (a row whose
-1.1 x mean cap is infeasible on a split runs at EPLB's + 5% under another label), and per ilp row the paired differences from the
-baseline over the splits (ilp minus baseline, mean and standard deviation): a systematic loss
-shows as a mean several deviations from 0, a draw as a mean within them.
+1.1 x mean cap is infeasible on a split runs at EPLB's + 5% under another label), and per ilp
+row the paired differences from the baseline over the splits (ilp minus baseline, mean and
+standard deviation): a systematic loss shows as a mean several deviations from 0, a draw as a
+mean within them.
 
     python benchmarks/placement_splits.py [--corpus-cases mixtral-64x1 qwen3] [--splits 6]
         [--policies eplb+8 "ilp+8"] [--json]
@@ -41,7 +42,8 @@ def split_halves(trace, split: int):
     if split == 0:
         return split_by_sequence(trace)
     if trace.sequence is None or len(np.unique(trace.sequence)) < 2:
-        raise SystemExit("placement_splits needs traces with sequence ids")
+        print("error: random splits need a trace with sequence ids; use --splits 1", file=sys.stderr)
+        raise SystemExit(2)
     ids = np.random.default_rng(split).permutation(np.unique(trace.sequence))
     held_out = np.isin(trace.sequence, ids[len(ids) // 2:])
     return trace.select(~held_out), trace.select(held_out)
@@ -62,7 +64,7 @@ def summarise(rows: list) -> list:
             for s in ran:
                 b = by[base, s]
                 if any((p, s) in by and by[p, s]["gpu_local_fraction"] >= b["gpu_local_fraction"]
-                             and by[p, s]["max_over_mean_load"] <= b["max_over_mean_load"] for p in ilp):
+                       and by[p, s]["max_over_mean_load"] <= b["max_over_mean_load"] for p in ilp):
                     dominated += 1
             paired = []
             for p in ilp:
