@@ -26,8 +26,9 @@ on the first half of its sequences and scored on the rest. Rows: contiguous, epl
 `exflow (no cap)` (ExFlow's staged objective with no load cap and no replicas, as in the paper),
 `chain` / `chain+R` (the layer-chain MILP, `placement/layer_chain.py`), ilp, ilp+R at 1.1 x mean,
 ilp+R at EPLB+R's max load per layer, and ilp+R with no cap (ExFlow's setting with the case's
-redundant slots: the row that answers the uncapped ExFlow row, as ilp+R answers eplb+R). A row whose 1.1 x mean cap is infeasible is rerun at
-EPLB's max load + 5% (chain and ilp alike) and labelled so. DeepSeek-shaped cases skip the chain
+redundant slots: the row that answers the uncapped ExFlow row, as ilp+R answers eplb+R). A row
+whose 1.1 x mean cap is infeasible is rerun at EPLB's max load + 5% (chain and ilp alike) and
+labelled so. DeepSeek-shaped cases skip the chain
 (18k binaries per layer MIP) and the rows without replicas; they add ilp+R at 1.05 x mean, and ilp+R
 whose 1.1 x mean cap bounds the expected held-out max load (`held_out_balance`: planning caps lowered by
 the held-out rise that sampling noise alone gives EPLB's packing, about 0.07 x mean at 64 GPUs).
