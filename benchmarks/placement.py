@@ -25,13 +25,14 @@ Qwen3-MoE and OLMoE models, the latent-drift generator, two DeepSeek-V3-shaped t
 on the first half of its sequences and scored on the rest. Rows: contiguous, eplb, eplb+R,
 `exflow (no cap)` (ExFlow's staged objective with no load cap and no replicas, as in the paper),
 `chain` / `chain+R` (the layer-chain MILP, `placement/layer_chain.py`), ilp, ilp+R at 1.1 x mean,
-ilp+R at EPLB+R's max load per layer, and ilp+R with no cap (ExFlow's setting with the case's
+ilp+R at EPLB+R's max load per layer, ilp+R whose 1.1 x mean cap bounds the expected held-out
+max load (`held_out_balance`, below), and ilp+R with no cap (ExFlow's setting with the case's
 redundant slots: the row that answers the uncapped ExFlow row, as ilp+R answers eplb+R). A row
 whose 1.1 x mean cap is infeasible is rerun at EPLB's max load + 5% (chain and ilp alike) and
-labelled so. DeepSeek-shaped cases skip the chain
-(18k binaries per layer MIP) and the rows without replicas; they add ilp+R at 1.05 x mean, and ilp+R
-whose 1.1 x mean cap bounds the expected held-out max load (`held_out_balance`: planning caps lowered by
-the held-out rise that sampling noise alone gives EPLB's packing, about 0.07 x mean at 64 GPUs).
+labelled so. DeepSeek-shaped cases skip the chain (18k binaries per layer MIP), the rows without
+replicas, ExFlow's and the EPLB-balance rows; they add ilp+R at 1.05 x mean. `held_out_balance`:
+planning caps lowered by the held-out rise that sampling noise alone gives EPLB's packing (about
+0.07 x mean at 64 GPUs), then walked until the expected held-out max meets the cap.
 
 ilp work is set by --effort (deterministic); --time-limit is only a safety net, and a row it cut
 short has stopped_by "time_limit" (not reproducible).
@@ -187,6 +188,7 @@ def corpus_runs(case) -> list:
         ("ilp", "policy", dict(policy="ilp", balance=0.1)),
         (f"ilp+{R}", "policy", dict(policy="ilp", redundant=R, balance=0.1)),
         (f"ilp+{R} (eplb-base 0)", "policy", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb")),
+        (f"ilp+{R} (held-out balance 0.1)", "policy", dict(policy="ilp", redundant=R, balance=0.1, held_out_balance=True)),
         (f"ilp+{R} (no cap)", "policy", dict(policy="ilp", redundant=R, balance=1e6)),
     ]
 
