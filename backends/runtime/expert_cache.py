@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .expert_store import ExpertStore, ShardStore  # noqa: F401  (ShardStore: the copy form)
+from .expert_store import ExpertStore, ShardStore, tensor_bytes  # noqa: F401  (ShardStore: the copy form)
 
 
 class OnlineStream:
@@ -171,8 +171,9 @@ class ExpertCache:
     """At most `capacity` (MoE layer, expert) entries in `pool`, loaded from `store` on demand and by
     prefetch, as the simulator's stepper decides.
 
-    `new_stepper(stream, capacity, resident)` -> a fresh `TimedCache` (passes/optimize/offload/
-    stepper.py, shipped as runtime/offload_stepper.py) with the plan's policy, prefetcher and timing:
+    `new_stepper(stream, capacity, resident)` -> a fresh `TimedCache` (`plan_stepper` of
+    passes/optimize/offload/stepper.py, shipped as runtime/offload_stepper.py) with the plan's
+    policy, prefetcher and timing:
     it decides every hit, eviction and prefetch from the routing and a modelled clock; this class
     moves the weights. Per step (`begin_step`): (1) the copies decided after the previous step are
     installed (their tensors read by the background `PrefetchReader`; waited for if not done);
@@ -245,7 +246,7 @@ class ExpertCache:
         self._write(slot, tensors, after)
         self.slot_of[key] = slot
         self.loads += 1
-        self.bytes_moved += sum(t.numel() * t.element_size() for t in tensors.values())
+        self.bytes_moved += tensor_bytes(tensors)
         return slot
 
     def _install_pending(self) -> None:
@@ -333,29 +334,6 @@ class ExpertCache:
 
 # --- building a rank's cache from a bundle --------------------------------------------------------
 
-def runtime_stepper_factory(spec: dict, allowed: np.ndarray, rank: int, num_experts: int):
-    """(stream, capacity, resident) -> a fresh stepper with the plan's eviction policy, prefetcher and
-    timing, from the simulator's own modules shipped in the bundle (runtime/offload_*.py, written by
-    the offload codegen). `allowed`: bool [L * E], the rank's experts (the only keys it prefetches);
-    the clock is the rank's (its host tier's keys skip the NVMe read)."""
-    from .offload_policies import DEMAND_POLICIES, make_policy  # written into bundles by the offload codegen
-    from .offload_prefetch import make_prefetcher
-    from .offload_stepper import NO_TIME, TimedCache, rank_timing
-
-    name, prefetch = spec["eviction"], spec.get("prefetch", "none")
-    if name == "belady" or name not in DEMAND_POLICIES:
-        raise ValueError(f"eviction policy '{name}' cannot run online; plan with lru, lfu, lifo, moe-infinity or moeplan")
-    model = None
-    if name == "moeplan":
-        from .offload_next_use import NextUseModel
-
-        model = NextUseModel.from_dict(spec["policy_model"])
-    timing = NO_TIME if prefetch == "none" else rank_timing(spec, rank, num_experts)
-    eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
-    return lambda stream, capacity, resident: TimedCache(stream, capacity, make_policy(name, model), timing,
-                                                         make_prefetcher(prefetch, eamc, allowed), resident)
-
-
 def expert_tensor_owner(containers: list):
     """name -> (MoE layer, expert, param relative to the expert) for per-expert bundle tensors."""
     owners = {}
@@ -373,14 +351,15 @@ def expert_tensor_owner(containers: list):
 def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: dict, rank: int, local: dict) -> ExpertCache:
     """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
+    from .offload_stepper import pair_keys, plan_stepper  # the simulator's stepper, written into bundles by the offload codegen
+
     containers = rank_model.containers
     E = containers[0].num_experts
-    resident = [int(l) * E + int(e) for l, e in spec["resident"][rank]]
-    allowed = np.zeros(len(containers) * E, dtype=bool)
+    allowed = np.zeros(len(containers) * E, dtype=bool)  # the rank's experts: the only keys it prefetches
     for layer, experts in local.items():
-        allowed[[int(layer) * E + int(e) for e in experts]] = True
+        allowed[pair_keys([(layer, e) for e in experts], E)] = True
     cache = ExpertCache(int(spec["capacity"][rank]), store, pool, len(containers), E,
-                        runtime_stepper_factory(spec, allowed, rank, E), resident)
+                        plan_stepper(spec, rank, allowed, E), pair_keys(spec["resident"][rank], E))
     for adapter in rank_model.adapters:
         adapter.use_pool(rank_model.model, pool, local.get(adapter.moe, []), cache)
     forward = rank_model.forward

@@ -140,14 +140,14 @@ def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     spec = plan["communication"]["expert_cache"]
     data = torch.load(Path(out_dir) / "expert_cache.pt", weights_only=True)
     masks = rank_keys(placement_from_dict(json.loads((Path(root) / "placement.json").read_text())).hosts())
-    simulated = replay_rank_logs(spec, data["logs"], masks)
+    streams = [stream_from_log(log) for log in data["logs"]]
+    simulated = replay_rank_logs(spec, streams, masks)
     measured = summary["expert_cache"]
     forwards = simulated.pop("forwards")
     modelled = simulated.pop("modelled_seconds_by_rank")
     seconds = {"measured_wall": summary["elapsed_s"] / forwards if forwards else 0.0,
                "modelled_for_these_tokens": max(modelled) / forwards if forwards and spec.get("prefetch", "none") != "none" else None,
                "planned": plan["predicted"].get("expert_cache", {}).get("seconds_per_token"), "forwards": forwards}
-    streams = [stream_from_log(log) for log in data["logs"]]
     return {"expert_cache": {"eviction": spec["eviction"], "prefetch": spec.get("prefetch", "none"), "capacity": spec["capacity"],
                              "measured": measured, "simulated": simulated, "matches_simulation": matches(measured, simulated),
                              "seconds_per_token": seconds,

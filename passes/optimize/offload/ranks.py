@@ -35,9 +35,9 @@ from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, Offloa
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
-from moeplan.passes.optimize.offload.stepper import rank_timing
+from moeplan.passes.optimize.offload.stepper import pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
-from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
+from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
 from moeplan.planner.errors import UserError
 
 RUNTIME_POLICIES = ONLINE_POLICIES  # what a bundle can run (Belady needs the future)
@@ -118,18 +118,22 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     per_rank = [restrict(stream, m) for m in masks]
 
     def hits(name, m):
-        return [simulate_demand(s, c, make_policy(name, m), resident=r) for s, c, r in zip(per_rank, capacities, residents)]
+        """Demand paging per rank: (results, per rank the keys it loaded, for the tier split)."""
+        recorders = [LoadRecorder(make_policy(name, m)) for _ in per_rank]
+        runs = [simulate_demand(s, c, rec, resident=r) for s, c, r, rec in zip(per_rank, capacities, residents, recorders)]
+        return runs, [rec.loaded for rec in recorders]
 
-    mix_hits = {w: sum(x.hits for x in hits("moeplan", model.with_mix(w))) for w in MIXES}
+    mix_hits = {w: sum(x.hits for x in hits("moeplan", model.with_mix(w))[0]) for w in MIXES}
     model = model.with_mix(max(MIXES, key=lambda w: (mix_hits[w], -w)))
-    results = {name: hits(name, model) for name in RUNTIME_POLICIES}
+    results, demand_loaded = {}, {}
+    for name in RUNTIME_POLICIES:
+        results[name], demand_loaded[name] = hits(name, model)
     total = {name: sum(x.hits for x in rs) for name, rs in results.items()}
     best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
     candidates = [(m, ev or best_demand) for m, ev in candidates]
     E = ir.moe_stages[0].num_experts
     host_bytes, disk_bytes = runtime_expert_bytes(ir), int(ir.moe_stages[0].expert_param_bytes)
     host = host_tiers(masks, popularity, req, ranks_per_node, host_bytes)
-    host_keys = [[l * E + e for l, e in tier] for tier in host["resident"]]
     timed, loaded, timing, eamc = {}, {}, None, None
     if prefetch != "none":  # an explicit --prefetch none plans exactly as before prefetch existed
         timing = Timing.from_dict(timing_for(ir, req.hardware).to_dict())  # exactly what the plan stores
@@ -140,15 +144,8 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     mode = min(timed, key=lambda m: (timed[m]["seconds_per_token"], PREFETCH_MODES.index(m))) if timed else "none"
     chosen = timed[mode]["eviction"] if timed else candidates[0][1]
     requests = sum(x.requests for x in results[chosen])
-    if mode not in loaded:  # demand paging only: the loads of the chosen policy
-        recorders = [LoadRecorder(make_policy(chosen, model)) for _ in per_rank]
-        for s, c, r, rec in zip(per_rank, capacities, residents, recorders):
-            simulate_demand(s, c, rec, resident=r)
-        loaded[mode] = [rec.loaded for rec in recorders]
-    split = dict.fromkeys(TIER_COUNTERS, 0)
-    for keys, tier in zip(loaded[mode], host_keys):
-        one = tier_split(keys, tier, disk_bytes, host_bytes)
-        split = {k: split[k] + one[k] for k in split}
+    split = tier_totals(loaded[mode] if mode in loaded else demand_loaded[chosen],  # demand paging: the chosen policy's
+                        [pair_keys(tier, E) for tier in host["resident"]], disk_bytes, host_bytes)
     say(f"expert caches: {capacities} of {[int(m.sum()) for m in masks]} experts per rank, eviction {chosen}, prefetch {mode}; "
         f"host tier {host['capacity']} experts per rank")
     tokens = max(stream.num_tokens, 1)

@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.optimize.offload.next_use import NextUseModel
-from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.stepper import NO_TIME, TimedCache, Timing, rank_timing
-from moeplan.passes.optimize.offload.stream import stream_from_log
-from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_split
+from moeplan.passes.optimize.offload.stepper import TimedCache, Timing, pair_keys, plan_stepper
+from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_totals
 
 COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved",
             *TIER_COUNTERS)
@@ -26,38 +22,31 @@ COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "residen
 
 def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream, timing: Timing | None = None,
                  wrap=lambda policy: policy) -> TimedCache:
-    """A fresh stepper for `rank` of the plan's expert_cache section `spec` over `stream` (`timing`:
-    another clock, e.g. to model a demand-only run on a prefetch plan's hardware)."""
-    E = stream.num_experts
-    model = NextUseModel.from_dict(spec["policy_model"]) if spec["eviction"] == "moeplan" else None
-    prefetch = spec.get("prefetch", "none")
-    if timing is None:
-        timing = NO_TIME if prefetch == "none" else rank_timing(spec, rank, E)
-    eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
-    return TimedCache(stream, int(spec["capacity"][rank]), wrap(make_policy(spec["eviction"], model)), timing,
-                      make_prefetcher(prefetch, eamc, allowed), [l * E + e for l, e in spec["resident"][rank]])
+    """A fresh stepper for `rank` of the plan's expert_cache section `spec` over `stream`, with the
+    rank's planned capacity and residents (`stepper.plan_stepper`; `timing`: another clock)."""
+    new = plan_stepper(spec, rank, allowed, stream.num_experts, timing, wrap)
+    return new(stream, int(spec["capacity"][rank]), pair_keys(spec["resident"][rank], stream.num_experts))
 
 
-def replay_rank_logs(spec: dict, logs: list, masks: list) -> dict:
+def replay_rank_logs(spec: dict, streams: list, masks: list) -> dict:
     """Summed replay counters (COMPARED, hit_ratio), per-rank modelled seconds and the forwards
-    served, for the ranks' logs (masks: bool [L * E] per rank, its experts)."""
-    streams = [stream_from_log(log) for log in logs]
+    served, for the ranks' logged streams (`stream.stream_from_log`; masks: bool [L * E] per rank,
+    its experts)."""
     host = spec.get("host") or {"resident": [[] for _ in streams]}  # plans before the host tier: all disk
     host_bytes = int(spec["runtime_expert_bytes"])
-    caches, splits = [], []
+    caches = []
     for r, stream in enumerate(streams):
         cache = rank_stepper(spec, r, masks[r], stream, wrap=LoadRecorder)
         for s in range(len(stream.step_layer)):
             cache.step(s)
         caches.append(cache)
-        E = stream.num_experts
-        splits.append(tier_split(cache.policy.loaded, [l * E + e for l, e in host["resident"][r]],
-                                 int(spec.get("disk_expert_bytes", host_bytes)), host_bytes))
     out = {"requests": sum(c.requests for c in caches), "hits": sum(c.hits for c in caches),
            "loads": sum(c.loads for c in caches), "prefetches": sum(c.prefetches for c in caches),
            "prefetch_hits": sum(c.prefetch_hits for c in caches),
            "resident_at_layer_start": sum(c.resident_at_start for c in caches)}
-    out.update({k: sum(one[k] for one in splits) for k in TIER_COUNTERS})
+    out.update(tier_totals([c.policy.loaded for c in caches],
+                           [pair_keys(tier, s.num_experts) for tier, s in zip(host["resident"], streams)],
+                           int(spec.get("disk_expert_bytes", host_bytes)), host_bytes))
     out["bytes_moved"] = out["loads"] * host_bytes
     out["hit_ratio"] = out["hits"] / out["requests"] if out["requests"] else 0.0
     out["modelled_seconds_by_rank"] = [c.now for c in caches]

@@ -5,7 +5,9 @@ Why one stepper: prefetch decisions made on the wall clock would depend on threa
 no run could be checked against a prediction. Here every decision (which keys are prefetched,
 which are evicted, which requests hit) follows from the request stream and a *modelled* clock
 (`Timing`: a layer step's compute, one expert's copy), so the runtime and the simulator, driving
-this same code with the same steps, decide the same things (numpy only: no moeplan import).
+this same code with the same steps, decide the same things (numpy and the other shipped offload
+modules only). `plan_stepper` builds it from a plan's expert_cache section: the one recipe the
+runtime and the simulator's replay of a run (replay.py) both follow.
 
 One `step(s)` (step s = one token or prefill chunk at one MoE layer; its router has run at
 `now`, its keys are in the stream):
@@ -26,6 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from moeplan.passes.optimize.offload.next_use import NextUseModel
+from moeplan.passes.optimize.offload.policies import DEMAND_POLICIES, make_policy
+from moeplan.passes.optimize.offload.prefetch import make_prefetcher
 
 
 @dataclass(frozen=True)
@@ -67,12 +73,16 @@ class Timing:
 NO_TIME = Timing(0.0, 0.0, 0.0)  # demand paging only: without a prefetcher no decision reads the clock
 
 
+def pair_keys(pairs, num_experts: int) -> list:
+    """The cache keys (layer * E + expert) of a plan's [layer, expert] pairs."""
+    return [int(l) * num_experts + int(e) for l, e in pairs]
+
+
 def rank_timing(spec: dict, rank: int, num_experts: int) -> Timing:
     """One rank's modelled clock from a plan's expert_cache section ({"timing", "host"}): copies of
     keys outside the rank's host tier pay the NVMe read first (no host tier recorded: none do)."""
     host = spec.get("host")
-    keys = None if host is None else [int(l) * num_experts + int(e) for l, e in host["resident"][rank]]
-    return Timing.from_dict(spec["timing"], keys)
+    return Timing.from_dict(spec["timing"], None if host is None else pair_keys(host["resident"][rank], num_experts))
 
 
 def start_cache(stream, capacity: int, policy, resident) -> tuple:
@@ -187,3 +197,20 @@ class TimedCache:
             self.prefetches += 1
             copies.append((key, victim))
         return copies
+
+
+def plan_stepper(spec: dict, rank: int, allowed, num_experts: int, timing: Timing | None = None,
+                 wrap=lambda policy: policy):
+    """(stream, capacity, resident) -> a fresh `TimedCache` for `rank` of a plan's expert_cache
+    section `spec`: its eviction policy (passed through `wrap`), its prefetcher restricted to
+    `allowed` (bool [L * E], the rank's experts; None: all) and the rank's clock, or `timing`
+    (another clock, e.g. a demand-only run modelled on a prefetch plan's hardware)."""
+    name, prefetch = spec["eviction"], spec.get("prefetch", "none")
+    if name == "belady" or name not in DEMAND_POLICIES:
+        raise ValueError(f"eviction policy '{name}' cannot run online; plan with lru, lfu, lifo, moe-infinity or moeplan")
+    model = NextUseModel.from_dict(spec["policy_model"]) if name == "moeplan" else None
+    if timing is None:
+        timing = NO_TIME if prefetch == "none" else rank_timing(spec, rank, num_experts)
+    eamc = np.asarray(spec["eamc"], dtype=float) if prefetch == "moe-infinity" else None
+    return lambda stream, capacity, resident: TimedCache(stream, capacity, wrap(make_policy(name, model)), timing,
+                                                         make_prefetcher(prefetch, eamc, allowed), resident)

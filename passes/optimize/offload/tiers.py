@@ -38,3 +38,10 @@ def tier_split(loaded, host_keys, disk_expert_bytes: int, host_expert_bytes: int
     disk_loads = len(loaded) - host_loads
     return {"disk_loads": disk_loads, "disk_bytes": disk_loads * int(disk_expert_bytes),
             "host_loads": host_loads, "host_bytes": host_loads * int(host_expert_bytes)}
+
+
+def tier_totals(loaded_by_rank, host_keys_by_rank, disk_expert_bytes: int, host_expert_bytes: int) -> dict:
+    """`tier_split` summed over ranks: each rank's loaded keys against its own host tier."""
+    splits = [tier_split(loaded, host, disk_expert_bytes, host_expert_bytes)
+              for loaded, host in zip(loaded_by_rank, host_keys_by_rank)]
+    return {k: sum(one[k] for one in splits) for k in TIER_COUNTERS}
