@@ -178,3 +178,25 @@ def test_replica_runs_get_fewer_sweeps_only_at_deepseek_scale():
     assert sweep_limit(budget, 12, 64, 72, 8) == MAX_SWEEPS  # planted 8-GPU case
     assert 2 <= sweep_limit(budget, 58, 256, 320, 64) < MAX_SWEEPS  # DeepSeek-V3 + 64 slots
     assert sweep_limit(WorkBudget(effort=4.0), 58, 256, 320, 64) > sweep_limit(budget, 58, 256, 320, 64)
+
+
+def test_the_bound_covers_the_whole_search_space_not_only_the_copies_used(planted):
+    """The reported bound assumes the most copies of an expert any placement in the planner's space may take
+    (EPLB's largest count), not the returned placement's own largest count, which re-slotting may lower."""
+    from moeplan.passes.analysis.affinity import transition_counts
+    from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound
+    from moeplan.passes.optimize.placement.budget import WorkBudget
+    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps, staged_placement
+
+    topology, redundant = Topology(2, 2), 4
+    loads = planted.expert_loads().astype(float)
+    counts = transition_counts(planted, "current")
+    replicas, caps = eplb_replicas_and_caps(loads, topology.devices, redundant, 0.1, "mean")
+    solution = staged_placement(counts, loads, topology, redundant, 0.1, "mean", "highs", WorkBudget())
+    assert solution.max_copies == replicas.max() > 1
+    placement = plan_placement(planted, PlacementRequest(topology, "ilp", redundant=redundant, balance=0.1,
+                                                         held_out_caps=False, time_limit=300))
+    slots = (planted.num_experts + redundant) // topology.devices
+    expected, _ = capped_transition_lower_bound(counts, loads, caps, topology.devices, slots, int(replicas.max()))
+    assert placement.metrics["bound"] == pytest.approx(expected)
+    assert placement.metrics["bound"] <= placement.metrics["objective"]

@@ -389,6 +389,7 @@ class StagedSolution:
     counts: np.ndarray  # float [L-1, E, E]
     sweeps: dict
     notes: list
+    max_copies: int = 1  # most copies of one expert in the search space (EPLB's largest count): what the bound assumes
 
 
 def staged_placement(counts, loads, topology, redundant: int, balance: float, balance_base: str,
@@ -431,6 +432,7 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         rise = np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
         caps = np.minimum(np.maximum(caps - rise, packed_max * (1 + 1e-9)), caps)
     solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
+    solution.max_copies = int(replicas.max())
     if held_out_balance and not has_scenarios:
         solution.notes.append("held-out balance asked for, but the trace is too short (or loads only) to estimate "
                               "held-out loads: the caps hold on the planning trace only")

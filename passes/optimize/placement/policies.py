@@ -137,8 +137,10 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
                                 None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node),
                                 load_scenarios(trace) if request.held_out_caps else None, request.held_out_balance)
     slots = (trace.num_experts + request.redundant) // D
-    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, int(solution.replicas.max()),
-                                                  budget=budget)
+    # the bound covers every placement the planner could have returned, so it assumes the search space's most
+    # copies of an expert, not the fewer the returned placement may use
+    max_copies = max(solution.max_copies, int(solution.replicas.max()))
+    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, max_copies, budget=budget)
     extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps,
              "stopped_by": "time_limit" if budget.timed_out else "work"}
     notes = list(solution.notes)
