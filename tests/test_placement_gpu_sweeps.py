@@ -68,7 +68,7 @@ def test_sweeps_repair_a_layer_over_its_cap_first():
     assert np.array_equal(hosts.sum(axis=2), replicas)
 
 
-def test_at_scale_the_ilp_runs_gpu_sweeps_and_held_out_balance_lowers_the_expected_held_out_max():
+def test_at_scale_the_ilp_runs_gpu_sweeps_and_reslots_and_held_out_balance_lowers_the_expected_held_out_max():
     """effort 0.1 puts this small case past the re-slotting size, so it takes the DeepSeek-V3-scale path."""
     trace = planted(2, tokens=6000)
     loads = trace.expert_loads().astype(float)
@@ -79,7 +79,8 @@ def test_at_scale_the_ilp_runs_gpu_sweeps_and_held_out_balance_lowers_the_expect
     routed = RoutedTrace.from_trace(trace, 4)
     scenarios = load_scenarios(trace)
     plain = staged_placement(counts, loads, topology, 8, 0.1, "mean", "highs", budget(), routed, scenarios)
-    assert "gpu_sweeps" in plain.sweeps
+    assert "gpu_sweeps" in plain.sweeps and "reslot_moves" in plain.sweeps  # re-slotting runs at scale too
+    assert plain.replicas.max() <= plain.max_copies and (plain.hosts.sum(axis=1) == 5).all()
     assert np.all(max_gpu_loads(plain.hosts, loads) <= plain.caps * (1 + 1e-9))
     robust = staged_placement(counts, loads, topology, 8, 0.1, "mean", "highs", budget(), routed, scenarios,
                               held_out_balance=True)

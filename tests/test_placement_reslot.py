@@ -60,11 +60,11 @@ def instances(draw):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(instances(), st.integers(1, 3))
-def test_reslot_keeps_slots_copies_and_caps_and_never_loses_value(instance, max_replicas):
+@given(instances(), st.integers(1, 3), st.booleans())
+def test_reslot_keeps_slots_copies_and_caps_and_never_loses_value(instance, max_replicas, exchanges):
     hosts, counts, loads, caps, G, slots = instance
     max_replicas = max(max_replicas, int(hosts.sum(axis=2).max()))
-    out, moves = reslot_search(hosts, counts, loads, caps, G, max_replicas=max_replicas)
+    out, moves = reslot_search(hosts, counts, loads, caps, G, max_replicas=max_replicas, exchanges=exchanges)
     assert (out.sum(axis=1) == slots).all()  # every GPU keeps its slot count
     assert (out.sum(axis=2) >= 1).all() and (out.sum(axis=2) <= max_replicas).all()
     before, after = device_loads(hosts, loads), device_loads(out, loads)
@@ -113,3 +113,19 @@ def test_exchange_brings_a_successor_next_to_its_predecessor():
     loads = np.ones((2, 2))
     out, _ = reslot_search(hosts, counts, loads, np.array([1.0, 1.0]), 1)
     assert layer_value(out, counts, 1) == 20.0  # both transitions local at GPU and node level
+
+
+def test_reslot_only_moves_slots_and_leaves_exchanges_to_the_gpu_sweeps():
+    """exchanges=False (64-GPU scale): the slot still moves in the re-slot example; the exchange example,
+    which has no redundant copy to move, is left as it is."""
+    hosts = np.zeros((1, 5, 2), dtype=bool)
+    hosts[0, [0, 1, 2], 0] = True
+    hosts[0, [0, 3, 4], 1] = True
+    loads = np.array([[2.0, 10.0, 1.0, 1.0, 1.0]])
+    out, moves = reslot_search(hosts, np.zeros((0, 5, 5)), loads, np.array([8.0]), 1, exchanges=False)
+    assert moves >= 1 and out[0].sum(axis=1).tolist() == [1, 2, 1, 1, 1]
+    hosts = np.zeros((2, 2, 2), dtype=bool)
+    hosts[:, 0, 0] = hosts[:, 1, 1] = True
+    counts = np.array([[[0.0, 5.0], [5.0, 0.0]]])
+    out, moves = reslot_search(hosts, counts, np.ones((2, 2)), np.array([1.0, 1.0]), 1, exchanges=False)
+    assert moves == 0 and (out == hosts).all()

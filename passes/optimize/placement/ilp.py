@@ -547,12 +547,18 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
 
 def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
     """DeepSeek-V3 scale with replicas: GPU-level exchange sweeps from the packing (`gpu_sweeps.py`; the
-    staged steps' priced node splits pack badly under a tight cap there), layers left over their cap repaired, then
-    routed exchanges valued on the planning trace itself (`routed.routed_swaps`)."""
+    staged steps' priced node splits pack badly under a tight cap there), one pass of re-slot moves (`reslot.py`
+    without its exchanges, which cost minutes at this size), layers left over their cap repaired, then routed
+    exchanges valued on the planning trace itself (`routed.routed_swaps`)."""
     hosts, sweeps = gpu_sweeps(packed, problem.counts, problem.loads, problem.caps, topology.gpus_per_node,
                                problem.budget)
-    hosts = _repair_layers(problem, hosts, packed, slots)
     info = {"start": "packing", "gpu_sweeps": sweeps}
+    if RESLOT_MOVES_AT_SCALE:
+        hosts, info["reslot_moves"] = reslot_search(hosts, problem.counts, problem.loads, problem.caps,
+                                                    topology.gpus_per_node, problem.budget,
+                                                    int(problem.replicas.max()), exchanges=False,
+                                                    moves_per_layer=RESLOT_MOVES_AT_SCALE, sweeps=1)
+    hosts = _repair_layers(problem, hosts, packed, slots)
     if routed is not None:
         hosts, gain = routed_swaps(hosts, routed, problem.loads, problem.caps, problem.budget)
         info.update(finish="routed swaps", routed_gain=int(gain))
@@ -577,6 +583,7 @@ def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, 
     return (_objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float)), hosts, info)
 
 
+RESLOT_MOVES_AT_SCALE = 16  # re-slot moves per layer at 64-GPU scale, effort 1 (~13 ms each at DeepSeek-V3's size)
 RESLOT_MAX_SIZE = 2_000  # replica slots x devices per layer, at effort 1: above it (64-GPU scale) the
 # GPU-level local search costs minutes per stage, so it runs only at a higher --effort
 

@@ -30,14 +30,18 @@ OVERLOAD_WEIGHT = 1e6  # one token of overload outweighs any locality gain
 
 
 def reslot_search(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: np.ndarray, gpus_per_node: int,
-                  budget: WorkBudget = None, max_replicas: int = None) -> tuple:
-    """Improve bool [L, E, D] hosts (a copy is returned). Returns (hosts, moves made)."""
+                  budget: WorkBudget = None, max_replicas: int = None, exchanges: bool = True,
+                  moves_per_layer: int = MOVES_PER_LAYER, sweeps: int = MAX_SWEEPS) -> tuple:
+    """Improve bool [L, E, D] hosts (a copy is returned). Returns (hosts, moves made).
+
+    exchanges=False takes re-slot moves only (at 64-GPU scale, where `gpu_sweeps.py` does the exchanges);
+    moves_per_layer and sweeps are per-layer and whole-pass limits at effort 1."""
     budget = budget or WorkBudget()
     hosts = hosts.copy()
     L, E, D = hosts.shape
     max_replicas = D if max_replicas is None else max_replicas
     moves = 0
-    for sweep in range(budget.scaled(MAX_SWEEPS)):
+    for sweep in range(budget.scaled(sweeps)):
         made = 0
         order = range(L) if sweep % 2 == 0 else reversed(range(L))
         for l in order:
@@ -45,7 +49,7 @@ def reslot_search(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps
                 return hosts, moves
             gains = layer_gain_tables(hosts, counts, l, gpus_per_node)
             made += _improve_layer(hosts[l], gains, loads[l], caps[l], gpus_per_node, max_replicas,
-                                   budget.scaled(MOVES_PER_LAYER))
+                                   budget.scaled(moves_per_layer), exchanges)
         moves += made
         if made == 0:
             break
@@ -86,7 +90,7 @@ def _overload(device_load, cap):
     return np.clip(device_load - cap, 0.0, None).sum(axis=-1)
 
 
-def _improve_layer(x, gains, load, cap, G, max_replicas, max_moves) -> int:
+def _improve_layer(x, gains, load, cap, G, max_replicas, max_moves, exchanges: bool = True) -> int:
     """Steepest exchanges / re-slots on one layer's bool [E, D] (in place). Returns moves made."""
     E, D = x.shape
     experts = np.arange(E)
@@ -98,7 +102,8 @@ def _improve_layer(x, gains, load, cap, G, max_replicas, max_moves) -> int:
         over = _overload(device_load, cap)
         base = _row_values(x, experts, gains, G)
         best = (1e-9, None)
-        best = _best_exchange(x, gains, base, per_copy, device_load, cap, over, G, best)
+        if exchanges:
+            best = _best_exchange(x, gains, base, per_copy, device_load, cap, over, G, best)
         best = _best_reslot(x, gains, base, load, r, device_load, cap, over, G, max_replicas, best)
         if best[1] is None:
             break
