@@ -456,7 +456,7 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
                                           sweeps=WALK_SWEEPS)
                 made, over = made + more, over_cap_layers(walked, loads, robust)
         else:
-            walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, int(replicas.max()))
+            walked, made, over = tighten(hosts, counts, loads, robust, topology.gpus_per_node, budget, solution.max_copies)
         walked[over] = hosts[over]  # layers the walk could not bring under the lowered cap keep their placement
         current = np.maximum(robust, max_gpu_loads(walked, loads))
         if routed is not None and not at_scale:
