@@ -12,7 +12,9 @@ without, with --without-replicas) is planned on the planning half at 1.1 x mean 
 - gap_floor_free_routing = 1 - free_routing_cross / objective and gap_floor_colocation = 1 -
   colocation_cross / objective: no bound on the free-routing (co-location) relaxation can exceed
   that relaxation's count for this placement, so no such bound can report a smaller gap. Every
-  bound in `bound.py` and `chain_bound.py` bounds the co-location count.
+  bound in `bound.py` and `chain_bound.py` bounds the free-routing count; all but the per-token
+  caps (`bound.source_token_caps`, binding only where top-k exceeds a GPU's slots) bound the
+  co-location count too.
 
 With --pair-milp NODES, rows without replicas also solve each layer pair's own placement as a
 compact MILP (`pair_milp.py`, NODES branch-and-bound nodes per pair, started from the placement):

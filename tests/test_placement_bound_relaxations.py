@@ -2,7 +2,9 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
+from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
+from moeplan.passes.optimize.placement.bound import source_token_caps
 from moeplan.passes.optimize.placement.decision import Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.passes.optimize.placement.relaxed_routing import colocation_cross, free_routing_cross
@@ -24,10 +26,11 @@ def random_hosts(rng, layers, experts, devices, slots):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from([(6, 2, 2, 4), (8, 4, 2, 3), (6, 3, 1, 3)]), st.booleans())
+@given(st.integers(0, 10_000), st.sampled_from([(6, 2, 2, 4), (8, 4, 2, 3), (6, 3, 1, 3), (8, 2, 4, 3)]), st.booleans())
 def test_colocation_then_free_routing_then_the_metric(seed, shape, skips):
     """For any placement, the co-location count <= the free-routing count <= the metric's cross-GPU
-    count, tokens that skip a layer included: so a bound on either relaxation bounds the metric."""
+    count, tokens that skip a layer included: so a bound on either relaxation bounds the metric.
+    The per-token caps' count (top-4 on 3 slots binds them) is at most the free-routing count."""
     E, D, top_k, slots = shape
     rng = np.random.default_rng(seed)
     trace = random_trace(rng, 60, 4, E, top_k, skew=rng.random())
@@ -39,6 +42,9 @@ def test_colocation_then_free_routing_then_the_metric(seed, shape, skips):
     metric = score_placement(trace, hosts, Topology(1, D)).cross_gpu_transitions
     coloc, free = colocation_cross(trace, hosts), free_routing_cross(trace, hosts)
     assert 0 <= coloc <= free <= metric
+    # the per-token caps bound free routing (not co-location): a token keeps at most `slots` choices local
+    per_token = transition_counts(trace, "current").sum() - source_token_caps(trace, slots).sum()
+    assert per_token <= free + 1e-9
 
 
 def test_a_replicated_expert_shows_the_difference():

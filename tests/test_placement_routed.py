@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, transition_lower_bound
+from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, source_token_caps, transition_lower_bound
 from moeplan.passes.optimize.placement.decision import Topology
 from moeplan.passes.optimize.placement.eplb import replica_counts
 from moeplan.passes.optimize.placement.ilp import initial_hosts, layer_caps
@@ -125,11 +125,13 @@ def layer_options(E, D, Q):
     return out
 
 
-@settings(max_examples=12, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from([(4, 2, 2, 1), (3, 2, 2, 2), (4, 2, 3, 2)]), st.sampled_from([0.0, 0.2, 1.0]))
+@settings(max_examples=16, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([(4, 2, 2, 1), (3, 2, 2, 2), (4, 2, 3, 2), (3, 2, 2, 3)]),
+       st.sampled_from([0.0, 0.2, 1.0]))
 def test_capped_bound_never_exceeds_the_best_placement_under_the_cap(seed, shape, balance):
     """Brute force over every 2-layer placement (with replicas where slots allow) meeting the caps:
-    the load-capped bound is at most the fewest cross-GPU transitions of the metric."""
+    the load-capped bound, with and without per-token caps (top-3 on 2 slots binds them), is at
+    most the fewest cross-GPU transitions of the metric."""
     E, D, Q, top_k = shape
     rng = np.random.default_rng(seed)
     trace = random_trace(rng, 40, 2, E, top_k, skew=rng.random())
@@ -146,6 +148,9 @@ def test_capped_bound_never_exceeds_the_best_placement_under_the_cap(seed, shape
     bound, _ = capped_transition_lower_bound(counts, loads, caps, D, Q, max_copies)
     plain, _ = transition_lower_bound(counts, D, Q, max_copies)
     assert plain - 1e-6 <= bound <= best + 1e-6
+    with_tokens, _ = capped_transition_lower_bound(counts, loads, caps, D, Q, max_copies,
+                                                   token_caps=source_token_caps(trace, Q))
+    assert bound - 1e-6 <= with_tokens <= best + 1e-6
 
 
 def test_capped_bound_sees_a_binding_cap():
@@ -161,6 +166,25 @@ def test_capped_bound_sees_a_binding_cap():
     capped, _ = capped_transition_lower_bound(counts, loads, caps, D, 2)
     assert plain == pytest.approx(0.0, abs=1e-6)
     assert capped >= 190.0
+
+
+def test_per_token_caps_see_what_co_location_cannot():
+    """Every token's heaviest expert is 0 and it chooses all three experts next, on 2 GPUs of 2 slots:
+    with expert 0 on both GPUs each successor shares a GPU with some copy (co-location: all local),
+    but a token sits on one GPU, so at least one of its three choices is cross-GPU. The bound says
+    so only with the per-token caps, and names them."""
+    experts = np.array([[[0, 1, 2], [0, 1, 2]]] * 10, dtype=np.int32)
+    trace = make_trace(experts, num_experts=3)
+    counts = transition_counts(trace, "current")
+    loads = trace.expert_loads().astype(np.float64)
+    caps = loads.sum(axis=1)  # no load cap
+    caps_per_token = source_token_caps(trace, 2)
+    assert caps_per_token[0].tolist() == [20.0, 0.0, 0.0]
+    plain, _ = capped_transition_lower_bound(counts, loads, caps, 2, 2, max_replicas=2)
+    bound, method = capped_transition_lower_bound(counts, loads, caps, 2, 2, max_replicas=2, token_caps=caps_per_token)
+    assert plain == pytest.approx(0.0, abs=1e-6)
+    assert bound == pytest.approx(10.0)
+    assert "per-token caps" in method
 
 
 def test_latent_drift_generator_is_deterministic_and_has_affinity():

@@ -15,6 +15,13 @@ limit; pairs it does not reach use a feasible point of the LP's dual (`dual_boun
 also valid, and in practice within 0.1% of the LP) or the row/column counting bound, whichever is
 larger. Work limits, not time, decide which pairs get the LP, so the reported bound is the same on
 any machine; the time limit is only a safety net.
+
+Per-token caps (`source_token_caps`): a token sits on one GPU, which hosts Q experts of the next
+layer, so at most min(Q, its choices) of its next-layer choices are local, whatever the copies
+and the routing. Co-location arguments cannot see this: with replicas they let each choice use a
+different copy. Where tokens choose more experts than a GPU holds (olmoe-32x8's top-8 on 5 slots
+per GPU), these caps per source, added to the counting bound and the capped LPs, take the
+corpus gap with replicas from 0.825 to 0.378 (`benchmarks/placement_gap.py`).
 """
 from __future__ import annotations
 
@@ -32,13 +39,35 @@ CAPPED_LP_COLUMNS = 200_000  # observed pairs given the load-capped LP too, at e
 LP_ITERATIONS_PER_COLUMN = 4  # simplex iterations per LP column (at least 10,000), at effort 1
 
 
-def counting_bound(counts: np.ndarray, row_cap: int, col_cap: int) -> float:
-    """Cross transitions >= total - (largest row_cap successors per source), same for columns."""
+def counting_bound(counts: np.ndarray, row_cap: int, col_cap: int, token_caps: np.ndarray = None) -> float:
+    """Cross transitions >= total - (largest row_cap successors per source, each source at most its
+    token cap when given: `source_token_caps`), same for columns (without token caps)."""
     total = counts.sum()
     E = counts.shape[0]
-    best_rows = np.sort(counts, axis=1)[:, max(E - row_cap, 0):].sum()
+    rows = np.sort(counts, axis=1)[:, max(E - row_cap, 0):].sum(axis=1)
+    best_rows = (rows if token_caps is None else np.minimum(rows, token_caps)).sum()
     best_cols = np.sort(counts, axis=0)[max(E - col_cap, 0):, :].sum()
     return float(total - min(best_rows, best_cols, total))
+
+
+def source_token_caps(trace, slots_per_partition: int) -> np.ndarray:
+    """float [L-1, E]: per layer pair and source a, the most transitions of `transition_counts`
+    ("current") from a that any placement keeps local: each token whose heaviest expert at l is a
+    sits on one partition, which hosts at most Q experts of l+1, so at most min(Q, its valid
+    choices at l+1) of them are local, whichever copy it sits on and however it got there. Where
+    tokens choose more experts than a partition holds (top-8 on 5 slots), this caps a source's
+    local traffic below what any co-location argument sees, replicas or not."""
+    from moeplan.passes.analysis.affinity import heaviest_choice
+
+    L, E = trace.num_layers, trace.num_experts
+    sources = heaviest_choice(trace)
+    valid = (trace.experts >= 0).sum(axis=2)  # [T, L]
+    caps = np.zeros((max(L - 1, 0), E))
+    for l in range(L - 1):
+        counted = sources[:, l] >= 0
+        caps[l] = np.bincount(sources[counted, l], weights=np.minimum(valid[counted, l + 1], slots_per_partition),
+                              minlength=E)
+    return caps
 
 
 def _cross_transitions(result, weights: np.ndarray):
@@ -130,7 +159,7 @@ def dual_bound(counts: np.ndarray, row_cap: int, col_cap: int, rounds: int = 30)
 
 def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to: np.ndarray, cap_from: float,
                           cap_to: float, slots_per_partition: int, partitions: int, max_replicas: int,
-                          iteration_limit: int = None, time_limit: float = 10.0) -> float:
+                          iteration_limit: int = None, time_limit: float = 10.0, token_caps: np.ndarray = None) -> float:
     """Cross transitions of one layer pair >= total - an LP that keeps the load cap; None if the LP stops early.
 
     y[a, b] in [0, 1] is the share of the a -> b transitions that stay on their GPU; r[a] and
@@ -143,7 +172,8 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     or its load when it has one copy). Without replicas the knapsack rows say that the experts
     sharing a's GPU at the next layer cannot carry more than the cap: where the cap binds (a hot
     expert's successors are hot too), the matching bound without them can keep a hot successor
-    local for every predecessor at once."""
+    local for every predecessor at once. With `token_caps` (float [E], `source_token_caps`), also
+    sum_b c[a, b] y[a, b] <= token_caps[a]."""
     E = counts.shape[0]
     a, b = np.nonzero(counts)
     c = counts[a, b]
@@ -165,10 +195,14 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     blocks.append(sp.csr_matrix((np.ones(n), (np.zeros(n), cols)), shape=(1, n + 2 * E)))
     blocks.append(sp.csr_matrix((np.ones(E), (np.zeros(E), ra)), shape=(1, n + 2 * E)))
     blocks.append(sp.csr_matrix((np.ones(E), (np.zeros(E), sb)), shape=(1, n + 2 * E)))
-    A = sp.vstack(blocks)
     slots = float(Q * partitions)
     lo = np.concatenate([np.full(4 * E + 1, -np.inf), [slots, slots]])
     hi = np.concatenate([np.zeros(4 * E), [float(partitions * Q * Q)], [slots, slots]])
+    if token_caps is not None:
+        blocks.append(sp.csr_matrix((c, (a, cols)), shape=(E, n + 2 * E)))
+        lo = np.concatenate([lo, np.full(E, -np.inf)])
+        hi = np.concatenate([hi, token_caps])
+    A = sp.vstack(blocks)
     lower = np.concatenate([np.zeros(n), np.ones(2 * E)])
     upper = np.concatenate([np.ones(n), np.full(2 * E, float(max_replicas))])
     cost = np.concatenate([-c, np.zeros(2 * E)])
@@ -179,7 +213,8 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
 
 def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float,
                                   cap_to: float, slots_per_partition: int, partitions: int, max_replicas: int,
-                                  iteration_limit: int = None, time_limit: float = 10.0) -> float:
+                                  iteration_limit: int = None, time_limit: float = 10.0,
+                                  token_caps: np.ndarray = None) -> float:
     """`capped_matching_bound` with each expert's copy count chosen in the LP; None if the LP stops early.
 
     Why: with replicas, `capped_matching_bound` must charge every copy the load of an expert with
@@ -195,7 +230,8 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
     every local successor shares a GPU with one of them), the same per b, and sum y <= P Q^2.
     An integral placement is a point of this LP (z from its copy counts, y its local shares), so
     the LP's optimum bounds its local transitions from above. Columns: (2 max_replicas + 1) per
-    observed pair."""
+    observed pair. With `token_caps` (`source_token_caps`), also sum_{b, k} c[a, b] y[a, b, k] <=
+    token_caps[a]: a's tokens keep at most that many choices local, whichever copies they use."""
     E = counts.shape[0]
     a, b = np.nonzero(counts)
     c = counts[a, b]
@@ -249,6 +285,8 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
         np.concatenate([load_from[a[pair]] / ks[k_of], -cap_from * np.tile(ks, E)]), -np.inf, 0.0, E)
     # co-located pairs
     add(np.zeros(n * K, dtype=int), y_cols, np.ones(n * K), -np.inf, float(partitions * Q * Q), 1)
+    if token_caps is not None:
+        add(a[pair], y_cols, c[pair], -np.inf, token_caps, E)
     A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, ncols)).tocsc()
     cost = np.zeros(ncols)
     cost[y_cols] = -c[pair]
@@ -259,7 +297,7 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
 
 def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: np.ndarray, partitions: int,
                                   slots_per_partition: int, max_replicas: int = 1,
-                                  budget: WorkBudget = None) -> tuple[float, str]:
+                                  budget: WorkBudget = None, token_caps: np.ndarray = None) -> tuple[float, str]:
     """(lower bound on cross-GPU transitions of any placement meeting the per-layer caps, method).
 
     Per layer pair the largest of the counting and dual bounds, the matching LP without the cap
@@ -267,12 +305,15 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
     `CAPPED_LP_COLUMNS`: every pair at 8-GPU scale, the first few at DeepSeek-V3's); without
     replicas and where its exact pricing fits the work budget (16 experts on 8 GPUs, not 64), the
     whole-column bound of `chain_bound.py` too, which sees that a GPU's experts at l serve both
-    pairs (l-1, l) and (l, l+1)."""
+    pairs (l-1, l) and (l, l+1). token_caps: optional float [L-1, E] (`source_token_caps`), used
+    by the counting bound and the capped LPs."""
     budget = budget or WorkBudget()
     Q = slots_per_partition
     row_cap = min(counts.shape[1], Q * max(1, max_replicas))
     pair_cap = partitions * Q ** 2
-    bounds = [max(counting_bound(c, row_cap, row_cap), dual_bound(c, row_cap, row_cap)) for c in counts]
+    caps_of = (lambda i: None) if token_caps is None else (lambda i: token_caps[i])
+    bounds = [max(counting_bound(c, row_cap, row_cap, caps_of(i)), dual_bound(c, row_cap, row_cap))
+              for i, c in enumerate(counts)]
     per_copy = loads / max(1, max_replicas)
     columns_left = budget.scaled(LP_COLUMNS)
     capped_left = budget.scaled(CAPPED_LP_COLUMNS)
@@ -289,18 +330,20 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
             capped_left -= 2 * max_replicas * n
         if capped_left >= 0:
             values.append(capped_matching_bound(c, per_copy[i], per_copy[i + 1], caps[i], caps[i + 1], Q, partitions,
-                                                max(1, max_replicas), iterations, budget.seconds_left()))
+                                                max(1, max_replicas), iterations, budget.seconds_left(), caps_of(i)))
             if max_replicas > 1:
                 values.append(replica_capped_matching_bound(c, loads[i], loads[i + 1], caps[i], caps[i + 1], Q,
                                                             partitions, max_replicas,
                                                             budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * 2 * max_replicas * n)),
-                                                            budget.seconds_left()))
+                                                            budget.seconds_left(), caps_of(i)))
             capped += values[-1] is not None
         for value in values:
             if value is not None:
                 bounds[i] = max(bounds[i], value)
     method = ("b-matching LP with load caps" if capped == len(counts)
               else f"b-matching LP with load caps on {capped}/{len(counts)} layer pairs, without elsewhere")
+    if token_caps is not None and np.any(token_caps < counts.sum(axis=2) - 1e-9):
+        method += ", per-token caps"
     pairwise = float(sum(bounds))
     # without replicas only: with them, the column LP (a copy weighs at least load / max_replicas)
     # found every transition local on the corpus case it fits (mixtral-16x2-s1: 4 of 163,840)

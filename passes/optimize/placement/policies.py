@@ -21,7 +21,7 @@ import numpy as np
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import relative_gap
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound
+from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, source_token_caps
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT, WorkBudget
 from moeplan.passes.optimize.placement.eplb import eplb_placement
 from moeplan.passes.optimize.placement.held_out import load_scenarios
@@ -140,7 +140,8 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     # the bound covers every placement the planner could have returned, so it assumes the search space's most
     # copies of an expert, not the fewer the returned placement may use
     max_copies = max(solution.max_copies, int(solution.replicas.max()))
-    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, max_copies, budget=budget)
+    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, max_copies, budget=budget,
+                                                  token_caps=source_token_caps(trace, slots))
     extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps,
              "stopped_by": "time_limit" if budget.timed_out else "work"}
     notes = list(solution.notes)

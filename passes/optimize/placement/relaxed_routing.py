@@ -11,7 +11,9 @@ relaxation, not the solver. For a placement, in increasing order (each a lower b
   next-layer choices local (one copy per token);
 - the metric's `cross_gpu_transitions` (its routing rule).
 Where the co-location count of a good placement is already far below its metric count, no bound
-that relaxes to co-location can show a small gap.
+that relaxes to co-location can show a small gap. Every bound here bounds the free-routing count;
+all but the per-token caps of `bound.source_token_caps` (which bind only where a token chooses
+more experts than a GPU holds) bound the co-location count too.
 """
 from __future__ import annotations
 
