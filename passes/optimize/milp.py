@@ -40,6 +40,40 @@ class MilpResult:
         return self.x is not None
 
 
+class Rows:
+    """Constraint rows lower <= A @ x <= upper for `solve_milp`, appended one or a block at a time.
+
+    Why: the models here are built row by row from index arithmetic; one builder keeps the row
+    numbering, the bounds and the sparse matrix in one place instead of in each model."""
+
+    def __init__(self):
+        self._rows, self._cols, self._vals, self._lower, self._upper = [], [], [], [], []
+        self.count = 0
+
+    def add(self, columns, values, lower: float, upper: float) -> None:
+        """One row: sum_i values[i] x[columns[i]] within [lower, upper]."""
+        self.add_block(np.zeros(len(columns), dtype=np.int64), columns, values, lower, upper, 1)
+
+    def add_block(self, row_ids, columns, values, lower, upper, count: int) -> None:
+        """`count` rows at once: entry i (values[i] at column columns[i]) goes to the block's row
+        row_ids[i], numbered 0 .. count-1; lower and upper are scalars or float [count]."""
+        self._rows.append(self.count + np.asarray(row_ids, dtype=np.int64))
+        self._cols.append(np.asarray(columns, dtype=np.int64))
+        self._vals.append(np.asarray(values, dtype=np.float64))
+        self._lower.append(np.broadcast_to(np.asarray(lower, dtype=np.float64), (count,)))
+        self._upper.append(np.broadcast_to(np.asarray(upper, dtype=np.float64), (count,)))
+        self.count += count
+
+    def matrix(self, columns: int) -> tuple:
+        """(A: scipy.sparse CSC [rows, columns], row lower float [rows], row upper float [rows])."""
+        def joined(parts, dtype):
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+        A = sp.csc_matrix((joined(self._vals, np.float64), (joined(self._rows, np.int64), joined(self._cols, np.int64))),
+                          shape=(self.count, columns))
+        return A, joined(self._lower, np.float64), joined(self._upper, np.float64)
+
+
 def relative_gap(objective: float, bound: float) -> float:
     """(objective - bound) / |objective| for a minimisation; 0 when both are 0."""
     if not np.isfinite(objective):

@@ -30,7 +30,7 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
-from moeplan.passes.optimize.milp import solve_milp
+from moeplan.passes.optimize.milp import Rows, solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.chain_bound import chain_configuration_bound
 
@@ -249,48 +249,40 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
     k_of = np.tile(np.arange(K), n)
     y_cols = y0 + np.arange(n * K)
     x_cols = x0 + np.arange(n * K)
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
-
-    def add(row_ids, col_ids, values, lower, upper, count):
-        nonlocal r
-        rows.append(r + np.asarray(row_ids)); cols.append(np.asarray(col_ids)); vals.append(np.asarray(values, dtype=float))
-        lo.append(np.broadcast_to(np.asarray(lower, dtype=float), (count,))); hi.append(np.broadcast_to(np.asarray(upper, dtype=float), (count,)))
-        r += count
-
+    rows = Rows()
     # y[i, k] - z_to[b_i, k] <= 0 ; x[i, j] - z_from[a_i, j] <= 0
     idx = np.arange(n * K)
-    add(np.concatenate([idx, idx]), np.concatenate([y_cols, zt0 + b[pair] * K + k_of]),
+    rows.add_block(np.concatenate([idx, idx]), np.concatenate([y_cols, zt0 + b[pair] * K + k_of]),
         np.concatenate([np.ones(n * K), -np.ones(n * K)]), -np.inf, 0.0, n * K)
-    add(np.concatenate([idx, idx]), np.concatenate([x_cols, zf0 + a[pair] * K + k_of]),
+    rows.add_block(np.concatenate([idx, idx]), np.concatenate([x_cols, zf0 + a[pair] * K + k_of]),
         np.concatenate([np.ones(n * K), -np.ones(n * K)]), -np.inf, 0.0, n * K)
     # sum_k y[i, k] - sum_j x[i, j] = 0 ; sum_k y[i, k] <= 1
-    add(np.concatenate([pair, pair]), np.concatenate([y_cols, x_cols]), np.concatenate([np.ones(n * K), -np.ones(n * K)]),
+    rows.add_block(np.concatenate([pair, pair]), np.concatenate([y_cols, x_cols]), np.concatenate([np.ones(n * K), -np.ones(n * K)]),
         0.0, 0.0, n)
-    add(pair, y_cols, np.ones(n * K), -np.inf, 1.0, n)
+    rows.add_block(pair, y_cols, np.ones(n * K), -np.inf, 1.0, n)
     # one copy count per expert, copies summing to the slots
     experts_k = np.repeat(np.arange(E), K)
     for z0 in (zt0, zf0):
-        add(experts_k, z0 + np.arange(E * K), np.ones(E * K), 1.0, 1.0, E)
-        add(np.zeros(E * K, dtype=int), z0 + np.arange(E * K), np.tile(ks, E), float(Q * partitions), float(Q * partitions), 1)
+        rows.add_block(experts_k, z0 + np.arange(E * K), np.ones(E * K), 1.0, 1.0, E)
+        rows.add_block(np.zeros(E * K, dtype=int), z0 + np.arange(E * K), np.tile(ks, E), float(Q * partitions), float(Q * partitions), 1)
     # per a: successors and their loads under a's copies
-    add(np.concatenate([a[pair], experts_k]), np.concatenate([y_cols, zf0 + np.arange(E * K)]),
+    rows.add_block(np.concatenate([a[pair], experts_k]), np.concatenate([y_cols, zf0 + np.arange(E * K)]),
         np.concatenate([np.ones(n * K), -Q * np.tile(ks, E)]), -np.inf, 0.0, E)
-    add(np.concatenate([a[pair], experts_k]), np.concatenate([y_cols, zf0 + np.arange(E * K)]),
+    rows.add_block(np.concatenate([a[pair], experts_k]), np.concatenate([y_cols, zf0 + np.arange(E * K)]),
         np.concatenate([load_to[b[pair]] / ks[k_of], -cap_to * np.tile(ks, E)]), -np.inf, 0.0, E)
     # per b: predecessors and their loads under b's copies
-    add(np.concatenate([b[pair], experts_k]), np.concatenate([x_cols, zt0 + np.arange(E * K)]),
+    rows.add_block(np.concatenate([b[pair], experts_k]), np.concatenate([x_cols, zt0 + np.arange(E * K)]),
         np.concatenate([np.ones(n * K), -Q * np.tile(ks, E)]), -np.inf, 0.0, E)
-    add(np.concatenate([b[pair], experts_k]), np.concatenate([x_cols, zt0 + np.arange(E * K)]),
+    rows.add_block(np.concatenate([b[pair], experts_k]), np.concatenate([x_cols, zt0 + np.arange(E * K)]),
         np.concatenate([load_from[a[pair]] / ks[k_of], -cap_from * np.tile(ks, E)]), -np.inf, 0.0, E)
     # co-located pairs
-    add(np.zeros(n * K, dtype=int), y_cols, np.ones(n * K), -np.inf, float(partitions * Q * Q), 1)
+    rows.add_block(np.zeros(n * K, dtype=int), y_cols, np.ones(n * K), -np.inf, float(partitions * Q * Q), 1)
     if token_caps is not None:
-        add(a[pair], y_cols, c[pair], -np.inf, token_caps, E)
-    A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, ncols)).tocsc()
+        rows.add_block(a[pair], y_cols, c[pair], -np.inf, token_caps, E)
+    A, lo, hi = rows.matrix(ncols)
     cost = np.zeros(ncols)
     cost[y_cols] = -c[pair]
-    result = solve_milp(cost, A, np.concatenate(lo), np.concatenate(hi), np.zeros(ncols), np.ones(ncols),
+    result = solve_milp(cost, A, lo, hi, np.zeros(ncols), np.ones(ncols),
                         np.zeros(ncols, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
     return _cross_transitions(result, c)
 

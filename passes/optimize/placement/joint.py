@@ -19,9 +19,8 @@ per window.
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 
-from moeplan.passes.optimize.milp import solve_milp
+from moeplan.passes.optimize.milp import Rows, solve_milp
 
 MAX_MODEL_NONZEROS = 3_000  # per window at effort 1: bigger joint models take tens of seconds whatever the node limit
 JOINT_MIN_EFFORT = 2.0  # HiGHS's root work on these models (cuts, heuristics) is not bounded by a node
@@ -79,24 +78,17 @@ def _solve_window(problem, assign, to_place, slots, caps, first, last) -> float:
         present = (assign[last + 1] > 0).astype(float)
         gain = counts[last][members[-1]] @ present
         cost[0][offsets[-2]:offsets[-1]] -= gain.ravel()
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
-
-    def add_row(columns, values, low, high):
-        nonlocal r
-        rows.extend([r] * len(columns)); cols.extend(columns); vals.extend(values); lo.append(low); hi.append(high)
-        r += 1
-
+    rows = Rows()
     for i, m in enumerate(members):
         l = first + i
         base = offsets[i]
         loads = problem.loads[l][m] / problem.replicas[l][m]
         for j in range(len(m)):
-            add_row(list(range(base + j * P, base + (j + 1) * P)), [1.0] * P, 1.0, 1.0)
+            rows.add(list(range(base + j * P, base + (j + 1) * P)), [1.0] * P, 1.0, 1.0)
         for p in range(P):
             idx = list(range(base + p, base + len(m) * P, P))
-            add_row(idx, [1.0] * len(m), float(slots[p]), float(slots[p]))
-            add_row(idx, list(loads), -np.inf, float(caps[l]))
+            rows.add(idx, [1.0] * len(m), float(slots[p]), float(slots[p]))
+            rows.add(idx, list(loads), -np.inf, float(caps[l]))
     y_cost = []
     y_pairs = []
     n_y = 0
@@ -109,13 +101,13 @@ def _solve_window(problem, assign, to_place, slots, caps, first, last) -> float:
             xa = offsets[i] + a_j * P
             xb = offsets[i + 1] + b_j * P
             for p in range(P):  # y - x[a,p] + x[b,p] >= 0
-                add_row([y, xa + p, xb + p], [1.0, -1.0, 1.0], 0.0, np.inf)
+                rows.add([y, xa + p, xb + p], [1.0, -1.0, 1.0], 0.0, np.inf)
             y_cost.append(c)
             y_pairs.append((xa, xb))
             n_y += 1
     n = n_x + n_y
     c_vec = np.concatenate([cost[0], np.asarray(y_cost, dtype=float)])
-    A = sp.csc_matrix((vals, (rows, cols)), shape=(r, n))
+    A, lo, hi = rows.matrix(n)
     lower = np.zeros(n)
     upper = np.ones(n)
     integer = np.concatenate([np.ones(n_x, dtype=bool), np.zeros(n_y, dtype=bool)])
@@ -134,7 +126,7 @@ def _solve_window(problem, assign, to_place, slots, caps, first, last) -> float:
     y0 = np.array([max(0.0, float((x0[xa:xa + P] - x0[xb:xb + P]).max())) for xa, xb in y_pairs])
     start = np.concatenate([x0, y0])
     before = float(c_vec @ start)
-    result = solve_milp(c_vec, A, np.asarray(lo), np.asarray(hi), lower, upper, integer,
+    result = solve_milp(c_vec, A, lo, hi, lower, upper, integer,
                         time_limit=problem.budget.seconds_left(), warm_start=start, solver=problem.solver, mip_gap=1e-4,
                         node_limit=problem.budget.scaled(JOINT_NODE_LIMIT))
     problem.budget.record(result)

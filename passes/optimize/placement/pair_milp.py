@@ -15,9 +15,8 @@ on a GPU numbered at most e (symmetry breaking, valid for every placement up to 
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 
-from moeplan.passes.optimize.milp import solve_milp
+from moeplan.passes.optimize.milp import Rows, solve_milp
 
 
 def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float, cap_to: float,
@@ -34,26 +33,21 @@ def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarr
     n, nx = len(c), E * P
     ncols = 2 * nx + n * P
     x = lambda layer, e, p: layer * nx + e * P + p  # noqa: E731 (column index)
-    rows, cols, vals, lo, hi = [], [], [], [], []
-
-    def add(columns, values, lower, upper):
-        rows.append(np.full(len(columns), len(lo))); cols.append(np.asarray(columns)); vals.append(np.asarray(values, float))
-        lo.append(lower); hi.append(upper)
-
+    rows = Rows()
     gpu = np.arange(P)
     for layer, loads, cap in ((0, load_from, cap_from), (1, load_to, cap_to)):
         for e in range(E):
-            add(x(layer, e, gpu), np.ones(P), 1.0, 1.0)
+            rows.add(x(layer, e, gpu), np.ones(P), 1.0, 1.0)
         for p in range(P):
             members = x(layer, np.arange(E), p)
-            add(members, np.ones(E), Q, Q)
-            add(members, loads, -np.inf, cap * (1 + 1e-9))
+            rows.add(members, np.ones(E), Q, Q)
+            rows.add(members, loads, -np.inf, cap * (1 + 1e-9))
     w = 2 * nx + np.arange(n * P).reshape(n, P)
     for p in range(P):
         for layer, ends in ((0, a), (1, b)):
             for k in range(n):
-                add([w[k, p], x(layer, ends[k], p)], [1.0, -1.0], -np.inf, 0.0)
-    A = sp.csr_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(len(lo), ncols))
+                rows.add([w[k, p], x(layer, ends[k], p)], [1.0, -1.0], -np.inf, 0.0)
+    A, lo, hi = rows.matrix(ncols)
     upper = np.ones(ncols)
     for e in range(min(E, P)):
         upper[x(0, e, np.arange(e + 1, P))] = 0.0  # symmetry breaking
@@ -68,7 +62,7 @@ def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarr
         warm[:nx] = start[0][:, order].ravel()
         warm[nx:2 * nx] = start[1][:, order].ravel()
         warm[w.ravel()] = (start[0][a][:, order] & start[1][b][:, order]).ravel()
-    result = solve_milp(cost, A, np.array(lo, float), np.array(hi, float), np.zeros(ncols), upper, integer,
+    result = solve_milp(cost, A, lo, hi, np.zeros(ncols), upper, integer,
                         time_limit=time_limit, node_limit=node_limit, warm_start=warm)
     if result.status == "infeasible":
         return total, float("inf")

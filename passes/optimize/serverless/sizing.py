@@ -29,7 +29,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from moeplan.passes.optimize.serverless import cost as sc
-from moeplan.passes.optimize.milp import MilpResult, solve_milp
+from moeplan.passes.optimize.milp import MilpResult, Rows, solve_milp
 from moeplan.planner.errors import UserError
 
 DEFAULT_BETAS = (64, 256, 1024)
@@ -185,15 +185,10 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
     c = np.zeros(n)
     c[:nz] = cost
     c[nz + nw:] = 1e-12  # keep L_e tight without changing the optimum
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
+    rows = Rows()
 
-    def add_row(entries, lower, upper):
-        nonlocal r
-        for col, v in entries:
-            rows.append(r); cols.append(col); vals.append(v)
-        lo.append(lower); hi.append(upper)
-        r += 1
+    def add_row(entries, lower, upper):  # entries: (column, coefficient) pairs
+        rows.add([col for col, _ in entries], [v for _, v in entries], lower, upper)
 
     groups = {}
     for col, (e, m, i, k) in enumerate(z_index):
@@ -216,14 +211,14 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
         for m, ((method, _), _) in enumerate(layer_modes[e]):
             slo_entries.append((w_cols[(e, m)], sc.layer_constant(p, facts.layers[e], method, float(total_tok[e]))))
     add_row(slo_entries, -np.inf, budget)
-    A = sp.coo_matrix((vals, (rows, cols)), shape=(r, n)).tocsc()
+    A, lo, hi = rows.matrix(n)
     col_lo = np.zeros(n)
     col_hi = np.ones(n)
     col_hi[nz + nw:] = np.inf
     integer = np.zeros(n, dtype=bool)
     integer[:nz + nw] = True
     x0 = _point(layer_modes, z_index, w_cols, l_cols, n, warm or {e: (fastest[e], "fastest") for e in range(L)}, facts, total_tok)
-    res = solve_milp(c, A, np.asarray(lo), np.asarray(hi), col_lo, col_hi, integer,
+    res = solve_milp(c, A, lo, hi, col_lo, col_hi, integer,
                      time_limit=time_limit_s, warm_start=x0, solver=solver, mip_gap=SIZING_MIP_GAP)
     if not res.feasible:
         return None
