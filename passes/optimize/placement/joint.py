@@ -58,6 +58,19 @@ def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.
     return {"windows": solved, "of": len(windows), "gained": gained}
 
 
+def assignment_rows(rows: Rows, base: int, loads: np.ndarray, slots: np.ndarray, cap: float) -> None:
+    """One layer's rows of a GPU-indexed model, x[j, p] at column base + j P + p for its experts j
+    (loads float [n]) on GPUs p (slots float [P]): each expert on one GPU, each GPU full, its load
+    within the cap. Shared with `pair_milp.py`."""
+    P, n = len(slots), len(loads)
+    for j in range(n):
+        rows.add(base + j * P + np.arange(P), np.ones(P), 1.0, 1.0)
+    for p in range(P):
+        members = base + p + np.arange(n) * P
+        rows.add(members, np.ones(n), float(slots[p]), float(slots[p]))
+        rows.add(members, loads, -np.inf, float(cap))
+
+
 def _solve_window(problem, assign, to_place, slots, caps, first, last) -> float:
     L, E, P = assign.shape
     counts = problem.counts
@@ -81,14 +94,7 @@ def _solve_window(problem, assign, to_place, slots, caps, first, last) -> float:
     rows = Rows()
     for i, m in enumerate(members):
         l = first + i
-        base = offsets[i]
-        loads = problem.loads[l][m] / problem.replicas[l][m]
-        for j in range(len(m)):
-            rows.add(list(range(base + j * P, base + (j + 1) * P)), [1.0] * P, 1.0, 1.0)
-        for p in range(P):
-            idx = list(range(base + p, base + len(m) * P, P))
-            rows.add(idx, [1.0] * len(m), float(slots[p]), float(slots[p]))
-            rows.add(idx, list(loads), -np.inf, float(caps[l]))
+        assignment_rows(rows, offsets[i], problem.loads[l][m] / problem.replicas[l][m], slots, caps[l])
     y_cost = []
     y_pairs = []
     n_y = 0

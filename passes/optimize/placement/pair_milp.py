@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.milp import Rows, solve_milp
+from moeplan.passes.optimize.placement.joint import assignment_rows
 
 
 def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float, cap_to: float,
@@ -34,14 +35,8 @@ def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarr
     ncols = 2 * nx + n * P
     x = lambda layer, e, p: layer * nx + e * P + p  # noqa: E731 (column index)
     rows = Rows()
-    gpu = np.arange(P)
     for layer, loads, cap in ((0, load_from, cap_from), (1, load_to, cap_to)):
-        for e in range(E):
-            rows.add(x(layer, e, gpu), np.ones(P), 1.0, 1.0)
-        for p in range(P):
-            members = x(layer, np.arange(E), p)
-            rows.add(members, np.ones(E), Q, Q)
-            rows.add(members, loads, -np.inf, cap * (1 + 1e-9))
+        assignment_rows(rows, layer * nx, loads, np.full(P, float(Q)), cap * (1 + 1e-9))
     w = 2 * nx + np.arange(n * P).reshape(n, P)
     for p in range(P):
         for layer, ends in ((0, a), (1, b)):
