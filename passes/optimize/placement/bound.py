@@ -30,6 +30,8 @@ import time
 import numpy as np
 import scipy.sparse as sp
 
+from moeplan.passes.analysis.affinity import heaviest_choice
+from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import Rows, solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.chain_bound import chain_configuration_bound
@@ -50,15 +52,13 @@ def counting_bound(counts: np.ndarray, row_cap: int, col_cap: int, token_caps: n
     return float(total - min(best_rows, best_cols, total))
 
 
-def source_token_caps(trace, slots_per_partition: int) -> np.ndarray:
+def source_token_caps(trace: Trace, slots_per_partition: int) -> np.ndarray:
     """float [L-1, E]: per layer pair and source a, the most transitions of `transition_counts`
     ("current") from a that any placement keeps local: each token whose heaviest expert at l is a
     sits on one partition, which hosts at most Q experts of l+1, so at most min(Q, its valid
     choices at l+1) of them are local, whichever copy it sits on and however it got there. Where
     tokens choose more experts than a partition holds (top-8 on 5 slots), this caps a source's
     local traffic below what any co-location argument sees, replicas or not."""
-    from moeplan.passes.analysis.affinity import heaviest_choice
-
     L, E = trace.num_layers, trace.num_experts
     sources = heaviest_choice(trace)
     valid = (trace.experts >= 0).sum(axis=2)  # [T, L]
@@ -303,8 +303,8 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
     Q = slots_per_partition
     row_cap = min(counts.shape[1], Q * max(1, max_replicas))
     pair_cap = partitions * Q ** 2
-    caps_of = (lambda i: None) if token_caps is None else (lambda i: token_caps[i])
-    bounds = [max(counting_bound(c, row_cap, row_cap, caps_of(i)), dual_bound(c, row_cap, row_cap))
+    pair_token_caps = [None] * len(counts) if token_caps is None else token_caps
+    bounds = [max(counting_bound(c, row_cap, row_cap, pair_token_caps[i]), dual_bound(c, row_cap, row_cap))
               for i, c in enumerate(counts)]
     per_copy = loads / max(1, max_replicas)
     columns_left = budget.scaled(LP_COLUMNS)
@@ -322,12 +322,12 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
             capped_left -= 2 * max_replicas * n
         if capped_left >= 0:
             values.append(capped_matching_bound(c, per_copy[i], per_copy[i + 1], caps[i], caps[i + 1], Q, partitions,
-                                                max(1, max_replicas), iterations, budget.seconds_left(), caps_of(i)))
+                                                max(1, max_replicas), iterations, budget.seconds_left(), pair_token_caps[i]))
             if max_replicas > 1:
                 values.append(replica_capped_matching_bound(c, loads[i], loads[i + 1], caps[i], caps[i + 1], Q,
                                                             partitions, max_replicas,
                                                             budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * 2 * max_replicas * n)),
-                                                            budget.seconds_left(), caps_of(i)))
+                                                            budget.seconds_left(), pair_token_caps[i]))
             capped += values[-1] is not None
         for value in values:
             if value is not None:
