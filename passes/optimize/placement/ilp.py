@@ -80,6 +80,12 @@ class LayerProblem:
     replica_mip_left: float = float("inf")  # variables the step MIPs of layers with replicas may still use
     max_sweeps: int = MAX_SWEEPS  # coordinate sweeps per stage (`sweep_limit`)
 
+    @property
+    def max_copies(self) -> int:
+        """Most copies of one expert in the search space (EPLB's largest count): what re-slotting keeps
+        to and the bound assumes."""
+        return int(self.replicas.max())
+
 
 def per_partition_limit(to_place: np.ndarray, partitions: int, max_per_partition: int) -> np.ndarray:
     """int [n]: most replicas of an expert one partition may take: spread them, ceil(r / P).
@@ -432,7 +438,6 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
         rise = np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
         caps = np.minimum(np.maximum(caps - rise, packed_max * (1 + 1e-9)), caps)
     solution = _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed, solver, budget, routed)
-    solution.max_copies = int(replicas.max())
     if held_out_balance and not has_scenarios:
         solution.notes.append("held-out balance asked for, but the trace is too short (or loads only) to estimate "
                               "held-out loads: the caps hold on the planning trace only")
@@ -509,7 +514,7 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
     best = None
     loose = None
     reslot = reslot_applies(E + redundant, D, budget)
-    max_copies = int(replicas.max())
+    max_copies = problem.max_copies
     starts = (("packing", False), ("uncapped", True))
     if problem.max_sweeps < budget.scaled(MAX_SWEEPS):
         starts = starts[:1]  # DeepSeek-V3 scale: one start, so the run ends on its work budget in ~2 minutes
@@ -542,7 +547,7 @@ def _solve_under_caps(counts, loads, topology, redundant, replicas, caps, packed
         hosts, gain = routed_swaps(best[1], routed, loads, caps, budget)
         best = (best[0], hosts, {**best[2], "finish": "routed swaps", "routed_gain": int(gain)})
     hosts = best[1]
-    return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes)
+    return StagedSolution(hosts, hosts.sum(axis=2), caps, counts, best[2], problem.notes, max_copies)
 
 
 def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
@@ -556,13 +561,14 @@ def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
     if RESLOT_MOVES_AT_SCALE:
         hosts, info["reslot_moves"] = reslot_search(hosts, problem.counts, problem.loads, problem.caps,
                                                     topology.gpus_per_node, problem.budget,
-                                                    int(problem.replicas.max()), exchanges=False,
+                                                    problem.max_copies, exchanges=False,
                                                     moves_per_layer=RESLOT_MOVES_AT_SCALE, sweeps=1)
     hosts = _repair_layers(problem, hosts, packed, slots)
     if routed is not None:
         hosts, gain = routed_swaps(hosts, routed, problem.loads, problem.caps, problem.budget)
         info.update(finish="routed swaps", routed_gain=int(gain))
-    return StagedSolution(hosts, hosts.sum(axis=2), problem.caps, problem.counts, info, problem.notes)
+    return StagedSolution(hosts, hosts.sum(axis=2), problem.caps, problem.counts, info, problem.notes,
+                          problem.max_copies)
 
 
 def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):
