@@ -13,7 +13,8 @@ from moeplan.passes.optimize.placement.eplb import replica_counts
 from moeplan.passes.optimize.placement.ilp import initial_hosts, layer_caps
 from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.routed import RoutedTrace, local_transitions, routed_chain, routed_polish
+from moeplan.passes.optimize.placement.routed import (RoutedTrace, devices_after, local_transitions, routed_chain, routed_polish,
+                                                      routed_tables)
 from moeplan.planner.errors import UserError
 
 
@@ -64,6 +65,29 @@ def test_routed_counts_are_the_metrics_counts(seed, redundant):
     gpu, node = local_transitions(RoutedTrace.from_trace(trace, topology.gpus_per_node), hosts)
     assert gpu == score.transitions - score.cross_gpu_transitions
     assert node == score.transitions - score.cross_node_transitions
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 3))
+def test_routed_tables_value_a_layer_exactly_without_replicas(seed, l):
+    """Without replicas a token sits on its heaviest expert's only GPU, wherever that goes: the tables'
+    value of a layer's placement (in-gains and look-ahead) changes exactly as the metric's GPU-local and
+    node-local counts do when that layer is placed otherwise and the rest stay."""
+    trace, topology, loads, replicas, caps, slots = setup(seed, 0)
+    rng = np.random.default_rng(seed + 1)
+    routed = RoutedTrace.from_trace(trace, topology.gpus_per_node)
+    hosts = initial_hosts(loads, replicas, topology.devices, slots)
+    for layer in range(len(hosts)):
+        hosts[layer] = hosts[layer][:, rng.permutation(topology.devices)]
+    g, h = routed_tables(routed, hosts, devices_after(routed, hosts), l)
+    G = topology.gpus_per_node
+    node_value = lambda x: float((h * x.reshape(x.shape[0], -1, G).any(axis=2)).sum())  # noqa: E731
+    other = hosts.copy()
+    other[l] = hosts[l][rng.permutation(hosts.shape[1])]  # the same slots per GPU, experts shuffled
+    gpu_before, node_before = local_transitions(routed, hosts)
+    gpu_after, node_after = local_transitions(routed, other)
+    assert gpu_after - gpu_before == pytest.approx(float((g * other[l]).sum() - (g * hosts[l]).sum()))
+    assert node_after - node_before == pytest.approx(node_value(other[l]) - node_value(hosts[l]))
 
 
 @settings(max_examples=8, deadline=None)

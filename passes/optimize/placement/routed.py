@@ -93,9 +93,7 @@ def routed_tables(routed: RoutedTrace, hosts: np.ndarray, after: np.ndarray, l: 
     N = D // G
     g = np.zeros((E, D))
     h = np.zeros((E, N))
-    if l == 0:
-        return g, h
-    current = after[:, l - 1]
+    current = after[:, l - 1] if l > 0 else np.full(T, -1, dtype=np.int64)
     choices = routed.experts[:, l, :]
     ok = (choices >= 0) & (current >= 0)[:, None]
     cur = np.broadcast_to(current[:, None], choices.shape)[ok]
@@ -105,16 +103,25 @@ def routed_tables(routed: RoutedTrace, hosts: np.ndarray, after: np.ndarray, l: 
     if l < L - 1:
         heavy = routed.heaviest[:, l]
         nxt = routed.experts[:, l + 1, :]
-        ok = (heavy >= 0) & (current >= 0)
+        node_next = hosts[l + 1].reshape(E, N, G).any(axis=2)
+        single = hosts[l].sum(axis=1) == 1
+        ok = (heavy >= 0) & (current >= 0) & ~single[np.maximum(heavy, 0)]
         cur_t = current[ok]
         tokens_next = nxt[ok]
         valid = tokens_next >= 0
         e_next = np.where(valid, tokens_next, 0)
         stay_gpu = (hosts[l + 1][e_next, cur_t[:, None]] & valid).sum(axis=1)
-        node_next = hosts[l + 1].reshape(E, N, G).any(axis=2)
         stay_node = (node_next[e_next, (cur_t // G)[:, None]] & valid).sum(axis=1)
         g += np.bincount(heavy[ok] * D + cur_t, weights=stay_gpu, minlength=E * D).reshape(E, D)
         h += np.bincount(heavy[ok] * N + cur_t // G, weights=stay_node, minlength=E * N).reshape(E, N)
+        # an expert with one copy takes all its tokens wherever it goes: its look-ahead is exact on every GPU
+        one = (heavy >= 0) & single[np.maximum(heavy, 0)]
+        counts = np.zeros((E, E))  # heaviest at l -> choice at l+1, tokens of single-copy experts
+        choices = nxt[one]
+        valid = choices >= 0
+        np.add.at(counts, (np.broadcast_to(heavy[one][:, None], choices.shape)[valid], choices[valid]), 1.0)
+        g += counts @ hosts[l + 1]
+        h += counts @ node_next
     return g, h
 
 
