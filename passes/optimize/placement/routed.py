@@ -124,9 +124,9 @@ def routed_tables(routed: RoutedTrace, hosts: np.ndarray, after: np.ndarray, l: 
         # an expert with one copy takes all its tokens wherever it goes: its look-ahead is exact on every GPU
         one = (heavy >= 0) & single[np.maximum(heavy, 0)]
         counts = np.zeros((E, E))  # heaviest at l -> choice at l+1, tokens of single-copy experts
-        choices = nxt[one]
-        valid = choices >= 0
-        np.add.at(counts, (np.broadcast_to(heavy[one][:, None], choices.shape)[valid], choices[valid]), 1.0)
+        next_choices = nxt[one]
+        valid = next_choices >= 0
+        np.add.at(counts, (np.broadcast_to(heavy[one][:, None], next_choices.shape)[valid], next_choices[valid]), 1.0)
         g += counts @ hosts[l + 1]
         h += counts @ node_next
     return g, h
