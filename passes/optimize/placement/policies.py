@@ -134,7 +134,7 @@ def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: floa
     budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
     solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
                                 request.solver, budget,
-                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node),
+                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node, counts),
                                 load_scenarios(trace) if request.held_out_caps else None, request.held_out_balance)
     slots = (trace.num_experts + request.redundant) // D
     # the bound covers every placement the planner could have returned, so it assumes the search space's most

@@ -46,12 +46,15 @@ class RoutedTrace:
     heaviest: np.ndarray  # int64 [T, L], -1 = none
     num_experts: int
     gpus_per_node: int
+    counts: np.ndarray  # float [L-1, E, E], `affinity.transition_counts` ("current"): single-copy look-ahead
 
     @classmethod
-    def from_trace(cls, trace, gpus_per_node: int) -> "RoutedTrace":
-        from moeplan.passes.analysis.affinity import heaviest_choice
+    def from_trace(cls, trace, gpus_per_node: int, counts: np.ndarray = None) -> "RoutedTrace":
+        """counts: the trace's transition counts where the caller has them already."""
+        from moeplan.passes.analysis.affinity import heaviest_choice, transition_counts
 
-        return cls(trace.experts.astype(np.int64), heaviest_choice(trace), trace.num_experts, gpus_per_node)
+        counts = transition_counts(trace, "current") if counts is None else counts
+        return cls(trace.experts.astype(np.int64), heaviest_choice(trace), trace.num_experts, gpus_per_node, counts)
 
 
 def devices_after(routed: RoutedTrace, hosts: np.ndarray) -> np.ndarray:
@@ -122,11 +125,7 @@ def routed_tables(routed: RoutedTrace, hosts: np.ndarray, after: np.ndarray, l: 
         g += np.bincount(heavy[ok] * D + cur_t, weights=stay_gpu, minlength=E * D).reshape(E, D)
         h += np.bincount(heavy[ok] * N + cur_t // G, weights=stay_node, minlength=E * N).reshape(E, N)
         # an expert with one copy takes all its tokens wherever it goes: its look-ahead is exact on every GPU
-        one = (heavy >= 0) & single[np.maximum(heavy, 0)]
-        counts = np.zeros((E, E))  # heaviest at l -> choice at l+1, tokens of single-copy experts
-        next_choices = nxt[one]
-        valid = next_choices >= 0
-        np.add.at(counts, (np.broadcast_to(heavy[one][:, None], next_choices.shape)[valid], next_choices[valid]), 1.0)
+        counts = routed.counts[l] * single[:, None]  # [E, E]: heaviest at l -> choice at l+1, single-copy rows
         g += counts @ hosts[l + 1]
         h += counts @ node_next
     return g, h
