@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import scipy.sparse as sp
 
 from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
@@ -88,13 +87,12 @@ def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: flo
     if n == 0:
         return 0.0
     cols = np.arange(n)
-    A = sp.vstack([
-        sp.csr_matrix((np.ones(n), (a, cols)), shape=(E, n)),
-        sp.csr_matrix((np.ones(n), (b, cols)), shape=(E, n)),
-        sp.csr_matrix(np.ones((1, n))),
-    ])
-    upper = np.concatenate([np.full(E, row_cap), np.full(E, col_cap), [pair_cap]]).astype(np.float64)
-    result = solve_milp(-weights, A, np.full(2 * E + 1, -np.inf), upper, np.zeros(n), np.ones(n),
+    rows = Rows()
+    rows.add_block(a, cols, np.ones(n), -np.inf, float(row_cap), E)
+    rows.add_block(b, cols, np.ones(n), -np.inf, float(col_cap), E)
+    rows.add(cols, np.ones(n), -np.inf, float(pair_cap))
+    A, lower, upper = rows.matrix(n)
+    result = solve_milp(-weights, A, lower, upper, np.zeros(n), np.ones(n),
                         np.zeros(n, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
     return _cross_transitions(result, weights)
 
@@ -184,25 +182,21 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     cols = np.arange(n)
     ra = n + np.arange(E)  # r[a] columns
     sb = n + E + np.arange(E)  # s[b] columns
-    ones = np.ones(n)
-    rows = [
-        (np.concatenate([a, np.arange(E)]), np.concatenate([cols, ra]), np.concatenate([ones, np.full(E, -Q)])),
-        (np.concatenate([a, np.arange(E)]), np.concatenate([cols, ra]), np.concatenate([weight_to[b], np.full(E, -cap_to)])),
-        (np.concatenate([b, np.arange(E)]), np.concatenate([cols, sb]), np.concatenate([ones, np.full(E, -Q)])),
-        (np.concatenate([b, np.arange(E)]), np.concatenate([cols, sb]), np.concatenate([weight_from[a], np.full(E, -cap_from)])),
-    ]
-    blocks = [sp.csr_matrix((v, (r, k)), shape=(E, n + 2 * E)) for r, k, v in rows]
-    blocks.append(sp.csr_matrix((np.ones(n), (np.zeros(n), cols)), shape=(1, n + 2 * E)))
-    blocks.append(sp.csr_matrix((np.ones(E), (np.zeros(E), ra)), shape=(1, n + 2 * E)))
-    blocks.append(sp.csr_matrix((np.ones(E), (np.zeros(E), sb)), shape=(1, n + 2 * E)))
+    ones, experts = np.ones(n), np.arange(E)
+    rows = Rows()
+    # per a over its copies at l (its successors' loads), then per b over its copies at l+1
+    for of_pair, own, weights, cap in ((a, ra, weight_to[b], cap_to), (b, sb, weight_from[a], cap_from)):
+        rows.add_block(np.concatenate([of_pair, experts]), np.concatenate([cols, own]),
+                       np.concatenate([ones, np.full(E, -Q)]), -np.inf, 0.0, E)
+        rows.add_block(np.concatenate([of_pair, experts]), np.concatenate([cols, own]),
+                       np.concatenate([weights, np.full(E, -cap)]), -np.inf, 0.0, E)
     slots = float(Q * partitions)
-    lo = np.concatenate([np.full(4 * E + 1, -np.inf), [slots, slots]])
-    hi = np.concatenate([np.zeros(4 * E), [float(partitions * Q * Q)], [slots, slots]])
+    rows.add(cols, ones, -np.inf, float(partitions * Q * Q))
+    rows.add(ra, np.ones(E), slots, slots)
+    rows.add(sb, np.ones(E), slots, slots)
     if token_caps is not None:
-        blocks.append(sp.csr_matrix((c, (a, cols)), shape=(E, n + 2 * E)))
-        lo = np.concatenate([lo, np.full(E, -np.inf)])
-        hi = np.concatenate([hi, token_caps])
-    A = sp.vstack(blocks)
+        rows.add_block(a, cols, c, -np.inf, token_caps, E)
+    A, lo, hi = rows.matrix(n + 2 * E)
     lower = np.concatenate([np.zeros(n), np.ones(2 * E)])
     upper = np.concatenate([np.ones(n), np.full(2 * E, float(max_replicas))])
     cost = np.concatenate([-c, np.zeros(2 * E)])
