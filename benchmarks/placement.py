@@ -186,6 +186,7 @@ def corpus_runs(case) -> list:
         ("chain", "chain", dict(balance=0.1)),
         (f"chain+{R}", "chain", dict(redundant=R, balance=0.1)),
         ("ilp", "policy", dict(policy="ilp", balance=0.1)),
+        ("ilp (eplb-base 0)", "policy", dict(policy="ilp", balance=0.0, balance_base="eplb")),  # at eplb's balance
         (f"ilp+{R}", "policy", dict(policy="ilp", redundant=R, balance=0.1)),
         (f"ilp+{R} (eplb-base 0)", "policy", dict(policy="ilp", redundant=R, balance=0.0, balance_base="eplb")),
         (f"ilp+{R} (held-out balance 0.1)", "policy", dict(policy="ilp", redundant=R, balance=0.1, held_out_balance=True)),

@@ -81,8 +81,13 @@ def held_out_caps(hosts: np.ndarray, packed: np.ndarray, loads: np.ndarray, caps
     A layer may reach caps + the packing's expected rise on held-out traffic; one whose expected
     max goes beyond gets the excess taken off its planning max, the others keep `current`."""
     planned_max = np.array([((loads[l] / hosts[l].sum(axis=1)) @ hosts[l]).max() for l in range(len(hosts))])
-    packed_max = np.array([((loads[l] / packed[l].sum(axis=1)) @ packed[l]).max() for l in range(len(packed))])
-    allowed = caps + np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+    allowed = held_out_allowance(packed, loads, caps, scenarios)
     excess = np.maximum(expected_max_loads(hosts, loads, scenarios) - allowed, 0.0)
     lowered = np.maximum(np.minimum(current, planned_max) - excess, floor)
     return np.where(excess > 1e-9 * caps, np.minimum(lowered, current), current)
+
+
+def held_out_allowance(packed: np.ndarray, loads: np.ndarray, caps: np.ndarray, scenarios: np.ndarray) -> np.ndarray:
+    """float [L]: the expected held-out max a layer may reach: its cap plus the rise of EPLB's packing (bool [L, E, D])."""
+    packed_max = np.array([((loads[l] / packed[l].sum(axis=1)) @ packed[l]).max() for l in range(len(packed))])
+    return caps + np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
