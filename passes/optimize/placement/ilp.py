@@ -420,7 +420,10 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
     under the lowered caps lost it), then polished by routed steps; a layer the walk cannot fit
     keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) the walk is GPU-level
-    exchange sweeps over the lowered layers (`gpu_sweeps.py`).
+    exchange sweeps over the lowered layers (`gpu_sweeps.py`). Elsewhere, a layer whose expected
+    held-out max still exceeds the packing's allowance (its cap could not go low enough: at EPLB's
+    own balance the planning max is near the mean already) takes exchanges that lower the expected
+    max itself (`held_out_repair.py`).
 
     `held_out_balance`: the caps are for held-out traffic, not the planning trace: each layer's
     planning cap is first lowered by the packing's expected held-out rise (sampling noise: +0.07 x
