@@ -420,10 +420,10 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
     under the lowered caps lost it), then polished by routed steps; a layer the walk cannot fit
     keeps its placement. Where re-slotting does not apply (DeepSeek-V3 scale) the walk is GPU-level
-    exchange sweeps over the lowered layers (`gpu_sweeps.py`). Elsewhere, a layer whose expected
-    held-out max still exceeds the packing's allowance (its cap could not go low enough: at EPLB's
-    own balance the planning max is near the mean already) takes exchanges that lower the expected
-    max itself (`held_out_repair.py`).
+    exchange sweeps over the lowered layers (`gpu_sweeps.py`). Elsewhere, when the expected
+    held-out max loads summed over layers still exceed the packing's allowance (a cap could not go
+    low enough: at EPLB's own balance the planning max is near the mean already), exchanges lower
+    the expected maxima themselves (`held_out_repair.py`).
 
     `held_out_balance`: the caps are for held-out traffic, not the planning trace: each layer's
     planning cap is first lowered by the packing's expected held-out rise (sampling noise: +0.07 x
@@ -486,24 +486,24 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
 
 
 def _repair_expected_max(hosts, packed, counts, loads, caps, current, scenarios, topology, budget) -> tuple:
-    """Layers whose expected held-out max still exceeds the packing's allowance after the walk (its
-    cap could not go low enough) take exchanges that lower it directly (`held_out_repair.py`),
-    within the caps met `current`. Returns (hosts, moves made)."""
+    """When the expected held-out max loads, summed over layers, still exceed the packing's
+    allowance after the walk (a cap could not go low enough), exchanges lower them directly
+    (`held_out_repair.py`), within the caps met `current`. Returns (hosts, moves made)."""
     allowed = held_out_allowance(packed, loads, caps, scenarios)
-    over = np.flatnonzero(expected_max_loads(hosts, loads, scenarios) > allowed * (1 + 1e-9))
-    hosts, made = hosts.copy(), 0
+    if expected_max_loads(hosts, loads, scenarios).sum() <= allowed.sum() * (1 + 1e-9):
+        return hosts, 0
     node_of = np.arange(topology.devices) // topology.gpus_per_node
-    for l in over:
-        in_g, out_g, in_n, out_n = layer_gain_tables(hosts, counts, int(l), topology.gpus_per_node)
+
+    def layer_gain(hosts, l):
+        in_g, out_g, in_n, out_n = layer_gain_tables(hosts, counts, l, topology.gpus_per_node)
         r = hosts[l].sum(axis=1)[:, None]
-        gain = in_g + out_g / r + in_n[:, node_of] + out_n[:, node_of] / r
-        hosts[l], moves = repair_expected_max(hosts[l], loads[l], scenarios[:, l], allowed[l], current[l], gain,
-                                              budget.scaled(REPAIR_MOVES))
-        made += moves
-    return hosts, made
+        return in_g + out_g / r + in_n[:, node_of] + out_n[:, node_of] / r
+
+    return repair_expected_max(hosts, loads, scenarios, allowed, current, layer_gain,
+                               budget.scaled(REPAIR_MOVES) * len(hosts))
 
 
-REPAIR_MOVES = 200  # exchanges per layer at effort 1 (qwen3moe-64x8 without replicas took 179 over its 6 layers)
+REPAIR_MOVES = 200  # exchanges per layer at effort 1
 
 
 def _packing_where_rising(hosts, packed, counts, loads, caps, current, scenarios, topology, budget) -> tuple:
