@@ -11,7 +11,7 @@ found 0.042 and 0.186 in about 15 CPU s from EPLB's balanced packing.
 
 Each sweep visits the layers (alternating direction) and improves one layer with all others
 fixed: its gain table g[e, p] = in_g[e, p] + out_g[e, p] / r[e] + in_n[e, node(p)] +
-out_n[e, node(p)] / r[e] (`reslot.layer_gain_tables`; the node terms charged per copy, exact for
+out_n[e, node(p)] / r[e] (`reslot.layer_gain_table`; the node terms charged per copy, exact for
 an expert with one copy per node), a layer over its cap first takes the exchanges that cut its
 overload most (`ilp.repair_by_swaps`), then steepest exchanges under the cap
 (`ilp.improve_by_swaps`). Replica counts stay as given. Sweeps stop when one gains nothing.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.reslot import layer_gain_tables
+from moeplan.passes.optimize.placement.reslot import layer_gain_table
 
 SWEEPS = 12  # at effort 1; the drift and planted DeepSeek-V3 traces stop gaining (< 0.1% a sweep) by about 10
 WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`ilp.staged_placement`)
@@ -38,7 +38,6 @@ def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: n
     budget = budget or WorkBudget()
     hosts = hosts.copy()
     L, E, D = hosts.shape
-    node_of = np.arange(D) // gpus_per_node
     visit = np.arange(L) if layers is None else np.asarray(sorted(layers), dtype=np.int64)
     moves = budget.scaled(MOVES_PER_LAYER)
     one = np.ones(E, dtype=np.int64)
@@ -48,10 +47,8 @@ def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: n
         for l in (visit if sweep % 2 == 0 else visit[::-1]):
             if budget.expired():
                 return hosts, sweeps
-            in_g, out_g, in_n, out_n = layer_gain_tables(hosts, counts, int(l), gpus_per_node)
-            r = hosts[l].sum(axis=1)
-            gain = in_g + out_g / r[:, None] + in_n[:, node_of] + out_n[:, node_of] / r[:, None]
-            per_copy = loads[l] / r
+            gain = layer_gain_table(hosts, counts, int(l), gpus_per_node)
+            per_copy = loads[l] / hosts[l].sum(axis=1)
             x = hosts[l].astype(np.int64)
             if (per_copy @ x).max() > caps[l] * (1 + 1e-9):
                 x = repair_by_swaps(gain, x, one, per_copy, caps[l], moves)

@@ -51,7 +51,7 @@ from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_
 from moeplan.passes.optimize.placement.held_out_repair import repair_expected_max
 from moeplan.passes.optimize.placement.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
-from moeplan.passes.optimize.placement.reslot import layer_gain_tables, reslot_search, tighten
+from moeplan.passes.optimize.placement.reslot import layer_gain_table, reslot_search, tighten
 from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
                                                       routed_value)
 from moeplan.planner.errors import UserError
@@ -476,12 +476,12 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     repaired = 0
     if not at_scale and not budget.expired():
         hosts, repaired = _repair_expected_max(hosts, packed, counts, loads, caps, current, scenarios, topology, budget)
-        moves += repaired
     if lowered or repaired:
         solution.hosts, solution.replicas = hosts, hosts.sum(axis=2)
         solution.caps = current  # the bound is then for placements at least as balanced, layer by layer
-        solution.sweeps["held_out_caps"] = {"layers_lowered": lowered, "moves": moves, "repair_moves": repaired,
-                                            "mean_lowering": float(np.mean(1 - current / caps))}
+        solution.sweeps["held_out_caps"] = {"layers_lowered": lowered, "moves": moves,
+                                            "mean_lowering": float(np.mean(1 - current / caps)),
+                                            **({"repair_moves": repaired} if repaired else {})}
     return solution
 
 
@@ -492,14 +492,8 @@ def _repair_expected_max(hosts, packed, counts, loads, caps, current, scenarios,
     allowed = held_out_allowance(packed, loads, caps, scenarios)
     if expected_max_loads(hosts, loads, scenarios).sum() <= allowed.sum() * (1 + 1e-9):
         return hosts, 0
-    node_of = np.arange(topology.devices) // topology.gpus_per_node
-
-    def layer_gain(hosts, l):
-        in_g, out_g, in_n, out_n = layer_gain_tables(hosts, counts, l, topology.gpus_per_node)
-        r = hosts[l].sum(axis=1)[:, None]
-        return in_g + out_g / r + in_n[:, node_of] + out_n[:, node_of] / r
-
-    return repair_expected_max(hosts, loads, scenarios, allowed, current, layer_gain,
+    return repair_expected_max(hosts, loads, scenarios, allowed, current,
+                               lambda hosts, l: layer_gain_table(hosts, counts, l, topology.gpus_per_node),
                                budget.scaled(REPAIR_MOVES) * len(hosts))
 
 

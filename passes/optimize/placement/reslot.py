@@ -74,6 +74,15 @@ def layer_gain_tables(hosts, counts, l, G):
     return in_g, out_g, in_n, out_n
 
 
+def layer_gain_table(hosts, counts, l, G) -> np.ndarray:
+    """float [E, D]: the value of each expert of layer l on each GPU with its neighbours fixed, GPU and
+    node terms equally weighted, the out-terms charged per copy (exact for an expert with one copy)."""
+    in_g, out_g, in_n, out_n = layer_gain_tables(hosts, counts, l, G)
+    node_of = np.arange(hosts.shape[2]) // G
+    r = hosts[l].sum(axis=1)
+    return in_g + out_g / r[:, None] + in_n[:, node_of] + out_n[:, node_of] / r[:, None]
+
+
 def _row_values(rows, experts, gains, G):
     """Value of candidate rows (bool [M, D]) for experts [M] under the layer's gain tables."""
     in_g, out_g, in_n, out_n = gains
