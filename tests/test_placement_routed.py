@@ -104,6 +104,28 @@ def test_routed_polish_only_improves_and_keeps_every_constraint(seed, redundant)
     check_valid(chain, loads, caps, slots, replicas)
 
 
+def test_routed_polish_solves_a_layer_mip_once_per_distinct_input(monkeypatch):
+    """A second polish of the same start on the same trace (what the held-out walk's rounds do to
+    layers the walk left alone) reuses the first polish's proposals: the same placement, no new solve."""
+    import moeplan.passes.optimize.placement.routed as routed_module
+
+    trace, topology, loads, replicas, caps, slots = setup(3, 4)
+    routed = RoutedTrace.from_trace(trace, topology.gpus_per_node)
+    start = initial_hosts(loads, replicas, topology.devices, slots)
+    solved = []
+    real_layer_mip = routed_module.layer_mip
+    monkeypatch.setattr(routed_module, "layer_mip", lambda *a, **k: solved.append(1) or real_layer_mip(*a, **k))
+    first, gain = routed_polish(start, routed, loads, caps)
+    assert solved and gain >= 0
+    solves = len(solved)
+    again, gain_again = routed_polish(start, routed, loads, caps)
+    assert len(solved) == solves
+    assert np.array_equal(again, first) and gain_again == gain
+    fresh, fresh_gain = routed_polish(start, RoutedTrace.from_trace(trace, topology.gpus_per_node), loads, caps)
+    assert np.array_equal(fresh, first) and fresh_gain == gain  # the cache changes no result
+    assert len(solved) == 2 * solves
+
+
 def test_routed_chain_keeps_tokens_on_the_copy_they_sit_on():
     """Expert 0 of layer 0 has a copy on both GPUs; tokens sit on GPU 0 when they came from there.
     The even-split model thinks half of expert 0's tokens are on each copy; the routed chain knows

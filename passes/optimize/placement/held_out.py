@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeplan.passes.optimize.placement.metrics import max_gpu_loads
+
 CHUNKS = 8  # contiguous blocks of the planning trace's sequences (16 scenarios with their negatives)
 MIN_TOKENS_PER_CHUNK = 32  # fewer tokens per block: no scenarios (the estimate would be noise)
 
@@ -80,7 +82,7 @@ def held_out_caps(hosts: np.ndarray, packed: np.ndarray, loads: np.ndarray, caps
     trace; packed: bool [L, E, D] EPLB's balanced packing; floor: float [L], no cap goes below it.
     A layer may reach caps + the packing's expected rise on held-out traffic; one whose expected
     max goes beyond gets the excess taken off its planning max, the others keep `current`."""
-    planned_max = np.array([((loads[l] / hosts[l].sum(axis=1)) @ hosts[l]).max() for l in range(len(hosts))])
+    planned_max = max_gpu_loads(hosts, loads)
     allowed = held_out_allowance(packed, loads, caps, scenarios)
     excess = np.maximum(expected_max_loads(hosts, loads, scenarios) - allowed, 0.0)
     lowered = np.maximum(np.minimum(current, planned_max) - excess, floor)
@@ -89,5 +91,4 @@ def held_out_caps(hosts: np.ndarray, packed: np.ndarray, loads: np.ndarray, caps
 
 def held_out_allowance(packed: np.ndarray, loads: np.ndarray, caps: np.ndarray, scenarios: np.ndarray) -> np.ndarray:
     """float [L]: the expected held-out max a layer may reach: its cap plus the rise of EPLB's packing (bool [L, E, D])."""
-    packed_max = np.array([((loads[l] / packed[l].sum(axis=1)) @ packed[l]).max() for l in range(len(packed))])
-    return caps + np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+    return caps + np.maximum(expected_max_loads(packed, loads, scenarios) - max_gpu_loads(packed, loads), 0.0)

@@ -34,7 +34,7 @@ def repair_expected_max(hosts: np.ndarray, loads: np.ndarray, scenarios: np.ndar
     L = len(hosts)
     rows = [np.vstack([loads[l], loads[l][None, :] + scenarios[:, l]]) for l in range(L)]  # [1 + S, E] each
     expected = np.array([_expected_max(hosts[l], rows[l]) for l in range(L)])
-    best = [None] * L  # per layer: (loss per token removed, tokens removed, move) or None
+    best = [None] * L  # per layer: (loss per token removed, move) or None
     stale = set(range(L))
     moves = 0
     while moves < max_moves and expected.sum() > allowed.sum() * (1 + 1e-9):
@@ -45,7 +45,7 @@ def repair_expected_max(hosts: np.ndarray, loads: np.ndarray, scenarios: np.ndar
         if not found:
             break
         l = min(found, key=lambda k: (best[k][0], k))
-        e, f, p, q = best[l][2]
+        e, f, p, q = best[l][1]
         hosts[l, e, p] = hosts[l, f, q] = False
         hosts[l, e, q] = hosts[l, f, p] = True
         expected[l] = _expected_max(hosts[l], rows[l])
@@ -60,7 +60,7 @@ def _expected_max(x: np.ndarray, rows: np.ndarray) -> float:
 
 
 def _best_exchange(x: np.ndarray, rows: np.ndarray, expected: float, cap: float, gain: np.ndarray):
-    """(loss per token removed, tokens removed, (e, f, p, q)) of the layer's best exchange, or None."""
+    """(loss per token removed, (e, f, p, q)) of the layer's best exchange, or None."""
     per_copy = rows / x.sum(axis=1)
     columns = per_copy @ x  # [1 + S, D] GPU loads
     e, f, p, q = _exchanges(x)
@@ -73,7 +73,7 @@ def _best_exchange(x: np.ndarray, rows: np.ndarray, expected: float, cap: float,
     lost = np.maximum(gain[e, p] + gain[f, q] - gain[e, q] - gain[f, p], 0.0)
     ratio = np.where(candidate, lost / np.where(candidate, lowered, 1.0), np.inf)
     k = int(np.argmin(ratio))
-    return float(ratio[k]), float(lowered[k]), (int(e[k]), int(f[k]), int(p[k]), int(q[k]))
+    return float(ratio[k]), (int(e[k]), int(f[k]), int(p[k]), int(q[k]))
 
 
 def _exchanges(x: np.ndarray) -> tuple:

@@ -489,10 +489,7 @@ def _repair_expected_max(hosts, packed, counts, loads, caps, current, scenarios,
     """When the expected held-out max loads, summed over layers, still exceed the packing's
     allowance after the walk (a cap could not go low enough), exchanges lower them directly
     (`held_out_repair.py`), within the caps met `current`. Returns (hosts, moves made)."""
-    allowed = held_out_allowance(packed, loads, caps, scenarios)
-    if expected_max_loads(hosts, loads, scenarios).sum() <= allowed.sum() * (1 + 1e-9):
-        return hosts, 0
-    return repair_expected_max(hosts, loads, scenarios, allowed, current,
+    return repair_expected_max(hosts, loads, scenarios, held_out_allowance(packed, loads, caps, scenarios), current,
                                lambda hosts, l: layer_gain_table(hosts, counts, l, topology.gpus_per_node),
                                budget.scaled(REPAIR_MOVES) * len(hosts))
 
@@ -505,7 +502,7 @@ def _packing_where_rising(hosts, packed, counts, loads, caps, current, scenarios
     floor, the hottest replica's GPU) restart from the packing, improved by GPU sweeps under its own max
     load, and keep it outright if those sweeps raise the expected max again. Returns (hosts, caps met)."""
     packed_max = max_gpu_loads(packed, loads)
-    allowed = caps + np.maximum(expected_max_loads(packed, loads, scenarios) - packed_max, 0.0)
+    allowed = held_out_allowance(packed, loads, caps, scenarios)
     rising = np.flatnonzero(expected_max_loads(hosts, loads, scenarios) > allowed * (1 + 1e-9))
     if len(rising) == 0:
         return hosts, current
