@@ -162,12 +162,15 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     if iteration_limit is not None:
         h.setOptionValue("simplex_iteration_limit", int(iteration_limit))
     h.passModel(lp)
-    if warm_start is not None and is_mip:
-        sol = highspy.HighsSolution()
-        sol.col_value = np.asarray(warm_start, dtype=np.float64)
-        sol.value_valid = True
-        h.setSolution(sol)
-    h.run()
+    _run_from(h, warm_start if is_mip else None)
+    if _misreported(h, c):
+        # HiGHS 1.16's MIP presolve can hand back the warm start as "optimal" with objective and
+        # bound 0 when a better point exists (a one-row knapsack in sizing); without presolve it
+        # solves the same model right
+        h.clearSolver()
+        h.setOptionValue("presolve", "off")
+        h.setOptionValue("time_limit", float(max(time_limit - (time.perf_counter() - start), 0.01)))
+        _run_from(h, warm_start if is_mip else None)
     status = h.getModelStatus()
     info = h.getInfo()
     seconds = time.perf_counter() - start
@@ -190,6 +193,27 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     if name == "optimal" and x is not None and is_mip:
         bound = max(bound, objective - abs(objective) * mip_gap)
     return MilpResult(x, objective, bound, name, seconds)
+
+
+def _run_from(h, warm_start) -> None:
+    """Runs the Highs object `h`, from the point float [n] `warm_start` when given."""
+    import highspy
+
+    if warm_start is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = np.asarray(warm_start, dtype=np.float64)
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+
+
+def _misreported(h, c: np.ndarray) -> bool:
+    """Whether HiGHS's reported objective is not the cost c (float [n]) of the point it returns."""
+    info = h.getInfo()
+    if info.primal_solution_status != 2:
+        return False
+    actual = float(c @ np.asarray(h.getSolution().col_value))
+    return abs(actual - float(info.objective_function_value)) > 1e-7 * max(1.0, abs(actual))
 
 
 def _try_gurobi(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, notes,
