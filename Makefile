@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The CPU build of torch on local disk; where it is absent pip takes the same pin from the index.
 TORCH_PIN := torch==2.13.0
+# The MILP solver every plan goes through: another HiGHS release may take other branch-and-bound
+# paths and give other plans, so a fresh machine pins the release the benchmarks here were run with.
+HIGHS_PIN := highspy==1.16.0
 # SGLang's own EPLB and expert-location code, run by tests/test_engine_sglang_code.py; installed
 # without dependencies (nothing imports the package; no CUDA pull). Its wheel is cp311/manylinux only.
 SGLANG_PIN := sglang==0.5.23
@@ -16,7 +19,7 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" "$(HIGHS_PIN)"
 	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"
 	touch $(STAMP)
