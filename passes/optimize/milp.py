@@ -4,7 +4,9 @@ Why: models are built as scipy.sparse matrices (fast at any size) and handed to 
 embedded, the default) or Gurobi (`gurobipy`, optional, imported only when asked). The pip
 Gurobi licence is size-limited (about 2000 variables or constraints): such a model, or a missing
 or unlicensed gurobipy, falls back to HiGHS with a note saying why. Every solve has a time
-limit, may be warm-started, and returns its incumbent, objective, best bound and gap.
+limit, may be warm-started, and returns its incumbent, objective, best bound and gap. A HiGHS
+answer whose objective is not its point's cost is not trusted: the model is solved again
+without presolve (HiGHS 1.16 returned a warm start as optimal with objective 0).
 
 Model: minimise c @ x subject to row_lower <= A @ x <= row_upper, lower <= x <= upper,
 x[integer] integral.
