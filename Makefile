@@ -8,6 +8,11 @@ TORCH_PIN := torch==2.13.0
 # The MILP solver every plan goes through: another HiGHS release may take other branch-and-bound
 # paths and give other plans, so a fresh machine pins the release the benchmarks here were run with.
 HIGHS_PIN := highspy==1.16.0
+# The library whose model code bundles run: a new release can rename what the runtime hooks into
+# (5.24 passes the attention module its KV cache as `cache`, not `past_key_values`) or change what a
+# model holds (5.24 keeps DeepSeek-V3's router weights in float32), so CI installs the release the
+# suite was last run against; pyproject admits any 5.x for users, and plans record the one they used.
+TRANSFORMERS_PIN := transformers==5.24.0
 # SGLang's own EPLB and expert-location code, run by tests/test_engine_sglang_code.py; installed
 # without dependencies (nothing imports the package; no CUDA pull). Its wheel is cp311/manylinux only.
 SGLANG_PIN := sglang==0.5.23
@@ -17,9 +22,9 @@ DEMO := build/demo
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" "$(HIGHS_PIN)"
+	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" "$(HIGHS_PIN)" "$(TRANSFORMERS_PIN)"
 	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"
 	touch $(STAMP)

@@ -99,3 +99,20 @@ def test_the_kv_rows_shrink_the_context_exactly_against_the_hidden_state(runs):
         assert a["context_bytes"] * (64 + 2) == b["context_bytes"] * (16 + 2)
         assert (a["dispatch_bytes"], a["merge_bytes"]) == (b["dispatch_bytes"], b["merge_bytes"])
     assert kv["total_bytes_per_token"] < hidden["total_bytes_per_token"]
+
+
+def test_the_kv_hook_wraps_the_cache_under_the_keyword_the_library_passes():
+    """transformers 5.24 hands an attention module its cache as `cache`, earlier 5.x releases as
+    `past_key_values`: the hook swaps the exchanging proxy in under the same keyword."""
+    from types import SimpleNamespace
+
+    from moeplan.backends.runtime.context_exchange import CACHE_KWARGS, ContextExchange
+
+    hook = ContextExchange(SimpleNamespace(replicated=False), [(KV, 16)])._kv_input(0)
+    assert set(CACHE_KWARGS) == {"cache", "past_key_values"}
+    for name in CACHE_KWARGS:
+        args, kwargs = hook(None, ("h",), {name: SimpleNamespace(layers=name), "position_ids": 1})
+        assert args == ("h",) and set(kwargs) == {name, "position_ids"}
+        assert type(kwargs[name]).__name__ == "_ExchangingCache" and kwargs[name].layers == name
+    with pytest.raises(RuntimeError, match="without a KV cache"):
+        hook(None, (), {"cache": None, "past_key_values": None})

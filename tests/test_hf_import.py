@@ -112,7 +112,11 @@ def test_deepseek_v3_full_size_from_config():
     assert [s.kind for s in ir.stages if s.name.endswith(".mlp")][:4] == ["mlp", "mlp", "mlp", "moe"]
     # HF builds no multi-token-prediction module: this is the 671B main model.
     assert ir.total_params == sum(p.numel() for p in loaded.module.parameters()) == 671_026_404_352
-    assert ir.total_param_bytes == 2 * ir.total_params
+    # bf16 throughout, except that transformers 5.24 keeps the routers' weights in float32 as the
+    # library holds and saves them (modeling_deepseek_v3.py: `_keep_in_fp32_modules_strict`)
+    fp32 = sum(p.numel() for p in loaded.module.parameters() if p.dtype == torch.float32)
+    assert fp32 in (0, 58 * 256 * 7168)
+    assert ir.total_param_bytes == 2 * ir.total_params + 2 * fp32
     expert = ir.moe_stages[0]
     assert expert.expert_params == 3 * 7168 * 2048 and expert.router_params == 256 * 7168
 

@@ -24,6 +24,10 @@ import torch
 from .exchange import pack, unpack
 
 HIDDEN, KV = "hidden", "kv"
+# the keyword a decoder block hands its attention module the cache under: `cache` from transformers
+# 5.24 on (models/*/modeling_*.py: `@deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")`),
+# `past_key_values` before
+CACHE_KWARGS = ("cache", "past_key_values")
 # auto: the smaller per block; hidden: always the hidden state (the old way); kv: K/V wherever the
 # cache allows, even when larger (tests run every architecture's cache path with it)
 CHOICES = ("auto", HIDDEN, KV)
@@ -131,12 +135,12 @@ class ContextExchange:
             e = self.engine
             if e.replicated:
                 return None
-            cache = kwargs.get("past_key_values")
-            if cache is None:
-                raise RuntimeError(f"attention of block {layer} was called without a past_key_values cache; "
+            name = next((n for n in CACHE_KWARGS if kwargs.get(n) is not None), None)
+            if name is None:
+                raise RuntimeError(f"attention of block {layer} was called without a KV cache (keywords {CACHE_KWARGS}); "
                                    "its K/V cannot be exchanged (serve with --context hidden)")
             self.updated = layer
-            return args, {**kwargs, "past_key_values": _ExchangingCache(cache, self._kv_swap(layer))}
+            return args, {**kwargs, name: _ExchangingCache(kwargs[name], self._kv_swap(layer))}
         return hook
 
     def _kv_done(self, layer: int):

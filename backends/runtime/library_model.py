@@ -10,6 +10,7 @@ context-coherent mode), the norm before the feed-forward block, and the block's 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 
@@ -154,6 +155,10 @@ class RankModel:
                 raise ModelError(f"decoder block {layer} has no norm before its MoE block among {FFN_NORM_NAMES}")
         if any(a is None for a in self.attention):
             raise ModelError(f"a decoder block has no attention module among {ATTENTION_NAMES}")
+        # transformers 5.24 renamed the cache keyword and output field `past_key_values` to `cache`
+        # (the old name still works there, with a deprecation warning, until 5.40)
+        self.cache_kwarg = "cache" if kind != "tiny_moe" and "cache" in inspect.signature(model.forward).parameters \
+            else "past_key_values"
 
     def forward(self, ids, positions, key_mask, cache):
         """Logits [B, S, V] and the cache to pass next time, for ids/positions [B, S], key_mask [B, P + S]."""
@@ -161,8 +166,8 @@ class RankModel:
             cache = [] if cache is None else cache
             return self.model.forward_incremental(ids, positions, cache, key_mask), cache
         out = self.model(input_ids=ids, attention_mask=key_mask.to(torch.int64), position_ids=positions,
-                         past_key_values=cache, use_cache=True)
-        return out.logits, out.past_key_values
+                         use_cache=True, **{self.cache_kwarg: cache})
+        return out.logits, getattr(out, self.cache_kwarg)
 
 
 def _load_dense(model, dense: dict, containers: list, kind: str) -> tuple:
