@@ -194,17 +194,17 @@ def corpus_runs(case) -> list:
     ]
 
 
-def run_corpus_case(case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0, only=None) -> list:
-    """Every row of `corpus_runs` on one corpus case: planned on `plan_trace`, scored on `score_trace`.
+def corpus_placements(case, plan_trace, time_limit: float, log, effort: float = 1.0, only=None):
+    """Yield (label, placement, seconds, cpu_seconds) for every row of `corpus_runs` on one corpus
+    case, planned on `plan_trace`.
 
     A row whose default cap (1.1 x mean) is infeasible (a hot expert alone exceeds it) is rerun
     at EPLB's max load + 5% per layer, for chain and ilp alike, and labelled so."""
     from moeplan.passes.optimize.placement.decision import Placement, Topology
-    from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
-    rows = []
     for label, kind, options in corpus_runs(case):
         if only and not any(label.startswith(o) for o in only):
             continue
@@ -225,16 +225,21 @@ def run_corpus_case(case, plan_trace, score_trace, time_limit: float, log, effor
             except UserError as exc:
                 log(f"  {case.name} {attempt_label}: {exc}")
                 continue
+            yield attempt_label, placement, time.perf_counter() - start, time.process_time() - cpu_start
             break
-        else:
-            continue
-        seconds = time.perf_counter() - start
-        cpu_seconds = time.process_time() - cpu_start
-        row = {**placement_row(case.name, attempt_label, placement, evaluate_placement(placement, score_trace), seconds),
+
+
+def run_corpus_case(case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0, only=None) -> list:
+    """Every row of `corpus_runs` on one corpus case (`corpus_placements`), scored on `score_trace`."""
+    from moeplan.passes.optimize.placement.policies import evaluate_placement
+
+    rows = []
+    for label, placement, seconds, cpu_seconds in corpus_placements(case, plan_trace, time_limit, log, effort, only):
+        row = {**placement_row(case.name, label, placement, evaluate_placement(placement, score_trace), seconds),
                "cpu_seconds": cpu_seconds,
                "plan_max_over_mean_load": evaluate_placement(placement, plan_trace)["max_over_mean_load"]}
         rows.append(row)
-        log(f"  {case.name:22s} {attempt_label:30s} " + row_summary(row)
+        log(f"  {case.name:22s} {label:30s} " + row_summary(row)
             + (f"  stopped_by {row['stopped_by']}" if row["stopped_by"] else "")
             + f"  (planning half max/mean {row['plan_max_over_mean_load']:.4f}, cpu {cpu_seconds:.1f}s)")
     return rows
