@@ -16,8 +16,8 @@ Hardware: `h100-sxm` (published specifications; 2 x 4 or 8 x 8 GPUs as the case'
 the same profile with no per-call overhead (`h100-sxm, no op overhead`): the runtime's exchange makes
 a dozen torch calls per peer and call, which at 64 ranks outweighs the bytes; without them, what
 is left is bytes and message latency, the part a placement can change (as in a fused all-to-all
-kernel). Workloads as benchmarks/cost_at_scale.py: 256 requests x 16 prompt + 4 new tokens on 8
-GPUs, 512 x 4 + 3 on 64 (`--workload` for every case).
+kernel). Workloads as benchmarks/cost_at_scale.py: 256 requests x 16 prompt + 4 new tokens on 4
+and 8 GPUs, 512 x 4 + 3 on the DeepSeek-V3-shaped cases' 64 (`--workload` for every case).
 
     python benchmarks/placement_deployment.py [--corpus-cases mixtral deepseek] [--policies eplb ilp] [--json]
 
@@ -39,7 +39,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "examples" / "configs"
 ROWS = ("contiguous", "eplb", "ilp")  # corpus rows (label prefixes) priced by default
-WORKLOADS = {8: "256x16+4", 64: "512x4+3"}  # by GPU count, as benchmarks/cost_at_scale.py
 HARDWARE = "h100-sxm"
 
 
@@ -99,11 +98,12 @@ def run_case(case, args, scratch: Path, log) -> list:
 
     plan_trace, held_out = split_by_sequence(load_case_trace(case, log))
     shape = deployment_shape(deployment_config(case, plan_trace), scratch)
-    workload = parse_workload(args.workload or WORKLOADS.get(case.nodes * case.gpus_per_node, "256x16+4"))
+    workload = parse_workload(args.workload or ("512x4+3" if case.deepseek_shaped else "256x16+4"))
+    hardware_profiles = profiles()
     rows = []
     for label, placement, _, _ in corpus_placements(case, plan_trace, args.time_limit, log, args.effort, args.policies):
         score = evaluate_placement(placement, held_out)
-        for hw_label, hardware in profiles().items():
+        for hw_label, hardware in hardware_profiles.items():
             row = {"case": case.name, "policy": label, "hardware": hw_label,
                    "gpu_local_fraction": score["gpu_local_fraction"], "max_over_mean_load": score["max_over_mean_load"],
                    **price(placement, shape, workload, held_out, hardware)}
@@ -111,7 +111,7 @@ def run_case(case, args, scratch: Path, log) -> list:
             log(f"  {case.name:22s} {label:32s} {hw_label:26s} gpu-local {row['gpu_local_fraction']:.4f} "
                 f"max/mean {row['max_over_mean_load']:.4f}  standard {row['standard']['tokens_per_second']:9.1f} tok/s "
                 f"coherent {row['coherent']['tokens_per_second']:9.1f} tok/s")
-    for hw_label in profiles():
+    for hw_label in hardware_profiles:
         base = next((r for r in rows if r["hardware"] == hw_label and r["policy"] == f"eplb+{case.redundant}"), None)
         for r in rows:
             if r["hardware"] == hw_label:
