@@ -42,20 +42,21 @@ ROWS = ("contiguous", "eplb", "ilp")  # corpus rows (label prefixes) priced by d
 HARDWARE = "h100-sxm"
 
 
+# trained architecture -> (production config, its key for routed experts, keys set to the layer count)
+PRODUCTION = {
+    "qwen3_moe": ("qwen3-30b-a3b.json", "num_experts", ("num_hidden_layers", "max_window_layers")),
+    "olmoe": ("olmoe-1b-7b.json", "num_experts", ("num_hidden_layers",)),
+    "mixtral": ("mixtral-8x7b.json", "num_local_experts", ("num_hidden_layers",)),
+}
+
+
 def deployment_config(case, trace) -> dict:
     """The production config the case's routing is priced on (module docstring)."""
     if case.deepseek_shaped:
         return json.loads((CONFIGS / "deepseek-v3.json").read_text())
-    arch = case.source.get("trained", {}).get("arch", "mixtral")
-    E, k, L = trace.num_experts, trace.top_k, trace.num_layers
-    if arch == "qwen3_moe":
-        return {**json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()), "num_experts": E,
-                "num_experts_per_tok": k, "num_hidden_layers": L, "max_window_layers": L}
-    if arch == "olmoe":
-        return {**json.loads((CONFIGS / "olmoe-1b-7b.json").read_text()), "num_experts": E,
-                "num_experts_per_tok": k, "num_hidden_layers": L}
-    return {**json.loads((CONFIGS / "mixtral-8x7b.json").read_text()), "num_local_experts": E,
-            "num_experts_per_tok": k, "num_hidden_layers": L}
+    name, experts_key, layer_keys = PRODUCTION[case.source.get("trained", {}).get("arch", "mixtral")]
+    return {**json.loads((CONFIGS / name).read_text()), experts_key: trace.num_experts,
+            "num_experts_per_tok": trace.top_k, **dict.fromkeys(layer_keys, trace.num_layers)}
 
 
 def deployment_shape(config: dict, scratch: Path):
@@ -91,6 +92,7 @@ def price(placement, shape, workload, held_out, hardware) -> dict:
 
 
 def run_case(case, args, scratch: Path, log) -> list:
+    """Rows of one corpus case: each placement planned on the first half, priced on the second under every profile."""
     from placement import corpus_placements, split_by_sequence
     from placement_corpus import load_case_trace
     from moeplan.passes.optimize.placement.policies import evaluate_placement
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus-cases", nargs="*", default=None, help="corpus cases whose name contains one of these")
     parser.add_argument("--policies", nargs="*", default=list(ROWS), help="corpus rows whose label starts with one of these")
-    parser.add_argument("--workload", default=None, help="REQUESTSxPROMPT+NEW for every case (default: by GPU count)")
+    parser.add_argument("--workload", default=None, help="REQUESTSxPROMPT+NEW for every case (default: 512x4+3 DeepSeek-V3-shaped, else 256x16+4)")
     parser.add_argument("--time-limit", type=float, default=3000.0, help="ilp safety-net time limit per row (seconds)")
     parser.add_argument("--effort", type=float, default=1.0)
     parser.add_argument("--json", action="store_true")
