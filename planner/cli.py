@@ -47,6 +47,7 @@ def main():
 def _register():
     from moeplan.planner.commands.calibrate import calibrate_cmd
     from moeplan.planner.commands.codegen import codegen
+    from moeplan.planner.commands.diff import diff
     from moeplan.planner.commands.compile import compile_cmd
     from moeplan.planner.commands.export_onnx import export_onnx_cmd
     from moeplan.planner.commands.inspect import inspect
@@ -60,7 +61,7 @@ def _register():
     from moeplan.planner.output_guard import guard_command
 
     for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd, calibrate_cmd,
-                    report):
+                    report, diff):
         guard_command(command)
         main.add_command(command)
 
