@@ -48,14 +48,14 @@ def render(plan: dict, data: bytes, plan_path: Path, traces: list) -> str:
     return build_report(plan, data, facts)
 
 
-def write_bundle_report(bundle: Path, traces: list) -> None:
+def write_bundle_report(bundle: Path, traces: list) -> dict:
     """`compile --report`: the bundle's report.html, then its manifest (and signature) rewritten to list it."""
     from moeplan.backends.common.manifest import write_manifest
     from moeplan.planner.atomic import write_text_atomic
 
     plan, data, plan_path = read_plan_document(bundle)
     write_text_atomic(bundle / REPORT_NAME, render(plan, data, plan_path, traces), kind="report")
-    write_manifest(bundle)
+    return write_manifest(bundle)
 
 
 @click.command("report")

@@ -39,7 +39,7 @@ def to_svg(fig, figure_id: str) -> str:
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
     text = buf.getvalue()
     start = text.index("<svg")
-    svg = text[start:].strip()
+    svg = re.sub(r"<metadata>.*?</metadata>\s*", "", text[start:].strip(), flags=re.S)
     # ids matplotlib does not salt (e.g. the figure's own patch): prefix every id and its references
     svg = re.sub(r'id="([^"]+)"', lambda m: f'id="{figure_id}-{m.group(1)}"', svg)
     svg = re.sub(r'url\(#([^)]+)\)', lambda m: f'url(#{figure_id}-{m.group(1)})', svg)
@@ -142,4 +142,25 @@ def scatter(figure_id: str, groups: dict, xlabel: str, ylabel: str) -> str:
     ax.grid(True, linewidth=0.3, alpha=0.5)
     if len(groups) > 1:
         ax.legend(fontsize=7, frameon=False, ncols=min(len(groups), 8), loc="lower left", bbox_to_anchor=(0, 1.0))
+    return to_svg(fig, figure_id)
+
+
+def stages(figure_id: str, labels: list, latency: list, cost: list, reference: float | None) -> str:
+    """Left: each stage's latency as a bar and the running total as a line against `reference` (the SLO);
+    right: each stage's cost. Stages top to bottom in order."""
+    fig, (ax, bx) = _figure(0.8 + 0.22 * max(len(labels), 1), ncols=2)
+    y = np.arange(len(labels))
+    colours = [PALETTE[0] if lab.startswith("MoE") else PALETTE[1] for lab in labels]
+    ax.barh(y, latency, color=colours, height=0.6)
+    ax.plot(np.cumsum(latency), y, color="#333333", linewidth=1.0, marker="o", markersize=2.5, label="running total")
+    if reference is not None:
+        ax.axvline(reference, color="#d62728", linewidth=1.0, linestyle="--", label="SLO")
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds", fontsize=8)
+    ax.legend(fontsize=7, frameon=False, loc="lower right")
+    bx.barh(y, np.asarray(cost) * 1e6, color=colours, height=0.6)
+    bx.set_yticks(y, [""] * len(labels))
+    bx.invert_yaxis()
+    bx.set_xlabel("cost per batch (1e-6 $)", fontsize=8)
     return to_svg(fig, figure_id)

@@ -229,14 +229,13 @@ def lambda_sections(plan: dict, facts: dict) -> list:
     labels = [s["stage"] for s in stages]
     cumulative = np.cumsum([s["latency_s"] for s in stages])
     fig2 = Figure("stages", "Latency and cost per stage against the SLO", (
-        f"Each stage of one batch in order (dense functions and MoE layers); bars: latency, summing to the batch's "
-        f"predicted latency, dashed: the SLO ({fmt(slo)} s)."),
-        charts.stacked_bars("stages", ["batch"], {s["stage"]: [s["latency_s"]] for s in stages}, "seconds",
-                            reference=slo, reference_label="SLO"),
+        f"Each stage of one batch in order (dense functions in yellow, MoE layers in blue): left, its latency and the running "
+        f"total against the SLO ({fmt(slo)} s, dashed); right, its billed cost (dense stages billed per invocation here, so "
+        "their sum can differ from the plan's dense cost, which bills them together, by the rounding of billed time)."),
+        charts.stages("stages", labels, [s["latency_s"] for s in stages], [s["cost_usd"] for s in stages], slo),
         Table(["stage", "latency s", "cumulative s", "cost $"],
               [[s["stage"], Num(s["latency_s"]), Num(float(c)), Num(s["cost_usd"])] for s, c in zip(stages, cumulative)]
               + [["total", Num(float(cumulative[-1])) if len(cumulative) else "", "", Num(sum(s["cost_usd"] for s in stages))]]))
-    del labels
     return [Section("lambda", "Functions and stages", [fig1, fig2])]
 
 
