@@ -28,7 +28,11 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 
 def run(args):
+    import traceback
+
     result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        return result.exit_code, result.output + "".join(traceback.format_exception(result.exception))
     return result.exit_code, result.output
 
 
@@ -130,7 +134,7 @@ def test_summary_states_the_reasons_the_plan_records(plans):
     std, coh = cost["modes"]["standard"]["seconds_per_token"], cost["modes"]["coherent"]["seconds_per_token"]
     chosen, other = (("standard", coh) if cost["mode"] == "standard" else ("coherent", std))
     assert f"auto chose {chosen}: predicted {fmt(cost['modes'][chosen]['seconds_per_token'], 1e3)} vs {fmt(other, 1e3)} ms/token" in page
-    assert f"on {cost['hardware']}" in page
+    assert f"on {cost['hardware']}" in page and "hardware profile (predictions)" in page
     assert len(cost["alternatives"]) >= 3 and all(a["label"] in page for a in cost["alternatives"])
     assert "Predicted beside re-scored on held-out traffic" in page  # torchrun's page had a held-out trace
     assert "Serving capacity" in page

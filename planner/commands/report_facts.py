@@ -278,7 +278,9 @@ def _cost_on(plan: dict, hosts, gpus_per_node: int, trace, notes: list):
     from moeplan.planner.pipeline.cost import parse_workload, shape_of_plan
 
     cost = plan["predicted"]["cost"]
-    name = cost.get("hardware")
+    from moeplan.planner.report.summary import hardware_name
+
+    name = hardware_name(plan)
     if name not in BUILTIN and not Path(str(name)).is_file():
         notes.append(f"time not re-scored: the plan's hardware profile '{name}' is not a built-in profile or a file here")
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from moeplan.planner.report.summary import at
+from moeplan.planner.report.summary import at, hardware_name
 
 ALIASES = ("seconds_per_token", "bytes_per_token", "cost", "latency", "throughput", "hit_ratio", "max_over_mean_load",
            "gpu_local_fraction", "node_local_fraction")
@@ -75,7 +75,7 @@ def decisions(plan: dict) -> dict:
            "trace_sha256": at(plan, "inputs.trace_sha256"),
            "topology": f"{at(plan, 'topology.nodes')}x{at(plan, 'topology.gpus_per_node')}",
            "placement.policy": at(plan, "placement.policy"), "communication.mode": at(plan, "communication.mode"),
-           "hardware": at(plan, "predicted.cost.hardware") or at(plan, "topology.hardware"),
+           "hardware": hardware_name(plan) or at(plan, "topology.hardware"),
            "workload": at(plan, "predicted.cost.workload")}
     chosen = [a.get("label") for a in at(plan, "predicted.cost.alternatives") or [] if a.get("chosen")]
     if chosen:

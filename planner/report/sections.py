@@ -10,7 +10,7 @@ import numpy as np
 
 from moeplan.planner.report import charts
 from moeplan.planner.report.page import Figure, Note, Num, Section, Table, fmt
-from moeplan.planner.report.summary import MS, at, num
+from moeplan.planner.report.summary import MS, at, hardware_name, num
 
 EXCHANGES = ("dispatch", "combine", "merge", "context", "token_sync")
 TIERS = ("call", "same_node", "other_node")
@@ -113,7 +113,7 @@ def time_breakdown(plan: dict) -> list:
     for t in TIERS:
         by_tier[TIER_NAMES[t]] = [sum(at(plan, f"{p}.exchange_seconds_per_token.{k}.{t}") or 0.0 for k in EXCHANGES) * MS
                                   for _, p in cands]
-    hw = at(plan, "predicted.cost.hardware")
+    hw = hardware_name(plan)
     fig1 = Figure("time-by-kind", "Time per token by exchange kind",
                   f"Predicted milliseconds per generated token on the {hw} profile (workload {at(plan, 'predicted.cost.workload')}): "
                   "compute, then each exchange the runtime makes, for the chosen placement in both modes and every other candidate "

@@ -21,6 +21,15 @@ def at(plan: dict, path: str):
     return node
 
 
+def hardware_name(plan: dict) -> str:
+    """The profile that priced the plan's predictions (`predicted.cost.hardware`: a name, or a
+    record with a name where the plan keeps more about the profile and its calibration)."""
+    hw = at(plan, "predicted.cost.hardware")
+    if isinstance(hw, dict):
+        return str(hw.get("name", ""))
+    return "" if hw is None else str(hw)
+
+
 def num(plan: dict, path: str, scale: float = 1.0, unit: str = "", digits: int = 4) -> Num:
     return Num(at(plan, path), path, scale, digits, unit)
 
@@ -46,7 +55,11 @@ def inputs_table(plan: dict) -> Table:
         rows.append(["options", _options_text(at(plan, "inputs.options"))])
     cost = at(plan, "predicted.cost")
     if isinstance(cost, dict):
-        rows.append(["hardware profile (predictions)", str(cost.get("hardware", ""))])
+        rows.append(["hardware profile (predictions)", hardware_name(plan)])
+        if isinstance(cost.get("hardware"), dict):
+            rows += [[f"hardware.{k}", num(plan, f"predicted.cost.hardware.{k}") if isinstance(v, (int, float))
+                      and not isinstance(v, bool) else (_options_text(v) if isinstance(v, dict) else str(v))]
+                     for k, v in sorted(cost["hardware"].items()) if k != "name"]
         rows.append(["workload (requests x prompt + new tokens)", str(cost.get("workload", ""))])
         for key in sorted(cost):  # what the plan records about the profile's calibration, whatever its keys
             if key != "hardware" and any(w in key for w in ("hardware", "calibrat", "profile")):
@@ -73,7 +86,7 @@ def _policy_reason(plan: dict, tie: float) -> str:
     requested = at(plan, "inputs.options.policy")
     if requested != "auto" or not alts:
         return f"requested (--policy {requested or at(plan, 'placement.policy')})"
-    hw = at(plan, "predicted.cost.hardware")
+    hw = hardware_name(plan)
     chosen = next((a for a in alts if a.get("chosen")), alts[0])
     others = sorted((a for a in alts if not a.get("chosen")), key=lambda a: a["seconds_per_token"])
     text = (f"auto priced {len(alts)} candidates on {hw}: {chosen['label']} at {fmt(chosen['seconds_per_token'], MS)} ms/token "
@@ -95,7 +108,7 @@ def _mode_reason(plan: dict, tie: float) -> str:
     if other is None:
         return f"auto: only {chosen} was priced"
     return (f"auto chose {chosen}: predicted {fmt(modes[chosen]['seconds_per_token'], MS)} vs "
-            f"{fmt(modes[other]['seconds_per_token'], MS)} ms/token ({other}) on {cost.get('hardware')}; "
+            f"{fmt(modes[other]['seconds_per_token'], MS)} ms/token ({other}) on {hardware_name(plan)}; "
             f"coherent must be more than {tie:.0%} faster to be chosen")
 
 
