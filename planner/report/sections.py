@@ -29,7 +29,7 @@ def placement_map(plan: dict, facts: dict) -> Figure:
     layers = at(plan, "placement.layers") or []
     D = len(layers[0]["devices"]) if layers else 0
     loads = facts.get("device_load")  # [L, D] / mean, or None
-    counts = [[{} for _ in range(D)] for _ in layers]
+    counts = [[0] * D for _ in layers]
     copies = [dict() for _ in layers]
     for l, layer in enumerate(layers):
         for d, experts in enumerate(layer["devices"]):

@@ -114,7 +114,8 @@ def _mode_reason(plan: dict, tie: float) -> str:
 
 def torchrun_decisions(plan: dict, tie: float) -> Table:
     label = next((a["label"] for a in at(plan, "predicted.cost.alternatives") or [] if a.get("chosen")), None)
-    rows = [["placement policy", f"{at(plan, 'placement.policy')}" + (f" ({label})" if label else "")
+    policy = at(plan, "placement.policy")
+    rows = [["placement policy", f"{policy}" + (f" ({label})" if label and label != policy else "")
              + f", {at(plan, 'placement.metrics.redundant') or 0} redundant slot(s)", _policy_reason(plan, tie)],
             ["communication mode", str(at(plan, "communication.mode")), _mode_reason(plan, tie)],
             ["gating", str(at(plan, "communication.gating")), "replicas chosen per token at run time (the runtime's rule)"]]
