@@ -6,6 +6,7 @@ appears at --out only when every pass succeeded. `--json` prints a summary objec
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -106,11 +107,13 @@ def describe(summary: dict) -> str:
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @click.option("--sign-key", type=click.Path(dir_okay=False), default=None,
               help="ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)")
+@click.option("--report", "with_report", is_flag=True,
+              help="also write report.html into the bundle (moeplan report; the manifest lists it)")
 @offload_options
 @weights_options
 @output_options
 def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, storage_class, with_kubernetes, out, sign_key,
-                as_json, quiet, hardware, workload, weights, **flags):
+                as_json, quiet, hardware, workload, weights, with_report=False, **flags):
     """Compile MODEL with its routing trace into a deployable bundle."""
     signer = _signer(sign_key, target)
     offload = pop(flags, OFFLOAD_FLAGS)  # issue 13: per-rank expert caches (--gpu-memory / --expert-cache)
@@ -123,9 +126,14 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
     if target in ("sglang", "trtllm"):  # serving-engine placement files: planner/commands/engine_compile.py
         from moeplan.planner.commands.engine_compile import compile_engine
 
-        return compile_engine(model, trace_path, target, nodes, gpus_per_node, pop(flags, PLACEMENT_FLAGS), with_kubernetes,
-                              image, out, as_json, quiet, ignored={"mode": mode, "storage_class": storage_class, "hardware": hardware,
-                                                                    "workload": workload, **flags})
+        compile_engine(model, trace_path, target, nodes, gpus_per_node, pop(flags, PLACEMENT_FLAGS), with_kubernetes,
+                       image, out, as_json, quiet, ignored={"mode": mode, "storage_class": storage_class, "hardware": hardware,
+                                                             "workload": workload, **flags})
+        if with_report:  # issue 31: the bundle's own report.html
+            from moeplan.planner.commands.report import write_bundle_report
+
+            write_bundle_report(Path(out), [trace_path])
+        return
     if with_kubernetes:
         raise UserError("--kubernetes applies to --target sglang; the torchrun bundle has --target kubernetes")
     if weights != "copy" and target not in ("torchrun", "kubernetes"):
@@ -139,6 +147,10 @@ def compile_cmd(model, trace_path, target, nodes, gpus_per_node, mode, image, st
     from moeplan.planner.pipeline.targets import run_target
 
     facts, timings = run_target(target, facts, quiet=quiet or as_json)
+    if with_report:  # issue 31: the bundle's own report.html, listed in its manifest before any signature
+        from moeplan.planner.commands.report import write_bundle_report
+
+        facts["manifest"] = write_bundle_report(Path(out), [trace_path])
     signer(out)
     summary = summary_of(facts["plan"], out, timings, facts["manifest"])
     if as_json:
