@@ -108,9 +108,11 @@ def library_pins(arch: str) -> dict:
 
 def requirements(arch: str) -> str:
     """requirements.txt of a bundle: what its runtime imports, with the model library pinned."""
+    import numpy
     import safetensors
     import torch
 
-    lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
+    lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
+             f"numpy=={numpy.__version__}"]  # the replica rule (runtime/expert_table.py) is numpy
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
     return "\n".join(lines) + "\n"

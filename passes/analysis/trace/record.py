@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import Trace, make_trace
 from moeplan.planner.errors import UserError
 
@@ -192,12 +193,6 @@ def find_hook_points(module) -> HookPoints:
 # Running one batch
 
 
-def _heaviest_first(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder each row's choices by weight, descending; ties keep the router's order."""
-    order = np.argsort(-weights, axis=-1, kind="stable")
-    return np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
-
-
 def attention_argmax_ids(probs: np.ndarray, input_ids: np.ndarray) -> np.ndarray:
     """[B, S] vocabulary ids of the key each query attends to most (probs summed over heads).
 
@@ -262,7 +257,7 @@ def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray):
             last_attention = value
             continue
         ids, w = value
-        ids, w = _heaviest_first(ids.reshape(B * S, -1), w.reshape(B * S, -1))
+        ids, w = heaviest_first(ids.reshape(B * S, -1), w.reshape(B * S, -1))
         experts.append(ids)
         weights.append(w)
         if last_attention is None:
@@ -398,7 +393,7 @@ def _batch_runner(loaded) -> Callable[[np.ndarray], tuple]:
 
         def run_onnx(input_ids):
             out = record_onnx_routing(loaded.onnx_path, input_ids)
-            ids, w = _heaviest_first(np.asarray(out["experts"], dtype=np.int64),
+            ids, w = heaviest_first(np.asarray(out["experts"], dtype=np.int64),
                                      np.asarray(out["weights"], dtype=np.float32))
             attention_ids = out.get("attention_ids")
             return ids, w, None if attention_ids is None else np.asarray(attention_ids)

@@ -26,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.planner.errors import UserError
 
 _CACHE_SIZE = 2
@@ -181,9 +182,9 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
                 w = out[gate.weights].reshape(-1, gate.top_k)
         if ids.shape[0] != tokens:
             raise UserError(f"{path}: MoE layer {layer} routed {ids.shape[0]} tokens, expected {tokens} (batch x sequence)")
-        order = np.argsort(-w, axis=-1, kind="stable")
-        experts.append(np.take_along_axis(ids.astype(np.int64), order, -1))
-        weights.append(np.take_along_axis(w.astype(np.float32), order, -1))
+        ids, w = heaviest_first(ids.astype(np.int64), w.astype(np.float32))
+        experts.append(ids)
+        weights.append(w)
     attention_ids = None
     if plan.attention is not None:
         attention_ids = np.stack(
