@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     from moeplan.passes.analysis.cost_model import ModelShape, routing_from_trace
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.importers import load_model
     from moeplan.planner.pipeline.cost import parse_workload

@@ -110,7 +110,7 @@ def row_summary(row: dict) -> str:
 
 def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0) -> list:
     from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.planner.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
@@ -155,8 +155,8 @@ def chain_placement(trace, topology, redundant: int, balance: float, balance_bas
     """The layer-chain MILP baseline (`placement/layer_chain.py`) under the ilp's cap for the same options."""
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps
-    from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
+    from moeplan.passes.optimize.placement.algorithms.ilp import eplb_replicas_and_caps
+    from moeplan.passes.optimize.placement.local_search.layer_mip import layer_chain_placement
 
     loads = trace.expert_loads().astype(np.float64)
     D = topology.devices
@@ -200,7 +200,7 @@ def corpus_placements(case, plan_trace, time_limit: float, log, effort: float = 
 
     A row whose default cap (1.1 x mean) is infeasible (a hot expert alone exceeds it) is rerun
     at EPLB's max load + 5% per layer, for chain and ilp alike, and labelled so."""
-    from moeplan.passes.optimize.placement.decision import Placement, Topology
+    from moeplan.passes.optimize.placement.contract import Placement, Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.errors import UserError
 

@@ -92,11 +92,11 @@ def main(argv=None) -> int:
     from placement import split_by_sequence
     from placement_corpus import CORPUS, DEEPSEEK_DRIFT, load_case_trace
     from moeplan.passes.analysis.affinity import transition_counts
-    from moeplan.passes.optimize.placement.bound import dual_bound
+    from moeplan.passes.optimize.placement.bounds.pairwise import dual_bound
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.decision import Placement, Topology
-    from moeplan.passes.optimize.placement.eplb import eplb_placement
-    from moeplan.passes.optimize.placement.ilp import staged_placement
+    from moeplan.passes.optimize.placement.contract import Placement, Topology
+    from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
+    from moeplan.passes.optimize.placement.algorithms.ilp import staged_placement
     from moeplan.passes.optimize.placement.policies import evaluate_placement
 
     case = next(c for c in CORPUS if c.name == "deepseek-v3 drift")

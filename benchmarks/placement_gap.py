@@ -44,9 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def gap_row(case, plan_trace, effort: float, time_limit: float, log, redundant: int, pair_nodes: int = 0) -> dict:
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-    from moeplan.passes.optimize.placement.relaxed_routing import colocation_cross, free_routing_cross
+    from research.relaxed_routing import colocation_cross, free_routing_cross
     from moeplan.planner.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
@@ -77,8 +77,8 @@ def pair_milp_columns(plan_trace, hosts, topology, cap_rule, objective: float, b
     """The --pair-milp columns (module docstring) for a placement without replicas, hosts bool [L, E, D]."""
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.milp import relative_gap
-    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps
-    from moeplan.passes.optimize.placement.pair_milp import pair_cross_milp
+    from moeplan.passes.optimize.placement.algorithms.ilp import eplb_replicas_and_caps
+    from research.pair_milp import pair_cross_milp
 
     start = time.perf_counter()
     counts = transition_counts(plan_trace, "current")

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.optimize.offload.next_use import fit_next_use
 from moeplan.passes.optimize.offload.policies import make_policy
 from moeplan.passes.optimize.offload.prefetch import make_prefetcher

@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, transition_lower_bound
+from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, transition_lower_bound
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.chain_bound import best_columns, chain_bound_applies, chain_configuration_bound
-from moeplan.passes.optimize.placement.decision import Topology
+from moeplan.passes.optimize.placement.bounds.chain import best_columns, chain_bound_applies, chain_configuration_bound
+from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
 from test_placement_routed import layer_options, random_trace
 

@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.held_out_repair import repair_expected_max
+from moeplan.passes.optimize.placement.local_search.held_out_repair import repair_expected_max
 
 
 def expected_max(x, loads, scenarios):

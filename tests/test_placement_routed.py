@@ -7,13 +7,13 @@ from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, source_token_caps, transition_lower_bound
-from moeplan.passes.optimize.placement.decision import Topology
-from moeplan.passes.optimize.placement.eplb import replica_counts
-from moeplan.passes.optimize.placement.ilp import initial_hosts, layer_caps
-from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
+from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, source_token_caps, transition_lower_bound
+from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
+from moeplan.passes.optimize.placement.algorithms.ilp import initial_hosts, layer_caps
+from moeplan.passes.optimize.placement.local_search.layer_mip import layer_chain_placement
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.routed import (RoutedTrace, devices_after, local_transitions, routed_chain, routed_polish,
+from moeplan.passes.optimize.placement.local_search.routed import (RoutedTrace, devices_after, local_transitions, routed_chain, routed_polish,
                                                       routed_tables)
 from moeplan.planner.errors import UserError
 
@@ -107,7 +107,7 @@ def test_routed_polish_only_improves_and_keeps_every_constraint(seed, redundant)
 def test_routed_polish_solves_a_layer_mip_once_per_distinct_input(monkeypatch):
     """A second polish of the same start on the same trace (what the held-out walk's rounds do to
     layers the walk left alone) reuses the first polish's proposals: the same placement, no new solve."""
-    import moeplan.passes.optimize.placement.routed as routed_module
+    import moeplan.passes.optimize.placement.local_search.routed as routed_module
 
     trace, topology, loads, replicas, caps, slots = setup(3, 4)
     routed = RoutedTrace.from_trace(trace, topology.gpus_per_node)

@@ -10,7 +10,7 @@ from moeplan.planner.pipeline.common import TRACE
 
 
 def _placement(facts):
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     topo = facts["topology"]

@@ -21,14 +21,14 @@ import numpy as np
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import relative_gap
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, source_token_caps
+from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, source_token_caps
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT, WorkBudget
-from moeplan.passes.optimize.placement.eplb import eplb_placement
+from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
 from moeplan.passes.optimize.placement.held_out import load_scenarios
-from moeplan.passes.optimize.placement.ilp import BALANCE_BASES, staged_placement
+from moeplan.passes.optimize.placement.algorithms.ilp import BALANCE_BASES, staged_placement
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.routed import RoutedTrace
-from moeplan.passes.optimize.placement.decision import Placement, Topology
+from moeplan.passes.optimize.placement.local_search.routed import RoutedTrace
+from moeplan.passes.optimize.placement.contract import Placement, Topology
 from moeplan.planner.errors import UserError
 
 POLICIES = ("ilp", "eplb", "contiguous")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.milp import Rows, solve_milp
-from moeplan.passes.optimize.placement.joint import assignment_rows
+from moeplan.passes.optimize.placement.local_search.joint import assignment_rows
 
 
 def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float, cap_to: float,

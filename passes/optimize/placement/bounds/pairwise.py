@@ -33,7 +33,7 @@ from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import Rows, solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.chain_bound import chain_configuration_bound
+from moeplan.passes.optimize.placement.bounds.chain import chain_configuration_bound
 
 LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
 CAPPED_LP_COLUMNS = 200_000  # observed pairs given the load-capped LP too, at effort 1 (all of them at 8 GPUs)

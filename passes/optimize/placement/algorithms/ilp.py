@@ -44,15 +44,15 @@ import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.eplb import balanced_packing
-from moeplan.passes.optimize.placement.exchanges import repair_exchanges, steepest_exchanges
-from moeplan.passes.optimize.placement.gpu_sweeps import WALK_SWEEPS, gpu_sweeps
+from moeplan.passes.optimize.placement.algorithms.eplb import balanced_packing
+from moeplan.passes.optimize.placement.local_search.moves import repair_exchanges, steepest_exchanges
+from moeplan.passes.optimize.placement.local_search.gpu_sweeps import WALK_SWEEPS, gpu_sweeps
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_allowance, held_out_caps
-from moeplan.passes.optimize.placement.held_out_repair import repair_expected_max
-from moeplan.passes.optimize.placement.joint import polish_windows
+from moeplan.passes.optimize.placement.local_search.held_out_repair import repair_expected_max
+from moeplan.passes.optimize.placement.local_search.joint import polish_windows
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
-from moeplan.passes.optimize.placement.reslot import layer_gain_table, reslot_search, tighten
-from moeplan.passes.optimize.placement.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
+from moeplan.passes.optimize.placement.local_search.reslot import layer_gain_table, reslot_search, tighten
+from moeplan.passes.optimize.placement.local_search.routed import (RoutedTrace, routed_chain, routed_polish, routed_swaps,
                                                       routed_value)
 from moeplan.planner.errors import UserError
 
@@ -378,7 +378,7 @@ def check_caps(loads: np.ndarray, replicas: np.ndarray, caps: np.ndarray, device
 def eplb_replicas_and_caps(loads: np.ndarray, devices: int, redundant: int, balance: float, balance_base: str) -> tuple:
     """(int [L, E] EPLB replica counts for E + redundant slots, float [L] per-layer load caps), the caps
     checked achievable (a one-line error names the layer otherwise). loads: float [L, E]."""
-    from moeplan.passes.optimize.placement.eplb import replica_counts
+    from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
 
     L, E = loads.shape
     slots = (E + redundant) // devices

@@ -31,7 +31,7 @@ import numpy as np
 
 from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.layer_chain import CHAIN_NODE_LIMIT, layer_mip
+from moeplan.passes.optimize.placement.local_search.layer_mip import CHAIN_NODE_LIMIT, layer_mip
 
 SWEEPS = 3  # at effort 1; a sweep that gains nothing ends the polish
 MAX_VARIABLES = 4_096  # experts x GPUs per layer MIP at effort 1 (DeepSeek-V3 x 64 GPUs is 16k: skipped)
@@ -230,7 +230,7 @@ def routed_swaps(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps
     (`ilp.improve_by_swaps`) on the routed tables, the node term charged per copy (exact for
     experts with one copy), each layer's result kept only if the trace's exact counts improve.
     Returns (hosts, GPU-local gain)."""
-    from moeplan.passes.optimize.placement.ilp import improve_by_swaps
+    from moeplan.passes.optimize.placement.algorithms.ilp import improve_by_swaps
 
     budget = budget or WorkBudget()
     E, D = hosts.shape[1:]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.reslot import layer_gain_table
+from moeplan.passes.optimize.placement.local_search.reslot import layer_gain_table
 
 SWEEPS = 12  # at effort 1; the drift and planted DeepSeek-V3 traces stop gaining (< 0.1% a sweep) by about 10
 WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`ilp.staged_placement`)
@@ -33,7 +33,7 @@ def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: n
                budget: WorkBudget = None, layers=None, sweeps: int = SWEEPS) -> tuple:
     """Improve bool [L, E, D] hosts (a copy is returned) under float [L] caps; `layers`: the layers
     to visit (default all); `sweeps`: at most this many at effort 1. Returns (hosts, sweeps run)."""
-    from moeplan.passes.optimize.placement.ilp import _objective, improve_by_swaps, repair_by_swaps
+    from moeplan.passes.optimize.placement.algorithms.ilp import _objective, improve_by_swaps, repair_by_swaps
 
     budget = budget or WorkBudget()
     hosts = hosts.copy()

@@ -22,7 +22,7 @@ import scipy.sparse as sp
 
 from moeplan.passes.optimize.milp import solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.eplb import balanced_packing, replica_counts
+from moeplan.passes.optimize.placement.algorithms.eplb import balanced_packing, replica_counts
 from moeplan.planner.errors import UserError
 
 CHAIN_NODE_LIMIT = 200  # branch-and-bound nodes per layer MIP at effort 1

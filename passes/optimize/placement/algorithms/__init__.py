@@ -1,0 +1,1 @@
+"""Placement algorithms (contiguous, eplb, ilp)."""

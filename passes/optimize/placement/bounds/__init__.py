@@ -1,0 +1,1 @@
+"""Lower bounds on the cross-GPU transitions of any placement."""

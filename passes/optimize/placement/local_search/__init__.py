@@ -1,0 +1,1 @@
+"""Local search over placements: the moves and the searches that take them."""
