@@ -77,7 +77,7 @@ def pair_milp_columns(plan_trace, hosts, topology, cap_rule, objective: float, b
     """The --pair-milp columns (module docstring) for a placement without replicas, hosts bool [L, E, D]."""
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.milp import relative_gap
-    from moeplan.passes.optimize.placement.algorithms.ilp import eplb_replicas_and_caps
+    from moeplan.passes.optimize.placement.algorithms.ilp_caps import eplb_replicas_and_caps
     from research.pair_milp import pair_cross_milp
 
     start = time.perf_counter()

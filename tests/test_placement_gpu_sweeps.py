@@ -10,7 +10,9 @@ from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
 from moeplan.passes.optimize.placement.local_search.gpu_sweeps import gpu_sweeps
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, load_scenarios
-from moeplan.passes.optimize.placement.algorithms.ilp import _objective, initial_hosts, reslot_applies, staged_placement
+from moeplan.passes.optimize.placement.algorithms.ilp import reslot_applies, staged_placement
+from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts
+from moeplan.passes.optimize.placement.even_split import placement_value
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads
 from moeplan.passes.optimize.placement.local_search.routed import RoutedTrace
 
@@ -20,7 +22,7 @@ def planted(seed, tokens=3000):
 
 
 def value(counts, hosts):
-    return _objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float))
+    return placement_value(counts, hosts)
 
 
 @settings(max_examples=8, deadline=None)

@@ -32,6 +32,7 @@ import numpy as np
 from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.local_search.layer_mip import CHAIN_NODE_LIMIT, layer_mip
+from moeplan.passes.optimize.placement.local_search.moves import steepest_exchanges
 
 SWEEPS = 3  # at effort 1; a sweep that gains nothing ends the polish
 MAX_VARIABLES = 4_096  # experts x GPUs per layer MIP at effort 1 (DeepSeek-V3 x 64 GPUs is 16k: skipped)
@@ -227,17 +228,15 @@ SWAP_SWEEPS = 1  # at effort 1
 def routed_swaps(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps: np.ndarray,
                  budget: WorkBudget = None) -> tuple:
     """The routed layer step at any scale: steepest exchanges of two copies between GPUs
-    (`ilp.improve_by_swaps`) on the routed tables, the node term charged per copy (exact for
+    (`moves.steepest_exchanges`) on the routed tables, the node term charged per copy (exact for
     experts with one copy), each layer's result kept only if the trace's exact counts improve.
     Returns (hosts, GPU-local gain)."""
-    from moeplan.passes.optimize.placement.algorithms.ilp import improve_by_swaps
-
     budget = budget or WorkBudget()
     E, D = hosts.shape[1:]
     node_of = np.arange(D) // routed.gpus_per_node
 
     def step(l, x, per_copy, g, h):
-        return improve_by_swaps(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
+        return steepest_exchanges(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
                                 budget.scaled(SWAP_MOVES)) > 0
 
     # the stay-only look-ahead here: with the one-copy term the DeepSeek-V3 rows gained 0.002-0.003 of
