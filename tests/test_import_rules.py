@@ -79,3 +79,119 @@ def test_the_rule_checker_sees_imports_inside_functions(tmp_path):
     assert layer_of(Path("backends/runtime/serve.py")) == "runtime"
     assert layer_of(Path("planner/pipeline/torchrun.py")) == "pipeline"
     assert layer_of(Path("planner/importers/resolve.py")) == "core"
+
+
+# Folders whose modules may take part in no import cycle (module-level imports, package __init__ included).
+# Imports inside functions are left out: they run later, so they cannot deadlock a module's initialisation.
+CYCLE_FREE = ("passes/optimize/placement", "passes/analysis/trace", "planner/importers")
+
+
+def module_name(rel: Path) -> str:
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["moeplan"] + parts)
+
+
+def module_level_imports(path: Path, name: str) -> list:
+    """Absolute module names imported when the module at `path` (module `name`) is imported."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes = []
+    for node in tree.body:  # top level, and the branches of top-level if/try blocks
+        nodes.append(node)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            if isinstance(node, (ast.If, ast.Try)):
+                for child in getattr(node, field, []):
+                    nodes += [child] + (child.body if isinstance(child, ast.ExceptHandler) else [])
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out += [f"{base}.{a.name}" for a in node.names]  # a submodule, or a name the module at `base` defines
+    return out
+
+
+def import_graph(root: Path) -> dict:
+    """{module: modules it imports at module level, with the packages those sit in}, internal modules only."""
+    paths = {module_name(p.relative_to(root)): p for folder in ("planner", "passes", "backends")
+             for p in sorted((root / folder).rglob("*.py"))}
+    graph = {}
+    for name, path in paths.items():
+        edges = set()
+        for target in module_level_imports(path, name):
+            while target and target not in paths:  # `from pkg.mod import name`: the module is pkg.mod
+                target = target.rpartition(".")[0]
+            if not target or target == name:
+                continue
+            edges.add(target)  # what the import needs initialised, a package's __init__ included
+            parts = target.split(".")  # the packages above it run first, unless they hold this module
+            edges |= {".".join(parts[:i]) for i in range(2, len(parts))
+                      if ".".join(parts[:i]) in paths and not name.startswith(".".join(parts[:i]) + ".")}
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_among_module_level_imports():
+    owned = tuple("moeplan." + folder.replace("/", ".") for folder in CYCLE_FREE)
+    bad = [c for c in cycles(import_graph(ROOT)) if any(m == o or m.startswith(o + ".") for m in c for o in owned)]
+    assert bad == []
+
+
+def test_the_cycle_checker_finds_a_cycle_through_a_package_init(tmp_path):
+    pkg = tmp_path / "passes" / "demo"
+    pkg.mkdir(parents=True)
+    (tmp_path / "passes" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from moeplan.passes.demo.a import x\n")
+    (pkg / "a.py").write_text("x = 1\ndef f():\n    from moeplan.passes.demo.b import y\n")  # inside a function: no edge
+    (pkg / "b.py").write_text("from moeplan.passes.demo import a\ny = 2\n")
+    (pkg / "c.py").write_text("from . import d\n")
+    (pkg / "d.py").write_text("try:\n    from .c import z\nexcept ImportError:\n    pass\n")
+    graph = import_graph(tmp_path)
+    assert "moeplan.passes.demo.b" not in graph["moeplan.passes.demo.a"]
+    assert cycles(graph) == [["moeplan.passes.demo.c", "moeplan.passes.demo.d"]]  # through `from . import d`
+    # other.py imports demo.b, which first runs demo/__init__, which imports a, which imports other
+    (pkg / "a.py").write_text("from moeplan.passes.other import w\nx = 1\n")
+    (pkg / "b.py").write_text("y = 2\n")
+    (tmp_path / "passes" / "other.py").write_text("from moeplan.passes.demo.b import y\nw = 3\n")
+    assert cycles(import_graph(tmp_path))[0] == ["moeplan.passes.demo", "moeplan.passes.demo.a", "moeplan.passes.other"]
+    # a module that imports a name its own package's __init__ defines, while that __init__ imports the module
+    (pkg / "__init__.py").write_text("x = 0\nfrom moeplan.passes.demo.b import y\n")
+    (pkg / "b.py").write_text("from moeplan.passes.demo import x\ny = 2\n")
+    assert ["moeplan.passes.demo", "moeplan.passes.demo.b"] in cycles(import_graph(tmp_path))

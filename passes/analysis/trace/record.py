@@ -33,7 +33,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.passes.analysis.trace.format import Trace, make_trace
+from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 from moeplan.planner.errors import UserError
 
 DEFAULT_SEQ_LEN = 128
@@ -191,17 +193,6 @@ def find_hook_points(module) -> HookPoints:
 
 # --------------------------------------------------------------------------------------------
 # Running one batch
-
-
-def attention_argmax_ids(probs: np.ndarray, input_ids: np.ndarray) -> np.ndarray:
-    """[B, S] vocabulary ids of the key each query attends to most (probs summed over heads).
-
-    Masked (non-attended) keys have probability 0, so the argmax is always among attended ones;
-    ties go to the earliest position.
-    """
-    summed = probs.sum(axis=1)  # [B, S_q, S_k]
-    best = summed.argmax(axis=-1)  # [B, S_q]
-    return np.take_along_axis(input_ids, best, axis=1)
 
 
 class _Recorder:
@@ -389,12 +380,9 @@ def record_trace(
 def _batch_runner(loaded) -> Callable[[np.ndarray], tuple]:
     """A function running one [B, S] batch of token ids through the model (torch or ONNX)."""
     if loaded.onnx_path:
-        from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
-
         def run_onnx(input_ids):
-            out = record_onnx_routing(loaded.onnx_path, input_ids)
-            ids, w = heaviest_first(np.asarray(out["experts"], dtype=np.int64),
-                                     np.asarray(out["weights"], dtype=np.float32))
+            out = record_onnx_routing(loaded.onnx_path, input_ids)  # heaviest first already
+            ids, w = np.asarray(out["experts"], dtype=np.int64), np.asarray(out["weights"], dtype=np.float32)
             attention_ids = out.get("attention_ids")
             return ids, w, None if attention_ids is None else np.asarray(attention_ids)
         return run_onnx

@@ -12,7 +12,7 @@ the file is untouched) gets extra outputs, and one run returns them beside the l
   is exposed and the op's routing is applied to it (softmax, top-k, optional renormalisation, as
   the op's `normalize_routing_weights` says; ties go to the lower expert id).
 * Attention: the probabilities of the last attention Softmax before each gate, summed over heads;
-  `attention_ids` is the id of the token most attended to (see `trace.attention_argmax_ids`).
+  `attention_ids` is the id of the token most attended to (see `attention_ids.py`).
 
 Sessions are deterministic (one thread, sequential execution, basic graph optimizations only) and
 kept per file, so tracing many batches builds the session once.
@@ -27,7 +27,10 @@ from typing import Optional
 import numpy as np
 
 from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.planner.errors import UserError
+from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
+from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
 _CACHE_SIZE = 2
 _sessions: dict = {}
@@ -69,9 +72,6 @@ def _attention_before(gates, softmaxes, position) -> Optional[tuple]:
 def _build(path: Path):
     import onnx
     import onnxruntime as ort
-
-    from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
-    from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
     load_onnx_model(path)  # one-line errors for unreadable files, before the full load
     model = onnx.load(str(path))
@@ -150,8 +150,6 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
     Returns `experts` int64 [B*S, L, K] (heaviest first), `weights` float32 [B*S, L, K] and
     `attention_ids` int64 [B*S, L] (None when the graph shows no attention before every gate).
     """
-    from moeplan.passes.analysis.trace.record import attention_argmax_ids
-
     path = Path(os.fspath(onnx_path))
     if not path.is_file():
         raise UserError(f"ONNX model {path} not found; check the path")

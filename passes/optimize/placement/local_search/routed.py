@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.passes.analysis.affinity import heaviest_choice, transition_counts
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.local_search.layer_mip import CHAIN_NODE_LIMIT, layer_mip
 from moeplan.passes.optimize.placement.local_search.moves import steepest_exchanges
@@ -54,8 +55,6 @@ class RoutedTrace:
     @classmethod
     def from_trace(cls, trace, gpus_per_node: int, counts: np.ndarray = None) -> "RoutedTrace":
         """counts: the trace's transition counts where the caller has them already."""
-        from moeplan.passes.analysis.affinity import heaviest_choice, transition_counts
-
         counts = transition_counts(trace, "current") if counts is None else counts
         return cls(trace.experts.astype(np.int64), heaviest_choice(trace), trace.num_experts, gpus_per_node, counts)
 
