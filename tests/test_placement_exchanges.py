@@ -1,4 +1,4 @@
-"""The incrementally kept exchange tables (`placement/exchanges.py`) make the moves a full recomputation makes."""
+"""The incrementally kept exchange tables (`local_search/moves.py`) make the moves a full recomputation makes."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 

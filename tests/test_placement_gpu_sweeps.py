@@ -1,4 +1,4 @@
-"""GPU-level exchange sweeps (`placement/gpu_sweeps.py`), the ilp's search at DeepSeek-V3 scale, and
+"""GPU-level exchange sweeps (`local_search/gpu_sweeps.py`), the ilp's search at DeepSeek-V3 scale, and
 `held_out_balance` (caps meant for held-out traffic)."""
 import numpy as np
 from hypothesis import given, settings, strategies as st

@@ -1,4 +1,4 @@
-"""Exchanges that lower the expected held-out max loads directly (`placement/held_out_repair.py`, issue 15)."""
+"""Exchanges that lower the expected held-out max loads directly (`local_search/held_out_repair.py`, issue 15)."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 

@@ -1,6 +1,6 @@
 """One layer pair's placement without replicas, solved as a compact MILP: a bound and its limit.
 
-Why: the reported bound (`bound.py`) is a sum over layer pairs of LP relaxations. Solving each
+Why: the reported bound (`passes/optimize/placement/bounds/pairwise.py`) is a sum over layer pairs of LP relaxations. Solving each
 pair's own placement problem exactly (GPU-indexed binaries, branch and bound) gives the strongest
 bound any pair-by-pair argument can give, and the pair's best placement found caps it: the sum
 over pairs of those best values is an upper limit on every bound that treats the pairs one at a

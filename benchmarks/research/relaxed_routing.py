@@ -1,8 +1,8 @@
 """Cross-GPU transitions of one placement under two relaxations of the metric's routing.
 
-Why: the reported gap compares the metric's cross-GPU count (`metrics.py`: a token sits on one
+Why: the reported gap compares the metric's cross-GPU count (`passes/optimize/placement/metrics.py`: a token sits on one
 copy of its heaviest expert, chosen by where it came from) with a bound. Every bound in
-`bound.py` and `chain_bound.py` bounds a relaxation instead, so part of the gap is the
+`bounds/pairwise.py` and `bounds/chain.py` bounds a relaxation instead, so part of the gap is the
 relaxation, not the solver. For a placement, in increasing order (each a lower bound of the next):
 - `colocation_cross`: a transition a -> b of the counts is local when some GPU hosts a at l and
   b at l+1 (what the LP bounds relax to; a token of a replicated expert may use a different copy

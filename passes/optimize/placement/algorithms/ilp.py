@@ -20,17 +20,17 @@ steepest exchanges; then, once the exchange sweeps stop gaining, (3) the step MI
 warm-started from it. Sweeps alternate direction and never get worse. Stage 1 runs on nodes,
 stage 2 on each node's GPUs (independent subproblems). Two starts (EPLB-style packing, and an
 uncapped GPU-level solve that finds the affinity structure first) each run the same work; the
-better wins. The joint pair-variable model of ExFlow (`placement/joint.py`) then polishes windows
+better wins. The joint pair-variable model of ExFlow (`local_search/joint.py`) then polishes windows
 of layers where it is small enough. Last, the result is valued on the planning trace itself with
-the metric's routing (`placement/routed.py`): the even-split model misjudges replicated experts,
+the metric's routing (`local_search/routed.py`): the even-split model misjudges replicated experts,
 so the staged result and a routed layer chain are both polished by routed layer MIPs and the one
 with more GPU-local transitions wins. At DeepSeek-V3 scale with replicas (where re-slotting
 and the step MIPs do not fit the budget) the stages give way to GPU-level exchange
-sweeps (`placement/gpu_sweeps.py`) from the balanced packing, then routed exchanges. A valid
-bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
+sweeps (`local_search/gpu_sweeps.py`) from the balanced packing, then routed exchanges. A valid
+bound for the whole problem, keeping the load cap, comes from `bounds/pairwise.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
-(`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
+(`budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
 nodes per step MIP. HiGHS runs single-threaded with a fixed seed, so the same inputs give the same
 placement on an idle or a loaded machine. The wall-clock --time-limit is only a safety net: a
 solve it cuts short returns its best placement so far and is marked `stopped_by: time_limit`.
@@ -110,11 +110,11 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     local wins (ties: A); replica runs at DeepSeek-V3 scale run start A only (`sweep_limit`).
     Layers left over their cap (a step that found no fitting solution in its limits) fall back to
     the packing, which fits whenever the cap is achievable by it. Where re-slotting applies
-    (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
-    start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
+    (`reslot_applies`), each start is polished by `local_search/reslot.reslot_search`, and a third
+    start walks B's uncapped solution down to the caps (`reslot.tighten`); the replica
     counts returned are then the solution's own, which may differ from EPLB's rule.
 
-    With `scenarios` (float [S, L, E], `placement/held_out.py`): when the solution's expected
+    With `scenarios` (float [S, L, E], `held_out.py`): when the solution's expected
     held-out max load rises more than EPLB's packing's, the layers concerned get their caps lowered
     by the excess (`held_out.held_out_caps`) and the solution is walked down to them by re-slotting
     moves (`reslot.tighten`, which keeps most of the affinity structure where a solve from scratch
@@ -293,7 +293,7 @@ def _solve_at_scale(problem, topology, packed, slots, routed) -> StagedSolution:
 
 def _routed_finish(best, routed, counts, loads, replicas, caps, packed, budget, solver):
     """Value the staged result and a routed layer chain on the planning trace itself, polish both
-    by routed layer steps (`placement/routed.py`) and keep the one with the most GPU-local
+    by routed layer steps (`local_search/routed.py`) and keep the one with the most GPU-local
     transitions, then node-local (the metric's own counts; ties: the staged one).
 
     Why: the stages' even-split model misjudges replicated experts (the metric keeps a token on

@@ -1,4 +1,4 @@
-"""The staged ILP's coordinate sweeps (`ilp.py`): one level (nodes, or one node's GPUs) at a time, one
+"""The staged ILP's coordinate sweeps (`ilp.py`, the driver): one level (nodes, or one node's GPUs) at a time, one
 layer per step with the other layers fixed.
 
 Why coordinate sweeps: fixing every layer but l makes the even-split objective (`even_split.py`)

@@ -1,6 +1,6 @@
 """GPU-level exchange sweeps: the placement search at DeepSeek-V3 scale (64 GPUs, replicas).
 
-Why: at this scale the staged search (`ilp.py`: nodes first, then each node's GPUs) cannot run
+Why: at this scale the staged search (`algorithms/ilp.py`: nodes first, then each node's GPUs) cannot run
 its step MIPs, so each step is a priced transportation LP plus exchanges, and a node split found
 under the node cap (8 x the GPU cap) often does not pack onto the node's GPUs under a tight GPU
 cap: the stage loop retried up to 8 times, and at a cap of 1.03 x mean (what a held-out max/mean
@@ -26,7 +26,7 @@ from moeplan.passes.optimize.placement.even_split import layer_gain_table, place
 from moeplan.passes.optimize.placement.local_search.moves import repair_exchanges, steepest_exchanges
 
 SWEEPS = 12  # at effort 1; the drift and planted DeepSeek-V3 traces stop gaining (< 0.1% a sweep) by about 10
-WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`ilp.staged_placement`)
+WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`algorithms/ilp.staged_placement`)
 MOVES_PER_LAYER = 400  # exchanges per layer step at effort 1
 
 
