@@ -75,12 +75,16 @@ def _cross_transitions(result, weights: np.ndarray):
     return float(weights.sum() + result.objective)
 
 
+def _observed_pairs(counts: np.ndarray) -> tuple:
+    """(E, a [n], b [n], c [n]): the experts and the observed pairs a -> b of counts [E, E], with their counts."""
+    a, b = np.nonzero(counts)
+    return counts.shape[0], a, b, counts[a, b]
+
+
 def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: float, time_limit: float,
                    iteration_limit: int = None) -> float:
     """Cross transitions >= total - max fractional b-matching (see module); None if the LP stops early."""
-    E = counts.shape[0]
-    a, b = np.nonzero(counts)
-    weights = counts[a, b]
+    E, a, b, weights = _observed_pairs(counts)
     n = len(weights)
     if n == 0:
         return 0.0
@@ -141,9 +145,7 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     expert's successors are hot too), the matching bound without them can keep a hot successor
     local for every predecessor at once. With `token_caps` (float [E], `source_token_caps`), also
     sum_b c[a, b] y[a, b] <= token_caps[a]."""
-    E = counts.shape[0]
-    a, b = np.nonzero(counts)
-    c = counts[a, b]
+    E, a, b, c = _observed_pairs(counts)
     n = len(c)
     if n == 0:
         return 0.0
@@ -195,9 +197,7 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
     the LP's optimum bounds its local transitions from above. Columns: (2 max_replicas + 1) per
     observed pair. With `token_caps` (`source_token_caps`), also sum_{b, k} c[a, b] y[a, b, k] <=
     token_caps[a]: a's tokens keep at most that many choices local, whichever copies they use."""
-    E = counts.shape[0]
-    a, b = np.nonzero(counts)
-    c = counts[a, b]
+    E, a, b, c = _observed_pairs(counts)
     n = len(c)
     if n == 0:
         return 0.0
