@@ -2,9 +2,10 @@
 runtime (`runtime.serving.ranks.serve_bundle`); rank 0's front is this script instead of HTTP, so
 the tests see the engine's events exactly as the HTTP front receives them.
 
-usage: torchrun ... serving_engine_driver.py BUNDLE OUT SCENARIO MODE [max_sequences max_waiting]
+usage: torchrun ... serving_engine_driver.py BUNDLE OUT SCENARIO [mode=M] [context=C] [max_sequences=N] [max_waiting=N]
 scenarios: `engine` (idle CPU, 16 concurrent greedy requests, seeded sampling, cancel, stop ids,
-overload, drain) and `fault` (rank 1 is killed mid-generation). Rank 0 writes OUT/result.json.
+overload, drain), `exact` (the 16 greedy requests only) and `fault` (rank 1 is killed
+mid-generation). Rank 0 writes OUT/result.json.
 """
 from __future__ import annotations
 
@@ -16,21 +17,31 @@ import threading
 import time
 from pathlib import Path
 
-BUNDLE, OUT, SCENARIO, MODE = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
-LIMITS = [int(v) for v in sys.argv[5:7]] if len(sys.argv) > 6 else [None, None]
+BUNDLE, OUT, SCENARIO = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+OPTIONS = dict(a.split("=", 1) for a in sys.argv[4:])
 sys.path.insert(0, str(BUNDLE))
 
-from runtime.serving.contract import (FINISH_ABORT, GenerationRequest, Overloaded, SamplingParams,  # noqa: E402
-                                      Unavailable)
+from runtime.serving.contract import GenerationRequest, Overloaded, SamplingParams, Unavailable  # noqa: E402
 from runtime.serving.ranks import serve_bundle  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 (OUT / f"pid-{RANK}").write_text(str(os.getpid()))
 
 
-def exact_prompts() -> list:
-    """16 prompts of different lengths (2..31 tokens), distinct contents."""
-    return [[(7 * i + 3 * j + 1) % 250 + 1 for j in range(2 + (i * 11) % 30)] for i in range(16)]
+def exact_prompts(vocab: int) -> list:
+    """16 prompts of different lengths (2..31 tokens), distinct contents, ids in 1..vocab-1."""
+    return [[(7 * i + 3 * j + 1) % (vocab - 1) + 1 for j in range(2 + (i * 11) % 30)] for i in range(16)]
+
+
+def greedy_batch(client, c, prompts) -> dict:
+    """16 concurrent greedy requests, arriving while others run and leaving apart."""
+    for i, p in enumerate(prompts):
+        client.submit(request(f"g{i}", p, 6 + (i * 5) % 13), c.sink(f"g{i}"))
+        if i >= 8:
+            time.sleep(0.01)
+    c.wait([f"g{i}" for i in range(16)])
+    return {f"g{i}": {"prompt": prompts[i], "tokens": c.tokens(f"g{i}"), "finish": c.finish(f"g{i}"),
+                      "max_tokens": 6 + (i * 5) % 13} for i in range(16)}
 
 
 class Collector:
@@ -88,15 +99,9 @@ def engine_front(client, plan, codec) -> int:
     time.sleep(4.0)
     out["idle_cpu_s"] = [cpu_seconds(p) - b for p, b in zip(pids, before)]
     out["idle_window_s"] = 4.0
-    # 2. 16 concurrent greedy requests of different lengths, arriving while others run and leaving apart
-    prompts = exact_prompts()
-    for i, p in enumerate(prompts):
-        client.submit(request(f"g{i}", p, 6 + (i * 5) % 13), c.sink(f"g{i}"))
-        if i >= 8:
-            time.sleep(0.01)
-    c.wait([f"g{i}" for i in range(16)])
-    out["greedy"] = {f"g{i}": {"prompt": prompts[i], "tokens": c.tokens(f"g{i}"), "finish": c.finish(f"g{i}"),
-                               "max_tokens": 6 + (i * 5) % 13} for i in range(16)}
+    # 2. 16 concurrent greedy requests of different lengths
+    prompts = exact_prompts(client.vocab_size)
+    out["greedy"] = greedy_batch(client, c, prompts)
     # 3. a seeded request alone, then beside others (sampled and greedy), then with another seed
     seeded = dict(temperature=0.9, seed=1234, top_p=0.95, top_k=40)
     client.submit(request("s-alone", prompts[3], 12, **seeded), c.sink("s-alone"))
@@ -159,6 +164,13 @@ def engine_front(client, plan, codec) -> int:
     return 0
 
 
+def exact_front(client, plan, codec) -> int:
+    c = Collector()
+    out = {"greedy": greedy_batch(client, c, exact_prompts(client.vocab_size))}
+    (OUT / "result.json").write_text(json.dumps(out))
+    return 0
+
+
 def fault_front(client, plan, codec) -> int:
     """Kill rank 1 once every request has a token; record how the requests and health end."""
     c, out = Collector(), {}
@@ -166,7 +178,7 @@ def fault_front(client, plan, codec) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (client.drain(), stop.set()))  # torchrun's SIGTERM after the kill
     ids = [f"f{i}" for i in range(4)]
     for i, rid in enumerate(ids):
-        client.submit(request(rid, [5 + i, 9, 11], 200), c.sink(rid))
+        client.submit(request(rid, [5 + i, 9, 11], 100), c.sink(rid))
     with c.cond:
         c.cond.wait_for(lambda: all(len(c.events[r]) >= 2 for r in ids), timeout=60)
     victim = int((OUT / "pid-1").read_text())
@@ -189,5 +201,7 @@ def fault_front(client, plan, codec) -> int:
 
 
 if __name__ == "__main__":
-    front = {"engine": engine_front, "fault": fault_front}[SCENARIO]
-    sys.exit(serve_bundle(BUNDLE, front, mode=MODE, max_sequences=LIMITS[0], max_waiting=LIMITS[1]))
+    front = {"engine": engine_front, "exact": exact_front, "fault": fault_front}[SCENARIO]
+    number = lambda k: int(OPTIONS[k]) if k in OPTIONS else None  # noqa: E731
+    sys.exit(serve_bundle(BUNDLE, front, mode=OPTIONS.get("mode"), context=OPTIONS.get("context", "auto"),
+                          max_sequences=number("max_sequences"), max_waiting=number("max_waiting")))

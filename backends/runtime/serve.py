@@ -32,7 +32,8 @@ def parse_args(argv=None):
                     help="run the inference service (OpenAI-compatible HTTP on rank 0) instead of one static batch")
     ap.add_argument("--host", default="127.0.0.1", help="--serve: address rank 0 listens on")
     ap.add_argument("--port", type=int, default=8000, help="--serve: port rank 0 listens on")
-    ap.add_argument("--api-key", default=None, help="--serve: requests must carry 'Authorization: Bearer KEY'")
+    ap.add_argument("--api-key", default=None, help="--serve: requests must carry 'Authorization: Bearer KEY' (or set MOEPLAN_API_KEY, "
+                         "which keeps the key off the command line)")
     ap.add_argument("--max-sequences", type=int, default=None,
                     help="--serve: sequences running at once (default and upper bound: the plan's capacity)")
     ap.add_argument("--max-waiting", type=int, default=None,

@@ -70,7 +70,8 @@ def serve_main(args) -> int:
         from .http_server import run_http
 
         model_dir = (root / plan["model"]["config"]).parent
-        return run_http(client, host=args.host, port=args.port, api_key=args.api_key, model_dir=model_dir,
+        api_key = args.api_key or os.environ.get("MOEPLAN_API_KEY") or None  # the env var keeps it out of `ps`
+        return run_http(client, host=args.host, port=args.port, api_key=api_key, model_dir=model_dir,
                         model_name=client.model_name)
 
     return serve_bundle(root, front, mode=args.mode, context=args.context, threads=args.threads,
