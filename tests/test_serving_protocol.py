@@ -260,7 +260,8 @@ def test_metrics_read_back_by_prometheus_client():
     m.prompt_tokens, m.generation_tokens = 12, 30
     m.request_finished("length")
     m.request_refused(429)
-    text = m.render({"running": 2, "waiting": 1, "exchange_bytes": {(0, "dispatch"): 100, (0, "combine"): 50},
+    text = m.render({"running": 2, "waiting": 1, "exchange_bytes": {(0, "dispatch"): 100, (0, "combine"): 50,
+                                                                        (None, "token_sync"): 8},
                      "expert_cache": {"hits": 4, "misses": 2}, "gpu_local_fraction": 0.75, "steps": 9})
     families = {f.name: f for f in text_string_to_metric_families(text)}
     value = lambda name, **labels: next(s.value for s in families[name].samples
@@ -272,6 +273,7 @@ def test_metrics_read_back_by_prometheus_client():
     assert families["moeplan_time_to_first_token_seconds"].samples[-1].value == 3  # _count
     assert value("moeplan_prompt_tokens") == 12 and value("moeplan_generation_tokens") == 30
     assert value("moeplan_exchange_bytes", layer="0", kind="dispatch") == 100
+    assert value("moeplan_exchange_bytes", layer="all", kind="token_sync") == 8
     assert value("moeplan_expert_cache_hits") == 4 and value("moeplan_expert_cache_misses") == 2
     assert value("moeplan_gpu_local_fraction") == 0.75
     assert value("moeplan_request_refused", code="429") == 1

@@ -14,8 +14,9 @@ SIGTERM/SIGINT on rank 0:
 * first signal: `client.drain()`; /health and new requests answer 503; the requests in flight
   finish; when the engine is idle and every response is written, return 0;
 * second signal: return 1 at once;
-* the engine turns unhealthy (a rank died): /health and new requests answer 503, the open
-  responses get their error (at most `grace_s`), return 1 so that a supervisor restarts the service.
+* the engine turns unhealthy (a rank died): /health and new requests answer 503 (for at least
+  `linger_s`, so that probes see it), the open responses get their error (at most `grace_s`),
+  return 1 so that a supervisor restarts the service.
 The caller stops the other ranks and exits with the returned code.
 """
 from __future__ import annotations
@@ -76,7 +77,8 @@ def _uvicorn_server(app):
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5))
 
 
-async def _serve(service: OpenAIService, sock: socket.socket, poll_s: float, grace_s: float) -> int:
+async def _serve(service: OpenAIService, sock: socket.socket, poll_s: float, grace_s: float,
+                 linger_s: float = 1.5) -> int:
     server = _uvicorn_server(asgi_app(service))
     loop = asyncio.get_running_loop()
     signals = []
@@ -106,7 +108,8 @@ async def _serve(service: OpenAIService, sock: socket.socket, poll_s: float, gra
             elif not healthy and announced:
                 failed_at = failed_at or time.monotonic()
                 service.draining = True
-                if service.open_answers == 0 or time.monotonic() - failed_at > grace_s:
+                waited = time.monotonic() - failed_at
+                if (service.open_answers == 0 and waited >= linger_s) or waited > grace_s:
                     code = 1
             elif signals and service.client.idle() and service.open_answers == 0:
                 code = 0

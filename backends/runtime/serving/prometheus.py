@@ -70,8 +70,10 @@ class ServingMetrics:
         counter("request_refused_total", "Requests answered with an error status, by status.",
                 [({"code": str(c)}, n) for c, n in sorted(self.refused.items())])
         exchange = engine.get("exchange_bytes") or {}
-        counter("exchange_bytes_total", "Bytes this rank's exchanges sent, by layer and kind.",
-                [({"layer": str(l), "kind": str(k)}, b) for (l, k), b in sorted(exchange.items(), key=lambda i: (i[0][0], str(i[0][1])))])
+        counter("exchange_bytes_total", "Bytes the ranks' exchanges sent, by layer (block index; 'all' for "
+                "exchanges not tied to a block) and kind.",
+                [({"layer": "all" if l is None else str(l), "kind": str(k)}, b)
+                 for (l, k), b in sorted(exchange.items(), key=lambda i: (-1 if i[0][0] is None else i[0][0], str(i[0][1])))])
         cache = engine.get("expert_cache") or {}
         counter("expert_cache_hits_total", "Expert-cache lookups served from the cache.", [({}, cache.get("hits", 0))])
         counter("expert_cache_misses_total", "Expert-cache lookups that loaded the expert.", [({}, cache.get("misses", 0))])
