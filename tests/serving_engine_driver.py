@@ -167,6 +167,8 @@ def engine_front(client, plan, codec) -> int:
 def exact_front(client, plan, codec) -> int:
     c = Collector()
     out = {"greedy": greedy_batch(client, c, exact_prompts(client.vocab_size))}
+    time.sleep(1.2)  # one stats gather after the work
+    out["expert_cache"] = client.metrics()["expert_cache"]
     (OUT / "result.json").write_text(json.dumps(out))
     return 0
 

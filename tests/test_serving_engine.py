@@ -152,3 +152,37 @@ def test_a_transformers_model_serves_exactly_in_coherent_mode_with_kv_context(tm
                                  max_new_tokens=r["max_tokens"], min_new_tokens=r["max_tokens"], do_sample=False,
                                  pad_token_id=0)
         assert r["tokens"] == ref[0, len(r["prompt"]):].tolist(), rid
+
+
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory):
+    """A 2-rank bundle compiled by the real CLI with an expert cache of 3 experts per rank and
+    MoE-Infinity prefetch over a host tier."""
+    from click.testing import CliRunner
+
+    from moeplan.planner.cli import main
+
+    root = tmp_path_factory.mktemp("serving_offload")
+    model_dir = small_model_dir(root, max_positions=128)
+    (root / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    for args in (["trace", str(model_dir), "--data", str(root / "data.txt"), "--out", str(root / "t.npz"),
+                  "--seq-len", "32", "--quiet"],
+                 ["compile", str(model_dir), "--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode",
+                  "standard", "--gpus-per-node", "2", "--expert-cache", "3", "--prefetch", "moe-infinity",
+                  "--host-memory", "20000", "--out", str(root / "bundle"), "--quiet"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    return root, load_small(model_dir)
+
+
+@pytest.mark.parametrize("mode", ["coherent", "standard"])
+def test_an_offloaded_bundle_with_prefetch_serves_exactly(offloaded, mode):
+    root, model = offloaded
+    code, _, output = launch(root / "bundle", root / f"out-{mode}", "exact", mode=mode, max_sequences=16,
+                             max_waiting=16)
+    assert code == 0, output[-3000:]
+    result = json.loads((root / f"out-{mode}" / "result.json").read_text())
+    for rid, r in result["greedy"].items():
+        assert r["tokens"] == tiny_moe_greedy(model, r["prompt"], r["max_tokens"]), (mode, rid)
+    cache = result["expert_cache"]
+    assert cache["hits"] > 0 and cache["misses"] > 0  # experts really loaded and reused under the batch

@@ -232,6 +232,9 @@ class Engine:
         self._count_local(adapter.layer, adapter.moe, dest)
         if self.recording:
             self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
+        if self.world == 1:  # every slot is local: nothing to pack or exchange
+            partial = self._serve(adapter, a_h, a_ids, a_w, dest)
+            return torch.zeros_like(h).index_copy(0, dev_active, partial.to(h.dtype))
         (r_h, r_w, _, r_ids, r_dest, sources), sent_idx = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
         partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
         back = [partial[(sources == d).nonzero().flatten().to(h.device)] for d in range(self.world)]
