@@ -32,7 +32,7 @@ class Limits:
 
     max_context: int         # prompt + max_tokens
     max_sequences: int       # sequences running at once
-    max_waiting: int         # queued beyond those; more -> Overloaded
+    max_waiting: int         # queued beyond those (running + waiting <= both together); more -> Overloaded
     max_prefill_tokens: int = 2048
 
 
@@ -82,7 +82,7 @@ class ServingClient:
                 raise Unavailable("the service is shutting down")
             if request.request_id in self._by_id:
                 raise InvalidRequest(f"request id {request.request_id!r} is already in flight")
-            if len(self._waiting) >= self.limits.max_waiting:
+            if len(self._running) + len(self._waiting) >= self.limits.max_sequences + self.limits.max_waiting:
                 raise Overloaded(f"{len(self._running)} requests running and {len(self._waiting)} waiting, the most "
                                  "this service queues; retry later", retry_after_s=self._retry_after())
             live = _Live(request, sink)

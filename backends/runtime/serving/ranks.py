@@ -42,8 +42,13 @@ DEFAULT_MAX_SEQUENCES = 64    # plans without a capacity decision (compiled befo
 
 
 def limits_for(plan: dict, max_positions: int, max_sequences: int | None, max_waiting: int | None) -> Limits:
-    """The plan's capacity (plan.json `serving`: max_sequences, max_context), lowered by the options."""
-    capacity = plan.get("serving", {})
+    """The plan's capacity decision (plan.json communication.capacity: max_sequences, max_context,
+    passes/optimize/capacity.py), lowered by the options."""
+    capacity = plan.get("communication", {}).get("capacity", {})
+    if capacity and not capacity.get("fits", True):
+        raise BundleError(f"the plan's capacity holds no sequence: {capacity['device_memory_bytes']} bytes of device "
+                          f"memory ({capacity['device_memory_source']}) do not hold a rank's weights and a KV cache; "
+                          "recompile with more device memory (--gpu-memory) or more ranks")
     planned = int(capacity.get("max_sequences", DEFAULT_MAX_SEQUENCES))
     context = min(int(capacity.get("max_context", max_positions)), int(max_positions))
     if max_sequences is not None and not 1 <= max_sequences:
