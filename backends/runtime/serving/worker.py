@@ -25,6 +25,7 @@ from .row_cache import RowCache, prefill_inputs
 from .sampler import Sampler
 
 KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far shorter)
+EXPERT_LOG_STEPS = 4096  # MoE steps of the expert cache's request log a service keeps
 
 
 class BatchWorker:
@@ -38,6 +39,9 @@ class BatchWorker:
         for adapter in engine.model.adapters:
             adapter.route_fn = engine._route
         self.hooks = engine._install_hooks() if self.coherent else []
+        cache = getattr(engine.model, "expert_cache", None)
+        if cache is not None:  # a service runs for days: keep the expert cache's request log bounded
+            cache.keep_steps = EXPERT_LOG_STEPS
         self.rows = RowCache(kind)
         self.running: set = set()   # every running sequence, on every rank
         self.sampling: dict = {}    # seq -> (temperature, top_p, top_k, seed), sequences run here
