@@ -158,3 +158,19 @@ class BatchWorker:
         out = [torch.zeros_like(mine) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(mine, out, dst=0, group=self.group)
         return out
+
+
+def stats_figures(vectors: list, num_layers: int) -> dict:
+    """metrics() figures from every rank's `stats_vector` (lists of floats): exchange bytes summed over
+    ranks by (block, kind) and (None, "token_sync"), expert-cache hits and misses, GPU-local fraction."""
+    total = [sum(v[i] for v in vectors) for i in range(len(vectors[0]))]
+    exchange, local, slots = {}, 0, 0
+    for layer in range(num_layers):
+        row = total[layer * 6:(layer + 1) * 6]
+        for k, kind in enumerate(("dispatch", "combine", "merge", "context")):
+            exchange[(layer, kind)] = int(row[k])
+        local, slots = local + row[4], slots + row[5]
+    exchange[(None, "token_sync")] = int(total[num_layers * 6])
+    requests, hits = total[num_layers * 6 + 1], total[num_layers * 6 + 2]
+    return {"exchange_bytes": exchange, "expert_cache": {"hits": int(hits), "misses": int(requests - hits)},
+            "gpu_local_fraction": local / slots if slots else None}
