@@ -106,11 +106,16 @@ def library_pins(arch: str) -> dict:
     return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def requirements(arch: str) -> str:
-    """requirements.txt of a bundle: what its runtime imports, with the model library pinned."""
+def requirements(arch: str, expert_cache: bool = False) -> str:
+    """requirements.txt of a bundle: what its runtime imports, with the model library pinned (and
+    numpy, which the expert cache's shipped policy modules import)."""
     import safetensors
     import torch
 
     lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
+    if expert_cache:
+        import numpy
+
+        lines.append(f"numpy=={numpy.__version__}")
     return "\n".join(lines) + "\n"

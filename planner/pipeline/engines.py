@@ -143,25 +143,15 @@ def _plan(facts):
     return {"plan": plan}
 
 
-def write_engine_bundle(out, plan: Plan) -> dict:
-    """The engine's files for a plan, written atomically at `out`; returns the manifest."""
-    from moeplan.backends.common.expert_slots import placement_slots
-    from moeplan.planner.atomic import atomic_path
+def write_bundle(out, plan: Plan) -> dict:
+    """The engine's files for a plan (`backends/sglang/` or `backends/trtllm/`), written atomically at `out`."""
+    import importlib
 
-    slots = placement_slots(plan.placement, int(plan.model["num_experts"]), int(plan.communication["redundant"]))
-    with atomic_path(Path(out), kind="bundle") as tmp:
-        if plan.target == "sglang":
-            from moeplan.backends.sglang.codegen import write_sglang_bundle
-
-            return write_sglang_bundle(tmp, plan, slots, kubernetes=bool(plan.deployment.get("kubernetes")),
-                                       image=plan.deployment.get("image"))
-        from moeplan.backends.trtllm.codegen import write_trtllm_bundle
-
-        return write_trtllm_bundle(tmp, plan, slots)
+    return importlib.import_module(f"moeplan.backends.{plan.target}.codegen").write_bundle(out, plan)
 
 
 def _codegen(facts):
-    return {"manifest": write_engine_bundle(facts["out"], facts["plan"])}
+    return {"manifest": write_bundle(facts["out"], facts["plan"])}
 
 
 LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)

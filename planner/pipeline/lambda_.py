@@ -25,7 +25,6 @@ tensors its function will hold.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -239,24 +238,10 @@ def _lambda_model_files(facts):
     return {"model_files": {"architecture": arch, "files": files}}
 
 
-def write_lambda_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict:
-    """The Lambda bundle written atomically at `out`, from the plan and the source weights."""
-    from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.backends.lambda_.codegen import write_bundle
-    from moeplan.planner.atomic import atomic_path
-
-    model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json",
-                 weights_sha256=state_dict_sha256(state))
-    if "model/model.py" in model_files["files"]:
-        model["source"] = "model/model.py"
-    plan = dataclasses.replace(plan, model=model)
-    with atomic_path(Path(out), kind="bundle") as tmp:
-        return write_bundle(tmp, plan, state, model_files["files"])
-
-
 def _codegen(facts):
-    return {"manifest": write_lambda_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(),
-                                            facts["model_files"])}
+    from moeplan.backends.lambda_.codegen import write_bundle
+
+    return {"manifest": write_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(), facts["model_files"])}
 
 
 def read_plan(path) -> tuple:

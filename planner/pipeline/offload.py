@@ -54,15 +54,6 @@ PASSES = [IMPORT, TRACE, PLAN]
 
 # --- expert caches inside torchrun bundles (compile --gpu-memory / --expert-cache) -------------------
 
-RUNTIME_POLICY_FILES = {  # bundle path: the simulator's module it is a copy of
-    "runtime/offload_policies.py": "moeplan.passes.optimize.offload.policies",
-    "runtime/offload_next_use.py": "moeplan.passes.optimize.offload.next_use",
-    "runtime/offload_stepper.py": "moeplan.passes.optimize.offload.stepper",
-    "runtime/offload_prefetch.py": "moeplan.passes.optimize.offload.prefetch",
-    "runtime/offload_eam_match.py": "moeplan.passes.analysis.eam_match",
-}
-
-
 def _offload_request(o: dict):
     from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
     from moeplan.passes.optimize.offload.plan import OffloadRequest
@@ -95,26 +86,6 @@ def recorded_options(o: dict) -> dict:
     """The offload options as plan.json's inputs record them: `prefetch` only when it prefetches
     (so that --prefetch none plans byte for byte as before the flag existed)."""
     return {k: v for k, v in o.items() if not (k == "prefetch" and v in (None, "none"))}
-
-
-def runtime_policy_files() -> dict:
-    """The simulator's policy, prefetch and stepper modules, shipped as the bundle runtime's (one
-    implementation: the runtime runs the very code the simulator ran). They import numpy and each
-    other only; `from moeplan.<shipped module> import` lines become `from .offload_<name> import`."""
-    import importlib.util
-    import re
-    from pathlib import Path
-
-    shipped = {module: "." + Path(dest).stem for dest, module in RUNTIME_POLICY_FILES.items()}
-
-    def local_import(m):
-        if m.group(1) not in shipped:
-            raise ValueError(f"a shipped offload module imports {m.group(1)}, which bundles do not ship")
-        return f"from {shipped[m.group(1)]} import"
-
-    return {dest: re.sub(r"^from (moeplan[\w.]*) import", local_import,
-                         Path(importlib.util.find_spec(module).origin).read_text(), flags=re.MULTILINE)
-            for dest, module in RUNTIME_POLICY_FILES.items()}
 
 
 EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options"), ("expert_cache",),
@@ -179,12 +150,3 @@ def _requests_match_routing(out_dir, summary: dict, streams: list) -> bool:
         return {(int(s.step_token[st]), int(k)) for st, k in zip(s.step, s.keys)}
 
     return set().union(*(pairs(s) for s in streams)) == pairs(expected)
-
-
-def with_numpy(requirements: str) -> str:
-    """A bundle's requirements.txt plus the numpy its expert cache and policies import (pinned)."""
-    import numpy
-
-    if any(line.split("==")[0] == "numpy" for line in requirements.splitlines()):
-        return requirements
-    return requirements + f"numpy=={numpy.__version__}\n"

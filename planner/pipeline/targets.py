@@ -9,7 +9,7 @@ from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import PassManager
 from moeplan.planner.pipeline import common, engines, lambda_, torchrun
 
-TARGETS = {"torchrun": torchrun.PASSES, "kubernetes": torchrun.PASSES, "lambda": lambda_.PASSES,
+TARGETS = {"torchrun": torchrun.PASSES, "kubernetes": torchrun.KUBERNETES_PASSES, "lambda": lambda_.PASSES,
            "sglang": engines.PASSES, "trtllm": engines.PASSES}
 
 
@@ -24,31 +24,23 @@ def run_target(target: str, facts: dict, *, plan_only: bool = False, quiet: bool
 
 def codegen_from_plan(plan, model_spec: str, out: str) -> dict:
     """The bundle of a written plan: the target's codegen over the plan and the model's weights."""
-    from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.planner.importers import load_model
-
     if plan.target not in TARGETS:
         raise UserError(f"plan target '{plan.target}' has no codegen; use one of {', '.join(TARGETS)}")
     if plan.target in engines.ENGINE_TARGETS:  # placement files only: no weights
-        return engines.write_engine_bundle(out, plan)
+        return engines.write_bundle(out, plan)
     runtime = lambda_.MODEL_FILES if plan.target == "lambda" else common.MODEL_FILES
     files = runtime.run({"model_spec": model_spec})["model_files"]
-    if plan.target != "lambda":  # a Hugging Face checkpoint streams; the hash is checked as it is written
-        loaded = torchrun.IMPORT.run({"model_spec": model_spec})["model"]
-        _require_weights(loaded, model_spec)
-        weights, checkpoint = torchrun.weights_source(model_spec, loaded, files, plan.deployment.get("weights", "copy"))
-        try:
-            return torchrun.write_torchrun_bundle(out, plan, weights, files, checkpoint)
-        except UserError as exc:
-            raise UserError(str(exc).replace("the weights are", f"the weights of '{model_spec}' are")) from None
-    loaded = load_model(model_spec)
+    importer = common.IMPORT if plan.target == "lambda" else torchrun.IMPORT  # a Hugging Face checkpoint streams
+    loaded = importer.run({"model_spec": model_spec})["model"]
     _require_weights(loaded, model_spec)
-    state = loaded.module.state_dict()
-    expected = plan.model.get("weights_sha256")
-    if expected is not None and state_dict_sha256(state) != expected:
-        raise UserError(f"the weights of '{model_spec}' are not those the plan was made for (weights_sha256 differs); "
-                        "give the plan's model with --model or plan again")
-    return lambda_.write_lambda_bundle(out, plan, state, files)
+    try:
+        if plan.target == "lambda":
+            from moeplan.backends.lambda_.codegen import write_bundle
+
+            return write_bundle(out, plan, loaded.module.state_dict(), files)
+        return torchrun.write_bundle(plan.target, out, plan, model_spec, loaded, files)
+    except UserError as exc:
+        raise UserError(str(exc).replace("the weights are", f"the weights of '{model_spec}' are")) from None
 
 
 def _require_weights(loaded, model_spec: str) -> None:

@@ -80,52 +80,6 @@ def _plan(facts):
     return {"plan": plan}
 
 
-def bundle_plan(plan: Plan, model_files: dict, checkpoint: dict | None = None) -> Plan:
-    """The plan with the bundle's layout filled in: shard names, model files' paths, and for
-    `--weights reference` the checkpoint the indexes point into (codegen adds the weights' hash)."""
-    from moeplan.backends.common.shards import shard_name
-
-    model = dict(plan.model, config="model/config.json")
-    if "model/model.py" in model_files["files"]:
-        model["source"] = "model/model.py"
-    form = "reference" if checkpoint is not None else "copy"
-    if checkpoint is not None:
-        model["checkpoint"] = checkpoint
-    return dataclasses.replace(plan, model=model, shards=[shard_name(r, form) for r in range(plan.world_size)])
-
-
-def write_torchrun_bundle(out, plan: Plan, weights, model_files: dict, checkpoint: dict | None = None) -> dict:
-    """The torchrun bundle, plus kubernetes/ manifests for that target, written atomically at `out`.
-
-    `weights`: the library state dict or `TensorEntry`s (`weights_source`); `checkpoint`: the
-    referenced checkpoint ({"path", "files"}) for `--weights reference`.
-    """
-    from moeplan.backends.common.manifest import write_manifest
-    from moeplan.backends.torchrun.codegen import WeightsMismatch, write_bundle
-    from moeplan.planner.atomic import atomic_path
-    from moeplan.planner.errors import UserError
-
-    plan = bundle_plan(plan, model_files, checkpoint)
-    with atomic_path(Path(out), kind="bundle") as tmp:
-        try:
-            manifest = write_bundle(tmp, plan, weights, model_files["files"])
-        except WeightsMismatch as exc:
-            raise UserError(f"{exc}; give the plan's model with --model or plan again") from None
-        if plan.communication.get("expert_cache"):  # the runtime's cache runs the simulator's policy code
-            from moeplan.backends.common.files import write_file
-
-            for rel, text in offload_passes.runtime_policy_files().items():
-                write_file(tmp / rel, text)
-            write_file(tmp / "requirements.txt", offload_passes.with_numpy((tmp / "requirements.txt").read_text()))
-            manifest = write_manifest(tmp)
-        if plan.target == "kubernetes":
-            from moeplan.backends.kubernetes.codegen import write_manifests
-
-            write_manifests(tmp, plan, image=plan.deployment["image"], storage_class=plan.deployment.get("storage_class"))
-            manifest = write_manifest(tmp)
-    return manifest
-
-
 def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy") -> tuple:
     """(weights for codegen, referenced checkpoint or None): a Hugging Face safetensors directory is
     streamed (`TensorEntry`s reading one tensor at a time); other models give their state dict."""
@@ -156,10 +110,23 @@ def _import(facts):
     return {"model": load_directory_meta(directory)} if directory is not None else common.IMPORT.run(facts)
 
 
-def _codegen(facts):
-    form = facts["target"].get("weights", "copy")
-    weights, checkpoint = weights_source(facts["model_spec"], facts["model"], facts["model_files"], form)
-    return {"manifest": write_torchrun_bundle(facts["out"], facts["plan"], weights, facts["model_files"], checkpoint)}
+def write_bundle(backend: str, out, plan: Plan, model_spec: str, loaded, model_files: dict) -> dict:
+    """The plan's bundle at `out` by `backends/<backend>/codegen.py` (torchrun, or kubernetes: the
+    torchrun bundle plus manifests), its weights read from the model."""
+    import importlib
+
+    weights, checkpoint = weights_source(model_spec, loaded, model_files, plan.deployment.get("weights", "copy"))
+    writer = importlib.import_module(f"moeplan.backends.{backend}.codegen").write_bundle
+    return writer(out, plan, weights, model_files, checkpoint)
+
+
+def codegen_pass(backend: str) -> Pass:
+    """The codegen pass writing the bundle with `backends/<backend>/codegen.py`."""
+    def codegen(facts):
+        return {"manifest": write_bundle(backend, facts["out"], facts["plan"], facts["model_spec"], facts["model"],
+                                         facts["model_files"])}
+
+    return Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), codegen, check=needs_weights)
 
 
 AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
@@ -169,8 +136,8 @@ PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACE
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
                      "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan)
-CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out", "target"), ("manifest",), _codegen,
-               check=needs_weights)
 IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 
-PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN, CODEGEN]
+PLANNING = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN]
+PASSES = PLANNING + [codegen_pass("torchrun")]
+KUBERNETES_PASSES = PLANNING + [codegen_pass("kubernetes")]

@@ -30,8 +30,8 @@ import numpy as np
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, sequence_ids, stream_order
 from moeplan.passes.optimize.offload.evaluate import PREFETCH_MODES, gap_to_belady, run_demand, run_prefetch
 from moeplan.passes.optimize.offload.hardware import Hardware
-from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.policies import make_policy
+from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.errors import UserError

@@ -29,13 +29,13 @@ import numpy as np
 
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from moeplan.passes.optimize.offload.evaluate import PAIRED_EVICTION, PREFETCH_MODES
-from moeplan.passes.optimize.offload.next_use import fit_next_use
+from moeplan.backends.runtime.offload_next_use import fit_next_use
 from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, host_tier_bytes,
                                                  memory_budget, popular_keys, split_by_sequence, timing_for)
-from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.backends.runtime.offload_policies import make_policy
+from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
-from moeplan.passes.optimize.offload.stepper import pair_keys, rank_timing
+from moeplan.backends.runtime.offload_stepper import pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
 from moeplan.planner.errors import UserError

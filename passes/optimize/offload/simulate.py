@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeplan.passes.optimize.offload.policies import Policy
-from moeplan.passes.optimize.offload.stepper import Timing, TimedCache, admit_on_demand, start_cache
+from moeplan.backends.runtime.offload_policies import Policy
+from moeplan.backends.runtime.offload_stepper import Timing, TimedCache, admit_on_demand, start_cache
 
 __all__ = ["Result", "Timing", "simulate_demand", "simulate_timed"]
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.eam_match import nearest_entry, row_normalised
-from moeplan.passes.optimize.offload.policies import EPS
+from .offload_eam_match import nearest_entry, row_normalised
+from .offload_policies import EPS
 
 
 def allowed_mask(allowed, num_keys: int) -> np.ndarray:

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeplan.passes.optimize.offload.next_use import NextUseModel
-from moeplan.passes.optimize.offload.policies import DEMAND_POLICIES, make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from .offload_next_use import NextUseModel
+from .offload_policies import DEMAND_POLICIES, make_policy
+from .offload_prefetch import make_prefetcher
 
 
 @dataclass(frozen=True)
