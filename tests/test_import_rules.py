@@ -1,7 +1,9 @@
 """The layer rules of docs/architecture.md, checked on every import statement (top-level or inside functions).
 
 Layers, bottom up: the bundle runtime (imports nothing of moeplan), the core (IR, plan, errors,
-importers), analysis/optimisation passes, backends, the pipeline (pass lists), the commands.
+importers), analysis/optimisation passes (which may use the runtime's modules: the simulator runs the
+code bundles run), backends, the pipeline (pass lists, the target registry), the commands and the
+Python API (`api/`, the package `moeplan` itself; it does not go through the CLI).
 """
 import ast
 from pathlib import Path
@@ -20,6 +22,7 @@ FORBIDDEN = {
     "pipeline": ("moeplan.planner.commands", "moeplan.planner.cli"),
     "benchmarks": ("moeplan.planner.commands", "moeplan.planner.cli"),
     "commands": (),
+    "api": ("moeplan.planner.commands", "moeplan.planner.cli"),
 }
 # exceptions inside a forbidden prefix: passes simulate with the very code bundles run (the expert
 # cache's policy modules live once, in the runtime, and the planner imports them from there)
@@ -30,6 +33,8 @@ def layer_of(rel: Path) -> str:
     parts = rel.parts
     if parts[:2] == ("backends", "runtime"):
         return "runtime"
+    if parts[0] == "api":
+        return "api"
     if parts[0] in ("passes", "backends", "benchmarks"):
         return parts[0]
     if parts[:2] in (("planner", "pipeline"),) or rel.as_posix() == "planner/pass_manager.py":
@@ -53,7 +58,7 @@ def imported_modules(path: Path) -> list:
 
 
 def sources():
-    for folder in ("planner", "passes", "backends", "benchmarks"):
+    for folder in ("api", "planner", "passes", "backends", "benchmarks"):
         yield from sorted((ROOT / folder).rglob("*.py"))
 
 

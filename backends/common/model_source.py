@@ -23,14 +23,15 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 def _hint() -> str:
     return ("the torchrun target runs moeplan model directories (config.json with \"model_type\": \"tiny_moe\" and a "
-            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights)")
+            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights); "
+            "a Hugging Face config file alone plans ('moeplan plan')")
 
 
 def model_files(model_spec: str) -> tuple:
     """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
     path = Path(model_spec)
     config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file() or config_path.name != "config.json":
+    if not config_path.is_file() or config_path.suffix != ".json":  # a directory, or a config file alone
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {_hint()}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))

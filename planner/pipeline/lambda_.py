@@ -66,7 +66,7 @@ def check_options(facts) -> None:
 def _platform(facts):
     from moeplan.planner.platforms import load_platform
 
-    return {"platform": load_platform(facts["serverless_options"]["platform_file"])}
+    return {"platform": load_platform(facts["serverless_options"]["platform"])}
 
 
 def _profile(facts):
@@ -260,7 +260,10 @@ def read_plan(path) -> tuple:
             or not isinstance(plan.placement, dict):
         raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
     if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
-        raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' needs a lambda plan (serverless_version {SERVERLESS_VERSION})")
+        raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' takes lambda plans "
+                        f"(serverless_version {SERVERLESS_VERSION}) and offload plans"
+                        + ("; a torchrun or kubernetes bundle is measured by 'moeplan run BUNDLE --verify'"
+                           if plan.target in ("torchrun", "kubernetes") else ""))
     bad = _first_non_number({k: v for k, v in plan.inputs.get("facts", {}).items() if k != "platform"}
                             if isinstance(plan.inputs.get("facts"), dict) else None, "facts")
     if bad:
@@ -309,3 +312,63 @@ PLAN = Pass("plan", ("model", "model_spec", "trace_sha256", "serverless_options"
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
 
 PASSES = [MODEL_FILES, PLATFORM, IMPORT, TRACE, PROFILE, FACTS, SIZING, PARTITION, PLAN, CODEGEN]
+
+
+def inputs(model: str, trace: str, out, values: dict) -> dict:
+    """The facts the lambda pass list starts from; flag mistakes stop here, before any pass runs."""
+    from moeplan.planner.pipeline.flags import SERVERLESS_FLAGS, pick
+
+    serverless = dict(pick(values, SERVERLESS_FLAGS), time_limit=values["time_limit"], solver=values["solver"])
+    check_options({"serverless_options": serverless})
+    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
+            "serverless_options": serverless}
+
+
+def summary(facts: dict, out, timings: list) -> dict:
+    """The --json summary of a lambda plan (and bundle)."""
+    plan = facts["plan"]
+    doc = plan.to_dict()
+    result = {"out": str(out), "target": plan.target, "passes": timings}
+    if "manifest" in facts:
+        result["files"] = len(facts["manifest"]["files"])
+    else:
+        result["bo_iterations"] = facts["sizing"].bo["iterations"] if facts["sizing"].bo else 0
+    p = doc["predicted"]
+    result.update(functions=doc["topology"]["functions"], dense_slices=len(doc["placement"]["dense_slices"]),
+                  methods=doc["communication"]["methods"], cost_per_request_usd=p["cost_per_request_usd"],
+                  moe_cost_per_batch_usd=p["moe_cost_per_batch_usd"], latency_s=p["latency_s"],
+                  throughput_tokens_per_s=p["throughput_tokens_per_s"], algorithm=p["algorithm"],
+                  predictor_error=p["predictor_error"])
+    return result
+
+
+def layer_lines(layers) -> list:
+    """The per-layer sizing as a table: method, beta, memory and replica counts."""
+    from collections import Counter
+
+    from moeplan.passes.optimize.serverless import cost as sc
+
+    lines = ["layer  method        beta  memory MB (experts)                 replicas (experts)"]
+    for e, d in enumerate(layers):
+        mem = Counter(c.memory_mb for c in d.experts)
+        reps = Counter(c.replicas for c in d.experts)
+        mem_s = " ".join(f"{m}x{n}" for m, n in sorted(mem.items()))
+        rep_s = " ".join(f"{r}x{n}" for r, n in sorted(reps.items()))
+        lines.append(f"{e:>5}  {sc.METHOD_NAMES[d.method]:<12}  {d.beta:>4}  {mem_s:<34}  {rep_s}")
+    return lines
+
+
+def describe(summary: dict, facts: dict) -> str:
+    """The human lines of a lambda plan (with its sizing table) or bundle."""
+    what = f"wrote {summary['out']}" + (f" ({summary['files']} files)" if "files" in summary else "")
+    lines = [f"{what}: {summary['functions']} functions ({summary['dense_slices']} dense slices), methods "
+             f"{', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request"]
+    if "manifest" not in facts:  # the plan alone: how it was sized
+        timings = summary["passes"]
+        lines += layer_lines(facts["sizing"].result.layers)
+        lines.append("predictor error (tokens per expert): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in summary["predictor_error"].items()))
+        profile_s = sum(t["seconds"] for t in timings if t["pass"] == "profile")
+        lines.append(f"planning took {sum(t['seconds'] for t in timings):.1f} s (profile {profile_s:.1f} s"
+                     f"{', cached' if facts['profile'].cached else ''})")
+    return "\n".join(lines)

@@ -1,14 +1,18 @@
-"""The offload target (one GPU whose experts do not all fit): import -> trace -> offload plan.
+"""The offload target (one GPU whose experts do not all fit): import -> trace -> offload plan; and
+the expert caches of torchrun bundles (compile --gpu-memory / --expert-cache).
 
 A plan-only target for now: the decisions (cache capacity, residents, eviction, prefetch, tiers)
 are `passes/optimize/offload/plan.py`; no bundle codegen yet. Facts read from the command:
 `offload_options` (gpu_memory_bytes | expert_cache, hardware, batch, max_length, prompt_tokens,
-validation_fraction, seed) and `progress` (a callable for progress lines).
+validation_fraction, seed) and `progress` (a callable for progress lines). `offload_options`
+turns the flags (planner/pipeline/flags.py) into those options, for this target and for torchrun's.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
 from moeplan.planner.pipeline.common import IMPORT, TRACE, trace_matches_model
 from moeplan.planner.plan import Plan
@@ -50,6 +54,83 @@ def _plan(facts):
 PLAN = Pass("plan", ("model", "model_spec", "trace", "trace_sha256", "offload_options", "progress"), ("plan",), _plan,
             check=routed_trace_matches_model)
 PASSES = [IMPORT, TRACE, PLAN]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
+    """'25769803776', '24GiB', '24GB' (10^9), '16g' -> bytes; UserError otherwise."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"{option} {text!r} is not a size; give bytes (25769803776) or a unit (24GiB, 24GB)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def offload_options(values: dict, target: str = "offload"):
+    """The pipeline's `offload_options` from the flags' values; None for torchrun/kubernetes without
+    --gpu-memory/--expert-cache (no expert cache). Bad values are UserErrors."""
+    gpu_memory, expert_cache, prefetch = values["gpu_memory"], values["expert_cache"], values["prefetch"]
+    if target != "offload" and gpu_memory is None and expert_cache is None:
+        for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory"), ("prefetch", "--prefetch")):
+            if values[flag] is not None:
+                raise UserError(f"{name} needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
+        return None
+    if prefetch is not None:  # a pair that cannot run stops here, before any pass
+        from moeplan.passes.optimize.offload.ranks import prefetch_candidates
+
+        prefetch_candidates(values["eviction"], prefetch)
+    if (gpu_memory is None) == (expert_cache is None):
+        raise UserError(f"--target {target} needs exactly one of --gpu-memory BYTES or --expert-cache N")
+    for name, value in (("--batch", values["batch"]), ("--max-length", values["max_length"])):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if values["prompt_tokens"] < 0:
+        raise UserError(f"--prompt-tokens must be 0 or more, got {values['prompt_tokens']}")
+    if not 0 < values["validation_fraction"] < 1:
+        raise UserError(f"--validation-fraction must be between 0 and 1, got {values['validation_fraction']}")
+    options = {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
+               "expert_cache": expert_cache, "hardware": values["hardware"] if target == "offload" else None,
+               "batch": values["batch"],
+               "host_memory_bytes": parse_bytes(values["host_memory"], "--host-memory") if values["host_memory"] is not None else None,
+               "max_length": values["max_length"], "prompt_tokens": values["prompt_tokens"],
+               "validation_fraction": values["validation_fraction"], "seed": values["seed"]}
+    if target != "offload":  # the bundle's policy and prefetcher; --target offload compares them all
+        options.update(eviction=values["eviction"], prefetch=prefetch)
+    return options
+
+
+def inputs(model: str, trace: str, out, values: dict) -> dict:
+    """The facts `moeplan plan --target offload` starts from."""
+    return {"model_spec": str(model), "trace_path": str(trace), "offload_options": offload_options(values)}
+
+
+def summary(facts: dict, out, timings: list) -> dict:
+    """The --json summary of an offload plan."""
+    the_plan = facts["plan"]
+    p, c = the_plan.predicted, the_plan.communication
+    return {"out": str(out), "target": "offload", "expert_cache": c["expert_cache"],
+            "total_experts": c["memory"]["total_experts"], "eviction": c["eviction"], "prefetch": c["prefetch"],
+            "hit_ratio": p["hit_ratio"], "seconds_per_token": p["seconds_per_token"],
+            "belady_gap_points": p["belady_gap_points"], "seconds": round(sum(t["seconds"] for t in timings), 3),
+            "passes": timings}
+
+
+def describe(summary: dict, facts: dict) -> str:
+    """The human lines of an offload plan."""
+    the_plan = facts["plan"]
+    p, c = the_plan.predicted, the_plan.communication
+    m = c["memory"]
+    return "\n".join([
+        f"wrote {summary['out']}: expert cache {c['expert_cache']} of {m['total_experts']} experts "
+        f"({m['expert_bytes'] / 2**20:.1f} MiB each), eviction {c['eviction']}, prefetch {c['prefetch']}",
+        f"GPU memory: dense {m['dense_bytes'] / 2**30:.2f} GiB, KV {m['kv_cache_bytes'] / 2**30:.2f} GiB, "
+        f"activations {m['activation_bytes'] / 2**30:.2f} GiB, reserve {m['reserve_bytes'] / 2**30:.2f} GiB; "
+        f"tiers: host {c['tiers']['host_experts']} experts, disk {c['tiers']['disk_experts']}",
+        f"predicted on held-out sequences: hit ratio {p['hit_ratio']:.3f} (Belady {p['policies']['belady']['hit_ratio']:.3f}), "
+        f"{p['seconds_per_token'] * 1e3:.3f} ms/token, {p['resident_at_layer_start']:.3f} resident at layer start",
+        f"planning took {summary['seconds']:.1f} s"])
 
 
 # --- expert caches inside torchrun bundles (compile --gpu-memory / --expert-cache) -------------------

@@ -1,13 +1,14 @@
-"""The torchrun and Kubernetes targets: affinity -> placement -> plan -> codegen.
+"""The torchrun and Kubernetes targets: affinity -> placement -> cost -> expert caches -> plan -> codegen.
 
 The placement decision itself is `passes/optimize/placement/`; this file wires it. The plan pass
 records every decision (placement, communication mode, the Kubernetes settings) and nothing of the
 bundle's layout; the codegen pass adds the layout (shard names, model file paths) and writes the
 bundle into a temporary directory that is renamed onto --out only when everything succeeded.
 
-Facts read from the command: `topology` {"nodes", "gpus_per_node"}, `placement_options` (policy
-flags), `mode` (coherent | standard), `target` {"name", and for kubernetes "image",
-"storage_class"; "weights": "reference" for `--weights reference`}, `out`.
+Facts read from the command (`inputs`): `topology` {"nodes", "gpus_per_node"}, `placement_options`
+(policy flags), `mode` (auto | coherent | standard), `target` {"name", and for kubernetes "image",
+"storage_class"; "weights": "reference" for `--weights reference`}, `cost_options`,
+`offload_options` (None without an expert cache), `out`.
 
 A Hugging Face directory with safetensors is imported on `meta` and its checkpoint streamed into
 the shards tensor by tensor (`backends/common/checkpoint_index.py`): compile never holds the
@@ -141,3 +142,61 @@ IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 PLANNING = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN]
 PASSES = PLANNING + [codegen_pass("torchrun")]
 KUBERNETES_PASSES = PLANNING + [codegen_pass("kubernetes")]
+
+
+def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
+    """The facts the torchrun or kubernetes pass list starts from, from the flags' values."""
+    from moeplan.planner.pipeline.cost import default_cost_options
+    from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
+
+    spec = {"name": target}
+    if target == "kubernetes":
+        from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
+
+        spec.update(image=values["image"] or DEFAULT_IMAGE, storage_class=values["storage_class"])
+    if values["weights"] == "reference":  # recorded in the plan's deployment; codegen writes checkpoint indexes
+        spec["weights"] = "reference"
+    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
+            "topology": {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]},
+            "placement_options": pick(values, PLACEMENT_FLAGS), "mode": values["mode"], "target": spec,
+            "cost_options": default_cost_options({"hardware": values["hardware"], "workload": values["workload"]}),
+            "offload_options": offload_passes.offload_options(values, target)}
+
+
+def summary(facts: dict, out, timings: list) -> dict:
+    """The --json summary of a torchrun or kubernetes plan (and bundle): scale, headline predictions, timings."""
+    from moeplan.planner.pipeline.cost import describe_choice
+
+    plan = facts["plan"]
+    doc = plan.to_dict()
+    result = {"out": str(out), "target": plan.target, "passes": timings}
+    if "manifest" in facts:
+        result["files"] = len(facts["manifest"]["files"])
+    result.update(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
+                  predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")})
+    cache = doc["communication"].get("expert_cache")
+    if cache:  # issue 13: per-rank expert caches
+        result["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
+                                  "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
+    cost = doc["predicted"].get("cost")
+    if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
+        chosen = cost["modes"][cost["mode"]]
+        result.update(hardware=cost["hardware"], choice=describe_choice(doc))
+        result["predicted"].update(seconds_per_token=chosen["seconds_per_token"],
+                                   total_bytes_per_token=chosen["total_bytes_per_token"])
+    return result
+
+
+def describe(summary: dict, facts: dict) -> str:
+    """One human line (and the cost model's choice, the expert caches) for a written plan or bundle."""
+    what = f"wrote {summary['out']}" + (f" ({summary['files']} files)" if "files" in summary else "")
+    p = summary["predicted"]
+    lines = [f"{what}: {summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
+             f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"]
+    if "choice" in summary:
+        lines.append(summary["choice"])
+    if "expert_cache" in summary:
+        c = summary["expert_cache"]
+        lines.append(f"expert caches: {c['capacity']} entries per rank, eviction {c['eviction']}, prefetch {c['prefetch']}, "
+                     f"predicted hit ratio {c['predicted_hit_ratio']:.3f}")
+    return "\n".join(lines)
