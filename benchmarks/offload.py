@@ -81,7 +81,7 @@ def switch_large_timing():
 
 def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw) -> dict:
     from moeplan.passes.optimize.offload.evaluate import gap_to_belady, run_demand, run_prefetch
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.importers import load_model
 
     ir = load_model(str(model_dir)).ir

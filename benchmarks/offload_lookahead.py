@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from moeplan.passes.analysis.activation import popularity_by_layer
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.backends.runtime.offload_next_use import fit_next_use
-    from moeplan.passes.optimize.offload.plan import popular_keys, split_by_sequence, tune_mix
+    from moeplan.passes.optimize.offload.cache_plan import popular_keys, split_by_sequence, tune_mix
     from moeplan.backends.runtime.offload_policies import make_policy
     from moeplan.passes.optimize.offload.simulate import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream

@@ -59,7 +59,7 @@ def test_simulate_reproduces_the_planners_validation(tiny, tmp_path):
     """The plan stores everything the simulator needs: on the planner's own validation sequences
     `simulate` gives the planner's predicted hit ratios exactly."""
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.offload.plan import split_by_sequence
+    from moeplan.passes.optimize.offload.cache_plan import split_by_sequence
 
     code, out = run(["plan", TINY, "--trace", str(tiny / "t.npz"), "--target", "offload", "--expert-cache", "12",
                      "--out", str(tmp_path / "p.json"), "--quiet"])

@@ -29,9 +29,9 @@ def simulate(plan_path, trace_path, as_json, prompt_tokens):
     if is_offload_plan(plan_path):
         return simulate_offload(plan_path, trace_path, as_json, prompt_tokens)
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.serverless.plan import real_batches
+    from moeplan.passes.optimize.serverless.sizing_pipeline import real_batches
     from moeplan.passes.optimize.serverless.sim import simulate as run
-    from moeplan.passes.optimize.serverless.cost import METHOD_NAMES
+    from moeplan.passes.optimize.serverless.billing import METHOD_NAMES
     from moeplan.planner.pipeline.lambda_ import layer_lines, read_plan
 
     import numpy as np

@@ -1,6 +1,6 @@
 """The AWS Lambda target: profile -> serverless facts -> expert sizing -> dense partition -> plan -> codegen.
 
-Expert functions are sized by `passes/optimize/serverless/plan.py` (popularity table, optional
+Expert functions are sized by `passes/optimize/serverless/sizing_pipeline.py` (popularity table, optional
 BO, MILP + ODS with a scatter-gather method per layer); the dense stages are partitioned by HyPAD
 (`passes/optimize/serverless/partition.py`; parallelism 1: a dense slice is one function, whose
 memory grows instead when the latency limit needs it). `moeplan plan --target lambda` runs this
@@ -37,7 +37,7 @@ SERVERLESS_VERSION = 1
 
 
 def methods_from_text(text: str) -> tuple:
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     out = []
     for part in text.split(","):
@@ -86,7 +86,7 @@ def _facts(facts):
 
 def _sizing(facts):
     from moeplan.passes.optimize.serverless.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless.plan import SizingOptions, plan_serverless
+    from moeplan.passes.optimize.serverless.sizing_pipeline import SizingOptions, plan_serverless
 
     o = facts["serverless_options"]
     bo = BOOptions(q=o["bo_q"], max_iterations=o["bo_iterations"], seed=o["seed"], storage=o["bo_storage"]) \
@@ -185,7 +185,7 @@ def _predicted(outcome, part, prof, sfacts, o) -> dict:
 
 
 def _plan(facts):
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     loaded, o, outcome = facts["model"], facts["serverless_options"], facts["sizing"]
     part, segment_of = facts["partition"]
@@ -246,7 +246,7 @@ def _codegen(facts):
 
 def read_plan(path) -> tuple:
     """(plan, facts, layers, batch_tokens) from a Lambda plan.json; problems are UserErrors."""
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
     from moeplan.passes.optimize.serverless.sizing import ExpertChoice, LayerDecision
 
     path = Path(path)
@@ -346,7 +346,7 @@ def layer_lines(layers) -> list:
     """The per-layer sizing as a table: method, beta, memory and replica counts."""
     from collections import Counter
 
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     lines = ["layer  method        beta  memory MB (experts)                 replicas (experts)"]
     for e, d in enumerate(layers):

@@ -2,7 +2,7 @@
 the expert caches of torchrun bundles (compile --gpu-memory / --expert-cache).
 
 A plan-only target for now: the decisions (cache capacity, residents, eviction, prefetch, tiers)
-are `passes/optimize/offload/plan.py`; no bundle codegen yet. Facts read from the command:
+are `passes/optimize/offload/cache_plan.py`; no bundle codegen yet. Facts read from the command:
 `offload_options` (gpu_memory_bytes | expert_cache, hardware, batch, max_length, prompt_tokens,
 validation_fraction, seed) and `progress` (a callable for progress lines). `offload_options`
 turns the flags (planner/pipeline/flags.py) into those options, for this target and for torchrun's.
@@ -28,7 +28,7 @@ def routed_trace_matches_model(facts) -> None:
 
 def _plan(facts):
     from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
 
     o, loaded = facts["offload_options"], facts["model"]
     ir = loaded.ir
@@ -137,7 +137,7 @@ def describe(summary: dict, facts: dict) -> str:
 
 def _offload_request(o: dict):
     from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
-    from moeplan.passes.optimize.offload.plan import OffloadRequest
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest
 
     return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
@@ -151,7 +151,7 @@ def _expert_cache(facts):
     if o is None:
         return {"expert_cache": None}
     from moeplan.passes.analysis.trace.format import require_routing
-    from moeplan.passes.optimize.offload.plan import kv_bytes_per_token
+    from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.passes.optimize.offload.ranks import plan_rank_caches
 
     require_routing(facts["trace"], "an expert cache (per-token expert requests)")

@@ -96,7 +96,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
     }
-    from moeplan.planner.pipeline.cost import measured_beside_predicted  # issue 12: the cost model, checked
+    from moeplan.planner.pipeline.cost_passes import measured_beside_predicted  # issue 12: the cost model, checked
 
     report.update(measured_beside_predicted(root, plan, out_dir, mode, summary, context))
     if plan["communication"].get("expert_cache"):  # issue 13: measured cache counters beside the simulator's

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline import cost as cost_passes
+from moeplan.planner.pipeline import cost_passes
 from moeplan.planner.pipeline import offload as offload_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline import common
@@ -132,7 +132,7 @@ def codegen_pass(backend: str) -> Pass:
 
 AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
 # the placement pass of `moeplan place`, here also checking that the trace was recorded from this model;
-# --policy auto prices every policy with the cost model (planner/pipeline/cost.py)
+# --policy auto prices every policy with the cost model (planner/pipeline/cost_passes.py)
 PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
@@ -146,7 +146,7 @@ KUBERNETES_PASSES = PLANNING + [codegen_pass("kubernetes")]
 
 def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
     """The facts the torchrun or kubernetes pass list starts from, from the flags' values."""
-    from moeplan.planner.pipeline.cost import default_cost_options
+    from moeplan.planner.pipeline.cost_passes import default_cost_options
     from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
 
     spec = {"name": target}
@@ -165,7 +165,7 @@ def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
 
 def summary(facts: dict, out, timings: list) -> dict:
     """The --json summary of a torchrun or kubernetes plan (and bundle): scale, headline predictions, timings."""
-    from moeplan.planner.pipeline.cost import describe_choice
+    from moeplan.planner.pipeline.cost_passes import describe_choice
 
     plan = facts["plan"]
     doc = plan.to_dict()

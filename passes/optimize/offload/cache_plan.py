@@ -9,7 +9,7 @@ floor(left / expert_bytes) (layer, expert) entries. `expert_cache` N overrides t
 
 Decisions, all by simulation of the held-out part of the planning trace (its last
 `validation_fraction` of sequences; the rest fits the models):
-* the moeplan policy's frequency weight (next_use.py);
+* the moeplan policy's frequency weight (backends/runtime/offload_next_use.py);
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
 * prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
