@@ -184,19 +184,15 @@ def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dic
             "placement_options": placement, "target": spec}
 
 
-def summary(facts: dict, out, timings: list) -> dict:
-    """The --json summary of an engine target's plan (and files)."""
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of an engine target's plan."""
     plan = facts["plan"]
-    result = {"out": str(out), "target": plan.target, "world_size": plan.world_size,
-              "policy": plan.placement.get("policy"), "redundant": plan.communication["redundant"],
-              "objective": "balance", "predicted": dict(plan.to_dict()["predicted"]), "passes": timings}
-    if "manifest" in facts:
-        result["files"] = len(facts["manifest"]["files"])
-    return result
+    return {"world_size": plan.world_size, "policy": plan.placement.get("policy"),
+            "redundant": plan.communication["redundant"], "objective": "balance",
+            "predicted": dict(plan.to_dict()["predicted"])}
 
 
 def describe(summary: dict, facts: dict) -> str:
-    what = f"wrote {summary['out']}" + (f" ({summary['files']} files)" if "files" in summary else "")
-    return (f"{what}: {summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
+    return (f"{summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
             f"{summary['redundant']} redundant slots); predicted max/mean rank load "
             f"{summary['predicted']['max_over_mean_load']:.3f}")

@@ -324,14 +324,11 @@ def inputs(model: str, trace: str, out, values: dict) -> dict:
             "serverless_options": serverless}
 
 
-def summary(facts: dict, out, timings: list) -> dict:
-    """The --json summary of a lambda plan (and bundle)."""
-    plan = facts["plan"]
-    doc = plan.to_dict()
-    result = {"out": str(out), "target": plan.target, "passes": timings}
-    if "manifest" in facts:
-        result["files"] = len(facts["manifest"]["files"])
-    else:
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of a lambda plan."""
+    doc = facts["plan"].to_dict()
+    result = {}
+    if "manifest" not in facts:
         result["bo_iterations"] = facts["sizing"].bo["iterations"] if facts["sizing"].bo else 0
     p = doc["predicted"]
     result.update(functions=doc["topology"]["functions"], dense_slices=len(doc["placement"]["dense_slices"]),
@@ -359,9 +356,8 @@ def layer_lines(layers) -> list:
 
 
 def describe(summary: dict, facts: dict) -> str:
-    """The human lines of a lambda plan (with its sizing table) or bundle."""
-    what = f"wrote {summary['out']}" + (f" ({summary['files']} files)" if "files" in summary else "")
-    lines = [f"{what}: {summary['functions']} functions ({summary['dense_slices']} dense slices), methods "
+    """What a lambda plan (with its sizing table) or bundle holds."""
+    lines = [f"{summary['functions']} functions ({summary['dense_slices']} dense slices), methods "
              f"{', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request"]
     if "manifest" not in facts:  # the plan alone: how it was sized
         timings = summary["passes"]

@@ -106,24 +106,22 @@ def inputs(model: str, trace: str, out, values: dict) -> dict:
     return {"model_spec": str(model), "trace_path": str(trace), "offload_options": offload_options(values)}
 
 
-def summary(facts: dict, out, timings: list) -> dict:
-    """The --json summary of an offload plan."""
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of an offload plan."""
     the_plan = facts["plan"]
     p, c = the_plan.predicted, the_plan.communication
-    return {"out": str(out), "target": "offload", "expert_cache": c["expert_cache"],
-            "total_experts": c["memory"]["total_experts"], "eviction": c["eviction"], "prefetch": c["prefetch"],
-            "hit_ratio": p["hit_ratio"], "seconds_per_token": p["seconds_per_token"],
-            "belady_gap_points": p["belady_gap_points"], "seconds": round(sum(t["seconds"] for t in timings), 3),
-            "passes": timings}
+    return {"expert_cache": c["expert_cache"], "total_experts": c["memory"]["total_experts"], "eviction": c["eviction"],
+            "prefetch": c["prefetch"], "hit_ratio": p["hit_ratio"], "seconds_per_token": p["seconds_per_token"],
+            "belady_gap_points": p["belady_gap_points"]}
 
 
 def describe(summary: dict, facts: dict) -> str:
-    """The human lines of an offload plan."""
+    """What an offload plan holds."""
     the_plan = facts["plan"]
     p, c = the_plan.predicted, the_plan.communication
     m = c["memory"]
     return "\n".join([
-        f"wrote {summary['out']}: expert cache {c['expert_cache']} of {m['total_experts']} experts "
+        f"expert cache {c['expert_cache']} of {m['total_experts']} experts "
         f"({m['expert_bytes'] / 2**20:.1f} MiB each), eviction {c['eviction']}, prefetch {c['prefetch']}",
         f"GPU memory: dense {m['dense_bytes'] / 2**30:.2f} GiB, KV {m['kv_cache_bytes'] / 2**30:.2f} GiB, "
         f"activations {m['activation_bytes'] / 2**30:.2f} GiB, reserve {m['reserve_bytes'] / 2**30:.2f} GiB; "

@@ -33,8 +33,8 @@ class Target:
     about: str
     passes: list
     inputs: Callable  # (model, trace, out, values, given) -> input facts
-    summary: Callable  # (facts, out, timings) -> dict
-    describe: Callable  # (summary, facts) -> str
+    summary: Callable  # facts -> the --json summary's target fields
+    describe: Callable  # (summary, facts) -> what the plan or bundle holds, in lines
     bundles: bool = True  # False: plans only (no codegen yet)
 
     @property
@@ -79,7 +79,18 @@ class Outcome:
         return self.facts["plan"]
 
     def describe(self) -> str:
-        return TARGETS[self.target].describe(self.summary, self.facts)
+        s = self.summary
+        what = f"wrote {s['out']}" + (f" ({s['files']} files)" if "files" in s else "")
+        return f"{what}: {TARGETS[self.target].describe(s, self.facts)}"
+
+
+def _outcome(target: Target, facts: dict, out, timings: list) -> Outcome:
+    """The outcome with its summary: what every target reports, then the target's own fields."""
+    summary = {"out": str(out), "target": target.name, "passes": timings,
+               "seconds": round(sum(t["seconds"] for t in timings), 3)}
+    if "manifest" in facts:
+        summary["files"] = len(facts["manifest"]["files"])
+    return Outcome(target.name, facts, timings, {**summary, **target.summary(facts)})
 
 
 def target_of(name: str, bundle: bool = False) -> Target:
@@ -114,7 +125,7 @@ def compile_target(name: str, model, trace, out, values: dict, given=(), quiet: 
     signer = _signer(values.get("sign_key"))  # a bad key fails before any work
     facts, timings = _run(target, facts, None, quiet)
     signer(out)
-    return Outcome(name, facts, timings, target.summary(facts, out, timings))
+    return _outcome(target, facts, out, timings)
 
 
 def plan_target(name: str, model, trace, out, values: dict, given=(), quiet: bool = False) -> Outcome:
@@ -126,7 +137,7 @@ def plan_target(name: str, model, trace, out, values: dict, given=(), quiet: boo
     facts, timings = _run(target, facts, ("plan",), quiet)
     if out is not None:
         write_text_atomic(out, facts["plan"].to_json(), kind="plan")
-    return Outcome(name, facts, timings, target.summary(facts, out, timings))
+    return _outcome(target, facts, out, timings)
 
 
 def codegen_plan(plan, model_spec: str, out, quiet: bool = False) -> Outcome:
@@ -137,7 +148,7 @@ def codegen_plan(plan, model_spec: str, out, quiet: bool = False) -> Outcome:
         facts, timings = _run(target, {"plan": plan, "model_spec": str(model_spec), "out": str(out)}, ("manifest",), quiet)
     except UserError as exc:
         raise UserError(str(exc).replace("the weights are", f"the weights of '{model_spec}' are")) from None
-    return Outcome(plan.target, facts, timings, target.summary(facts, out, timings))
+    return _outcome(target, facts, out, timings)
 
 
 def _signer(sign_key):

@@ -163,16 +163,13 @@ def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
             "offload_options": offload_passes.offload_options(values, target)}
 
 
-def summary(facts: dict, out, timings: list) -> dict:
-    """The --json summary of a torchrun or kubernetes plan (and bundle): scale, headline predictions, timings."""
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of a torchrun or kubernetes plan: scale, headline predictions."""
     from moeplan.planner.pipeline.cost_passes import describe_choice
 
     plan = facts["plan"]
     doc = plan.to_dict()
-    result = {"out": str(out), "target": plan.target, "passes": timings}
-    if "manifest" in facts:
-        result["files"] = len(facts["manifest"]["files"])
-    result.update(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
+    result = dict(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
                   predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")})
     cache = doc["communication"].get("expert_cache")
     if cache:  # issue 13: per-rank expert caches
@@ -188,10 +185,9 @@ def summary(facts: dict, out, timings: list) -> dict:
 
 
 def describe(summary: dict, facts: dict) -> str:
-    """One human line (and the cost model's choice, the expert caches) for a written plan or bundle."""
-    what = f"wrote {summary['out']}" + (f" ({summary['files']} files)" if "files" in summary else "")
+    """What a plan or bundle holds, in one line (and the cost model's choice, the expert caches)."""
     p = summary["predicted"]
-    lines = [f"{what}: {summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
+    lines = [f"{summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
              f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"]
     if "choice" in summary:
         lines.append(summary["choice"])
