@@ -92,3 +92,25 @@ def test_the_placement_pass_checks_the_placement_it_wrote(tmp_path, monkeypatch)
     assert str(result.exception).startswith("pass 'placement' (after the passes runtime, import, trace, affinity) broke "
                                             "its postcondition: layer 0 places no replica of expert")
     assert not (tmp_path / "b").exists()
+
+
+def test_every_plan_pass_checks_its_plan_serialises_and_reads_back():
+    """A plan holding something plan.json cannot hold (here a numpy array) fails at the pass that
+    made it, not later while a bundle is half written."""
+    import numpy as np
+
+    from moeplan.planner.pipeline import common, engines, lambda_, offload, torchrun
+    from moeplan.planner.plan import Plan
+
+    for module in (torchrun, lambda_, engines, offload):
+        assert module.PLAN.ensures is common.plan_reads_back, module.__name__
+
+    def plan_with(predicted):
+        return lambda f: {"plan": Plan(target="torchrun", model={}, topology={"nodes": 1, "gpus_per_node": 1},
+                                       placement={}, communication={}, predicted=predicted)}
+
+    good = Pass("plan", (), ("plan",), plan_with({"gpu_local_fraction": 0.5}), ensures=common.plan_reads_back)
+    assert chain(good).run({})["plan"].predicted == {"gpu_local_fraction": 0.5}
+    bad = Pass("plan", (), ("plan",), plan_with({"loads": np.arange(3)}), ensures=common.plan_reads_back)
+    with pytest.raises(PassError, match=r"^pass 'plan' \(as the first pass\) broke its postcondition: "):
+        chain(bad).run({})

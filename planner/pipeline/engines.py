@@ -29,7 +29,7 @@ import numpy as np
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, trace_matches_model
+from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
 from moeplan.planner.pipeline.placement import placement_is_valid
 from moeplan.planner.plan import Plan
 
@@ -160,7 +160,7 @@ LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
                  _placement, check=trace_matches_model, ensures=placement_is_valid)
 PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target"),
-            ("plan",), _plan)
+            ("plan",), _plan, ensures=plan_reads_back)
 CODEGEN = Pass("codegen", ("plan", "out"), ("manifest",), _codegen)
 PASSES = [IMPORT, LAYERS, TRACE, PLACEMENT, PLAN, CODEGEN]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.pipeline.common import IMPORT, TRACE, needs_weights, plan_reads_back, trace_matches_model
 from moeplan.planner.plan import Plan
 
 SERVERLESS_VERSION = 1
@@ -308,7 +308,7 @@ FACTS = Pass("facts", ("model", "profile", "platform"), ("serverless_facts",), _
 SIZING = Pass("sizing", ("serverless_facts", "trace", "serverless_options", "progress"), ("sizing",), _sizing)
 PARTITION = Pass("partition", ("model", "model_spec", "profile", "platform", "serverless_options"), ("partition",), _partition)
 PLAN = Pass("plan", ("model", "model_spec", "trace_sha256", "serverless_options", "serverless_facts", "profile", "platform",
-                     "sizing", "partition"), ("plan",), _plan)
+                     "sizing", "partition"), ("plan",), _plan, ensures=plan_reads_back)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
 
 PASSES = [MODEL_FILES, PLATFORM, IMPORT, TRACE, PROFILE, FACTS, SIZING, PARTITION, PLAN, CODEGEN]

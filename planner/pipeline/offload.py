@@ -14,7 +14,7 @@ from pathlib import Path
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, trace_matches_model
+from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
 from moeplan.planner.plan import Plan
 
 
@@ -52,7 +52,7 @@ def _plan(facts):
 
 
 PLAN = Pass("plan", ("model", "model_spec", "trace", "trace_sha256", "offload_options", "progress"), ("plan",), _plan,
-            check=routed_trace_matches_model)
+            check=routed_trace_matches_model, ensures=plan_reads_back)
 PASSES = [IMPORT, TRACE, PLAN]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)

@@ -27,7 +27,7 @@ from moeplan.planner.pipeline import cost_passes
 from moeplan.planner.pipeline import offload as offload_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline import common
-from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, plan_reads_back, trace_matches_model
 from moeplan.planner.plan import Plan
 
 def _affinity(facts):
@@ -136,7 +136,7 @@ AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
 PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
-                     "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan)
+                     "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan, ensures=plan_reads_back)
 IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 
 PLANNING = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN]
