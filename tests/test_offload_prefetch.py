@@ -222,4 +222,5 @@ def test_the_offload_target_compares_prefetchers_itself(offload_inputs):
     root, model_dir = offload_inputs
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "t.npz"), "--target", "offload", "--expert-cache", "5",
                      "--prefetch", "moeplan", "--out", str(root / "p.json")])
-    assert code == 2 and out.strip().startswith("error: --prefetch sets a bundle's prefetcher")
+    assert code == 2 and out.strip() == ("error: --prefetch does not apply to --target offload; it applies to --target "
+                                         "torchrun, kubernetes: drop it or choose one of those targets")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from moeplan.planner import progress
 from moeplan.planner.commands.options import output_options
 from moeplan.planner.errors import UserError
 
@@ -41,6 +42,7 @@ def codegen(plan_path, model, out, as_json, quiet):
     model = model or plan.inputs.get("model")
     if not model:
         raise UserError(f"plan file '{plan_path}' names no model; give the model with --model")
-    outcome = codegen_plan(plan, str(model), out, quiet=quiet or as_json)
+    # a pass line per step on a terminal only: piped, codegen prints its one result line, as it always did
+    outcome = codegen_plan(plan, str(model), out, quiet=quiet or as_json or not progress.enabled())
     summary = {"out": str(out), "target": plan.target, "files": len(outcome.facts["manifest"]["files"])}
     click.echo(json.dumps(summary, sort_keys=True) if as_json else f"wrote {out}: {plan.target} bundle, {summary['files']} files")

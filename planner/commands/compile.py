@@ -24,16 +24,12 @@ EXAMPLES = (
 )
 
 
-def target_help(names) -> str:
-    return "; ".join(f"{n}: {TARGETS[n].about}" for n in names)
-
-
-@click.command("compile", cls=TargetCommand, examples=EXAMPLES,
+@click.command("compile", cls=TargetCommand, examples=EXAMPLES, targets={n: TARGETS[n].about for n in BUNDLE_TARGETS},
                short_help="Compile a model and its routing trace into a deployable bundle.")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL")
 @click.option("--target", type=click.Choice(list(BUNDLE_TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help=target_help(BUNDLE_TARGETS))
+              help="what to write (Targets above)")
 @target_options(compile_only=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
 @output_options

@@ -67,18 +67,22 @@ def flag_values(ctx: click.Context) -> dict:
 
 
 class TargetCommand(click.Command):
-    """A command whose help lists its flags by group, each group naming the targets it serves,
-    followed by examples (`examples`: lines of shell)."""
+    """A command whose help lists its targets (`targets`: {name: what it writes}), its flags by group,
+    each group naming the targets it serves, and examples (`examples`: lines of shell)."""
 
-    def __init__(self, *args, examples=(), **kwargs):
+    def __init__(self, *args, targets=None, examples=(), **kwargs):
         super().__init__(*args, **kwargs)
+        self.targets = dict(targets or {})
         self.examples = tuple(examples)
 
     def format_options(self, ctx, formatter):
+        if self.targets:
+            with formatter.section("Targets (--target)"):
+                formatter.write_dl(list(self.targets.items()))
         sections = {"Options": []}
         serves = dict(F.GROUPS)
         for param in self.get_params(ctx):
-            record = param.get_help_record(ctx)
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
             if record is None:
                 continue
             flag = F.BY_NAME.get(param.name)

@@ -13,7 +13,6 @@ import json
 
 import click
 
-from moeplan.planner.commands.compile import target_help
 from moeplan.planner.commands.options import TargetCommand, flag_values, given_flags, output_options, target_options
 from moeplan.planner.pipeline.targets import DEFAULT_TARGET, TARGETS
 
@@ -26,11 +25,12 @@ EXAMPLES = (
 )
 
 
-@click.command("plan", cls=TargetCommand, examples=EXAMPLES, short_help="Plan a deployment and write plan.json (no bundle).")
+@click.command("plan", cls=TargetCommand, examples=EXAMPLES, targets={n: t.about for n, t in TARGETS.items()},
+               short_help="Plan a deployment and write plan.json (no bundle).")
 @click.argument("model")
 @click.option("--trace", "trace_path", required=True, help="routing trace (.npz) recorded from MODEL (lambda: with token ids)")
 @click.option("--target", type=click.Choice(list(TARGETS)), default=DEFAULT_TARGET, show_default=True,
-              help=target_help(TARGETS))
+              help="what to plan for (Targets above)")
 @target_options(compile_only=False)
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="plan.json to write")
 @output_options
