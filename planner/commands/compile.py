@@ -8,6 +8,7 @@ last line.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -32,8 +33,10 @@ EXAMPLES = (
               help="what to write (Targets above)")
 @target_options(compile_only=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="bundle directory to write")
+@click.option("--report", "with_report", is_flag=True,
+              help="also write report.html into the bundle (moeplan report; the manifest lists it)")
 @output_options
-def compile_cmd(model, trace_path, target, out, as_json, quiet, **_):
+def compile_cmd(model, trace_path, target, out, as_json, quiet, with_report=False, **_):
     """Compile MODEL with its routing trace into a deployable bundle for --target.
 
     Each group of options below names the targets it applies to; an option given for another
@@ -42,7 +45,13 @@ def compile_cmd(model, trace_path, target, out, as_json, quiet, **_):
     from moeplan.planner.pipeline.targets import compile_target
 
     ctx = click.get_current_context()
-    outcome = compile_target(target, model, trace_path, out, flag_values(ctx), given_flags(ctx), quiet=quiet or as_json)
+    finish = None
+    if with_report:  # issue 31: the bundle's own report.html, listed in its manifest before any signature
+        from moeplan.planner.commands.report import write_bundle_report
+
+        finish = lambda bundle: write_bundle_report(Path(bundle), [trace_path])  # noqa: E731
+    outcome = compile_target(target, model, trace_path, out, flag_values(ctx), given_flags(ctx), quiet=quiet or as_json,
+                             finish=finish)
     if as_json:
         click.echo(json.dumps(outcome.summary, sort_keys=True))
     elif not quiet:
