@@ -116,14 +116,17 @@ def _start(target: Target, model, trace, out, values: dict, given) -> dict:
     return target.inputs(model, trace, out, values, set(given))
 
 
-def compile_target(name: str, model, trace, out, values: dict, given=(), quiet: bool = False) -> Outcome:
+def compile_target(name: str, model, trace, out, values: dict, given=(), quiet: bool = False, finish=None) -> Outcome:
     """Plan and write the bundle of target `name` at `out`. `values`: every flag's value
     (`flags.resolve`); `given`: the names of the flags the user gave (the others are refused
-    when they do not apply)."""
+    when they do not apply). `finish(out)`, if given, adds to the written bundle and returns its
+    new manifest (`compile --report`), before the manifest is signed."""
     target = target_of(name, bundle=True)
     facts = _start(target, model, trace, out, values, given)
     signer = _signer(values.get("sign_key"))  # a bad key fails before any work
     facts, timings = _run(target, facts, None, quiet)
+    if finish is not None:
+        facts["manifest"] = finish(out)
     signer(out)
     return _outcome(target, facts, out, timings)
 
