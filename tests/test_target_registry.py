@@ -13,7 +13,7 @@ from moeplan.planner.pipeline import flags as F
 from moeplan.planner.pipeline.targets import DEFAULT_TARGET, TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMAND_LEVEL = {"model", "trace_path", "target", "out", "as_json", "quiet", "force", "help"}
+COMMAND_LEVEL = {"model", "trace_path", "target", "out", "as_json", "quiet", "force", "help", "with_report"}
 
 
 def run(*args):
