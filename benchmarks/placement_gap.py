@@ -13,7 +13,7 @@ without, with --without-replicas) is planned on the planning half at 1.1 x mean 
   colocation_cross / objective: no bound on the free-routing (co-location) relaxation can exceed
   that relaxation's count for this placement, so no such bound can report a smaller gap. Every
   bound in `bounds/pairwise.py` and `bounds/chain.py` bounds the free-routing count; all but the per-token
-  caps (`bound.source_token_caps`, binding only where top-k exceeds a GPU's slots) bound the
+  caps (`bounds.pairwise.source_token_caps`, binding only where top-k exceeds a GPU's slots) bound the
   co-location count too.
 
 With --pair-milp NODES, rows without replicas also solve each layer pair's own placement as a

@@ -12,7 +12,7 @@ relaxation, not the solver. For a placement, in increasing order (each a lower b
 - the metric's `cross_gpu_transitions` (its routing rule).
 Where the co-location count of a good placement is already far below its metric count, no bound
 that relaxes to co-location can show a small gap. Every bound here bounds the free-routing count;
-all but the per-token caps of `bound.source_token_caps` (which bind only where a token chooses
+all but the per-token caps of `bounds.pairwise.source_token_caps` (which bind only where a token chooses
 more experts than a GPU holds) bound the co-location count too.
 """
 from __future__ import annotations
