@@ -305,5 +305,5 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
     chain = chain_configuration_bound(counts, loads, caps, partitions, Q, 1, budget) if max_replicas <= 1 else None
     if chain is not None and chain > pairwise:  # both are valid: the larger holds
         # the label placement.json records; it keeps the module's former name so that plans keep their bytes
-        return chain, "whole-GPU-column configuration bound (bounds/chain.py)"
+        return chain, "whole-GPU-column configuration bound (chain_bound.py)"
     return pairwise, method
