@@ -16,6 +16,10 @@ on a GPU node they move to the device after loading, so a CPU run is the harder 
 term; CUDA's own host memory is not measured here: benchmarks/gpu/serve_check.sh runs this script
 on a GPU).
 
+It ends with three lines, `measured rank overhead`, `measured front overhead` and `measured agent
+overhead` (MiB), which docs/serving.md records and tests/test_kubernetes_serving.py checks the
+constants against, and the requested / measured range per pod.
+
 Models: examples/tiny_moe and examples/qwen3_moe (float32 checkpoints), and `qwen3_moe_wide`, a
 random-weight Qwen3-MoE of ~80M parameters stored in bfloat16 (built here; its tokenizer is the
 example's), held out from choosing the constants: it checks the weights term (S + F, read buffer and
@@ -38,6 +42,7 @@ import time
 from pathlib import Path
 
 import serving as bench  # benchmarks/serving.py: prompts, the service, the load
+from moeplan.backends.torchrun.serve_launch import worker_pids as children  # a process's children, from /proc
 
 REPO = bench.REPO
 CLI = bench.CLI
@@ -111,14 +116,6 @@ def status_kib(pid: int) -> dict:
             return {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in fh) if k in ("VmRSS", "VmHWM")}
     except OSError:
         return {}
-
-
-def children(pid: int) -> list:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(p) for p in fh.read().split()]
-    except (OSError, ValueError):
-        return []
 
 
 def rank_of(pid: int):

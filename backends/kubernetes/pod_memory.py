@@ -32,10 +32,11 @@ import math
 from pathlib import Path
 
 MIB = 1 << 20
-# Measured by benchmarks/rank_memory.py (docs/serving.md, "Pod memory"), then rounded up with margin:
-RANK_OVERHEAD_MIB = 448   # a rank beyond S + F: Python, torch, transformers, the process group, the engine, activations
-FRONT_OVERHEAD_MIB = 128  # rank 0's HTTP front beside its engine: uvicorn, starlette, tokenizer, the API's state
-AGENT_MIB = 320           # torchrun's agent (it imports torch) and launch.sh
+# Measured by benchmarks/rank_memory.py on CPU (docs/serving.md, "Pod memory": a rank beyond S + F
+# at most 408 MiB, rank 0's front 9 MiB beyond its peers, torchrun's agent 222 MiB), with margin:
+RANK_OVERHEAD_MIB = 448   # Python, torch, transformers, the process group, the engine, activations, the KV cache under load
+FRONT_OVERHEAD_MIB = 32   # rank 0's HTTP front beside its engine: uvicorn, starlette, the tokenizer, requests in flight
+AGENT_MIB = 256           # torchrun's agent (it imports torch) and launch.sh
 
 
 def rank_weight_bytes(path: Path) -> tuple:
