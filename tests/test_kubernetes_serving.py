@@ -239,6 +239,12 @@ def test_the_batch_job_flag_gives_the_indexed_job_and_is_recorded(model, tmp_pat
     assert "--serve" not in container["args"] and "--prompts" in container["args"]
     assert "prompts.txt" in docs["configmap.yaml"][0]["data"]
     assert json.loads((tmp_path / "job" / "plan.json").read_text())["deployment"]["batch_job"] is True
+    from moeplan.planner.cli import main  # the recorded choice: plan.json alone writes the same Job
+
+    result = CliRunner().invoke(main, ["codegen", str(tmp_path / "job" / "plan.json"), "--out", str(tmp_path / "again")])
+    assert result.exit_code == 0, result.output
+    files = lambda root: {p.name: p.read_bytes() for p in sorted((root / "kubernetes").iterdir())}
+    assert files(tmp_path / "again") == files(tmp_path / "job")
     served = compile_bundle(model, tmp_path / "svc", 1, 1)
     assert "batch_job" not in json.loads((tmp_path / "svc" / "plan.json").read_text())["deployment"]
     assert "prompts.txt" not in served["configmap.yaml"][0]["data"]
