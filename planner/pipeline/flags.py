@@ -126,6 +126,10 @@ FLAGS = (
          "container image of the rank pods (sglang: with --kubernetes)", T.NON_EMPTY_TEXT, show_default=False),
     Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES, "storage class of the weights volume",
          T.NON_EMPTY_TEXT, show_default=False),
+    Flag("batch_job", "--batch-job", ("kubernetes",), KUBERNETES,
+         "write an indexed batch Job that generates for the prompts in its ConfigMap and exits, instead of the "
+         "long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False, is_flag=True,
+         show_default=False),
     Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
          "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
          default=False, is_flag=True, show_default=False),
