@@ -26,9 +26,10 @@ def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
 
 
 OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "serve_batch", "max_length", "prompt_tokens", "eviction",
-                 "prefetch")
+                 "prefetch", "host_compute")
 EVICTIONS = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")
-PREFETCHES = ("none", "moeplan", "moe-infinity")
+PREFETCHES = ("none", "moeplan", "moe-infinity", "speculative")
+HOST_COMPUTE = ("auto", "cheaper", "never")
 
 
 def offload_options(f):
@@ -49,7 +50,11 @@ def offload_options(f):
                           "(default: the best on held-out sequences)"),
         click.option("--prefetch", type=click.Choice(PREFETCHES), default=None,
                      help="torchrun/kubernetes with --gpu-memory/--expert-cache: the ranks' prefetcher (none: demand "
-                          "paging only; default: the fastest on held-out sequences; docs/offload.md)"),
+                          "paging only; speculative: needs a trace recorded with --speculate; default: the fastest on "
+                          "held-out sequences; docs/offload.md)"),
+        click.option("--host-compute", type=click.Choice(HOST_COMPUTE), default="auto", show_default=True,
+                     help="a missed expert's rows computed on the host where its weights are when that is sooner than "
+                          "copying them (cheaper), never, or whichever the held-out sequences predict faster (auto)"),
     ]
     for opt in reversed(options):
         f = opt(f)
@@ -61,10 +66,13 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
     --gpu-memory/--expert-cache (no expert cache). Bad values are UserErrors."""
     gpu_memory, expert_cache = flags["gpu_memory"], flags["expert_cache"]
     prefetch = flags.get("prefetch")
+    host_compute = None if flags.get("host_compute") in (None, "auto") else flags["host_compute"]
     if target != "offload" and gpu_memory is None and expert_cache is None:
         for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory"), ("prefetch", "--prefetch")):
             if flags.get(flag) is not None:
                 raise UserError(f"{name} needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
+        if host_compute is not None:
+            raise UserError("--host-compute needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
         return None
     if target == "offload" and flags["eviction"] is not None:
         raise UserError("--eviction sets a bundle's policy (compile --target torchrun); --target offload compares them all")
@@ -73,7 +81,7 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
     if prefetch is not None:  # a pair that cannot run stops here, before any pass
         from moeplan.passes.optimize.offload.ranks import prefetch_candidates
 
-        prefetch_candidates(flags["eviction"], prefetch)
+        prefetch_candidates(flags["eviction"], prefetch, trace_known=False)
     if (gpu_memory is None) == (expert_cache is None):
         raise UserError(f"--target {target} needs exactly one of --gpu-memory BYTES or --expert-cache N")
     for name, value in (("--batch", flags["serve_batch"]), ("--max-length", flags["max_length"])):
@@ -88,7 +96,7 @@ def offload_request(flags: dict, validation_fraction: float, seed: int, hardware
             "host_memory_bytes": parse_bytes(flags["host_memory"], "--host-memory") if flags["host_memory"] is not None else None,
             "max_length": flags["max_length"], "prompt_tokens": flags["prompt_tokens"],
             "validation_fraction": validation_fraction, "seed": seed, "eviction": flags["eviction"],
-            "prefetch": prefetch}
+            "prefetch": prefetch, **({"host_compute": host_compute} if host_compute is not None else {})}
 
 
 def plan_offload_command(model, trace_path, out, validation_fraction, seed, as_json, quiet, *, hardware, **flags):

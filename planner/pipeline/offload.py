@@ -33,11 +33,12 @@ def _plan(facts):
     req = OffloadRequest(hardware=hw, gpu_memory_bytes=o["gpu_memory_bytes"], expert_cache=o["expert_cache"],
                          batch=o["batch"], max_length=o["max_length"], prompt_tokens=o["prompt_tokens"],
                          validation_fraction=o["validation_fraction"], seed=o["seed"],
-                         host_memory_bytes=o.get("host_memory_bytes"))
+                         host_memory_bytes=o.get("host_memory_bytes"), host_compute=o.get("host_compute"))
     body = plan_offload(ir, facts["trace"], req, kv_bytes_per_token(config, ir), say=facts["progress"])
     inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "gpu_memory_bytes": o["gpu_memory_bytes"],
               "expert_cache": o["expert_cache"], "hardware": hw.name, "batch": o["batch"], "max_length": o["max_length"],
               **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
+              **({"host_compute": o["host_compute"]} if o.get("host_compute") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
               **body["inputs_extra"]}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
@@ -70,7 +71,7 @@ def _offload_request(o: dict):
     return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
                           prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"],
-                          host_memory_bytes=o.get("host_memory_bytes"))
+                          host_memory_bytes=o.get("host_memory_bytes"), host_compute=o.get("host_compute"))
 
 
 def _expert_cache(facts):

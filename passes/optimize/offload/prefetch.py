@@ -17,6 +17,14 @@ two moeplan imports are rewritten to the shipped siblings by the offload codegen
   next layer's probabilities use this token's routing: inter-layer affinity); admit one only if
   the model prefers it to the victim it would evict, and only into link time that is idle until
   the next router (when a copy takes longer than a layer computes, nothing is prefetched).
+* `SpeculativePrefetch` (issue 33): after each step, the experts that the routers of the next
+  `depth` MoE layers pick from this step's hidden state (the stream's speculation, recorded by
+  `moeplan trace --speculate` or computed live by the runtime with the same router modules), layer
+  l+1's first, each in the speculation's order; copies start as soon as the speculation is known
+  (`after_experts`: from the block's output, once the step's experts have computed) and are not
+  limited to idle link time (a wrong guess can delay the next demand copy). A victim is never one
+  of this step's keys nor a key speculated for the layers ahead; when the cache holds nothing
+  else, the copy is declined.
 """
 from __future__ import annotations
 
@@ -100,11 +108,39 @@ class NextUsePrefetch:
         return v if self.queued.get(key, np.inf) < sv else None
 
 
-PREFETCHERS = ("none", "moe-infinity", "moeplan")
+class SpeculativePrefetch:
+    name = "speculative"
+
+    def __init__(self, allowed=None, depth: int = 1, after_experts: bool = True):
+        if depth < 1:
+            raise ValueError(f"the speculative prefetcher looks at least 1 MoE layer ahead, got {depth}")
+        self.allowed, self.depth, self.after_experts = allowed, int(depth), bool(after_experts)
+
+    def start(self, stream, cached, policy):
+        if not stream.spec_depth:
+            raise ValueError("the speculative prefetcher needs a stream with speculation (a trace recorded with "
+                             "'moeplan trace --speculate D', or the runtime's live speculation)")
+        self.stream, self.cached, self.policy = stream, cached, policy
+        self.may_copy = allowed_mask(self.allowed, stream.num_keys)
+        self.predicted = set()
+
+    def after_step(self, s: int) -> list:
+        keys = [int(k) for d in range(1, self.depth + 1) for k in self.stream.speculated(s, d)]
+        self.predicted = set(keys)
+        return [k for k in keys if not self.cached[k] and self.may_copy[k]]
+
+    def victim_for(self, key: int, exclude):
+        keep = set(exclude) | self.predicted
+        v = int(self.policy.victim(-1, keep))
+        return None if v in keep else v
 
 
-def make_prefetcher(name: str, eamc=None, allowed=None):
-    """A fresh prefetcher by name (None for "none"); "moe-infinity" needs the EAMC [P, L, E]."""
+PREFETCHERS = ("none", "moe-infinity", "moeplan", "speculative")
+
+
+def make_prefetcher(name: str, eamc=None, allowed=None, depth: int = 1, after_experts: bool = True):
+    """A fresh prefetcher by name (None for "none"); "moe-infinity" needs the EAMC [P, L, E];
+    "speculative" looks `depth` MoE layers ahead, from the block's output if `after_experts`."""
     if name == "none":
         return None
     if name == "moe-infinity":
@@ -113,4 +149,6 @@ def make_prefetcher(name: str, eamc=None, allowed=None):
         return EAMCPrefetch(eamc, allowed)
     if name == "moeplan":
         return NextUsePrefetch(allowed)
+    if name == "speculative":
+        return SpeculativePrefetch(allowed, depth, after_experts)
     raise ValueError(f"unknown prefetcher '{name}'; use one of {', '.join(PREFETCHERS)}")
