@@ -313,3 +313,25 @@ def test_bad_speculative_and_host_flags_stop_in_one_line(speculated, tmp_path, t
                      "--quiet"])
     assert code == 2 and out.strip().splitlines()[-1].startswith(message) and len(out.strip().splitlines()) == 1, out
     assert not (tmp_path / "x").exists()
+
+
+def test_calibrate_measures_the_hosts_expert_rates_into_keys_profiles_accept():
+    """`moeplan calibrate` writes host_memory_bytes_per_s and host_flops_per_s (the host compute
+    rates, same names as the offload profiles'); a profile may carry them, and refuses bad values."""
+    from moeplan.planner.commands.calibrate import measure_host_experts
+    from moeplan.planner.errors import UserError
+    from moeplan.planner.hardware import load_hardware, profile_from_dict
+    from moeplan.passes.optimize.offload.hardware import load_hardware as offload_hardware
+
+    rates = measure_host_experts()
+    assert set(rates) == {"host_memory_bytes_per_s", "host_flops_per_s"}
+    assert all(np.isfinite(v) and v > 0 for v in rates.values())
+    base = load_hardware("cpu-gloo").to_dict()
+    assert base["host_memory_bytes_per_s"] == 0.0  # built-in cost profiles without the keys load as before
+    profile = profile_from_dict({**base, **rates}, "calibrated")
+    assert profile.host_flops_per_s == rates["host_flops_per_s"]
+    assert profile_from_dict(base, "round trip") == load_hardware("cpu-gloo")
+    with pytest.raises(UserError, match="'host_flops_per_s' must be a non-negative number"):
+        profile_from_dict({**base, "host_flops_per_s": -1.0}, "bad")
+    hw = offload_hardware("rtx4090-pcie4")
+    assert hw.host_compute and hw.host_memory_bytes_per_s > hw.pcie_bandwidth  # a desktop CPU reads DRAM faster than PCIe

@@ -2,7 +2,8 @@
 
 Why: the cost model's CPU predictions are only as good as its constants, and a CPU's matmul rate,
 framework overhead and gloo latency depend on the machine and its load. A short micro-benchmark
-(about a minute): one-thread matmul throughput, a large copy, the runtime engine itself on one
+(about a minute): one-thread matmul throughput, a large copy, the host's rates for computing an
+expert on all cores (host compute on a miss, docs/offload.md), the runtime engine itself on one
 rank (to fit the cost of one of the engine's framework calls, `op_overhead_s`),
 and gloo `all_to_all_single` over loopback at 2 and 4 ranks (small messages for latency, large
 for bandwidth), the same call the runtime makes. The YAML it writes has the keys of
@@ -55,6 +56,27 @@ def measure_compute() -> dict:
     slot = _best_per_call(choose_loop, 20) / 128
     return {"flops_per_s": 2 * 256 ** 3 / mm, "memory_bytes_per_s": 2 * big.numel() * 4 / copy,
             "python_slot_s": slot}
+
+
+def measure_host_experts() -> dict:
+    """All cores, float32, an expert of Qwen3-30B-A3B's width (2048 x 768, three matrices: 18 MiB):
+    the host's weight-read rate for one decode row (memory-bound: bytes / time of a row through
+    the three matrices) and its matmul rate for 256 rows (FLOPs / time). What computing a missed
+    expert on the host costs (host compute on a miss, docs/offload.md)."""
+    import torch
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    D, F = 2048, 768
+    gate, up, down = torch.randn(F, D), torch.randn(F, D), torch.randn(D, F)
+
+    def expert(x):
+        return torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down)
+
+    one, many = torch.randn(1, D), torch.randn(256, D)
+    row = _best_per_call(lambda: expert(one), 20)
+    rows = _best_per_call(lambda: expert(many), 10)
+    torch.set_num_threads(1)
+    return {"host_memory_bytes_per_s": 3 * D * F * 4 / row, "host_flops_per_s": 256 * 3 * 2 * D * F / rows}
 
 
 # The engine run that fits op_overhead_s: TinyMoE at the example model's size, 8 requests of 32
@@ -186,6 +208,7 @@ def measure_gloo(world: int) -> dict:
 def calibrate() -> dict:
     """The cpu-gloo profile of this machine, as a YAML-ready dict."""
     compute = measure_compute()
+    host = measure_host_experts()
     gloo = {w: measure_gloo(w) for w in WORLDS}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
@@ -213,6 +236,7 @@ def calibrate() -> dict:
         "collective_latency_per_peer_s": float(f"{per_peer:.4g}"),
         "bandwidth_bytes_per_s": {"same_node": float(f"{bandwidth:.4g}"), "other_node": float(f"{bandwidth:.4g}")},
         "message_latency_s": {"same_node": float(f"{message:.4g}"), "other_node": float(f"{message:.4g}")},
+        **{k: float(f"{v:.4g}") for k, v in host.items()},
         "sources": {
             "flops_per_s": f"{measured}, 256x256x256 float32 matmul, one thread",
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
@@ -225,6 +249,9 @@ def calibrate() -> dict:
             "collective_latency_per_peer_s": f"{measured}, slope between {lo} and {hi} ranks",
             "bandwidth_bytes_per_s": f"{measured}, 2 MiB per peer at {lo} ranks over loopback (both tiers: one machine)",
             "message_latency_s": f"{measured}, 1 KiB minus 8 B per peer at {lo} ranks",
+            "host_memory_bytes_per_s": f"{measured}, all cores: one row through a 2048 x 768 SwiGLU expert (float32, "
+                                       "18 MiB of weights), bytes / time",
+            "host_flops_per_s": f"{measured}, all cores: 256 rows through the same expert, FLOPs / time",
         },
     }
 

@@ -33,11 +33,12 @@ def run_demand(stream, capacity, resident, model, policies=DEMAND_POLICIES, expe
 
 
 def run_prefetch(stream, capacity, resident, model, eamc, timing, modes=PREFETCH_MODES, depth: int = 1,
-                 after_experts: bool = True) -> dict:
+                 speculation: dict | None = None) -> dict:
     """{mode: Result.to_dict()} of the timed simulation with each prefetcher that can run on the
-    stream (`modes_for`); the speculative one looks `depth` layers ahead."""
+    stream (`modes_for`); the speculative one looks `depth` layers ahead (`speculation`: the
+    trace's settings, `speculation_settings`)."""
     return {mode: simulate_timed(stream, capacity, make_policy(PAIRED_EVICTION[mode], model), timing,
-                                 prefetcher=make_prefetcher(mode, eamc, depth=depth, after_experts=after_experts),
+                                 prefetcher=make_prefetcher(mode, eamc, depth=depth, speculation=speculation),
                                  resident=resident).to_dict() for mode in modes_for(stream, modes)}
 
 
@@ -65,13 +66,16 @@ def variant_order(label: str) -> tuple:
 
 
 def speculation_settings(trace) -> dict | None:
-    """{"depth", "source", "after_experts"} of a trace recorded with speculation, else None."""
+    """{"depth", "source", "after_experts", "recall" {"d": share}} of a trace recorded with
+    speculation (the planning part: the speculative prefetcher weighs its copies by this recall),
+    else None."""
     if trace.speculation is None:
         return None
-    from moeplan.passes.analysis.trace.speculate import KNOWN_AT_ROUTER
+    from moeplan.passes.analysis.trace.speculate import KNOWN_AT_ROUTER, speculation_recall
 
     return {"depth": trace.speculation_depth, "source": trace.speculation_source,
-            "after_experts": not KNOWN_AT_ROUTER[trace.speculation_source]}
+            "after_experts": not KNOWN_AT_ROUTER[trace.speculation_source],
+            "recall": {d: round(r, 6) for d, r in speculation_recall(trace.experts, trace.speculation).items()}}
 
 
 def run_variants(stream, capacity, resident, model, eamc, timings: dict, speculation: dict | None,
@@ -80,14 +84,13 @@ def run_variants(stream, capacity, resident, model, eamc, timings: dict, specula
     the speculative one looks 1 and, where the trace speculated that far, 2 layers ahead, and keeps
     the faster (its result records "depth": l+2 only where it pays)."""
     out = {}
-    after = True if speculation is None else speculation["after_experts"]
     for host, timing in timings.items():
-        runs = run_prefetch(stream, capacity, resident, model, eamc, timing, modes, depth=1, after_experts=after)
+        runs = run_prefetch(stream, capacity, resident, model, eamc, timing, modes, depth=1, speculation=speculation)
         if "speculative" in runs:
             runs["speculative"]["depth"] = 1
             if speculation is not None and speculation["depth"] >= 2:
                 two = run_prefetch(stream, capacity, resident, model, eamc, timing, ("speculative",), depth=2,
-                                   after_experts=after)["speculative"]
+                                   speculation=speculation)["speculative"]
                 if two["seconds_per_token"] < runs["speculative"]["seconds_per_token"]:
                     runs["speculative"] = dict(two, depth=2)
         out.update({variant_label(m, host): r for m, r in runs.items()})

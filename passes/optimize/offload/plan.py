@@ -235,7 +235,7 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
     say("moeplan policy mix (frequency weight): " + ", ".join(f"{w:g} -> {h:.4f}" for w, h in mix_hits.items()))
     demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"], known=tuned)
     eviction = max(ONLINE_POLICIES, key=lambda p: (demand[p]["hit_ratio"], -ONLINE_POLICIES.index(p)))
-    speculation = speculation_settings(trace)
+    speculation = speculation_settings(fit)
     prefetch = run_variants(stream, capacity, resident, model, eamc.eamc, timings, speculation)
     best = min(prefetch, key=lambda m: (prefetch[m]["seconds_per_token"], variant_order(m)))
     best_prefetch, host = parse_variant(best)
@@ -273,6 +273,6 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
             "validation_tokens": stream.num_tokens,
             "policies": demand, "prefetch": prefetch,
         },
-        "inputs_extra": {"eamc_capacity": eamc.capacity, "moeplan_mix_hit_ratio": {str(w): h for w, h in mix_hits.items()},
+        "inputs_extra": {**({"speculation": speculation} if speculation is not None else {}), "eamc_capacity": eamc.capacity, "moeplan_mix_hit_ratio": {str(w): h for w, h in mix_hits.items()},
                          "eamc_recall_by_capacity": {str(k): v for k, v in sorted(eamc.recall_by_capacity.items())}},
     }

@@ -21,10 +21,11 @@ two moeplan imports are rewritten to the shipped siblings by the offload codegen
   `depth` MoE layers pick from this step's hidden state (the stream's speculation, recorded by
   `moeplan trace --speculate` or computed live by the runtime with the same router modules), layer
   l+1's first, each in the speculation's order; copies start as soon as the speculation is known
-  (`after_experts`: from the block's output, once the step's experts have computed) and are not
-  limited to idle link time (a wrong guess can delay the next demand copy). A victim is never one
-  of this step's keys nor a key speculated for the layers ahead; when the cache holds nothing
-  else, the copy is declined.
+  (`after_experts`: from the block's output, once the step's experts have computed), limited by
+  the link's bandwidth: a copy is issued only while it arrives early enough to pay, weighed by the
+  speculation's recall (`latest_arrival`), so on a link much slower than a layer's compute it
+  copies little. A victim is never one of this step's keys nor a key speculated for the layers
+  ahead; when the cache holds nothing else, the copy is declined.
 """
 from __future__ import annotations
 
@@ -111,10 +112,11 @@ class NextUsePrefetch:
 class SpeculativePrefetch:
     name = "speculative"
 
-    def __init__(self, allowed=None, depth: int = 1, after_experts: bool = True):
+    def __init__(self, allowed=None, depth: int = 1, after_experts: bool = True, recall=None):
         if depth < 1:
             raise ValueError(f"the speculative prefetcher looks at least 1 MoE layer ahead, got {depth}")
         self.allowed, self.depth, self.after_experts = allowed, int(depth), bool(after_experts)
+        self.recall = {int(d): float(r) for d, r in (recall or {}).items()}  # distance -> share of guesses right
 
     def start(self, stream, cached, policy):
         if not stream.spec_depth:
@@ -125,9 +127,24 @@ class SpeculativePrefetch:
         self.predicted = set()
 
     def after_step(self, s: int) -> list:
-        keys = [int(k) for d in range(1, self.depth + 1) for k in self.stream.speculated(s, d)]
-        self.predicted = set(keys)
-        return [k for k in keys if not self.cached[k] and self.may_copy[k]]
+        self.distance = {}
+        for d in range(1, self.depth + 1):
+            for k in self.stream.speculated(s, d):
+                self.distance.setdefault(int(k), d)
+        self.predicted = set(self.distance)
+        return [k for k in self.distance if not self.cached[k] and self.may_copy[k]]
+
+    def latest_arrival(self, key: int, next_router: float, step_s: float, timing) -> float:
+        """The latest arrival at which copying `key` still pays (the bandwidth limit): its layer
+        starts at R (the next router, plus a layer of `step_s` per distance beyond 1); a miss there
+        costs m = the cheaper of a copy and the host's time; a copy arriving at A saves m if the
+        guess is right and delays the link by A - R if it is wrong, so it pays while
+        A - R < recall x m (recall of the key's distance on the planning trace; 1 when unknown)."""
+        d = self.distance[key]
+        miss = timing.copy_s(key)
+        if timing.host_compute:
+            miss = min(miss, timing.host_s(key, 1))
+        return next_router + (d - 1) * step_s + self.recall.get(d, 1.0) * miss
 
     def victim_for(self, key: int, exclude):
         keep = set(exclude) | self.predicted
@@ -138,9 +155,10 @@ class SpeculativePrefetch:
 PREFETCHERS = ("none", "moe-infinity", "moeplan", "speculative")
 
 
-def make_prefetcher(name: str, eamc=None, allowed=None, depth: int = 1, after_experts: bool = True):
+def make_prefetcher(name: str, eamc=None, allowed=None, depth: int = 1, speculation=None):
     """A fresh prefetcher by name (None for "none"); "moe-infinity" needs the EAMC [P, L, E];
-    "speculative" looks `depth` MoE layers ahead, from the block's output if `after_experts`."""
+    "speculative" looks `depth` MoE layers ahead, with the trace's `speculation` settings
+    ({"after_experts", "recall"}; default: from the block output, every guess trusted)."""
     if name == "none":
         return None
     if name == "moe-infinity":
@@ -150,5 +168,6 @@ def make_prefetcher(name: str, eamc=None, allowed=None, depth: int = 1, after_ex
     if name == "moeplan":
         return NextUsePrefetch(allowed)
     if name == "speculative":
-        return SpeculativePrefetch(allowed, depth, after_experts)
+        speculation = speculation or {}
+        return SpeculativePrefetch(allowed, depth, speculation.get("after_experts", True), speculation.get("recall"))
     raise ValueError(f"unknown prefetcher '{name}'; use one of {', '.join(PREFETCHERS)}")

@@ -78,7 +78,7 @@ def prefetch_candidates(eviction, prefetch, speculation: dict | None = None, tra
 
 
 def price_prefetcher(mode: str, eviction: str, per_rank: list, capacities: list, residents: list, masks: list, model,
-                     timings: list, eamc, depth: int = 1) -> tuple:
+                     timings: list, eamc, depth: int = 1, speculation: dict | None = None) -> tuple:
     """One prefetcher with its eviction policy on every rank's held-out stream, on each rank's
     modelled clock: ({seconds per token of the slowest rank, prefetches, prefetched keys that hit,
     hit ratios, host-computed requests}, per rank the keys it loaded, demand and prefetch, and the
@@ -86,7 +86,7 @@ def price_prefetcher(mode: str, eviction: str, per_rank: list, capacities: list,
     recorders = [LoadRecorder(make_policy(eviction, model)) for _ in per_rank]
     caches = []
     for s, c, r, mask, rec, t in zip(per_rank, capacities, residents, masks, recorders, timings):
-        cache = TimedCache(s, c, rec, t, make_prefetcher(mode, eamc, mask, depth=depth), r)
+        cache = TimedCache(s, c, rec, t, make_prefetcher(mode, eamc, mask, depth=depth, speculation=speculation), r)
         for step in range(len(s.step_layer)):
             cache.step(step)
         caches.append(cache)
@@ -119,12 +119,12 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
         raise UserError(f"--eviction {eviction} cannot run in a bundle; use one of {', '.join(RUNTIME_POLICIES)}")
     if prefetch is not None and prefetch not in PREFETCH_MODES:
         raise UserError(f"--prefetch {prefetch} is not a prefetcher; use one of {', '.join(PREFETCH_MODES)}")
-    speculation = speculation_settings(trace)
+    fit_rows, val_rows = split_by_sequence(trace, req.validation_fraction)
+    fit, val = trace.select(fit_rows), trace.select(val_rows)
+    speculation = speculation_settings(fit)
     candidates = prefetch_candidates(eviction, prefetch, speculation)
     budget = memory_budget(ir, kv_per_token, req)
     masks = rank_keys(hosts)
-    fit_rows, val_rows = split_by_sequence(trace, req.validation_fraction)
-    fit, val = trace.select(fit_rows), trace.select(val_rows)
     popularity = popularity_by_layer(fit)
     model = fit_next_use(build_stream(fit), popularity)
     flat_pop = popularity.reshape(-1)
@@ -166,7 +166,8 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
                 timings_of[label] = timing
                 depths = (1, 2) if m == "speculative" and speculation["depth"] >= 2 else (1,)
                 for depth in depths:  # l+2 only where it pays
-                    run, moved = price_prefetcher(m, ev, per_rank, capacities, residents, masks, model, timings, eamc, depth)
+                    run, moved = price_prefetcher(m, ev, per_rank, capacities, residents, masks, model, timings, eamc, depth,
+                                                  speculation)
                     if label not in timed or run["seconds_per_token"] < timed[label]["seconds_per_token"]:
                         timed[label], loaded[label] = run, moved
     label = min(timed, key=lambda m: (timed[m]["seconds_per_token"], variant_order(m))) if timed else "none"

@@ -151,6 +151,11 @@ class TimedCache:
     computed on the host) and host_rows (their token rows), host_keys_computed (their keys, in
     order: a key outside the host tier is read from disk for it), now (modelled seconds)."""
 
+    # A copy starts no earlier than what decided it is known. Issue 13's model let a prefetch start
+    # in idle link time before the step whose routing chose it; benchmarks/offload.py sets this
+    # False only to show what that model predicted.
+    causal = True
+
     def __init__(self, stream, capacity: int, policy, timing: Timing = NO_TIME, prefetcher=None, resident=()):
         self.stream, self.capacity, self.policy, self.timing, self.prefetcher = stream, capacity, policy, timing, prefetcher
         self.cached, self.size = start_cache(stream, capacity, policy, resident)
@@ -231,12 +236,15 @@ class TimedCache:
         if self.prefetcher is None:
             return []
         known = self.block_done if getattr(self.prefetcher, "after_experts", False) else self.router_at
-        self.link_free = max(self.link_free, known)  # a copy cannot start before what decided it is known
+        if self.causal:
+            self.link_free = max(self.link_free, known)  # a copy cannot start before what decided it is known
         return self._prefetch(self.prefetcher.after_step(s), computing)
 
     def _prefetch(self, queue: list, computing: set) -> list:
-        """The copies of `queue` that start before the next router (`now`), decided in order."""
+        """The copies of `queue` that start before the next router (`now`), decided in order; a
+        prefetcher with `latest_arrival` skips a copy that would arrive too late to pay."""
         timing, copies = self.timing, []
+        limit = getattr(self.prefetcher, "latest_arrival", None)
         for key in queue:
             if not self.link_free < self.now:
                 break
@@ -245,6 +253,8 @@ class TimedCache:
                 continue
             if self.idle_only and self.link_free + timing.copy_s(key) > self.now:
                 break
+            if limit is not None and self.link_free + timing.copy_s(key) > limit(key, self.now, self.now - self.router_at, timing):
+                continue
             victim = None
             if self.size >= self.capacity:
                 victim = self.prefetcher.victim_for(key, computing)
@@ -283,5 +293,4 @@ def plan_stepper(spec: dict, rank: int, allowed, num_experts: int, timing: Timin
     speculation = spec.get("speculation") or {}
     return lambda stream, capacity, resident: TimedCache(
         stream, capacity, wrap(make_policy(name, model)), timing,
-        make_prefetcher(prefetch, eamc, allowed, depth=speculation.get("depth", 1),
-                        after_experts=speculation.get("after_experts", True)), resident)
+        make_prefetcher(prefetch, eamc, allowed, depth=speculation.get("depth", 1), speculation=speculation), resident)
