@@ -24,13 +24,15 @@ TinyMoE's top-2, qwen3-30b-a3b.json, olmoe-1b-7b.json, with the traced model's e
 MoE layers; bf16 weights, every expert in host memory); hardware profiles rtx4090-pcie4 and
 h100-sxm (passes/optimize/offload/hardware.yaml); caches of 10, 25 and 50% of the (layer, expert)
 keys; also at the trained models' own widths (`native`: KB-sized experts, where the link can carry
-the speculated copies within a layer's compute). The offload planner plans each cache on the planning trace (residents, next-use model, EAMC,
+the speculated copies within a layer's compute; 25% cache, rtx4090-pcie4). The offload planner
+plans each cache (on rtx4090-pcie4's clock; its choice is reported for that profile) on the planning trace (residents, next-use model, EAMC,
 the speculative prefetcher's depth); the held-out stream then runs, side by side: demand LRU,
 MoE-Infinity's prefetch (its cache priority), moeplan's prefetch (next-use eviction; also as
 issue 13 modelled it, copies allowed to start before the routing that chose them), the
 speculative prefetcher (next-use eviction), each with and without host compute on a miss. Per
 row: seconds per token, share of requests resident at their layer start, bytes moved per token,
-host-computed rows per token.
+host-computed rows per token. The held-out stream is its first whole tokens up to --max-requests
+(60,000: TinyMoE ~5,000 tokens, Qwen3-MoE ~7,500, OLMoE 64 x 8 ~940) to keep the run under an hour.
 
     .venv/bin/python benchmarks/offload.py --side-by-side [--models tiny qwen3 olmoe64]
         [--profiles rtx4090-pcie4 h100-sxm] [--fractions 0.1 0.25 0.5] [--tokens 8192] [--json]
@@ -183,18 +185,23 @@ def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=Tr
             "host_rows_per_token": cache.host_rows / tokens, "prefetches": cache.prefetches, "prefetch_hits": cache.prefetch_hits}
 
 
-def side_case(name: str, plan_trace, stream, ir, hw, fraction: float, log) -> dict:
-    """Every scheme on the held-out stream for one model, profile and cache size."""
+def side_plan(plan_trace, ir, hw, capacity: int) -> dict:
+    """The offload planner on the planning trace (its held-out part chooses; `hw` is the planning profile)."""
+    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+
+    return plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000),
+                        kv_bytes_per_token(None, ir))
+
+
+def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: int, log) -> dict:
+    """Every scheme on the held-out stream for one model, profile and cache size, from the plan `body`."""
     import numpy as np
 
     from moeplan.passes.optimize.offload.next_use import NextUseModel
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload, timing_for
+    from moeplan.passes.optimize.offload.plan import timing_for
     from moeplan.passes.optimize.offload.policies import make_policy
     from moeplan.passes.optimize.offload.prefetch import make_prefetcher
 
-    capacity = max(1, int(round(fraction * stream.num_keys)))
-    body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000),
-                        kv_bytes_per_token(None, ir))
     E = stream.num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
     comm = body["communication"]
@@ -214,19 +221,22 @@ def side_case(name: str, plan_trace, stream, ir, hw, fraction: float, log) -> di
     t = timings[False]
     planner = comm["prefetch"] + (" + host compute" if comm.get("host_compute") else "")
     best = rows["moeplan prefetch"]["seconds_per_token"]
+    per_step = stream.num_requests / max(len(stream.step_layer), 1)
     case = {"model": name, "profile": hw.name, "fraction": fraction, "capacity": capacity, "keys": stream.num_keys,
-            "expert_mib": t.expert_bytes / 2**20, "copy_ms": t.pcie_copy_s * 1e3, "host_expert_ms": timings[True].host_expert_s * 1e3,
-            "layer_compute_ms": (t.layer_s + stream.num_requests / max(len(stream.step_layer), 1) * t.expert_compute_s) * 1e3,
-            "speculative_depth": depth, "planner_choice": planner, "rows": rows,
+            "tokens": stream.num_tokens, "expert_mib": t.expert_bytes / 2**20, "copy_ms": t.pcie_copy_s * 1e3,
+            "host_expert_ms": timings[True].host_expert_s * 1e3,
+            "layer_compute_ms": (t.layer_s + per_step * t.expert_compute_s) * 1e3, "requests_per_layer": per_step,
+            "speculative_depth": depth, "speculation_recall": speculation["recall"],
+            "planner_choice": planner if body["hardware"] == hw.name else None, "rows": rows,
             "speculative_over_moeplan": rows["speculative"]["seconds_per_token"] / best,
             "speculative_host_over_moeplan": rows["speculative + host compute"]["seconds_per_token"] / best,
             "speculative_over_issue13_moeplan": rows["speculative"]["seconds_per_token"] / rows[ISSUE13]["seconds_per_token"]}
-    log(f"{name:<8} {hw.name:<14} {fraction:>4.0%} cache {capacity:>4}/{stream.num_keys}: expert {case['expert_mib']:.1f} MiB, "
-        f"copy {case['copy_ms']:.3f} ms, host {case['host_expert_ms']:.3f} ms, layer {case['layer_compute_ms']:.3f} ms; "
-        f"planner: {planner} (depth {depth})")
+    log(f"{name:<8} {hw.name:<14} {fraction:>4.0%} cache {capacity:>4}/{stream.num_keys}: expert {case['expert_mib']:.3f} MiB, "
+        f"copy {case['copy_ms']:.4f} ms, host {case['host_expert_ms']:.4f} ms, layer {case['layer_compute_ms']:.4f} ms; "
+        f"planner: {case['planner_choice']} (depth {depth})")
     for label, r in rows.items():
-        log(f"    {label:<36} {r['seconds_per_token'] * 1e3:9.3f} ms/token  resident {r['resident_at_layer_start']:.3f}  "
-            f"{r['bytes_moved_per_token'] / 2**20:9.1f} MiB/token  host rows {r['host_rows_per_token']:.2f}/token  "
+        log(f"    {label:<36} {r['seconds_per_token'] * 1e3:9.4f} ms/token  resident {r['resident_at_layer_start']:.3f}  "
+            f"{r['bytes_moved_per_token'] / 2**20:10.3f} MiB/token  host rows {r['host_rows_per_token']:.2f}/token  "
             f"x{r['seconds_per_token'] / best:.3f}")
     return case
 
@@ -243,15 +253,22 @@ def side_by_side(args) -> int:
     from speculation import model_dir
     from moeplan.planner.importers import load_model
 
+    from moeplan.passes.optimize.offload.plan import capped
+
     for name in args.models:
         plan_trace = load_trace(traced(name, "train", "block-output", 2, args.tokens))
         held = load_trace(traced(name, "heldout", "block-output", 2, args.tokens))
-        stream = build_stream(held)
+        stream = capped(build_stream(held), args.max_requests)
         irs = {"production": production_ir(name, held), "native": load_model(str(model_dir(name))).ir}
         for widths in args.widths:
-            for profile in args.profiles:
-                for fraction in args.fractions:
-                    case = side_case(name, plan_trace, stream, irs[widths], load_hardware(profile), fraction, log)
+            fractions = args.fractions if widths == "production" else [0.25]
+            profiles = args.profiles if widths == "production" else args.profiles[:1]
+            for fraction in fractions:
+                capacity = max(1, int(round(fraction * stream.num_keys)))
+                body = side_plan(plan_trace, irs[widths], load_hardware(args.profiles[0]), capacity)
+                body["hardware"] = args.profiles[0]
+                for profile in profiles:
+                    case = side_case(name, body, stream, irs[widths], load_hardware(profile), fraction, capacity, log)
                     cases.append({"widths": widths, **case})
     summary = {f"{w}_{p}_25pct": {c["model"]: {k: round(c[k], 4) for k in ("speculative_over_moeplan", "speculative_host_over_moeplan",
                                                                            "speculative_over_issue13_moeplan")}
@@ -278,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", nargs="+", default=["rtx4090-pcie4", "h100-sxm"])
     ap.add_argument("--fractions", type=float, nargs="+", default=None)
     ap.add_argument("--tokens", type=int, default=8192, help="--side-by-side: tokens per trace")
+    ap.add_argument("--max-requests", type=int, default=60_000,
+                    help="--side-by-side: the held-out stream's first whole tokens holding at most this many requests")
     ap.add_argument("--widths", nargs="+", default=["production", "native"], choices=["production", "native"],
                     help="--side-by-side: price at a production model's widths, or the trained model's own")
     ap.add_argument("--plan-tokens", type=int, default=8192)

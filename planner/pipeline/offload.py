@@ -147,7 +147,7 @@ def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     forwards = simulated.pop("forwards")
     modelled = simulated.pop("modelled_seconds_by_rank")
     seconds = {"measured_wall": summary["elapsed_s"] / forwards if forwards else 0.0,
-               "modelled_for_these_tokens": max(modelled) / forwards if forwards and spec.get("prefetch", "none") != "none" else None,
+               "modelled_for_these_tokens": max(modelled) / forwards if forwards and "timing" in spec else None,
                "planned": plan["predicted"].get("expert_cache", {}).get("seconds_per_token"), "forwards": forwards}
     return {"expert_cache": {"eviction": spec["eviction"], "prefetch": spec.get("prefetch", "none"), "capacity": spec["capacity"],
                              "measured": measured, "simulated": simulated, "matches_simulation": matches(measured, simulated),
