@@ -242,7 +242,7 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
 
 
 def side_by_side(args) -> int:
-    from speculation import traced
+    from speculation import emit, traced
 
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.passes.optimize.offload.hardware import load_hardware
@@ -278,13 +278,7 @@ def side_by_side(args) -> int:
                for w in args.widths for p in args.profiles}
     summary.update(target_ratio=0.6, target_resident=0.85)
     out = {"cases": cases, "summary": summary, "published": dict(PUBLISHED_SIDE, setting_difference=SIDE_SETTING)}
-    if args.json:
-        print(json.dumps(out, sort_keys=True))
-    else:
-        print("summary: " + json.dumps(summary, sort_keys=True))
-        for v in PUBLISHED_SIDE.values():
-            print("published: " + v)
-        print("setting difference: " + SIDE_SETTING)
+    emit(out, args.json, PUBLISHED_SIDE, SIDE_SETTING)
     return 0
 
 

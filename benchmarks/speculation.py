@@ -178,14 +178,19 @@ def main(argv=None) -> int:
     out = {"choice": {"model": args.choose_on, "corpus": "train", "recall": choice, "chosen": chosen},
            "cases": cases, "summary": summary, "published": dict(PUBLISHED, setting_difference=SETTING),
            "olmoe64": OLMOE64}
-    if args.json:
-        print(json.dumps(out, sort_keys=True))
-    else:
-        print("summary: " + json.dumps(summary, sort_keys=True))
-        for v in PUBLISHED.values():
-            print("published: " + v)
-        print("setting difference: " + SETTING)
+    emit(out, args.json, PUBLISHED, SETTING)
     return 0
+
+
+def emit(out: dict, as_json: bool, published: dict, setting: str) -> None:
+    """The report's last lines: one JSON object, or the summary, the published figures and how the settings differ."""
+    if as_json:
+        print(json.dumps(out, sort_keys=True))
+        return
+    print("summary: " + json.dumps(out["summary"], sort_keys=True))
+    for v in published.values():
+        print("published: " + v)
+    print("setting difference: " + setting)
 
 
 if __name__ == "__main__":

@@ -318,7 +318,7 @@ def test_bad_speculative_and_host_flags_stop_in_one_line(speculated, tmp_path, t
 def test_calibrate_measures_the_hosts_expert_rates_into_keys_profiles_accept():
     """`moeplan calibrate` writes host_memory_bytes_per_s and host_flops_per_s (the host compute
     rates, same names as the offload profiles'); a profile may carry them, and refuses bad values."""
-    from moeplan.planner.commands.calibrate import measure_host_experts
+    from moeplan.passes.analysis.profile.host_rates import measure_host_experts
     from moeplan.planner.errors import UserError
     from moeplan.planner.hardware import load_hardware, profile_from_dict
     from moeplan.passes.optimize.offload.hardware import load_hardware as offload_hardware
@@ -335,3 +335,21 @@ def test_calibrate_measures_the_hosts_expert_rates_into_keys_profiles_accept():
         profile_from_dict({**base, "host_flops_per_s": -1.0}, "bad")
     hw = offload_hardware("rtx4090-pcie4")
     assert hw.host_compute and hw.host_memory_bytes_per_s > hw.pcie_bandwidth  # a desktop CPU reads DRAM faster than PCIe
+
+
+def test_offload_plan_records_the_speculation_and_simulate_runs_the_speculative_prefetcher(speculated, tmp_path):
+    root, model_dir = speculated
+    code, out = cli(["plan", str(model_dir), "--trace", str(root / "s.npz"), "--target", "offload", "--expert-cache", "6",
+                     "--out", str(tmp_path / "o.json"), "--quiet"])
+    assert code == 0, out
+    plan = json.loads((tmp_path / "o.json").read_text())
+    spec = plan["inputs"]["speculation"]
+    assert spec["source"] == "block-output" and spec["depth"] == 2 and 0 < spec["recall"]["1"] <= 1
+    table = plan["predicted"]["prefetch"]
+    assert {"speculative", "speculative+host"} <= set(table) and table["speculative"]["depth"] in (1, 2)
+    code, out = cli(["simulate", str(tmp_path / "o.json"), "--trace", str(root / "s.npz"), "--json"])
+    assert code == 0, out
+    simulated = json.loads(out.strip().splitlines()[-1])["prefetch"]
+    assert "speculative" in simulated and simulated["speculative"]["requests"] == simulated["none"]["requests"]
+    code, out = cli(["simulate", str(tmp_path / "o.json"), "--trace", str(root / "t.npz"), "--json"])
+    assert code == 0 and "speculative" not in json.loads(out.strip().splitlines()[-1])["prefetch"]  # no speculation: no such run

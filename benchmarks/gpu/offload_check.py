@@ -8,7 +8,7 @@ Run by benchmarks/gpu/offload_check.sh on a machine with a CUDA GPU (never in CI
 through the real CLI from this checkout:
 1. the machine: GPU, torch, and three rates measured here beside the offload profile's: pinned
    host -> device copy bandwidth, device memory bandwidth, the host's expert rates
-   (`calibrate.measure_host_experts`);
+   (`passes/analysis/profile/host_rates.py`, what `moeplan calibrate` measures);
 2. two models: examples/qwen3_moe (trained; small experts) and a wide Qwen3-MoE built here with
    seeded random weights at Qwen3-30B-A3B's expert width (hidden 2048, expert 768: 18 MiB per
    float32 expert; 4 MoE layers x 16 experts, top-4), so that a copy takes real PCIe time;
@@ -59,7 +59,7 @@ def measure_machine(device) -> dict:
     """Rates measured here, beside the profile's."""
     import torch
 
-    from moeplan.planner.commands.calibrate import measure_host_experts
+    from moeplan.passes.analysis.profile.host_rates import measure_host_experts
 
     out = {"torch": torch.__version__, "device": str(device), "cpu_cores": os.cpu_count()}
     if device.type == "cuda":

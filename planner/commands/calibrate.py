@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import click
 
@@ -26,15 +25,9 @@ LARGE_BYTES = 1 << 21  # per peer
 
 def _best_per_call(fn, reps: int) -> float:
     """Median of `reps` timed calls after two warm-ups (median: robust on a loaded machine)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+    from moeplan.passes.analysis.profile.host_rates import median_seconds
+
+    return median_seconds(fn, reps)
 
 
 def measure_compute() -> dict:
@@ -56,27 +49,6 @@ def measure_compute() -> dict:
     slot = _best_per_call(choose_loop, 20) / 128
     return {"flops_per_s": 2 * 256 ** 3 / mm, "memory_bytes_per_s": 2 * big.numel() * 4 / copy,
             "python_slot_s": slot}
-
-
-def measure_host_experts() -> dict:
-    """All cores, float32, an expert of Qwen3-30B-A3B's width (2048 x 768, three matrices: 18 MiB):
-    the host's weight-read rate for one decode row (memory-bound: bytes / time of a row through
-    the three matrices) and its matmul rate for 256 rows (FLOPs / time). What computing a missed
-    expert on the host costs (host compute on a miss, docs/offload.md)."""
-    import torch
-
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-    D, F = 2048, 768
-    gate, up, down = torch.randn(F, D), torch.randn(F, D), torch.randn(D, F)
-
-    def expert(x):
-        return torch.nn.functional.linear(torch.nn.functional.silu(x @ gate.T) * (x @ up.T), down)
-
-    one, many = torch.randn(1, D), torch.randn(256, D)
-    row = _best_per_call(lambda: expert(one), 20)
-    rows = _best_per_call(lambda: expert(many), 10)
-    torch.set_num_threads(1)
-    return {"host_memory_bytes_per_s": 3 * D * F * 4 / row, "host_flops_per_s": 256 * 3 * 2 * D * F / rows}
 
 
 # The engine run that fits op_overhead_s: TinyMoE at the example model's size, 8 requests of 32
@@ -207,6 +179,8 @@ def measure_gloo(world: int) -> dict:
 
 def calibrate() -> dict:
     """The cpu-gloo profile of this machine, as a YAML-ready dict."""
+    from moeplan.passes.analysis.profile.host_rates import measure_host_experts
+
     compute = measure_compute()
     host = measure_host_experts()
     gloo = {w: measure_gloo(w) for w in WORLDS}
