@@ -177,10 +177,17 @@ def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=Tr
 
     cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
     cache.causal = causal
+    first = [0, 0]  # requests and resident ones at each token's first MoE layer (nothing speculates them)
     for s in range(len(stream.step_layer)):
+        requests, resident_before = cache.requests, cache.resident_at_start
         cache.step(s)
+        if stream.step_layer[s] == 0:
+            first[0] += cache.requests - requests
+            first[1] += cache.resident_at_start - resident_before
     tokens = max(stream.num_tokens, 1)
+    later = max(cache.requests - first[0], 1)
     return {"seconds_per_token": cache.now / tokens, "resident_at_layer_start": cache.resident_at_start / max(cache.requests, 1),
+            "resident_after_first_layer": (cache.resident_at_start - first[1]) / later,
             "hit_ratio": cache.hits / max(cache.requests, 1), "bytes_moved_per_token": cache.loads * timing.expert_bytes / tokens,
             "host_rows_per_token": cache.host_rows / tokens, "prefetches": cache.prefetches, "prefetch_hits": cache.prefetch_hits}
 
@@ -201,6 +208,7 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
     from moeplan.passes.optimize.offload.plan import timing_for
     from moeplan.passes.optimize.offload.policies import make_policy
     from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+    from moeplan.passes.optimize.offload.simulate import simulate_demand
 
     E = stream.num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
@@ -219,6 +227,11 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
     rows[ISSUE13] = run_scheme(stream, capacity, make_policy("moeplan", model), timings[False], make_prefetcher("moeplan"),
                                resident, causal=False)
     t = timings[False]
+    # no copy-only scheme beats its link (at least Belady's, the fewest possible, loads one copy at a time)
+    # nor its compute (every layer step and expert), even with both perfectly overlapped
+    belady = simulate_demand(stream, capacity, make_policy("belady"), resident=resident)
+    compute = len(stream.step_layer) * t.layer_s + stream.num_requests * t.expert_compute_s
+    floor = max(belady.loads * t.pcie_copy_s, compute) / max(stream.num_tokens, 1)
     planner = comm["prefetch"] + (" + host compute" if comm.get("host_compute") else "")
     best = rows["moeplan prefetch"]["seconds_per_token"]
     per_step = stream.num_requests / max(len(stream.step_layer), 1)
@@ -227,15 +240,18 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
             "host_expert_ms": timings[True].host_expert_s * 1e3,
             "layer_compute_ms": (t.layer_s + per_step * t.expert_compute_s) * 1e3, "requests_per_layer": per_step,
             "speculative_depth": depth, "speculation_recall": speculation["recall"],
+            "copy_only_floor_s_per_token": floor, "copy_only_floor_over_moeplan": floor / rows["moeplan prefetch"]["seconds_per_token"],
             "planner_choice": planner if body["hardware"] == hw.name else None, "rows": rows,
             "speculative_over_moeplan": rows["speculative"]["seconds_per_token"] / best,
             "speculative_host_over_moeplan": rows["speculative + host compute"]["seconds_per_token"] / best,
             "speculative_over_issue13_moeplan": rows["speculative"]["seconds_per_token"] / rows[ISSUE13]["seconds_per_token"]}
     log(f"{name:<8} {hw.name:<14} {fraction:>4.0%} cache {capacity:>4}/{stream.num_keys}: expert {case['expert_mib']:.3f} MiB, "
         f"copy {case['copy_ms']:.4f} ms, host {case['host_expert_ms']:.4f} ms, layer {case['layer_compute_ms']:.4f} ms; "
-        f"planner: {case['planner_choice']} (depth {depth})")
+        f"planner: {case['planner_choice']} (depth {depth}); copy-only floor (max of Belady's loads on the link, compute) "
+        f"{floor * 1e3:.4f} ms/token = x{case['copy_only_floor_over_moeplan']:.3f}")
     for label, r in rows.items():
-        log(f"    {label:<36} {r['seconds_per_token'] * 1e3:9.4f} ms/token  resident {r['resident_at_layer_start']:.3f}  "
+        log(f"    {label:<36} {r['seconds_per_token'] * 1e3:9.4f} ms/token  resident {r['resident_at_layer_start']:.3f} "
+            f"(after layer 0: {r['resident_after_first_layer']:.3f})  "
             f"{r['bytes_moved_per_token'] / 2**20:10.3f} MiB/token  host rows {r['host_rows_per_token']:.2f}/token  "
             f"x{r['seconds_per_token'] / best:.3f}")
     return case
@@ -273,7 +289,10 @@ def side_by_side(args) -> int:
     summary = {f"{w}_{p}_25pct": {c["model"]: {k: round(c[k], 4) for k in ("speculative_over_moeplan", "speculative_host_over_moeplan",
                                                                            "speculative_over_issue13_moeplan")}
                                  | {"speculative_resident": round(c["rows"]["speculative"]["resident_at_layer_start"], 4),
-                                    "copy_over_layer": round(c["copy_ms"] / c["layer_compute_ms"], 3)}
+                                    "speculative_resident_after_first_layer":
+                                        round(c["rows"]["speculative"]["resident_after_first_layer"], 4),
+                                    "copy_over_layer": round(c["copy_ms"] / c["layer_compute_ms"], 3),
+                                    "copy_only_floor_over_moeplan": round(c["copy_only_floor_over_moeplan"], 4)}
                                  for c in cases if c["fraction"] == 0.25 and c["widths"] == w and c["profile"] == p}
                for w in args.widths for p in args.profiles}
     summary.update(target_ratio=0.6, target_resident=0.85)
