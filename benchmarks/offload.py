@@ -104,14 +104,14 @@ def switch_large_timing():
 
 def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw) -> dict:
     from moeplan.passes.optimize.offload.evaluate import gap_to_belady, run_demand, run_prefetch
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.importers import load_model
 
     ir = load_model(str(model_dir)).ir
     body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000), kv_bytes_per_token(None, ir))
     E = ir.moe_stages[0].num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
-    from moeplan.passes.optimize.offload.next_use import NextUseModel
+    from moeplan.backends.runtime.offload_next_use import NextUseModel
     import numpy as np
 
     model = NextUseModel.from_dict(body["communication"]["policy_model"])
@@ -173,7 +173,7 @@ def production_ir(name: str, trace):
 
 def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=True) -> dict:
     """One held-out run: seconds per token, resident at layer start, bytes moved and host rows per token."""
-    from moeplan.passes.optimize.offload.stepper import TimedCache
+    from moeplan.backends.runtime.offload_stepper import TimedCache
 
     cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
     cache.causal = causal
@@ -194,7 +194,7 @@ def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=Tr
 
 def side_plan(plan_trace, ir, hw, capacity: int) -> dict:
     """The offload planner on the planning trace (its held-out part chooses; `hw` is the planning profile)."""
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
 
     return plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000),
                         kv_bytes_per_token(None, ir))
@@ -204,10 +204,10 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
     """Every scheme on the held-out stream for one model, profile and cache size, from the plan `body`."""
     import numpy as np
 
-    from moeplan.passes.optimize.offload.next_use import NextUseModel
-    from moeplan.passes.optimize.offload.plan import timing_for
-    from moeplan.passes.optimize.offload.policies import make_policy
-    from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+    from moeplan.backends.runtime.offload_next_use import NextUseModel
+    from moeplan.passes.optimize.offload.cache_plan import timing_for
+    from moeplan.backends.runtime.offload_policies import make_policy
+    from moeplan.backends.runtime.offload_prefetch import make_prefetcher
     from moeplan.passes.optimize.offload.simulate import simulate_demand
 
     E = stream.num_experts
@@ -269,7 +269,7 @@ def side_by_side(args) -> int:
     from speculation import model_dir
     from moeplan.planner.importers import load_model
 
-    from moeplan.passes.optimize.offload.plan import capped
+    from moeplan.passes.optimize.offload.cache_plan import capped
 
     for name in args.models:
         plan_trace = load_trace(traced(name, "train", "block-output", 2, args.tokens))

@@ -11,10 +11,11 @@ import sys
 
 import click
 
+from moeplan.planner.commands.help_format import ListingGroup
 from moeplan.planner.errors import UserError, one_line_usage_error
 
 
-class MoeplanGroup(click.Group):
+class MoeplanGroup(ListingGroup):
     """Turns `UserError` and click's usage errors into one `error:` line and exit code 2."""
 
     def invoke(self, ctx):

@@ -18,7 +18,8 @@ import torch
 from moeplan.backends.runtime.expert_cache import per_expert_shape
 from moeplan.backends.torchrun.verify import compare
 from moeplan.planner.importers.resolve import import_file
-from moeplan.planner.pipeline.offload import cache_beside_simulation, runtime_policy_files
+from moeplan.backends.common.files import copy_runtime
+from moeplan.planner.pipeline.offload import cache_beside_simulation
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,8 +55,7 @@ def with_expert_cache(bundle: Path, placement: dict, containers: list) -> None:
             "layer_ns": 50000.0, "expert_compute_ns": 100.0, "pcie_copy_ns": 10000.0, "nvme_copy_ns": 0.0,
             "expert_bytes": expert_bytes, "host_expert_ns": 7000.0, "host_row_ns": 100.0, "host_overhead_ns": 1000.0})
     (bundle / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
-    for rel, text in runtime_policy_files().items():
-        (bundle / rel).write_text(text)
+    copy_runtime(bundle / "runtime", expert_cache=True)
 
 
 @pytest.fixture(scope="module")

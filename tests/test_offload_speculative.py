@@ -25,10 +25,10 @@ from hypothesis import given, settings, strategies as st
 from moeplan.backends.runtime.expert_cache import ExpertCache, ShardStore
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
-from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.backends.runtime.offload_policies import make_policy
+from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
-from moeplan.passes.optimize.offload.stepper import TimedCache
+from moeplan.backends.runtime.offload_stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from test_offload_prefetch import EXPERT_BYTES, E, K, L, fitted, owner, pool_of, shard  # noqa: F401 (fixtures)
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (fixture)

@@ -115,7 +115,7 @@ def wide_model(directory: Path, layers: int, experts: int, top_k: int, hidden: i
 def clock_for(plan: dict, profile: str, host: bool) -> dict:
     """The plan's expert-cache timing on `profile` (the offload planner's own `timing_for`)."""
     from moeplan.passes.optimize.offload.hardware import load_hardware
-    from moeplan.passes.optimize.offload.plan import timing_for
+    from moeplan.passes.optimize.offload.cache_plan import timing_for
     from moeplan.planner.ir import ModelIR
 
     ir = ModelIR.from_dict(plan["model"]["ir"])
