@@ -17,6 +17,9 @@ RUNTIME_PACKAGE = "moeplan.backends.runtime"
 # plan has per-rank expert caches (numpy is then a requirement).
 EXPERT_CACHE_MODULES = ("host_compute.py", "offload_eam_match.py", "offload_next_use.py", "offload_policies.py",
                         "offload_prefetch.py", "offload_stepper.py", "speculation.py")
+# The inference service (OpenAI-compatible HTTP on rank 0 over continuous batching; issue 29): shipped
+# in torchrun and Kubernetes bundles, whose ranks serve it; starlette and uvicorn are then requirements.
+SERVING_PACKAGE = "serving"
 
 
 def write_file(path: Path, data, executable: bool = False) -> None:
@@ -29,15 +32,21 @@ def write_file(path: Path, data, executable: bool = False) -> None:
     os.chmod(path, 0o755 if executable else 0o644)
 
 
-def runtime_modules(expert_cache: bool = False) -> list:
-    """File names of the runtime modules a bundle ships: every top-level module of the runtime
-    package, the expert-cache modules only with `expert_cache`."""
-    names = sorted(entry.name for entry in resources.files(RUNTIME_PACKAGE).iterdir() if entry.name.endswith(".py"))
-    return [n for n in names if expert_cache or n not in EXPERT_CACHE_MODULES]
+def runtime_modules(expert_cache: bool = False, serving: bool = False) -> list:
+    """Paths (relative to runtime/) of the runtime modules a bundle ships: every top-level module of
+    the runtime package, the expert-cache modules only with `expert_cache`, and with `serving` the
+    inference service's subpackage (`serving/*.py`: `launch.sh --serve`, `moeplan serve`)."""
+    src = resources.files(RUNTIME_PACKAGE)
+    names = sorted(entry.name for entry in src.iterdir() if entry.name.endswith(".py"))
+    names = [n for n in names if expert_cache or n not in EXPERT_CACHE_MODULES]
+    if serving:
+        names += sorted(f"{SERVING_PACKAGE}/{entry.name}" for entry in src.joinpath(SERVING_PACKAGE).iterdir()
+                        if entry.name.endswith(".py"))
+    return names
 
 
-def copy_runtime(dest: Path, expert_cache: bool = False) -> None:
+def copy_runtime(dest: Path, expert_cache: bool = False, serving: bool = False) -> None:
     """Copy the runtime's python files (only those: no caches) into dest, verbatim."""
     src = resources.files(RUNTIME_PACKAGE)
-    for name in runtime_modules(expert_cache):
+    for name in runtime_modules(expert_cache, serving):
         write_file(dest / name, src.joinpath(name).read_text())

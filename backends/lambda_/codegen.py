@@ -27,7 +27,7 @@ from moeplan.backends.lambda_ import layout as lay
 from moeplan.backends.runtime.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.model_source import bundle_model
+from moeplan.backends.common.model_source import TEXT_FILES, bundle_model
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
 from moeplan.planner.atomic import atomic_path
 from moeplan.planner.errors import UserError
@@ -244,8 +244,8 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
     copy_runtime(out / "functions" / "runtime")
-    for rel, content in sorted(model_files.items()):  # what the functions build the model from
-        if rel != "model/tokenizer.json":
+    for rel, content in sorted(model_files.items()):  # what the functions build the model from (they take token ids)
+        if rel.removeprefix("model/") not in TEXT_FILES:
             write_file(out / "functions" / rel, content)
     write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
     env = template_env("lambda")

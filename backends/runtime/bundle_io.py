@@ -48,7 +48,7 @@ def world_size_of(plan: dict) -> int:
 def run_modes(plan: dict, requested: str | None = None) -> list:
     """The expert-parallel modes a run serves: `requested` (comma-separated), else the mode the plan
     decided (`communication.mode`). The one default of every way a bundle runs: `moeplan run`,
-    launch.sh, the Kubernetes Job."""
+    `moeplan serve`, launch.sh (with and without --serve), the Kubernetes pods."""
     return (requested or plan.get("communication", {}).get("mode", "coherent")).split(",")
 
 

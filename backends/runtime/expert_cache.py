@@ -42,61 +42,130 @@ import torch.nn as nn
 from .expert_store import ExpertStore, ShardStore, tensor_bytes  # noqa: F401  (ShardStore: the copy form)
 
 
+class _Tail:
+    """A growing list indexed by global position, of which the entries before `offset` are forgotten."""
+
+    def __init__(self, first=()):
+        self.items, self.offset = list(first), 0
+
+    def __getitem__(self, i: int):
+        return self.items[i if i < 0 else i - self.offset]
+
+    def __len__(self) -> int:
+        return self.offset + len(self.items)
+
+    def append(self, value) -> None:
+        self.items.append(value)
+
+    def forget(self, count: int) -> None:
+        del self.items[:count]
+        self.offset += count
+
+
+class _KeysTail:
+    """The request keys by global request index, once the oldest were forgotten (slices only)."""
+
+    def __init__(self, buffer: np.ndarray, offset: int, end: int):
+        self.buffer, self.offset, self.end = buffer, offset, end
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        return self.buffer[span.start - self.offset:span.stop - self.offset]
+
+    def __len__(self) -> int:
+        return self.end
+
+
 class OnlineStream:
     """The request stream as it happens: same fields as the simulator's `Stream`, grown per step,
     with each request's token rows and, with `spec_depth` D > 0, each step's speculation (D groups
-    of keys, empty until `set_speculation`)."""
+    of keys, empty until `set_speculation`).
+
+    A service runs for days: `forget_before(step)` drops the log before a step (the online
+    policies, prefetchers and the stepper read only the current step's entries and keep global
+    request numbers as times), after which `keys` slices by global index and the log cannot be
+    recorded any more."""
 
     def __init__(self, num_layers: int, num_experts: int, spec_depth: int = 0):
         self.num_layers, self.num_experts, self.spec_depth = num_layers, num_experts, int(spec_depth)
         self.num_keys = num_layers * num_experts
         self._keys = np.zeros(1024, dtype=np.int64)
         self._rows = np.zeros(1024, dtype=np.int64)
-        self.step_start, self.step_layer, self.step_token, self.step_seq = [0], [], [], []
-        self.spec_groups = []  # per (step, distance): a list of keys
+        self._key_offset = 0
+        self.step_start, self.step_layer, self.step_token, self.step_seq = _Tail([0]), _Tail(), _Tail(), _Tail()
+        self.spec_groups = _Tail()  # per step: D lists of speculated keys
 
     @property
-    def keys(self) -> np.ndarray:
-        return self._keys[: self.step_start[-1]]
+    def keys(self):
+        end = self.step_start[-1]
+        if self._key_offset == 0:
+            return self._keys[:end]
+        return _KeysTail(self._keys, self._key_offset, end)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_layer)
+
+    @property
+    def first_step(self) -> int:
+        return self.step_layer.offset
 
     def request_rows(self, r: int) -> int:
-        return int(self._rows[r])
+        return int(self._rows[r - self._key_offset])
 
     def speculated(self, s: int, d: int) -> list:
-        return self.spec_groups[s * self.spec_depth + d - 1] if d <= self.spec_depth else []
+        return self.spec_groups[s][d - 1] if d <= self.spec_depth else []
 
     def add_step(self, layer: int, token: int, seq: int, keys: list, rows=None) -> int:
         """Append one step's keys (and their token rows, default 1 each); returns its index."""
-        end = self.step_start[-1] + len(keys)
+        start = self.step_start[-1] - self._key_offset
+        end = start + len(keys)
         while end > len(self._keys):
             self._keys = np.concatenate([self._keys, np.zeros(len(self._keys), dtype=np.int64)])
             self._rows = np.concatenate([self._rows, np.zeros(len(self._rows), dtype=np.int64)])
-        self._keys[self.step_start[-1]:end] = keys
-        self._rows[self.step_start[-1]:end] = 1 if rows is None else rows
-        self.step_start.append(end)
+        self._keys[start:end] = keys
+        self._rows[start:end] = 1 if rows is None else rows
+        self.step_start.append(end + self._key_offset)
         self.step_layer.append(layer)
         self.step_token.append(token)
         self.step_seq.append(seq)
-        self.spec_groups.extend([] for _ in range(self.spec_depth))
-        return len(self.step_layer) - 1
+        self.spec_groups.append([[] for _ in range(self.spec_depth)])
+        return self.num_steps - 1
+
+    def forget_before(self, step: int) -> None:
+        """Drop the log of the steps before `step` (global step and request numbers stay)."""
+        count = step - self.first_step
+        if count <= 0:
+            return
+        cut = self.step_start[step] - self._key_offset
+        kept = self.step_start[-1] - self._key_offset - cut
+        spare = np.zeros(max(1024, kept), dtype=np.int64)
+        self._keys = np.concatenate([self._keys[cut:cut + kept], spare])
+        self._rows = np.concatenate([self._rows[cut:cut + kept], spare])
+        self._key_offset += cut
+        for tail in (self.step_start, self.step_layer, self.step_token, self.step_seq, self.spec_groups):
+            tail.forget(count)
 
     def set_speculation(self, s: int, groups: list) -> None:
         """The last step's speculated keys, one list per distance 1..D."""
-        if s != len(self.step_layer) - 1 or len(groups) != self.spec_depth:
+        if s != self.num_steps - 1 or len(groups) != self.spec_depth:
             raise ValueError(f"speculation for step {s} with {len(groups)} distances; expected the last step "
-                             f"({len(self.step_layer) - 1}) and {self.spec_depth}")
-        self.spec_groups[s * self.spec_depth:] = [[int(k) for k in g] for g in groups]
+                             f"({self.num_steps - 1}) and {self.spec_depth}")
+        self.spec_groups.items[-1] = [[int(k) for k in g] for g in groups]
 
     def to_record(self) -> dict:
         """The log as int64 tensors: keys and rows [R], step_start [S+1], step_layer/step_token/step_seq
         [S]; with speculation spec_keys [Q], spec_start [S * D + 1] and spec_depth."""
+        if self.first_step:
+            raise RuntimeError("the expert cache's request log was windowed (a service); it cannot be recorded")
         as_t = lambda v: torch.tensor(np.asarray(v, dtype=np.int64))
-        out = {"keys": as_t(self.keys), "rows": as_t(self._rows[: self.step_start[-1]]), "step_start": as_t(self.step_start),
-               "step_layer": as_t(self.step_layer), "step_token": as_t(self.step_token), "step_seq": as_t(self.step_seq),
+        out = {"keys": as_t(self.keys), "rows": as_t(self._rows[: self.step_start[-1]]),
+               "step_start": as_t(self.step_start.items), "step_layer": as_t(self.step_layer.items),
+               "step_token": as_t(self.step_token.items), "step_seq": as_t(self.step_seq.items),
                "num_layers": self.num_layers, "num_experts": self.num_experts}
         if self.spec_depth:
-            out.update(spec_keys=as_t([k for g in self.spec_groups for k in g]), spec_depth=self.spec_depth,
-                       spec_start=as_t(np.r_[0, np.cumsum([len(g) for g in self.spec_groups])]))
+            flat = [g for step in self.spec_groups.items for g in step]
+            out.update(spec_keys=as_t([k for g in flat for k in g]), spec_depth=self.spec_depth,
+                       spec_start=as_t(np.r_[0, np.cumsum([len(g) for g in flat])]))
         return out
 
 
@@ -222,6 +291,7 @@ class ExpertCache:
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self.reader = PrefetchReader(store, num_experts)
         self.token, self.seq = -1, 0
+        self.keep_steps = None  # a service keeps this many steps of the request log (None: all, to record it)
         self.restart()
 
     def restart(self) -> None:
@@ -298,6 +368,8 @@ class ExpertCache:
         self._decide_open(None)
         keys = [layer * self.E + int(e) for e in experts]
         s = self.stream.add_step(layer, self.token, self.seq, keys, rows)
+        if self.keep_steps is not None and s - self.stream.first_step >= 2 * self.keep_steps:
+            self.stream.forget_before(s + 1 - self.keep_steps)
         self._install_pending()
         served = self.stepper.serve(s)
         self.undecided = s

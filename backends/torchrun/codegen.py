@@ -1,8 +1,9 @@
 """Write a torchrun bundle from a Plan, the source weights and the model's own files.
 
 Layout: plan.json, placement.json, launch.sh, README.md, requirements.txt, model/ (config + source
-file), runtime/ (copied from moeplan.backends.runtime, `backends/common/files.py`; with expert
-caches also the cache's policy modules), shards/rank-NNNNN.safetensors (or, with `--weights
+file), runtime/ (copied from moeplan.backends.runtime, `backends/common/files.py`: with its
+serving/ subpackage, the inference service `launch.sh --serve` runs; with expert caches also the
+cache's policy modules), shards/rank-NNNNN.safetensors (or, with `--weights
 reference`, shards/rank-NNNNN.index.json pointing into the original checkpoint), manifest.json.
 Weights arrive as `TensorEntry`s (an in-memory state dict, or a checkpoint read tensor by tensor:
 `backends/common/checkpoint_index.py`) and are written in one streaming pass. Every byte is a
@@ -89,7 +90,7 @@ def write_files(out: Path, plan, weights, model_files: dict):
     write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    copy_runtime(out / "runtime", expert_cache=expert_cache)
+    copy_runtime(out / "runtime", expert_cache=expert_cache, serving=True)
     write_file(out / "requirements.txt", requirements(arch, expert_cache=expert_cache))
     env = template_env("torchrun")
     topo = plan.topology
@@ -101,6 +102,8 @@ def write_files(out: Path, plan, weights, model_files: dict):
         "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
         "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
         "checkpoint": (plan.model.get("checkpoint") or {}).get("path"),
+        "has_transformers": arch == "transformers", "has_tokenizer": "model/tokenizer.json" in model_files,
+        "has_template": _has_chat_template(model_files),
         "ranks": [
             {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
              "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}
@@ -110,3 +113,14 @@ def write_files(out: Path, plan, weights, model_files: dict):
     write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**context))
     return plan
+
+
+def _has_chat_template(model_files: dict) -> bool:
+    """Whether the serving front will find a chat template among the model files (chat_prompt.py)."""
+    if "model/chat_template.jinja" in model_files:
+        return True
+    try:
+        config = json.loads(model_files.get("model/tokenizer_config.json", b"{}"))
+    except ValueError:
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

@@ -78,7 +78,18 @@ def _plan(facts):
         plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
                                    predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
                                    inputs={**plan.inputs, "offload": offload_passes.recorded_options(facts["offload_options"])})
-    return {"plan": plan}
+    return {"plan": _with_capacity(plan, facts)}
+
+
+def _with_capacity(plan: Plan, facts) -> Plan:
+    """Issue 29: how many sequences of what context the ranks hold (passes/optimize/capacity.py)."""
+    from moeplan.passes.optimize.capacity import device_memory, serving_capacity
+
+    loaded, cache = facts["model"], plan.communication.get("expert_cache")
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    resident = list(cache["capacity"]) if cache else [int(n) for n in facts["placement"].hosts().sum(axis=(0, 1))]
+    capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"], *device_memory(facts["offload_options"]))
+    return dataclasses.replace(plan, communication={**plan.communication, "capacity": capacity})
 
 
 def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy") -> tuple:
@@ -175,6 +186,8 @@ def summary(facts: dict) -> dict:
     if cache:  # issue 13: per-rank expert caches
         result["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
                                   "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
+    if doc["communication"].get("capacity"):  # issue 29: what the service holds at once
+        result["capacity"] = doc["communication"]["capacity"]
     cost = doc["predicted"].get("cost")
     if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
         chosen = cost["modes"][cost["mode"]]
@@ -185,7 +198,8 @@ def summary(facts: dict) -> dict:
 
 
 def describe(summary: dict, facts: dict) -> str:
-    """What a plan or bundle holds, in one line (and the cost model's choice, the expert caches)."""
+    """What a plan or bundle holds, in one line (and the cost model's choice, the expert caches,
+    the serving capacity)."""
     p = summary["predicted"]
     lines = [f"{summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
              f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"]
@@ -195,4 +209,8 @@ def describe(summary: dict, facts: dict) -> str:
         c = summary["expert_cache"]
         lines.append(f"expert caches: {c['capacity']} entries per rank, eviction {c['eviction']}, prefetch {c['prefetch']}, "
                      f"predicted hit ratio {c['predicted_hit_ratio']:.3f}")
+    if "capacity" in summary:
+        from moeplan.passes.optimize.capacity import describe_capacity
+
+        lines.append(describe_capacity(summary["capacity"]))
     return "\n".join(lines)
