@@ -39,6 +39,9 @@ class BatchWorker:
         for adapter in engine.model.adapters:
             adapter.route_fn = engine._route
         self.hooks = engine._install_hooks() if self.coherent else []
+        speculation = getattr(engine.model, "speculation", None)  # the speculative prefetcher's live routers
+        if speculation is not None:  # after the block-output hook, as in static runs: it sees the corrected rows
+            self.hooks += speculation.install(engine.real_rows)
         cache = getattr(engine.model, "expert_cache", None)
         if cache is not None:  # a service runs for days: keep the expert cache's request log bounded
             cache.keep_steps = EXPERT_LOG_STEPS
