@@ -255,4 +255,7 @@ def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_th
     assert all(int(rec["log"]["spec_depth"]) == spec["speculation"]["depth"] for rec in records)
     assert sum(len(rec["log"]["spec_keys"]) for rec in records) > 0  # the ranks speculated live
     assert measured["prefetches"] > 0 and measured["prefetch_hits"] > 0 and measured["host_computed"] > 0
-    assert measured["requests"] - measured["hits"] == result["expert_cache"]["misses"]
+    served = result["expert_cache"]  # the service's metrics (gathered before the last step's copies were flushed)
+    assert (served["hits"], served["misses"], served["host_computed"]) == (
+        measured["hits"], measured["requests"] - measured["hits"], measured["host_computed"])
+    assert 0 < served["prefetch_hits"] <= served["prefetches"] <= measured["prefetches"]
