@@ -203,30 +203,18 @@ def test_an_offloaded_bundle_with_prefetch_serves_exactly(offloaded, mode):
 @pytest.fixture(scope="module")
 def speculative_offload(tmp_path_factory):
     """A 2-rank bundle with the speculative prefetcher (trace --speculate 2) and host compute on a
-    miss, forced by the plan's clock (plan -> a clock on which the host beats a copy -> codegen)."""
-    from click.testing import CliRunner
-
-    from moeplan.planner.cli import main
+    miss, forced by the plan's clock (test_offload_speculative.forced_host_compute: plan -> a clock
+    on which the host beats a copy -> codegen)."""
+    from test_offload_runtime import cli
+    from test_offload_speculative import forced_host_compute
 
     root = tmp_path_factory.mktemp("serving_speculative")
     model_dir = small_model_dir(root, max_positions=128)
     (root / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    plan_file = root / "plan.json"
-    for args in (["trace", str(model_dir), "--data", str(root / "data.txt"), "--out", str(root / "t.npz"),
-                  "--seq-len", "32", "--speculate", "2", "--quiet"],
-                 ["plan", str(model_dir), "--trace", str(root / "t.npz"), "--target", "torchrun", "--policy",
-                  "contiguous", "--mode", "standard", "--gpus-per-node", "2", "--expert-cache", "3", "--prefetch",
-                  "speculative", "--host-compute", "never", "--out", str(plan_file), "--quiet"]):
-        result = CliRunner().invoke(main, args)
-        assert result.exit_code == 0, result.output
-    plan = json.loads(plan_file.read_text())
-    spec = plan["communication"]["expert_cache"]
-    spec["timing"].update(pcie_copy_ns=10000.0, nvme_copy_ns=0.0, host_expert_ns=7000.0, host_row_ns=100.0,
-                          host_overhead_ns=1000.0)
-    spec["host_compute"] = "cheaper"
-    plan_file.write_text(json.dumps(plan))
-    result = CliRunner().invoke(main, ["codegen", str(plan_file), "--out", str(root / "bundle")])
-    assert result.exit_code == 0, result.output
+    code, out = cli(["trace", str(model_dir), "--data", str(root / "data.txt"), "--out", str(root / "t.npz"),
+                     "--seq-len", "32", "--speculate", "2", "--quiet"])
+    assert code == 0, out
+    spec = forced_host_compute(model_dir, root / "t.npz", root / "bundle", 2, "speculative")
     return root, load_small(model_dir), spec
 
 
