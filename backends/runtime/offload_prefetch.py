@@ -25,7 +25,11 @@ caches ship it as it is.
   the link's bandwidth: a copy is issued only while it arrives early enough to pay, weighed by the
   speculation's recall (`latest_arrival`), so on a link much slower than a layer's compute it
   copies little. A victim is never one of this step's keys nor a key speculated for the layers
-  ahead; when the cache holds nothing else, the copy is declined.
+  ahead; when the cache holds nothing else, the copy is declined. After the last MoE layer no
+  speculation reaches the next token's first layer (its input is a token not yet sampled): there,
+  with a policy that scores keys (next-use), it queues that layer's experts as `NextUsePrefetch`
+  does (most wanted first, only into link time idle until the next router, only in place of a
+  victim the policy wants less).
 """
 from __future__ import annotations
 
@@ -125,6 +129,10 @@ class SpeculativePrefetch:
         self.stream, self.cached, self.policy = stream, cached, policy
         self.may_copy = allowed_mask(self.allowed, stream.num_keys)
         self.predicted = set()
+        self.first_layer = NextUsePrefetch(self.allowed) if hasattr(policy, "scores") else None
+        if self.first_layer is not None:
+            self.first_layer.start(stream, cached, policy)
+        self.queued_first = {}
 
     def after_step(self, s: int) -> list:
         self.distance = {}
@@ -132,7 +140,10 @@ class SpeculativePrefetch:
             for k in self.stream.speculated(s, d):
                 self.distance.setdefault(int(k), d)
         self.predicted = set(self.distance)
-        return [k for k in self.distance if not self.cached[k] and self.may_copy[k]]
+        self.queued_first = {}
+        if self.first_layer is not None and int(self.stream.step_layer[s]) == self.stream.num_layers - 1:
+            self.queued_first = dict.fromkeys(self.first_layer.after_step(s))
+        return [k for k in self.distance if not self.cached[k] and self.may_copy[k]] + list(self.queued_first)
 
     def latest_arrival(self, key: int, next_router: float, step_s: float, timing) -> float:
         """The latest arrival at which copying `key` still pays (the bandwidth limit): its layer
@@ -140,6 +151,8 @@ class SpeculativePrefetch:
         costs m = the cheaper of a copy and the host's time; a copy arriving at A saves m if the
         guess is right and delays the link by A - R if it is wrong, so it pays while
         A - R < recall x m (recall of the key's distance on the planning trace; 1 when unknown)."""
+        if key in self.queued_first:
+            return next_router  # idle link time only, as NextUsePrefetch
         d = self.distance[key]
         miss = timing.copy_s(key)
         if timing.host_compute:
@@ -147,6 +160,8 @@ class SpeculativePrefetch:
         return next_router + (d - 1) * step_s + self.recall.get(d, 1.0) * miss
 
     def victim_for(self, key: int, exclude):
+        if key in self.queued_first:
+            return self.first_layer.victim_for(key, exclude)
         keep = set(exclude) | self.predicted
         v = int(self.policy.victim(-1, keep))
         return None if v in keep else v
