@@ -141,10 +141,12 @@ def test_perfect_speculation_on_a_fast_link_makes_later_layers_resident(fitted):
     assert result.seconds < demand.seconds
 
 
-def run_runtime(stream, capacity, resident, new_stepper, store, tensors, depth):
-    """Drive the runtime cache step by step as the engine does: serve, then the step's speculation."""
+def run_runtime(stream, capacity, resident, new_stepper, store, tensors, depth, keep_steps=None):
+    """Drive the runtime cache step by step as the engine does: serve, then the step's speculation
+    (`keep_steps`: a service's windowed request log)."""
     pool = pool_of(capacity)
     cache = ExpertCache(capacity, store, pool, L, E, new_stepper, resident=resident, spec_depth=depth)
+    cache.keep_steps = keep_steps
     for s in range(len(stream.step_layer)):
         a, b = stream.step_start[s], stream.step_start[s + 1]
         keys = stream.keys[a:b]
@@ -157,6 +159,8 @@ def run_runtime(stream, capacity, resident, new_stepper, store, tensors, depth):
             cache.speculate(layer, [stream.speculated(s, d).tolist() for d in range(1, depth + 1)])
     cache.flush()
     assert sorted(cache.slot_of) == np.flatnonzero(cache.cached).tolist()
+    if keep_steps:
+        assert cache.stream.first_step > 0 and len(cache.stream.spec_groups.items) < 2 * keep_steps
     return cache.stats()
 
 
@@ -187,6 +191,24 @@ def test_runtime_speculative_prefetch_and_host_compute_equal_the_simulation(shar
                    sim.host_computed, sim.host_rows)
     assert m["bytes_moved"] == sim.loads * EXPERT_BYTES and abs(m["modelled_seconds"] - sim.seconds) < 1e-12
     assert (sim.host_computed > 0) <= (host > 0)
+
+
+def test_a_windowed_log_with_speculation_and_rows_decides_as_the_whole_log(shard, fitted):
+    """A service keeps the last steps of the log (`keep_steps`): the speculation and the token rows
+    are windowed with the keys, and every counter equals the whole log's."""
+    path, tensors = shard
+    model, _, _ = fitted
+    stream = build_stream(speculated_trace(120, 3, depth=2), prompt_tokens=6)
+    timing = Timing(layer_s=40e-6, expert_compute_s=1e-6, pcie_copy_s=20e-6, expert_bytes=EXPERT_BYTES,
+                    host_expert_s=10e-6, host_row_s=2.5e-6, host_overhead_s=2e-6)
+
+    def new_stepper(st_, c, r):
+        return TimedCache(st_, c, make_policy("moeplan", model), timing, make_prefetcher("speculative", None, None, 2), r)
+
+    runs = [run_runtime(stream, 6, list(range(6)), new_stepper, ShardStore(path, owner), tensors, 2, keep)
+            for keep in (None, 4)]
+    whole, windowed = ({k: v for k, v in r.items() if k not in ("prefetch_waits", "prefetch_wait_s")} for r in runs)
+    assert whole == windowed and whole["prefetches"] > 0 and whole["host_computed"] > 0 and whole["host_rows"] > whole["host_computed"]
 
 
 # --- end to end ---------------------------------------------------------------------------------
