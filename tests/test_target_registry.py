@@ -56,7 +56,8 @@ def _cli_value(flag):
               "host_memory": "1GiB", "hardware": "cpu-gloo", "workload": "1x1+1", "image": "x", "storage_class": "x",
               "platform": "p.yaml", "bo_storage": "sqlite:///x.db", "cache_dir": "cache", "sign_key": "k.pem",
               "validation_fraction": "0.5"}
-    return [sample.get(flag.name, "3")]
+    choices = getattr(flag.type, "choices", None)  # a choice flag added later needs no entry above
+    return [sample.get(flag.name, str(choices[0]) if choices else "3")]
 
 
 @pytest.mark.parametrize("target, flag", INAPPLICABLE, ids=[f"{t}-{f.name}" for t, f in INAPPLICABLE])
