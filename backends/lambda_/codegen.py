@@ -94,11 +94,15 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
 
 def dense_intermediates(parts: list) -> dict:
     """S3 key patterns (IAM resource syntax) one dense slice reads and writes under intermediates/:
-    the states its parts start from and end at, the gathered expert outputs of the layer before,
-    the scattered expert inputs of the layer it ends (S3 methods only). `*` stands for the request."""
+    the states its parts start from (the first part of the model starts from the execution's
+    state instead) and end at (read back too: they carry the part's K/V for a container that lacks
+    it), the gathered expert outputs of the layer before, the scattered expert inputs of the layer
+    it ends (S3 methods only). `*` stands for the request and step."""
     reads, writes = set(), set()
     for p in parts:
-        reads.add(f"intermediates/*/{p['read']}")
+        if p["read"] != "state-000":
+            reads.add(f"intermediates/*/{p['read']}")
+        reads.add(f"intermediates/*/{p['write']}")
         writes.add(f"intermediates/*/{p['write']}")
         if "gather" in p:
             reads.add(f"intermediates/*/layer-{int(p['gather']['layer']):03d}/*.out")
@@ -114,6 +118,12 @@ def expert_intermediates(layer: int, replica_tag: str, method: str) -> dict:
         return {"reads": [], "writes": []}
     return {"reads": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.in"],
             "writes": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.out"]}
+
+
+def kv_budget_bytes(memory_mb: int, runtime_mb: float, weight_bytes: int) -> int:
+    """Memory a dense function may give to the K/V it keeps between invocations: half of what
+    the runtime and its weights leave (the other half is the step's activations)."""
+    return max(0, int((memory_mb - runtime_mb) * 2**20 - weight_bytes) // 2)
 
 
 def _nbytes(tensors: dict) -> int:
@@ -173,6 +183,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     layout = lay.with_tail(layout, dense_names, stages)
     covered = set()
     functions = []
+    runtime_mb = float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0))
     parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit, layout, lay.unit_pieces(layout, stages))
     for k, s in enumerate(slices):
         tensors = {n: state[n] for p in parts[k] for n in lay.part_tensors(layout, dense_names, p["start"], p["stop"])}
@@ -181,7 +192,8 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
         write_shard(out / prefix / "weights.safetensors", tensors, k)
         invokes = [expert_id(p["scatter"]["layer"], int(e), r) for p in parts[k] if p.get("scatter", {}).get("method") == "direct"
                    for e, g in sorted(p["scatter"]["replicas"].items(), key=lambda kv: int(kv[0])) for r in range(g)]
-        spec = {"segments": [{k2: v for k2, v in p.items() if k2 != "units"} for p in parts[k]]}
+        spec = {"segments": [{k2: v for k2, v in p.items() if k2 != "units"} for p in parts[k]],
+                "kv_budget_bytes": kv_budget_bytes(int(s["memory_mb"]), runtime_mb, _nbytes(tensors))}
         functions.append({"id": dense_id(k), "kind": "dense", "handler": "dense_handler", "memory_mb": int(s["memory_mb"]),
                           "weights": prefix, "spec": spec, "invokes": invokes, "weight_bytes": _nbytes(tensors),
                           "units": s["units"], **dense_intermediates(parts[k])})
@@ -206,7 +218,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
                                   **expert_intermediates(l, tag(l, e, r), L["method"]),
                                   "spec": {"layer": l, "expert": e, "tag": tag(l, e, r), "method": L["method"],
                                            "beta": int(L["beta"])}})
-    check_memory(functions, float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0)))
+    check_memory(functions, runtime_mb)
     steps = []
     for seg in range(num_layers + 1):
         for k, p in enumerate(parts):
