@@ -149,3 +149,33 @@ def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
             cloud.invoke(first, {"request": "r"})
     finally:
         cloud.close()
+
+
+def test_decoding_is_correct_when_no_container_keeps_the_kv(setup, tmp_path):
+    """Lambda's containers are not guaranteed warm: with no memory for K/V (budget 0), every step of
+    every dense part rebuilds its K/V from the deltas in its own earlier state files, and the
+    generation still equals the source model's; reading them is what it costs."""
+    import shutil
+
+    import yaml
+
+    from moeplan.backends.common.manifest import write_manifest
+
+    tmp, _ = setup
+    warm = CliRunner().invoke(main, ["run", str(bundle(setup, "s3")), "--verify", "--new-tokens", "4", "--prompts",
+                                     str(tmp / "prompts.txt"), "--json"])
+    out = tmp_path / "b"
+    shutil.copytree(bundle(setup, "s3"), out)
+    doc = yaml.safe_load((out / "template.yaml").read_text())
+    for lid, res in doc["Resources"].items():
+        if lid.startswith("Dense"):
+            env = res["Properties"]["Environment"]["Variables"]
+            env["MOEPLAN_SPEC"] = json.dumps(dict(json.loads(env["MOEPLAN_SPEC"]), kv_budget_bytes=0))
+    (out / "template.yaml").write_text(yaml.safe_dump(doc))
+    write_manifest(out)
+    cold = CliRunner().invoke(main, ["run", str(out), "--verify", "--new-tokens", "4", "--prompts", str(tmp / "prompts.txt"),
+                                     "--json"])
+    assert cold.exit_code == 0 and warm.exit_code == 0, cold.output + warm.output
+    w, c = (json.loads(r.output.strip().splitlines()[-1]) for r in (warm, cold))
+    assert c["verified"] and c["tokens_match"] and c["texts"] == w["texts"]
+    assert c["storage_bytes"]["functions_get"] > w["storage_bytes"]["functions_get"]

@@ -16,7 +16,8 @@ PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_b
 # on/off flags added after plans recorded their options: left out while off, so older plans keep their bytes
 RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
 SERVERLESS_FLAGS = ("slo", "platform_file", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
-                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
+                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second",
+                    "http_entry")
 
 
 def _apply(options, f):
@@ -105,6 +106,9 @@ def serverless_options(f):
         click.option("--seed", type=T.SEED, default=0, show_default=True, help="lambda: random seed"),
         click.option("--requests-per-second", type=T.POSITIVE_FLOAT, default=1.0, show_default=True,
                      help="lambda: request rate the README's monthly cost is stated for"),
+        click.option("--http-entry", type=click.Choice(["function-url", "http-api"]), default="function-url",
+                     show_default=True, help="lambda: what serves the OpenAI API: a Lambda Function URL or an API Gateway "
+                                             "HTTP API (30 s limit) in front of the front function"),
     ], f)
 
 

@@ -105,12 +105,15 @@ def _sizing(facts):
 def _partition(facts):
     from moeplan.passes.optimize.serverless import partition as P
 
+    from moeplan.passes.optimize.serverless.generation import REQUEST_GRID
+
     loaded, o = facts["model"], facts["serverless_options"]
-    units = P.units_from_profile(loaded.ir, facts["profile"], o["batch_tokens"],
-                                 loaded.module if loaded.has_weights else None, seed=o["seed"])
-    units = _runtime_units(loaded, facts["model_spec"], units)
+    by_tokens = P.units_on_grid(loaded.ir, facts["profile"], sorted(set(REQUEST_GRID) | {o["batch_tokens"]}),
+                                loaded.module if loaded.has_weights else None, seed=o["seed"])
+    units = _runtime_units(loaded, facts["model_spec"], by_tokens[o["batch_tokens"]])
+    grid_units = {T: _runtime_units(loaded, facts["model_spec"], by_tokens[T]) for T in REQUEST_GRID}
     return {"partition": (P.hypad(units, facts["platform"], o["batch_tokens"], max_eta=1),
-                          {n: u.segment for u in units for n in u.names})}
+                          {n: u.segment for u in units for n in u.names}, grid_units)}
 
 
 def _runtime_units(loaded, spec: str, units: list) -> list:
@@ -189,7 +192,7 @@ def _plan(facts):
     from moeplan.passes.optimize.serverless import cost as sc
 
     loaded, o, outcome = facts["model"], facts["serverless_options"], facts["sizing"]
-    part, segment_of = facts["partition"]
+    part, segment_of, grid_units = facts["partition"]
     ir, sfacts, layers = loaded.ir, facts["serverless_facts"], outcome.result.layers
     placement = {"version": 1, "policy": "function_per_expert", "layers": [
         {"layer": e, "method": sc.METHOD_NAMES[d.method], "beta": int(d.beta), "experts": [
@@ -215,12 +218,24 @@ def _plan(facts):
         placement=placement,
         communication={"serverless_version": SERVERLESS_VERSION, "batch_tokens": int(o["batch_tokens"]),
                        "methods": [sc.METHOD_NAMES[d.method] for d in layers]},
-        predicted=_predicted(outcome, part, facts["profile"], sfacts, o),
+        predicted=dict(_predicted(outcome, part, facts["profile"], sfacts, o),
+                       request_cost=_request_spec(loaded, sfacts, layers, part, grid_units, o["http_entry"])),
         inputs=inputs,
         deployment={"payload_limit_bytes": int(facts["platform"].payload_limit_bytes),
-                    "requests_per_second": o["requests_per_second"]},
+                    "requests_per_second": o["requests_per_second"], "http_entry": o["http_entry"]},
     )
     return {"plan": plan}
+
+
+def _request_spec(loaded, sfacts, layers, part, grid_units: dict, http_entry: str) -> dict:
+    """What one generation request costs under this plan (passes/optimize/serverless/generation.py)."""
+    from moeplan.passes.optimize.serverless.generation import kv_bytes_per_layer_token, request_spec
+
+    p = sfacts.platform
+    attention = {s.name for s in loaded.ir.stages if s.kind == "attention"}
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    return request_spec(sfacts, layers, part.slices, grid_units, attention, kv_bytes_per_layer_token(config, loaded.ir),
+                        int(p.front_function_memory_mb), p.http_api_request_price if http_entry == "http-api" else 0.0)
 
 
 def _lambda_model_files(facts):
