@@ -53,12 +53,13 @@ def _register():
     from moeplan.planner.commands.place import place
     from moeplan.planner.commands.plan import plan
     from moeplan.planner.commands.run import run
+    from moeplan.planner.commands.serve import serve
     from moeplan.planner.commands.simulate import simulate
     from moeplan.planner.commands.trace import trace
 
     from moeplan.planner.output_guard import guard_command
 
-    for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd, calibrate_cmd):
+    for command in (inspect, trace, place, compile_cmd, codegen, run, serve, plan, simulate, export_onnx_cmd, calibrate_cmd):
         guard_command(command)
         main.add_command(command)
 

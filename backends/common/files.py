@@ -18,9 +18,12 @@ def write_file(path: Path, data, executable: bool = False) -> None:
     os.chmod(path, 0o755 if executable else 0o644)
 
 
-def copy_runtime(dest: Path) -> None:
-    """Copy the runtime's python files (only those: no caches) into dest."""
-    src = resources.files(RUNTIME_PACKAGE)
+def copy_runtime(dest: Path, src=None) -> None:
+    """Copy the runtime's python files (only those: no caches) into dest, with its subpackages
+    (`serving/`: the inference service)."""
+    src = resources.files(RUNTIME_PACKAGE) if src is None else src
     for entry in sorted(src.iterdir(), key=lambda p: p.name):
         if entry.name.endswith(".py"):
             write_file(dest / entry.name, entry.read_text())
+        elif entry.is_dir() and entry.joinpath("__init__.py").is_file():
+            copy_runtime(dest / entry.name, entry)

@@ -34,16 +34,21 @@ class TextCodec:
                 ids = [int(t) for t in line[len(IDS_PREFIX):].split()]
             except ValueError:
                 raise ValueError(f"prompt line {line[:40]!r}: after 'ids:' give space-separated integer token ids") from None
-        elif self.tokenizer is not None:
-            ids = self.tokenizer.encode(line).ids
         else:
-            ids = list(line.encode("utf-8"))
+            ids = self.encode_text(line)
         if not ids:
             raise ValueError(f"prompt line {line[:40]!r} encodes to no tokens")
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the model's vocabulary of {self.vocab_size}")
         return ids
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list:
+        """Text only (no `ids:` lines: the serving front takes ids as ids); `add_special_tokens` as
+        the tokenizer's post-processor defines them (a chat template writes its own, so chat passes False)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(text.encode("utf-8"))
 
     def decode(self, ids: list) -> str:
         if self.tokenizer is not None:

@@ -76,6 +76,8 @@ def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
         "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
         "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
         "checkpoint": (plan.model.get("checkpoint") or {}).get("path"),
+        "has_transformers": arch == "transformers", "has_tokenizer": "model/tokenizer.json" in model_files,
+        "has_template": _has_chat_template(model_files),
         "ranks": [
             {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
              "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}
@@ -85,3 +87,14 @@ def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
     write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**context))
     return write_manifest(out)
+
+
+def _has_chat_template(model_files: dict) -> bool:
+    """Whether the serving front will find a chat template among the model files (chat_prompt.py)."""
+    if "model/chat_template.jinja" in model_files:
+        return True
+    try:
+        config = json.loads(model_files.get("model/tokenizer_config.json", b"{}"))
+    except ValueError:
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

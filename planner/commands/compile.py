@@ -15,6 +15,7 @@ from moeplan.planner.commands.options import (PLACEMENT_FLAGS, SERVERLESS_FLAGS,
                                                topology_options)
 from moeplan.planner.commands.plan_offload import OFFLOAD_FLAGS, offload_options, offload_request
 from moeplan.planner.errors import UserError
+from moeplan.passes.optimize.capacity import describe_capacity
 from moeplan.planner.pipeline.cost import default_cost_options, describe_choice
 
 
@@ -66,6 +67,8 @@ def summary_of(plan, out, timings, manifest=None) -> dict:
         if cache:  # issue 13: per-rank expert caches
             summary["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
                                        "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
+        if doc["communication"].get("capacity"):  # issue 29: what the service holds at once
+            summary["capacity"] = doc["communication"]["capacity"]
         cost = doc["predicted"].get("cost")
         if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
             chosen = cost["modes"][cost["mode"]]
@@ -87,7 +90,8 @@ def describe(summary: dict) -> str:
             + (f"\n{summary['choice']}" if "choice" in summary else "")
             + (f"\nexpert caches: {summary['expert_cache']['capacity']} entries per rank, eviction "
                f"{summary['expert_cache']['eviction']}, prefetch {summary['expert_cache']['prefetch']}, predicted hit ratio {summary['expert_cache']['predicted_hit_ratio']:.3f}"
-               if "expert_cache" in summary else ""))
+               if "expert_cache" in summary else "")
+            + (f"\n{describe_capacity(summary['capacity'])}" if "capacity" in summary else ""))
 
 
 @click.command("compile")

@@ -77,7 +77,18 @@ def _plan(facts):
         plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
                                    predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
                                    inputs={**plan.inputs, "offload": offload_passes.recorded_options(facts["offload_options"])})
-    return {"plan": plan}
+    return {"plan": _with_capacity(plan, facts)}
+
+
+def _with_capacity(plan: Plan, facts) -> Plan:
+    """Issue 29: how many sequences of what context the ranks hold (passes/optimize/capacity.py)."""
+    from moeplan.passes.optimize.capacity import device_memory, serving_capacity
+
+    loaded, cache = facts["model"], plan.communication.get("expert_cache")
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    resident = list(cache["capacity"]) if cache else [int(n) for n in facts["placement"].hosts().sum(axis=(0, 1))]
+    capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"], *device_memory(facts["offload_options"]))
+    return dataclasses.replace(plan, communication={**plan.communication, "capacity": capacity})
 
 
 def bundle_plan(plan: Plan, model_files: dict, checkpoint: dict | None = None) -> Plan:
