@@ -182,6 +182,7 @@ def request_cost(spec: dict, prompt_tokens: int, new_tokens: int, sequences: int
         executions = [_forward(spec, bill, B * (P + i), 0, 0, False, o) for i in range(n)]
     latency = sum(executions)
     front = spec["front"]
+    functions_gb_s = bill.gb_s
     bill.invoke(front["seconds"] + latency, front["memory_mb"])
     express_gb_s = sum(_billed(t, p["express_billing_granularity_s"]) for t in executions) * p["express_memory_mb"] / 1024.0
     executions = len(executions)
@@ -192,7 +193,7 @@ def request_cost(spec: dict, prompt_tokens: int, new_tokens: int, sequences: int
            "http": spec.get("http_request_price", 0.0)}
     usd["total"] = sum(usd.values())
     return {"mode": mode, "prompt_tokens": P, "new_tokens": n, "sequences": B, "executions": executions,
-            "lambda_gb_s": bill.gb_s, "lambda_invocations": bill.invocations, "s3_puts": bill.puts, "s3_gets": bill.gets,
+            "lambda_gb_s": bill.gb_s, "front_gb_s": bill.gb_s - functions_gb_s, "lambda_invocations": bill.invocations, "s3_puts": bill.puts, "s3_gets": bill.gets,
             "express_gb_s": express_gb_s, "latency_s": latency, "usd": usd,
             "request_charges_usd": usd["lambda_requests"] + usd["s3_requests"] + executions * p["express_request_price"]
             + usd["http"]}
