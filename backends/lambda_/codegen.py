@@ -22,6 +22,7 @@ from pathlib import Path
 
 from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
+from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
 from moeplan.backends.runtime.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
@@ -155,11 +156,13 @@ def function_requirements(model: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
+def write_bundle(out: Path, plan, state: dict, model_files: dict, runtime_files: dict | None = None) -> dict:
     """Write the bundle into `out` (which must not exist yet) from the lambda Plan; returns the manifest.
 
-    Everything comes from the plan (decisions, dense unit segments, payload limit, request rate)
-    and the weights, so `moeplan codegen plan.json` writes the same bytes.
+    Everything comes from the plan (decisions, dense unit segments, payload limit, request rate,
+    the request cost spec) and the weights, so `moeplan codegen plan.json` writes the same bytes.
+    `runtime_files`: {path under functions/runtime/: text} shipped beside the runtime (the request
+    cost model, a copy of moeplan's).
     """
     out = Path(out)
     out.mkdir(parents=True)
@@ -230,13 +233,19 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
     copy_runtime(out / "functions" / "runtime")
-    for rel, content in sorted(model_files.items()):  # what the functions build the model from
-        if rel != "model/tokenizer.json":
-            write_file(out / "functions" / rel, content)
+    for rel, text in sorted((runtime_files or {}).items()):
+        write_file(out / "functions" / "runtime" / rel, text)
+    for rel, content in sorted(model_files.items()):  # the model the functions build, the text the front reads
+        write_file(out / "functions" / rel, content)
     write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
+    write_file(out / "functions" / "requirements-front.txt", front.requirements(pl["model"]))
+    rounded = json.loads(plan.to_json())["predicted"]["request_cost"]  # as plan.json holds it: simulate reads that
+    write_file(out / "functions" / "request_cost.json", json.dumps(rounded, indent=1, sort_keys=True) + "\n")
     env = template_env("lambda")
     for kind in KINDS:
         write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
+    write_file(out / "functions" / "front" / "Dockerfile", env.get_template("Dockerfile.front.j2").render())
+    entry = front.entry(pl, model_files)
     predicted = pl["predicted"]
     per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
     ctx = {
@@ -250,6 +259,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
         "dense_cost": float(predicted["dense_partition"]["cost_per_request_usd"]),
         "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
+        "front": entry, "model_name": str(pl["model"]["name"]),
     }
     for f in ctx["functions"]:  # Lambda caps a function's environment at 4 KB
         size = len(f["spec_json"]) + len(f["weights"]) + 200

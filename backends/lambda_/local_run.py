@@ -74,12 +74,13 @@ def load_reference(root: Path, plan: dict):
         raise UserError(str(exc)) from None
 
 
-def _check_library(plan: dict) -> None:
+def check_library(plan: dict) -> None:
     """The functions run here with this machine's transformers: it must be the version pinned."""
-    from moeplan.backends.runtime.bundle_io import BundleError, check_library
+    from moeplan.backends.runtime.bundle_io import BundleError
+    from moeplan.backends.runtime.bundle_io import check_library as pinned
 
     try:
-        check_library(plan)
+        pinned(plan)
     except BundleError as exc:
         raise UserError(str(exc).replace("requirements.txt", "functions/requirements.txt")) from None
 
@@ -141,7 +142,7 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool,
     plan = check_files(root)
     if plan.get("target") != "lambda":
         raise UserError(f"'{root}' is not a lambda bundle")
-    _check_library(plan)
+    check_library(plan)
     platform = plan["inputs"]["facts"]["platform"]
     units = sum(len(s["units"]) for s in plan["placement"]["dense_slices"])
     codec, max_positions = _codec(root, plan)

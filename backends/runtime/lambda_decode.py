@@ -1,12 +1,7 @@
 """The generation loop's bookkeeping in a Lambda bundle: which rows a step runs, and the next tokens.
 
-Why: one Step Functions execution generates all of a request's tokens. Its state (JSON, under the
-256 KB limit) carries the request, not the tensors:
-  {"request", "step", "lens": [prompt length per sequence], "prompt": [[ids]] (step 0 only),
-   "tokens": [[generated ids]], "finished": [null | "stop" | "length"], "done": bool,
-   "gen": {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "keep_logits"},
-   "active": {replica tag: 1} (the expert replicas the next MoE layer runs)}.
-Step 0 runs every prompt token (the prefill); step t > 0 runs each sequence's last token at
+Why: one Step Functions execution generates all of a request's tokens. Its state (`lambda_state.py`,
+JSON) carries the request, not the tensors. Step 0 runs every prompt token (the prefill); step t > 0 runs each sequence's last token at
 position len + t - 1. Prompts are left-padded, so the key mask of step t is the prompt's padding
 mask followed by t columns of True. The function that computes the logits picks every sequence's
 next token (greedy at temperature 0; otherwise seeded per token, `serving/sampler.py`), stops a
@@ -16,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+from .lambda_state import FINISH_LENGTH, FINISH_STOP, initial_state  # noqa: F401  (re-exported)
 
 
 def prompt_mask(lens: list) -> torch.Tensor:
@@ -91,10 +86,3 @@ def advance(doc: dict, state: dict) -> dict:
             finished[b] = FINISH_LENGTH
     return dict(doc, step=int(doc["step"]) + 1, tokens=tokens, finished=finished,
                 done=all(f is not None for f in finished), active={})
-
-
-def initial_state(request: str, prompts: list, gen: dict) -> dict:
-    """The execution's input for prompts (lists of ids) and generation settings."""
-    return {"request": request, "step": 0, "lens": [len(p) for p in prompts], "prompt": [list(p) for p in prompts],
-            "tokens": [[] for _ in prompts], "finished": [None for _ in prompts], "done": False,
-            "gen": dict(gen), "active": {}}

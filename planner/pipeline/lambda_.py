@@ -231,11 +231,21 @@ def _request_spec(loaded, sfacts, layers, part, grid_units: dict, http_entry: st
     """What one generation request costs under this plan (passes/optimize/serverless/generation.py)."""
     from moeplan.passes.optimize.serverless.generation import kv_bytes_per_layer_token, request_spec
 
+    from moeplan.backends.lambda_.front import time_limit_s
+    from moeplan.passes.optimize.serverless.request_cost import request_cost
+
     p = sfacts.platform
     attention = {s.name for s in loaded.ir.stages if s.kind == "attention"}
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
-    return request_spec(sfacts, layers, part.slices, grid_units, attention, kv_bytes_per_layer_token(config, loaded.ir),
+    spec = request_spec(sfacts, layers, part.slices, grid_units, attention, kv_bytes_per_layer_token(config, loaded.ir),
                         int(p.front_function_memory_mb), p.http_api_request_price if http_entry == "http-api" else 0.0)
+    limit, least = time_limit_s(p.to_dict(), http_entry), request_cost(spec, 1, 1)["latency_s"]
+    if least > limit:  # even the smallest request cannot be answered behind this entry
+        where = "an API Gateway HTTP API waits for its integration" if http_entry == "http-api" else \
+            "a synchronous EXPRESS execution may run"
+        other = "; --http-entry function-url waits up to 5 minutes" if http_entry == "http-api" else ""
+        raise UserError(f"a one-token request is predicted to take {least:.1f} s, over the {limit:g} s {where}{other}")
+    return spec
 
 
 def _lambda_model_files(facts):
@@ -266,7 +276,15 @@ def write_lambda_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict
         model["source"] = "model/model.py"
     plan = dataclasses.replace(plan, model=model)
     with atomic_path(Path(out), kind="bundle") as tmp:
-        return write_bundle(tmp, plan, state, model_files["files"])
+        return write_bundle(tmp, plan, state, model_files["files"], runtime_request_cost())
+
+
+def runtime_request_cost() -> dict:
+    """The request cost model shipped to the front function (runtime/lambda_request_cost.py): a copy
+    of moeplan's, so the served figures and `moeplan simulate` run the same code."""
+    from importlib import resources
+
+    return {"lambda_request_cost.py": resources.files("moeplan.passes.optimize.serverless").joinpath("request_cost.py").read_text()}
 
 
 def _codegen(facts):
