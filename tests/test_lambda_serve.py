@@ -24,13 +24,13 @@ COST_HEADERS = {"x-moeplan-billed-gb-seconds": "billed_gb_s", "x-moeplan-request
                 "x-moeplan-predicted-cost-usd": "predicted_cost_usd"}
 
 
-def compiled(tmp, model, layers, experts, methods) -> object:
+def compiled(tmp, model, layers, experts, methods, *extra) -> object:
     save_trace(synthesize_routed_tokens(tokens=2000, layers=layers, experts=experts, top_k=2, seq_len=64, seed=0),
                tmp / "trace.npz")
     out = tmp / "bundle"
     result = CliRunner().invoke(main, ["compile", str(model), "--trace", str(tmp / "trace.npz"), "--target", "lambda",
                                        "--slo", "60", "--batch-tokens", "512", "--methods", methods, "--profile-budget", "1",
-                                       "--cache-dir", str(tmp / "cache"), "--out", str(out), "--quiet"])
+                                       "--cache-dir", str(tmp / "cache"), "--out", str(out), "--quiet", *extra])
     assert result.exit_code == 0, result.output
     return out
 
@@ -47,7 +47,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lambda_serve_qwen")
-    bundle = compiled(tmp, QWEN, 4, 8, "s3")
+    bundle = compiled(tmp, QWEN, 4, 8, "s3", "--http-entry", "http-api")
     server = ServerProcess([MOEPLAN, "serve", str(bundle), "--port", "0", "--api-key", "sesame"], ready_timeout_s=180)
     yield bundle, server
     server.kill()
@@ -81,6 +81,20 @@ def check_cost(bundle, headers, prompt_tokens: int) -> dict:
     return {key: float(headers[h]) for h, key in COST_HEADERS.items()}
 
 
+def tiny_sampled(prompt: list, n: int, temperature: float, top_p: float, seed: int) -> list:
+    """The torchrun service's seeded sampling (serving/sampler.py) on the source model's logits."""
+    from moeplan.backends.runtime.serving.sampler import Sampler
+    from moeplan.planner.importers.resolve import import_file
+
+    model = import_file(EXAMPLE / "model.py").load(EXAMPLE)
+    ids = list(prompt)
+    with torch.no_grad():
+        for i in range(n):
+            logits = model(torch.tensor([ids]))[0, -1:]
+            ids += Sampler().sample(logits, [(temperature, top_p, 0, seed)], [i])
+    return ids[len(prompt):]
+
+
 def test_tiny_moe_completions_chat_and_stream_equal_the_source_model(tiny):
     bundle, server = tiny
     api = client(server, timeout=300)
@@ -101,6 +115,12 @@ def test_tiny_moe_completions_chat_and_stream_equal_the_source_model(tiny):
 
     pieces = list(api.completions.create(model="tiny_moe", prompt="The object", max_tokens=6, temperature=0, stream=True))
     assert "".join(p.choices[0].text for p in pieces if p.choices) == r.choices[0].text
+    text = r.choices[0].text
+    cut = api.completions.create(model="tiny_moe", prompt="The object", max_tokens=6, temperature=0, stop=[text[2:4]])
+    assert cut.choices[0].text == text[:2] and cut.choices[0].finish_reason == "stop"
+    sampled = api.completions.create(model="tiny_moe", prompt="The object", max_tokens=5, temperature=0.8, top_p=0.9,
+                                     seed=11, extra_body={"return_token_ids": True})
+    assert sampled.choices[0].token_ids == tiny_sampled(prompt, 5, 0.8, 0.9, 11)
     m = metrics(server)
     assert m[("moeplan_executions_total", ())] >= 3
     assert m[("moeplan_predicted_billed_gb_seconds_total", ())] >= sum(x["billed_gb_s"] for x in costs)
@@ -165,6 +185,14 @@ def test_a_transformers_model_with_its_tokenizer_and_api_key(qwen):
     with pytest.raises(openai.BadRequestError) as err:
         api.chat.completions.create(model=name, messages=[], max_tokens=2)
     assert err.value.body["code"] == 400
+    # behind an HTTP API (30 s): a request predicted to take longer is refused, naming what fits
+    room = 256 - len(ids)
+    assert simulated(bundle, len(ids), room)["latency_s"] > 30
+    with pytest.raises(openai.BadRequestError) as err:
+        api.completions.create(model=name, prompt=text, max_tokens=room, extra_body={"ignore_eos": True})
+    fit = int(err.value.body["message"].split("at most ")[1].split()[0])
+    assert "30 s" in err.value.body["message"] and 0 < fit < room
+    assert simulated(bundle, len(ids), fit)["latency_s"] <= 30 < simulated(bundle, len(ids), fit + 1)["latency_s"]
 
 
 def test_sigterm_stops_the_local_service_with_exit_0(tmp_path):

@@ -77,8 +77,7 @@ def test_a_tampered_lambda_bundle_is_refused_in_one_line(setup, tmp_path):
 def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tmp_path):
     import shutil
 
-    from moeplan.backends.lambda_.local_run import _batch
-    from moeplan.backends.runtime import lambda_wire as ops
+    from moeplan.backends.runtime.lambda_state import initial_state
 
     out = tmp_path / "b"
     shutil.copytree(bundle(setup, "s3"), out)
@@ -88,9 +87,9 @@ def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tm
     cloud = LocalCloud(out, payload_limit=6 * 2**20)
     try:
         cloud.upload_weights()
-        cloud.put("intermediates/r/state-000", ops.to_bytes(_batch([[104, 105], [33]])))
+        state = initial_state("r", [[104, 105], [33]], {"max_tokens": 2, "temperature": 0.0})
         with pytest.raises(CloudError, match="IAM policy does not allow"):
-            cloud.invoke("Dense00", {"request": "r", "segment": 0})
+            cloud.invoke("Dense00", {"state": state, "segment": 0})
     finally:
         cloud.close()
 
@@ -143,10 +142,10 @@ def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
     try:
         cloud.upload_weights()
         hidden = json.loads((out / "model" / "config.json").read_text())["hidden_size"]
-        cloud.put(f"intermediates/r/layer-{other['layer']:03d}/{other['tag']}.in",
+        cloud.put(f"intermediates/r/t00000/layer-{other['layer']:03d}/{other['tag']}.in",
                   ops.to_bytes({"rows": torch.zeros(1, hidden), "w": torch.ones(1)}))
         with pytest.raises(CloudError, match="IAM policy does not allow"):
-            cloud.invoke(first, {"request": "r"})
+            cloud.invoke(first, {"request": "r", "step": 0})
     finally:
         cloud.close()
 
@@ -179,3 +178,11 @@ def test_decoding_is_correct_when_no_container_keeps_the_kv(setup, tmp_path):
     w, c = (json.loads(r.output.strip().splitlines()[-1]) for r in (warm, cold))
     assert c["verified"] and c["tokens_match"] and c["texts"] == w["texts"]
     assert c["storage_bytes"]["functions_get"] > w["storage_bytes"]["functions_get"]
+
+
+def test_the_text_report_names_executions_and_the_verdict(setup):
+    tmp, _ = setup
+    result = CliRunner().invoke(main, ["run", str(bundle(setup, "direct")), "--verify", "--new-tokens", "2", "--prompts",
+                                       str(tmp / "prompts.txt")])
+    assert result.exit_code == 0, result.output
+    assert "2 token(s) per prompt in 1 execution(s)" in result.output and "verify PASS" in result.output

@@ -239,7 +239,12 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict, runtime_files:
         write_file(out / "functions" / rel, content)
     write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
     write_file(out / "functions" / "requirements-front.txt", front.requirements(pl["model"]))
-    rounded = json.loads(plan.to_json())["predicted"]["request_cost"]  # as plan.json holds it: simulate reads that
+    rounded = json.loads(plan.to_json())["predicted"].get("request_cost")  # as plan.json holds it: simulate reads that
+    if rounded is None:
+        from moeplan.planner.errors import UserError
+
+        raise UserError("the plan has no request cost model (predicted.request_cost), which the front function states "
+                        "per response; regenerate it with this moeplan ('moeplan plan')")
     write_file(out / "functions" / "request_cost.json", json.dumps(rounded, indent=1, sort_keys=True) + "\n")
     env = template_env("lambda")
     for kind in KINDS:
