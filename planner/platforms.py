@@ -51,7 +51,7 @@ class Platform:
     http_api_request_price: float = 0.000001
     http_api_timeout_s: float = 30.0
     http_api_payload_limit_bytes: int = 10 * 1024 * 1024
-    front_function_memory_mb: float = 512.0
+    front_function_memory_mb: float = 256.0
 
     def vcpus(self, memory_mb: float) -> float:
         """vCPU share of a function with this much memory (proportional, capped)."""

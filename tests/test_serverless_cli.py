@@ -138,10 +138,10 @@ def test_a_plan_slower_than_the_http_entry_waits_is_refused_in_one_line(setup):
     """An API Gateway HTTP API waits 30 s for its integration: a plan whose one-token request is
     predicted to take longer cannot serve anything behind it."""
     tmp, base = setup
-    slow = tmp / "slow_s3.yaml"
-    slow.write_text("s3_latency_s: 5\n")
+    slow = tmp / "slow_start.yaml"
+    slow.write_text("warm_start_s: 20\n")
     code, out = run(base + ["--slo", "600", "--platform", str(slow), "--http-entry", "http-api",
-                            "--out", str(tmp / "slow.json")])
+                            "--out", str(tmp / "slow.json"), "--quiet"])
     assert code == 2 and out.count("\n") == 1 and "30 s" in out and "function-url" in out, out
     assert not (tmp / "slow.json").exists()
     code, out = run(base + ["--slo", "600", "--platform", str(slow), "--out", str(tmp / "slow.json")])

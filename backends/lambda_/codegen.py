@@ -246,11 +246,12 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict, runtime_files:
         raise UserError("the plan has no request cost model (predicted.request_cost), which the front function states "
                         "per response; regenerate it with this moeplan ('moeplan plan')")
     write_file(out / "functions" / "request_cost.json", json.dumps(rounded, indent=1, sort_keys=True) + "\n")
+    entry = front.entry(pl, model_files)
+    write_file(out / "functions" / "front.json", json.dumps(front.settings(pl, entry), indent=1, sort_keys=True) + "\n")
     env = template_env("lambda")
     for kind in KINDS:
         write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
     write_file(out / "functions" / "front" / "Dockerfile", env.get_template("Dockerfile.front.j2").render())
-    entry = front.entry(pl, model_files)
     predicted = pl["predicted"]
     per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
     ctx = {
@@ -264,7 +265,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict, runtime_files:
         "dense_cost": float(predicted["dense_partition"]["cost_per_request_usd"]),
         "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
-        "front": entry, "model_name": str(pl["model"]["name"]),
+        "front": entry,
     }
     for f in ctx["functions"]:  # Lambda caps a function's environment at 4 KB
         size = len(f["spec_json"]) + len(f["weights"]) + 200

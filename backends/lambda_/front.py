@@ -45,10 +45,17 @@ def entry(plan: dict, model_files: dict) -> dict:
     platform = plan["inputs"]["facts"]["platform"]
     http_entry = plan["deployment"].get("http_entry", "function-url")
     limit = time_limit_s(platform, http_entry)
-    return {"kind": http_entry, "memory_mb": int(platform.get("front_function_memory_mb", 512)),
+    return {"kind": http_entry, "memory_mb": int(platform.get("front_function_memory_mb", 256)),
             "time_limit_s": limit, "timeout": int(limit) + (0 if http_entry == "http-api" else FRONT_TIMEOUT_MARGIN_S),
             "max_context": max_context(plan, model_files), "api_timeout_ms": int(limit * 1000),
             "payload_limit_bytes": int(plan["deployment"]["payload_limit_bytes"])}
+
+
+def settings(plan: dict, entry: dict) -> dict:
+    """functions/front.json: what the front serves (the model's name exactly as clients send it, which
+    may hold any character, so it stays out of the template), its context and time limit."""
+    return {"model_name": str(plan["model"]["name"]), "max_context": int(entry["max_context"]),
+            "time_limit_s": float(entry["time_limit_s"])}
 
 
 def requirements(model: dict) -> str:

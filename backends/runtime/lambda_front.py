@@ -18,8 +18,8 @@ model predicts for it (`lambda_request_cost.py`, a copy of moeplan's, on the spe
 request_cost.json: `moeplan simulate plan.json --prompt-tokens P --new-tokens N` prints the same),
 in `X-Moeplan-*` headers and summed in /metrics (per container on AWS; one process locally).
 Streaming answers arrive whole (the execution returns all tokens at once; BUFFERED invoke mode).
-Environment: MOEPLAN_STATE_MACHINE (ARN), MOEPLAN_MODEL_NAME, MOEPLAN_MAX_CONTEXT,
-MOEPLAN_TIME_LIMIT_S, MOEPLAN_API_KEY (empty: no key). No torch: the image is small.
+Environment: MOEPLAN_STATE_MACHINE (ARN), MOEPLAN_API_KEY (empty: no key); front.json beside the
+runtime: model_name, max_context, time_limit_s. No torch: the image is small.
 """
 from __future__ import annotations
 
@@ -192,9 +192,10 @@ def service() -> tuple:
     """(OpenAIService, LambdaEngine) of this container, built once."""
     if "service" not in _SERVICE:
         spec = json.loads((RUNTIME.parent / "request_cost.json").read_text())
-        name = os.environ["MOEPLAN_MODEL_NAME"]
-        engine = LambdaEngine(name, int(os.environ["MOEPLAN_MAX_CONTEXT"]), os.environ["MOEPLAN_STATE_MACHINE"], spec,
-                              float(os.environ["MOEPLAN_TIME_LIMIT_S"]), _sfn())
+        settings = json.loads((RUNTIME.parent / "front.json").read_text())
+        name = settings["model_name"]
+        engine = LambdaEngine(name, int(settings["max_context"]), os.environ["MOEPLAN_STATE_MACHINE"], spec,
+                              float(settings["time_limit_s"]), _sfn())
         served = ServedModel.from_model_dir(RUNTIME.parent / "model", name)
         _SERVICE["service"] = (OpenAIService(engine, served, api_key=os.environ.get("MOEPLAN_API_KEY") or None), engine)
     return _SERVICE["service"]
