@@ -40,6 +40,7 @@ demo: $(STAMP)
 	$(BIN)/moeplan trace stats $(DEMO)/trace.npz
 	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --out $(DEMO)/bundle
 	$(BIN)/moeplan run $(DEMO)/bundle --verify --nproc 4 --new-tokens 8 --mode both
+	$(BIN)/python examples/serve_demo.py $(DEMO)/bundle
 
 clean:
 	rm -rf $(VENV) build

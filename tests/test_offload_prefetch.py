@@ -223,3 +223,32 @@ def test_the_offload_target_compares_prefetchers_itself(offload_inputs):
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "t.npz"), "--target", "offload", "--expert-cache", "5",
                      "--prefetch", "moeplan", "--out", str(root / "p.json")])
     assert code == 2 and out.strip().startswith("error: --prefetch sets a bundle's prefetcher")
+
+
+@pytest.mark.parametrize("name, eviction", list(PAIRS.items()) + [(None, "lru")])
+def test_a_windowed_request_log_decides_as_the_whole_log(shard, fitted, name, eviction):
+    """A long-running service keeps only the last steps of the cache's request log
+    (`ExpertCache.keep_steps`): the same requests, hits, loads and prefetches as with the whole log."""
+    path, tensors = shard
+    model, eamc, held = fitted
+    timing = Timing(layer_s=50e-6, expert_compute_s=1e-6, pcie_copy_s=12e-6, expert_bytes=EXPERT_BYTES)
+    stream = build_stream(held, prompt_tokens=10)
+
+    def new_stepper(st_, c, r):
+        return TimedCache(st_, c, make_policy(eviction, model), timing,
+                          make_prefetcher(name, eamc) if name else None, r)
+
+    stats = []
+    for keep in (None, 3):
+        cache = ExpertCache(5, ShardStore(path, owner), pool_of(5), L, E, new_stepper, resident=[0, 7, 11, 15, 20])
+        cache.keep_steps = keep
+        for s in range(len(stream.step_layer)):
+            keys = stream.keys[stream.step_start[s]:stream.step_start[s + 1]]
+            cache.token, cache.seq = int(stream.step_token[s]), int(stream.step_seq[s])
+            for _ in cache.serve(int(stream.step_layer[s]), (keys % E).tolist()):
+                pass
+        cache.flush()
+        if keep:
+            assert cache.stream.first_step > 0 and len(cache.stream.step_layer.items) < 2 * keep
+        stats.append({k: v for k, v in cache.stats().items() if k not in ("prefetch_waits", "prefetch_wait_s")})
+    assert stats[0] == stats[1] and stats[0]["hits"] < stats[0]["requests"]

@@ -234,3 +234,31 @@ def test_limits_come_from_the_plans_capacity_and_options_only_lower_them():
     full = {"communication": {"capacity": {"fits": False, "device_memory_bytes": 10, "device_memory_source": "x"}}}
     with pytest.raises(BundleError, match="holds no sequence"):
         limits_for(full, 256, None, None)
+
+
+# --- replica choice (ExpertTable.choose, on every step's routing) -----------------------------------
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), nodes=st.integers(1, 2), gpus=st.integers(1, 4), experts=st.integers(2, 8),
+       k=st.integers(1, 2), n=st.integers(0, 12))
+def test_every_slot_goes_to_a_rank_holding_its_expert_by_the_metrics_rule(data, nodes, gpus, experts, k, n):
+    from moeplan.backends.runtime.expert_table import ExpertTable
+
+    world = nodes * gpus
+    layers = []
+    for layer in range(2):
+        hosts = [data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world)) for _ in range(experts)]
+        layers.append({"layer": layer, "devices": [[e for e in range(experts) if d in hosts[e]] for d in range(world)]})
+    table = ExpertTable.from_placement({"topology": {"nodes": nodes, "gpus_per_node": gpus}, "layers": layers})
+    k = min(k, experts)
+    ids = torch.tensor([data.draw(st.permutations(range(experts)))[:k] for _ in range(n)], dtype=torch.int64).reshape(n, k)
+    current = torch.tensor([data.draw(st.integers(0, world - 1)) for _ in range(n)], dtype=torch.int64)
+    for layer in range(2):
+        dest = table.choose(layer, ids, current)
+        for i in range(n):
+            for s in range(k):
+                ranks = table.hosts[layer][int(ids[i, s])]
+                assert int(dest[i, s]) in ranks
+                if len(ranks) == 1:
+                    assert int(dest[i, s]) == ranks[0]
+                if layer > 0 and int(current[i]) in ranks:
+                    assert int(dest[i, s]) == int(current[i])  # a replica on the token's rank serves it

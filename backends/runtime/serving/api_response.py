@@ -55,21 +55,23 @@ class ResponseWriter:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def _choice(self, content: dict, finish_reason, stop_reason) -> dict:
+        return {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def _ids(self, body: dict, choice: dict, token_ids: list, with_prompt: bool) -> None:
+        """return_token_ids: the choice's new ids; the prompt's on the response (chat) or choice (completions)."""
+        if not self.return_token_ids:
+            return
+        choice["token_ids"] = list(token_ids)
+        if with_prompt:
+            (body if self.chat else choice)["prompt_token_ids"] = self.prompt_ids
+
     def response(self, text: str, token_ids: list, finish_reason: str, stop_reason) -> dict:
         """The whole answer of a non-streaming request."""
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason, "stop_reason": stop_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": stop_reason}
+        content = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        choice = self._choice(content, finish_reason, stop_reason)
         body = self._head("chat.completion" if self.chat else "text_completion")
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-            if self.chat:
-                body["prompt_token_ids"] = self.prompt_ids
-            else:
-                choice["prompt_token_ids"] = self.prompt_ids
+        self._ids(body, choice, token_ids, with_prompt=True)
         body.update(choices=[choice], usage=usage(len(self.prompt_ids), len(token_ids)))
         return body
 
@@ -77,19 +79,12 @@ class ResponseWriter:
         """One streamed piece: new text (and ids), and on the last piece the finish reason."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if self.first_chunk else {"content": text} if text else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": stop_reason}
+            content = {"delta": delta}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": stop_reason}
+            content = {"text": text}
+        choice = self._choice(content, finish_reason, stop_reason)
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        if self.return_token_ids:
-            choice["token_ids"] = list(token_ids)
-            if self.first_chunk:
-                if self.chat:
-                    body["prompt_token_ids"] = self.prompt_ids
-                else:
-                    choice["prompt_token_ids"] = self.prompt_ids
+        self._ids(body, choice, token_ids, with_prompt=self.first_chunk)
         body["choices"] = [choice]
         if self.include_usage:
             body["usage"] = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .contract import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequest,
                        Overloaded, RequestTooLong, TokenEvent, Unavailable)
 from .step_plan import HEARTBEAT, STEP, STOP, Admission, StepPlan
+from .worker import stats_figures
 
 STATS_INTERVAL_S = 1.0  # how often the loop gathers every rank's counters for metrics()
 
@@ -145,20 +146,8 @@ class ServingClient:
             running, waiting, stats, steps = len(self._running), len(self._waiting), list(self._stats), self._steps
         out = {"running": running, "waiting": waiting, "exchange_bytes": {}, "expert_cache": {"hits": 0, "misses": 0},
                "gpu_local_fraction": None, "steps": steps}
-        if not stats:
-            return out
-        L, kinds = self.num_layers, ("dispatch", "combine", "merge", "context")
-        total = [sum(v[i] for v in stats) for i in range(len(stats[0]))]
-        local = slots = 0
-        for layer in range(L):
-            row = total[layer * 6:(layer + 1) * 6]
-            for k, kind in enumerate(kinds):
-                out["exchange_bytes"][(layer, kind)] = int(row[k])
-            local, slots = local + row[4], slots + row[5]
-        out["exchange_bytes"][(None, "token_sync")] = int(total[L * 6])
-        requests, hits = total[L * 6 + 1], total[L * 6 + 2]
-        out["expert_cache"] = {"hits": int(hits), "misses": int(requests - hits)}
-        out["gpu_local_fraction"] = local / slots if slots else None
+        if stats:
+            out.update(stats_figures(stats, self.num_layers))
         return out
 
     # --- the engine loop's side -------------------------------------------------------------------

@@ -32,6 +32,7 @@ from pathlib import Path
 from .api_errors import ApiError
 from .openai_service import MAX_BODY_BYTES, Answer, OpenAIService
 from .served_model import ServedModel
+from .stack_sampler import start_from_env
 
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -48,7 +49,12 @@ def run_http(client, host: str = "127.0.0.1", port: int = 8000, api_key: str | N
         return 2
     served = ServedModel.from_model_dir(Path(model_dir), model_name or client.model_name)
     service = OpenAIService(client, served, api_key)
-    return asyncio.run(_serve(service, sock, poll_s, grace_s))
+    sampler = start_from_env()  # MOEPLAN_PROFILE=FILE: rank 0's stacks, for benchmarks/serving.py
+    try:
+        return asyncio.run(_serve(service, sock, poll_s, grace_s))
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -14,6 +14,14 @@ Every decode step appends one column to every row, so a row's tokens stay contig
   of the two is padded on the left to the other's width.
 Both touch each K/V tensor once; they run only at the steps where sequences join or leave.
 
+Sliding-window layers (transformers' `DynamicSlidingWindowLayer`: Mixtral or Phi-3.5-MoE with a
+window, gpt-oss's alternate layers) keep only the last window - 1 columns and count every column
+they saw (`cumulative_length`, from which the library places its masks); the same cuts and pads
+apply to their last columns and their count follows W. A row's tokens sit in consecutive columns,
+so a window in columns is the window in positions. Refused: linear attention (recurrent state,
+no columns) and chunked attention (Llama-4: chunk borders are counted in columns, which padding
+shifts).
+
 Why not transformers' own continuous batching (`transformers/generation/continuous_batching/`,
 5.24: `ContinuousBatchingManager` over a `PagedAttentionCache`): see `engine_loop.py`'s docstring.
 """
@@ -29,27 +37,45 @@ class UnsupportedCache(Exception):
 
 def check_cache_layers(model, kind: str) -> None:
     """Raise UnsupportedCache unless every layer of the cache the library builds for `model` is a
-    full-attention `DynamicLayer` (TinyMoE's dict cache always is)."""
+    full-attention or sliding-window layer this module moves (TinyMoE's dict cache always is)."""
     if kind == "tiny_moe":
         return
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "attention_chunk_size", None):
+        raise UnsupportedCache("continuous batching cannot move rows of chunked-attention caches (the library counts "
+                               "chunk borders in cache columns, which a batch's padding shifts)")
     layers = DynamicCache(config=model.config).layers
-    other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    other = sorted({type(layer).__name__ for layer in layers
+                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
     if other:
-        raise UnsupportedCache(f"continuous batching moves full-attention KV cache rows only; this model's cache has "
-                               f"{', '.join(other)} layers (sliding-window or linear attention)")
+        raise UnsupportedCache(f"continuous batching moves full-attention and sliding-window KV cache rows only; this "
+                               f"model's cache has {', '.join(other)} layers (linear attention)")
 
 
 def _tensors(cache, kind: str):
-    """(holder, attribute) of every K/V tensor [B, H, W, d] of the library's cache."""
+    """(holder, attribute, columns kept at most or None) of every K/V tensor [B, H, W, d] of the cache."""
     if kind == "tiny_moe":
-        return [(block, name) for block in cache for name in ("k", "v") if name in block]
+        return [(block, name, None) for block in cache for name in ("k", "v") if name in block]
     out = []
     for layer in cache.layers:
         if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
-            out += [(layer, "keys"), (layer, "values")]
+            cap = layer.sliding_window - 1 if getattr(layer, "is_sliding", False) else None
+            out += [(layer, "keys", cap), (layer, "values", cap)]
     return out
+
+
+def _count_columns(cache, kind: str, width: int) -> None:
+    """Sliding-window layers count every column they saw: W after a cut or a pad."""
+    if kind != "tiny_moe":
+        for layer in cache.layers:
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = width
+
+
+def _kept(width: int, cap) -> int:
+    return width if cap is None else min(width, cap)
 
 
 def _get(holder, name):
@@ -76,10 +102,6 @@ class RowCache:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def _map(self, fn) -> None:
-        for holder, name in _tensors(self.cache, self.kind):
-            _set(holder, name, fn(_get(holder, name)))
-
     def leave(self, seqs) -> None:
         """Drop the rows of `seqs` (ids not held here are ignored) and the columns nobody needs."""
         gone = set(seqs) & set(self.seqs)
@@ -93,8 +115,11 @@ class RowCache:
             return
         index = torch.tensor(keep, dtype=torch.int64)
         width = max(self.lengths)
-        cut = self.width - width
-        self._map(lambda t: t.index_select(0, index.to(t.device))[..., cut:, :].contiguous())
+        for holder, name, cap in _tensors(self.cache, self.kind):
+            t = _get(holder, name)
+            kept = _kept(width, cap)
+            _set(holder, name, t.index_select(0, index.to(t.device))[..., t.shape[-2] - kept:, :].contiguous())
+        _count_columns(self.cache, self.kind, width)
         self.width = width
 
     def join(self, other: "RowCache") -> None:
@@ -108,11 +133,13 @@ class RowCache:
         mine, theirs = _tensors(self.cache, self.kind), _tensors(other.cache, other.kind)
         if len(mine) != len(theirs):
             raise RuntimeError(f"caches to join hold {len(mine)} and {len(theirs)} K/V tensors")
-        for (holder, name), (o_holder, o_name) in zip(mine, theirs):
+        for (holder, name, cap), (o_holder, o_name, _) in zip(mine, theirs):
             a, b = _get(holder, name), _get(o_holder, o_name)
-            a = F.pad(a, (0, 0, width - self.width, 0)) if width > self.width else a
-            b = F.pad(b, (0, 0, width - other.width, 0)) if width > other.width else b
+            kept = _kept(width, cap)
+            a = F.pad(a, (0, 0, kept - a.shape[-2], 0)) if kept > a.shape[-2] else a
+            b = F.pad(b, (0, 0, kept - b.shape[-2], 0)) if kept > b.shape[-2] else b
             _set(holder, name, torch.cat([a, b.to(a.device, a.dtype)], dim=0))
+        _count_columns(self.cache, self.kind, width)
         self.seqs += other.seqs
         self.lengths += other.lengths
         self.width = width

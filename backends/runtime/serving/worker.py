@@ -25,6 +25,7 @@ from .row_cache import RowCache, prefill_inputs
 from .sampler import Sampler
 
 KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far shorter)
+EXPERT_LOG_STEPS = 4096  # MoE steps of the expert cache's request log a service keeps
 
 
 class BatchWorker:
@@ -38,6 +39,9 @@ class BatchWorker:
         for adapter in engine.model.adapters:
             adapter.route_fn = engine._route
         self.hooks = engine._install_hooks() if self.coherent else []
+        cache = getattr(engine.model, "expert_cache", None)
+        if cache is not None:  # a service runs for days: keep the expert cache's request log bounded
+            cache.keep_steps = EXPERT_LOG_STEPS
         self.rows = RowCache(kind)
         self.running: set = set()   # every running sequence, on every rank
         self.sampling: dict = {}    # seq -> (temperature, top_p, top_k, seed), sequences run here
@@ -154,3 +158,19 @@ class BatchWorker:
         out = [torch.zeros_like(mine) for _ in range(self.world)] if self.rank == 0 else None
         dist.gather(mine, out, dst=0, group=self.group)
         return out
+
+
+def stats_figures(vectors: list, num_layers: int) -> dict:
+    """metrics() figures from every rank's `stats_vector` (lists of floats): exchange bytes summed over
+    ranks by (block, kind) and (None, "token_sync"), expert-cache hits and misses, GPU-local fraction."""
+    total = [sum(v[i] for v in vectors) for i in range(len(vectors[0]))]
+    exchange, local, slots = {}, 0, 0
+    for layer in range(num_layers):
+        row = total[layer * 6:(layer + 1) * 6]
+        for k, kind in enumerate(("dispatch", "combine", "merge", "context")):
+            exchange[(layer, kind)] = int(row[k])
+        local, slots = local + row[4], slots + row[5]
+    exchange[(None, "token_sync")] = int(total[num_layers * 6])
+    requests, hits = total[num_layers * 6 + 1], total[num_layers * 6 + 2]
+    return {"exchange_bytes": exchange, "expert_cache": {"hits": int(hits), "misses": int(requests - hits)},
+            "gpu_local_fraction": local / slots if slots else None}
