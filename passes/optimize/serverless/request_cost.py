@@ -86,10 +86,10 @@ def _expert_loads(layer: dict, tokens: float) -> list:
     out = []
     for x in layer["experts"]:
         pick = min(1.0, k * x["share"])
-        if pick <= 0 or tokens <= 0:
+        prob = 1.0 if pick >= 1.0 else -math.expm1(tokens * math.log1p(-pick)) if pick > 0 and tokens > 0 else 0.0
+        if prob <= 0.0:  # (also where pick is too small for the probability to be told from 0)
             out.append((0.0, 0, 0))
             continue
-        prob = 1.0 - (1.0 - pick) ** tokens
         rows = tokens * pick / prob
         g = max(1, min(int(x["replicas"]), math.ceil(rows - 1e-9)))
         out.append((prob, g, math.ceil(rows / g - 1e-9)))
