@@ -89,7 +89,7 @@ def test_each_function_ships_only_its_own_tensors(work, arch):
     doc = yaml.safe_load((out / "template.yaml").read_text())
     dense_union = set()
     for lid, res in doc["Resources"].items():
-        if res["Type"] != "AWS::Serverless::Function":
+        if res["Type"] != "AWS::Serverless::Function" or lid == "Front":  # the front holds no weights
             continue
         env = res["Properties"]["Environment"]["Variables"]
         spec, names = json.loads(env["MOEPLAN_SPEC"]), tensor_names(out / env["MOEPLAN_WEIGHTS"] / "weights.safetensors")
