@@ -195,8 +195,8 @@ def test_a_transformers_model_with_its_tokenizer_and_api_key(qwen):
     assert simulated(bundle, len(ids), fit)["latency_s"] <= 30 < simulated(bundle, len(ids), fit + 1)["latency_s"]
 
 
-def test_sigterm_stops_the_local_service_with_exit_0(tmp_path):
-    bundle = compiled(tmp_path, EXAMPLE, 6, 16, "s3")
+def test_sigterm_stops_the_local_service_with_exit_0(qwen):
+    bundle, _ = qwen
     server = ServerProcess([MOEPLAN, "serve", str(bundle), "--port", "0"], ready_timeout_s=180)
     try:
         assert raw(server, "GET", "/health")[0] == 200
