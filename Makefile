@@ -17,6 +17,9 @@ TRANSFORMERS_PIN := transformers==5.24.0
 # without dependencies (nothing imports the package; no CUDA pull). Its wheel is cp311/manylinux only.
 SGLANG_PIN := sglang==0.5.23
 DEMO := build/demo
+# Headless Chromium for tests/test_report_browser.py: Debian's package, driven by playwright (no browser
+# download); installed with apt where missing when run as root (CI runs as root).
+CHROMIUM := /usr/bin/chromium
 
 .PHONY: demo test venv clean
 
@@ -24,6 +27,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(CHROMIUM) || { test "$$(id -u)" = 0 && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium fonts-dejavu-core; } \
+		|| echo "note: no $(CHROMIUM); install Debian's chromium (as root: apt-get install chromium) for tests/test_report_browser.py"
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" "$(HIGHS_PIN)" "$(TRANSFORMERS_PIN)"
 	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"

@@ -25,8 +25,8 @@ overrides it. Our plan is sized for the mean predicted load of the test batches'
 
 Generation (issue 30): the deployed bundle generates a request's tokens in one Step Functions
 execution, reusing the prefix's K/V; the former way ran one execution per token over the whole
-sequence. Both are priced by the plan's request cost model (passes/optimize/serverless/
-request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
+sequence. Both are priced by the plan's request cost model (backends/runtime/
+lambda_request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
 64 new tokens, per generated token, under the deployment's accounting (warm containers keep their
 weights and K/V) and the paper's (every invocation downloads its weights; K/V read from S3 every
 step). `--measure-local` also runs a compiled bundle both ways on the local cloud, each request
@@ -89,7 +89,7 @@ def mean_sim(facts, layers, batches, batch_tokens):
 
 def cpu_cluster(facts, batches, batch_tokens):
     """MoE-layer cost and end-to-end throughput on the CPU cluster (see module docstring)."""
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     p = facts.platform
     costs, tputs = [], []
@@ -135,10 +135,10 @@ def main(argv=None):
     from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
     from moeplan.passes.optimize.serverless import sizing
     from moeplan.passes.optimize.serverless.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless.plan import (SizingOptions, plan_serverless, predicted_loads,
+    from moeplan.passes.optimize.serverless.sizing_pipeline import (SizingOptions, plan_serverless, predicted_loads,
                                                          real_batches, size_for, split_by_sequence)
     from moeplan.planner.errors import UserError
     from moeplan.planner.importers import load_model
@@ -286,23 +286,23 @@ def main(argv=None):
 
 def lambda_plan(args, slo: float, out=None):
     """The lambda target's plan (and bundle, with `out`) for the benchmark's model, trace and SLO."""
-    from moeplan.planner.pipeline.targets import run_target
+    from moeplan.planner.pipeline import flags
+    from moeplan.planner.pipeline.targets import compile_target, plan_target
     from moeplan.planner.plan import Plan
 
-    options = {"slo": slo, "platform_file": args.platform, "batch_tokens": args.batch_tokens,
-               "methods": "pipelined_s3,s3,direct", "validation_fraction": 0.2, "size_for": "mean", "bo_iterations": 0,
-               "bo_q": args.bo_q, "bo_storage": None, "profile_budget": args.profile_budget, "cache_dir": args.cache_dir,
-               "no_cache": False, "seed": args.seed, "requests_per_second": 1.0, "http_entry": "function-url",
-               "time_limit": 60.0, "solver": "highs"}
-    facts, _ = run_target("lambda", {"model_spec": args.model, "trace_path": args.trace, "serverless_options": options,
-                                     "progress": lambda *a: None, "out": None if out is None else str(out)},
-                          plan_only=out is None, quiet=True)
-    return Plan.from_json(facts["plan"].to_json())  # as plan.json holds it (8 significant digits)
+    values = flags.resolve({"slo": slo, "platform": args.platform, "batch_tokens": args.batch_tokens, "bo_q": args.bo_q,
+                            "profile_budget": args.profile_budget, "cache_dir": args.cache_dir, "seed": args.seed,
+                            "time_limit": 60.0})
+    if out is None:
+        outcome = plan_target("lambda", args.model, args.trace, None, values, quiet=True)
+    else:
+        outcome = compile_target("lambda", args.model, args.trace, str(out), values, quiet=True)
+    return Plan.from_json(outcome.plan.to_json())  # as plan.json holds it (8 significant digits)
 
 
 def generation(args, slo: float, log) -> dict:
     """Per generated token: K/V reuse (one execution) vs recomputation (one execution per token)."""
-    from moeplan.passes.optimize.serverless.request_cost import request_cost
+    from moeplan.backends.runtime.lambda_request_cost import request_cost
 
     plan = lambda_plan(args, slo)
     spec, P = plan.predicted["request_cost"], args.prompt_tokens

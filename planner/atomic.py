@@ -107,8 +107,18 @@ def _is_hardware_profile(path: Path) -> bool:
         return False
 
 
+def _is_report(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"<!DOCTYPE html>") and b"<title>moeplan report" in head
+
+
 KINDS = {
     "trace": ("routing trace (.npz)", _is_trace),
+    "report": ("report (HTML)", _is_report),
     "placement": ("placement.json", _is_placement),
     "plan": ("plan.json", _is_plan),
     "onnx": ("ONNX model", _is_onnx),

@@ -118,3 +118,24 @@ def wait_for(predicate, timeout_s: float, what: str, step_s: float = 0.05):
             return value
         time.sleep(step_s)
     raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def check_drain(server: ServerProcess, c, model: str, in_flight: dict, timeout_s: float = 30.0) -> None:
+    """SIGTERM while one request (`in_flight`: completions.create arguments, max_tokens included)
+    runs: /health and a new request answer 503, the request finishes whole, the server exits 0."""
+    import openai
+
+    done = {}
+    t = threading.Thread(target=lambda: done.update(r=c.completions.create(model=model, **in_flight)))
+    t.start()
+    wait_for(lambda: metrics(server)[("moeplan_requests_running", ())] == 1, 10, "the request runs")
+    server.signal(signal.SIGTERM)
+    wait_for(lambda: raw(server, "GET", "/health")[0] == 503, 5, "/health answers 503 while draining")
+    try:
+        c.completions.create(model=model, prompt="x", max_tokens=2)
+        raise AssertionError("a request was admitted while draining")
+    except openai.InternalServerError as err:
+        assert err.status_code == 503
+    t.join(timeout_s)
+    assert done["r"].usage.completion_tokens == in_flight["max_tokens"] and done["r"].choices[0].finish_reason == "length"
+    assert server.wait(timeout_s) == 0

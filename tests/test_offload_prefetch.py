@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
-from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.backends.runtime.offload_policies import make_policy
+from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
-from moeplan.passes.optimize.offload.stepper import TimedCache
+from moeplan.backends.runtime.offload_stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (the module's fixture: a small model and its trace)
 
@@ -222,7 +222,8 @@ def test_the_offload_target_compares_prefetchers_itself(offload_inputs):
     root, model_dir = offload_inputs
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "t.npz"), "--target", "offload", "--expert-cache", "5",
                      "--prefetch", "moeplan", "--out", str(root / "p.json")])
-    assert code == 2 and out.strip().startswith("error: --prefetch sets a bundle's prefetcher")
+    assert code == 2 and out.strip() == ("error: --prefetch does not apply to --target offload; it applies to --target "
+                                         "torchrun, kubernetes: drop it or choose one of those targets")
 
 
 @pytest.mark.parametrize("name, eviction", list(PAIRS.items()) + [(None, "lru")])

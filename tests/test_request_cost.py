@@ -1,12 +1,12 @@
-"""The request cost model shipped to Lambda front functions (passes/optimize/serverless/request_cost.py,
-standard library only) agrees with the sizing cost model it mirrors (serverless/cost.py)."""
+"""The request cost model the Lambda front functions run (backends/runtime/lambda_request_cost.py,
+standard library only) agrees with the sizing cost model it mirrors (serverless/billing.py)."""
 import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.passes.optimize.serverless import cost as sc
-from moeplan.passes.optimize.serverless.request_cost import _expert_loads, _expert_u, _replica_seconds
+from moeplan.backends.runtime.lambda_request_cost import _expert_loads, _expert_u, _replica_seconds
+from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.planner.platforms import load_platform
 
 PLATFORM = load_platform()

@@ -18,7 +18,6 @@ import asyncio
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import openai
 import pytest
 
 from runtime_fixtures import SMALL, contiguous_placement, small_model_dir, write_hf_bundle, write_small_bundle
-from serving_helpers import ServerProcess, async_client, client, metrics, raw, wait_for
+from serving_helpers import ServerProcess, async_client, check_drain, client, metrics, raw, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 MOEPLAN = str(Path(sys.executable).parent / "moeplan")
@@ -203,20 +202,8 @@ def test_metrics(tiny):
 
 def test_sigterm_drains_and_exits_zero(tiny):
     _, server = tiny
-    c = client(server, KEY)
-    done = {}
-    t = threading.Thread(target=lambda: done.update(r=c.completions.create(
-        model="small_moe", prompt=[3, 4], max_tokens=50, extra_body={"ignore_eos": True})))
-    t.start()
-    wait_for(lambda: running(server) == 1, 10, "the request runs")
-    server.signal(signal.SIGTERM)
-    wait_for(lambda: raw(server, "GET", "/health")[0] == 503, 5, "/health answers 503 while draining")
-    with pytest.raises(openai.InternalServerError) as err:
-        c.completions.create(model="small_moe", prompt="x", max_tokens=2)
-    assert err.value.status_code == 503
-    t.join(30)
-    assert done["r"].usage.completion_tokens == 50 and done["r"].choices[0].finish_reason == "length"
-    assert server.wait(30) == 0
+    check_drain(server, client(server, KEY), "small_moe",
+                dict(prompt=[3, 4], max_tokens=50, extra_body={"ignore_eos": True}))
     assert server.stdout == [f"serving on {server.url}\n"]  # exactly one line on stdout
 
 

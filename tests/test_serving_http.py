@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import http.client
 import json
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from serving_helpers import ServerProcess, client, metrics, raw, wait_for
+from serving_helpers import ServerProcess, check_drain, client, metrics, raw, wait_for
 from serving_stub import stub_token
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +142,7 @@ def test_api_key(server):
 def test_full_queue_answers_429_with_retry_after(server):
     """4 running + 2 waiting fill the stand-in; the 7th request is refused, not queued."""
     c = client(server, KEY)
-    streams = [c.completions.create(model="stub", prompt="x", max_tokens=150, stream=True) for _ in range(6)]
+    streams = [c.completions.create(model="stub", prompt="x", max_tokens=250, stream=True) for _ in range(6)]
     try:
         with pytest.raises(openai.RateLimitError) as err:
             c.completions.create(model="stub", prompt="x", max_tokens=2)
@@ -163,20 +161,7 @@ def test_full_queue_answers_429_with_retry_after(server):
 def test_sigterm_drains_then_exits_zero():
     s = ServerProcess(STUB + ["--step-s", "0.02"])
     try:
-        c = client(s)
-        results = {}
-        t = threading.Thread(target=lambda: results.update(r=c.completions.create(model="stub", prompt=[1, 2],
-                                                                                   max_tokens=60)))
-        t.start()
-        wait_for(lambda: metrics(s)[("moeplan_requests_running", ())] == 1, 5, "the request runs")
-        s.signal(signal.SIGTERM)
-        wait_for(lambda: raw(s, "GET", "/health")[0] == 503, 2, "/health says draining")
-        with pytest.raises(openai.InternalServerError) as err:
-            c.completions.create(model="stub", prompt="x", max_tokens=2)
-        assert err.value.status_code == 503
-        t.join(10)
-        assert results["r"].usage.completion_tokens == 60  # the in-flight request finished
-        assert s.wait(10) == 0
+        check_drain(s, client(s), "stub", dict(prompt=[1, 2], max_tokens=60))
     finally:
         s.kill()
 

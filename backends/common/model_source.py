@@ -27,14 +27,15 @@ CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 def _hint() -> str:
     return ("the torchrun target runs moeplan model directories (config.json with \"model_type\": \"tiny_moe\" and a "
-            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights)")
+            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights); "
+            "a Hugging Face config file alone plans ('moeplan plan')")
 
 
 def model_files(model_spec: str) -> tuple:
     """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
     path = Path(model_spec)
     config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file() or config_path.name != "config.json":
+    if not config_path.is_file() or config_path.suffix != ".json":  # a directory, or a config file alone
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {_hint()}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -110,9 +111,10 @@ def library_pins(arch: str) -> dict:
     return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def requirements(arch: str) -> str:
-    """requirements.txt of a bundle: what its runtime imports, with the model library pinned, and
-    the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py)."""
+def requirements(arch: str, expert_cache: bool = False) -> str:
+    """requirements.txt of a torchrun bundle: what its runtime imports, with the model library
+    pinned, the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py), and numpy,
+    which the expert cache's shipped policy modules import."""
     import importlib.metadata
 
     import safetensors
@@ -121,4 +123,8 @@ def requirements(arch: str) -> str:
     lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
     lines += [f"{name}=={importlib.metadata.version(name)}" for name in SERVER_PACKAGES]
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
+    if expert_cache:
+        import numpy
+
+        lines.append(f"numpy=={numpy.__version__}")
     return "\n".join(lines) + "\n"

@@ -25,9 +25,9 @@ library's own experts module computes, on weights the cache put in place.
   counts bytes read from disk and served from host memory. CUDA copies run on a side stream after
   an event of the last compute that may read the slot, and the compute stream waits for them
   (that path cannot run on this CPU-only machine: written, never run).
-* Policies, prefetchers and the stepper: the simulator's own modules (passes/optimize/offload/
-  policies.py, next_use.py, prefetch.py, stepper.py and passes/analysis/eam_match.py), copied into
-  the bundle as `runtime/offload_*.py` by the offload codegen, driven through `OnlineStream` exactly
+* Policies, prefetchers and the stepper: `offload_policies.py`, `offload_next_use.py`,
+  `offload_prefetch.py`, `offload_stepper.py` and `offload_eam_match.py` beside this file, the very
+  modules the planner's simulator imports, shipped in bundles with expert caches, driven through `OnlineStream` exactly
   as the simulator drives them.
 Nothing here imports moeplan: bundles run without it.
 """
@@ -237,7 +237,7 @@ class ExpertCache:
     prefetch, as the simulator's stepper decides.
 
     `new_stepper(stream, capacity, resident)` -> a fresh `TimedCache` (`plan_stepper` of
-    passes/optimize/offload/stepper.py, shipped as runtime/offload_stepper.py) with the plan's
+    offload_stepper.py, the simulator's own) with the plan's
     policy, prefetcher and timing:
     it decides every hit, eviction and prefetch from the routing and a modelled clock; this class
     moves the weights. Per step (`begin_step`): (1) the copies decided after the previous step are
@@ -419,7 +419,7 @@ def expert_tensor_owner(containers: list):
 def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: dict, rank: int, local: dict) -> ExpertCache:
     """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
-    from .offload_stepper import pair_keys, plan_stepper  # the simulator's stepper, written into bundles by the offload codegen
+    from .offload_stepper import pair_keys, plan_stepper  # the simulator's own stepper (shipped with expert caches)
 
     containers = rank_model.containers
     E = containers[0].num_experts

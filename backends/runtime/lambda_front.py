@@ -14,7 +14,7 @@ plan's predicted latency of this prompt and max_tokens, and the 256 KB input of 
 execution. A request the state machine fails is a 503.
 
 Cost: every generation answer carries the billed GB-s, request charges and dollars the plan's cost
-model predicts for it (`lambda_request_cost.py`, a copy of moeplan's, on the spec in
+model predicts for it (`lambda_request_cost.py`, the module `moeplan simulate` runs, on the spec in
 request_cost.json: `moeplan simulate plan.json --prompt-tokens P --new-tokens N` prints the same),
 in `X-Moeplan-*` headers and summed in /metrics (per container on AWS; one process locally).
 Streaming answers arrive whole (the execution returns all tokens at once; BUFFERED invoke mode).

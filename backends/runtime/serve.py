@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import results
-from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, world_size_of
+from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, run_modes, world_size_of
 from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
@@ -109,7 +109,7 @@ def load_bundle(root: Path, rank: int, world: int, device, mode: str | None) -> 
         raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
                           f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
     table = ExpertTable.from_placement(read_json(root, "placement.json"))
-    modes = (mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
+    modes = run_modes(plan, mode)
     model, codec = build_rank_model(root, plan, rank, table, device)
     return plan, table, modes, model, codec
 

@@ -51,6 +51,8 @@ import numpy as np
 COHERENT, STANDARD = "coherent", "standard"
 PHASES = ("dispatch", "combine", "merge", "context")
 STEP_PHASES = ("prompt_sync", "token_sync")
+TIMED_EXCHANGES = PHASES + ("token_sync",)  # prompt sync happens before the runtime's timer starts
+EXCHANGE_PARTS = ("call", "same_node", "other_node")
 FLOAT = 4
 # Torch calls (and Python lines around them) the engine makes, counted off engine.py, exchange.py
 # and tiny_moe.py: the attention of one block (norm 6, qkv 3, cache writes 8, output 2, ...) and
@@ -171,6 +173,9 @@ class Prediction:
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
     tokens_per_rank: list = field(default_factory=list)  # per MoE layer: expert rows per rank (summed over steps)
+    # comm_seconds split by exchange kind, then into the call's fixed part (collective latency and the
+    # call's Python work) and the slowest rank's messages per link tier; sums to comm_seconds
+    exchange_seconds: dict = field(default_factory=lambda: {k: dict.fromkeys(EXCHANGE_PARTS, 0.0) for k in TIMED_EXCHANGES})
 
     @property
     def all_to_all_bytes(self) -> int:
@@ -214,6 +219,9 @@ class Prediction:
             "seconds_per_prefill_token": (self.step_seconds[0] / prompt_tokens) if prompt_tokens and self.step_seconds else 0.0,
             "seconds_per_decode_step": (sum(decode) / len(decode)) if decode else 0.0,
             "compute_share": self.compute_seconds / max(self.compute_seconds + self.comm_seconds, 1e-30),
+            "compute_seconds_per_token": self.compute_seconds / g,
+            "exchange_seconds_per_token": {k: {part: v / g for part, v in parts.items()}
+                                           for k, parts in self.exchange_seconds.items()},
         }
 
 
@@ -285,14 +293,19 @@ class _Counter:
         p = self.profile
         per_rank = []
         for s in range(W):
-            t = 0.0
+            t = {"same_node": 0.0, "other_node": 0.0}
             for d in range(W):
                 if off[s, d]:
                     tier = "same_node" if same[s, d] else "other_node"
-                    t += p.message_latency_s[tier] + off[s, d] * row_bytes / p.bandwidth_bytes_per_s[tier]
+                    t[tier] += p.message_latency_s[tier] + off[s, d] * row_bytes / p.bandwidth_bytes_per_s[tier]
             per_rank.append(t)
+        slowest = max(per_rank, key=lambda t: t["same_node"] + t["other_node"])
         ops = EXCHANGE_OPS + PEER_OPS[phase] * W + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
-        return 2 * p.collective_latency(W) + max(per_rank) + ops * p.op_overhead_s * _oversubscribed(p, W)
+        parts = {"call": 2 * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
+        if phase in self.pred.exchange_seconds:
+            for part, v in parts.items():
+                self.pred.exchange_seconds[phase][part] += v
+        return parts["call"] + slowest["same_node"] + slowest["other_node"]
 
 
 def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str, workload: Workload,

@@ -9,7 +9,7 @@ the activations of the largest prefill step holds KV tokens:
 
 KV bytes per token: layers x KV heads x head dim x 2 (K and V) x 4 bytes, or for MLA
 (DeepSeek-V2/V3, whose transformers cache keeps the compressed latent) the latent plus the rotated
-key (`offload.plan.kv_bytes_per_token`, counted in the runtime's float32).
+key (`offload.cache_plan.kv_bytes_per_token`, counted in the runtime's float32).
 
 Continuous batching keeps a rank's sequences as rows of one cache whose width is the longest row
 (`backends/runtime/serving/row_cache.py`), so B rows of up to `max_context` tokens take
@@ -33,7 +33,7 @@ MAX_SEQUENCES = 256               # the most sequences one step batches
 
 def runtime_kv_bytes_per_token(config, ir) -> int:
     """KV-cache bytes one token adds on a rank that holds its context, in the runtime's float32."""
-    from moeplan.passes.optimize.offload.plan import kv_bytes_per_token
+    from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.planner.ir import dtype_bytes
 
     return int(round(kv_bytes_per_token(config, ir) / dtype_bytes(ir.dtype))) * RUNTIME_BYTES

@@ -4,12 +4,12 @@ The held-out trace is cut into batches of the plan's batch size (a trace shorter
 is one batch scaled to that size); each batch's real per-expert loads run against the plan's
 fixed memory and replicas (overflows invoke extra replicas, as the runtime would). Prints the
 mean cost per batch, latency, throughput, SLO misses and the per-layer sizing; `--json` prints
-one JSON line.
+one JSON line. `--prompt-tokens P --new-tokens N` instead prices one generation request of a lambda
+plan, the figures a served response's X-Moeplan-* headers state.
 """
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import click
 
@@ -18,9 +18,9 @@ from moeplan.planner.errors import UserError
 
 
 def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:
-    """One generation request priced by the plan's request cost model (passes/optimize/serverless/
-    request_cost.py, the code the bundle's front function runs on the same spec)."""
-    from moeplan.passes.optimize.serverless.request_cost import request_cost
+    """One generation request priced by the plan's request cost model (backends/runtime/
+    lambda_request_cost.py, the code the bundle's front function runs on the same spec)."""
+    from moeplan.backends.runtime.lambda_request_cost import request_cost
     from moeplan.planner.pipeline.lambda_ import read_plan
 
     plan = read_plan(plan_path)[0]
@@ -53,19 +53,7 @@ def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: b
                f"({old['usd']['total'] / u['total']:.2f}x), {old['lambda_gb_s']:.6f} GB-s")
 
 
-def print_layers(layers) -> None:
-    from moeplan.passes.optimize.serverless import cost as sc
-
-    click.echo("layer  method        beta  memory MB (experts)                 replicas (experts)")
-    for e, d in enumerate(layers):
-        mem = Counter(c.memory_mb for c in d.experts)
-        reps = Counter(c.replicas for c in d.experts)
-        mem_s = " ".join(f"{m}x{n}" for m, n in sorted(mem.items()))
-        rep_s = " ".join(f"{r}x{n}" for r, n in sorted(reps.items()))
-        click.echo(f"{e:>5}  {sc.METHOD_NAMES[d.method]:<12}  {d.beta:>4}  {mem_s:<34}  {rep_s}")
-
-
-@click.command("simulate")
+@click.command("simulate", short_help="Replay a lambda or offload plan on a held-out trace (cost, latency, hit ratios), or price one Lambda request.")
 @click.argument("plan_path", metavar="PLAN")
 @click.option("--trace", "trace_path", default=None, help="held-out routing trace (.npz) of the planned model")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
@@ -88,10 +76,10 @@ def simulate(plan_path, trace_path, as_json, prompt_tokens, new_tokens):
     if is_offload_plan(plan_path):
         return simulate_offload(plan_path, trace_path, as_json, prompt_tokens)
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.serverless.plan import real_batches
+    from moeplan.passes.optimize.serverless.sizing_pipeline import real_batches
     from moeplan.passes.optimize.serverless.sim import simulate as run
-    from moeplan.passes.optimize.serverless.cost import METHOD_NAMES
-    from moeplan.planner.pipeline.lambda_ import read_plan
+    from moeplan.passes.optimize.serverless.billing import METHOD_NAMES
+    from moeplan.planner.pipeline.lambda_ import layer_lines, read_plan
 
     import numpy as np
 
@@ -133,4 +121,5 @@ def simulate(plan_path, trace_path, as_json, prompt_tokens, new_tokens):
     click.echo(f"latency {summary['latency_s']:.3f} s (max {summary['max_latency_s']:.3f} s, SLO {slo} s, "
                f"{summary['slo_violations']} miss(es)), throughput {summary['throughput_tokens_per_s']:.1f} tokens/s, "
                f"{summary['overflows']} overflow invocation(s)")
-    print_layers(layers)
+    for line in layer_lines(layers):
+        click.echo(line)

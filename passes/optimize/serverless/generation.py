@@ -1,4 +1,4 @@
-"""The request cost spec of a Lambda plan: what `request_cost.py` needs to price one generation.
+"""The request cost spec of a Lambda plan: what the request cost model (backends/runtime/lambda_request_cost.py) needs to price one generation.
 
 Why at plan time: the dense parts' compute at any step size comes from the profile's predictors
 (the partition pass evaluates them on `REQUEST_GRID`), the experts' from the serverless facts; the
@@ -9,8 +9,8 @@ slices in chain order), as the functions run them (backends/lambda_/codegen.py d
 """
 from __future__ import annotations
 
-from moeplan.passes.optimize.serverless import cost as sc
-from moeplan.passes.optimize.serverless.request_cost import SPEC_VERSION
+from moeplan.backends.runtime.lambda_request_cost import SPEC_VERSION
+from moeplan.passes.optimize.serverless import billing as sc
 
 REQUEST_GRID = (1, 8, 64, 512, 2048)
 KV_BYTES_PER_ELEMENT = 4  # the functions run and keep float32
@@ -18,7 +18,7 @@ KV_BYTES_PER_ELEMENT = 4  # the functions run and keep float32
 
 def kv_bytes_per_layer_token(config, ir) -> int:
     """K/V bytes one token adds to one attention layer's cache, in the functions' float32."""
-    from moeplan.passes.optimize.offload.plan import kv_bytes_per_token
+    from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.planner.ir import dtype_bytes
 
     layers = sum(1 for s in ir.stages if getattr(s, "kind", "") == "attention") or len(ir.moe_stages)

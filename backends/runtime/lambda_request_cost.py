@@ -1,10 +1,10 @@
 """What one generation request costs on a Lambda deployment: billed GB-s, request charges, latency.
 
-Why a separate, dependency-free file: the deployed front function states this prediction in every
-response (it ships in the bundle as runtime/lambda_request_cost.py, like the offload simulator's
-modules) and `moeplan simulate` computes it from plan.json; both must run the very same code on
-the very same spec (`predicted.request_cost`, built by generation.py from the plan's facts). Only
-the standard library.
+Why in the runtime, dependency-free: the deployed front function states this prediction in every
+response (runtime/lambda_front.py) and `moeplan simulate` computes it from plan.json; both must run
+the very same code on the very same spec (`predicted.request_cost`, built by
+passes/optimize/serverless/generation.py from the plan's facts), as the offload simulator and the
+ranks share the runtime's offload_* modules. Only the standard library.
 
 The generation of `new` tokens after a `prompt`-token prompt (B sequences), two ways:
 * "kv" (the bundle's way): one execution; step 0 runs the prompt's B x prompt rows, each later step
@@ -17,7 +17,7 @@ state (S3: one latency + bytes), reading the previous S3-method layer's expert o
 invoked replica), its compute at the step's token count (the profile's per-part seconds, log-
 interpolated between grid points), writing expert inputs (one PUT per invoked replica; direct
 method: invoking them and waiting for the slowest), and its output state (+ K/V bytes). Expert
-replicas follow serverless/cost.py's replica times (Eqs. 3-11, warm start without the weights'
+replicas follow serverless/billing.py's replica times (Eqs. 3-11, warm start without the weights'
 download unless `weights_per_invocation`). Expected loads: expert i gets d = T k s_i rows of a
 T-token step (s_i its planned share), is invoked with probability p = 1 - (1 - k s_i)^T, then
 with d / p rows over min(replicas, ceil(d / p)) replicas. `cold_kv`: every decode step of a
@@ -55,7 +55,7 @@ def _interp_per_token(grid: list, values: list, tokens: float) -> float:
 
 
 def _expert_u(layer: dict, memory_mb: float, tokens: float) -> float:
-    """Per-token expert compute at a memory size (serverless/cost.py LayerFacts.u)."""
+    """Per-token expert compute at a memory size (serverless/billing.py LayerFacts.u)."""
     v = min(memory_mb / layer["mb_per_vcpu"], layer["max_vcpus"])
     grid = layer["tokens_grid"]
     best = None
@@ -66,7 +66,7 @@ def _expert_u(layer: dict, memory_mb: float, tokens: float) -> float:
 
 
 def _replica_seconds(p: dict, layer: dict, memory_mb: float, rows: float, weights: bool) -> float:
-    """t^rep of one replica for `rows` rows (serverless/cost.py replica_time)."""
+    """t^rep of one replica for `rows` rows (serverless/billing.py replica_time)."""
     bs, bf, dl = p["s3_bandwidth_bytes_per_s"], p["f2f_bandwidth_bytes_per_s"], p["s3_latency_s"]
     head = p["warm_start_s"] + ((layer["param_bytes"] / bs + dl) if weights else 0.0)
     method, d_in, d_out = layer["method"], layer["d_in"], layer["d_out"]

@@ -1,0 +1,106 @@
+"""A plan's decisions and predicted figures as flat {name: value} maps: what `moeplan diff` compares.
+
+Figures are every number under `predicted` by dotted path (lists of numbers, e.g. per-layer
+affinity, by index; large tables such as cap searches are left out), plus headline aliases that
+mean the same thing for every target, so one `--fail-on` works across targets:
+`seconds_per_token`, `bytes_per_token`, `cost`, `latency`, `throughput`, `hit_ratio`,
+`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from moeplan.planner.report.summary import at, hardware_name
+
+ALIASES = ("seconds_per_token", "bytes_per_token", "cost", "latency", "throughput", "hit_ratio", "max_over_mean_load",
+           "gpu_local_fraction", "node_local_fraction")
+SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition")
+MAX_LIST = 64
+
+
+def _numbers(node, prefix: str, out: dict) -> None:
+    if isinstance(node, bool) or node is None:
+        return
+    if isinstance(node, (int, float)):
+        out[prefix] = node
+    elif isinstance(node, dict):
+        for key in sorted(node):
+            if key not in SKIP:
+                _numbers(node[key], f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(node, list) and len(node) <= MAX_LIST:
+        if all(isinstance(v, dict) and "label" in v for v in node):  # candidates: by label, not position
+            for v in node:
+                _numbers({k: x for k, x in v.items() if k not in ("modes",)}, f"{prefix}[{v['label']}]", out)
+        else:
+            for i, v in enumerate(node):
+                _numbers(v, f"{prefix}.{i}", out)
+
+
+def headline(plan: dict) -> dict:
+    """The aliases: one meaning across targets (absent where a target has no such figure)."""
+    out = {}
+    target = plan.get("target")
+    cost = at(plan, "predicted.cost")
+    if isinstance(cost, dict) and cost.get("mode") in cost.get("modes", {}):
+        chosen = cost["modes"][cost["mode"]]
+        out.update(seconds_per_token=chosen.get("seconds_per_token"), bytes_per_token=chosen.get("total_bytes_per_token"))
+    if target == "offload":
+        out.update(seconds_per_token=at(plan, "predicted.seconds_per_token"), hit_ratio=at(plan, "predicted.hit_ratio"),
+                   bytes_per_token=at(plan, "predicted.bytes_moved_per_token"))
+    if target == "lambda":
+        out.update(cost=at(plan, "predicted.cost_per_request_usd"), latency=at(plan, "predicted.latency_s"),
+                   throughput=at(plan, "predicted.throughput_tokens_per_s"))
+    if isinstance(at(plan, "predicted.expert_cache"), dict):
+        out["hit_ratio"] = at(plan, "predicted.expert_cache.hit_ratio")
+    for key in ("max_over_mean_load", "gpu_local_fraction", "node_local_fraction"):
+        out[key] = at(plan, f"predicted.{key}")
+    return {k: v for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def figures(plan: dict) -> dict:
+    """{name: number}: the aliases, then every number under `predicted` by path."""
+    out = headline(plan)
+    _numbers(plan.get("predicted", {}), "predicted", out)
+    return out
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def decisions(plan: dict) -> dict:
+    """{name: text}: what the planner decided (and what it was given), comparable as strings."""
+    out = {"target": plan.get("target"), "model": at(plan, "model.name"), "weights_sha256": at(plan, "model.weights_sha256"),
+           "trace_sha256": at(plan, "inputs.trace_sha256"),
+           "topology": f"{at(plan, 'topology.nodes')}x{at(plan, 'topology.gpus_per_node')}",
+           "placement.policy": at(plan, "placement.policy"), "communication.mode": at(plan, "communication.mode"),
+           "hardware": hardware_name(plan) or at(plan, "topology.hardware"),
+           "workload": at(plan, "predicted.cost.workload")}
+    chosen = [a.get("label") for a in at(plan, "predicted.cost.alternatives") or [] if a.get("chosen")]
+    if chosen:
+        out["candidate"] = chosen[0]
+    layers = at(plan, "placement.layers")
+    if isinstance(layers, list) and layers and isinstance(layers[0], dict) and "devices" in layers[0]:
+        out["placement.layout"] = _digest(layers)
+        for layer in layers:
+            out[f"placement.layer.{layer.get('layer')}"] = _digest(layer.get("devices"))
+    if plan.get("target") == "offload":
+        for k in ("expert_cache", "eviction", "prefetch"):
+            out[f"communication.{k}"] = at(plan, f"communication.{k}")
+        out["placement.resident"] = _digest(at(plan, "placement.resident"))
+        tiers = at(plan, "communication.tiers") or {}
+        out["tiers"] = f"gpu {tiers.get('gpu_experts')}, host {tiers.get('host_experts')}, disk {tiers.get('disk_experts')}"
+    if plan.get("target") == "lambda":
+        out["communication.methods"] = ",".join(at(plan, "communication.methods") or [])
+        out["functions"] = at(plan, "topology.functions")
+        for i, layer in enumerate(layers or []):
+            if isinstance(layer, dict) and "experts" in layer:
+                out[f"placement.layer.{i}"] = _digest(layer)
+        out["dense_slices"] = _digest(at(plan, "placement.dense_slices"))
+    cache = at(plan, "communication.expert_cache")
+    if isinstance(cache, dict):
+        out["expert_cache"] = f"{cache.get('capacity')} entries, {cache.get('eviction')}, prefetch {cache.get('prefetch')}"
+    if plan.get("target") in ("sglang", "trtllm"):
+        out["redundant"] = at(plan, "communication.redundant")
+    return {k: ("" if v is None else str(v)) for k, v in out.items() if v is not None}

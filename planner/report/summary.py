@@ -1,0 +1,271 @@
+"""The report's summary, from plan.json alone: inputs with their hashes, every decision with the
+reason the plan's own figures give for it, and the predicted figures beside the alternatives the
+planner priced. Every number is a `Num` naming its plan.json path (page.py)."""
+from __future__ import annotations
+
+from moeplan.planner.report.page import Num, Section, Table, fmt
+
+MS = 1e3
+
+
+def at(plan: dict, path: str):
+    """The value at a dotted path ("predicted.cost.alternatives.0.label"), None where absent."""
+    node = plan
+    for part in path.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def hardware_name(plan: dict) -> str:
+    """The profile that priced the plan's predictions (`predicted.cost.hardware`: a name, or a
+    record with a name where the plan keeps more about the profile and its calibration)."""
+    hw = at(plan, "predicted.cost.hardware")
+    if isinstance(hw, dict):
+        return str(hw.get("name", ""))
+    return "" if hw is None else str(hw)
+
+
+def num(plan: dict, path: str, scale: float = 1.0, unit: str = "", digits: int = 4) -> Num:
+    return Num(at(plan, path), path, scale, digits, unit)
+
+
+def _options_text(options) -> str:
+    if not isinstance(options, dict):
+        return ""
+    return ", ".join(f"{k}={v}" for k, v in sorted(options.items()) if not isinstance(v, (dict, list)))
+
+
+def inputs_table(plan: dict) -> Table:
+    """What the plan was computed from, with hashes, and which hardware profile priced it."""
+    rows = [["target", plan.get("target", "")], ["model (as given)", str(at(plan, "inputs.model") or "")],
+            ["model", f"{at(plan, 'model.name') or ''} ({at(plan, 'model.architecture') or ''})"]]
+    if at(plan, "model.weights_sha256"):
+        rows.append(["weights sha256", at(plan, "model.weights_sha256")])
+    rows.append(["trace sha256", str(at(plan, "inputs.trace_sha256") or "")])
+    if at(plan, "inputs.trace_tokens") is not None:
+        rows.append(["trace tokens", num(plan, "inputs.trace_tokens")])
+    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "trtllm"):
+        rows.append(["topology", f"{at(plan, 'topology.nodes')} node(s) x {at(plan, 'topology.gpus_per_node')} GPU(s)"])
+    if at(plan, "inputs.options"):
+        rows.append(["options", _options_text(at(plan, "inputs.options"))])
+    cost = at(plan, "predicted.cost")
+    if isinstance(cost, dict):
+        rows.append(["hardware profile (predictions)", hardware_name(plan)])
+        if isinstance(cost.get("hardware"), dict):
+            rows += [[f"hardware.{k}", num(plan, f"predicted.cost.hardware.{k}") if isinstance(v, (int, float))
+                      and not isinstance(v, bool) else (_options_text(v) if isinstance(v, dict) else str(v))]
+                     for k, v in sorted(cost["hardware"].items()) if k != "name"]
+        rows.append(["workload (requests x prompt + new tokens)", str(cost.get("workload", ""))])
+        for key in sorted(cost):  # what the plan records about the profile's calibration, whatever its keys
+            if key != "hardware" and any(w in key for w in ("hardware", "calibrat", "profile")):
+                value = cost[key]
+                rows.append([f"{key}", _options_text(value) if isinstance(value, dict) else
+                             (num(plan, f"predicted.cost.{key}") if isinstance(value, (int, float)) and not isinstance(value, bool)
+                              else str(value))])
+    if plan.get("target") == "offload":
+        rows.append(["hardware profile (predictions)", str(at(plan, "topology.hardware") or "")])
+        rows += [[k, num(plan, f"inputs.{k}")] for k in ("gpu_memory_bytes", "expert_cache", "batch", "max_length",
+                                                         "prompt_tokens", "validation_fraction", "seed")
+                 if at(plan, f"inputs.{k}") is not None]
+    if plan.get("target") == "lambda":
+        rows.append(["platform", str(at(plan, "topology.platform") or "")])
+        rows += [[k, num(plan, f"inputs.{k}")] for k in ("slo_s", "bo_iterations") if at(plan, f"inputs.{k}") is not None]
+        rows.append(["batch tokens", num(plan, "communication.batch_tokens")])
+    return Table(["input", "value"], rows, "Inputs")
+
+
+# ------------------------------------------------------------------------------------- torchrun
+
+def _policy_reason(plan: dict, tie: float) -> str:
+    alts = at(plan, "predicted.cost.alternatives") or []
+    requested = at(plan, "inputs.options.policy")
+    if requested != "auto" or not alts:
+        return f"requested (--policy {requested or at(plan, 'placement.policy')})"
+    hw = hardware_name(plan)
+    chosen = next((a for a in alts if a.get("chosen")), alts[0])
+    others = sorted((a for a in alts if not a.get("chosen")), key=lambda a: a["seconds_per_token"])
+    text = (f"auto priced {len(alts)} candidates on {hw}: {chosen['label']} at {fmt(chosen['seconds_per_token'], MS)} ms/token "
+            f"({chosen['mode']})")
+    if others:
+        best = others[0]
+        text += f"; fastest other {best['label']} at {fmt(best['seconds_per_token'], MS)} ms/token ({best['mode']})"
+    return text + (f"; candidates are tried in order and a later one wins only when more than {tie:.0%} faster "
+                   "than the best so far")
+
+
+def _mode_reason(plan: dict, tie: float) -> str:
+    cost = at(plan, "predicted.cost") or {}
+    if cost.get("mode_requested") != "auto":
+        return f"requested (--mode {cost.get('mode_requested', at(plan, 'communication.mode'))})"
+    modes = cost.get("modes", {})
+    chosen = cost.get("mode")
+    other = next((m for m in sorted(modes) if m != chosen), None)
+    if other is None:
+        return f"auto: only {chosen} was priced"
+    return (f"auto chose {chosen}: predicted {fmt(modes[chosen]['seconds_per_token'], MS)} vs "
+            f"{fmt(modes[other]['seconds_per_token'], MS)} ms/token ({other}) on {hardware_name(plan)}; "
+            f"coherent must be more than {tie:.0%} faster to be chosen")
+
+
+def torchrun_decisions(plan: dict, tie: float) -> Table:
+    label = next((a["label"] for a in at(plan, "predicted.cost.alternatives") or [] if a.get("chosen")), None)
+    policy = at(plan, "placement.policy")
+    rows = [["placement policy", f"{policy}" + (f" ({label})" if label and label != policy else "")
+             + f", {at(plan, 'placement.metrics.redundant') or 0} redundant slot(s)", _policy_reason(plan, tie)],
+            ["communication mode", str(at(plan, "communication.mode")), _mode_reason(plan, tie)],
+            ["gating", str(at(plan, "communication.gating")), "replicas chosen per token at run time (the runtime's rule)"]]
+    cache = at(plan, "communication.expert_cache")
+    if isinstance(cache, dict):
+        rows.append(["expert cache per rank", f"{cache.get('capacity')} entries, eviction {cache.get('eviction')}, "
+                     f"prefetch {cache.get('prefetch')}", "by simulation of the planning trace's held-out sequences (docs/offload.md)"])
+    return Table(["decision", "value", "reason"], rows, "Decisions")
+
+
+def torchrun_predicted(plan: dict) -> list:
+    tables = [Table(["placement metric (planning trace)", "predicted"],
+                    [[k, num(plan, f"predicted.{k}")] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")
+                     if at(plan, f"predicted.{k}") is not None], "Placement")]
+    modes = at(plan, "predicted.cost.modes") or {}
+    if modes:
+        rows = []
+        for m in sorted(modes):
+            base = f"predicted.cost.modes.{m}"
+            rows.append([m + (" (chosen)" if m == at(plan, "predicted.cost.mode") else ""),
+                         num(plan, f"{base}.seconds_per_token", MS, "ms"), num(plan, f"{base}.total_bytes_per_token", unit="B"),
+                         num(plan, f"{base}.bytes_per_token_by_tier.other_node", unit="B"),
+                         num(plan, f"{base}.all_messages_per_token"), num(plan, f"{base}.compute_share")])
+        tables.append(Table(["mode", "time per token", "bytes per token", "of which across nodes", "messages per token",
+                             "compute share"], rows, "The chosen placement under both modes"))
+    alts = at(plan, "predicted.cost.alternatives") or []
+    if alts:
+        rows = [[str(a["label"]) + (" (chosen)" if a.get("chosen") else ""), str(a["mode"]),
+                 num(plan, f"predicted.cost.alternatives.{i}.seconds_per_token", MS, "ms"),
+                 num(plan, f"predicted.cost.alternatives.{i}.total_bytes_per_token", unit="B")]
+                for i, a in enumerate(alts)]
+        tables.append(Table(["candidate", "its mode", "time per token", "bytes per token"], rows,
+                            "Predicted beside the alternatives priced (--policy auto)"))
+    cache = at(plan, "predicted.expert_cache")
+    if isinstance(cache, dict) and "hit_ratio" in cache:
+        tables.append(Table(["expert cache", "predicted"], [["hit ratio", num(plan, "predicted.expert_cache.hit_ratio")]],
+                            "Expert cache"))
+    return tables
+
+
+# ---------------------------------------------------------------------------------------- engines
+
+def engine_decisions(plan: dict) -> Table:
+    requested = at(plan, "inputs.options.policy")
+    return Table(["decision", "value", "reason"], [
+        ["placement policy", str(at(plan, "placement.policy")), f"--policy {requested}: balance is what sets an MoE "
+         "layer's time under standard EP (docs/interop.md)"],
+        ["redundant slots", num(plan, "communication.redundant"), "given with --redundant"],
+        ["slots per rank", num(plan, "communication.slots_per_rank"), "(experts + redundant) / EP ranks"],
+        ["objective", str(at(plan, "communication.objective")), "the engine runs standard expert parallelism"],
+    ], "Decisions")
+
+
+def engine_predicted(plan: dict) -> list:
+    return [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
+                  "Predicted")]
+
+
+# ---------------------------------------------------------------------------------------- offload
+
+def offload_decisions(plan: dict) -> Table:
+    c = "communication"
+    demand = at(plan, "predicted.policies") or {}
+    prefetch = at(plan, "predicted.prefetch") or {}
+    size_reason = ("--expert-cache given" if at(plan, "inputs.expert_cache") is not None else
+                   f"(GPU memory - dense - KV cache - activations - reserve) / expert bytes on {at(plan, 'topology.hardware')}")
+    evict = ", ".join(f"{k} {fmt(v['hit_ratio'])}" for k, v in sorted(demand.items()) if k != "belady")
+    pref = ", ".join(f"{k} {fmt(v['seconds_per_token'], MS)} ms" for k, v in sorted(prefetch.items()))
+    tiers = at(plan, f"{c}.tiers") or {}
+    return Table(["decision", "value", "reason"], [
+        ["expert cache (GPU entries)", num(plan, f"{c}.expert_cache"), size_reason],
+        ["eviction", str(at(plan, f"{c}.eviction")), f"best held-out demand hit ratio ({evict}); a prefetcher brings its paired policy"],
+        ["prefetch", str(at(plan, f"{c}.prefetch")), f"lowest simulated time per token ({pref})"],
+        ["residents at start", f"{len(at(plan, 'placement.resident') or [])} (layer, expert) entries", "the most popular in the fitting part of the trace"],
+        ["host tier", num(plan, f"{c}.tiers.host_experts", unit="experts"), "the most popular experts that fit in host memory"],
+        ["disk tier", num(plan, f"{c}.tiers.disk_experts", unit="experts") if tiers else "", "the rest"],
+    ], "Decisions")
+
+
+def offload_predicted(plan: dict) -> list:
+    demand = at(plan, "predicted.policies") or {}
+    prefetch = at(plan, "predicted.prefetch") or {}
+    head = Table(["figure", "predicted"], [
+        ["hit ratio", num(plan, "predicted.hit_ratio")], ["time per token", num(plan, "predicted.seconds_per_token", MS, "ms")],
+        ["resident at layer start", num(plan, "predicted.resident_at_layer_start")],
+        ["bytes moved per token", num(plan, "predicted.bytes_moved_per_token", unit="B")],
+        ["points below Belady", num(plan, "predicted.belady_gap_points")],
+        ["held-out tokens simulated", num(plan, "predicted.validation_tokens")]], "Predicted (held-out part of the planning trace)")
+    pol = Table(["eviction policy", "hit ratio", "bytes moved"],
+                [[k + (" (chosen)" if k == at(plan, "communication.eviction") else ""),
+                  num(plan, f"predicted.policies.{k}.hit_ratio"), num(plan, f"predicted.policies.{k}.bytes_moved", unit="B")]
+                 for k in sorted(demand)], "Beside every eviction policy (demand loading)")
+    pre = Table(["prefetch", "hit ratio", "time per token", "resident at layer start"],
+                [[k + (" (chosen)" if k == at(plan, "communication.prefetch") else ""),
+                  num(plan, f"predicted.prefetch.{k}.hit_ratio"), num(plan, f"predicted.prefetch.{k}.seconds_per_token", MS, "ms"),
+                  num(plan, f"predicted.prefetch.{k}.resident_at_layer_start")] for k in sorted(prefetch)],
+                "Beside every prefetcher")
+    return [head, pol, pre]
+
+
+# ----------------------------------------------------------------------------------------- lambda
+
+def lambda_decisions(plan: dict) -> Table:
+    methods = at(plan, "communication.methods") or []
+    layers = at(plan, "placement.layers") or []
+    solves = at(plan, "predicted.solves") or []
+    cheapest = ", ".join(f"{s['name']} ${fmt(s.get('objective'))}" for s in solves)
+    mems = sorted({x["memory_mb"] for l in layers for x in l.get("experts", [])})
+    reps = sorted({x["replicas"] for l in layers for x in l.get("experts", [])})
+    slices = at(plan, "placement.dense_slices") or []
+    return Table(["decision", "value", "reason"], [
+        ["scatter-gather method per MoE layer", ", ".join(methods),
+         f"{at(plan, 'predicted.algorithm')}: the cheapest MoE cost per batch within the SLO ({cheapest})"],
+        ["expert functions", f"memory {', '.join(map(str, mems))} MB; replicas {', '.join(map(str, reps))}",
+         "sized per expert for its predicted tokens (MILP per method, then ODS)"],
+        ["dense functions", f"{len(slices)} slices", "HyPAD partitioning: least cost per request within its latency limit"],
+        ["functions in all", num(plan, "topology.functions"), ""],
+    ], "Decisions")
+
+
+def lambda_predicted(plan: dict) -> list:
+    rows = [["cost per request", num(plan, "predicted.cost_per_request_usd", unit="$")],
+            ["MoE cost per batch", num(plan, "predicted.moe_cost_per_batch_usd", unit="$")],
+            ["dense cost per batch", num(plan, "predicted.dense_cost_per_batch_usd", unit="$")],
+            ["latency per batch", num(plan, "predicted.latency_s", unit="s")],
+            ["SLO", num(plan, "inputs.slo_s", unit="s")],
+            ["throughput", num(plan, "predicted.throughput_tokens_per_s", unit="tokens/s")],
+            ["validation: MoE cost per batch (real loads)", num(plan, "predicted.validation.moe_cost_per_batch_usd", unit="$")],
+            ["validation: latency", num(plan, "predicted.validation.latency_s", unit="s")],
+            ["validation: SLO violations", num(plan, "predicted.validation.slo_violations")]]
+    solves = at(plan, "predicted.solves") or []
+    alt = Table(["sizing solve", "status", "MoE cost per batch", "gap"],
+                [[str(s.get("name")), str(s.get("status")), num(plan, f"predicted.solves.{i}.objective", unit="$"),
+                  num(plan, f"predicted.solves.{i}.gap")] for i, s in enumerate(solves)], "Beside the alternatives priced")
+    pred = at(plan, "predicted.predictor_error") or {}
+    err = Table(["load predictor", "mean absolute error (tokens per expert per batch)"],
+                [[k, num(plan, f"predicted.predictor_error.{k}")] for k in sorted(pred)], "Expert-load predictors")
+    return [Table(["figure", "predicted"], rows, "Predicted"), alt, err]
+
+
+def summary_section(plan: dict, tie: float) -> Section:
+    target = plan.get("target")
+    if target in ("torchrun", "kubernetes"):
+        blocks = [torchrun_decisions(plan, tie)] + torchrun_predicted(plan)
+    elif target in ("sglang", "trtllm"):
+        blocks = [engine_decisions(plan)] + engine_predicted(plan)
+    elif target == "offload":
+        blocks = [offload_decisions(plan)] + offload_predicted(plan)
+    elif target == "lambda":
+        blocks = [lambda_decisions(plan)] + lambda_predicted(plan)
+    else:
+        blocks = []
+    return Section("summary", "Summary", [inputs_table(plan)] + blocks)
