@@ -195,19 +195,17 @@ def test_a_transformers_model_with_its_tokenizer_and_api_key(qwen):
     assert simulated(bundle, len(ids), fit)["latency_s"] <= 30 < simulated(bundle, len(ids), fit + 1)["latency_s"]
 
 
-def test_sigterm_stops_the_local_service_with_exit_0(qwen):
-    bundle, _ = qwen
-    server = ServerProcess([MOEPLAN, "serve", str(bundle), "--port", "0"], ready_timeout_s=180)
-    try:
-        assert raw(server, "GET", "/health")[0] == 200
-        server.signal(signal.SIGTERM)
-        assert server.wait(60) == 0
-        assert server.stdout == [f"serving on {server.url}\n"]
-    finally:
-        server.kill()
-
-
 def test_rank_flags_are_refused_for_lambda_bundles(tiny):
     bundle, _ = tiny
     result = CliRunner().invoke(main, ["serve", str(bundle), "--nproc", "2"])
     assert result.exit_code == 2 and "--nproc" in result.output and "Lambda" in result.output
+
+
+def test_sigterm_stops_the_local_service_with_exit_0(tiny):
+    """Last in the file: it stops the module's TinyMoE service, after the requests the other tests
+    sent, rather than starting a service of its own."""
+    _, server = tiny
+    assert raw(server, "GET", "/health")[0] == 200
+    server.signal(signal.SIGTERM)
+    assert server.wait(60) == 0
+    assert server.stdout == [f"serving on {server.url}\n"]
