@@ -1,13 +1,14 @@
 """Write a Lambda bundle: SAM template, state machine, handlers, per-function weights, Dockerfiles, README.
 
-Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers, model/ (the
-config, and the source file of moeplan models) and requirements.txt for the image, one Dockerfile
-per function kind), weights/ (laid out as the S3 keys: weights/dense/slice-NN/ and
-weights/experts/layer-LLL/expert-EEE/, each a weights.safetensors holding only that function's
-tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
+Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers with serving/,
+model/ (the config, the source file of moeplan models, the tokenizer and chat files the front
+reads) and requirements.txt for the image, one Dockerfile per function kind; the front function's
+requirements-front.txt, front.json and request_cost.json: `front.py`), weights/ (laid out as the
+S3 keys: weights/dense/slice-NN/ and weights/experts/layer-LLL/expert-EEE/, each a
+weights.safetensors holding only that function's tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
 
 Functions: one per dense slice (`DenseNN`) and one per expert replica (`ExpertLlllEeeeRr`), each
-with the memory the plan chose. Least privilege: a function's role reads only its own weight
+with the memory the plan chose, and the front (`Front`), which may only start the state machine. Least privilege: a function's role reads only its own weight
 prefix and reads/writes only `intermediates/`; a dense function that routes a direct-method
 layer may also invoke exactly that layer's expert functions. Every value interpolated into the
 YAML goes through the `y` filter (JSON), so names cannot change its structure; the model name

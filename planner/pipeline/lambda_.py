@@ -13,10 +13,13 @@ plan.json body (serverless version 1):
   "units", "segments", "memory_mb", "eta"}], "unit_segments": {dense unit: segment}}
 * `communication`: {"serverless_version": 1, "batch_tokens", "methods": per layer}
 * `predicted`: cost (per batch: MoE layers, dense functions; per request with the partition),
-  latency, throughput, validation batches, predictor errors, solver reports, profile, BO
+  latency, throughput, validation batches, predictor errors, solver reports, profile, BO, and
+  `request_cost`: the spec the request cost model prices one generation from
+  (`passes/optimize/serverless/generation.py`; the front function and `simulate --new-tokens`)
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
-* `deployment`: payload limit and the request rate the README's monthly cost is stated for.
+* `deployment`: payload limit, the request rate the README's monthly cost is stated for, and the
+  HTTP entry (`function-url` or `http-api`).
 * `model.library`: the transformers / tokenizers versions the functions run (Hugging Face models).
 
 Dense units are grouped per decoder block before HyPAD (the functions run the library's model,
