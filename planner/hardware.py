@@ -39,6 +39,9 @@ class HardwareProfile:
     bandwidth_bytes_per_s: dict       # tier -> bytes/s one rank sends
     message_latency_s: dict           # tier -> seconds per message
     sources: dict = field(default_factory=dict, compare=False)
+    # optional: the host CPU computing a missed expert (offloading's host compute, docs/offload.md)
+    host_memory_bytes_per_s: float = 0.0  # weights read by all cores (a decode row is memory-bound)
+    host_flops_per_s: float = 0.0         # float32 matmul, all cores
 
     def collective_latency(self, world: int) -> float:
         """One all_to_all call among `world` ranks: base + per_peer x (world - 1)."""
@@ -72,14 +75,15 @@ def load_hardware(name_or_file: str | None) -> HardwareProfile:
 def profile_from_dict(data, where: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile '{where}' must be a mapping of keys to values")
-    known = {"name", "sources", "bandwidth_bytes_per_s", "message_latency_s", *_SCALARS}
+    known = {"name", "sources", "bandwidth_bytes_per_s", "message_latency_s", *_SCALARS, *_OPTIONAL}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"hardware profile '{where}' has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
-    missing = sorted(known - {"sources"} - set(data))
+    missing = sorted(known - {"sources", *_OPTIONAL} - set(data))
     if missing:
         raise UserError(f"hardware profile '{where}' is missing key(s) {missing}")
     values = {k: _positive(where, k, data[k], zero_ok=k in _MAY_BE_ZERO) for k in _SCALARS}
+    values.update({k: _positive(where, k, data[k], zero_ok=True) for k in _OPTIONAL if k in data})  # 0: not measured
     tiers = {}
     for key in ("bandwidth_bytes_per_s", "message_latency_s"):
         per = data[key]
@@ -90,6 +94,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
 
 
 _MAY_BE_ZERO = ("python_slot_s", "attention_ops_per_sequence")
+_OPTIONAL = ("host_memory_bytes_per_s", "host_flops_per_s")  # `moeplan calibrate` measures them
 
 
 def _positive(where: str, key: str, value, zero_ok: bool = False) -> float:

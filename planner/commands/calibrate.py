@@ -2,7 +2,8 @@
 
 Why: the cost model's CPU predictions are only as good as its constants, and a CPU's matmul rate,
 framework overhead and gloo latency depend on the machine and its load. A short micro-benchmark
-(about a minute): one-thread matmul throughput, a large copy, the runtime engine itself on one
+(about a minute): one-thread matmul throughput, a large copy, the host's rates for computing an
+expert on all cores (host compute on a miss, docs/offload.md), the runtime engine itself on one
 rank (to fit the cost of one of the engine's framework calls, `op_overhead_s`),
 and gloo `all_to_all_single` over loopback at 2 and 4 ranks (small messages for latency, large
 for bandwidth), the same call the runtime makes. The YAML it writes has the keys of
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 import click
 
@@ -25,15 +25,9 @@ LARGE_BYTES = 1 << 21  # per peer
 
 def _best_per_call(fn, reps: int) -> float:
     """Median of `reps` timed calls after two warm-ups (median: robust on a loaded machine)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+    from moeplan.passes.analysis.profile.host_rates import median_seconds
+
+    return median_seconds(fn, reps)
 
 
 def measure_compute() -> dict:
@@ -185,7 +179,10 @@ def measure_gloo(world: int) -> dict:
 
 def calibrate() -> dict:
     """The cpu-gloo profile of this machine, as a YAML-ready dict."""
+    from moeplan.passes.analysis.profile.host_rates import measure_host_experts
+
     compute = measure_compute()
+    host = measure_host_experts()
     gloo = {w: measure_gloo(w) for w in WORLDS}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
@@ -213,6 +210,7 @@ def calibrate() -> dict:
         "collective_latency_per_peer_s": float(f"{per_peer:.4g}"),
         "bandwidth_bytes_per_s": {"same_node": float(f"{bandwidth:.4g}"), "other_node": float(f"{bandwidth:.4g}")},
         "message_latency_s": {"same_node": float(f"{message:.4g}"), "other_node": float(f"{message:.4g}")},
+        **{k: float(f"{v:.4g}") for k, v in host.items()},
         "sources": {
             "flops_per_s": f"{measured}, 256x256x256 float32 matmul, one thread",
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
@@ -225,6 +223,9 @@ def calibrate() -> dict:
             "collective_latency_per_peer_s": f"{measured}, slope between {lo} and {hi} ranks",
             "bandwidth_bytes_per_s": f"{measured}, 2 MiB per peer at {lo} ranks over loopback (both tiers: one machine)",
             "message_latency_s": f"{measured}, 1 KiB minus 8 B per peer at {lo} ranks",
+            "host_memory_bytes_per_s": f"{measured}, all cores: one row through a 2048 x 768 SwiGLU expert (float32, "
+                                       "18 MiB of weights), bytes / time",
+            "host_flops_per_s": f"{measured}, all cores: 256 rows through the same expert, FLOPs / time",
         },
     }
 

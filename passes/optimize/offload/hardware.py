@@ -23,13 +23,25 @@ class Hardware:
     memory_efficiency: float
     layer_overhead_s: float
     copy_latency_s: float
+    host_memory_bytes_per_s: float = 0.0  # host compute on a miss: weights read by the host CPU (0: none)
+    host_flops_per_s: float = 0.0  # the host CPU's matmul throughput
+    host_overhead_s: float = 0.0  # per host-computed expert: activations there and back, launch
+
+    @property
+    def host_compute(self) -> bool:
+        return self.host_memory_bytes_per_s > 0 and self.host_flops_per_s > 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The profile's fields (the host compute ones only when it has them: older plans unchanged)."""
+        out = asdict(self)
+        if not self.host_compute:
+            for k in ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s"):
+                del out[k]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Hardware":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 def profile_names() -> list:
