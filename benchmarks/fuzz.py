@@ -26,7 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import fuzz_cases as F  # noqa: E402
 from moeplan.passes.analysis.trace.format import save_trace  # noqa: E402
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens  # noqa: E402
+from synth_routing import synthesize_routed_tokens  # noqa: E402
 
 FAMILIES = ("trace", "jsonl", "placement", "plan", "config")
 

@@ -95,7 +95,7 @@ def static_batch(bundle: Path, mode: str, prompts: list, new_tokens: int) -> flo
     from runtime.counters import Counters
     from runtime.engine import Engine
     from runtime.exchange import Exchanger
-    from runtime.serve import load_bundle
+    from runtime.bundle_io import load_bundle
 
     _, table, _, model, _ = load_bundle(bundle, 0, 1, torch.device("cpu"), mode)
     best = 0.0

@@ -51,10 +51,6 @@ class HardwareProfile:
         return asdict(self)
 
 
-def builtin_names() -> tuple:
-    return BUILTIN
-
-
 def load_hardware(name_or_file: str | None) -> HardwareProfile:
     """A built-in profile by name, or a YAML file with the same keys (errors name the key)."""
     spec = name_or_file or DEFAULT_HARDWARE

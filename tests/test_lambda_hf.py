@@ -167,7 +167,7 @@ def test_a_model_the_runtime_cannot_cut_is_one_line_exit_2(tmp_path):
     state = st.load_file(str(src / "model.safetensors"))
     st.save_file({k.replace(".attn.", ".mixer."): v for k, v in state.items()}, str(src / "model.safetensors"))
     from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+    from synth_routing import synthesize_routed_tokens
 
     save_trace(synthesize_routed_tokens(tokens=500, layers=3, experts=8, top_k=2, seq_len=32, seed=0), tmp_path / "t.npz")
     code, text = cli("compile", src, "--trace", tmp_path / "t.npz", "--target", "lambda", "--slo", 30,

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.backends.runtime.offload_next_use import fit_next_use
 from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.backends.runtime.offload_prefetch import make_prefetcher

@@ -24,7 +24,7 @@ from hypothesis import given, settings, strategies as st
 
 from moeplan.backends.runtime.expert_cache import ExpertCache, ShardStore
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed

@@ -1,8 +1,8 @@
-"""Exchanges that lower the expected held-out max loads directly (`placement/held_out_repair.py`, issue 15)."""
+"""Exchanges that lower the expected held-out max loads directly (`local_search/held_out_repair.py`, issue 15)."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.held_out_repair import repair_expected_max
+from moeplan.passes.optimize.placement.local_search.held_out_repair import repair_expected_max
 
 
 def expected_max(x, loads, scenarios):

@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
+from moeplan.passes.optimize.placement.local_search.reslot import reslot_search, tighten
 
 
 def layer_value(hosts, counts, G):

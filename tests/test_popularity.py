@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from moeplan.passes.analysis import popularity as pop
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import make_trace
 
 

@@ -226,7 +226,7 @@ def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_th
     from moeplan.passes.optimize.offload.ranks import rank_keys
     from moeplan.passes.optimize.offload.replay import COMPARED, replay_rank_logs
     from moeplan.passes.optimize.offload.stream import stream_from_log
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
 
     root, model, spec = speculative_offload
     out = root / f"out-{mode}"

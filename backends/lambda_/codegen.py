@@ -149,11 +149,12 @@ def check_memory(functions: list, runtime_mb: float) -> None:
 def function_requirements(model: dict) -> str:
     """The image's requirements: what the runtime imports, the model library at the plan's pins."""
     import boto3
+    import numpy
     import safetensors
     import torch
 
     lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
-             f"boto3=={boto3.__version__}"]
+             f"numpy=={numpy.__version__}", f"boto3=={boto3.__version__}"]
     lines += [f"{name}=={version}" for name, version in sorted(model.get("library", {}).items())]
     return "\n".join(lines) + "\n"
 

@@ -22,9 +22,8 @@ counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the r
   per step) = 16 bytes per sequence and other rank;
 * control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts);
 * messages = per rank and call, the number of other ranks it sends at least one row to.
-Replica choice follows the runtime rule exactly (primary: current rank, else first on its node,
-else first listed; secondary: current, else same node, else rotate by the order tokens appear on
-the rank), so with the run's own routing the bytes equal the measured counters.
+Replica choice is the runtime's own rule (`backends/runtime/expert_table.py`, run here as in the
+bundle), so with the run's own routing the bytes equal the measured counters.
 
 Time (per step, then per generated token = sum of steps / generated tokens):
 * compute, per block and rank r: c_r = ops_r x op_overhead + max(flops_r / flops_per_s,
@@ -47,6 +46,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from moeplan.backends.runtime.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
 PHASES = ("dispatch", "combine", "merge", "context")
@@ -225,44 +226,10 @@ class Prediction:
         }
 
 
-class ReplicaTable:
-    """hosts bool [L, E, W] -> the runtime's replica choice (expert_table.py), as plain lists."""
-
-    def __init__(self, hosts: np.ndarray, gpus_per_node: int):
-        self.hosts = [[tuple(int(d) for d in np.flatnonzero(hosts[l, e])) for e in range(hosts.shape[1])]
-                      for l in range(hosts.shape[0])]
-        self.per_node = gpus_per_node
-
-    def primary(self, layer: int, e: int, current: int) -> int:
-        ranks = self.hosts[layer][e]
-        if current in ranks:
-            return current
-        node = current // self.per_node
-        return next((r for r in ranks if r // self.per_node == node and current >= 0), ranks[0])
-
-    def choose(self, layer: int, ids: list, current: list) -> list:
-        """Destination ranks [n][k] for tokens on one rank, in the order the rank holds them."""
-        turns: dict = {}
-        out = []
-        for experts, cur in zip(ids, current):
-            row = [self.primary(layer, experts[0], cur if layer > 0 else -1)]
-            for e in experts[1:]:
-                ranks = self.hosts[layer][e]
-                if cur in ranks:
-                    row.append(cur)
-                    continue
-                pool = [r for r in ranks if r // self.per_node == cur // self.per_node] or list(ranks)
-                turn = turns.get(e, 0)
-                turns[e] = turn + 1
-                row.append(pool[turn % len(pool)])
-            out.append(row)
-        return out
-
-
 class _Counter:
     """Accumulates one exchange call's rows per (source, destination) into counters and time."""
 
-    def __init__(self, pred: Prediction, table: ReplicaTable, profile, world: int):
+    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int):
         self.pred, self.table, self.profile, self.world = pred, table, profile, world
 
     def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
@@ -284,7 +251,7 @@ class _Counter:
             entry["messages"] += msgs
             entry["control_bytes"] += ctrl_b
             entry["control_messages"] += ctrl_m
-        node = np.arange(W) // self.table.per_node
+        node = self.table.node_of
         same = node[:, None] == node[None, :]
         self.pred.tiers["same_node"] += int(off[same].sum()) * row_bytes
         self.pred.tiers["other_node"] += int(off[~same].sum()) * row_bytes
@@ -315,7 +282,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     if mode not in (COHERENT, STANDARD):
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = hosts.shape[2]
-    table = ReplicaTable(hosts, gpus_per_node)
+    table = ExpertTable(hosts, gpus_per_node)
     pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
                       layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)
                                for p in PHASES} for _ in range(shape.num_blocks)],
@@ -365,12 +332,12 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             rows_compute = np.zeros(W)
             experts_called = [set() for _ in range(W)]
             if current is None:  # coherent first MoE layer: replicated tokens, merge only
-                ids = [list(routing[t][moe]) for t in keys]
-                first = [table.primary(moe, e[0], -1) for e in ids]
+                ids = _slot_ids(routing, keys, moe, shape.top_k)
+                first = table.primary(moe, ids[:, 0], np.full(len(keys), -1))
                 dest = table.choose(moe, ids, first)
                 merge = np.zeros((W, W), dtype=np.int64)
-                for e, d in zip(ids, dest):
-                    for slot, (ex, r) in enumerate(zip(e, d)):
+                for e, d in zip(ids.tolist(), dest.tolist()):
+                    for ex, r in zip(e, d):
                         rows_compute[r] += 1
                         experts_called[r].add(ex)
                     for r in set(d) - {d[0]}:
@@ -379,17 +346,17 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                     compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(keys) * shape.top_k)
                 step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
                 step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
-                current = {t: d[0] for t, d in zip(keys, dest)}
+                current = {t: int(d) for t, d in zip(keys, dest[:, 0])}
                 continue
             dispatch = np.zeros((W, W), dtype=np.int64)
             merge = np.zeros((W, W), dtype=np.int64)
             new_current = {}
             for r in range(W):
                 mine = holders[r]
-                ids = [list(routing[t][moe]) for t in mine]
-                dest = table.choose(moe, ids, [r] * len(mine))
+                ids = _slot_ids(routing, mine, moe, shape.top_k)
+                dest = table.choose(moe, ids, np.full(len(mine), r))
                 compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(mine) * shape.top_k)
-                for t, e, d in zip(mine, ids, dest):
+                for t, e, d in zip(mine, ids.tolist(), dest.tolist()):
                     for ex, dr in zip(e, d):
                         rows_compute[dr] += 1
                         experts_called[dr].add(ex)
@@ -418,6 +385,13 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             step_time += _add(pred, counter.exchange(new, 16, None, "token_sync"), comm=True)
         pred.step_seconds.append(step_time)
     return pred
+
+
+def _slot_ids(routing: dict, tokens: list, moe: int, top_k: int) -> np.ndarray:
+    """int64 [n, k]: the expert ids of `tokens` at MoE layer `moe`, heaviest first."""
+    if not tokens:
+        return np.zeros((0, top_k), dtype=np.int64)
+    return np.array([routing[t][moe] for t in tokens], dtype=np.int64)
 
 
 def _add(pred: Prediction, seconds: float, comm: bool = False) -> float:

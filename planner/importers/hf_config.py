@@ -10,6 +10,7 @@ A multimodal config is planned as its text model, with a note on what is left ou
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -19,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from moeplan.planner.errors import UserError  # noqa: E402
-from moeplan.planner.importers import LoadedModel  # noqa: E402
+from moeplan.planner.importers.checkpoint import load_state_into  # noqa: E402
+from moeplan.planner.importers.loaded import LoadedModel  # noqa: E402
 from moeplan.planner.importers.quantization import FLOAT8_DTYPES, checkpoint_storage  # noqa: E402
 from moeplan.planner.importers.torch_module import import_module  # noqa: E402
 
@@ -141,8 +143,6 @@ def _auto_class(config):
 
 def _skip_weight_init():
     """Meta tensors have no values to initialise; skipping the init calls saves ~0.3 s at 671B."""
-    import contextlib
-
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # an older or newer transformers without it: initialise, only slower
@@ -243,8 +243,6 @@ def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]
         except Exception as exc:
             raise UserError(f"cannot load the weights in {directory}: {_one_line(exc)}") from None
     else:
-        from moeplan.planner.importers.checkpoint import load_state_into
-
         module = build_model(config, dtype, meta=False)
         for path in weights:
             load_state_into(module, path, strict=len(weights) == 1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moeplan.planner.importers.onnx_gating import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
+from moeplan.planner.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
 
 
 def _argmax_ancestors(index: GraphIndex, name: str, stop) -> set:

@@ -113,7 +113,7 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
     `context`: the run's context choice (`serve --context`)."""
     import torch
 
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
 
     plan = json.loads((root / "plan.json").read_text())
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
@@ -188,7 +188,7 @@ def placement_or_auto(facts):
     options = facts["placement_options"]
     if options.get("policy") != "auto":
         return place_passes._placement(facts)
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest
 
     topo = facts["topology"]

@@ -67,7 +67,7 @@ def node_units(model, units) -> dict:
 
 
 def measure_onnx(onnx_path: str, ir, units, tokens_grid, threads) -> list:
-    """Rows like `profile.measure`, from onnxruntime's per-node kernel times."""
+    """Rows like `operators.measure`, from onnxruntime's per-node kernel times."""
     import onnx
     import onnxruntime as ort
 

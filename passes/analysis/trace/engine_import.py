@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 from moeplan.passes.analysis.trace.format import Trace
+from moeplan.passes.analysis.trace.sglang_dump import import_sglang_dump
+from moeplan.passes.analysis.trace.trtllm_stats import import_trtllm_stats, read_assignments
+from moeplan.passes.analysis.trace.vllm_jsonl import import_routing_log
 from moeplan.planner.errors import UserError
 
 FORMATS = ("auto", "sglang", "trtllm", "vllm-jsonl")
@@ -49,14 +52,8 @@ def import_engine_trace(path: str | os.PathLike, fmt: str = "auto", num_experts:
     if trtllm_assignments is not None and fmt != "trtllm":
         raise UserError("--trtllm-assignments applies to TensorRT-LLM statistics only (--format trtllm)")
     if fmt == "sglang":
-        from moeplan.passes.analysis.trace.sglang_dump import import_sglang_dump
-
         return import_sglang_dump(path, num_experts=num_experts, top_k=top_k)
     if fmt == "trtllm":
-        from moeplan.passes.analysis.trace.trtllm_stats import import_trtllm_stats, read_assignments
-
         assignments = read_assignments(trtllm_assignments) if trtllm_assignments is not None else None
         return import_trtllm_stats(path, num_experts=num_experts, assignments=assignments)
-    from moeplan.passes.analysis.trace.vllm_jsonl import import_routing_log
-
     return import_routing_log(path, num_experts=num_experts)

@@ -32,7 +32,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.passes.analysis.trace.format import Trace, make_trace
+from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 from moeplan.passes.analysis.trace.speculate import DEFAULT_SOURCE, Speculator, find_spec_layers
 from moeplan.planner.errors import UserError
 
@@ -193,23 +196,6 @@ def find_hook_points(module) -> HookPoints:
 # Running one batch
 
 
-def _heaviest_first(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder each row's choices by weight, descending; ties keep the router's order."""
-    order = np.argsort(-weights, axis=-1, kind="stable")
-    return np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
-
-
-def attention_argmax_ids(probs: np.ndarray, input_ids: np.ndarray) -> np.ndarray:
-    """[B, S] vocabulary ids of the key each query attends to most (probs summed over heads).
-
-    Masked (non-attended) keys have probability 0, so the argmax is always among attended ones;
-    ties go to the earliest position.
-    """
-    summed = probs.sum(axis=1)  # [B, S_q, S_k]
-    best = summed.argmax(axis=-1)  # [B, S_q]
-    return np.take_along_axis(input_ids, best, axis=1)
-
-
 class _Recorder:
     """Forward hooks that log routing and attention events in the order they fire."""
 
@@ -264,7 +250,7 @@ def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray, speculat
             last_attention = value
             continue
         ids, w = value
-        ids, w = _heaviest_first(ids.reshape(B * S, -1), w.reshape(B * S, -1))
+        ids, w = heaviest_first(ids.reshape(B * S, -1), w.reshape(B * S, -1))
         experts.append(ids)
         weights.append(w)
         if last_attention is None:
@@ -416,12 +402,10 @@ def _batch_runner(loaded, speculate: int = 0, speculate_from: str = DEFAULT_SOUR
         if speculate:
             raise UserError("--speculate runs the model's own router modules, which an ONNX graph does not expose; "
                             "record the trace from the torch model or Hugging Face directory, or drop --speculate")
-        from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 
         def run_onnx(input_ids):
-            out = record_onnx_routing(loaded.onnx_path, input_ids)
-            ids, w = _heaviest_first(np.asarray(out["experts"], dtype=np.int64),
-                                     np.asarray(out["weights"], dtype=np.float32))
+            out = record_onnx_routing(loaded.onnx_path, input_ids)  # heaviest first already
+            ids, w = np.asarray(out["experts"], dtype=np.int64), np.asarray(out["weights"], dtype=np.float32)
             attention_ids = out.get("attention_ids")
             return ids, w, None if attention_ids is None else np.asarray(attention_ids), None
         return run_onnx

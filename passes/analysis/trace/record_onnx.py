@@ -12,7 +12,7 @@ the file is untouched) gets extra outputs, and one run returns them beside the l
   is exposed and the op's routing is applied to it (softmax, top-k, optional renormalisation, as
   the op's `normalize_routing_weights` says; ties go to the lower expert id).
 * Attention: the probabilities of the last attention Softmax before each gate, summed over heads;
-  `attention_ids` is the id of the token most attended to (see `trace.attention_argmax_ids`).
+  `attention_ids` is the id of the token most attended to (see `attention_ids.py`).
 
 Sessions are deterministic (one thread, sequential execution, basic graph optimizations only) and
 kept per file, so tracing many batches builds the session once.
@@ -26,7 +26,11 @@ from typing import Optional
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.planner.errors import UserError
+from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
+from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
 _CACHE_SIZE = 2
 _sessions: dict = {}
@@ -68,9 +72,6 @@ def _attention_before(gates, softmaxes, position) -> Optional[tuple]:
 def _build(path: Path):
     import onnx
     import onnxruntime as ort
-
-    from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
-    from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
     load_onnx_model(path)  # one-line errors for unreadable files, before the full load
     model = onnx.load(str(path))
@@ -149,8 +150,6 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
     Returns `experts` int64 [B*S, L, K] (heaviest first), `weights` float32 [B*S, L, K] and
     `attention_ids` int64 [B*S, L] (None when the graph shows no attention before every gate).
     """
-    from moeplan.passes.analysis.trace.record import attention_argmax_ids
-
     path = Path(os.fspath(onnx_path))
     if not path.is_file():
         raise UserError(f"ONNX model {path} not found; check the path")
@@ -181,9 +180,9 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
                 w = out[gate.weights].reshape(-1, gate.top_k)
         if ids.shape[0] != tokens:
             raise UserError(f"{path}: MoE layer {layer} routed {ids.shape[0]} tokens, expected {tokens} (batch x sequence)")
-        order = np.argsort(-w, axis=-1, kind="stable")
-        experts.append(np.take_along_axis(ids.astype(np.int64), order, -1))
-        weights.append(np.take_along_axis(w.astype(np.float32), order, -1))
+        ids, w = heaviest_first(ids.astype(np.int64), w.astype(np.float32))
+        experts.append(ids)
+        weights.append(w)
     attention_ids = None
     if plan.attention is not None:
         attention_ids = np.stack(

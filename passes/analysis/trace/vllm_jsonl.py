@@ -26,6 +26,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import INT32_MAX, VALUE_BOUNDS, Trace, make_trace
 from moeplan.planner.errors import UserError
 
@@ -127,9 +128,7 @@ class _LogParser:
             if weights is not None:
                 weights[t, l] = probs
         if weights is not None:
-            order = np.argsort(-weights, axis=-1, kind="stable")
-            experts = np.take_along_axis(experts, order, -1)
-            weights = np.take_along_axis(weights, order, -1)
+            experts, weights = heaviest_first(experts, weights)
         token_arr = np.asarray(tokens, dtype=np.int64).reshape(T, 2)
         try:
             return make_trace(experts, weights, num_experts=num_experts,

@@ -44,10 +44,6 @@ class Hardware:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def profile_names() -> list:
-    return sorted(yaml.safe_load(PROFILES.read_text())["profiles"])
-
-
 def load_hardware(name: str = DEFAULT) -> Hardware:
     """The named profile, or a UserError listing the known names."""
     profiles = yaml.safe_load(PROFILES.read_text())["profiles"]

@@ -1,6 +1,6 @@
 """One layer pair's placement without replicas, solved as a compact MILP: a bound and its limit.
 
-Why: the reported bound (`bound.py`) is a sum over layer pairs of LP relaxations. Solving each
+Why: the reported bound (`passes/optimize/placement/bounds/pairwise.py`) is a sum over layer pairs of LP relaxations. Solving each
 pair's own placement problem exactly (GPU-indexed binaries, branch and bound) gives the strongest
 bound any pair-by-pair argument can give, and the pair's best placement found caps it: the sum
 over pairs of those best values is an upper limit on every bound that treats the pairs one at a
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.milp import Rows, solve_milp
-from moeplan.passes.optimize.placement.joint import assignment_rows
+from moeplan.passes.optimize.placement.local_search.joint import assignment_rows
 
 
 def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float, cap_to: float,
