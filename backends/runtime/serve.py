@@ -22,6 +22,7 @@ from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
 from .expert_table import ExpertTable
+from .text_codec import prompt_lines
 
 
 def parse_args(argv=None):
@@ -65,8 +66,7 @@ def main(argv=None) -> int:
             table = ExpertTable.from_placement(read_json(root, "placement.json"))
             modes = (args.mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
             model, codec = build_rank_model(root, plan, rank, table, device)
-            with open(args.prompts, encoding="utf-8") as fh:
-                prompts = [codec.encode(line.rstrip("\n")) for line in fh if line.strip()]
+            prompts = [codec.encode(line) for line in prompt_lines(Path(args.prompts).read_text(encoding="utf-8"))]
             out = Path(args.out) / root.name if len(roots) > 1 else Path(args.out)
             loaded.append((model, codec, table, modes, prompts, out))
     except (BundleError, ValueError, OSError) as exc:
