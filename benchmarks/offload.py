@@ -69,14 +69,15 @@ def trace_of(model: Path, name: str, corpus: str, tokens: int) -> Path:
 
 
 def switch_large_timing():
-    from moeplan.passes.optimize.offload.hardware import load_hardware
     from moeplan.passes.optimize.offload.simulate import Timing
+    from moeplan.planner.hardware import load_hardware
 
     hw = load_hardware("a5000-pcie4")
-    bw = hw.gpu_memory_bandwidth * hw.memory_efficiency
+    bw = hw.memory_bytes_per_s * hw.memory_efficiency
     b = SWITCH_LARGE["expert_bytes"]
     return hw, Timing(layer_s=hw.layer_overhead_s + SWITCH_LARGE["dense_bytes_per_layer"] / bw, expert_compute_s=b / bw,
-                      pcie_copy_s=hw.copy_latency_s + b / hw.pcie_bandwidth, nvme_copy_s=b / hw.nvme_bandwidth, expert_bytes=b)
+                      pcie_copy_s=hw.copy_latency_s + b / hw.host_to_device_bytes_per_s,
+                      nvme_copy_s=b / hw.disk_read_bytes_per_s, expert_bytes=b)
 
 
 def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw) -> dict:

@@ -110,7 +110,8 @@ def test_builtin_profiles_load_and_name_their_sources():
     for name in BUILTIN:
         p = load_hardware(name)
         assert p.name == name and p.flops_per_s > 0
-        assert p.bandwidth_bytes_per_s["same_node"] >= p.bandwidth_bytes_per_s["other_node"]
+        other = p.bandwidth_bytes_per_s["other_node"]  # None: a one-machine profile (tests/test_hardware.py)
+        assert other is None or p.bandwidth_bytes_per_s["same_node"] >= other
         assert {"flops_per_s", "bandwidth_bytes_per_s", "op_overhead_s"} <= set(p.sources)
 
 

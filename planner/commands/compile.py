@@ -43,7 +43,8 @@ def pipeline_inputs(model, trace_path, target, nodes, gpus_per_node, mode, image
     return {"model_spec": str(model), "trace_path": str(trace_path), "out": str(out) if out is not None else None,
             "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": placement,
             "mode": mode, "target": spec, "serverless_options": serverless, "progress": say,
-            "cost_options": default_cost_options(cost), "offload_options": offload}
+            "cost_options": default_cost_options(cost, nodes if target in ("torchrun", "kubernetes") else None),
+            "offload_options": offload}
 
 
 def summary_of(plan, out, timings, manifest=None) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from moeplan.planner import cli_types as T
+from moeplan.planner.hardware import hardware_names
 
 PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_balance", "expert_groups", "solver", "effort",
                    "time_limit")
@@ -77,8 +78,9 @@ def cost_options(f):
                      help="torchrun/kubernetes: expert-parallel mode the bundle runs by default; auto: the faster by the "
                           "cost model's predicted time"),
         click.option("--hardware", default=None,
-                     help="hardware profile the cost model prices the plan for: cpu-gloo (default), h100-sxm, h200-sxm, "
-                          "a100-sxm, or a YAML file written by 'moeplan calibrate'"),
+                     help=f"hardware profile every prediction of the plan is priced with (cost model, expert caches, "
+                          f"offloading): {hardware_names()}, or a YAML file (e.g. written by 'moeplan calibrate "
+                          f"--out FILE'); default cpu-gloo, offload: rtx4090-pcie4"),
         click.option("--workload", default=None, help="requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)"),
     ], f)
 

@@ -32,8 +32,8 @@ PREFETCHES = ("none", "moeplan", "moe-infinity")
 
 
 def offload_options(f):
-    """The options only `--target offload` reads (it shares --hardware with the cost model's options:
-    offload profiles are passes/optimize/offload/hardware.yaml, default rtx4090-pcie4)."""
+    """The options only `--target offload` reads (--hardware is the cost model's option: one profile
+    system, planner/hardware.py; the offload target's default profile is rtx4090-pcie4)."""
     options = [
         click.option("--gpu-memory", default=None, help="offload: GPU memory for the model, bytes or e.g. 24GiB"),
         click.option("--expert-cache", type=int, default=None, help="offload: expert cache entries ((layer, expert) pairs) instead of --gpu-memory"),

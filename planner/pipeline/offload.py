@@ -23,12 +23,13 @@ def routed_trace_matches_model(facts) -> None:
 
 
 def _plan(facts):
-    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
     from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
 
     o, loaded = facts["offload_options"], facts["model"]
     ir = loaded.ir
-    hw = load_hardware(o["hardware"] or DEFAULT)
+    given = load_profile(o["hardware"], DEFAULT_OFFLOAD_HARDWARE)
+    hw = given.profile
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     req = OffloadRequest(hardware=hw, gpu_memory_bytes=o["gpu_memory_bytes"], expert_cache=o["expert_cache"],
                          batch=o["batch"], max_length=o["max_length"], prompt_tokens=o["prompt_tokens"],
@@ -39,7 +40,7 @@ def _plan(facts):
               "expert_cache": o["expert_cache"], "hardware": hw.name, "batch": o["batch"], "max_length": o["max_length"],
               **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
-              **body["inputs_extra"]}
+              **body["inputs_extra"], **hardware_provenance(given)}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
                 topology={"kind": "single_gpu", "nodes": 1, "gpus_per_node": 1, "hardware": hw.name},
                 placement=body["placement"], communication=body["communication"], predicted=body["predicted"],
@@ -63,11 +64,22 @@ RUNTIME_POLICY_FILES = {  # bundle path: the simulator's module it is a copy of
 }
 
 
-def _offload_request(o: dict):
-    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
-    from moeplan.passes.optimize.offload.plan import OffloadRequest
+def hardware_provenance(given) -> dict:
+    """{"hardware_profile": where the profile came from} for a profile that is not built in (a file, or
+    this machine's calibration: file hash, calibration date and machine), else nothing, so plans made
+    with a built-in profile stay as they were; a built-in is named by its name."""
+    if given.origin == "built-in":
+        return {}
+    return {"hardware_profile": given.provenance()}
 
-    return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
+
+def _offload_request(o: dict, hardware: str):
+    """The expert-cache request of a torchrun/Kubernetes plan, priced on the plan's own profile
+    (`hardware`: --hardware, the same profile as the cost model's)."""
+    from moeplan.passes.optimize.offload.plan import OffloadRequest
+    from moeplan.planner.hardware import load_hardware
+
+    return OffloadRequest(hardware=load_hardware(hardware), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
                           prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"],
                           host_memory_bytes=o.get("host_memory_bytes"))
@@ -85,7 +97,10 @@ def _expert_cache(facts):
     require_routing(facts["trace"], "an expert cache (per-token expert requests)")
     loaded = facts["model"]
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
-    body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
+    from moeplan.planner.pipeline.cost import default_cost_options
+
+    hardware = default_cost_options(facts.get("cost_options"))["hardware"]
+    body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o, hardware),
                             kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"),
                             prefetch=o.get("prefetch"), ranks_per_node=facts["placement"].topology.gpus_per_node)
     return {"expert_cache": body}
@@ -117,7 +132,7 @@ def runtime_policy_files() -> dict:
             for dest, module in RUNTIME_POLICY_FILES.items()}
 
 
-EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options"), ("expert_cache",),
+EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options", "cost_options"), ("expert_cache",),
                     _expert_cache)
 
 
