@@ -135,6 +135,26 @@ class LoadedProfile:
             out["calibration"] = self.profile.calibration
         return out
 
+    def plan_record(self, figures: bool) -> dict:
+        """What a plan keeps of where its profile came from: {"hardware_profile": provenance (and,
+        with `figures`, every figure, so a later run prices with them wherever the file is)} for a
+        file or this machine's calibration; nothing for a built-in profile, which its name identifies
+        (so plans made with one stay byte for byte as they were)."""
+        if self.origin == "built-in":
+            return {}
+        record = self.provenance()
+        if figures:
+            record["figures"] = {k: v for k, v in self.profile.to_dict().items() if k not in ("sources", "calibration")}
+        return {"hardware_profile": record}
+
+
+def profile_of_record(record: dict | None, name: str | None) -> HardwareProfile:
+    """The profile a plan was priced with: its recorded figures (`plan_record(figures=True)`), else
+    the built-in profile of its name, else the default."""
+    if record is not None and "figures" in record:
+        return profile_from_dict({**record["figures"], "calibration": record.get("calibration")}, "plan.json")
+    return load_hardware(name if name in BUILTIN else DEFAULT_HARDWARE)
+
 
 def load_hardware(name_or_file: str | None, default: str = DEFAULT_HARDWARE) -> HardwareProfile:
     """A built-in profile by name, this machine's calibration, or a YAML file (errors name the key)."""

@@ -104,7 +104,6 @@ def _ir(plan: dict):
 def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None) -> dict:
     """What compile records under plan.json `predicted.cost` and the mode the bundle runs."""
     from moeplan.passes.optimize.by_predicted_time import choose_mode, predict_modes
-    from moeplan.planner.pipeline.offload import hardware_provenance
 
     given = cost_profile(cost_options, placement.topology.nodes)
     profile = given.profile
@@ -117,7 +116,7 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
                 "mode": chosen, "modes": preds, "context": context or [],
                 "alternatives": placement.metrics.get("auto_predictions", []),
-                **recorded_profile(given, hardware_provenance)},
+                **given.plan_record(figures=True)},
     }
 
 
@@ -153,39 +152,28 @@ def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: l
     return placement
 
 
-def recorded_profile(given, provenance) -> dict:
-    """What plan.json `predicted.cost` keeps of a profile that is not built in: where it came from
-    (file hash, calibration date and machine) and its figures, so `moeplan run` prices the run with
-    the very figures the plan was made with, on any machine. Nothing for a built-in profile."""
-    out = provenance(given)
-    if out:
-        figures = {k: v for k, v in given.profile.to_dict().items() if k not in ("sources", "calibration")}
-        out["hardware_profile"]["figures"] = figures
-    return out
-
-
 def plan_profile(cost: dict):
-    """The HardwareProfile a plan's `predicted.cost` was priced with: its recorded figures, else the
-    built-in profile of that name (the default profile for a plan that names none we know)."""
-    from moeplan.planner.hardware import BUILTIN, DEFAULT_HARDWARE, load_hardware, profile_from_dict
+    """The HardwareProfile a plan's `predicted.cost` was priced with (planner/hardware.py)."""
+    from moeplan.planner.hardware import profile_of_record
 
-    recorded = cost.get("hardware_profile")
-    if recorded is not None:
-        return profile_from_dict({**recorded["figures"], "calibration": recorded.get("calibration")}, "plan.json")
-    name = cost.get("hardware", DEFAULT_HARDWARE)
-    return load_hardware(name if name in BUILTIN else DEFAULT_HARDWARE)
+    return profile_of_record(cost.get("hardware_profile"), cost.get("hardware"))
 
 
-def profile_label(cost: dict) -> str:
-    """The profile as a person reads it: 'cpu-gloo', or 'cpu-gloo (this-machine, calibrated DATE on KEY)'."""
+def profile_label(cost: dict, detail: bool = False) -> str:
+    """The profile as a person reads it: 'cpu-gloo', or 'cpu-gloo (this-machine, calibrated DATE)';
+    `detail` adds the machine key and the file's hash."""
     recorded = cost.get("hardware_profile")
     if recorded is None:
         return cost.get("hardware", "?")
     calibration = recorded.get("calibration") or {}
     where = recorded["given"]
     if calibration:
-        where += f", calibrated {calibration.get('date', '?')} on {calibration.get('machine_key', '?')}"
-    return f"{cost.get('hardware', '?')} ({where}, sha256 {recorded['sha256'][:12]})"
+        where += f", calibrated {calibration.get('date', '?')}"
+        if detail:
+            where += f" on {calibration.get('machine_key', '?')}"
+    if detail:
+        where += f", sha256 {recorded['sha256'][:12]}"
+    return f"{cost.get('hardware', '?')} ({where})"
 
 
 def describe_choice(plan: dict) -> str:
@@ -196,7 +184,7 @@ def describe_choice(plan: dict) -> str:
     note = (" (the default; pass --hardware for the machine the bundle will run on)"
             if cost["hardware"] == "cpu-gloo" and "hardware_profile" not in cost else "")
     return (f"placement {plan['placement'].get('policy')}, mode {cost['mode']} (requested {cost['mode_requested']}); "
-            f"predicted {modes}; hardware profile {profile_label(cost)}{note}")
+            f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}")
 
 
 def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, summary: dict,

@@ -40,7 +40,7 @@ def _plan(facts):
               "expert_cache": o["expert_cache"], "hardware": hw.name, "batch": o["batch"], "max_length": o["max_length"],
               **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
-              **body["inputs_extra"], **hardware_provenance(given)}
+              **body["inputs_extra"], **given.plan_record(figures=False)}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
                 topology={"kind": "single_gpu", "nodes": 1, "gpus_per_node": 1, "hardware": hw.name},
                 placement=body["placement"], communication=body["communication"], predicted=body["predicted"],
@@ -62,15 +62,6 @@ RUNTIME_POLICY_FILES = {  # bundle path: the simulator's module it is a copy of
     "runtime/offload_prefetch.py": "moeplan.passes.optimize.offload.prefetch",
     "runtime/offload_eam_match.py": "moeplan.passes.analysis.eam_match",
 }
-
-
-def hardware_provenance(given) -> dict:
-    """{"hardware_profile": where the profile came from} for a profile that is not built in (a file, or
-    this machine's calibration: file hash, calibration date and machine), else nothing, so plans made
-    with a built-in profile stay as they were; a built-in is named by its name."""
-    if given.origin == "built-in":
-        return {}
-    return {"hardware_profile": given.provenance()}
 
 
 def _offload_request(o: dict, hardware: str):
