@@ -194,6 +194,10 @@ def test_the_plan_records_the_calibration_and_run_prices_with_its_figures(trace,
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "elsewhere"))  # the calibration is not here any more
     assert plan_profile(cost).op_overhead_s == 1.234e-5
     assert "calibrated 2026-01-02T03:04:05+00:00" in profile_label(cost)
+    # the report says which calibration priced the plan
+    assert run(["report", tmp_path / "a.json", "--out", tmp_path / "a.html"])[0] == 0
+    page = (tmp_path / "a.html").read_text()
+    assert "2026-01-02T03:04:05+00:00" in page and hardware.machine_key() in page and recorded["sha256"] in page
     # a built-in profile: nothing recorded beyond its name (plans made with it are as before)
     assert run([*args[:-2], "cpu-gloo", "--quiet", "--out", tmp_path / "c.json"])[0] == 0
     assert "hardware_profile" not in json.loads((tmp_path / "c.json").read_text())["predicted"]["cost"]
