@@ -84,3 +84,29 @@ def test_a_calibration_yaml_round_trips_with_its_date_as_text():
     again = yaml.safe_load(yaml.safe_dump(data, sort_keys=False))
     assert again["calibration"]["date"] == "2026-01-02T03:04:05+00:00"
     assert profile_from_dict(again, "x").calibration == {"date": "2026-01-02T03:04:05+00:00"}
+
+
+def test_the_engine_runs_at_two_ranks_and_the_exchange_latency_fits_it(tmp_path):
+    """The multi-rank engine run of the calibration: every token of the workload routed, and the
+    fitted latency makes the cost model predict that run."""
+    import torch
+
+    from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
+    from moeplan.planner.importers import load_model
+
+    torch.manual_seed(0)
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "qwen3_moe"
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**C.ENGINE_QWEN3)).save_pretrained(directory)
+    runs = C.measure_engine_ranks(directory, 2, runs=1)
+    requests, length, new = C.ENGINE_WORKLOAD
+    assert len(runs["routing"]) == requests * (length + new - 1)  # every prompt and decode token, once
+    assert runs["hosts"].shape == (6, 16, 2) and runs["hosts"].sum(axis=2).min() == 1
+    partial = {k: v for k, v in load_hardware("cpu-gloo").to_dict().items() if k != "sources"}
+    latency = C.fit_collective_latency(partial, directory, runs)
+    assert finite_positive(latency)
+    if latency > 1e-7:  # not clamped: the model now predicts the measured run
+        profile = profile_from_dict(dict(partial, collective_latency_base_s=latency, collective_latency_per_peer_s=1e-12), "x")
+        shape = ModelShape.from_ir(load_model(str(directory)).ir)
+        pred = predict(runs["hosts"], 2, shape, "standard", Workload((length,) * requests, new), runs["routing"], profile)
+        assert sum(pred.step_seconds) == pytest.approx(runs["seconds"], rel=1e-6)

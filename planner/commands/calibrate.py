@@ -1,14 +1,17 @@
 """`moeplan calibrate [--out FILE]`: measure this machine into a cpu-gloo hardware profile.
 
 Why: the cost model's CPU predictions are only as good as its constants, and a CPU's matmul rate,
-framework overhead and gloo latency depend on the machine and its load. A short micro-benchmark
-(about a minute): one-thread matmul throughput, a large copy, the runtime's own replica choice
-(`ExpertTable.choose`), expert reads as the runtime's stores do them, the runtime engine itself on
-one rank (to fit the cost of one of the engine's framework calls, `op_overhead_s`), and gloo
-`all_to_all_single` over loopback at 2 and 4 ranks (small messages for latency, large for
-bandwidth), the same call the runtime makes. The YAML it writes has every key of
+framework overhead and gloo latency depend on the machine and its load. About three minutes:
+one-thread matmul throughput, a large copy, the runtime's own replica choice (`ExpertTable.choose`),
+expert reads as the runtime's stores do them, gloo `all_to_all_single` over loopback at 2 and 4
+ranks (message latency and bandwidth), and the runtime engine itself: on one rank, to fit the cost
+of one of its framework calls (`op_overhead_s`), then at 2 and 4 ranks (processes over gloo,
+standard mode), to fit the latency of one exchange call as the engine meets it. That latency is
+not the micro-benchmark's: between calls the ranks compute, drift out of step and share the cores
+(4 ranks on 2 here), so each call waits for the slowest; fitted on the micro-benchmark alone, the
+demo's multi-rank runs were predicted 25-70 % fast. The YAML it writes has every key of
 `planner/hardware_data/*.yaml`, each with its source, and a `calibration` block (date, machine,
-machine key) that plans record.
+machine key, load average) that plans record.
 
 Without `--out` the profile is this machine's cached calibration
 (`$XDG_CACHE_HOME/moeplan/hardware/cpu-gloo-<machine key>.yaml`, the key naming the CPU model,
@@ -142,9 +145,11 @@ def _engine_model(scratch, model_dir):
     return model, lambda: build_transformers(directory, device="cpu"), "transformers", directory
 
 
-def _one_rank_engine(model, fresh, kind: str, mode: str):
-    """An Engine of one rank holding every expert, over `fresh` loaded with `model`'s weights, as a
-    bundle's rank builds it."""
+def _rank_engine(model, fresh, kind: str, mode: str, rank: int = 0, world: int = 1):
+    """Rank `rank` of `world`'s Engine (contiguous placement: expert e on rank e * world // E), over
+    `fresh` loaded with `model`'s weights, as a bundle's rank builds it; (engine, hosts bool [L, E, W])."""
+    import numpy as np
+
     import torch
 
     from moeplan.backends.runtime.counters import Counters
@@ -158,16 +163,38 @@ def _one_rank_engine(model, fresh, kind: str, mode: str):
     containers = find_containers(layers, prefix)
     weights = split_expert_state({k: v.detach() for k, v in model.state_dict().items()}, containers)
     E = containers[0].num_experts
-    table = ExpertTable.from_placement({"topology": {"nodes": 1, "gpus_per_node": 1},
-                                        "layers": [{"layer": c.moe, "devices": [list(range(E))]} for c in containers]})
+    devices = [[e for e in range(E) if e * world // E == d] for d in range(world)]
+    table = ExpertTable.from_placement({"topology": {"nodes": 1, "gpus_per_node": world},
+                                        "layers": [{"layer": c.moe, "devices": devices} for c in containers]})
+    hosts = np.zeros((len(containers), E, world), dtype=bool)
+    for d, experts in enumerate(devices):
+        hosts[:, experts, d] = True
     config = model.config
     top_k = int(config.top_k) if kind == "tiny_moe" else transformers_top_k(config)
     max_positions = int(getattr(config, "max_positions", None) or getattr(config, "max_position_embeddings"))
-    rank_model = RankModel(fresh, kind, None, {c.moe: list(range(E)) for c in containers}, weights, max_positions)
+    rank_model = RankModel(fresh, kind, None, {c.moe: devices[rank] for c in containers}, weights, max_positions)
     rank_model.top_k = top_k
     counters = Counters(rank_model.num_layers)
-    return Engine(rank_model, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode,
-                  torch.device("cpu"), top_k)
+    engine = Engine(rank_model, table, Exchanger(rank, world, counters, torch.device("cpu")), counters, rank, world, mode,
+                    torch.device("cpu"), top_k)
+    return engine, hosts
+
+
+def _routing(traces: list, max_len: int, layers: int) -> dict:
+    """{(seq, pos): int [L, k]} from the engine traces of every rank ((layer, keys, ids, weights) rows)."""
+    import numpy as np
+
+    experts = {}
+    for trace in traces:
+        for layer, keys, ids, _ in trace:
+            for k, row in zip(keys.tolist(), ids.tolist()):
+                experts.setdefault((k // max_len, k % max_len), [None] * layers)[layer] = row
+    return {t: np.array(v) for t, v in experts.items()}
+
+
+def _prompts(vocab: int) -> list:
+    requests, length, _ = ENGINE_WORKLOAD
+    return [[(7 * i + 3 * j) % vocab for j in range(length)] for i in range(requests)]
 
 
 def measure_engine(partial: dict, scratch, model_dir=None, runs: int = 3) -> float:
@@ -182,24 +209,16 @@ def measure_engine(partial: dict, scratch, model_dir=None, runs: int = 3) -> flo
 
     torch.set_num_threads(1)
     model, fresh, kind, directory = _engine_model(scratch, model_dir)  # a rank changes its module: one per run
-    vocab = int(getattr(model.config, "vocab_size"))
     requests, length, new = ENGINE_WORKLOAD
-    prompts = [[(7 * i + 3 * j) % vocab for j in range(length)] for i in range(requests)]
+    prompts = _prompts(int(getattr(model.config, "vocab_size")))
     times, engine = [], None
     for _ in range(runs):
-        engine = _one_rank_engine(model, fresh(), kind, "standard")
+        engine, hosts = _rank_engine(model, fresh(), kind, "standard")
         times.append(engine.generate(prompts, new)["elapsed_s"])
     measured = sorted(times)[len(times) // 2]
     shape = ModelShape.from_ir(load_model(str(directory)).ir)
-    L = len(shape.moe_blocks)
-    experts = {}
-    for layer, keys, ids, _ in engine.trace:
-        for k, row in zip(keys.tolist(), ids.tolist()):
-            experts.setdefault((k // engine.max_len, k % engine.max_len), [None] * L)[layer] = row
-    routing = {t: np.array(v) for t, v in experts.items()}
+    routing = _routing([engine.trace], engine.max_len, len(shape.moe_blocks))
     workload = Workload((length,) * requests, new)
-    E = int(max(max(r) for v in routing.values() for r in v)) + 1
-    hosts = np.ones((L, E, 1), dtype=bool)
 
     def predicted(op: float) -> float:
         profile = profile_from_dict(dict(partial, op_overhead_s=max(op, 1e-12)), "calibration")
@@ -207,6 +226,85 @@ def measure_engine(partial: dict, scratch, model_dir=None, runs: int = 3) -> flo
 
     at0, at1 = predicted(1e-12), predicted(1.0)
     return max((measured - at0) / (at1 - at0), 1e-9)
+
+
+def _engine_worker(rank: int, world: int, port: int, directory: str, runs: int, queue) -> None:
+    """One rank of the engine run at `world` ranks (standard mode, gloo): its times and routing."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        model, fresh, kind, _ = _engine_model(None, directory)
+        prompts = _prompts(int(getattr(model.config, "vocab_size")))
+        times, engine = [], None
+        for _ in range(runs):
+            engine, _ = _rank_engine(model, fresh(), kind, "standard", rank, world)
+            dist.barrier()
+            times.append(engine.generate(prompts, ENGINE_WORKLOAD[2])["elapsed_s"])
+        trace = [(int(layer), keys.tolist(), ids.tolist()) for layer, keys, ids, _ in engine.trace]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, {"times": times, "trace": trace})
+        if rank == 0:
+            queue.put({"times": [max(g["times"][i] for g in gathered) for i in range(runs)],  # the slowest rank's
+                       "traces": [g["trace"] for g in gathered], "max_len": engine.max_len})
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_engine_ranks(directory, world: int, runs: int = 3) -> dict:
+    """The runtime engine at `world` ranks (processes over gloo, one thread each), standard mode:
+    {"seconds": median of `runs`, "routing", "hosts"}."""
+    import numpy as np
+    import torch
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_engine_worker, args=(r, world, port, str(directory), runs, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=600)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+    if any(p.exitcode != 0 for p in procs):
+        raise UserError(f"the engine run at {world} ranks failed; check that loopback TCP works")
+    traces = [[(layer, torch.tensor(keys), torch.tensor(ids), None) for layer, keys, ids in t] for t in result["traces"]]
+    layers = 1 + max(layer for t in traces for layer, _, _, _ in t)
+    routing = _routing(traces, result["max_len"], layers)
+    E = 1 + max(int(np.max(v)) for v in routing.values())
+    hosts = np.zeros((layers, E, world), dtype=bool)
+    for e in range(E):
+        hosts[:, e, e * world // E] = True
+    return {"seconds": sorted(result["times"])[runs // 2], "routing": routing, "hosts": hosts}
+
+
+def fit_collective_latency(partial: dict, directory, runs: dict) -> float:
+    """One all_to_all call's latency at W ranks as the engine meets it (between compute, ranks out of
+    step, cores shared): the value for which the cost model predicts the measured engine run at W
+    ranks, with every other figure fixed; `runs` one world's `measure_engine_ranks`. The model is
+    linear in it (two calls per exchange)."""
+    from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
+    from moeplan.planner.hardware import profile_from_dict
+    from moeplan.planner.importers import load_model
+
+    requests, length, new = ENGINE_WORKLOAD
+    shape = ModelShape.from_ir(load_model(str(directory)).ir)
+    workload = Workload((length,) * requests, new)
+    hosts = runs["hosts"]
+    W = hosts.shape[2]
+
+    def predicted(latency: float) -> float:
+        profile = profile_from_dict(dict(partial, collective_latency_base_s=max(latency, 1e-12),
+                                         collective_latency_per_peer_s=1e-12), "calibration")
+        return sum(predict(hosts, W, shape, "standard", workload, runs["routing"], profile).step_seconds)
+
+    at0, at1 = predicted(1e-12), predicted(1.0)
+    return max((runs["seconds"] - at0) / (at1 - at0), 1e-7)
 
 
 def _free_port() -> int:
@@ -286,11 +384,17 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                    **{k: None for k in ("device_memory_bytes", "host_memory_bytes", "host_to_device_bytes_per_s",
                                         "disk_read_bytes_per_s", "memory_efficiency", "layer_overhead_s", "copy_latency_s")}}
         compute["op_overhead_s"] = measure_engine(partial, scratch, model_dir)
-    lo, hi = WORLDS
-    per_peer = max((gloo[hi]["small"] - gloo[lo]["small"]) / (hi - lo), 1e-7)
-    base = max(gloo[lo]["small"] - per_peer * (lo - 1), 1e-7)
-    message = max((gloo[lo]["kilo"] - gloo[lo]["small"]) / (lo - 1), 1e-7)
-    bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
+        lo, hi = WORLDS
+        message = max((gloo[lo]["kilo"] - gloo[lo]["small"]) / (lo - 1), 1e-7)
+        bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
+        directory = model_dir or os.path.join(scratch, "qwen3_moe")  # _engine_model saved the seeded one there
+        fitted = dict(partial, op_overhead_s=compute["op_overhead_s"],
+                      bandwidth_bytes_per_s={"same_node": bandwidth, "other_node": bandwidth},
+                      message_latency_s={"same_node": message, "other_node": message})
+        latency = {w: fit_collective_latency(fitted, directory, measure_engine_ranks(directory, w)) for w in WORLDS}
+    per_peer = max((latency[hi] - latency[lo]) / (hi - lo), 1e-7)
+    base = max(latency[lo] - per_peer * (lo - 1), 1e-7)
+    micro = {w: gloo[w]["small"] for w in WORLDS}
     op = _g4(compute["op_overhead_s"])
     measured = f"moeplan calibrate on this machine ({cores} cores): median of timed calls"
     engine_model = "a seeded Qwen3-MoE (hidden 128, 6 layers, 16 experts, top-2)" if model_dir is None else str(model_dir)
@@ -325,8 +429,13 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                                           "(backends/runtime/engine.py), no loop over sequences",
             "python_slot_s": f"{measured}, the runtime's replica choice (ExpertTable.choose) on 256 tokens x top-2, per slot",
             "parallel_ranks": "os.sched_getaffinity (cores this process may use)",
-            "collective_latency_base_s": f"{measured}, gloo all_to_all_single 8 B per peer at {lo} and {hi} ranks",
-            "collective_latency_per_peer_s": f"{measured}, slope between {lo} and {hi} ranks",
+            "collective_latency_base_s": f"moeplan calibrate on this machine ({cores} cores): fitted so that the cost "
+                                         f"model predicts the runtime engine at {lo} and {hi} ranks (standard mode, "
+                                         f"{engine_model}, median of 3): an exchange call as the engine meets it, "
+                                         f"ranks out of step and cores shared (gloo all_to_all_single alone, 8 B per "
+                                         f"peer back to back: {micro[lo] * 1e6:.0f} us at {lo} ranks, "
+                                         f"{micro[hi] * 1e6:.0f} us at {hi})",
+            "collective_latency_per_peer_s": f"the same fit: slope between {lo} and {hi} ranks",
             "bandwidth_bytes_per_s": f"{measured}, 2 MiB per peer at {lo} ranks over loopback (both tiers: one machine)",
             "message_latency_s": f"{measured}, 1 KiB minus 8 B per peer at {lo} ranks",
             "device_memory_bytes": "physical memory (os.sysconf): a CPU rank keeps its experts in host memory",
