@@ -258,21 +258,8 @@ def measure_engine_ranks(directory, world: int, runs: int = 3) -> dict:
     {"seconds": median of `runs`, "routing", "hosts"}."""
     import numpy as np
     import torch
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_engine_worker, args=(r, world, port, str(directory), runs, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get(timeout=600)
-    finally:
-        for p in procs:
-            p.join(timeout=120)
-    if any(p.exitcode != 0 for p in procs):
-        raise UserError(f"the engine run at {world} ranks failed; check that loopback TCP works")
+    result = _spawn_ranks(_engine_worker, world, (str(directory), runs), f"the engine run at {world} ranks", 600)
     traces = [[(layer, torch.tensor(keys), torch.tensor(ids), None) for layer, keys, ids in t] for t in result["traces"]]
     layers = 1 + max(layer for t in traces for layer, _, _, _ in t)
     routing = _routing(traces, result["max_len"], layers)
@@ -339,21 +326,27 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
 
 def measure_gloo(world: int) -> dict:
     """Median seconds per all_to_all_single call at 8 B, 1 KiB and 2 MiB per peer among `world` ranks."""
+    return _spawn_ranks(_worker, world, (), f"the gloo micro-benchmark at {world} ranks", 300)
+
+
+def _spawn_ranks(target, world: int, args: tuple, what: str, timeout: float):
+    """Run target(rank, world, port, *args, queue) in `world` spawned processes joined over gloo on
+    loopback; what rank 0 put on the queue."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
-        result = queue.get(timeout=300)
+        result = queue.get(timeout=timeout)
     finally:
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=120)
     if any(p.exitcode != 0 for p in procs):
-        raise UserError(f"the gloo micro-benchmark at {world} ranks failed; check that loopback TCP works")
+        raise UserError(f"{what} failed; check that loopback TCP works")
     return result
 
 
