@@ -48,6 +48,7 @@ demo: $(STAMP)
 	$(BIN)/moeplan calibrate
 	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --hardware this-machine --out $(DEMO)/bundle
 	$(BIN)/moeplan run $(DEMO)/bundle --verify --nproc 4 --new-tokens 8 --mode both
+	$(BIN)/python examples/serve_demo.py $(DEMO)/bundle
 
 clean:
 	rm -rf $(VENV) build

@@ -1,16 +1,20 @@
 """Maps the design card's top-level folders into the single `moeplan` namespace.
 
-pyproject's static `package-dir` cannot list subpackages found under a renamed root, so the
-mapping is computed here; everything else lives in pyproject.toml.
+`api/` is the package `moeplan` itself (its `__init__.py` is the Python API: `moeplan.compile`,
+`moeplan.plan`, `moeplan.codegen`); `planner/`, `passes/`, `backends/` and `templates/` are its
+subpackages. pyproject's static `package-dir` cannot list subpackages found under a renamed root,
+so the mapping is computed here; everything else lives in pyproject.toml.
 """
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 ROOTS = ("planner", "passes", "backends", "templates")
 
-packages, package_dir = [], {}
+packages, package_dir = ["moeplan"], {"moeplan": "api"}
 for root in ROOTS:
     package_dir[f"moeplan.{root}"] = root
     packages.append(f"moeplan.{root}")
-    packages += [f"moeplan.{root}.{sub}" for sub in find_packages(root)]
+    # templates/<target>/ hold only data (*.j2): folders without __init__.py, found as namespace packages
+    found = find_namespace_packages(root, exclude=["*__pycache__*"]) if root == "templates" else find_packages(root)
+    packages += [f"moeplan.{root}.{sub}" for sub in found]
 
 setup(packages=packages, package_dir=package_dir)

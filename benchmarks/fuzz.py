@@ -41,7 +41,7 @@ def make_corpus(root: Path) -> dict:
     placement, plan = root / "placement.json", root / "plan.json"
     F.invoke(["place", "--trace", trace, "--nodes", 1, "--gpus-per-node", 2, "--policy", "eplb", "--redundant", 2,
               "--out", placement])
-    result = F.invoke(["plan", model, "--trace", trace, "--slo", 30, "--batch-tokens", 1000, "--profile-budget", 0,
+    result = F.invoke(["plan", model, "--trace", trace, "--target", "lambda", "--slo", 30, "--batch-tokens", 1000, "--profile-budget", 0,
                        "--cache-dir", root / "cache", "--out", plan, "--quiet"])
     if result.exit_code != 0:
         raise SystemExit(f"could not make the lambda plan to mutate: {result.output[-300:]}")

@@ -82,14 +82,14 @@ def switch_large_timing():
 
 def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw) -> dict:
     from moeplan.passes.optimize.offload.evaluate import gap_to_belady, run_demand, run_prefetch
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.importers import load_model
 
     ir = load_model(str(model_dir)).ir
     body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000), kv_bytes_per_token(None, ir))
     E = ir.moe_stages[0].num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
-    from moeplan.passes.optimize.offload.next_use import NextUseModel
+    from moeplan.backends.runtime.offload_next_use import NextUseModel
     import numpy as np
 
     model = NextUseModel.from_dict(body["communication"]["policy_model"])

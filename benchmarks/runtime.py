@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     import torch
 
     from moeplan.planner.pipeline.run import run_modes
-    from moeplan.planner.pipeline.targets import compile_bundle
+    import moeplan
 
     runs, defaults = [], {}
     workload = f"{args.prompts}x{args.prompt_length}+{args.new_tokens}"
@@ -110,10 +110,9 @@ def main(argv=None) -> int:
             bundles, priors = {}, {}
             for policy in policies + ("default",):
                 out = scratch / f"bundle-{ranks}-{policy}"
-                options = {"policy": "auto" if policy == "default" else policy, "time_limit": args.time_limit}
-                facts, _ = compile_bundle(str(model_dir), str(trace), nodes, per_node, str(out), options,
-                                          mode="auto" if policy == "default" else "standard", quiet=True, cost_options=cost)
-                plan = facts["plan"].to_dict()
+                plan = moeplan.compile(model_dir, trace, out, nodes=nodes, gpus_per_node=per_node,
+                                       policy="auto" if policy == "default" else policy, time_limit=args.time_limit,
+                                       mode="auto" if policy == "default" else "standard", **cost).plan.to_dict()
                 bundles[policy] = (out, plan)
                 priors[policy] = plan["predicted"]["cost"]["modes"]
             if gpus and gpus < ranks:

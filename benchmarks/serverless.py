@@ -78,7 +78,7 @@ def mean_sim(facts, layers, batches, batch_tokens):
 
 def cpu_cluster(facts, batches, batch_tokens):
     """MoE-layer cost and end-to-end throughput on the CPU cluster (see module docstring)."""
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     p = facts.platform
     costs, tputs = [], []
@@ -120,10 +120,10 @@ def main(argv=None):
     from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.analysis.serverless_facts import build_facts
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
     from moeplan.passes.optimize.serverless import sizing
     from moeplan.passes.optimize.serverless.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless.plan import (SizingOptions, plan_serverless, predicted_loads,
+    from moeplan.passes.optimize.serverless.sizing_pipeline import (SizingOptions, plan_serverless, predicted_loads,
                                                          real_batches, size_for, split_by_sequence)
     from moeplan.planner.errors import UserError
     from moeplan.planner.importers import load_model

@@ -11,10 +11,11 @@ import sys
 
 import click
 
+from moeplan.planner.commands.help_format import ListingGroup
 from moeplan.planner.errors import UserError, one_line_usage_error
 
 
-class MoeplanGroup(click.Group):
+class MoeplanGroup(ListingGroup):
     """Turns `UserError` and click's usage errors into one `error:` line and exit code 2."""
 
     def invoke(self, ctx):
@@ -55,12 +56,13 @@ def _register():
     from moeplan.planner.commands.plan import plan
     from moeplan.planner.commands.report import report
     from moeplan.planner.commands.run import run
+    from moeplan.planner.commands.serve import serve
     from moeplan.planner.commands.simulate import simulate
     from moeplan.planner.commands.trace import trace
 
     from moeplan.planner.output_guard import guard_command
 
-    for command in (inspect, trace, place, compile_cmd, codegen, run, plan, simulate, export_onnx_cmd, calibrate_cmd,
+    for command in (inspect, trace, place, compile_cmd, codegen, run, serve, plan, simulate, export_onnx_cmd, calibrate_cmd,
                     report, diff):
         guard_command(command)
         main.add_command(command)

@@ -79,7 +79,7 @@ def write_small_bundle(out: Path, model_dir: Path, placement: dict, mode: str = 
                 topology=dict(topo), placement=placement,
                 communication={"mode": mode, "gating": "dynamic"}, predicted={},
                 shards=[shard_name(r) for r in range(topo["nodes"] * topo["gpus_per_node"])])
-    write_bundle(out, plan, state, files)
+    write_bundle(out, plan, state, {"architecture": arch, "files": files})
     return out
 
 
@@ -127,7 +127,7 @@ def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
                        "weights_sha256": state_dict_sha256(state)},
                 topology=dict(topo), placement=placement, communication={"mode": "coherent", "gating": "dynamic"},
                 predicted={}, shards=[shard_name(r) for r in range(topo["nodes"] * topo["gpus_per_node"])])
-    write_bundle(out, plan, state, files)
+    write_bundle(out, plan, state, {"architecture": arch, "files": files})
     return out
 
 

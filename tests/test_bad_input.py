@@ -152,7 +152,7 @@ def test_compile_numeric_and_text_flags(tmp_path, model, good_trace, args):
 @pytest.mark.parametrize("args", [["--time-limit", "nan"], ["--time-limit", "0"], ["--time-limit", "-1"],
                                   ["--seed", "-1"], ["--slo", "inf"], ["--validation-fraction", "nan"]])
 def test_plan_flags(tmp_path, model, good_trace, args):
-    base = ["plan", model, "--trace", good_trace, "--out", tmp_path / "plan.json"]
+    base = ["plan", model, "--trace", good_trace, "--target", "lambda", "--out", tmp_path / "plan.json"]
     _refused([*base, *([] if "--slo" in args else ["--slo", "1"]), *args])
 
 
@@ -189,7 +189,7 @@ def test_corrupt_config_in_compile_and_a_checkpointless_model(tmp_path, model, g
 def test_binary_platform_and_prompts_files(tmp_path, model, good_trace):
     blob = tmp_path / "blob.bin"
     blob.write_bytes(bytes(range(256)) * 4)
-    _refused(["plan", model, "--trace", good_trace, "--slo", 1, "--platform", blob, "--out", tmp_path / "p.json", "--quiet"],
+    _refused(["plan", model, "--trace", good_trace, "--target", "lambda", "--slo", 1, "--platform", blob, "--out", tmp_path / "p.json", "--quiet"],
              "not UTF-8")
     from moeplan.backends.torchrun.launch import read_prompts
     from moeplan.planner.errors import UserError

@@ -51,7 +51,7 @@ def test_streamed_bundle_equals_the_bundle_of_the_loaded_state_dict(tmp_path, ar
     import transformers
 
     from moeplan.backends.common.model_source import model_files
-    from moeplan.planner.pipeline.torchrun import write_torchrun_bundle
+    from moeplan.backends.torchrun.codegen import write_bundle
     from moeplan.planner.plan import Plan
 
     directory = tiny.build(arch, tmp_path / "models")
@@ -60,7 +60,7 @@ def test_streamed_bundle_equals_the_bundle_of_the_loaded_state_dict(tmp_path, ar
     plan = Plan.from_json((tmp_path / "streamed" / "plan.json").read_text())
     state = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
     arch_name, files = model_files(str(directory))
-    write_torchrun_bundle(tmp_path / "loaded", plan, state, {"architecture": arch_name, "files": files})
+    write_bundle(tmp_path / "loaded", plan, state, {"architecture": arch_name, "files": files})
     streamed, loaded = _files(tmp_path / "streamed"), _files(tmp_path / "loaded")
     assert sorted(streamed) == sorted(loaded)
     assert [n for n in streamed if n.startswith("shards/")] == ["shards/rank-00000.safetensors", "shards/rank-00001.safetensors"]

@@ -12,7 +12,7 @@ from runtime_fixtures import small_model_dir
 TARGET_FLAGS = {
     "torchrun": ["--nodes", "1", "--gpus-per-node", "2", "--policy", "eplb", "--redundant", "2"],
     "kubernetes": ["--nodes", "2", "--gpus-per-node", "1", "--policy", "contiguous", "--image", "registry/x:1"],
-    "lambda": ["--slo", "60", "--batch-tokens", "512"],
+    "lambda": ["--slo", "60", "--batch-tokens", "512", "--cache-dir", "CACHE"],
 }
 
 
@@ -38,8 +38,8 @@ def files(root):
 @pytest.mark.parametrize("target", ["torchrun", "kubernetes", "lambda"])
 def test_plan_then_codegen_equals_compile_and_a_bundle_regenerates_from_its_plan(setup, tmp_path, target):
     tmp, model = setup
-    common = [model, "--trace", tmp / "trace.npz", "--target", target, "--cache-dir", tmp / "cache", "--quiet",
-              *TARGET_FLAGS[target]]
+    common = [model, "--trace", tmp / "trace.npz", "--target", target, "--quiet",
+              *[tmp / "cache" if flag == "CACHE" else flag for flag in TARGET_FLAGS[target]]]
     cli("compile", *common, "--out", tmp_path / "compiled")
     cli("plan", *common, "--out", tmp_path / "plan.json")
     cli("codegen", tmp_path / "plan.json", "--out", tmp_path / "from-plan")

@@ -8,7 +8,7 @@ from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.passes.optimize.placement.decision import placement_from_dict
 from moeplan.planner.commands.compile import compile_cmd
-from moeplan.planner.pipeline.targets import compile_bundle
+import moeplan
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass, PassManager
 from runtime_fixtures import SMALL, random_trace, small_model_dir
@@ -47,8 +47,7 @@ def test_compile_writes_a_bundle_whose_plan_records_the_placement_and_its_predic
 def test_compiling_twice_gives_identical_bytes(tmp_path, inputs):
     model_dir, trace_path, _ = inputs
     for name in ("a", "b"):
-        compile_bundle(str(model_dir), str(trace_path), 1, 2, str(tmp_path / name),
-                       {"policy": "eplb", "redundant": 2, "time_limit": 5.0}, quiet=True)
+        moeplan.compile(model_dir, trace_path, tmp_path / name, gpus_per_node=2, policy="eplb", redundant=2, time_limit=5.0)
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
 
 
@@ -70,9 +69,10 @@ def test_a_bad_trace_leaves_the_previous_bundle_untouched(tmp_path, inputs):
 
 def test_a_model_the_runtime_cannot_run_is_refused_in_one_line(tmp_path, inputs):
     _, trace_path, _ = inputs
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(UserError, match="no MoE block this runtime recognises"):
-        compile_bundle(str(tmp_path), str(trace_path), 1, 2, str(tmp_path / "o"), {"policy": "contiguous"}, quiet=True)
+        moeplan.compile(tmp_path / "model", trace_path, tmp_path / "o", gpus_per_node=2, policy="contiguous")
 
 
 def test_pass_manager_orders_passes_by_what_they_read_and_times_every_pass():

@@ -74,6 +74,14 @@ def test_sglang_launch_script_passes_the_matching_flags(sglang_out):
     assert "What this plan optimises" in readme and "home rank" in readme
 
 
+def test_run_says_that_engine_bundles_run_in_their_engine(sglang_out):
+    out, _ = sglang_out
+    result = run("run", out, "--verify")
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1
+    assert "is a sglang bundle: engine bundles run in their engine" in lines[0] and "SGLang" in lines[0]
+
+
 def test_sglang_kubernetes_manifests_validate(sglang_out):
     import kubernetes_validate
 
@@ -161,8 +169,8 @@ def test_same_inputs_give_identical_files_and_codegen_rewrites_them_from_the_pla
 
 @pytest.mark.parametrize("args, message", [
     (["--redundant", 3], "do not divide evenly"),
-    (["--target", "trtllm", "--kubernetes"], "--kubernetes applies to --target sglang"),
-    (["--slo", "1", "--mode", "standard"], "--mode, --slo: not used by --target sglang"),
+    (["--target", "trtllm", "--kubernetes"], "--kubernetes does not apply to --target trtllm; it applies to --target sglang"),
+    (["--slo", "1", "--mode", "standard"], "--mode does not apply to --target sglang; it applies to --target torchrun, kubernetes"),
     (["--image", "x"], "--image applies to --target sglang with --kubernetes"),
 ])
 def test_bad_engine_requests_fail_in_one_line(traces, tmp_path, args, message):

@@ -106,7 +106,7 @@ def test_host_tier_serves_preloaded_experts_and_counts_disk_and_host_bytes(tmp_p
 @given(st.integers(0, 10_000), st.integers(1, 10), st.sampled_from(["lru", "lfu", "lifo", "moe-infinity"]))
 def test_load_recorder_changes_nothing_and_records_every_load(seed, capacity, name):
     from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
-    from moeplan.passes.optimize.offload.policies import make_policy
+    from moeplan.backends.runtime.offload_policies import make_policy
     from moeplan.passes.optimize.offload.simulate import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream
     from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_split

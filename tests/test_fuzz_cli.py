@@ -41,7 +41,7 @@ def corpus(tmp_path_factory):
     assert runner.invoke(main, ["place", "--trace", str(trace), "--nodes", "1", "--gpus-per-node", "2",
                                 "--policy", "eplb", "--redundant", "2", "--out", str(placement), "--json"]).exit_code == 0
     plan = root / "plan.json"
-    result = runner.invoke(main, ["plan", str(model), "--trace", str(trace), "--slo", "30", "--batch-tokens", "1000",
+    result = runner.invoke(main, ["plan", str(model), "--trace", str(trace), "--target", "lambda", "--slo", "30", "--batch-tokens", "1000",
                                   "--profile-budget", "0", "--cache-dir", str(root / "cache"), "--out", str(plan), "--quiet"])
     assert result.exit_code == 0, result.output
     return {"trace": trace, "placement": json.loads(placement.read_text()), "plan": json.loads(plan.read_text())}

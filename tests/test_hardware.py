@@ -135,7 +135,7 @@ def test_expert_caches_of_a_torchrun_plan_are_priced_on_its_hardware_as_offload_
 
 
 def test_offload_timing_follows_the_profile_figures():
-    from moeplan.passes.optimize.offload.plan import hardware_record, timing_for
+    from moeplan.passes.optimize.offload.cache_plan import hardware_record, timing_for
     from moeplan.planner.importers import load_model
 
     ir = load_model(TINY).ir
@@ -177,7 +177,7 @@ def test_this_machine_is_refused_until_calibrated_then_found_by_its_key(tmp_path
 def test_the_plan_records_the_calibration_and_run_prices_with_its_figures(trace, tmp_path, monkeypatch):
     """compile --hardware this-machine: plan.json names the file's hash, date and machine and keeps the
     figures, so `run` prices with them even where the calibration file is not; bytes repeat."""
-    from moeplan.planner.pipeline.cost import plan_profile, profile_label
+    from moeplan.planner.pipeline.cost_passes import plan_profile, profile_label
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     _calibration_file(hardware.calibration_path(), op=1.234e-5)

@@ -14,7 +14,8 @@ import torch
 from moeplan.backends.runtime.expert_cache import per_expert_shape
 from moeplan.backends.torchrun.verify import compare
 from moeplan.planner.importers.resolve import import_file
-from moeplan.planner.pipeline.offload import cache_beside_simulation, runtime_policy_files
+from moeplan.backends.common.files import copy_runtime
+from moeplan.planner.pipeline.offload import cache_beside_simulation
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +46,7 @@ def with_expert_cache(bundle: Path, placement: dict, containers: list) -> None:
     plan["communication"]["expert_cache"] = {"capacity": [CAPACITY, CAPACITY], "eviction": "lru", "prefetch": "none",
                                              "resident": resident, "policy_model": None, "runtime_expert_bytes": expert_bytes}
     (bundle / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
-    for rel, text in runtime_policy_files().items():
-        (bundle / rel).write_text(text)
+    copy_runtime(bundle / "runtime", expert_cache=True)
 
 
 @pytest.fixture(scope="module")

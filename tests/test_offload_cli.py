@@ -59,7 +59,7 @@ def test_simulate_reproduces_the_planners_validation(tiny, tmp_path):
     """The plan stores everything the simulator needs: on the planner's own validation sequences
     `simulate` gives the planner's predicted hit ratios exactly."""
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.offload.plan import split_by_sequence
+    from moeplan.passes.optimize.offload.cache_plan import split_by_sequence
 
     code, out = run(["plan", TINY, "--trace", str(tiny / "t.npz"), "--target", "offload", "--expert-cache", "12",
                      "--out", str(tmp_path / "p.json"), "--quiet"])
@@ -88,7 +88,7 @@ def test_full_size_mixtral_on_24_gib(tmp_path):
 
 
 def test_bad_input_is_one_line(tiny, tmp_path):
-    base = ["plan", TINY, "--trace", str(tiny / "t.npz"), "--target", "offload", "--out", str(tmp_path / "x.json")]
+    base = ["plan", TINY, "--trace", str(tiny / "t.npz"), "--target", "offload", "--out", str(tmp_path / "x.json"), "--quiet"]
     for extra, words in ((["--expert-cache", "4", "--gpu-memory", "1GiB"], "exactly one of"), ([], "exactly one of"),
                          (["--gpu-memory", "12MB"], "cannot hold"), (["--gpu-memory", "lots"], "not a size"),
                          (["--expert-cache", "0"], "at least 1"), (["--expert-cache", "4", "--hardware", "abacus"], "unknown hardware")):
@@ -97,5 +97,6 @@ def test_bad_input_is_one_line(tiny, tmp_path):
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], lines
         assert not (tmp_path / "x.json").exists()
-    result = CliRunner().invoke(main, ["plan", TINY, "--trace", str(tiny / "t.npz"), "--out", str(tmp_path / "x.json")])
+    result = CliRunner().invoke(main, ["plan", TINY, "--trace", str(tiny / "t.npz"), "--target", "lambda", "--out",
+                                       str(tmp_path / "x.json")])
     assert result.exit_code == 2 and "--slo" in result.output

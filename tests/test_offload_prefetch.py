@@ -23,11 +23,11 @@ from safetensors.torch import save_file
 from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
-from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.backends.runtime.offload_policies import make_policy
+from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
-from moeplan.passes.optimize.offload.stepper import TimedCache
+from moeplan.backends.runtime.offload_stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (the module's fixture: a small model and its trace)
 
@@ -222,4 +222,34 @@ def test_the_offload_target_compares_prefetchers_itself(offload_inputs):
     root, model_dir = offload_inputs
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "t.npz"), "--target", "offload", "--expert-cache", "5",
                      "--prefetch", "moeplan", "--out", str(root / "p.json")])
-    assert code == 2 and out.strip().startswith("error: --prefetch sets a bundle's prefetcher")
+    assert code == 2 and out.strip() == ("error: --prefetch does not apply to --target offload; it applies to --target "
+                                         "torchrun, kubernetes: drop it or choose one of those targets")
+
+
+@pytest.mark.parametrize("name, eviction", list(PAIRS.items()) + [(None, "lru")])
+def test_a_windowed_request_log_decides_as_the_whole_log(shard, fitted, name, eviction):
+    """A long-running service keeps only the last steps of the cache's request log
+    (`ExpertCache.keep_steps`): the same requests, hits, loads and prefetches as with the whole log."""
+    path, tensors = shard
+    model, eamc, held = fitted
+    timing = Timing(layer_s=50e-6, expert_compute_s=1e-6, pcie_copy_s=12e-6, expert_bytes=EXPERT_BYTES)
+    stream = build_stream(held, prompt_tokens=10)
+
+    def new_stepper(st_, c, r):
+        return TimedCache(st_, c, make_policy(eviction, model), timing,
+                          make_prefetcher(name, eamc) if name else None, r)
+
+    stats = []
+    for keep in (None, 3):
+        cache = ExpertCache(5, ShardStore(path, owner), pool_of(5), L, E, new_stepper, resident=[0, 7, 11, 15, 20])
+        cache.keep_steps = keep
+        for s in range(len(stream.step_layer)):
+            keys = stream.keys[stream.step_start[s]:stream.step_start[s + 1]]
+            cache.token, cache.seq = int(stream.step_token[s]), int(stream.step_seq[s])
+            for _ in cache.serve(int(stream.step_layer[s]), (keys % E).tolist()):
+                pass
+        cache.flush()
+        if keep:
+            assert cache.stream.first_step > 0 and len(cache.stream.step_layer.items) < 2 * keep
+        stats.append({k: v for k, v in cache.stats().items() if k not in ("prefetch_waits", "prefetch_wait_s")})
+    assert stats[0] == stats[1] and stats[0]["hits"] < stats[0]["requests"]

@@ -9,6 +9,7 @@
   requests are exactly those the run's routing implies.
 """
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,10 +22,10 @@ from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, Shard
 from moeplan.passes.analysis.activation import popularity_by_layer
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
-from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.policies import make_policy
+from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import simulate_demand
-from moeplan.passes.optimize.offload.stepper import TimedCache
+from moeplan.backends.runtime.offload_stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.cli import main
 from runtime_fixtures import small_model_dir
@@ -127,10 +128,12 @@ def test_bundle_with_an_expert_cache_measures_what_the_simulator_predicts(offloa
     assert spec["capacity"] == [5] and spec["eviction"] == eviction and len(spec["resident"][0]) == 5
     assert (bundle / "runtime" / "offload_policies.py").is_file() and (bundle / "runtime" / "offload_next_use.py").is_file()
     assert f"numpy=={np.__version__}" in (bundle / "requirements.txt").read_text().splitlines()
-    code, out = cli(["run", str(bundle), "--verify", "--new-tokens", "6", "--mode", "standard",
+    mode = ["--mode", "standard"] if eviction == "moeplan" else []  # without --mode: the mode the plan chose
+    code, out = cli(["run", str(bundle), "--verify", "--new-tokens", "6", *mode,
                      "--prompts", str(root / "prompts.txt"), "--json"])
     assert code == 0, out
     report = json.loads(out.strip().splitlines()[-1])
+    assert report["mode"] == "standard"
     assert report["verified"] and report["tokens_match"] and report["max_abs_logit_diff"] <= 1e-4
     cache = report["expert_cache"]
     m, s = cache["measured"], cache["simulated"]
@@ -150,17 +153,20 @@ def test_cache_flags_without_a_cache_or_with_both_sizes_are_refused_in_one_line(
     assert not (root / "x").exists()
 
 
-def test_the_shipped_policy_modules_import_nothing_of_moeplan(tmp_path):
-    """policies.py, next_use.py, stepper.py, prefetch.py and eam_match.py run inside bundles
-    (runtime/offload_*.py), where moeplan is absent: as shipped they import numpy and each other."""
-    from moeplan.planner.pipeline.offload import runtime_policy_files
-    from test_import_rules import imported_modules
+def test_expert_cache_bundles_ship_the_simulators_own_policy_modules_verbatim(tmp_path):
+    """The simulator imports its policy, next-use, prefetch, stepper and EAM modules from the
+    runtime package; bundles with expert caches ship those very files (no rewriting), others do not."""
+    from moeplan.backends.common.files import EXPERT_CACHE_MODULES, copy_runtime
+    from moeplan.passes.optimize.offload import ranks
 
-    shipped = runtime_policy_files()
-    assert {"runtime/offload_stepper.py", "runtime/offload_prefetch.py", "runtime/offload_eam_match.py"} <= set(shipped)
-    for rel, text in shipped.items():
-        (tmp_path / "f.py").write_text(text)
-        assert [m for _, m in imported_modules(tmp_path / "f.py") if m.startswith("moeplan")] == [], rel
+    runtime = Path(__file__).resolve().parents[1] / "backends" / "runtime"
+    assert ranks.make_policy.__module__ == "moeplan.backends.runtime.offload_policies"
+    copy_runtime(tmp_path / "cache", expert_cache=True)
+    copy_runtime(tmp_path / "plain")
+    for name in EXPERT_CACHE_MODULES:
+        assert (tmp_path / "cache" / name).read_bytes() == (runtime / name).read_bytes()
+        assert not (tmp_path / "plain" / name).exists()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(p.name for p in runtime.glob("*.py"))
 
 
 @pytest.mark.parametrize("cache_flags", [["--eviction", "lru"], ["--prefetch", "moe-infinity"]])

@@ -90,7 +90,7 @@ def test_simulate_bad_input_is_one_line_exit_2(setup, tmp_path):
     other.write_text(json.dumps({"version": 1, "target": "torchrun", "model": {}, "topology": {}, "placement": {},
                                  "communication": {}, "predicted": {}}))
     code, out = run(["simulate", str(other), "--trace", str(tmp / "held.npz")])
-    assert code == 2 and "needs a lambda plan" in out and len(out.strip().splitlines()) == 1
+    assert code == 2 and "takes lambda plans" in out and "offload plans" in out and len(out.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("edit, words", [

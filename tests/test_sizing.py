@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.passes.optimize.serverless import sizing
 from moeplan.passes.optimize.serverless.sim import simulate
 from moeplan.planner.errors import UserError

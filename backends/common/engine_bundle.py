@@ -1,4 +1,4 @@
-"""What the serving-engine targets (sglang, trtllm) share: file writing and the template context.
+"""What the serving-engine targets (sglang, trtllm) share: the bundle's frame and the template context.
 
 Their outputs are small text files (no weights): the engine's placement file, a launch script,
 a README, plan.json and placement.json, and manifest.json over all of them.
@@ -8,7 +8,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moeplan.backends.common.expert_slots import placement_slots
 from moeplan.backends.common.files import write_file
+from moeplan.backends.common.manifest import write_manifest
+from moeplan.planner.atomic import atomic_path
+
+
+def write_engine_bundle(out, plan, write_files) -> dict:
+    """An engine target's bundle written atomically at `out`: `write_files(dir, plan, slots)` (the
+    engine's own files; `slots`: [MoE layers][slots] logical expert ids), plan.json, placement.json
+    and one manifest; returns the manifest."""
+    slots = placement_slots(plan.placement, int(plan.model["num_experts"]), int(plan.communication["redundant"]))
+    with atomic_path(Path(out), kind="bundle") as tmp:
+        tmp.mkdir(parents=True)
+        write_files(tmp, plan, slots)
+        write_plan_files(tmp, plan)
+        return write_manifest(tmp)
 
 
 def write_plan_files(out: Path, plan) -> None:

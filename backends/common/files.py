@@ -1,4 +1,9 @@
-"""Writing bundle files: fixed permissions (bytes must not depend on the umask) and the runtime copy."""
+"""Writing bundle files: fixed permissions (bytes must not depend on the umask) and the runtime copy.
+
+Runtime code reaches bundles by one mechanism: the modules of `backends/runtime/` are copied
+verbatim (they use relative imports only, so the same files run as `moeplan.backends.runtime` and
+as a bundle's `runtime` package). Which modules a bundle ships is declared here.
+"""
 from __future__ import annotations
 
 import os
@@ -6,6 +11,14 @@ from importlib import resources
 from pathlib import Path
 
 RUNTIME_PACKAGE = "moeplan.backends.runtime"
+# The expert cache's decisions (eviction, next-use model, prefetch, the timed stepper): the planner's
+# simulator imports these same modules, so a bundle's ranks decide as the simulation did. Shipped only
+# in bundles whose plan has per-rank expert caches (numpy is then a requirement).
+EXPERT_CACHE_MODULES = ("offload_eam_match.py", "offload_next_use.py", "offload_policies.py", "offload_prefetch.py",
+                        "offload_stepper.py")
+# The inference service (OpenAI-compatible HTTP on rank 0 over continuous batching; issue 29): shipped
+# in torchrun and Kubernetes bundles, whose ranks serve it; starlette and uvicorn are then requirements.
+SERVING_PACKAGE = "serving"
 
 
 def write_file(path: Path, data, executable: bool = False) -> None:
@@ -18,9 +31,21 @@ def write_file(path: Path, data, executable: bool = False) -> None:
     os.chmod(path, 0o755 if executable else 0o644)
 
 
-def copy_runtime(dest: Path) -> None:
-    """Copy the runtime's python files (only those: no caches) into dest."""
+def runtime_modules(expert_cache: bool = False, serving: bool = False) -> list:
+    """Paths (relative to runtime/) of the runtime modules a bundle ships: every top-level module of
+    the runtime package, the expert-cache modules only with `expert_cache`, and with `serving` the
+    inference service's subpackage (`serving/*.py`: `launch.sh --serve`, `moeplan serve`)."""
     src = resources.files(RUNTIME_PACKAGE)
-    for entry in sorted(src.iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".py"):
-            write_file(dest / entry.name, entry.read_text())
+    names = sorted(entry.name for entry in src.iterdir() if entry.name.endswith(".py"))
+    names = [n for n in names if expert_cache or n not in EXPERT_CACHE_MODULES]
+    if serving:
+        names += sorted(f"{SERVING_PACKAGE}/{entry.name}" for entry in src.joinpath(SERVING_PACKAGE).iterdir()
+                        if entry.name.endswith(".py"))
+    return names
+
+
+def copy_runtime(dest: Path, expert_cache: bool = False, serving: bool = False) -> None:
+    """Copy the runtime's python files (only those: no caches) into dest, verbatim."""
+    src = resources.files(RUNTIME_PACKAGE)
+    for name in runtime_modules(expert_cache, serving):
+        write_file(dest / name, src.joinpath(name).read_text())

@@ -4,7 +4,9 @@
   `"moeplan_loader"`); the bundle ships that config and the source file it names.
 * `transformers`: a Hugging Face model directory whose config names a causal-LM class that
   transformers builds and that has an MoE block the runtime's adapter recognises; the bundle ships
-  config.json (and tokenizer.json when the directory has one), and the plan and the bundle's
+  config.json and, where the directory has them, the files the serving front reads text with
+  (tokenizer.json, tokenizer_config.json and chat_template.jinja for the chat template,
+  generation_config.json for the end-of-sequence ids), and the plan and the bundle's
   requirements.txt pin the transformers version it was compiled with.
 Both are rebuilt by `moeplan run --verify` from the bundle alone.
 """
@@ -18,19 +20,22 @@ from moeplan.planner.errors import UserError
 
 SUPPORTED = ("tiny_moe",)
 TOKENIZER = "tokenizer.json"
+SERVER_PACKAGES = ("starlette", "uvicorn")
+TEXT_FILES = (TOKENIZER, "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def _hint() -> str:
     return ("the torchrun target runs moeplan model directories (config.json with \"model_type\": \"tiny_moe\" and a "
-            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights)")
+            "\"moeplan_loader\", see examples/tiny_moe) and Hugging Face MoE model directories (config.json + weights); "
+            "a Hugging Face config file alone plans ('moeplan plan')")
 
 
 def model_files(model_spec: str) -> tuple:
     """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
     path = Path(model_spec)
     config_path = path / "config.json" if path.is_dir() else path
-    if not config_path.is_file() or config_path.name != "config.json":
+    if not config_path.is_file() or config_path.suffix != ".json":  # a directory, or a config file alone
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {_hint()}")
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -51,9 +56,9 @@ def model_files(model_spec: str) -> tuple:
                             "train or copy the weights there first")
         return arch, {"model/config.json": config_path.read_bytes(), "model/model.py": source.read_bytes()}
     files = {"model/config.json": config_path.read_bytes()}
-    tokenizer = config_path.parent / TOKENIZER
-    if tokenizer.is_file():
-        files[f"model/{TOKENIZER}"] = tokenizer.read_bytes()
+    for name in TEXT_FILES:
+        if (config_path.parent / name).is_file():
+            files[f"model/{name}"] = (config_path.parent / name).read_bytes()
     expert_containers("transformers", files, spec=model_spec)  # fails here, with the reason, if it cannot run
     return "transformers", files
 
@@ -106,11 +111,20 @@ def library_pins(arch: str) -> dict:
     return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def requirements(arch: str) -> str:
-    """requirements.txt of a bundle: what its runtime imports, with the model library pinned."""
+def requirements(arch: str, expert_cache: bool = False) -> str:
+    """requirements.txt of a torchrun bundle: what its runtime imports, with the model library
+    pinned, the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py), and numpy,
+    which the expert cache's shipped policy modules import."""
+    import importlib.metadata
+
     import safetensors
     import torch
 
     lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
+    lines += [f"{name}=={importlib.metadata.version(name)}" for name in SERVER_PACKAGES]
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
+    if expert_cache:
+        import numpy
+
+        lines.append(f"numpy=={numpy.__version__}")
     return "\n".join(lines) + "\n"

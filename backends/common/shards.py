@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from moeplan.planner import progress
+
 
 def shard_name(rank: int, form: str = "copy") -> str:
     """A rank's weights file: its shard (`copy`), or its index into the checkpoint (`reference`)."""
@@ -108,23 +110,30 @@ def write_rank_shards(root: Path, shard_paths: list, entries: list, ranks_of, ra
             path.parent.mkdir(parents=True, exist_ok=True)
             handles.append(open(path, "wb"))
             handles[-1].write(_header(per_rank[r], rank_base + r))
-        for e in entries:
-            t = e.load().detach().to("cpu").contiguous()
-            if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
-                raise ValueError(f"tensor {e.name} is {t.dtype}{list(t.shape)}, expected {e.dtype}{list(e.shape)}")
-            if e.starts_library:
-                h.begin(e.library, e.dtype, e.library_shape)
-            h.update(t)
-            if t.numel():
-                data = t.reshape(-1).view(torch.uint8).numpy()
-                for r in ranks_of(e.name):
-                    handles[r].write(data)
-                del data  # a view: it would keep the tensor alive while the next one loads
-            del t
+        with progress.step(f"writing {world} shards (tensors)", total=len(entries)) as advance:
+            _write_data(entries, ranks_of, handles, h, advance)
     finally:
         for fh in handles:
             fh.close()
     return h.hexdigest()
+
+
+def _write_data(entries: list, ranks_of, handles: list, h: StateHash, advance) -> None:
+    """Each entry's bytes appended to the shards of the ranks holding it, one tensor in memory at a time."""
+    for e in entries:
+        t = e.load().detach().to("cpu").contiguous()
+        if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
+            raise ValueError(f"tensor {e.name} is {t.dtype}{list(t.shape)}, expected {e.dtype}{list(e.shape)}")
+        if e.starts_library:
+            h.begin(e.library, e.dtype, e.library_shape)
+        h.update(t)
+        if t.numel():
+            data = t.reshape(-1).view(torch.uint8).numpy()
+            for r in ranks_of(e.name):
+                handles[r].write(data)
+            del data  # a view: it would keep the tensor alive while the next one loads
+        del t
+        advance()
 
 
 def entries_sha256(entries: list) -> str:

@@ -1,4 +1,5 @@
-"""Kubernetes manifests for a torchrun bundle: ConfigMap, PVC, headless Service, indexed Job.
+"""The kubernetes target: a torchrun bundle plus kubernetes/ (ConfigMap, PVC, headless Service,
+indexed Job, Dockerfile, README), written by `write_bundle` with one manifest over both.
 
 Why these objects: an indexed Job gives each pod a completion index (= NODE_RANK for the bundle's
 `launch.sh`) and, with a headless Service as subdomain, a stable DNS name so pod 0 can be the
@@ -18,7 +19,10 @@ import os
 import re
 from pathlib import Path
 
+from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.templating import template_env, to_yaml
+from moeplan.backends.torchrun import codegen as torchrun
+from moeplan.planner.atomic import atomic_path
 
 DEFAULT_IMAGE = "moeplan-torchrun:latest"
 BASE_IMAGE = "pytorch/pytorch:2.4.1-cuda12.1-cudnn9-runtime"
@@ -55,7 +59,7 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
     node_shards = largest_node(shard_sizes)
     node_host = largest_node(_rank_host_bytes(plan, shard_sizes))
     memory_mib = _mib(node_host) + gpn * RANK_RUNTIME_MIB
-    bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())
+    bundle_bytes = sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file())  # before its manifest
     storage_gib = max(1, math.ceil(bundle_bytes * 1.25 / 2**30))
     names = {"configmap": f"{name}-plan", "pvc": f"{name}-bundle", "service": f"{name}-ranks", "job": name,
              "checkpoint_pvc": f"{name}-checkpoint"}
@@ -134,3 +138,14 @@ def write_manifests(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_clas
         os.chmod(path, 0o644)
         written.append(path)
     return written
+
+
+def write_bundle(out, plan, weights, model_files: dict, checkpoint: dict | None = None) -> dict:
+    """The torchrun bundle (`backends/torchrun/codegen.py`, same arguments) plus kubernetes/, written
+    atomically at `out` with one manifest over both; returns the manifest. The plan's deployment
+    holds the image and storage class."""
+    plan = torchrun.bundle_plan(plan, model_files, checkpoint)
+    with atomic_path(Path(out), kind="bundle") as tmp:
+        torchrun.write_files(tmp, plan, weights, model_files["files"])
+        write_manifests(tmp, plan, image=plan.deployment["image"], storage_class=plan.deployment.get("storage_class"))
+        return write_manifest(tmp)

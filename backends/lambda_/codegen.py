@@ -15,6 +15,7 @@ appears only in the Description, reduced to safe characters (the full name is in
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -26,8 +27,10 @@ from moeplan.backends.lambda_ import layout as lay
 from moeplan.backends.runtime.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.model_source import bundle_model
-from moeplan.backends.common.shards import write_shard
+from moeplan.backends.common.model_source import TEXT_FILES, bundle_model
+from moeplan.backends.common.shards import state_dict_sha256, write_shard
+from moeplan.planner.atomic import atomic_path
+from moeplan.planner.errors import UserError
 
 KINDS = ("dense", "expert")
 TIMEOUT_S = 900
@@ -123,8 +126,6 @@ def _nbytes(tensors: dict) -> int:
 def check_memory(functions: list, runtime_mb: float) -> None:
     """Every function's weights and the runtime must fit its planned memory (sizing counted the
     same bytes; a mismatch means the plan is from another model or moeplan)."""
-    from moeplan.planner.errors import UserError
-
     for f in functions:
         need = runtime_mb + f["weight_bytes"] / 2**20
         if need > f["memory_mb"]:
@@ -145,8 +146,33 @@ def function_requirements(model: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
-    """Write the bundle into `out` (which must not exist yet) from the lambda Plan; returns the manifest.
+def bundle_plan(plan, state: dict, model_files: dict):
+    """The plan with the bundle's layout: the runtime family, the model files' paths and the hash of
+    the weights it ships."""
+    model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json",
+                 weights_sha256=state_dict_sha256(state))
+    if "model/model.py" in model_files["files"]:
+        model["source"] = "model/model.py"
+    return dataclasses.replace(plan, model=model)
+
+
+def write_bundle(out, plan, state: dict, model_files: dict) -> dict:
+    """The Lambda bundle written atomically at `out` from the plan and the source weights (the
+    library state dict); returns its manifest. `model_files`: {"architecture", "files"}. When the
+    plan already records `weights_sha256` (a bundle regenerated from its plan), `state` must hash to it.
+    """
+    expected = plan.model.get("weights_sha256")
+    plan = bundle_plan(plan, state, model_files)
+    if expected is not None and expected != plan.model["weights_sha256"]:
+        raise UserError("the weights are not those the plan was made for (weights_sha256 differs); "
+                        "give the plan's model with --model or plan again")
+    with atomic_path(Path(out), kind="bundle") as tmp:
+        write_files(tmp, plan, state, model_files["files"])
+        return write_manifest(tmp)
+
+
+def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
+    """Every file of the bundle but its manifest, into `out` (which must not exist yet).
 
     Everything comes from the plan (decisions, dense unit segments, payload limit, request rate)
     and the weights, so `moeplan codegen plan.json` writes the same bytes.
@@ -218,8 +244,8 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
     copy_runtime(out / "functions" / "runtime")
-    for rel, content in sorted(model_files.items()):  # what the functions build the model from
-        if rel != "model/tokenizer.json":
+    for rel, content in sorted(model_files.items()):  # what the functions build the model from (they take token ids)
+        if rel.removeprefix("model/") not in TEXT_FILES:
             write_file(out / "functions" / rel, content)
     write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
     env = template_env("lambda")
@@ -242,10 +268,7 @@ def write_bundle(out: Path, plan, state: dict, model_files: dict) -> dict:
     for f in ctx["functions"]:  # Lambda caps a function's environment at 4 KB
         size = len(f["spec_json"]) + len(f["weights"]) + 200
         if size > 4096:
-            from moeplan.planner.errors import UserError
-
             raise UserError(f"function {f['id']} would need a {size}-byte environment, over Lambda's 4 KB; "
                             "fewer experts per direct layer (--methods s3,pipelined_s3) keep it smaller")
     write_file(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
-    return write_manifest(out)

@@ -45,6 +45,13 @@ def world_size_of(plan: dict) -> int:
     return int(topo["nodes"]) * int(topo["gpus_per_node"])
 
 
+def run_modes(plan: dict, requested: str | None = None) -> list:
+    """The expert-parallel modes a run serves: `requested` (comma-separated), else the mode the plan
+    decided (`communication.mode`). The one default of every way a bundle runs: `moeplan run`,
+    `moeplan serve`, launch.sh (with and without --serve), the Kubernetes pods."""
+    return (requested or plan.get("communication", {}).get("mode", "coherent")).split(",")
+
+
 def architecture(plan: dict) -> str:
     name = plan["model"]["architecture"]
     if name not in ARCHITECTURES:

@@ -64,6 +64,7 @@ class Engine:
         self.local_experts = {(l, e) for l, e in table.experts_on(rank)}
         self.logit_keys, self.logit_rows = [], []
         self.trace = []  # (MoE layer, keys [n], expert ids [n, k], weights [n, k])
+        self.recording = True  # static runs keep every logit row and routing for results; a service keeps none
         self.capture = False
         # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
         self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
@@ -137,8 +138,9 @@ class Engine:
                 "counters": self.counters.to_dict(),
                 "context": [[k, int(n)] for k, n in self.context_plan] if self.mode == COHERENT else []}
 
-    def _forward(self, ids, pos, key_mask, cache, keys, last: dict):
-        """One library forward; records the logits of the rows current here; {seq: next token}."""
+    def forward_rows(self, ids, pos, key_mask, cache, keys):
+        """One library forward over rows `keys` [B * S] (-1: padding or a dummy row): (logits [B * S, V],
+        indices of the rows whose forward ended on this rank, the cache to pass next time)."""
         dev = self.device
         self.keys = keys
         self.row_of = {int(k): i for i, k in enumerate(keys.tolist()) if k >= 0}
@@ -147,7 +149,12 @@ class Engine:
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
         flat = logits.reshape(-1, logits.shape[-1])
-        rows = (self.mine & (keys >= 0)).nonzero().flatten()
+        return flat, (self.mine & (keys >= 0)).nonzero().flatten(), cache
+
+    def _forward(self, ids, pos, key_mask, cache, keys, last: dict):
+        """One library forward; records the logits of the rows current here; {seq: next token}."""
+        dev = self.device
+        flat, rows, cache = self.forward_rows(ids, pos, key_mask, cache, keys)
         self.logit_keys.append(keys[rows])
         self.logit_rows.append(flat[rows.to(dev)].detach().float().cpu())
         new = {}
@@ -223,7 +230,11 @@ class Engine:
         a_ids, a_w, a_h, keys = ids[active], weights[dev_active], h[dev_active], self.keys[active]
         dest = self.table.choose(adapter.moe, a_ids, torch.full((active.numel(),), self.rank, dtype=torch.int64))
         self._count_local(adapter.layer, adapter.moe, dest)
-        self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
+        if self.recording:
+            self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
+        if self.world == 1:  # every slot is local: nothing to pack or exchange
+            partial = self._serve(adapter, a_h, a_ids, a_w, dest)
+            return torch.zeros_like(h).index_copy(0, dev_active, partial.to(h.dtype))
         (r_h, r_w, _, r_ids, r_dest, sources), sent_idx = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
         partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
         back = [partial[(sources == d).nonzero().flatten().to(h.device)] for d in range(self.world)]
@@ -243,7 +254,8 @@ class Engine:
         first = torch.tensor([self.table.primary_rank(adapter.moe, e, -1) for e in a_ids[:, 0].tolist()], dtype=torch.int64)
         dest = self.table.choose(adapter.moe, a_ids, first)
         primary = dest[:, 0] == self.rank
-        self.trace.append((adapter.moe, self.keys[active][primary], a_ids[primary], a_w.detach().float().cpu()[primary]))
+        if self.recording:
+            self.trace.append((adapter.moe, self.keys[active][primary], a_ids[primary], a_w.detach().float().cpu()[primary]))
         sel = (dest == self.rank).any(dim=1).nonzero().flatten()
         rows = active[sel]
         partial = self._serve(adapter, h[rows.to(h.device)], a_ids[sel], a_w[sel.to(h.device)], dest[sel])
@@ -319,7 +331,8 @@ class Engine:
                     self.capture = False
             dest = self.table.choose(adapter.moe, ids, torch.full((mine.numel(),), self.rank, dtype=torch.int64))
             self._count_local(adapter.layer, adapter.moe, dest)
-            self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))
+            if self.recording:
+                self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))
             (r_x, r_w, r_keys, r_ids, r_dest, _), _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
             rows = self._rows_of(r_keys)
             self.received = (rows, r_ids, r_w, r_dest)

@@ -25,9 +25,9 @@ library's own experts module computes, on weights the cache put in place.
   counts bytes read from disk and served from host memory. CUDA copies run on a side stream after
   an event of the last compute that may read the slot, and the compute stream waits for them
   (that path cannot run on this CPU-only machine: written, never run).
-* Policies, prefetchers and the stepper: the simulator's own modules (passes/optimize/offload/
-  policies.py, next_use.py, prefetch.py, stepper.py and passes/analysis/eam_match.py), copied into
-  the bundle as `runtime/offload_*.py` by the offload codegen, driven through `OnlineStream` exactly
+* Policies, prefetchers and the stepper: `offload_policies.py`, `offload_next_use.py`,
+  `offload_prefetch.py`, `offload_stepper.py` and `offload_eam_match.py` beside this file, the very
+  modules the planner's simulator imports, shipped in bundles with expert caches, driven through `OnlineStream` exactly
   as the simulator drives them.
 Nothing here imports moeplan: bundles run without it.
 """
@@ -42,37 +42,102 @@ import torch.nn as nn
 from .expert_store import ExpertStore, ShardStore, tensor_bytes  # noqa: F401  (ShardStore: the copy form)
 
 
+class _Tail:
+    """A growing list indexed by global position, of which the entries before `offset` are forgotten."""
+
+    def __init__(self, first=()):
+        self.items, self.offset = list(first), 0
+
+    def __getitem__(self, i: int):
+        return self.items[i if i < 0 else i - self.offset]
+
+    def __len__(self) -> int:
+        return self.offset + len(self.items)
+
+    def append(self, value) -> None:
+        self.items.append(value)
+
+    def forget(self, count: int) -> None:
+        del self.items[:count]
+        self.offset += count
+
+
+class _KeysTail:
+    """The request keys by global request index, once the oldest were forgotten (slices only)."""
+
+    def __init__(self, buffer: np.ndarray, offset: int, end: int):
+        self.buffer, self.offset, self.end = buffer, offset, end
+
+    def __getitem__(self, span: slice) -> np.ndarray:
+        return self.buffer[span.start - self.offset:span.stop - self.offset]
+
+    def __len__(self) -> int:
+        return self.end
+
+
 class OnlineStream:
-    """The request stream as it happens: same fields as the simulator's `Stream`, grown per step."""
+    """The request stream as it happens: same fields as the simulator's `Stream`, grown per step.
+
+    A service runs for days: `forget_before(step)` drops the log before a step (the online
+    policies, prefetchers and the stepper read only the current step's entries and keep global
+    request numbers as times), after which `keys` slices by global index and the log cannot be
+    recorded any more."""
 
     def __init__(self, num_layers: int, num_experts: int):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.num_keys = num_layers * num_experts
         self._keys = np.zeros(1024, dtype=np.int64)
-        self.step_start, self.step_layer, self.step_token, self.step_seq = [0], [], [], []
+        self._key_offset = 0
+        self.step_start, self.step_layer, self.step_token, self.step_seq = _Tail([0]), _Tail(), _Tail(), _Tail()
 
     @property
-    def keys(self) -> np.ndarray:
-        return self._keys[: self.step_start[-1]]
+    def keys(self):
+        end = self.step_start[-1]
+        if self._key_offset == 0:
+            return self._keys[:end]
+        return _KeysTail(self._keys, self._key_offset, end)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.step_layer)
+
+    @property
+    def first_step(self) -> int:
+        return self.step_layer.offset
 
     def add_step(self, layer: int, token: int, seq: int, keys: list) -> int:
         """Append one step's keys; returns its index."""
-        end = self.step_start[-1] + len(keys)
+        start = self.step_start[-1] - self._key_offset
+        end = start + len(keys)
         while end > len(self._keys):
             self._keys = np.concatenate([self._keys, np.zeros(len(self._keys), dtype=np.int64)])
-        self._keys[self.step_start[-1]:end] = keys
-        self.step_start.append(end)
+        self._keys[start:end] = keys
+        self.step_start.append(end + self._key_offset)
         self.step_layer.append(layer)
         self.step_token.append(token)
         self.step_seq.append(seq)
-        return len(self.step_layer) - 1
+        return self.num_steps - 1
+
+    def forget_before(self, step: int) -> None:
+        """Drop the log of the steps before `step` (global step and request numbers stay)."""
+        count = step - self.first_step
+        if count <= 0:
+            return
+        cut = self.step_start[step] - self._key_offset
+        kept = self.step_start[-1] - self._key_offset - cut
+        self._keys = np.concatenate([self._keys[cut:cut + kept], np.zeros(max(1024, kept), dtype=np.int64)])
+        self._key_offset += cut
+        for tail in (self.step_start, self.step_layer, self.step_token, self.step_seq):
+            tail.forget(count)
 
     def to_record(self) -> dict:
         """The log as int64 tensors: keys [R], step_start [S+1], step_layer/step_token/step_seq [S]."""
+        if self.first_step:
+            raise RuntimeError("the expert cache's request log was windowed (a service); it cannot be recorded")
         as_t = lambda v: torch.tensor(np.asarray(v, dtype=np.int64))
-        return {"keys": as_t(self.keys), "step_start": as_t(self.step_start), "step_layer": as_t(self.step_layer),
-                "step_token": as_t(self.step_token), "step_seq": as_t(self.step_seq),
-                "num_layers": self.num_layers, "num_experts": self.num_experts}
+        return {"keys": as_t(self.keys), "step_start": as_t(self.step_start.items),
+                "step_layer": as_t(self.step_layer.items), "step_token": as_t(self.step_token.items),
+                "step_seq": as_t(self.step_seq.items), "num_layers": self.num_layers, "num_experts": self.num_experts}
 
 
 def per_expert_shape(full_shape, num_experts: int) -> tuple:
@@ -172,7 +237,7 @@ class ExpertCache:
     prefetch, as the simulator's stepper decides.
 
     `new_stepper(stream, capacity, resident)` -> a fresh `TimedCache` (`plan_stepper` of
-    passes/optimize/offload/stepper.py, shipped as runtime/offload_stepper.py) with the plan's
+    offload_stepper.py, the simulator's own) with the plan's
     policy, prefetcher and timing:
     it decides every hit, eviction and prefetch from the routing and a modelled clock; this class
     moves the weights. Per step (`begin_step`): (1) the copies decided after the previous step are
@@ -195,6 +260,7 @@ class ExpertCache:
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self.reader = PrefetchReader(store, num_experts)
         self.token, self.seq = -1, 0
+        self.keep_steps = None  # a service keeps this many steps of the request log (None: all, to record it)
         self.restart()
 
     def restart(self) -> None:
@@ -267,6 +333,8 @@ class ExpertCache:
         copies it decided."""
         keys = [layer * self.E + int(e) for e in experts]
         s = self.stream.add_step(layer, self.token, self.seq, keys)
+        if self.keep_steps is not None and s - self.stream.first_step >= 2 * self.keep_steps:
+            self.stream.forget_before(s + 1 - self.keep_steps)
         self._install_pending()
         served, self.pending = self.stepper.step(s)
         if self.pending:
@@ -351,7 +419,7 @@ def expert_tensor_owner(containers: list):
 def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: dict, rank: int, local: dict) -> ExpertCache:
     """Give every adapter of `rank_model` the pool and the cache (spec: the plan's expert_cache
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
-    from .offload_stepper import pair_keys, plan_stepper  # the simulator's stepper, written into bundles by the offload codegen
+    from .offload_stepper import pair_keys, plan_stepper  # the simulator's own stepper (shipped with expert caches)
 
     containers = rank_model.containers
     E = containers[0].num_experts

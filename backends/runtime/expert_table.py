@@ -71,21 +71,31 @@ class ExpertTable:
         pool = same_node or list(ranks)
         return pool[turn % len(pool)]
 
+    def sole_hosts(self, layer: int) -> torch.Tensor:
+        """int64 [E]: the one rank holding each expert of `layer`, -1 where it is replicated."""
+        cache = self.__dict__.setdefault("_sole", {})
+        if layer not in cache:
+            cache[layer] = torch.tensor([r[0] if len(r) == 1 else -1 for r in self.hosts[layer]], dtype=torch.int64)
+        return cache[layer]
+
     def choose(self, layer: int, experts: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        """Destination rank of every slot: int64 [n, k] for expert ids [n, k] of tokens on `current` [n]."""
-        n, k = experts.shape
-        out = torch.empty(n, k, dtype=torch.int64)
+        """Destination rank of every slot: int64 [n, k] for expert ids [n, k] of tokens on `current` [n].
+        An expert with one host goes there whatever the rule (a table lookup); only slots of
+        replicated experts walk the rule, in slot order (their rotation counts turns per expert)."""
+        out = self.sole_hosts(layer)[experts]
+        replicated = (out < 0).nonzero().tolist()
+        if not replicated:
+            return out
         turns: dict = {}
         ids = experts.tolist()
         cur = current.tolist()
-        for i in range(n):
-            for s in range(k):
-                e = ids[i][s]
-                if s == 0:
-                    # the metric has no current device before MoE layer 0: first listed replica
-                    out[i, s] = self.primary_rank(layer, e, cur[i] if layer > 0 else -1)
-                else:
-                    turn = turns.get(e, 0)
-                    turns[e] = turn + 1
-                    out[i, s] = self.secondary_rank(layer, e, cur[i], turn)
+        for i, s in replicated:  # row-major, as the rotation has always counted
+            e = ids[i][s]
+            if s == 0:
+                # the metric has no current device before MoE layer 0: first listed replica
+                out[i, s] = self.primary_rank(layer, e, cur[i] if layer > 0 else -1)
+            else:
+                turn = turns.get(e, 0)
+                turns[e] = turn + 1
+                out[i, s] = self.secondary_rank(layer, e, cur[i], turn)
         return out

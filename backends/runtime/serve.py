@@ -1,4 +1,6 @@
-"""Entry point of a bundle's ranks: `torchrun ... -m runtime.serve --prompts FILE --out DIR`.
+"""Entry point of a bundle's ranks: `torchrun ... -m runtime.serve --prompts FILE --out DIR`, or
+`--serve [--host H] [--port P] [--api-key K]` for the inference service (`serving/ranks.py`: rank 0
+serves HTTP, every rank runs the continuous-batching engine until SIGTERM or SIGINT).
 
 Each rank loads its shard, joins the process group (nccl on GPUs, gloo on CPU), generates
 greedily with the chosen expert-parallel mode(s) and writes `rank-<r>.pt` (its logits, routing
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import results
-from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, world_size_of
+from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, run_modes, world_size_of
 from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
@@ -27,13 +29,23 @@ from .text_codec import prompt_lines
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="runtime.serve", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", required=True,
+    ap.add_argument("--serve", action="store_true",
+                    help="run the inference service (OpenAI-compatible HTTP on rank 0) instead of one static batch")
+    ap.add_argument("--host", default="127.0.0.1", help="--serve: address rank 0 listens on")
+    ap.add_argument("--port", type=int, default=8000, help="--serve: port rank 0 listens on")
+    ap.add_argument("--api-key", default=None, help="--serve: requests must carry 'Authorization: Bearer KEY' (or set MOEPLAN_API_KEY, "
+                         "which keeps the key off the command line)")
+    ap.add_argument("--max-sequences", type=int, default=None,
+                    help="--serve: sequences running at once (default and upper bound: the plan's capacity)")
+    ap.add_argument("--max-waiting", type=int, default=None,
+                    help="--serve: requests queued beyond the running ones before 429 (default 4 x max sequences)")
+    ap.add_argument("--prompts", default=None,
                     help="text file, one prompt per line; a line 'ids: 1 2 3' gives token ids instead of text")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--mode", default=None,
                     help="coherent, standard, or both comma-separated (one launch, results per mode); "
                          "default: the plan's communication mode")
-    ap.add_argument("--out", required=True, help="directory; each mode writes <out>/<mode>/result.json")
+    ap.add_argument("--out", default=None, help="directory; each mode writes <out>/<mode>/result.json")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--context", default="auto", choices=("auto", "hidden", "kv"),
                     help="coherent mode's context exchange: auto (per block the smaller of the hidden state and "
@@ -49,6 +61,14 @@ def main(argv=None) -> int:
     if bad:
         print(f"error: --mode takes coherent and/or standard, got {bad}", file=sys.stderr)
         return 2
+    if args.serve:
+        from .serving.ranks import serve_main
+
+        return serve_main(args)
+    missing = [f"--{n}" for n in ("prompts", "out") if getattr(args, n) is None]
+    if missing:
+        print(f"error: give {' and '.join(missing)} (or --serve to run the inference service)", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -59,13 +79,7 @@ def main(argv=None) -> int:
     loaded = []
     try:
         for root in roots:  # every bundle loads before any rank joins the group: launch errors stay one line
-            plan = read_json(root, "plan.json")
-            if world != world_size_of(plan):
-                raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
-                                  f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
-            table = ExpertTable.from_placement(read_json(root, "placement.json"))
-            modes = (args.mode or plan.get("communication", {}).get("mode", "coherent")).split(",")
-            model, codec = build_rank_model(root, plan, rank, table, device)
+            plan, table, modes, model, codec = load_bundle(root, rank, world, device, args.mode)
             prompts = [codec.encode(line) for line in prompt_lines(Path(args.prompts).read_text(encoding="utf-8"))]
             out = Path(args.out) / root.name if len(roots) > 1 else Path(args.out)
             loaded.append((model, codec, table, modes, prompts, out))
@@ -85,6 +99,19 @@ def main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def load_bundle(root: Path, rank: int, world: int, device, mode: str | None) -> tuple:
+    """(plan, expert table, modes, RankModel, TextCodec) of one bundle for this rank; BundleError
+    when the launch does not fit the plan."""
+    plan = read_json(root, "plan.json")
+    if world != world_size_of(plan):
+        raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
+                          f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
+    table = ExpertTable.from_placement(read_json(root, "placement.json"))
+    modes = run_modes(plan, mode)
+    model, codec = build_rank_model(root, plan, rank, table, device)
+    return plan, table, modes, model, codec
 
 
 def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, rank, world, device,

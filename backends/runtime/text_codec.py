@@ -46,7 +46,7 @@ def parse_ids(line: str):
 
 
 class TextCodec:
-    """encode(line) -> ids, encode_text(text) -> ids, decode(ids) -> text; `source` says which."""
+    """encode(line) -> checked ids, encode_text(text) -> ids, decode(ids) -> text; `source` says which."""
 
     def __init__(self, tokenizer_file: Path | None, vocab_size: int, native_bytes: bool = False):
         self.vocab_size = int(vocab_size)
@@ -62,19 +62,20 @@ class TextCodec:
             self.source = "byte fallback: no tokenizer.json in the model directory, prompts are UTF-8 bytes (ids 0-255)"
 
     def encode(self, line: str) -> list:
-        """One prompt line: its ids if it is an `ids:` line, else its text encoded."""
+        """One prompt line: its ids if it is an `ids:` line, else its text encoded; checked."""
         ids = parse_ids(line)
-        return self._checked(line, ids) if ids is not None else self.encode_text(line)
+        return self.checked(line, ids if ids is not None else self.encode_text(line))
 
-    def encode_text(self, text: str) -> list:
-        """Text (never read as `ids:`), with the tokenizer's special tokens, or as UTF-8 bytes."""
+    def encode_text(self, text: str, add_special_tokens: bool = ADD_SPECIAL_TOKENS) -> list:
+        """Text only (never read as `ids:`: the serving front takes ids as ids), unchecked;
+        `add_special_tokens` as the tokenizer's post-processor defines them (a chat template writes
+        its own, so chat passes False)."""
         if self.tokenizer is not None:
-            ids = self.tokenizer.encode(text, add_special_tokens=ADD_SPECIAL_TOKENS).ids
-        else:
-            ids = list(text.encode("utf-8"))
-        return self._checked(text, ids)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(text.encode("utf-8"))
 
-    def _checked(self, text: str, ids: list) -> list:
+    def checked(self, text: str, ids: list) -> list:
+        """`ids` if they are a prompt the model can take (some, all in its vocabulary), else ValueError."""
         if not ids:
             raise ValueError(f"{text[:40]!r} encodes to no tokens")
         bad = [i for i in ids if not 0 <= i < self.vocab_size]

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeplan.backends.common.engine_bundle import engine_context, write_plan_files
+from moeplan.backends.common.engine_bundle import engine_context, write_engine_bundle
 from moeplan.backends.common.files import write_file
-from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.kubernetes.codegen import slug
 
@@ -57,10 +56,15 @@ def _kubernetes_context(plan, ctx: dict, files: dict, image: str) -> dict:
             "configmap_data": sorted(files.items())}
 
 
-def write_sglang_bundle(out: Path, plan, slots: list, kubernetes: bool = False, image: str | None = None) -> dict:
-    """Write the SGLang files into `out` (which must not exist yet); returns the manifest."""
-    out = Path(out)
-    out.mkdir(parents=True)
+def write_bundle(out, plan) -> dict:
+    """The SGLang bundle written atomically at `out` (with kubernetes/ when the plan's deployment
+    asks for it); returns the manifest."""
+    return write_engine_bundle(out, plan, write_files)
+
+
+def write_files(out: Path, plan, slots: list) -> None:
+    """The SGLang files of `plan` into `out`, from its [MoE layers][slots] lists."""
+    kubernetes = bool(plan.deployment.get("kubernetes"))
     env = template_env("sglang")
     ctx = {**engine_context(plan, slots), "sglang_version": SGLANG_VERSION, "kubernetes": kubernetes}
     files = {
@@ -70,10 +74,7 @@ def write_sglang_bundle(out: Path, plan, slots: list, kubernetes: bool = False, 
     write_file(out / "init_expert_location.json", files["init_expert_location.json"])
     write_file(out / "launch.sh", files["launch.sh"], executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
-    write_plan_files(out, plan)
     if kubernetes:
-        kctx = _kubernetes_context(plan, ctx, files, image or DEFAULT_IMAGE)
+        kctx = _kubernetes_context(plan, ctx, files, plan.deployment.get("image") or DEFAULT_IMAGE)
         for name in KUBERNETES_FILES:
             write_file(out / "kubernetes" / name, env.get_template(f"{name}.j2").render(**kctx))
-    return write_manifest(out)
-

@@ -1,13 +1,15 @@
 """Write a torchrun bundle from a Plan, the source weights and the model's own files.
 
-Layout: plan.json, placement.json, launch.sh, README.md, model/ (config + source file),
-runtime/ (copied from moeplan.backends.runtime), shards/rank-NNNNN.safetensors (or, with
-`--weights reference`, shards/rank-NNNNN.index.json pointing into the original checkpoint),
-manifest.json. Weights arrive as `TensorEntry`s (an in-memory state dict, or a checkpoint read
-tensor by tensor: `backends/common/checkpoint_index.py`) and are written in one streaming pass.
-Every byte is a function of the inputs (no timestamps, sorted JSON, fixed shard metadata), so
-compiling twice gives identical bundles. The caller writes into a temporary directory and renames
-it on success (`planner.atomic.atomic_path`).
+Layout: plan.json, placement.json, launch.sh, README.md, requirements.txt, model/ (config + source
+file), runtime/ (copied from moeplan.backends.runtime, `backends/common/files.py`: with its
+serving/ subpackage, the inference service `launch.sh --serve` runs; with expert caches also the
+cache's policy modules), shards/rank-NNNNN.safetensors (or, with `--weights
+reference`, shards/rank-NNNNN.index.json pointing into the original checkpoint), manifest.json.
+Weights arrive as `TensorEntry`s (an in-memory state dict, or a checkpoint read tensor by tensor:
+`backends/common/checkpoint_index.py`) and are written in one streaming pass. Every byte is a
+function of the inputs (no timestamps, sorted JSON, fixed shard metadata), so compiling twice gives
+identical bundles. `write_bundle` builds it in a temporary directory renamed onto the target only
+on success (`planner.atomic.atomic_path`), and writes the manifest once, last.
 """
 from __future__ import annotations
 
@@ -22,12 +24,10 @@ from moeplan.backends.common.model_source import expert_containers, requirements
 from moeplan.backends.runtime.moe_adapter import expert_owner
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.shards import entries_sha256, holders, write_rank_shards, write_reference_indexes
+from moeplan.backends.common.shards import entries_sha256, holders, shard_name, write_rank_shards, write_reference_indexes
 from moeplan.backends.common.tensor_entries import entries_from_state
-
-
-class WeightsMismatch(ValueError):
-    """The weights written are not those the plan records (`weights_sha256`)."""
+from moeplan.planner.atomic import atomic_path
+from moeplan.planner.errors import UserError
 
 
 def write_weights(out: Path, plan, weights, containers: list) -> str:
@@ -45,27 +45,53 @@ def write_weights(out: Path, plan, weights, containers: list) -> str:
     return digest
 
 
-def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
-    """Write the bundle into `out` (which must not exist yet); returns the manifest.
+def bundle_plan(plan, model_files: dict, checkpoint: dict | None = None):
+    """The plan with the bundle's layout filled in: shard names, model files' paths, and for
+    `--weights reference` the checkpoint the indexes point into (`write_files` adds the weights' hash)."""
+    model = dict(plan.model, config="model/config.json")
+    if "model/model.py" in model_files["files"]:
+        model["source"] = "model/model.py"
+    form = "reference" if checkpoint is not None else "copy"
+    if checkpoint is not None:
+        model["checkpoint"] = checkpoint
+    return dataclasses.replace(plan, model=model, shards=[shard_name(r, form) for r in range(plan.world_size)])
 
-    `weights`: the library state dict, or `TensorEntry`s streamed from a checkpoint. The plan's
-    `weights_sha256` is filled in from what was written (or must equal it when already set).
+
+def write_bundle(out, plan, weights, model_files: dict, checkpoint: dict | None = None) -> dict:
+    """The torchrun bundle written atomically at `out`; returns its manifest.
+
+    `weights`: the library state dict or `TensorEntry`s streamed from a checkpoint; `model_files`:
+    {"architecture", "files": {bundle path: bytes}}; `checkpoint`: the referenced checkpoint
+    ({"path", "files"}) for `--weights reference`.
+    """
+    plan = bundle_plan(plan, model_files, checkpoint)
+    with atomic_path(Path(out), kind="bundle") as tmp:
+        write_files(tmp, plan, weights, model_files["files"])
+        return write_manifest(tmp)
+
+
+def write_files(out: Path, plan, weights, model_files: dict):
+    """Every file of the bundle but its manifest, into `out` (which must not exist yet); returns the
+    plan as written (with `weights_sha256`). The weights must hash to the plan's `weights_sha256`
+    when it is set (a bundle regenerated from its plan), else a `UserError`.
     """
     out = Path(out)
     out.mkdir(parents=True)
     arch = plan.model["architecture"]
     placement = plan.placement
+    expert_cache = bool(plan.communication.get("expert_cache"))
     digest = write_weights(out, plan, weights, expert_containers(arch, model_files))
     expected = plan.model.get("weights_sha256")
     if expected is not None and expected != digest:
-        raise WeightsMismatch("the weights are not those the plan was made for (weights_sha256 differs)")
+        raise UserError("the weights are not those the plan was made for (weights_sha256 differs); "
+                        "give the plan's model with --model or plan again")
     plan = dataclasses.replace(plan, model=dict(plan.model, weights_sha256=digest))
     write_file(out / "plan.json", plan.to_json())
     write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    copy_runtime(out / "runtime")
-    write_file(out / "requirements.txt", requirements(arch))
+    copy_runtime(out / "runtime", expert_cache=expert_cache, serving=True)
+    write_file(out / "requirements.txt", requirements(arch, expert_cache=expert_cache))
     env = template_env("torchrun")
     topo = plan.topology
     context = {
@@ -76,6 +102,8 @@ def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
         "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
         "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
         "checkpoint": (plan.model.get("checkpoint") or {}).get("path"),
+        "has_transformers": arch == "transformers", "has_tokenizer": "model/tokenizer.json" in model_files,
+        "has_template": _has_chat_template(model_files),
         "ranks": [
             {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
              "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}
@@ -84,4 +112,15 @@ def write_bundle(out: Path, plan, weights, model_files: dict) -> dict:
     }
     write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**context))
-    return write_manifest(out)
+    return plan
+
+
+def _has_chat_template(model_files: dict) -> bool:
+    """Whether the serving front will find a chat template among the model files (chat_prompt.py)."""
+    if "model/chat_template.jinja" in model_files:
+        return True
+    try:
+        config = json.loads(model_files.get("model/tokenizer_config.json", b"{}"))
+    except ValueError:
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeplan.backends.common.engine_bundle import engine_context, write_plan_files
+from moeplan.backends.common.engine_bundle import engine_context, write_engine_bundle
 from moeplan.backends.common.files import write_file
-from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.templating import template_env
 
 MOE_BACKEND = "WIDEEP"
@@ -52,10 +51,13 @@ def extra_llm_api_options_yaml(config: dict) -> str:
     return "\n".join(head + _yaml_lines(config, "    ")) + "\n"
 
 
-def write_trtllm_bundle(out: Path, plan, slots: list) -> dict:
-    """Write the TensorRT-LLM files into `out` (which must not exist yet); returns the manifest."""
-    out = Path(out)
-    out.mkdir(parents=True)
+def write_bundle(out, plan) -> dict:
+    """The TensorRT-LLM bundle written atomically at `out`; returns the manifest."""
+    return write_engine_bundle(out, plan, write_files)
+
+
+def write_files(out: Path, plan, slots: list) -> None:
+    """The TensorRT-LLM files of `plan` into `out`, from its [MoE layers][slots] lists."""
     env = template_env("trtllm")
     ctx = engine_context(plan, slots)
     config = load_balancer_config(plan, slots)
@@ -63,5 +65,3 @@ def write_trtllm_bundle(out: Path, plan, slots: list) -> dict:
     write_file(out / "extra_llm_api_options.yaml", extra_llm_api_options_yaml(config))
     write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**ctx), executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
-    write_plan_files(out, plan)
-    return write_manifest(out)

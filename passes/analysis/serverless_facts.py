@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.analysis.profile.operators import Profile, u_per_token
-from moeplan.passes.optimize.serverless.cost import LayerFacts, ServerlessFacts
+from moeplan.passes.optimize.serverless.billing import LayerFacts, ServerlessFacts
 from moeplan.planner.ir import ModelIR, dtype_bytes
 from moeplan.planner.platforms import Platform
 

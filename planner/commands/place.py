@@ -18,7 +18,8 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner.commands.options import PLACEMENT_FLAGS, placement_options, pop, topology_options
+from moeplan.planner.commands.options import placement_options, topology_options
+from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
 from moeplan.planner.errors import UserError
 
 METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds",
@@ -41,7 +42,7 @@ def place(trace_path, nodes, gpus_per_node, out, evaluate, timings, as_json, **f
     from moeplan.planner.pass_manager import PassManager
     from moeplan.planner.pipeline.placement import PASSES
 
-    options = pop(flags, PLACEMENT_FLAGS)
+    options = pick(flags, PLACEMENT_FLAGS)
     if evaluate is not None:
         placement = load_placement(evaluate)
         metrics = evaluate_placement(placement, load_trace(trace_path))

@@ -134,7 +134,7 @@ def _offload_stream(plan: dict, trace, is_planning: bool):
     whole held-out trace; residents follow the plan's rule (the most popular keys of the fitting part)."""
     from moeplan.passes.analysis.activation import popularity_by_layer
     from moeplan.passes.analysis.trace.format import make_trace
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, capped, split_by_sequence
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, capped, split_by_sequence
     from moeplan.passes.optimize.offload.stream import build_stream
 
     inputs = plan.get("inputs", {})
@@ -154,7 +154,7 @@ def cache_curve(plan: dict, plan_path: Path, trace, is_planning: bool) -> dict:
     """Hit ratio of every demand policy at CURVE_POINTS cache sizes (and the plan's)."""
     from moeplan.passes.analysis.trace.format import require_routing
     from moeplan.passes.optimize.offload.evaluate import run_demand
-    from moeplan.passes.optimize.offload.plan import popular_keys
+    from moeplan.passes.optimize.offload.cache_plan import popular_keys
     from moeplan.planner.commands.simulate_offload import load_offload_plan
 
     require_routing(trace, "the hit-ratio curve (per-token expert requests)")
@@ -177,7 +177,7 @@ def cache_curve(plan: dict, plan_path: Path, trace, is_planning: bool) -> dict:
 def lambda_figures(plan_path: Path) -> dict:
     """Per expert function (planned memory, replicas, predicted tokens) its replica time and cost; per
     stage of one batch (dense functions, MoE layers) its latency and billed cost."""
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
     from moeplan.passes.optimize.serverless.sizing import layer_cost_latency
     from moeplan.planner.pipeline.lambda_ import read_plan
 
@@ -252,7 +252,7 @@ def rescore(plan: dict, plan_path: Path, held_out) -> dict:
             row(f"hit ratio, {name}", f"predicted.policies.{name}.hit_ratio", demand[name]["hit_ratio"])
         row(f"time per token (prefetch {o['prefetch']})", "predicted.seconds_per_token", prefetch[o["prefetch"]]["seconds_per_token"], 1e3, "ms")
     elif target == "lambda":
-        from moeplan.passes.optimize.serverless.plan import real_batches
+        from moeplan.passes.optimize.serverless.sizing_pipeline import real_batches
         from moeplan.passes.optimize.serverless.sim import simulate
         from moeplan.planner.pipeline.lambda_ import read_plan
 
@@ -275,7 +275,7 @@ def _cost_on(plan: dict, hosts, gpus_per_node: int, trace, notes: list):
     """The cost model's prediction for the plan's mode with routing sampled from `trace` instead."""
     from moeplan.passes.analysis.cost_model import expected
     from moeplan.planner.hardware import BUILTIN, load_hardware
-    from moeplan.planner.pipeline.cost import parse_workload, shape_of_plan
+    from moeplan.planner.pipeline.cost_passes import parse_workload, shape_of_plan
 
     cost = plan["predicted"]["cost"]
     from moeplan.planner.report.summary import hardware_name

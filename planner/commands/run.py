@@ -13,18 +13,20 @@ from pathlib import Path
 import click
 
 from moeplan.planner import cli_types as T
+from moeplan.planner import progress
 from moeplan.planner.errors import UserError
+from moeplan.planner.pipeline.engines import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
 
-@click.command("run")
+@click.command("run", short_help="Launch a bundle locally and report; --verify checks it against the source model.")
 @click.argument("bundle", type=click.Path())
 @click.option("--verify", is_flag=True, help="compare logits and tokens with the source model")
 @click.option("--nproc", type=T.POSITIVE_INT, default=None, help="ranks to launch (must equal the plan's world size)")
 @click.option("--prompts", "prompts_path", default=None, help="text file, one prompt per line")
 @click.option("--new-tokens", type=T.POSITIVE_INT, default=8, show_default=True)
-@click.option("--mode", type=click.Choice(["coherent", "standard", "both"]), default="coherent", show_default=True,
-              help="context-coherent EP, standard EP, or both in one launch")
+@click.option("--mode", type=click.Choice(["coherent", "standard", "both"]), default=None,
+              help="context-coherent EP, standard EP, or both in one launch (default: the mode the plan chose)")
 @click.option("--results", default=None, type=click.Path(file_okay=False), help="keep the ranks' results here")
 @click.option("--timeout", type=T.POSITIVE_FLOAT, default=600.0, show_default=True, help="seconds before the run is abandoned")
 @click.option("--trusted-key", type=click.Path(dir_okay=False), default=None,
@@ -39,10 +41,20 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             verify_bundle_signature(bundle, trusted_key)
         except SigningError as exc:
             raise UserError(str(exc)) from None
-    if _target(bundle) == "lambda":
+    plan = _plan(bundle)
+    target = plan.get("target")
+    if target == "lambda":
         return _run_lambda(bundle, verify, prompts_path, new_tokens, as_json)
-    modes = ("coherent", "standard") if mode == "both" else (mode,)
-    reports = run_modes(bundle, nproc, prompts_path, new_tokens, modes, verify, results, timeout)
+    if target in ENGINE_TARGETS:
+        raise UserError(f"'{bundle}' is a {target} bundle: engine bundles run in their engine (its launch.sh starts "
+                        f"{'SGLang' if target == 'sglang' else 'TensorRT-LLM'}; docs/interop.md), not under 'moeplan run'")
+    if target == "offload":
+        raise UserError(f"'{bundle}' holds an offload plan, which has no bundle yet; 'moeplan simulate' replays it")
+    from moeplan.backends.runtime.bundle_io import run_modes as plan_modes
+
+    modes = ("coherent", "standard") if mode == "both" else tuple(plan_modes(plan, mode))
+    with progress.silenced(as_json):
+        reports = run_modes(bundle, nproc, prompts_path, new_tokens, modes, verify, results, timeout)
     keys = ("verified", "max_abs_logit_diff", "tokens_match", "gpu_local_fraction", "predicted_gpu_local_fraction",
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
@@ -50,7 +62,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "predicted_hardware", "prompt_encoding", "expert_cache")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
-        click.echo(json.dumps(as_dicts[mode] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
+        click.echo(json.dumps(as_dicts[modes[0]] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
     else:
         for report in reports.values():
             _print(report, verify)
@@ -58,11 +70,13 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
         sys.exit(1)
 
 
-def _target(bundle: str):
+def _plan(bundle: str) -> dict:
+    """The bundle's plan.json as far as it reads ({} if not: the bundle check then says what is wrong)."""
     try:
-        return json.loads((Path(bundle) / "plan.json").read_text()).get("target")
-    except (OSError, ValueError, AttributeError):
-        return None
+        plan = json.loads((Path(bundle) / "plan.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
 
 
 def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
@@ -73,7 +87,8 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
     if new_tokens < 1:
         raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
     prompts = read_prompts(prompts_path)
-    report = run_lambda_bundle(bundle, prompts, new_tokens, verify)
+    with progress.silenced(as_json), progress.step("running the state machine's functions locally"):
+        report = run_lambda_bundle(bundle, prompts, new_tokens, verify)
     if as_json:
         click.echo(json.dumps(report, sort_keys=True))
     else:

@@ -9,26 +9,13 @@ one JSON line.
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import click
 
 from moeplan.planner.errors import UserError
 
 
-def print_layers(layers) -> None:
-    from moeplan.passes.optimize.serverless import cost as sc
-
-    click.echo("layer  method        beta  memory MB (experts)                 replicas (experts)")
-    for e, d in enumerate(layers):
-        mem = Counter(c.memory_mb for c in d.experts)
-        reps = Counter(c.replicas for c in d.experts)
-        mem_s = " ".join(f"{m}x{n}" for m, n in sorted(mem.items()))
-        rep_s = " ".join(f"{r}x{n}" for r, n in sorted(reps.items()))
-        click.echo(f"{e:>5}  {sc.METHOD_NAMES[d.method]:<12}  {d.beta:>4}  {mem_s:<34}  {rep_s}")
-
-
-@click.command("simulate")
+@click.command("simulate", short_help="Replay a lambda or offload plan on a held-out trace: cost, latency, hit ratios.")
 @click.argument("plan_path", metavar="PLAN")
 @click.option("--trace", "trace_path", required=True, help="held-out routing trace (.npz) of the planned model")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
@@ -42,10 +29,10 @@ def simulate(plan_path, trace_path, as_json, prompt_tokens):
     if is_offload_plan(plan_path):
         return simulate_offload(plan_path, trace_path, as_json, prompt_tokens)
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.serverless.plan import real_batches
+    from moeplan.passes.optimize.serverless.sizing_pipeline import real_batches
     from moeplan.passes.optimize.serverless.sim import simulate as run
-    from moeplan.passes.optimize.serverless.cost import METHOD_NAMES
-    from moeplan.planner.pipeline.lambda_ import read_plan
+    from moeplan.passes.optimize.serverless.billing import METHOD_NAMES
+    from moeplan.planner.pipeline.lambda_ import layer_lines, read_plan
 
     import numpy as np
 
@@ -87,4 +74,5 @@ def simulate(plan_path, trace_path, as_json, prompt_tokens):
     click.echo(f"latency {summary['latency_s']:.3f} s (max {summary['max_latency_s']:.3f} s, SLO {slo} s, "
                f"{summary['slo_violations']} miss(es)), throughput {summary['throughput_tokens_per_s']:.1f} tokens/s, "
                f"{summary['overflows']} overflow invocation(s)")
-    print_layers(layers)
+    for line in layer_lines(layers):
+        click.echo(line)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import click
 
+from moeplan.planner.commands.help_format import ListingGroup
 
-class DefaultToRecordGroup(click.Group):
+
+class DefaultToRecordGroup(ListingGroup):
     """A group whose first argument is a MODEL unless it names a subcommand."""
 
     default_command = "record"

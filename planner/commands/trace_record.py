@@ -1,16 +1,17 @@
 """`moeplan trace MODEL --data TEXT --out T.npz`: record the model's routing on a text file.
 
 The CLI only gathers inputs and shows progress; `passes/analysis/trace/record.py` does the recording and
-`trace_format.save_trace` writes the file atomically (an error leaves no file behind).
+`passes/analysis/trace/format.py: save_trace` writes the file atomically (an error leaves no file behind).
 """
 from __future__ import annotations
 
-import sys
+import contextlib
 from pathlib import Path
 
 import click
 
 from moeplan.planner import cli_types as T
+from moeplan.planner import progress
 from moeplan.planner.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -70,21 +71,14 @@ def text_codec(model: str, vocab_size: int):
     return TextCodec(tokenizer, vocab_size, native_bytes=not _is_hf_directory(model))
 
 
-def _progress_bar(enabled: bool):
-    """(context manager, callback) for a rich progress bar on a terminal; no-ops otherwise."""
-    import contextlib
-
-    if not enabled:
-        return contextlib.nullcontext(), None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    bar = Progress(TextColumn("tracing"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                   TimeRemainingColumn(), transient=True)
-    task = bar.add_task("trace", total=None)
-
-    def update(done: int, total: int) -> None:
-        bar.update(task, completed=done, total=total)
-    return bar, update
+@contextlib.contextmanager
+def _tracing_progress(shown: bool):
+    """Yields progress(done, total) for the tracing bar of `planner/progress.py` (a terminal only), or None."""
+    if not shown or not progress.enabled():
+        yield None
+        return
+    with progress.step("tracing tokens") as advance:
+        yield lambda done, total: advance(completed=done, total=total)
 
 
 @click.command("record")
@@ -111,8 +105,7 @@ def record(model, data, out, max_tokens, batch, seq_len, quiet):
         vocab_size, _, _ = model_limits(loaded)
         codec = text_codec(model, vocab_size if vocab_size else 1 << 62)
     byte_fallback = codec is not None and codec.source.startswith("byte fallback")
-    bar, update = _progress_bar(not quiet and sys.stderr.isatty())
-    with bar:
+    with _tracing_progress(not quiet) as update:
         trace = record_trace(loaded, text if ids is None else ids, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
                              tokenizer=None if codec is None else _encoder(codec), progress=update)
     save_trace(trace, out)
@@ -128,7 +121,7 @@ def _encoder(codec):
     """codec.encode_text with its complaints as one-line user errors."""
     def encode(text: str) -> list:
         try:
-            return codec.encode_text(text)
+            return codec.checked(text, codec.encode_text(text))
         except ValueError as exc:
             raise UserError(f"--data: {exc}") from None
     return encode

@@ -1,5 +1,7 @@
 """Every command that plans or compiles, as pass lists run by `planner/pass_manager.py`.
 
 `common.py` has the passes every target starts with (import, runtime files, trace), one file per
-target adds its planning passes and ends with its codegen pass, and `targets.py` names the lists.
+target adds its planning passes, its input facts and its summaries and ends with its codegen pass,
+`flags.py` holds every option and the targets it applies to, and `targets.py` is the registry
+that names the targets and runs them.
 """

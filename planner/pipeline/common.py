@@ -61,6 +61,16 @@ def needs_weights(facts) -> None:
                         "('moeplan plan' plans it without weights)")
 
 
+def plan_reads_back(facts) -> None:
+    """Postcondition of every plan pass: plan.json reads back as the plan that wrote it (what
+    `moeplan codegen` and `simulate` will read is what was decided)."""
+    from moeplan.planner.plan import Plan
+
+    text = facts["plan"].to_json()
+    if Plan.from_json(text).to_json() != text:
+        raise ValueError("plan.json does not read back as the plan that wrote it")
+
+
 IMPORT = Pass("import", ("model_spec",), ("model",), _import)
 MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _model_files)
 TRACE = Pass("trace", ("trace_path",), ("trace", "trace_sha256"), _trace)

@@ -29,11 +29,13 @@ import numpy as np
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, trace_matches_model
+from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
+from moeplan.planner.pipeline.placement import placement_is_valid
 from moeplan.planner.plan import Plan
 
 ENGINE_TARGETS = ("sglang", "trtllm")
 DEFAULT_POLICY = "eplb"
+ENGINE_DEFAULTED = ("policy", "expert_groups")  # placement flags whose engine default differs from torchrun's
 OBJECTIVE = ("balance under standard expert parallelism (tokens combine at their home rank every MoE layer): "
              "max over mean rank load per MoE layer, replicas splitting their expert's tokens evenly")
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -143,40 +145,54 @@ def _plan(facts):
     return {"plan": plan}
 
 
-def write_engine_bundle(out, plan: Plan) -> dict:
-    """The engine's files for a plan, written atomically at `out`; returns the manifest."""
-    from moeplan.backends.common.expert_slots import placement_slots
-    from moeplan.planner.atomic import atomic_path
+def write_bundle(out, plan: Plan) -> dict:
+    """The engine's files for a plan (`backends/sglang/` or `backends/trtllm/`), written atomically at `out`."""
+    import importlib
 
-    slots = placement_slots(plan.placement, int(plan.model["num_experts"]), int(plan.communication["redundant"]))
-    with atomic_path(Path(out), kind="bundle") as tmp:
-        if plan.target == "sglang":
-            from moeplan.backends.sglang.codegen import write_sglang_bundle
-
-            return write_sglang_bundle(tmp, plan, slots, kubernetes=bool(plan.deployment.get("kubernetes")),
-                                       image=plan.deployment.get("image"))
-        from moeplan.backends.trtllm.codegen import write_trtllm_bundle
-
-        return write_trtllm_bundle(tmp, plan, slots)
+    return importlib.import_module(f"moeplan.backends.{plan.target}.codegen").write_bundle(out, plan)
 
 
 def _codegen(facts):
-    return {"manifest": write_engine_bundle(facts["out"], facts["plan"])}
+    return {"manifest": write_bundle(facts["out"], facts["plan"])}
 
 
 LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
-                 _placement, check=trace_matches_model)
+                 _placement, check=trace_matches_model, ensures=placement_is_valid)
 PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target"),
-            ("plan",), _plan)
+            ("plan",), _plan, ensures=plan_reads_back)
 CODEGEN = Pass("codegen", ("plan", "out"), ("manifest",), _codegen)
 PASSES = [IMPORT, LAYERS, TRACE, PLACEMENT, PLAN, CODEGEN]
 
 
-def engine_summary(plan: Plan, out, timings, manifest) -> dict:
-    """The --json summary of an engine target's compile."""
-    return {"out": str(out), "target": plan.target, "world_size": plan.world_size,
-            "policy": plan.placement.get("policy"), "redundant": plan.communication["redundant"],
-            "objective": "balance", "predicted": dict(plan.to_dict()["predicted"]), "files": len(manifest["files"]),
-            "passes": timings}
+def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dict:
+    """The facts the engine pass list starts from. Placement flags not given (`given`: the names of
+    those that were) become None, so the passes apply the engine defaults (eplb, the config's groups)."""
+    from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
 
+    if values["image"] is not None and not values["kubernetes"]:
+        raise UserError("--image applies to --target sglang with --kubernetes (the pods' image)")
+    placement = {k: (None if k in ENGINE_DEFAULTED and k not in given else v)
+                 for k, v in pick(values, PLACEMENT_FLAGS).items()}
+    spec = {"name": target}
+    if values["kubernetes"]:
+        from moeplan.backends.sglang.codegen import DEFAULT_IMAGE
+
+        spec.update(kubernetes=True, image=values["image"] or DEFAULT_IMAGE)
+    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
+            "topology": {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]},
+            "placement_options": placement, "target": spec}
+
+
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of an engine target's plan."""
+    plan = facts["plan"]
+    return {"world_size": plan.world_size, "policy": plan.placement.get("policy"),
+            "redundant": plan.communication["redundant"], "objective": "balance",
+            "predicted": dict(plan.to_dict()["predicted"])}
+
+
+def describe(summary: dict, facts: dict) -> str:
+    return (f"{summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
+            f"{summary['redundant']} redundant slots); predicted max/mean rank load "
+            f"{summary['predicted']['max_over_mean_load']:.3f}")

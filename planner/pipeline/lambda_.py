@@ -1,6 +1,6 @@
 """The AWS Lambda target: profile -> serverless facts -> expert sizing -> dense partition -> plan -> codegen.
 
-Expert functions are sized by `passes/optimize/serverless/plan.py` (popularity table, optional
+Expert functions are sized by `passes/optimize/serverless/sizing_pipeline.py` (popularity table, optional
 BO, MILP + ODS with a scatter-gather method per layer); the dense stages are partitioned by HyPAD
 (`passes/optimize/serverless/partition.py`; parallelism 1: a dense slice is one function, whose
 memory grows instead when the latency limit needs it). `moeplan plan --target lambda` runs this
@@ -25,20 +25,19 @@ tensors its function will hold.
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.pipeline.common import IMPORT, TRACE, needs_weights, plan_reads_back, trace_matches_model
 from moeplan.planner.plan import Plan
 
 SERVERLESS_VERSION = 1
 
 
 def methods_from_text(text: str) -> tuple:
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     out = []
     for part in text.split(","):
@@ -67,7 +66,7 @@ def check_options(facts) -> None:
 def _platform(facts):
     from moeplan.planner.platforms import load_platform
 
-    return {"platform": load_platform(facts["serverless_options"]["platform_file"])}
+    return {"platform": load_platform(facts["serverless_options"]["platform"])}
 
 
 def _profile(facts):
@@ -87,7 +86,7 @@ def _facts(facts):
 
 def _sizing(facts):
     from moeplan.passes.optimize.serverless.bo_refine import BOOptions
-    from moeplan.passes.optimize.serverless.plan import SizingOptions, plan_serverless
+    from moeplan.passes.optimize.serverless.sizing_pipeline import SizingOptions, plan_serverless
 
     o = facts["serverless_options"]
     bo = BOOptions(q=o["bo_q"], max_iterations=o["bo_iterations"], seed=o["seed"], storage=o["bo_storage"]) \
@@ -186,7 +185,7 @@ def _predicted(outcome, part, prof, sfacts, o) -> dict:
 
 
 def _plan(facts):
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
 
     loaded, o, outcome = facts["model"], facts["serverless_options"], facts["sizing"]
     part, segment_of = facts["partition"]
@@ -239,29 +238,15 @@ def _lambda_model_files(facts):
     return {"model_files": {"architecture": arch, "files": files}}
 
 
-def write_lambda_bundle(out, plan: Plan, state: dict, model_files: dict) -> dict:
-    """The Lambda bundle written atomically at `out`, from the plan and the source weights."""
-    from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.backends.lambda_.codegen import write_bundle
-    from moeplan.planner.atomic import atomic_path
-
-    model = dict(plan.model, architecture=model_files["architecture"], config="model/config.json",
-                 weights_sha256=state_dict_sha256(state))
-    if "model/model.py" in model_files["files"]:
-        model["source"] = "model/model.py"
-    plan = dataclasses.replace(plan, model=model)
-    with atomic_path(Path(out), kind="bundle") as tmp:
-        return write_bundle(tmp, plan, state, model_files["files"])
-
-
 def _codegen(facts):
-    return {"manifest": write_lambda_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(),
-                                            facts["model_files"])}
+    from moeplan.backends.lambda_.codegen import write_bundle
+
+    return {"manifest": write_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(), facts["model_files"])}
 
 
 def read_plan(path) -> tuple:
     """(plan, facts, layers, batch_tokens) from a Lambda plan.json; problems are UserErrors."""
-    from moeplan.passes.optimize.serverless import cost as sc
+    from moeplan.passes.optimize.serverless import billing as sc
     from moeplan.passes.optimize.serverless.sizing import ExpertChoice, LayerDecision
 
     path = Path(path)
@@ -275,7 +260,10 @@ def read_plan(path) -> tuple:
             or not isinstance(plan.placement, dict):
         raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
     if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
-        raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' needs a lambda plan (serverless_version {SERVERLESS_VERSION})")
+        raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' takes lambda plans "
+                        f"(serverless_version {SERVERLESS_VERSION}) and offload plans"
+                        + ("; a torchrun or kubernetes bundle is measured by 'moeplan run BUNDLE --verify'"
+                           if plan.target in ("torchrun", "kubernetes") else ""))
     bad = _first_non_number({k: v for k, v in plan.inputs.get("facts", {}).items() if k != "platform"}
                             if isinstance(plan.inputs.get("facts"), dict) else None, "facts")
     if bad:
@@ -320,7 +308,63 @@ FACTS = Pass("facts", ("model", "profile", "platform"), ("serverless_facts",), _
 SIZING = Pass("sizing", ("serverless_facts", "trace", "serverless_options", "progress"), ("sizing",), _sizing)
 PARTITION = Pass("partition", ("model", "model_spec", "profile", "platform", "serverless_options"), ("partition",), _partition)
 PLAN = Pass("plan", ("model", "model_spec", "trace_sha256", "serverless_options", "serverless_facts", "profile", "platform",
-                     "sizing", "partition"), ("plan",), _plan)
+                     "sizing", "partition"), ("plan",), _plan, ensures=plan_reads_back)
 CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)
 
 PASSES = [MODEL_FILES, PLATFORM, IMPORT, TRACE, PROFILE, FACTS, SIZING, PARTITION, PLAN, CODEGEN]
+
+
+def inputs(model: str, trace: str, out, values: dict) -> dict:
+    """The facts the lambda pass list starts from; flag mistakes stop here, before any pass runs."""
+    from moeplan.planner.pipeline.flags import SERVERLESS_FLAGS, pick
+
+    serverless = dict(pick(values, SERVERLESS_FLAGS), time_limit=values["time_limit"], solver=values["solver"])
+    check_options({"serverless_options": serverless})
+    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
+            "serverless_options": serverless}
+
+
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of a lambda plan."""
+    doc = facts["plan"].to_dict()
+    result = {}
+    if "manifest" not in facts:
+        result["bo_iterations"] = facts["sizing"].bo["iterations"] if facts["sizing"].bo else 0
+    p = doc["predicted"]
+    result.update(functions=doc["topology"]["functions"], dense_slices=len(doc["placement"]["dense_slices"]),
+                  methods=doc["communication"]["methods"], cost_per_request_usd=p["cost_per_request_usd"],
+                  moe_cost_per_batch_usd=p["moe_cost_per_batch_usd"], latency_s=p["latency_s"],
+                  throughput_tokens_per_s=p["throughput_tokens_per_s"], algorithm=p["algorithm"],
+                  predictor_error=p["predictor_error"])
+    return result
+
+
+def layer_lines(layers) -> list:
+    """The per-layer sizing as a table: method, beta, memory and replica counts."""
+    from collections import Counter
+
+    from moeplan.passes.optimize.serverless import billing as sc
+
+    lines = ["layer  method        beta  memory MB (experts)                 replicas (experts)"]
+    for e, d in enumerate(layers):
+        mem = Counter(c.memory_mb for c in d.experts)
+        reps = Counter(c.replicas for c in d.experts)
+        mem_s = " ".join(f"{m}x{n}" for m, n in sorted(mem.items()))
+        rep_s = " ".join(f"{r}x{n}" for r, n in sorted(reps.items()))
+        lines.append(f"{e:>5}  {sc.METHOD_NAMES[d.method]:<12}  {d.beta:>4}  {mem_s:<34}  {rep_s}")
+    return lines
+
+
+def describe(summary: dict, facts: dict) -> str:
+    """What a lambda plan (with its sizing table) or bundle holds."""
+    lines = [f"{summary['functions']} functions ({summary['dense_slices']} dense slices), methods "
+             f"{', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request"]
+    if "manifest" not in facts:  # the plan alone: how it was sized
+        timings = summary["passes"]
+        lines += layer_lines(facts["sizing"].result.layers)
+        lines.append("predictor error (tokens per expert): "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in summary["predictor_error"].items()))
+        profile_s = sum(t["seconds"] for t in timings if t["pass"] == "profile")
+        lines.append(f"planning took {sum(t['seconds'] for t in timings):.1f} s (profile {profile_s:.1f} s"
+                     f"{', cached' if facts['profile'].cached else ''})")
+    return "\n".join(lines)

@@ -1,16 +1,20 @@
-"""The offload target (one GPU whose experts do not all fit): import -> trace -> offload plan.
+"""The offload target (one GPU whose experts do not all fit): import -> trace -> offload plan; and
+the expert caches of torchrun bundles (compile --gpu-memory / --expert-cache).
 
 A plan-only target for now: the decisions (cache capacity, residents, eviction, prefetch, tiers)
-are `passes/optimize/offload/plan.py`; no bundle codegen yet. Facts read from the command:
+are `passes/optimize/offload/cache_plan.py`; no bundle codegen yet. Facts read from the command:
 `offload_options` (gpu_memory_bytes | expert_cache, hardware, batch, max_length, prompt_tokens,
-validation_fraction, seed) and `progress` (a callable for progress lines).
+validation_fraction, seed) and `progress` (a callable for progress lines). `offload_options`
+turns the flags (planner/pipeline/flags.py) into those options, for this target and for torchrun's.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, trace_matches_model
+from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
 from moeplan.planner.plan import Plan
 
 
@@ -23,7 +27,7 @@ def routed_trace_matches_model(facts) -> None:
 
 
 def _plan(facts):
-    from moeplan.passes.optimize.offload.plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
     from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
 
     o, loaded = facts["offload_options"], facts["model"]
@@ -49,25 +53,94 @@ def _plan(facts):
 
 
 PLAN = Pass("plan", ("model", "model_spec", "trace", "trace_sha256", "offload_options", "progress"), ("plan",), _plan,
-            check=routed_trace_matches_model)
+            check=routed_trace_matches_model, ensures=plan_reads_back)
 PASSES = [IMPORT, TRACE, PLAN]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str, option: str = "--gpu-memory") -> int:
+    """'25769803776', '24GiB', '24GB' (10^9), '16g' -> bytes; UserError otherwise."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"{option} {text!r} is not a size; give bytes (25769803776) or a unit (24GiB, 24GB)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def offload_options(values: dict, target: str = "offload"):
+    """The pipeline's `offload_options` from the flags' values; None for torchrun/kubernetes without
+    --gpu-memory/--expert-cache (no expert cache). Bad values are UserErrors."""
+    gpu_memory, expert_cache, prefetch = values["gpu_memory"], values["expert_cache"], values["prefetch"]
+    if target != "offload" and gpu_memory is None and expert_cache is None:
+        for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory"), ("prefetch", "--prefetch")):
+            if values[flag] is not None:
+                raise UserError(f"{name} needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
+        return None
+    if prefetch is not None:  # a pair that cannot run stops here, before any pass
+        from moeplan.passes.optimize.offload.ranks import prefetch_candidates
+
+        prefetch_candidates(values["eviction"], prefetch)
+    if (gpu_memory is None) == (expert_cache is None):
+        raise UserError(f"--target {target} needs exactly one of --gpu-memory BYTES or --expert-cache N")
+    for name, value in (("--batch", values["batch"]), ("--max-length", values["max_length"])):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if values["prompt_tokens"] < 0:
+        raise UserError(f"--prompt-tokens must be 0 or more, got {values['prompt_tokens']}")
+    if not 0 < values["validation_fraction"] < 1:
+        raise UserError(f"--validation-fraction must be between 0 and 1, got {values['validation_fraction']}")
+    options = {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
+               "expert_cache": expert_cache, "hardware": values["hardware"] if target == "offload" else None,
+               "batch": values["batch"],
+               "host_memory_bytes": parse_bytes(values["host_memory"], "--host-memory") if values["host_memory"] is not None else None,
+               "max_length": values["max_length"], "prompt_tokens": values["prompt_tokens"],
+               "validation_fraction": values["validation_fraction"], "seed": values["seed"]}
+    if target != "offload":  # the bundle's policy and prefetcher; --target offload compares them all
+        options.update(eviction=values["eviction"], prefetch=prefetch)
+    return options
+
+
+def inputs(model: str, trace: str, out, values: dict) -> dict:
+    """The facts `moeplan plan --target offload` starts from (an unknown --hardware stops here, before any pass)."""
+    from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
+
+    load_profile(values["hardware"], DEFAULT_OFFLOAD_HARDWARE)
+    return {"model_spec": str(model), "trace_path": str(trace), "offload_options": offload_options(values)}
+
+
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of an offload plan."""
+    the_plan = facts["plan"]
+    p, c = the_plan.predicted, the_plan.communication
+    return {"expert_cache": c["expert_cache"], "total_experts": c["memory"]["total_experts"], "eviction": c["eviction"],
+            "prefetch": c["prefetch"], "hit_ratio": p["hit_ratio"], "seconds_per_token": p["seconds_per_token"],
+            "belady_gap_points": p["belady_gap_points"]}
+
+
+def describe(summary: dict, facts: dict) -> str:
+    """What an offload plan holds."""
+    the_plan = facts["plan"]
+    p, c = the_plan.predicted, the_plan.communication
+    m = c["memory"]
+    return "\n".join([
+        f"expert cache {c['expert_cache']} of {m['total_experts']} experts "
+        f"({m['expert_bytes'] / 2**20:.1f} MiB each), eviction {c['eviction']}, prefetch {c['prefetch']}",
+        f"GPU memory: dense {m['dense_bytes'] / 2**30:.2f} GiB, KV {m['kv_cache_bytes'] / 2**30:.2f} GiB, "
+        f"activations {m['activation_bytes'] / 2**30:.2f} GiB, reserve {m['reserve_bytes'] / 2**30:.2f} GiB; "
+        f"tiers: host {c['tiers']['host_experts']} experts, disk {c['tiers']['disk_experts']}",
+        f"predicted on held-out sequences: hit ratio {p['hit_ratio']:.3f} (Belady {p['policies']['belady']['hit_ratio']:.3f}), "
+        f"{p['seconds_per_token'] * 1e3:.3f} ms/token, {p['resident_at_layer_start']:.3f} resident at layer start",
+        f"planning took {summary['seconds']:.1f} s"])
 
 
 # --- expert caches inside torchrun bundles (compile --gpu-memory / --expert-cache) -------------------
 
-RUNTIME_POLICY_FILES = {  # bundle path: the simulator's module it is a copy of
-    "runtime/offload_policies.py": "moeplan.passes.optimize.offload.policies",
-    "runtime/offload_next_use.py": "moeplan.passes.optimize.offload.next_use",
-    "runtime/offload_stepper.py": "moeplan.passes.optimize.offload.stepper",
-    "runtime/offload_prefetch.py": "moeplan.passes.optimize.offload.prefetch",
-    "runtime/offload_eam_match.py": "moeplan.passes.analysis.eam_match",
-}
-
-
 def _offload_request(o: dict, hardware: str):
     """The expert-cache request of a torchrun/Kubernetes plan, priced on the plan's own profile
     (`hardware`: --hardware, the same profile as the cost model's)."""
-    from moeplan.passes.optimize.offload.plan import OffloadRequest
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest
     from moeplan.planner.hardware import load_hardware
 
     return OffloadRequest(hardware=load_hardware(hardware), gpu_memory_bytes=o["gpu_memory_bytes"],
@@ -82,15 +155,13 @@ def _expert_cache(facts):
     if o is None:
         return {"expert_cache": None}
     from moeplan.passes.analysis.trace.format import require_routing
-    from moeplan.passes.optimize.offload.plan import kv_bytes_per_token
+    from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.passes.optimize.offload.ranks import plan_rank_caches
 
     require_routing(facts["trace"], "an expert cache (per-token expert requests)")
     loaded = facts["model"]
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
-    from moeplan.planner.pipeline.cost import default_cost_options
-
-    hardware = default_cost_options(facts.get("cost_options"))["hardware"]
+    hardware = facts["cost_options"]["hardware"]  # the plan's one profile (default_cost_options filled it in)
     body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o, hardware),
                             kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"),
                             prefetch=o.get("prefetch"), ranks_per_node=facts["placement"].topology.gpus_per_node)
@@ -101,26 +172,6 @@ def recorded_options(o: dict) -> dict:
     """The offload options as plan.json's inputs record them: `prefetch` only when it prefetches
     (so that --prefetch none plans byte for byte as before the flag existed)."""
     return {k: v for k, v in o.items() if not (k == "prefetch" and v in (None, "none"))}
-
-
-def runtime_policy_files() -> dict:
-    """The simulator's policy, prefetch and stepper modules, shipped as the bundle runtime's (one
-    implementation: the runtime runs the very code the simulator ran). They import numpy and each
-    other only; `from moeplan.<shipped module> import` lines become `from .offload_<name> import`."""
-    import importlib.util
-    import re
-    from pathlib import Path
-
-    shipped = {module: "." + Path(dest).stem for dest, module in RUNTIME_POLICY_FILES.items()}
-
-    def local_import(m):
-        if m.group(1) not in shipped:
-            raise ValueError(f"a shipped offload module imports {m.group(1)}, which bundles do not ship")
-        return f"from {shipped[m.group(1)]} import"
-
-    return {dest: re.sub(r"^from (moeplan[\w.]*) import", local_import,
-                         Path(importlib.util.find_spec(module).origin).read_text(), flags=re.MULTILINE)
-            for dest, module in RUNTIME_POLICY_FILES.items()}
 
 
 EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options", "cost_options"), ("expert_cache",),
@@ -185,12 +236,3 @@ def _requests_match_routing(out_dir, summary: dict, streams: list) -> bool:
         return {(int(s.step_token[st]), int(k)) for st, k in zip(s.step, s.keys)}
 
     return set().union(*(pairs(s) for s in streams)) == pairs(expected)
-
-
-def with_numpy(requirements: str) -> str:
-    """A bundle's requirements.txt plus the numpy its expert cache and policies import (pinned)."""
-    import numpy
-
-    if any(line.split("==")[0] == "numpy" for line in requirements.splitlines()):
-        return requirements
-    return requirements + f"numpy=={numpy.__version__}\n"

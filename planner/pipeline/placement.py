@@ -18,11 +18,27 @@ def _placement(facts):
     return {"placement": plan_placement(facts["trace"], request)}
 
 
+def placement_is_valid(facts) -> None:
+    """Postcondition of every placement pass: the structural rules of a placement (every expert
+    placed, no device hosting one twice), on the topology asked for, one entry per traced layer."""
+    from moeplan.passes.optimize.placement.decision import validate_placement
+
+    placement, topology, trace = facts["placement"], facts["topology"], facts["trace"]
+    validate_placement(placement)
+    asked = (topology["nodes"], topology["gpus_per_node"])
+    if (placement.topology.nodes, placement.topology.gpus_per_node) != asked:
+        raise ValueError(f"the placement is for {placement.topology}, not the {asked[0]} x {asked[1]} asked for")
+    if len(placement.layers) != trace.num_layers or placement.num_experts < trace.num_experts:
+        raise ValueError(f"the placement has {len(placement.layers)} layers of {placement.num_experts} experts; the trace "
+                         f"{trace.num_layers} layers of {trace.num_experts}")
+
+
 def _write(facts):
     facts["placement"].save(facts["out"], timings=facts["timings"])
     return {"written": str(facts["out"])}
 
 
-PLACEMENT = Pass("placement", ("trace", "topology", "placement_options"), ("placement",), _placement)
+PLACEMENT = Pass("placement", ("trace", "topology", "placement_options"), ("placement",), _placement,
+                 ensures=placement_is_valid)
 WRITE = Pass("write", ("placement", "out", "timings"), ("written",), _write)
 PASSES = [TRACE, PLACEMENT, WRITE]

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from moeplan.backends.torchrun.launch import failure_reason, launch, read_prompts
+from moeplan.planner import progress
 from moeplan.planner.errors import UserError
 
 LOGIT_TOLERANCE = 1e-4
@@ -67,13 +68,15 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
             out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise UserError(f"cannot create --results '{out_dir}' ({exc.strerror or exc}); choose a writable directory") from None
-        proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout, context)
+        with progress.step(f"running {world} rank{'s' if world > 1 else ''} ({', '.join(modes)}) with torchrun"):
+            proc = launch(root, world, prompts_file, new_tokens, ",".join(modes), out_dir, timeout, context)
         if proc.returncode != 0:
             reason = failure_reason(proc.stderr + "\n" + proc.stdout)
             raise UserError(f"the bundle's ranks failed (exit {proc.returncode}): {reason}")
         reference_cache = {}
-        reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache, context)
-                   for mode in modes}
+        with progress.step("verifying against the source model" if verify else "reading the ranks' results"):
+            reports = {mode: _report(root, plan, world, mode, out_dir / mode, new_tokens, verify, reference_cache, context)
+                       for mode in modes}
         encoding = [l[len("prompts: "):] for l in proc.stdout.splitlines() if l.startswith("prompts: ")]
         for report in reports.values():  # how the runtime read the prompts (tokenizer.json or byte fallback)
             report["prompt_encoding"] = encoding[0] if encoding else "unknown"
@@ -93,7 +96,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
     }
-    from moeplan.planner.pipeline.cost import measured_beside_predicted  # issue 12: the cost model, checked
+    from moeplan.planner.pipeline.cost_passes import measured_beside_predicted  # issue 12: the cost model, checked
 
     report.update(measured_beside_predicted(root, plan, out_dir, mode, summary, context))
     if plan["communication"].get("expert_cache"):  # issue 13: measured cache counters beside the simulator's

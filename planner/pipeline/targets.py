@@ -1,77 +1,167 @@
-"""The targets: each a pass list ending in its codegen pass; planning is the same list asked for the plan.
+"""The target registry: every target's name -> the flags it takes, its pass list and its codegen.
 
-`run_target` is what `moeplan compile` and `moeplan plan` call; `codegen_from_plan` is what
-`moeplan codegen plan.json` calls: the target's codegen alone, from the plan and the weights.
+This is the one place targets are dispatched. `moeplan compile` (`compile_target`), `moeplan plan`
+(`plan_target`), `moeplan codegen` (`codegen_plan`) and the Python API (`moeplan.compile`,
+`moeplan.plan`) all come here:
+
+* the flags a target takes are those of `planner/pipeline/flags.py` that name it; any other flag
+  given is refused in one line (`flags.refuse_inapplicable`);
+* `inputs` turns the flags' values into the facts its pass list starts from (checking them first);
+* the pass list ends in the codegen pass; `plan` asks it for the plan only, `codegen` gives it the
+  plan and asks for the bundle (`PassManager(want=...)`);
+* `summary` is the `--json` summary, `describe` the human lines.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from moeplan.planner import progress
 from moeplan.planner.errors import UserError
 from moeplan.planner.pass_manager import PassManager
-from moeplan.planner.pipeline import common, engines, lambda_, torchrun
+from moeplan.planner.pipeline import engines, flags, lambda_, offload, torchrun
 
-TARGETS = {"torchrun": torchrun.PASSES, "kubernetes": torchrun.PASSES, "lambda": lambda_.PASSES,
-           "sglang": engines.PASSES, "trtllm": engines.PASSES}
+DEFAULT_TARGET = "torchrun"
 
 
-def run_target(target: str, facts: dict, *, plan_only: bool = False, quiet: bool = False) -> tuple:
-    """(facts, pass timings) of the target's pipeline; with `plan_only`, just what the plan needs."""
-    if target not in TARGETS:
-        raise UserError(f"unknown target '{target}'; use one of {', '.join(TARGETS)}")
-    manager = PassManager(TARGETS[target], quiet=quiet)
-    facts = manager.run(facts, want=("plan",) if plan_only else None)
+@dataclass(frozen=True)
+class Target:
+    """One deployment target (see the module docstring)."""
+
+    name: str
+    about: str
+    passes: list
+    inputs: Callable  # (model, trace, out, values, given) -> input facts
+    summary: Callable  # facts -> the --json summary's target fields
+    describe: Callable  # (summary, facts) -> what the plan or bundle holds, in lines
+    bundles: bool = True  # False: plans only (no codegen yet)
+
+    @property
+    def flags(self) -> tuple:
+        return flags.flags_of(self.name)
+
+
+TARGETS = {t.name: t for t in (
+    Target("torchrun", "torchrun bundle: expert-parallel ranks on GPUs (or gloo on CPU), launch.sh, shards",
+           torchrun.PASSES, lambda m, t, o, v, g: torchrun.inputs("torchrun", m, t, o, v), torchrun.summary,
+           torchrun.describe),
+    Target("kubernetes", "the torchrun bundle plus kubernetes/ manifests (indexed Job, Service, ConfigMap, PVC)",
+           torchrun.KUBERNETES_PASSES, lambda m, t, o, v, g: torchrun.inputs("kubernetes", m, t, o, v), torchrun.summary,
+           torchrun.describe),
+    Target("lambda", "AWS Lambda (SAM) bundle: sized expert functions, partitioned dense stages (docs/serverless.md)",
+           lambda_.PASSES, lambda m, t, o, v, g: lambda_.inputs(m, t, o, v), lambda_.summary, lambda_.describe),
+    Target("sglang", "the placement file SGLang loads at startup, launch script (a config is enough; docs/interop.md)",
+           engines.PASSES, lambda m, t, o, v, g: engines.inputs("sglang", m, t, o, v, g), engines.summary,
+           engines.describe),
+    Target("trtllm", "TensorRT-LLM's static MoE load balancer file, launch script (a config is enough)",
+           engines.PASSES, lambda m, t, o, v, g: engines.inputs("trtllm", m, t, o, v, g), engines.summary,
+           engines.describe),
+    Target("offload", "one GPU whose experts do not all fit: expert cache, residents, eviction, prefetch, tiers "
+           "(plan only; docs/offload.md)", offload.PASSES, lambda m, t, o, v, g: offload.inputs(m, t, o, v),
+           offload.summary, offload.describe, bundles=False),
+)}
+BUNDLE_TARGETS = tuple(n for n, t in TARGETS.items() if t.bundles)
+
+
+@dataclass
+class Outcome:
+    """What a plan, compile or codegen gives back: the facts (`plan`, and `manifest` for a bundle),
+    the pass timings and the summary `--json` prints."""
+
+    target: str
+    facts: dict
+    timings: list
+    summary: dict
+
+    @property
+    def plan(self):
+        return self.facts["plan"]
+
+    def describe(self) -> str:
+        s = self.summary
+        what = f"wrote {s['out']}" + (f" ({s['files']} files)" if "files" in s else "")
+        return f"{what}: {TARGETS[self.target].describe(s, self.facts)}"
+
+
+def _outcome(target: Target, facts: dict, out, timings: list) -> Outcome:
+    """The outcome with its summary: what every target reports, then the target's own fields."""
+    summary = {"out": str(out), "target": target.name, "passes": timings,
+               "seconds": round(sum(t["seconds"] for t in timings), 3)}
+    if "manifest" in facts:
+        summary["files"] = len(facts["manifest"]["files"])
+    return Outcome(target.name, facts, timings, {**summary, **target.summary(facts)})
+
+
+def target_of(name: str, bundle: bool = False) -> Target:
+    """The registered target `name`; `bundle`: it must have codegen."""
+    if name not in TARGETS:
+        raise UserError(f"unknown target '{name}'; use one of {', '.join(TARGETS)}")
+    target = TARGETS[name]
+    if bundle and not target.bundles:
+        raise UserError(f"--target {name} plans only (no bundle yet): use 'moeplan plan --target {name}'")
+    return target
+
+
+def _run(target: Target, facts: dict, want, quiet: bool) -> tuple:
+    say = (lambda msg: None) if quiet else (lambda msg: progress.say(msg))
+    manager = PassManager(target.passes, quiet=quiet)
+    with progress.silenced(quiet):
+        facts = manager.run({**facts, "progress": say}, want=want)
     return facts, manager.timings()
 
 
-def codegen_from_plan(plan, model_spec: str, out: str) -> dict:
-    """The bundle of a written plan: the target's codegen over the plan and the model's weights."""
-    from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.planner.importers import load_model
-
-    if plan.target not in TARGETS:
-        raise UserError(f"plan target '{plan.target}' has no codegen; use one of {', '.join(TARGETS)}")
-    if plan.target in engines.ENGINE_TARGETS:  # placement files only: no weights
-        return engines.write_engine_bundle(out, plan)
-    runtime = lambda_.MODEL_FILES if plan.target == "lambda" else common.MODEL_FILES
-    files = runtime.run({"model_spec": model_spec})["model_files"]
-    if plan.target != "lambda":  # a Hugging Face checkpoint streams; the hash is checked as it is written
-        loaded = torchrun.IMPORT.run({"model_spec": model_spec})["model"]
-        _require_weights(loaded, model_spec)
-        weights, checkpoint = torchrun.weights_source(model_spec, loaded, files, plan.deployment.get("weights", "copy"))
-        try:
-            return torchrun.write_torchrun_bundle(out, plan, weights, files, checkpoint)
-        except UserError as exc:
-            raise UserError(str(exc).replace("the weights are", f"the weights of '{model_spec}' are")) from None
-    loaded = load_model(model_spec)
-    _require_weights(loaded, model_spec)
-    state = loaded.module.state_dict()
-    expected = plan.model.get("weights_sha256")
-    if expected is not None and state_dict_sha256(state) != expected:
-        raise UserError(f"the weights of '{model_spec}' are not those the plan was made for (weights_sha256 differs); "
-                        "give the plan's model with --model or plan again")
-    return lambda_.write_lambda_bundle(out, plan, state, files)
+def _start(target: Target, model, trace, out, values: dict, given) -> dict:
+    flags.refuse_inapplicable(target.name, given)
+    return target.inputs(model, trace, out, values, set(given))
 
 
-def _require_weights(loaded, model_spec: str) -> None:
-    if loaded.module is None or not loaded.has_weights:
-        raise UserError(f"model '{model_spec}' has no weights to ship; codegen needs the weights the plan was made for")
+def compile_target(name: str, model, trace, out, values: dict, given=(), quiet: bool = False, finish=None) -> Outcome:
+    """Plan and write the bundle of target `name` at `out`. `values`: every flag's value
+    (`flags.resolve`); `given`: the names of the flags the user gave (the others are refused
+    when they do not apply). `finish(out)`, if given, adds to the written bundle and returns its
+    new manifest (`compile --report`), before the manifest is signed."""
+    target = target_of(name, bundle=True)
+    facts = _start(target, model, trace, out, values, given)
+    signer = _signer(values.get("sign_key"))  # a bad key fails before any work
+    facts, timings = _run(target, facts, None, quiet)
+    if finish is not None:
+        facts["manifest"] = finish(out)
+    signer(out)
+    return _outcome(target, facts, out, timings)
 
 
-def compile_bundle(model_spec: str, trace_path: str, nodes: int, gpus_per_node: int, out: str, placement_options: dict,
-                   mode: str = "coherent", quiet: bool = False, target: dict | None = None,
-                   cost_options: dict | None = None, offload_options: dict | None = None) -> tuple:
-    """A torchrun (or kubernetes) bundle from Python, as `moeplan compile` writes it; (facts, timings).
+def plan_target(name: str, model, trace, out, values: dict, given=(), quiet: bool = False) -> Outcome:
+    """The plan of target `name` alone (its pass list without codegen), written at `out` when given."""
+    from moeplan.planner.atomic import write_text_atomic
 
-    `placement_options` holds any `PlacementRequest` fields (policy, redundant, time_limit, ...);
-    policy and `mode` may be "auto" (by the cost model's predicted time under `cost_options`
-    {"hardware", "workload"}, default cpu-gloo and 8x32+8).
-    """
-    from moeplan.planner.pipeline.cost import default_cost_options
+    target = target_of(name)
+    facts = _start(target, model, trace, out, values, given)
+    facts, timings = _run(target, facts, ("plan",), quiet)
+    if out is not None:
+        write_text_atomic(out, facts["plan"].to_json(), kind="plan")
+    return _outcome(target, facts, out, timings)
 
-    if nodes < 1 or gpus_per_node < 1:
-        raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {nodes} and {gpus_per_node}")
-    target = target or {"name": "torchrun"}
-    return run_target(target["name"], {
-        "model_spec": str(model_spec), "trace_path": str(trace_path), "out": str(out),
-        "topology": {"nodes": nodes, "gpus_per_node": gpus_per_node}, "placement_options": dict(placement_options),
-        "mode": mode, "target": target, "cost_options": default_cost_options(cost_options),
-        "offload_options": offload_options}, quiet=quiet)
+
+def codegen_plan(plan, model_spec: str, out, quiet: bool = False) -> Outcome:
+    """The bundle of a written plan: its target's pass list given the plan, asked for the bundle
+    (so only the codegen pass and what it reads run: the weights' import, the runtime's files)."""
+    target = target_of(plan.target, bundle=True)
+    try:
+        facts, timings = _run(target, {"plan": plan, "model_spec": str(model_spec), "out": str(out)}, ("manifest",), quiet)
+    except UserError as exc:
+        raise UserError(str(exc).replace("the weights are", f"the weights of '{model_spec}' are")) from None
+    return _outcome(target, facts, out, timings)
+
+
+def _signer(sign_key):
+    """Load the signing key now; returns bundle -> None that signs its manifest."""
+    if sign_key is None:
+        return lambda out: None
+    from moeplan.backends.common.signing import SigningError, load_private_key, sign_bundle
+
+    try:
+        key = load_private_key(sign_key)
+    except SigningError as exc:
+        raise UserError(f"--sign-key: {exc}") from None
+    return lambda out: sign_bundle(Path(out), key)

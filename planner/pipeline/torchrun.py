@@ -1,13 +1,14 @@
-"""The torchrun and Kubernetes targets: affinity -> placement -> plan -> codegen.
+"""The torchrun and Kubernetes targets: affinity -> placement -> cost -> expert caches -> plan -> codegen.
 
 The placement decision itself is `passes/optimize/placement/`; this file wires it. The plan pass
 records every decision (placement, communication mode, the Kubernetes settings) and nothing of the
 bundle's layout; the codegen pass adds the layout (shard names, model file paths) and writes the
 bundle into a temporary directory that is renamed onto --out only when everything succeeded.
 
-Facts read from the command: `topology` {"nodes", "gpus_per_node"}, `placement_options` (policy
-flags), `mode` (coherent | standard), `target` {"name", and for kubernetes "image",
-"storage_class"; "weights": "reference" for `--weights reference`}, `out`.
+Facts read from the command (`inputs`): `topology` {"nodes", "gpus_per_node"}, `placement_options`
+(policy flags), `mode` (auto | coherent | standard), `target` {"name", and for kubernetes "image",
+"storage_class"; "weights": "reference" for `--weights reference`}, `cost_options`,
+`offload_options` (None without an expert cache), `out`.
 
 A Hugging Face directory with safetensors is imported on `meta` and its checkpoint streamed into
 the shards tensor by tensor (`backends/common/checkpoint_index.py`): compile never holds the
@@ -22,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from moeplan.planner.pass_manager import Pass
-from moeplan.planner.pipeline import cost as cost_passes
+from moeplan.planner.pipeline import cost_passes
 from moeplan.planner.pipeline import offload as offload_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline import common
-from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, trace_matches_model
+from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, plan_reads_back, trace_matches_model
 from moeplan.planner.plan import Plan
 
 def _affinity(facts):
@@ -77,53 +78,21 @@ def _plan(facts):
         plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
                                    predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
                                    inputs={**plan.inputs, "offload": offload_passes.recorded_options(facts["offload_options"])})
-    return {"plan": plan}
+    return {"plan": _with_capacity(plan, facts)}
 
 
-def bundle_plan(plan: Plan, model_files: dict, checkpoint: dict | None = None) -> Plan:
-    """The plan with the bundle's layout filled in: shard names, model files' paths, and for
-    `--weights reference` the checkpoint the indexes point into (codegen adds the weights' hash)."""
-    from moeplan.backends.common.shards import shard_name
+def _with_capacity(plan: Plan, facts) -> Plan:
+    """Issue 29: how many sequences of what context the ranks hold (passes/optimize/capacity.py)."""
+    from moeplan.passes.optimize.capacity import device_memory, serving_capacity
+    from moeplan.planner.hardware import load_hardware
 
-    model = dict(plan.model, config="model/config.json")
-    if "model/model.py" in model_files["files"]:
-        model["source"] = "model/model.py"
-    form = "reference" if checkpoint is not None else "copy"
-    if checkpoint is not None:
-        model["checkpoint"] = checkpoint
-    return dataclasses.replace(plan, model=model, shards=[shard_name(r, form) for r in range(plan.world_size)])
-
-
-def write_torchrun_bundle(out, plan: Plan, weights, model_files: dict, checkpoint: dict | None = None) -> dict:
-    """The torchrun bundle, plus kubernetes/ manifests for that target, written atomically at `out`.
-
-    `weights`: the library state dict or `TensorEntry`s (`weights_source`); `checkpoint`: the
-    referenced checkpoint ({"path", "files"}) for `--weights reference`.
-    """
-    from moeplan.backends.common.manifest import write_manifest
-    from moeplan.backends.torchrun.codegen import WeightsMismatch, write_bundle
-    from moeplan.planner.atomic import atomic_path
-    from moeplan.planner.errors import UserError
-
-    plan = bundle_plan(plan, model_files, checkpoint)
-    with atomic_path(Path(out), kind="bundle") as tmp:
-        try:
-            manifest = write_bundle(tmp, plan, weights, model_files["files"])
-        except WeightsMismatch as exc:
-            raise UserError(f"{exc}; give the plan's model with --model or plan again") from None
-        if plan.communication.get("expert_cache"):  # the runtime's cache runs the simulator's policy code
-            from moeplan.backends.common.files import write_file
-
-            for rel, text in offload_passes.runtime_policy_files().items():
-                write_file(tmp / rel, text)
-            write_file(tmp / "requirements.txt", offload_passes.with_numpy((tmp / "requirements.txt").read_text()))
-            manifest = write_manifest(tmp)
-        if plan.target == "kubernetes":
-            from moeplan.backends.kubernetes.codegen import write_manifests
-
-            write_manifests(tmp, plan, image=plan.deployment["image"], storage_class=plan.deployment.get("storage_class"))
-            manifest = write_manifest(tmp)
-    return manifest
+    loaded, cache = facts["model"], plan.communication.get("expert_cache")
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    resident = list(cache["capacity"]) if cache else [int(n) for n in facts["placement"].hosts().sum(axis=(0, 1))]
+    profile = load_hardware(facts["cost_options"]["hardware"])  # the plan's one profile
+    capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"],
+                                *device_memory(facts["offload_options"], profile))
+    return dataclasses.replace(plan, communication={**plan.communication, "capacity": capacity})
 
 
 def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy") -> tuple:
@@ -156,21 +125,97 @@ def _import(facts):
     return {"model": load_directory_meta(directory)} if directory is not None else common.IMPORT.run(facts)
 
 
-def _codegen(facts):
-    form = facts["target"].get("weights", "copy")
-    weights, checkpoint = weights_source(facts["model_spec"], facts["model"], facts["model_files"], form)
-    return {"manifest": write_torchrun_bundle(facts["out"], facts["plan"], weights, facts["model_files"], checkpoint)}
+def write_bundle(backend: str, out, plan: Plan, model_spec: str, loaded, model_files: dict) -> dict:
+    """The plan's bundle at `out` by `backends/<backend>/codegen.py` (torchrun, or kubernetes: the
+    torchrun bundle plus manifests), its weights read from the model."""
+    import importlib
+
+    weights, checkpoint = weights_source(model_spec, loaded, model_files, plan.deployment.get("weights", "copy"))
+    writer = importlib.import_module(f"moeplan.backends.{backend}.codegen").write_bundle
+    return writer(out, plan, weights, model_files, checkpoint)
+
+
+def codegen_pass(backend: str) -> Pass:
+    """The codegen pass writing the bundle with `backends/<backend>/codegen.py`."""
+    def codegen(facts):
+        return {"manifest": write_bundle(backend, facts["out"], facts["plan"], facts["model_spec"], facts["model"],
+                                         facts["model_files"])}
+
+    return Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), codegen, check=needs_weights)
 
 
 AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
 # the placement pass of `moeplan place`, here also checking that the trace was recorded from this model;
-# --policy auto prices every policy with the cost model (planner/pipeline/cost.py)
+# --policy auto prices every policy with the cost model (planner/pipeline/cost_passes.py)
 PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
-                     "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan)
-CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out", "target"), ("manifest",), _codegen,
-               check=needs_weights)
+                     "target", "cost", "expert_cache", "offload_options", "cost_options"), ("plan",), _plan,
+            ensures=plan_reads_back)
 IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 
-PASSES = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN, CODEGEN]
+PLANNING = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN]
+PASSES = PLANNING + [codegen_pass("torchrun")]
+KUBERNETES_PASSES = PLANNING + [codegen_pass("kubernetes")]
+
+
+def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
+    """The facts the torchrun or kubernetes pass list starts from, from the flags' values."""
+    from moeplan.planner.pipeline.cost_passes import default_cost_options
+    from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
+
+    spec = {"name": target}
+    if target == "kubernetes":
+        from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
+
+        spec.update(image=values["image"] or DEFAULT_IMAGE, storage_class=values["storage_class"])
+    if values["weights"] == "reference":  # recorded in the plan's deployment; codegen writes checkpoint indexes
+        spec["weights"] = "reference"
+    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
+            "topology": {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]},
+            "placement_options": pick(values, PLACEMENT_FLAGS), "mode": values["mode"], "target": spec,
+            "cost_options": default_cost_options({"hardware": values["hardware"], "workload": values["workload"]},
+                                                 values["nodes"]),
+            "offload_options": offload_passes.offload_options(values, target)}
+
+
+def summary(facts: dict) -> dict:
+    """The --json summary's fields of a torchrun or kubernetes plan: scale, headline predictions."""
+    from moeplan.planner.pipeline.cost_passes import describe_choice
+
+    plan = facts["plan"]
+    doc = plan.to_dict()
+    result = dict(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
+                  predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")})
+    cache = doc["communication"].get("expert_cache")
+    if cache:  # issue 13: per-rank expert caches
+        result["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
+                                  "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
+    if doc["communication"].get("capacity"):  # issue 29: what the service holds at once
+        result["capacity"] = doc["communication"]["capacity"]
+    cost = doc["predicted"].get("cost")
+    if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
+        chosen = cost["modes"][cost["mode"]]
+        result.update(hardware=cost["hardware"], choice=describe_choice(doc))
+        result["predicted"].update(seconds_per_token=chosen["seconds_per_token"],
+                                   total_bytes_per_token=chosen["total_bytes_per_token"])
+    return result
+
+
+def describe(summary: dict, facts: dict) -> str:
+    """What a plan or bundle holds, in one line (and the cost model's choice, the expert caches,
+    the serving capacity)."""
+    p = summary["predicted"]
+    lines = [f"{summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
+             f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"]
+    if "choice" in summary:
+        lines.append(summary["choice"])
+    if "expert_cache" in summary:
+        c = summary["expert_cache"]
+        lines.append(f"expert caches: {c['capacity']} entries per rank, eviction {c['eviction']}, prefetch {c['prefetch']}, "
+                     f"predicted hit ratio {c['predicted_hit_ratio']:.3f}")
+    if "capacity" in summary:
+        from moeplan.passes.optimize.capacity import describe_capacity
+
+        lines.append(describe_capacity(summary["capacity"]))
+    return "\n".join(lines)

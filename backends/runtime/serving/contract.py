@@ -68,6 +68,12 @@ class RequestTooLong(Exception):
     """Prompt + max_tokens exceeds the plan's context capacity: the front answers 400."""
 
 
+class InvalidRequest(ValueError):
+    """The request cannot run as given (prompt ids outside the vocabulary, an empty prompt,
+    max_tokens < 1, temperature < 0, top_p outside (0, 1], a request_id already in flight): the
+    front answers 400 with the message."""
+
+
 class Unavailable(Exception):
     """The engine is draining (SIGTERM) or a rank is down: the front answers 503."""
 
@@ -80,7 +86,7 @@ class EngineClient(Protocol):
 
     def submit(self, request: GenerationRequest, sink: Callable[[TokenEvent], None]) -> None:
         """Queue a request (it joins the batch at the next step boundary); raises Overloaded,
-        RequestTooLong or Unavailable without queueing it."""
+        RequestTooLong, InvalidRequest or Unavailable without queueing it."""
 
     def cancel(self, request_id: str) -> None:
         """The client went away or a stop string matched: the request leaves the batch by the next

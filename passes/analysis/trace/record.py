@@ -14,7 +14,7 @@ Hook points (found by `find_hook_points`), in forward order:
   GLM-4.5: uncorrected scores, renormalised and scaled, not the bias-corrected selection scores;
   `tests/test_trace_router_weights.py`); attention weights are the second output of
   `layers[i].self_attn`, which HF computes only with eager attention (switched on for the run).
-ONNX models run through `trace_onnx.record_onnx_routing` (onnxruntime) instead of hooks.
+ONNX models run through `record_onnx.record_onnx_routing` (onnxruntime) instead of hooks.
 
 Attention ids: for token t and MoE layer l, the vocabulary id of the token that received the
 highest attention probability, summed over heads, in the last attention that ran before layer l's

@@ -7,8 +7,8 @@ its cache priority) and moeplan (next-use prefetch + next-use eviction).
 """
 from __future__ import annotations
 
-from moeplan.passes.optimize.offload.policies import DEMAND_POLICIES, make_policy
-from moeplan.passes.optimize.offload.prefetch import PREFETCHERS, make_prefetcher
+from moeplan.backends.runtime.offload_policies import DEMAND_POLICIES, make_policy
+from moeplan.backends.runtime.offload_prefetch import PREFETCHERS, make_prefetcher
 from moeplan.passes.optimize.offload.simulate import simulate_demand, simulate_timed
 
 PREFETCH_MODES = PREFETCHERS

@@ -9,18 +9,19 @@ restricted to them (stream.restrict). Per rank r:
 * residents: its C_r most popular keys on the planning half;
 * eviction: given, or the online policy with the most held-out hits summed over ranks (ties:
   moeplan first); the moeplan policy's frequency weight is tuned on the same sum;
-* prefetch: given, or of none, MoE-Infinity's EAMC prefetch and ours (prefetch.py) the one with the
-  lowest held-out seconds per token on the hardware profile's timing (the slowest rank's; ties:
-  none first). Without --eviction each prefetcher brings its own cache policy (none: the best
-  demand policy; moe-infinity: MoE-Infinity's; moeplan: ours, which its prefetcher needs); with
-  --eviction only the prefetchers that can run beside it compete. A rank prefetches its own
-  experts only. The plan records the timing (and for moe-infinity the EAMC) the runtime's stepper
-  needs; with prefetch none the section is what it was before prefetch existed.
+* prefetch: given, or of none, MoE-Infinity's EAMC prefetch and ours
+  (backends/runtime/offload_prefetch.py) the one with the lowest held-out seconds per token on
+  the hardware profile's timing (the slowest rank's; ties: none first). Without --eviction each
+  prefetcher brings its own cache policy (none: the best demand policy; moe-infinity:
+  MoE-Infinity's; moeplan: ours, which its prefetcher needs); with --eviction only the prefetchers
+  that can run beside it compete. A rank prefetches its own experts only. The plan records the
+  timing (and for moe-infinity the EAMC) the runtime's stepper needs; with prefetch none the
+  section is what it was before prefetch existed.
 * host tier: the machine's host memory for experts (--host-memory, else the profile's less a
   reserve) split evenly among its ranks; each rank holds its most popular keys that fit, as the
   float32 copies the runtime keeps (`runtime_expert_bytes`), and reads the others from disk at
   every load (tiers.py). Recorded per rank, with the held-out disk/host bytes per token.
-The runtime drives the simulator's stepper (stepper.py): its hits, loads, prefetches, bytes and
+The runtime drives the simulator's stepper (backends/runtime/offload_stepper.py): its hits, loads, prefetches, bytes and
 disk/host split must equal the simulator's replay of the same requests.
 """
 from __future__ import annotations
@@ -29,13 +30,13 @@ import numpy as np
 
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from moeplan.passes.optimize.offload.evaluate import PAIRED_EVICTION, PREFETCH_MODES
-from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, host_tier_bytes,
+from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.passes.optimize.offload.cache_plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped, host_tier_bytes,
                                                  memory_budget, popular_keys, split_by_sequence, timing_for)
-from moeplan.passes.optimize.offload.policies import make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from moeplan.backends.runtime.offload_policies import make_policy
+from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
-from moeplan.passes.optimize.offload.stepper import pair_keys, rank_timing
+from moeplan.backends.runtime.offload_stepper import pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
 from moeplan.planner.errors import UserError

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.optimize.offload.stepper import TimedCache, Timing, pair_keys, plan_stepper
+from moeplan.backends.runtime.offload_stepper import TimedCache, Timing, pair_keys, plan_stepper
 from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_totals
 
 COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved",

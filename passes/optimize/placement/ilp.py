@@ -30,7 +30,7 @@ sweeps (`placement/gpu_sweeps.py`) from the balanced packing, then routed exchan
 bound for the whole problem, keeping the load cap, comes from `placement/bound.py`.
 
 Determinism: every limit that shapes the answer is a work limit scaled by --effort
-(`placement_budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
+(`budget.WorkBudget`): sweeps per stage, exchange moves, pricing rounds, branch-and-bound
 nodes per step MIP. HiGHS runs single-threaded with a fixed seed, so the same inputs give the same
 placement on an idle or a loaded machine. The wall-clock --time-limit is only a safety net: a
 solve it cuts short returns its best placement so far and is marked `stopped_by: time_limit`.
@@ -410,8 +410,8 @@ def staged_placement(counts, loads, topology, redundant: int, balance: float, ba
     local wins (ties: A); replica runs at DeepSeek-V3 scale run start A only (`sweep_limit`).
     Layers left over their cap (a step that found no fitting solution in its limits) fall back to
     the packing, which fits whenever the cap is achievable by it. Where re-slotting applies
-    (`reslot_applies`), each start is polished by `placement_reslot.reslot_search`, and a third
-    start walks B's uncapped solution down to the caps (`placement_reslot.tighten`); the replica
+    (`reslot_applies`), each start is polished by `reslot.reslot_search`, and a third
+    start walks B's uncapped solution down to the caps (`reslot.tighten`); the replica
     counts returned are then the solution's own, which may differ from EPLB's rule.
 
     With `scenarios` (float [S, L, E], `placement/held_out.py`): when the solution's expected

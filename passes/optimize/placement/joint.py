@@ -1,6 +1,6 @@
 """ExFlow's joint placement ILP (Eqs. 8-12) on aggregated counts, over windows of layers.
 
-Why: the per-layer sweeps of `placement_ilp` fix all other layers at each step; the joint model
+Why: the per-layer sweeps of `ilp` fix all other layers at each step; the joint model
 optimises several consecutive layers at once, so it can move a whole chain of affine experts
 together. It follows ExFlow with one cross indicator per *observed* expert pair (not per token):
     minimise  sum_l sum_(a,b) c[l,a,b] * y[l,a,b]  -  boundary gains

@@ -1,13 +1,13 @@
 """Expert placement: decide, per MoE layer, which GPU hosts which experts (and replicas).
 
-Policies, all returning a `Placement` scored by `placement_metrics.score_placement`:
+Policies, all returning a `Placement` scored by `metrics.score_placement`:
 - `contiguous`: expert i on device i // (E / D) at every layer (DeepSpeed-MoE's default);
-- `eplb`: DeepSeek's Expert Parallelism Load Balancer, our implementation (`placement_eplb`);
-- `ilp`: ExFlow's staged affinity ILP with a load cap and redundant slots (`placement_ilp`),
-  reporting objective (cross-GPU transitions), a valid lower bound (`placement_bound`) and gap.
+- `eplb`: DeepSeek's Expert Parallelism Load Balancer, our implementation (`eplb`);
+- `ilp`: ExFlow's staged affinity ILP with a load cap and redundant slots (`ilp`),
+  reporting objective (cross-GPU transitions), a valid lower bound (`bound`) and gap.
 
 `ilp` work is set by `effort` (a multiplier on sweeps, exchange moves, branch-and-bound nodes and
-LP sizes; `placement_budget`), never by the clock, so the same inputs give the same bytes on any
+LP sizes; `budget`), never by the clock, so the same inputs give the same bytes on any
 machine. `time_limit` is a safety net: when it stops the solve, metrics say
 `stopped_by: "time_limit"` and a note warns that the result may not be reproducible.
 """

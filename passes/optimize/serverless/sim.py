@@ -7,7 +7,7 @@ runtime does what Alg. 2 of the paper does - invoke more replicas of the same fu
 * payload (direct method): the request or response would exceed the limit -> the fewest
   replicas whose share fits.
 Both are reported as overflows. Latency uses the same equations as sizing
-(`serverless/cost.py`); cost is that of the MoE layers (the paper's objective) and, separately,
+(`serverless/billing.py`); cost is that of the MoE layers (the paper's objective) and, separately,
 of the non-MoE functions at their fixed memory.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless import billing as sc
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.passes.optimize.milp import MilpResult, Rows, solve_milp
 from moeplan.planner.errors import UserError
 

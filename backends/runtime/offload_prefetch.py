@@ -1,10 +1,10 @@
 """Prefetchers for the timed simulation: MoE-Infinity's EAMC-guided one and the planner's.
 
-Interface (see stepper.TimedCache): `start(stream, cached, policy)`, `after_step(s)` -> keys
+Interface (see offload_stepper.TimedCache): `start(stream, cached, policy)`, `after_step(s)` -> keys
 to copy next in order, `victim_for(key, exclude)` -> the key to evict for it, or None to decline.
 `allowed` (bool [L * E], optional): the only keys it may queue (a rank of an expert-parallel
-bundle caches its own experts only). Shipped into bundles as `runtime/offload_prefetch.py` (its
-two moeplan imports are rewritten to the shipped siblings by the offload codegen).
+bundle caches its own experts only). The simulator imports it from here, and bundles with expert
+caches ship it as it is.
 
 * `EAMCPrefetch` (MoE-Infinity Alg. 1): after each router, add the step to the sequence's running
   EAM, match the nearest EAMC entry R (the paper's distance over the layers that ran), and queue
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.analysis.eam_match import nearest_entry, row_normalised
-from moeplan.passes.optimize.offload.policies import EPS
+from .offload_eam_match import nearest_entry, row_normalised
+from .offload_policies import EPS
 
 
 def allowed_mask(allowed, num_keys: int) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 
 from moeplan.passes.analysis import popularity as pop
 from moeplan.passes.analysis.trace.format import Trace
-from moeplan.passes.optimize.serverless import cost as sc
+from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.passes.optimize.serverless import sizing
 from moeplan.passes.optimize.serverless.bo_refine import BOOptions, refine
 from moeplan.passes.optimize.serverless.sim import simulate

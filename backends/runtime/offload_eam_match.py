@@ -1,7 +1,7 @@
 """Matching a running sequence's EAM against the EAMC (MoE-Infinity's Eq. 1), numpy only.
 
-Why its own file: MoE-Infinity's prefetcher runs inside bundles (shipped as
-`runtime/offload_eam_match.py` beside the prefetcher), where moeplan is absent; activation.py
+Why its own file in the runtime: MoE-Infinity's prefetcher (offload_prefetch.py) runs inside bundles,
+where moeplan is absent; passes/analysis/activation.py
 builds the EAMC with the same functions.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ floor(left / expert_bytes) (layer, expert) entries. `expert_cache` N overrides t
 
 Decisions, all by simulation of the held-out part of the planning trace (its last
 `validation_fraction` of sequences; the rest fits the models):
-* the moeplan policy's frequency weight (next_use.py);
+* the moeplan policy's frequency weight (backends/runtime/offload_next_use.py);
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
 * prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
@@ -29,8 +29,8 @@ import numpy as np
 
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, sequence_ids, stream_order
 from moeplan.passes.optimize.offload.evaluate import PREFETCH_MODES, gap_to_belady, run_demand, run_prefetch
-from moeplan.passes.optimize.offload.next_use import fit_next_use
-from moeplan.passes.optimize.offload.policies import make_policy
+from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.errors import UserError

@@ -7,7 +7,7 @@ which are evicted, which requests hit) follows from the request stream and a *mo
 (`Timing`: a layer step's compute, one expert's copy), so the runtime and the simulator, driving
 this same code with the same steps, decide the same things (numpy and the other shipped offload
 modules only). `plan_stepper` builds it from a plan's expert_cache section: the one recipe the
-runtime and the simulator's replay of a run (replay.py) both follow.
+runtime and the simulator's replay of a run (passes/optimize/offload/replay.py) both follow.
 
 One `step(s)` (step s = one token or prefill chunk at one MoE layer; its router has run at
 `now`, its keys are in the stream):
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeplan.passes.optimize.offload.next_use import NextUseModel
-from moeplan.passes.optimize.offload.policies import DEMAND_POLICIES, make_policy
-from moeplan.passes.optimize.offload.prefetch import make_prefetcher
+from .offload_next_use import NextUseModel
+from .offload_policies import DEMAND_POLICIES, make_policy
+from .offload_prefetch import make_prefetcher
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The serving benchmark on a GPU machine (issue 29 item 9): the same benchmarks/serving.py, with the
+# ranks on the GPUs (the runtime picks nccl when it sees CUDA), figures written under $OUT.
+# Never run in CI. Run from the repository root on a machine whose Python has moeplan installed with a
+# CUDA torch (the device tool's machines: `pip install -e .[hf,test,bench]` in a venv over its torch):
+#   OUT=/some/dir bash benchmarks/gpu/serve_check.sh [extra benchmarks/serving.py flags]
+# Writes $OUT/serve_check.json (rows, ratios, targets), $OUT/serve_check.txt (the printed table),
+# $OUT/environment.txt (GPUs, torch, CUDA, nccl). Ranks above the GPU count are skipped.
+set -euo pipefail
+OUT="${OUT:?set OUT to the folder for the figures}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+if [ "$gpus" -lt 1 ]; then
+  echo "error: no CUDA device visible to $PY; this check is for a GPU machine" >&2
+  exit 2
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
+} > "$OUT/environment.txt"
+ranks=()
+for r in 1 2 4; do [ "$r" -le "$gpus" ] && ranks+=("$r"); done
+"$PY" benchmarks/serving.py --models tiny_moe qwen3_moe --ranks "${ranks[@]}" --concurrency 1 4 16 64 \
+  --peers static transformers --threads 1 --keep "$OUT/work" --json "$@" 2>&1 | tee "$OUT/serve_check.txt"
+tail -n 1 "$OUT/serve_check.txt" > "$OUT/serve_check.json"
+rm -rf "$OUT/work"
+echo "figures in $OUT"

@@ -1,0 +1,203 @@
+"""Every option of `moeplan plan` and `moeplan compile`, once: its default, type, help and the targets it
+applies to.
+
+The click options are built from this table (`planner/commands/options.py`), the Python API fills
+its defaults and checks its values with it (`moeplan.compile`, `moeplan.plan`), and a flag given
+for a target it does not apply to is refused in one way (`refuse_inapplicable`). `compile --help`
+prints the table's groups as sections.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from moeplan.planner import cli_types as T
+from moeplan.planner.errors import UserError
+from moeplan.planner.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
+
+TORCHRUN = ("torchrun", "kubernetes")
+ENGINES = ("sglang", "trtllm")
+PLACING = TORCHRUN + ENGINES
+EXPERT_CACHES = TORCHRUN + ("offload",)
+HELD_OUT = ("lambda",) + EXPERT_CACHES
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option: `name` is the Python keyword (and click's parameter name), `option` the flag."""
+
+    name: str
+    option: str
+    targets: tuple
+    group: str
+    help: str
+    type: object = None
+    default: object = None
+    is_flag: bool = False
+    show_default: bool = True
+    compile_only: bool = False
+
+    def convert(self, value):
+        """The value as the command line would parse it (same checks, same errors as one line)."""
+        if self.is_flag:
+            if not isinstance(value, bool):
+                raise UserError(f"{self.option} takes True or False, got {value!r}")
+            return value
+        if value is None or self.type is None:
+            return value
+        kind = self.type if isinstance(self.type, click.ParamType) else click.types.convert_type(self.type)
+        try:
+            return kind.convert(value, None, None)
+        except click.BadParameter as exc:
+            raise UserError(f"{self.option} {exc.message}") from None
+
+
+GROUPS = (  # (title, what the section is for), in the order `compile --help` prints them
+    ("Topology and placement", "torchrun, kubernetes, sglang, trtllm"),
+    ("Cost model", "torchrun, kubernetes; --hardware also offload"),
+    ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload"),
+    ("Bundle", "torchrun, kubernetes; --sign-key also lambda"),
+    ("Kubernetes", "kubernetes; sglang with --kubernetes"),
+    ("Lambda", "lambda; --validation-fraction and --seed also offload and expert caches"),
+)
+PLACEMENT, COST, CACHES, BUNDLE, KUBERNETES, LAMBDA = (g for g, _ in GROUPS)
+
+FLAGS = (
+    Flag("nodes", "--nodes", PLACING, PLACEMENT, "server nodes", T.POSITIVE_INT, 1),
+    Flag("gpus_per_node", "--gpus-per-node", PLACING, PLACEMENT, "GPUs per node", T.POSITIVE_INT, 1),
+    Flag("policy", "--policy", PLACING, PLACEMENT,
+         "placement policy; auto: the fastest by the cost model's predicted time (sglang, trtllm: eplb unless given; "
+         "docs/interop.md)", click.Choice(["auto", "ilp", "eplb", "contiguous"]), "auto"),
+    Flag("redundant", "--redundant", PLACING, PLACEMENT,
+         "redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, ilp may move "
+         "them between experts", T.NON_NEGATIVE_INT, 0),
+    Flag("balance", "--balance", PLACING, PLACEMENT, "ilp: per layer, every GPU's load <= (1 + B) x the reference load",
+         T.NON_NEGATIVE_FLOAT, 0.1),
+    Flag("balance_base", "--balance-base", PLACING, PLACEMENT,
+         "ilp: reference load per layer: the mean GPU load, or EPLB's max GPU load with the same replicas",
+         click.Choice(["mean", "eplb"]), "mean"),
+    Flag("held_out_balance", "--held-out-balance", PLACING, PLACEMENT,
+         "ilp: --balance bounds the expected max load on traffic the trace has not seen (planning caps lowered by the "
+         "rise EPLB's packing shows across blocks of the trace), not on the trace itself", default=False, is_flag=True,
+         show_default=False),
+    Flag("expert_groups", "--expert-groups", PLACING, PLACEMENT,
+         "eplb: expert groups for the hierarchical policy (e.g. 8 for DeepSeek-V3); 0 = global policy (sglang, trtllm: "
+         "the config's n_group unless given)", T.NON_NEGATIVE_INT, 0),
+    Flag("solver", "--solver", PLACING + ("lambda",), PLACEMENT, "MILP solver (lambda: of the sizing)",
+         click.Choice(["highs", "gurobi"]), "highs"),
+    Flag("effort", "--effort", PLACING, PLACEMENT,
+         "ilp: work multiplier (sweeps, exchange moves, branch-and-bound nodes, LP sizes); results depend only on it, "
+         "not on machine speed. 2 = about twice the work", T.POSITIVE_FLOAT, 1.0),
+    Flag("time_limit", "--time-limit", PLACING + ("lambda",), PLACEMENT,
+         "safety net per solve, seconds; an ilp solve it stops is marked stopped_by=time_limit (not reproducible)",
+         T.POSITIVE_FLOAT, 300.0),
+    Flag("mode", "--mode", TORCHRUN, COST,
+         "expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time",
+         click.Choice(["auto", "coherent", "standard"]), "auto"),
+    Flag("hardware", "--hardware", TORCHRUN + ("offload",), COST,
+         f"hardware profile every prediction of the plan is priced with (cost model, expert caches, serving capacity, "
+         f"offloading), the same names on every target: {hardware_names()}, or a YAML file (e.g. written by 'moeplan "
+         f"calibrate --out FILE'); default {DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}", show_default=False),
+    Flag("workload", "--workload", TORCHRUN, COST,
+         "requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)", show_default=False),
+    Flag("gpu_memory", "--gpu-memory", EXPERT_CACHES, CACHES, "GPU memory for the model, bytes or e.g. 24GiB",
+         show_default=False),
+    Flag("expert_cache", "--expert-cache", EXPERT_CACHES, CACHES,
+         "expert cache entries ((layer, expert) pairs) instead of --gpu-memory", int, show_default=False),
+    Flag("host_memory", "--host-memory", EXPERT_CACHES, CACHES,
+         "host memory for the experts' host tier, bytes or e.g. 48GiB, per machine (shared by its ranks); the rest are "
+         "read from disk on every load (default: the hardware profile's host memory less 8 GiB)", show_default=False),
+    Flag("batch", "--batch", EXPERT_CACHES, CACHES, "sequences served at once (KV cache sizing)", int, 1),
+    Flag("max_length", "--max-length", EXPERT_CACHES, CACHES, "tokens per sequence (KV cache sizing)", int, 4096),
+    Flag("prompt_tokens", "--prompt-tokens", EXPERT_CACHES, CACHES, "first P tokens of a sequence are one prefill step",
+         int, 0),
+    Flag("eviction", "--eviction", TORCHRUN, CACHES,
+         "the ranks' eviction policy (default: the best on held-out sequences; --target offload compares them all)",
+         click.Choice(["moeplan", "lru", "lfu", "lifo", "moe-infinity"]), show_default=False),
+    Flag("prefetch", "--prefetch", TORCHRUN, CACHES,
+         "the ranks' prefetcher (none: demand paging only; default: the fastest on held-out sequences; docs/offload.md)",
+         click.Choice(["none", "moeplan", "moe-infinity"]), show_default=False),
+    Flag("weights", "--weights", TORCHRUN, BUNDLE,
+         "copy each rank's tensors into the bundle, or write per-rank indexes into the original safetensors "
+         "checkpoint (README: Weights)", click.Choice(["copy", "reference"]), "copy"),
+    Flag("sign_key", "--sign-key", TORCHRUN + ("lambda",), BUNDLE,
+         "ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)",
+         click.Path(dir_okay=False), show_default=False, compile_only=True),
+    Flag("image", "--image", ("kubernetes", "sglang"), KUBERNETES,
+         "container image of the rank pods (sglang: with --kubernetes)", T.NON_EMPTY_TEXT, show_default=False),
+    Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES, "storage class of the weights volume",
+         T.NON_EMPTY_TEXT, show_default=False),
+    Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
+         "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
+         default=False, is_flag=True, show_default=False),
+    Flag("slo", "--slo", ("lambda",), LAMBDA, "end-to-end latency limit per batch, seconds (required)", T.POSITIVE_FLOAT,
+         show_default=False),
+    Flag("platform", "--platform", ("lambda",), LAMBDA, "YAML file overriding platform constants", show_default=False),
+    Flag("batch_tokens", "--batch-tokens", ("lambda",), LAMBDA, "tokens per served batch", T.POSITIVE_INT, 10240),
+    Flag("methods", "--methods", ("lambda",), LAMBDA, "allowed scatter-gather methods", default="pipelined_s3,s3,direct"),
+    Flag("validation_fraction", "--validation-fraction", HELD_OUT, LAMBDA,
+         "share of the trace held out for validation / BO (offload, expert caches: to choose the policy)", T.FRACTION, 0.2),
+    Flag("size_for", "--size-for", ("lambda",), LAMBDA,
+         "size for the mean predicted load per batch, or per expert the busiest batch's", click.Choice(["mean", "max"]),
+         "mean"),
+    Flag("bo_iterations", "--bo-iterations", ("lambda",), LAMBDA, "BO refinement iterations (0 = off)",
+         T.NON_NEGATIVE_INT, 0),
+    Flag("bo_q", "--bo-q", ("lambda",), LAMBDA, "key-value pairs adjusted per BO trial", T.POSITIVE_INT, 64),
+    Flag("bo_storage", "--bo-storage", ("lambda",), LAMBDA, "Optuna storage URL (e.g. sqlite:///bo.db) to share the study",
+         show_default=False),
+    Flag("profile_budget", "--profile-budget", ("lambda",), LAMBDA, "seconds of optional profiling",
+         T.NON_NEGATIVE_FLOAT, 5.0),
+    Flag("cache_dir", "--cache-dir", ("lambda",), LAMBDA,
+         "profile cache directory (default $MOEPLAN_CACHE_DIR, else ~/.cache/moeplan/profiles)", show_default=False),
+    Flag("no_cache", "--no-cache", ("lambda",), LAMBDA, "profile again and do not write the cache", default=False,
+         is_flag=True, show_default=False),
+    Flag("seed", "--seed", HELD_OUT, LAMBDA, "random seed (of the held-out split, profiling and BO)", T.SEED, 0),
+    Flag("requests_per_second", "--requests-per-second", ("lambda",), LAMBDA,
+         "request rate the README's monthly cost is stated for", T.POSITIVE_FLOAT, 1.0),
+)
+BY_NAME = {f.name: f for f in FLAGS}
+
+PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_balance", "expert_groups", "solver", "effort",
+                   "time_limit")
+# on/off flags added after plans recorded their options: left out while off, so older plans keep their bytes
+RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
+SERVERLESS_FLAGS = ("slo", "platform", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
+                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
+OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "batch", "max_length", "prompt_tokens", "eviction",
+                 "prefetch")
+
+
+def flags_of(target: str) -> tuple:
+    """The names of the flags that apply to `target`."""
+    return tuple(f.name for f in FLAGS if target in f.targets)
+
+
+def defaults(compile_only: bool = True) -> dict:
+    """Every flag at its default (without the compile-only ones when `compile_only` is False)."""
+    return {f.name: f.default for f in FLAGS if compile_only or not f.compile_only}
+
+
+def resolve(given: dict, compile_only: bool = True) -> dict:
+    """Every flag's value: the defaults, overridden by `given` ({name: value}, checked as the CLI checks them)."""
+    values = defaults(compile_only)
+    for name, value in given.items():
+        if name not in values:
+            known = ", ".join(sorted(values))
+            raise UserError(f"unknown option '{name}'; the options are {known}")
+        values[name] = BY_NAME[name].convert(value)
+    return values
+
+
+def refuse_inapplicable(target: str, given) -> None:
+    """One line naming the first given flag that does not apply to `target`, and the targets it applies to."""
+    for f in FLAGS:
+        if f.name in given and target not in f.targets:
+            raise UserError(f"{f.option} does not apply to --target {target}; it applies to --target "
+                            f"{', '.join(f.targets)}: drop it or choose one of those targets")
+
+
+def pick(values: dict, names) -> dict:
+    """The named flags' values, less those of RECORDED_ONLY_WHEN_ON that are off."""
+    out = {n: values[n] for n in names}
+    return {n: v for n, v in out.items() if not (n in RECORDED_ONLY_WHEN_ON and v is False)}
