@@ -89,8 +89,8 @@ def test_hardware_names_are_the_same_on_compile_and_offload(trace, tmp_path):
                      "--policy", "contiguous", "--hardware", "rtx4090-pcie4", "--out", tmp_path / "t.json", "--quiet"])
     assert code == 0, out
     assert json.loads((tmp_path / "t.json").read_text())["predicted"]["cost"]["hardware"] == "rtx4090-pcie4"
-    for target in ("torchrun", "offload"):
-        code, out = run(["plan", TINY, "--trace", trace, "--target", target, "--nodes", "1", "--gpus-per-node", "2",
+    for target, scale in (("torchrun", ["--nodes", "1", "--gpus-per-node", "2"]), ("offload", [])):
+        code, out = run(["plan", TINY, "--trace", trace, "--target", target, *scale,
                          "--expert-cache", "8", "--hardware", "tpu-v9", "--out", tmp_path / "x.json", "--quiet"])
         assert code == 2 and "unknown hardware 'tpu-v9'" in out and "rtx4090-pcie4" in out and "cpu-gloo" in out
 
@@ -105,33 +105,43 @@ def test_an_unknown_figure_is_refused_where_a_prediction_needs_it(trace, tmp_pat
 
 
 def _cache_sections(trace, tmp_path, hw: str, *flags):
-    """(torchrun plan's expert_cache communication and prediction, offload plan), both on `hw`."""
-    tr, off = tmp_path / f"torchrun-{hw}.json", tmp_path / f"offload-{hw}.json"
-    code, out = run(["plan", TINY, "--trace", trace, "--target", "torchrun", "--nodes", "1", "--gpus-per-node", "2",
+    """(torchrun plan, offload plan), both on `hw`: the torchrun one by `compile` (the bundle's plan.json)."""
+    bundle, off = tmp_path / f"torchrun-{hw}", tmp_path / f"offload-{hw}.json"
+    code, out = run(["compile", TINY, "--trace", trace, "--target", "torchrun", "--nodes", "1", "--gpus-per-node", "2",
                      "--policy", "contiguous", "--mode", "standard", "--prefetch", "moeplan", *flags,
-                     "--hardware", hw, "--out", tr, "--quiet"])
+                     "--hardware", hw, "--out", bundle, "--quiet"])
     assert code == 0, out
     code, out = run(["plan", TINY, "--trace", trace, "--target", "offload", *flags, "--hardware", hw, "--out", off, "--quiet"])
     assert code == 0, out
-    plan = json.loads(tr.read_text())
-    return plan["communication"]["expert_cache"], plan["predicted"]["expert_cache"], json.loads(off.read_text())
+    return json.loads((bundle / "plan.json").read_text()), json.loads(off.read_text())
 
 
 @pytest.mark.parametrize("flags", [("--expert-cache", "6"), ("--gpu-memory", "1110000000")])
-def test_expert_caches_of_a_torchrun_plan_are_priced_on_its_hardware_as_offload_prices_it(trace, tmp_path, flags):
+def test_hardware_governs_every_prediction_of_a_compiled_plan_caches_included(trace, tmp_path, flags):
+    """compile --hardware h100-sxm / cpu-gloo with an expert cache: the cost model, the caches (sized and
+    priced exactly as the offload planner does on that profile) and the serving capacity all use it."""
     sections = {hw: _cache_sections(trace, tmp_path, hw, *flags) for hw in ("h100-sxm", "cpu-gloo")}
-    for hw, (cache, predicted, offload) in sections.items():
+    for hw, (plan, offload) in sections.items():
         profile = load_hardware(hw)
+        cache, predicted = plan["communication"]["expert_cache"], plan["predicted"]["expert_cache"]
+        assert plan["predicted"]["cost"]["hardware"] == hw
         # the same clock (layer step, expert compute, copies) and the same memory budget as the offload planner's
         assert cache["timing"] == offload["communication"]["timing"]
         assert cache["memory"] == offload["communication"]["memory"]
         assert predicted["hardware"] == hw == offload["communication"]["hardware"]["name"]
         # the host tier: the profile's host memory less 8 GiB, split between the node's two ranks
         assert cache["host"]["memory_bytes"] == (profile.host_memory_bytes - 8 * GIB) // 2
-    h100, cpu = sections["h100-sxm"], sections["cpu-gloo"]
-    assert h100[0]["timing"] != cpu[0]["timing"]
-    assert h100[1]["seconds_per_token"] != cpu[1]["seconds_per_token"]
-    assert h100[0]["host"]["memory_bytes"] != cpu[0]["host"]["memory_bytes"]
+        capacity = plan["communication"]["capacity"]
+        if "--gpu-memory" in flags:
+            assert capacity["device_memory_source"] == "--gpu-memory"
+        else:
+            assert capacity["device_memory_bytes"] == profile.device_memory_bytes
+            assert capacity["device_memory_source"] == f"hardware profile {hw}"
+    (h100, _), (cpu, _) = sections["h100-sxm"], sections["cpu-gloo"]
+    assert h100["communication"]["expert_cache"]["timing"] != cpu["communication"]["expert_cache"]["timing"]
+    assert h100["predicted"]["expert_cache"]["seconds_per_token"] != cpu["predicted"]["expert_cache"]["seconds_per_token"]
+    assert h100["predicted"]["cost"]["modes"] != cpu["predicted"]["cost"]["modes"]
+    assert h100["communication"]["expert_cache"]["host"]["memory_bytes"] != cpu["communication"]["expert_cache"]["host"]["memory_bytes"]
 
 
 def test_offload_timing_follows_the_profile_figures():
