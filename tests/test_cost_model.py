@@ -51,6 +51,8 @@ def test_predicted_bytes_equal_the_measured_counters_of_a_two_rank_run(two_rank_
     assert r["predicted_messages_per_token"] == r["messages_per_token"]
     assert r["bytes_match_prediction"] is True
     assert r["predicted_seconds_per_token"] > 0 and r["predicted_hardware"] == "cpu-gloo"
+    # the load the time was measured at, beside the calibration's (a built-in profile records none)
+    assert r["load_average"] >= 0 and r["calibration_load_average"] is None
 
 
 def test_the_plan_records_predictions_for_both_modes_and_the_mode_auto_chose(two_rank_run):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -205,6 +206,9 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
         "predicted_seconds_per_token": pred["seconds_per_token"],
         "predicted_hardware": profile_label(cost) if cost else profile.name,
         "seconds_per_token": 1.0 / tps if tps > 0 else float("inf"),
+        # the machine's 1-minute load beside the calibration's: a CPU prediction holds at the load it was fitted at
+        "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "calibration_load_average": ((cost.get("hardware_profile") or {}).get("calibration") or {}).get("load_average"),
         "bytes_match_prediction": abs(pred["total_bytes_per_token"] - summary["total_bytes_per_token"]) < 1e-6
                                   and abs(pred["bytes_per_token"] - summary["bytes_per_token"]) < 1e-6,
         "context_elements": used,  # coherent: per block, what the runtime sent per token (hidden or K/V)
