@@ -15,6 +15,28 @@ trained models' experts (KBs) would make every copy free.
     .venv/bin/python benchmarks/offload.py [--fractions 0.1 0.2 0.3 0.4 0.5] [--plan-tokens 8192]
         [--heldout-tokens 2048] [--models tiny olmoe] [--json]
 
+`--side-by-side` (issue 33) runs instead one table of the offloading schemes at production widths:
+models examples/tiny_moe, examples/qwen3_moe and transformers' OLMoE 64 x top-8 (trained by
+benchmarks/speculation.py), traced with `--speculate 2` (block output) on the training corpus
+(planning) and the held-out corpus; each priced at the widths of a production model of its
+architecture (as benchmarks/placement_deployment.py does: examples/configs/mixtral-8x7b.json for
+TinyMoE's top-2, qwen3-30b-a3b.json, olmoe-1b-7b.json, with the traced model's experts, top-k and
+MoE layers; bf16 weights, every expert in host memory); hardware profiles rtx4090-pcie4 and
+h100-sxm (planner/hardware_data/); caches of 10, 25 and 50% of the (layer, expert)
+keys; also at the trained models' own widths (`native`: KB-sized experts, where the link can carry
+the speculated copies within a layer's compute; 25% cache, rtx4090-pcie4). The offload planner
+plans each cache (on rtx4090-pcie4's clock; its choice is reported for that profile) on the planning trace (residents, next-use model, EAMC,
+the speculative prefetcher's depth); the held-out stream then runs, side by side: demand LRU,
+MoE-Infinity's prefetch (its cache priority), moeplan's prefetch (next-use eviction; also as
+issue 13 modelled it, copies allowed to start before the routing that chose them), the
+speculative prefetcher (next-use eviction), each with and without host compute on a miss. Per
+row: seconds per token, share of requests resident at their layer start, bytes moved per token,
+host-computed rows per token. The held-out stream is its first whole tokens up to --max-requests
+(60,000: TinyMoE ~5,000 tokens, Qwen3-MoE ~7,500, OLMoE 64 x 8 ~940) to keep the run under an hour.
+
+    .venv/bin/python benchmarks/offload.py --side-by-side [--models tiny qwen3 olmoe64]
+        [--profiles rtx4090-pcie4 h100-sxm] [--fractions 0.1 0.25 0.5] [--tokens 8192] [--json]
+
 `--json`: the last line is {"cases": [{"model", "fraction", "capacity", "policies": {name:
 {"hit_ratio", ...}}, "belady_gap_points", "prefetch": {mode: {...}}}], "summary": {...},
 "published": {...}}.
@@ -30,6 +52,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD = REPO / "build" / "offload_bench"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 OLMOE_DIR = REPO / "build" / "olmoe_like"
 OLMOE_CONFIG = {"moeplan_loader": "model.py:load", "model_type": "tiny_moe", "vocab_size": 256, "hidden_size": 96,
                 "num_layers": 4, "num_heads": 4, "num_experts": 64, "top_k": 8, "expert_hidden": 32,
@@ -108,14 +131,198 @@ def ir_layers(ir) -> int:
     return len(ir.moe_stages)
 
 
+# --- issue 33: the offloading schemes side by side at production widths ---------------------------
+
+SIDE_MODELS = {"tiny": "mixtral", "qwen3": "qwen3_moe", "olmoe64": "olmoe"}  # model -> architecture priced
+SCHEMES = (("demand LRU", "none", "lru"), ("MoE-Infinity", "moe-infinity", "moe-infinity"),
+           ("moeplan prefetch", "moeplan", "moeplan"), ("speculative", "speculative", "moeplan"))
+ISSUE13 = "moeplan prefetch, issue 13's model"
+PUBLISHED_SIDE = {
+    "mixtral-offloading": "Eliseev & Mazur, arXiv 2312.17238: Mixtral-8x7B with 4-bit attention and 2-3-bit experts, LRU "
+                          "cache of k experts per layer plus speculative loading from the next layer's gate on the current "
+                          "hidden state; 2-3 tokens/s on consumer GPUs (RTX 3060/3080 Mobile), ~2 tokens/s on a Colab T4 "
+                          "vs 0.6 with naive offloading; LRU hit ratios ~40-60%, speculative loads correct in >80% of cases",
+    "fate": "Fate, arXiv 2502.12224: Qwen1.5-MoE and DeepSeek-MoE on edge GPUs (RTX 1080 Ti class), prefetch from the "
+            "previous layer's gate input ~97% accurate, expert hit rate ~99% with a shallow-favouring ARC cache and INT2/INT4 "
+            "transfers; decoding up to 4.1x faster than load-on-demand, 2.2x than activation-path prefetch",
+    "moe-infinity": "MoE-Infinity (early arXiv version): Switch-Base-128 99 ms/token on one GPU (batched serving), "
+                    "Switch-Large-128 cache hit 46% vs oracle 56% at 17% cache, prefetch recall 55% at 256 experts",
+}
+SIDE_SETTING = ("published systems quantise experts (2-4 bits: 4-8x fewer bytes per copy) and run full-depth models with "
+                "their own kernels; here: bf16 experts priced by the cost model on the trained small models' routing "
+                "(4-8 MoE layers), batch 1 decode, one PCIe link, host compute modelled from the profile's host memory "
+                "and FLOP rates; no run on the hardware (benchmarks/gpu/offload_check.sh measures one)")
+
+
+def production_ir(name: str, trace):
+    """The IR (meta device, no weights) of the production config of `name`'s architecture with the
+    trace's experts, top-k and MoE layers (benchmarks/placement_deployment.py's table)."""
+    import hashlib
+
+    from placement_deployment import CONFIGS, PRODUCTION
+    from moeplan.planner.importers import load_model
+
+    file, experts_key, layer_keys = PRODUCTION[SIDE_MODELS[name]]
+    config = {**json.loads((CONFIGS / file).read_text()), experts_key: trace.num_experts,
+              "num_experts_per_tok": trace.top_k, **dict.fromkeys(layer_keys, trace.num_layers)}
+    text = json.dumps(config, sort_keys=True)
+    path = BUILD / f"config-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
+    BUILD.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return load_model(str(path)).ir
+
+
+def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=True) -> dict:
+    """One held-out run: seconds per token, resident at layer start, bytes moved and host rows per token."""
+    from moeplan.backends.runtime.offload_stepper import TimedCache
+
+    cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
+    cache.causal = causal
+    first = [0, 0]  # requests and resident ones at each token's first MoE layer (nothing speculates them)
+    for s in range(len(stream.step_layer)):
+        requests, resident_before = cache.requests, cache.resident_at_start
+        cache.step(s)
+        if stream.step_layer[s] == 0:
+            first[0] += cache.requests - requests
+            first[1] += cache.resident_at_start - resident_before
+    tokens = max(stream.num_tokens, 1)
+    later = max(cache.requests - first[0], 1)
+    return {"seconds_per_token": cache.now / tokens, "resident_at_layer_start": cache.resident_at_start / max(cache.requests, 1),
+            "resident_after_first_layer": (cache.resident_at_start - first[1]) / later,
+            "hit_ratio": cache.hits / max(cache.requests, 1), "bytes_moved_per_token": cache.loads * timing.expert_bytes / tokens,
+            "host_rows_per_token": cache.host_rows / tokens, "prefetches": cache.prefetches, "prefetch_hits": cache.prefetch_hits}
+
+
+def side_plan(plan_trace, ir, hw, capacity: int) -> dict:
+    """The offload planner on the planning trace (its held-out part chooses; `hw` is the planning profile)."""
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
+
+    return plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000),
+                        kv_bytes_per_token(None, ir))
+
+
+def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: int, log) -> dict:
+    """Every scheme on the held-out stream for one model, profile and cache size, from the plan `body`."""
+    import numpy as np
+
+    from moeplan.backends.runtime.offload_next_use import NextUseModel
+    from moeplan.passes.optimize.offload.cache_plan import timing_for
+    from moeplan.backends.runtime.offload_policies import make_policy
+    from moeplan.backends.runtime.offload_prefetch import make_prefetcher
+    from moeplan.passes.optimize.offload.simulate import simulate_demand
+
+    E = stream.num_experts
+    resident = [l * E + e for l, e in body["placement"]["resident"]]
+    comm = body["communication"]
+    model = NextUseModel.from_dict(comm["policy_model"])
+    eamc = np.asarray(comm["eamc"], dtype=float)
+    depth = body["predicted"]["prefetch"]["speculative"]["depth"]
+    speculation = body["inputs_extra"]["speculation"]  # the planning part's recall weighs the copies
+    timings = {host: timing_for(ir, hw, host_compute=host) for host in (False, True)}
+    rows = {}
+    for label, mode, eviction in SCHEMES:
+        for host in (False, True):
+            rows[label + (" + host compute" if host else "")] = run_scheme(
+                stream, capacity, make_policy(eviction, model), timings[host],
+                make_prefetcher(mode, eamc, depth=depth, speculation=speculation), resident)
+    rows[ISSUE13] = run_scheme(stream, capacity, make_policy("moeplan", model), timings[False], make_prefetcher("moeplan"),
+                               resident, causal=False)
+    t = timings[False]
+    # no copy-only scheme beats its link (at least Belady's, the fewest possible, loads one copy at a time)
+    # nor its compute (every layer step and expert), even with both perfectly overlapped
+    belady = simulate_demand(stream, capacity, make_policy("belady"), resident=resident)
+    compute = len(stream.step_layer) * t.layer_s + stream.num_requests * t.expert_compute_s
+    floor = max(belady.loads * t.pcie_copy_s, compute) / max(stream.num_tokens, 1)
+    planner = comm["prefetch"] + (" + host compute" if comm.get("host_compute") else "")
+    best = rows["moeplan prefetch"]["seconds_per_token"]
+    per_step = stream.num_requests / max(len(stream.step_layer), 1)
+    case = {"model": name, "profile": hw.name, "fraction": fraction, "capacity": capacity, "keys": stream.num_keys,
+            "tokens": stream.num_tokens, "expert_mib": t.expert_bytes / 2**20, "copy_ms": t.pcie_copy_s * 1e3,
+            "host_expert_ms": timings[True].host_expert_s * 1e3,
+            "layer_compute_ms": (t.layer_s + per_step * t.expert_compute_s) * 1e3, "requests_per_layer": per_step,
+            "speculative_depth": depth, "speculation_recall": speculation["recall"],
+            "copy_only_floor_s_per_token": floor, "copy_only_floor_over_moeplan": floor / rows["moeplan prefetch"]["seconds_per_token"],
+            "planner_choice": planner if body["hardware"] == hw.name else None, "rows": rows,
+            "speculative_over_moeplan": rows["speculative"]["seconds_per_token"] / best,
+            "speculative_host_over_moeplan": rows["speculative + host compute"]["seconds_per_token"] / best,
+            "speculative_over_issue13_moeplan": rows["speculative"]["seconds_per_token"] / rows[ISSUE13]["seconds_per_token"]}
+    log(f"{name:<8} {hw.name:<14} {fraction:>4.0%} cache {capacity:>4}/{stream.num_keys}: expert {case['expert_mib']:.3f} MiB, "
+        f"copy {case['copy_ms']:.4f} ms, host {case['host_expert_ms']:.4f} ms, layer {case['layer_compute_ms']:.4f} ms; "
+        f"planner: {case['planner_choice']} (depth {depth}); copy-only floor (max of Belady's loads on the link, compute) "
+        f"{floor * 1e3:.4f} ms/token = x{case['copy_only_floor_over_moeplan']:.3f}")
+    for label, r in rows.items():
+        log(f"    {label:<36} {r['seconds_per_token'] * 1e3:9.4f} ms/token  resident {r['resident_at_layer_start']:.3f} "
+            f"(after layer 0: {r['resident_after_first_layer']:.3f})  "
+            f"{r['bytes_moved_per_token'] / 2**20:10.3f} MiB/token  host rows {r['host_rows_per_token']:.2f}/token  "
+            f"x{r['seconds_per_token'] / best:.3f}")
+    return case
+
+
+def side_by_side(args) -> int:
+    from speculation import emit, traced
+
+    from moeplan.passes.analysis.trace.format import load_trace
+    from moeplan.planner.hardware import load_hardware
+    from moeplan.passes.optimize.offload.stream import build_stream
+
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    cases = []
+    from speculation import model_dir
+    from moeplan.planner.importers import load_model
+
+    from moeplan.passes.optimize.offload.cache_plan import capped
+
+    for name in args.models:
+        plan_trace = load_trace(traced(name, "train", "block-output", 2, args.tokens))
+        held = load_trace(traced(name, "heldout", "block-output", 2, args.tokens))
+        stream = capped(build_stream(held), args.max_requests)
+        irs = {"production": production_ir(name, held), "native": load_model(str(model_dir(name))).ir}
+        for widths in args.widths:
+            fractions = args.fractions if widths == "production" else [0.25]
+            profiles = args.profiles if widths == "production" else args.profiles[:1]
+            for fraction in fractions:
+                capacity = max(1, int(round(fraction * stream.num_keys)))
+                body = side_plan(plan_trace, irs[widths], load_hardware(args.profiles[0]), capacity)
+                body["hardware"] = args.profiles[0]
+                for profile in profiles:
+                    case = side_case(name, body, stream, irs[widths], load_hardware(profile), fraction, capacity, log)
+                    cases.append({"widths": widths, **case})
+    summary = {f"{w}_{p}_25pct": {c["model"]: {k: round(c[k], 4) for k in ("speculative_over_moeplan", "speculative_host_over_moeplan",
+                                                                           "speculative_over_issue13_moeplan")}
+                                 | {"speculative_resident": round(c["rows"]["speculative"]["resident_at_layer_start"], 4),
+                                    "speculative_resident_after_first_layer":
+                                        round(c["rows"]["speculative"]["resident_after_first_layer"], 4),
+                                    "copy_over_layer": round(c["copy_ms"] / c["layer_compute_ms"], 3),
+                                    "copy_only_floor_over_moeplan": round(c["copy_only_floor_over_moeplan"], 4)}
+                                 for c in cases if c["fraction"] == 0.25 and c["widths"] == w and c["profile"] == p}
+               for w in args.widths for p in args.profiles}
+    summary.update(target_ratio=0.6, target_resident=0.85)
+    out = {"cases": cases, "summary": summary, "published": dict(PUBLISHED_SIDE, setting_difference=SIDE_SETTING)}
+    emit(out, args.json, PUBLISHED_SIDE, SIDE_SETTING)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["tiny", "olmoe"], choices=["tiny", "olmoe"])
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.4, 0.5])
+    ap.add_argument("--side-by-side", action="store_true", help="issue 33's table (module docstring)")
+    ap.add_argument("--models", nargs="+", default=None, choices=["tiny", "olmoe", "qwen3", "olmoe64"])
+    ap.add_argument("--profiles", nargs="+", default=["rtx4090-pcie4", "h100-sxm"])
+    ap.add_argument("--fractions", type=float, nargs="+", default=None)
+    ap.add_argument("--tokens", type=int, default=8192, help="--side-by-side: tokens per trace")
+    ap.add_argument("--max-requests", type=int, default=60_000,
+                    help="--side-by-side: the held-out stream's first whole tokens holding at most this many requests")
+    ap.add_argument("--widths", nargs="+", default=["production", "native"], choices=["production", "native"],
+                    help="--side-by-side: price at a production model's widths, or the trained model's own")
     ap.add_argument("--plan-tokens", type=int, default=8192)
     ap.add_argument("--heldout-tokens", type=int, default=2048)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.side_by_side:
+        args.models = args.models or list(SIDE_MODELS)
+        args.fractions = args.fractions or [0.1, 0.25, 0.5]
+        return side_by_side(args)
+    args.models = args.models or ["tiny", "olmoe"]
+    args.fractions = args.fractions or [0.1, 0.2, 0.3, 0.4, 0.5]
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.passes.optimize.offload.stream import build_stream
 

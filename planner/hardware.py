@@ -35,7 +35,7 @@ THIS_MACHINE = "this-machine"
 DEFAULT_HARDWARE = "cpu-gloo"
 DEFAULT_OFFLOAD_HARDWARE = "rtx4090-pcie4"
 # Bump when `moeplan calibrate` measures differently, so older cached calibrations are not reused.
-CALIBRATION_METHOD = 2
+CALIBRATION_METHOD = 3  # 3: also the host's expert rates (host compute on a miss)
 
 COST_FIGURES = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "attention_ops_per_sequence",
                 "parallel_ranks", "collective_latency_base_s", "collective_latency_per_peer_s")
@@ -44,6 +44,8 @@ MEMORY_FIGURES = ("device_memory_bytes", "host_memory_bytes", "host_to_device_by
 TIERED = ("bandwidth_bytes_per_s", "message_latency_s")
 _MAY_BE_ZERO = ("python_slot_s", "attention_ops_per_sequence")
 _INTEGER = ("device_memory_bytes", "host_memory_bytes")
+# optional keys (absent = unknown): host compute on a miss; `moeplan calibrate` measures the first two
+HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,29 @@ class HardwareProfile:
     layer_overhead_s: float | None = None    # fixed time of one layer step in the offload timing
     copy_latency_s: float | None = None      # fixed time of one expert copy
     sources: dict = field(default_factory=dict, compare=False)
+    # optional: the host CPU computing a missed expert instead of copying it (offloading's host
+    # compute, docs/offload.md); None: the profile does not say, and plans always copy
+    host_memory_bytes_per_s: float | None = None  # weights read by all cores (a decode row is memory-bound)
+    host_flops_per_s: float | None = None         # float32 matmul, all cores
+    host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key
 
     def collective_latency(self, world: int) -> float:
         """One all_to_all call among `world` ranks: base + per_peer x (world - 1)."""
         return self.collective_latency_base_s + self.collective_latency_per_peer_s * (world - 1)
 
+    @property
+    def host_compute(self) -> bool:
+        """Whether the profile knows the host's rates, so a missed expert may be computed there."""
+        return bool(self.host_memory_bytes_per_s) and bool(self.host_flops_per_s)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         if out["calibration"] is None:
             out.pop("calibration")
+        for key in HOST_FIGURES:  # optional: written only where known
+            if out[key] is None:
+                out.pop(key)
         return out
 
     def require(self, keys, purpose: str) -> "HardwareProfile":
@@ -195,7 +210,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile '{where}' must be a mapping of keys to values")
     figures = (*COST_FIGURES, *MEMORY_FIGURES, *TIERED)
-    known = {"name", "sources", "calibration", *figures}
+    known = {"name", "sources", "calibration", *figures, *HOST_FIGURES}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"hardware profile '{where}' has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
@@ -204,6 +219,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
         raise UserError(f"hardware profile '{where}' is missing key(s) {missing} (write null for a figure it does not "
                         f"know, with a source saying why)")
     values = {k: _figure(where, k, data[k]) for k in (*COST_FIGURES, *MEMORY_FIGURES)}
+    values.update({k: _figure(where, k, data[k]) for k in HOST_FIGURES if k in data})  # optional keys
     for k in _INTEGER:
         values[k] = None if values[k] is None else int(values[k])
     tiers = {}

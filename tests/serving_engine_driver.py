@@ -22,6 +22,7 @@ OPTIONS = dict(a.split("=", 1) for a in sys.argv[4:])
 sys.path.insert(0, str(BUNDLE))
 
 from runtime.serving.contract import GenerationRequest, Overloaded, SamplingParams, Unavailable  # noqa: E402
+import runtime.serving.ranks as ranks  # noqa: E402
 from runtime.serving.ranks import serve_bundle  # noqa: E402
 
 RANK = int(os.environ["RANK"])
@@ -202,8 +203,23 @@ def fault_front(client, plan, codec) -> int:
     return 1
 
 
+class KeptWorker(ranks.BatchWorker):
+    """The service's own worker, kept so that its expert cache's counters and request log can be
+    written after the service ends (`cache_log=1`: OUT/expert-cache-RANK.pt, `ExpertCache.record`)."""
+    made = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        KeptWorker.made.append(self)
+
+
 if __name__ == "__main__":
     front = {"engine": engine_front, "exact": exact_front, "fault": fault_front}[SCENARIO]
     number = lambda k: int(OPTIONS[k]) if k in OPTIONS else None  # noqa: E731
-    sys.exit(serve_bundle(BUNDLE, front, mode=OPTIONS.get("mode"), context=OPTIONS.get("context", "auto"),
-                          max_sequences=number("max_sequences"), max_waiting=number("max_waiting")))
+    ranks.BatchWorker = KeptWorker
+    code = serve_bundle(BUNDLE, front, mode=OPTIONS.get("mode"), context=OPTIONS.get("context", "auto"),
+                        max_sequences=number("max_sequences"), max_waiting=number("max_waiting"))
+    if OPTIONS.get("cache_log") == "1":
+        import torch
+        torch.save(KeptWorker.made[0].engine.model.expert_cache.record(), OUT / f"expert-cache-{RANK}.pt")
+    sys.exit(code)

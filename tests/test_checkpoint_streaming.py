@@ -152,17 +152,17 @@ def test_kubernetes_bundle_with_reference_weights_mounts_the_checkpoint_and_vali
     import kubernetes_validate
     import yaml
 
-    from moeplan.backends.kubernetes.codegen import FILES, KUBERNETES_VERSION
+    from moeplan.backends.kubernetes.codegen import KUBERNETES_VERSION
 
     directory = tiny.build("qwen3_moe", tmp_path / "models")
     out = tmp_path / "bundle"
     _compile(directory, _trace(tmp_path / "trace.npz", _moe_layers(directory)), out, "--target", "kubernetes",
              "--weights", "reference")
-    docs = {name: list(yaml.safe_load_all((out / "kubernetes" / name).read_text())) for name in FILES}
+    docs = {p.name: list(yaml.safe_load_all(p.read_text())) for p in sorted((out / "kubernetes").glob("*.yaml"))}
     for name, items in docs.items():
         assert len(items) == 1, name
         kubernetes_validate.validate(items[0], KUBERNETES_VERSION, strict=True)
-    pod = docs["job.yaml"][0]["spec"]["template"]["spec"]
+    pod = docs["statefulset.yaml"][0]["spec"]["template"]["spec"]  # the service's node 0
     ranks = pod["containers"][0]
     assert {"name": "MOEPLAN_CHECKPOINT", "value": "/checkpoint"} in ranks["env"]
     assert {"name": "checkpoint", "mountPath": "/checkpoint", "readOnly": True} in ranks["volumeMounts"]

@@ -184,7 +184,7 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     import kubernetes_validate
     import yaml
 
-    from moeplan.backends.kubernetes.codegen import FILES, KUBERNETES_VERSION
+    from moeplan.backends.kubernetes.codegen import KUBERNETES_VERSION
 
     directory = tiny.build("dbrx", tmp_path / "models")
     out = tmp_path / "bundle"
@@ -193,11 +193,11 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     assert plan["communication"]["expert_cache"]["host"]["capacity"] == [0, 0]  # every load reads the checkpoint
     predicted = plan["predicted"]["expert_cache"]
     assert predicted["host_bytes_per_token"] == 0 < predicted["disk_bytes_per_token"]
-    for name in FILES:
-        items = list(yaml.safe_load_all((out / "kubernetes" / name).read_text()))
+    for path in sorted((out / "kubernetes").glob("*.yaml")):
+        items = list(yaml.safe_load_all(path.read_text()))
         for item in items:
             kubernetes_validate.validate(item, KUBERNETES_VERSION, strict=True)
-    pod = yaml.safe_load((out / "kubernetes" / "job.yaml").read_text())["spec"]["template"]["spec"]
+    pod = yaml.safe_load((out / "kubernetes" / "statefulset.yaml").read_text())["spec"]["template"]["spec"]
     ranks = pod["containers"][0]
     assert {"name": "MOEPLAN_CHECKPOINT", "value": "/checkpoint"} in ranks["env"]
     assert {"name": "checkpoint", "mountPath": "/checkpoint", "readOnly": True} in ranks["volumeMounts"]

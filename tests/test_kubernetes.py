@@ -7,7 +7,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from moeplan.backends.kubernetes.codegen import FILES, KUBERNETES_VERSION, slug
+from moeplan.backends.kubernetes import pod_memory
+from moeplan.backends.kubernetes.codegen import JOB_FILES, KUBERNETES_VERSION, OTHER_FILES, SERVICE_FILES, slug
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.commands.compile import compile_cmd
 from runtime_fixtures import SMALL, random_trace, small_model_dir
@@ -27,7 +28,7 @@ def _compile(model_dir, trace_path, out, *extra):
                                               "--nodes", "2", "--gpus-per-node", "2", "--policy", "contiguous",
                                               "--out", str(out), "--quiet", *extra])
     assert result.exit_code == 0, result.output
-    return {name: list(yaml.safe_load_all((out / "kubernetes" / name).read_text())) for name in FILES}
+    return {p.name: list(yaml.safe_load_all(p.read_text())) for p in sorted((out / "kubernetes").glob("*.yaml"))}
 
 
 def _validate(docs):
@@ -36,10 +37,11 @@ def _validate(docs):
         kubernetes_validate.validate(items[0], KUBERNETES_VERSION, strict=True)
 
 
-def test_manifests_validate_and_carry_the_plan(tmp_path, trace_path):
+def test_the_batch_job_manifests_validate_and_carry_the_plan(tmp_path, trace_path):
     model_dir = small_model_dir(tmp_path)
     out = tmp_path / "b"
-    docs = _compile(model_dir, trace_path, out)
+    docs = _compile(model_dir, trace_path, out, "--batch-job")
+    assert set(docs) == set(JOB_FILES)
     _validate(docs)
     job = docs["job.yaml"][0]
     spec = job["spec"]
@@ -54,8 +56,11 @@ def test_manifests_validate_and_carry_the_plan(tmp_path, trace_path):
     ranks = pod["containers"][0]
     assert ranks["command"] == ["bash", "/bundle/launch.sh"]
     assert ranks["resources"]["limits"]["nvidia.com/gpu"] == "2" == ranks["resources"]["requests"]["nvidia.com/gpu"]
-    shard_bytes = sum((out / f"shards/rank-0000{r}.safetensors").stat().st_size for r in (0, 1))
-    assert int(ranks["resources"]["requests"]["memory"].removesuffix("Mi")) * 2**20 >= 2 * shard_bytes + 2 * 512 * 2**20
+    # float32 shards: each rank's tensor bytes as read and as its float32 copy, plus the measured overheads
+    payload = lambda p: p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little")
+    shard_bytes = sum(payload(out / f"shards/rank-0000{r}.safetensors") for r in (0, 1))
+    overheads = 2 * pod_memory.RANK_OVERHEAD_MIB + pod_memory.AGENT_MIB  # no HTTP front in the batch Job
+    assert int(ranks["resources"]["requests"]["memory"].removesuffix("Mi")) * 2**20 >= 2 * shard_bytes + overheads * 2**20
     env = {e["name"]: e for e in ranks["env"]}
     assert env["NNODES"]["value"] == "2" and env["MASTER_ADDR"]["value"].startswith(job["metadata"]["name"] + "-0.")
     assert "job-completion-index" in env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
@@ -68,7 +73,7 @@ def test_manifests_validate_and_carry_the_plan(tmp_path, trace_path):
     assert volumes["plan"]["configMap"]["name"] == docs["configmap.yaml"][0]["metadata"]["name"]
     # the manifest covers the kubernetes files, so `moeplan run` still accepts the bundle
     files = json.loads((out / "manifest.json").read_text())["files"]
-    assert {f"kubernetes/{n}" for n in FILES + ("Dockerfile", "README.md")} <= set(files)
+    assert {f"kubernetes/{n}" for n in JOB_FILES + OTHER_FILES} <= set(files)
     assert "kubectl apply -f kubernetes/" in (out / "kubernetes" / "README.md").read_text()
 
 
@@ -89,9 +94,11 @@ def test_a_model_name_with_yaml_and_shell_metacharacters_yields_safe_valid_outpu
     for items in docs.values():
         meta = items[0]["metadata"]
         assert meta["name"].startswith(name) and meta["annotations"]["moeplan.io/model-name"] == EVIL
-    pod = docs["job.yaml"][0]["spec"]["template"]["spec"]
-    assert pod["containers"][0]["image"] == "registry.example/x:1 # $(id)"
-    assert set(pod) == {"subdomain", "restartPolicy", "affinity", "initContainers", "containers", "volumes"}
+    assert set(docs) == set(SERVICE_FILES) | {"workers.yaml"}  # the service, by default
+    for name in ("statefulset.yaml", "workers.yaml"):
+        pod = docs[name][0]["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == "registry.example/x:1 # $(id)"
+        assert set(pod) == {"enableServiceLinks", "terminationGracePeriodSeconds", "affinity", "containers", "volumes"}
     launch = docs["configmap.yaml"][0]["data"]["launch.sh"]
     assert launch == (out / "launch.sh").read_text()
     assert subprocess.run(["bash", "-n", str(out / "launch.sh")]).returncode == 0
@@ -108,7 +115,7 @@ def test_kubernetes_flags_on_the_torchrun_target_are_refused(tmp_path, trace_pat
 
 
 def test_the_staged_pod_layout_runs_launch_sh(tmp_path, trace_path):
-    """The init container's script, run with local paths, gives a directory the container command runs."""
+    """The batch Job's init container script, run with local paths, gives a directory the container command runs."""
     import os
     import socket
     import sys
@@ -117,7 +124,7 @@ def test_the_staged_pod_layout_runs_launch_sh(tmp_path, trace_path):
     out = tmp_path / "b"
     result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(trace_path), "--target", "kubernetes",
                                               "--nodes", "1", "--gpus-per-node", "1", "--policy", "contiguous",
-                                              "--out", str(out), "--quiet"])
+                                              "--batch-job", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     job = yaml.safe_load((out / "kubernetes" / "job.yaml").read_text())
     config = yaml.safe_load((out / "kubernetes" / "configmap.yaml").read_text())

@@ -198,3 +198,52 @@ def test_an_offloaded_bundle_with_prefetch_serves_exactly(offloaded, mode):
         assert r["tokens"] == tiny_moe_greedy(model, r["prompt"], r["max_tokens"]), (mode, rid)
     cache = result["expert_cache"]
     assert cache["hits"] > 0 and cache["misses"] > 0  # experts really loaded and reused under the batch
+
+
+@pytest.fixture(scope="module")
+def speculative_offload(tmp_path_factory):
+    """A 2-rank bundle with the speculative prefetcher (trace --speculate 2) and host compute on a
+    miss, forced by the plan's clock (test_offload_speculative.forced_host_compute: plan -> a clock
+    on which the host beats a copy -> codegen)."""
+    from test_offload_runtime import cli
+    from test_offload_speculative import forced_host_compute
+
+    root = tmp_path_factory.mktemp("serving_speculative")
+    model_dir = small_model_dir(root, max_positions=128)
+    (root / "data.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    code, out = cli(["trace", str(model_dir), "--data", str(root / "data.txt"), "--out", str(root / "t.npz"),
+                     "--seq-len", "32", "--speculate", "2", "--quiet"])
+    assert code == 0, out
+    spec = forced_host_compute(model_dir, root / "t.npz", root / "bundle", 2, "speculative")
+    return root, load_small(model_dir), spec
+
+
+@pytest.mark.parametrize("mode", ["coherent", "standard"])
+def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_the_simulator(speculative_offload, mode):
+    """Under continuous batching the ranks speculate live and compute misses on the host; the
+    simulator's replay of each rank's logged requests (the `run --verify` replay) gives exactly
+    the counters the service measured."""
+    from moeplan.passes.optimize.offload.ranks import rank_keys
+    from moeplan.passes.optimize.offload.replay import COMPARED, replay_rank_logs
+    from moeplan.passes.optimize.offload.stream import stream_from_log
+    from moeplan.passes.optimize.placement.decision import placement_from_dict
+
+    root, model, spec = speculative_offload
+    out = root / f"out-{mode}"
+    code, _, output = launch(root / "bundle", out, "exact", mode=mode, max_sequences=16, max_waiting=16, cache_log=1)
+    assert code == 0, output[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    for rid, r in result["greedy"].items():
+        assert r["tokens"] == tiny_moe_greedy(model, r["prompt"], r["max_tokens"]), (mode, rid)
+    records = [torch.load(out / f"expert-cache-{r}.pt", weights_only=True) for r in range(2)]
+    measured = {k: sum(rec["stats"][k] for rec in records) for k in COMPARED}
+    masks = rank_keys(placement_from_dict(json.loads((root / "bundle" / "placement.json").read_text())).hosts())
+    simulated = replay_rank_logs(spec, [stream_from_log(rec["log"]) for rec in records], masks)
+    assert measured == {k: simulated[k] for k in COMPARED}
+    assert all(int(rec["log"]["spec_depth"]) == spec["speculation"]["depth"] for rec in records)
+    assert sum(len(rec["log"]["spec_keys"]) for rec in records) > 0  # the ranks speculated live
+    assert measured["prefetches"] > 0 and measured["prefetch_hits"] > 0 and measured["host_computed"] > 0
+    served = result["expert_cache"]  # the service's metrics (gathered before the last step's copies were flushed)
+    assert (served["hits"], served["misses"], served["host_computed"]) == (
+        measured["hits"], measured["requests"] - measured["hits"], measured["host_computed"])
+    assert 0 < served["prefetch_hits"] <= served["prefetches"] <= measured["prefetches"]

@@ -262,7 +262,8 @@ def test_metrics_read_back_by_prometheus_client():
     m.request_refused(429)
     text = m.render({"running": 2, "waiting": 1, "exchange_bytes": {(0, "dispatch"): 100, (0, "combine"): 50,
                                                                         (None, "token_sync"): 8},
-                     "expert_cache": {"hits": 4, "misses": 2}, "gpu_local_fraction": 0.75, "steps": 9})
+                     "expert_cache": {"hits": 4, "misses": 2, "prefetches": 3, "prefetch_hits": 1, "host_computed": 1},
+                     "gpu_local_fraction": 0.75, "steps": 9})
     families = {f.name: f for f in text_string_to_metric_families(text)}
     value = lambda name, **labels: next(s.value for s in families[name].samples
                                         if all(s.labels.get(k) == v for k, v in labels.items()) and s.name.startswith(name))
@@ -275,6 +276,8 @@ def test_metrics_read_back_by_prometheus_client():
     assert value("moeplan_exchange_bytes", layer="0", kind="dispatch") == 100
     assert value("moeplan_exchange_bytes", layer="all", kind="token_sync") == 8
     assert value("moeplan_expert_cache_hits") == 4 and value("moeplan_expert_cache_misses") == 2
+    assert value("moeplan_expert_cache_prefetches") == 3 and value("moeplan_expert_cache_prefetch_hits") == 1
+    assert value("moeplan_expert_cache_host_computed") == 1
     assert value("moeplan_gpu_local_fraction") == 0.75
     assert value("moeplan_request_refused", code="429") == 1
     assert all(s.labels["model_name"] == 'model "x"' for f in families.values() for s in f.samples)

@@ -81,9 +81,9 @@ def test_load_rejects_missing_foreign_and_corrupt_files(tmp_path):
     np.savez(tmp_path / "extra.npz", experts=np.zeros((1, 1, 1), int), bogus=np.zeros(1))
     with pytest.raises(UserError, match="unknown arrays"):
         load_trace(tmp_path / "extra.npz")
-    np.savez(tmp_path / "v2.npz", experts=np.zeros((1, 1, 1), int), version=np.int64(2))
-    with pytest.raises(UserError, match="version 2"):
-        load_trace(tmp_path / "v2.npz")
+    np.savez(tmp_path / "v3.npz", experts=np.zeros((1, 1, 1), int), version=np.int64(3))
+    with pytest.raises(UserError, match="version 3"):
+        load_trace(tmp_path / "v3.npz")
 
 
 def test_load_reports_out_of_range_ids_against_declared_num_experts(tmp_path):

@@ -96,6 +96,9 @@ class Engine:
         for a in self.model.adapters:
             a.route_fn = self._route
         hooks = self._install_hooks() if self.mode == COHERENT else []
+        speculation = getattr(self.model, "speculation", None)  # an expert cache's live speculation (issue 33)
+        if speculation is not None:  # installed after the engine's own block-output hook: it sees the corrected rows
+            hooks += speculation.install(self.real_rows)
         batch = sorted(contexts)
         start = time.perf_counter()
         try:
@@ -163,6 +166,11 @@ class Engine:
             if p == last[s]:
                 new[s] = int(torch.argmax(flat[r]).item())
         return new, cache
+
+    def real_rows(self) -> torch.Tensor:
+        """bool [n]: the forward's rows whose hidden state is real on this rank (own requests in
+        standard mode, the rows current here in coherent mode; never padding)."""
+        return (self.keys >= 0) & (self.mine if self.mode == COHERENT else True)
 
     def _sync_prompts(self, prompts: list, own: list) -> dict:
         """AllGather of the prompts: every rank learns every request's context from its owner."""

@@ -76,19 +76,23 @@ class _KeysTail:
 
 
 class OnlineStream:
-    """The request stream as it happens: same fields as the simulator's `Stream`, grown per step.
+    """The request stream as it happens: same fields as the simulator's `Stream`, grown per step,
+    with each request's token rows and, with `spec_depth` D > 0, each step's speculation (D groups
+    of keys, empty until `set_speculation`).
 
     A service runs for days: `forget_before(step)` drops the log before a step (the online
     policies, prefetchers and the stepper read only the current step's entries and keep global
     request numbers as times), after which `keys` slices by global index and the log cannot be
     recorded any more."""
 
-    def __init__(self, num_layers: int, num_experts: int):
-        self.num_layers, self.num_experts = num_layers, num_experts
+    def __init__(self, num_layers: int, num_experts: int, spec_depth: int = 0):
+        self.num_layers, self.num_experts, self.spec_depth = num_layers, num_experts, int(spec_depth)
         self.num_keys = num_layers * num_experts
         self._keys = np.zeros(1024, dtype=np.int64)
+        self._rows = np.zeros(1024, dtype=np.int64)
         self._key_offset = 0
         self.step_start, self.step_layer, self.step_token, self.step_seq = _Tail([0]), _Tail(), _Tail(), _Tail()
+        self.spec_groups = _Tail()  # per step: D lists of speculated keys
 
     @property
     def keys(self):
@@ -105,17 +109,26 @@ class OnlineStream:
     def first_step(self) -> int:
         return self.step_layer.offset
 
-    def add_step(self, layer: int, token: int, seq: int, keys: list) -> int:
-        """Append one step's keys; returns its index."""
+    def request_rows(self, r: int) -> int:
+        return int(self._rows[r - self._key_offset])
+
+    def speculated(self, s: int, d: int) -> list:
+        return self.spec_groups[s][d - 1] if d <= self.spec_depth else []
+
+    def add_step(self, layer: int, token: int, seq: int, keys: list, rows=None) -> int:
+        """Append one step's keys (and their token rows, default 1 each); returns its index."""
         start = self.step_start[-1] - self._key_offset
         end = start + len(keys)
         while end > len(self._keys):
             self._keys = np.concatenate([self._keys, np.zeros(len(self._keys), dtype=np.int64)])
+            self._rows = np.concatenate([self._rows, np.zeros(len(self._rows), dtype=np.int64)])
         self._keys[start:end] = keys
+        self._rows[start:end] = 1 if rows is None else rows
         self.step_start.append(end + self._key_offset)
         self.step_layer.append(layer)
         self.step_token.append(token)
         self.step_seq.append(seq)
+        self.spec_groups.append([[] for _ in range(self.spec_depth)])
         return self.num_steps - 1
 
     def forget_before(self, step: int) -> None:
@@ -125,19 +138,35 @@ class OnlineStream:
             return
         cut = self.step_start[step] - self._key_offset
         kept = self.step_start[-1] - self._key_offset - cut
-        self._keys = np.concatenate([self._keys[cut:cut + kept], np.zeros(max(1024, kept), dtype=np.int64)])
+        spare = np.zeros(max(1024, kept), dtype=np.int64)
+        self._keys = np.concatenate([self._keys[cut:cut + kept], spare])
+        self._rows = np.concatenate([self._rows[cut:cut + kept], spare])
         self._key_offset += cut
-        for tail in (self.step_start, self.step_layer, self.step_token, self.step_seq):
+        for tail in (self.step_start, self.step_layer, self.step_token, self.step_seq, self.spec_groups):
             tail.forget(count)
 
+    def set_speculation(self, s: int, groups: list) -> None:
+        """The last step's speculated keys, one list per distance 1..D."""
+        if s != self.num_steps - 1 or len(groups) != self.spec_depth:
+            raise ValueError(f"speculation for step {s} with {len(groups)} distances; expected the last step "
+                             f"({self.num_steps - 1}) and {self.spec_depth}")
+        self.spec_groups.items[-1] = [[int(k) for k in g] for g in groups]
+
     def to_record(self) -> dict:
-        """The log as int64 tensors: keys [R], step_start [S+1], step_layer/step_token/step_seq [S]."""
+        """The log as int64 tensors: keys and rows [R], step_start [S+1], step_layer/step_token/step_seq
+        [S]; with speculation spec_keys [Q], spec_start [S * D + 1] and spec_depth."""
         if self.first_step:
             raise RuntimeError("the expert cache's request log was windowed (a service); it cannot be recorded")
         as_t = lambda v: torch.tensor(np.asarray(v, dtype=np.int64))
-        return {"keys": as_t(self.keys), "step_start": as_t(self.step_start.items),
-                "step_layer": as_t(self.step_layer.items), "step_token": as_t(self.step_token.items),
-                "step_seq": as_t(self.step_seq.items), "num_layers": self.num_layers, "num_experts": self.num_experts}
+        out = {"keys": as_t(self.keys), "rows": as_t(self._rows[: self.step_start[-1]]),
+               "step_start": as_t(self.step_start.items), "step_layer": as_t(self.step_layer.items),
+               "step_token": as_t(self.step_token.items), "step_seq": as_t(self.step_seq.items),
+               "num_layers": self.num_layers, "num_experts": self.num_experts}
+        if self.spec_depth:
+            flat = [g for step in self.spec_groups.items for g in step]
+            out.update(spec_keys=as_t([k for g in flat for k in g]), spec_depth=self.spec_depth,
+                       spec_start=as_t(np.r_[0, np.cumsum([len(g) for g in flat])]))
+        return out
 
 
 def per_expert_shape(full_shape, num_experts: int) -> tuple:
@@ -250,12 +279,14 @@ class ExpertCache:
     """
 
     def __init__(self, capacity: int, store: ExpertStore, pool: ExpertPool, num_layers: int, num_experts: int,
-                 new_stepper, resident=()):
+                 new_stepper, resident=(), spec_depth: int = 0, host=None):
         if capacity < 1 or capacity > pool.capacity:
             raise ValueError(f"expert cache capacity {capacity} must be between 1 and the pool's {pool.capacity} slots")
         self.capacity, self.store, self.pool = capacity, store, pool
         self.L, self.E = num_layers, num_experts
         self.new_stepper = new_stepper
+        self.spec_depth = int(spec_depth)  # > 0: decisions wait for the step's speculation (`speculate`)
+        self.host = host  # host_compute.HostExperts, for requests the stepper computes on the host
         self.initial = [int(k) for k in list(resident)[:capacity]]
         self.copy_stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self.reader = PrefetchReader(store, num_experts)
@@ -266,8 +297,8 @@ class ExpertCache:
     def restart(self) -> None:
         """Back to the planned residents with fresh counters, log and stepper (one run = one stream)."""
         self.reader.drop()
-        self.pending, self.computed = [], None
-        self.stream = OnlineStream(self.L, self.E)
+        self.pending, self.computed, self.undecided = [], None, None
+        self.stream = OnlineStream(self.L, self.E, self.spec_depth)
         self.slot_of, self.free = {}, list(range(self.capacity - 1, -1, -1))
         for k in self.initial:
             slot = self.free.pop()
@@ -276,6 +307,7 @@ class ExpertCache:
         self.stepper = self.new_stepper(self.stream, self.capacity, self.initial)
         self.policy, self.cached = self.stepper.policy, self.stepper.cached
         self.requests = self.hits = self.loads = self.bytes_moved = self.prefetches = self.prefetch_hits = 0
+        self.host_computed = self.host_rows = 0
         self.unused_prefetch = set()
         self.store.reset_counters()  # store hook: disk/host counters of the run only (not the initial fill)
         self.token = -1
@@ -327,23 +359,49 @@ class ExpertCache:
         self.pending = []
 
     # --- one step ------------------------------------------------------------------------------
-    def begin_step(self, layer: int, experts: list) -> list:
-        """Log one MoE layer step (distinct experts, request order), install the pending copies, run
-        the stepper; returns its requests [(key, hit, evicted key or None)] and starts reading the
-        copies it decided."""
+    def begin_step(self, layer: int, experts: list, rows=None) -> list:
+        """Log one MoE layer step (distinct experts, request order, their token rows), install the
+        pending copies, serve it with the stepper; returns its requests [(key, hit, evicted key or
+        None, on host)]. The copies decided after it start reading at once, or, with speculation,
+        once `speculate` gives the step's speculated keys (a step left without is decided on empty
+        groups before the next one)."""
+        self._decide_open(None)
         keys = [layer * self.E + int(e) for e in experts]
-        s = self.stream.add_step(layer, self.token, self.seq, keys)
+        s = self.stream.add_step(layer, self.token, self.seq, keys, rows)
         if self.keep_steps is not None and s - self.stream.first_step >= 2 * self.keep_steps:
             self.stream.forget_before(s + 1 - self.keep_steps)
         self._install_pending()
-        served, self.pending = self.stepper.step(s)
-        if self.pending:
-            self.reader.start([k for k, _ in self.pending])
+        served = self.stepper.serve(s)
+        self.undecided = s
+        if not self.spec_depth:
+            self._decide_open(None)
         return served
 
-    def make_resident(self, key: int, hit: bool, evicted) -> int:
-        """The slot of one served request: a hit must be in the pool; a miss is read now (demand)."""
+    def speculate(self, layer: int, groups: list) -> None:
+        """The speculation after MoE layer `layer` ran here (per distance 1..D, keys of the layers
+        ahead): decides the copies of the step it belongs to. Ignored when this rank served no
+        step of that layer in this forward."""
+        s = self.undecided
+        if s is not None and self.stream.step_layer[s] == layer and self.stream.step_token[s] == self.token:
+            self._decide_open(groups)
+
+    def _decide_open(self, groups) -> None:
+        s, self.undecided = self.undecided, None
+        if s is None:
+            return
+        if groups is not None:
+            self.stream.set_speculation(s, groups)
+        self.pending = self.stepper.decide(s)
+        if self.pending:
+            self.reader.start([k for k, _ in self.pending])
+
+    def make_resident(self, key: int, hit: bool, evicted, host: bool = False):
+        """The slot of one served request: a hit must be in the pool; a miss is read now (demand);
+        None for a request computed on the host (nothing moves into the pool)."""
         self.requests += 1
+        if host:
+            self.host_computed += 1
+            return None
         if hit:
             if key not in self.slot_of:
                 raise RuntimeError(f"expert cache out of step with its stepper: key {key} is a hit but not in the pool")
@@ -359,26 +417,36 @@ class ExpertCache:
         if self.copy_stream is not None:
             self.computed = torch.cuda.current_stream(self.pool.device).record_event()
 
-    def serve(self, layer: int, experts: list):
-        """Yield the slot of each of the step's experts (distinct, request order), each made resident
-        just before its turn: an expert computes before the next one loads. Exhaust it."""
-        for request in self.begin_step(layer, experts):
-            yield self.make_resident(*request)
+    def serve(self, layer: int, experts: list, rows=None):
+        """Yield the slot of each of the step's experts (distinct, request order; None: computed on
+        the host), each made resident just before its turn: an expert computes before the next one
+        loads. Exhaust it."""
+        for request, n in zip(self.begin_step(layer, experts, rows), rows or [1] * len(experts)):
+            slot = self.make_resident(*request)
+            self.host_rows += n if slot is None else 0
+            yield slot
         self.end_step()
 
     def flush(self) -> None:
-        """Install the copies decided after the last step (every decided copy moves)."""
+        """Decide a step still open, then install the copies decided after the last step (every
+        decided copy moves)."""
+        self._decide_open(None)
         self._install_pending()
 
     def output(self, adapter, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`adapter.local_expert_output` through the cache: h [M, D], local_ids [M] (index in
-        adapter.local), weights [M] -> weighted outputs [M, D], expert by expert in request order."""
+        adapter.local), weights [M] -> weighted outputs [M, D], expert by expert in request order;
+        an expert the stepper computes on the host runs there on its host weights (`host_compute.py`)."""
         out = torch.zeros_like(h)
         experts = torch.tensor([adapter.local[i] for i in local_ids.tolist()], dtype=torch.int64)
         order = list(dict.fromkeys(experts.tolist()))
-        for e, request in zip(order, self.begin_step(adapter.moe, order)):
+        rows_of = [(experts == e).nonzero().flatten().to(h.device) for e in order]
+        for rows, request in zip(rows_of, self.begin_step(adapter.moe, order, [r.numel() for r in rows_of])):
             slot = self.make_resident(*request)
-            rows = (experts == e).nonzero().flatten().to(h.device)
+            if slot is None:
+                self.host_rows += rows.numel()
+                out[rows] = self.host.output(adapter, request[0], h[rows], weights[rows]).to(out.dtype)
+                continue
             slots = torch.full((rows.numel(),), slot, dtype=torch.int64, device=h.device)
             out[rows] = adapter.slot_output(h[rows], slots, weights[rows]).to(out.dtype)
         self.end_step()
@@ -389,6 +457,7 @@ class ExpertCache:
         start, seconds) and the reader's waits (wall clock, not deterministic)."""
         return {"requests": self.requests, "hits": self.hits, "loads": self.loads, "bytes_moved": self.bytes_moved,
                 "prefetches": self.prefetches, "prefetch_hits": self.prefetch_hits,
+                "host_computed": self.host_computed, "host_rows": self.host_rows,
                 "resident_at_layer_start": int(self.stepper.resident_at_start), "modelled_seconds": float(self.stepper.now),
                 "prefetch_waits": self.reader.waits, "prefetch_wait_s": self.reader.wait_s,
                 "hit_ratio": self.hits / self.requests if self.requests else 0.0, "capacity": self.capacity,
@@ -421,15 +490,23 @@ def attach_expert_cache(rank_model, pool: ExpertPool, store: ExpertStore, spec: 
     section; local: {MoE layer: this rank's experts}); forwards advance the cache's token index."""
     from .offload_stepper import pair_keys, plan_stepper  # the simulator's own stepper (shipped with expert caches)
 
+    from .host_compute import HostExperts
+    from .speculation import LiveSpeculation
+
     containers = rank_model.containers
     E = containers[0].num_experts
     allowed = np.zeros(len(containers) * E, dtype=bool)  # the rank's experts: the only keys it prefetches
     for layer, experts in local.items():
         allowed[pair_keys([(layer, e) for e in experts], E)] = True
+    speculative = spec.get("prefetch") == "speculative"
+    depth = int(spec["speculation"]["depth"]) if speculative else 0
+    host = HostExperts(pool, store, E) if spec.get("host_compute") == "cheaper" else None
     cache = ExpertCache(int(spec["capacity"][rank]), store, pool, len(containers), E,
-                        plan_stepper(spec, rank, allowed, E), pair_keys(spec["resident"][rank], E))
+                        plan_stepper(spec, rank, allowed, E), pair_keys(spec["resident"][rank], E), depth, host)
     for adapter in rank_model.adapters:
         adapter.use_pool(rank_model.model, pool, local.get(adapter.moe, []), cache)
+    if speculative:  # the engine installs its hooks (the rows real on this rank decide what is speculated)
+        rank_model.speculation = LiveSpeculation(rank_model, cache, depth, spec["speculation"]["source"])
     forward = rank_model.forward
 
     def counted_forward(*args, **kwargs):

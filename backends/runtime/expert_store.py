@@ -76,6 +76,13 @@ class ExpertStore:
         self.host_bytes += tensor_bytes(held)
         return held
 
+    def host_weights(self, layer: int, expert: int) -> dict:
+        """{param: float32 CPU tensor} of one expert for computing it on the host (host compute on
+        a miss): the host tier's copy, which moves nowhere and is not counted, or a disk read,
+        counted as one (the simulator's rule: a key outside the host tier is read for it)."""
+        held = self.host.get((layer, expert))
+        return held if held is not None else self._from_disk(layer, expert)
+
     def preload(self, keys) -> None:
         """Read the host tier's experts ((layer, expert) pairs) into host memory, once."""
         before = self.counters()

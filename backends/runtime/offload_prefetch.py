@@ -17,6 +17,19 @@ caches ship it as it is.
   next layer's probabilities use this token's routing: inter-layer affinity); admit one only if
   the model prefers it to the victim it would evict, and only into link time that is idle until
   the next router (when a copy takes longer than a layer computes, nothing is prefetched).
+* `SpeculativePrefetch` (issue 33): after each step, the experts that the routers of the next
+  `depth` MoE layers pick from this step's hidden state (the stream's speculation, recorded by
+  `moeplan trace --speculate` or computed live by the runtime with the same router modules), layer
+  l+1's first, each in the speculation's order; copies start as soon as the speculation is known
+  (`after_experts`: from the block's output, once the step's experts have computed), limited by
+  the link's bandwidth: a copy is issued only while it arrives early enough to pay, weighed by the
+  speculation's recall (`latest_arrival`), so on a link much slower than a layer's compute it
+  copies little. A victim is never one of this step's keys nor a key speculated for the layers
+  ahead; when the cache holds nothing else, the copy is declined. After the last MoE layer no
+  speculation reaches the next token's first layer (its input is a token not yet sampled): there,
+  with a policy that scores keys (next-use), it queues that layer's experts as `NextUsePrefetch`
+  does (most wanted first, only into link time idle until the next router, only in place of a
+  victim the policy wants less).
 """
 from __future__ import annotations
 
@@ -100,11 +113,67 @@ class NextUsePrefetch:
         return v if self.queued.get(key, np.inf) < sv else None
 
 
-PREFETCHERS = ("none", "moe-infinity", "moeplan")
+class SpeculativePrefetch:
+    name = "speculative"
+
+    def __init__(self, allowed=None, depth: int = 1, after_experts: bool = True, recall=None):
+        if depth < 1:
+            raise ValueError(f"the speculative prefetcher looks at least 1 MoE layer ahead, got {depth}")
+        self.allowed, self.depth, self.after_experts = allowed, int(depth), bool(after_experts)
+        self.recall = {int(d): float(r) for d, r in (recall or {}).items()}  # distance -> share of guesses right
+
+    def start(self, stream, cached, policy):
+        if not stream.spec_depth:
+            raise ValueError("the speculative prefetcher needs a stream with speculation (a trace recorded with "
+                             "'moeplan trace --speculate D', or the runtime's live speculation)")
+        self.stream, self.cached, self.policy = stream, cached, policy
+        self.may_copy = allowed_mask(self.allowed, stream.num_keys)
+        self.predicted = set()
+        self.first_layer = NextUsePrefetch(self.allowed) if hasattr(policy, "scores") else None
+        if self.first_layer is not None:
+            self.first_layer.start(stream, cached, policy)
+        self.queued_first = {}
+
+    def after_step(self, s: int) -> list:
+        self.distance = {}
+        for d in range(1, self.depth + 1):
+            for k in self.stream.speculated(s, d):
+                self.distance.setdefault(int(k), d)
+        self.predicted = set(self.distance)
+        self.queued_first = {}
+        if self.first_layer is not None and int(self.stream.step_layer[s]) == self.stream.num_layers - 1:
+            self.queued_first = dict.fromkeys(self.first_layer.after_step(s))
+        return [k for k in self.distance if not self.cached[k] and self.may_copy[k]] + list(self.queued_first)
+
+    def latest_arrival(self, key: int, next_router: float, step_s: float, timing) -> float:
+        """The latest arrival at which copying `key` still pays (the bandwidth limit): its layer
+        starts at R (the next router, plus a layer of `step_s` per distance beyond 1); a miss there
+        costs m = the cheaper of a copy and the host's time; a copy arriving at A saves m if the
+        guess is right and delays the link by A - R if it is wrong, so it pays while
+        A - R < recall x m (recall of the key's distance on the planning trace; 1 when unknown)."""
+        if key in self.queued_first:
+            return next_router  # idle link time only, as NextUsePrefetch
+        d = self.distance[key]
+        miss = timing.copy_s(key)
+        if timing.host_compute:
+            miss = min(miss, timing.host_s(key, 1))
+        return next_router + (d - 1) * step_s + self.recall.get(d, 1.0) * miss
+
+    def victim_for(self, key: int, exclude):
+        if key in self.queued_first:
+            return self.first_layer.victim_for(key, exclude)
+        keep = set(exclude) | self.predicted
+        v = int(self.policy.victim(-1, keep))
+        return None if v in keep else v
 
 
-def make_prefetcher(name: str, eamc=None, allowed=None):
-    """A fresh prefetcher by name (None for "none"); "moe-infinity" needs the EAMC [P, L, E]."""
+PREFETCHERS = ("none", "moe-infinity", "moeplan", "speculative")
+
+
+def make_prefetcher(name: str, eamc=None, allowed=None, depth: int = 1, speculation=None):
+    """A fresh prefetcher by name (None for "none"); "moe-infinity" needs the EAMC [P, L, E];
+    "speculative" looks `depth` MoE layers ahead, with the trace's `speculation` settings
+    ({"after_experts", "recall"}; default: from the block output, every guess trusted)."""
     if name == "none":
         return None
     if name == "moe-infinity":
@@ -113,4 +182,7 @@ def make_prefetcher(name: str, eamc=None, allowed=None):
         return EAMCPrefetch(eamc, allowed)
     if name == "moeplan":
         return NextUsePrefetch(allowed)
+    if name == "speculative":
+        speculation = speculation or {}
+        return SpeculativePrefetch(allowed, depth, speculation.get("after_experts", True), speculation.get("recall"))
     raise ValueError(f"unknown prefetcher '{name}'; use one of {', '.join(PREFETCHERS)}")

@@ -124,7 +124,8 @@ def merge_expert_caches(out_dir: Path, ranks: list) -> dict:
     torch.save({"logs": [r["expert_cache"]["log"] for r in ranks], "resident": [r["expert_cache"]["resident"] for r in ranks]},
                out_dir / "expert_cache.pt")
     total = {k: sum(s.get(k, 0) for s in per_rank) for k in ("requests", "hits", "loads", "bytes_moved", "prefetches",
-                                                             "prefetch_hits", "resident_at_layer_start", "prefetch_waits",
+                                                             "prefetch_hits", "resident_at_layer_start", "host_computed",
+                                                             "host_rows", "prefetch_waits",
                                                              "prefetch_wait_s", "disk_loads", "disk_bytes", "host_loads",
                                                              "host_bytes", "preload_bytes")}
     total["hit_ratio"] = total["hits"] / total["requests"] if total["requests"] else 0.0

@@ -5,7 +5,8 @@
 # CUDA torch (the device tool's machines: `pip install -e .[hf,test,bench]` in a venv over its torch):
 #   OUT=/some/dir bash benchmarks/gpu/serve_check.sh [extra benchmarks/serving.py flags]
 # Writes $OUT/serve_check.json (rows, ratios, targets), $OUT/serve_check.txt (the printed table),
-# $OUT/environment.txt (GPUs, torch, CUDA, nccl). Ranks above the GPU count are skipped.
+# $OUT/environment.txt (GPUs, torch, CUDA, nccl), $OUT/rank_memory.txt (each rank's peak host memory with
+# CUDA beside the Kubernetes pods' memory requests). Ranks above the GPU count are skipped.
 set -euo pipefail
 OUT="${OUT:?set OUT to the folder for the figures}"
 mkdir -p "$OUT"
@@ -24,5 +25,9 @@ for r in 1 2 4; do [ "$r" -le "$gpus" ] && ranks+=("$r"); done
 "$PY" benchmarks/serving.py --models tiny_moe qwen3_moe --ranks "${ranks[@]}" --concurrency 1 4 16 64 \
   --peers static transformers --threads 1 --keep "$OUT/work" --json "$@" 2>&1 | tee "$OUT/serve_check.txt"
 tail -n 1 "$OUT/serve_check.txt" > "$OUT/serve_check.json"
+# Host memory of each rank with CUDA (its context and libraries), beside what the Kubernetes pods request
+# (backends/kubernetes/pod_memory.py; measured so far on CPU only).
+"$PY" benchmarks/rank_memory.py --ranks "${ranks[@]:0:2}" --concurrency 8 --requests 16 --prompt-tokens 32 \
+  --new-tokens 32 --json 2>&1 | tee "$OUT/rank_memory.txt"
 rm -rf "$OUT/work"
 echo "figures in $OUT"

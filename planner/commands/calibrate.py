@@ -2,7 +2,8 @@
 
 Why: the cost model's CPU predictions are only as good as its constants, and a CPU's matmul rate,
 framework overhead and gloo latency depend on the machine and its load. About three minutes:
-one-thread matmul throughput, a large copy, the runtime's own replica choice (`ExpertTable.choose`),
+one-thread matmul throughput, a large copy, the host's rates for computing an expert on all cores
+(host compute on a miss, docs/offload.md), the runtime's own replica choice (`ExpertTable.choose`),
 expert reads as the runtime's stores do them, gloo `all_to_all_single` over loopback at 2 and 4
 ranks (message latency and bandwidth), and the runtime engine itself: on one rank, to fit the cost
 of one of its framework calls (`op_overhead_s`), then at 2 and 4 ranks (processes over gloo,
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from datetime import datetime, timezone
 
 import click
@@ -42,15 +42,9 @@ COPY_BYTES = 1 << 22   # host-to-device copy and expert read size (4 MiB)
 
 def _median_per_call(fn, reps: int) -> float:
     """Median of `reps` timed calls after two warm-ups (median: robust on a loaded machine)."""
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
+    from moeplan.passes.analysis.profile.host_rates import median_seconds
+
+    return median_seconds(fn, reps)
 
 
 def measure_compute() -> dict:
@@ -361,9 +355,12 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     from moeplan.passes.analysis.cost_model import ATTN_OPS, MOE_OPS
     from moeplan.planner.hardware import machine_facts, machine_key
 
+    from moeplan.passes.analysis.profile.host_rates import measure_host_experts
+
     facts = machine_facts()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     compute = measure_compute()
+    host = measure_host_experts()
     with tempfile.TemporaryDirectory(prefix="moeplan-calibrate-") as scratch:
         memory = measure_memory(scratch)
         gloo = {w: measure_gloo(w) for w in WORLDS}
@@ -411,6 +408,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         "memory_efficiency": 1.0,
         "layer_overhead_s": _g4(op * (ATTN_OPS + MOE_OPS)),
         "copy_latency_s": _g4(memory["copy_latency_s"]),
+        **{k: _g4(v) for k, v in host.items()},  # host_memory_bytes_per_s, host_flops_per_s
         "calibration": {"date": when.isoformat(), "machine_key": machine_key(facts), "machine": facts,
                         "load_average": None if load is None else round(load, 2), "engine_model": engine_model},
         "sources": {
@@ -441,6 +439,9 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
             "layer_overhead_s": "derived: op_overhead_s x (ATTN_OPS + MOE_OPS), the framework calls of one decoder "
                                 "block in passes/analysis/cost_model.py",
             "copy_latency_s": f"{measured}, safetensors read of 16 float16 values (the fixed cost of one tensor read)",
+            "host_memory_bytes_per_s": f"{measured}, all cores: one row through a 2048 x 768 SwiGLU expert (float32, "
+                                       "18 MiB of weights), bytes / time",
+            "host_flops_per_s": f"{measured}, all cores: 256 rows through the same expert, FLOPs / time",
         },
     }
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from moeplan.passes.analysis.trace.format import SPECULATION_SOURCES
 from moeplan.planner import cli_types as T
 from moeplan.planner import progress
 from moeplan.planner.errors import UserError
@@ -90,8 +91,13 @@ def _tracing_progress(shown: bool):
 @click.option("--batch", type=T.POSITIVE_INT, default=8, show_default=True, help="Sequences per forward pass.")
 @click.option("--seq-len", type=T.POSITIVE_INT, default=None,
               help="Tokens per sequence (default: the model's maximum positions, at most 128).")
+@click.option("--speculate", type=T.POSITIVE_INT, default=None,
+              help="Also record, at each MoE layer l, the experts the routers of layers l+1..l+D pick from "
+                   "layer l's hidden state (torch models; docs/offload.md).")
+@click.option("--speculate-from", type=click.Choice(SPECULATION_SOURCES), default=SPECULATION_SOURCES[0],
+              show_default=True, help="Which hidden state of layer l feeds the later routers (with --speculate).")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary line.")
-def record(model, data, out, max_tokens, batch, seq_len, quiet):
+def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_from, quiet):
     """Record MODEL's routing on the text in --data into a trace file (.npz)."""
     from moeplan.passes.analysis.trace.record import model_limits, record_trace
     from moeplan.passes.analysis.trace.format import save_trace
@@ -107,11 +113,13 @@ def record(model, data, out, max_tokens, batch, seq_len, quiet):
     byte_fallback = codec is not None and codec.source.startswith("byte fallback")
     with _tracing_progress(not quiet) as update:
         trace = record_trace(loaded, text if ids is None else ids, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
-                             tokenizer=None if codec is None else _encoder(codec), progress=update)
+                             tokenizer=None if codec is None else _encoder(codec), progress=update,
+                             speculate=speculate or 0, speculate_from=speculate_from)
     save_trace(trace, out)
     if not quiet:
         click.echo(f"wrote {out}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers, "
                    f"top-{trace.top_k} of {trace.num_experts} experts"
+                   + (f", speculation {speculate} layers ahead from the {speculate_from}" if speculate else "")
                    + ("" if trace.attention_ids is not None else " (no attention ids: the model exposes no attention probabilities)"))
         if byte_fallback:
             click.echo("note: no tokenizer.json in the model directory; the text was traced as UTF-8 bytes (ids 0-255)")

@@ -49,6 +49,10 @@ def _render(path: Path, stats) -> None:
                   "shuffled: each layer's routing permuted over tokens (same loads)", highlight=False)
     console.print(f"uniform random router on {stats.num_tokens} tokens: {stats.uniform_affinity:.3f} "
                   f"(1/{stats.num_experts} = {1 / stats.num_experts:.3f})", highlight=False)
+    if stats.speculation_recall is not None:
+        console.print(f"speculation recall (real experts of layer l+d named by layer l+d's router on layer l's "
+                      f"{stats.speculation_source}): " + ", ".join(f"d={d} {r:.3f}" for d, r in stats.speculation_recall.items()),
+                      highlight=False)
 
 
 @click.command("stats")

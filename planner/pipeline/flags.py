@@ -116,8 +116,13 @@ FLAGS = (
          "the ranks' eviction policy (default: the best on held-out sequences; --target offload compares them all)",
          click.Choice(["moeplan", "lru", "lfu", "lifo", "moe-infinity"]), show_default=False),
     Flag("prefetch", "--prefetch", TORCHRUN, CACHES,
-         "the ranks' prefetcher (none: demand paging only; default: the fastest on held-out sequences; docs/offload.md)",
-         click.Choice(["none", "moeplan", "moe-infinity"]), show_default=False),
+         "the ranks' prefetcher (none: demand paging only; speculative: needs a trace recorded with --speculate; "
+         "default: the fastest on held-out sequences; docs/offload.md)",
+         click.Choice(["none", "moeplan", "moe-infinity", "speculative"]), show_default=False),
+    Flag("host_compute", "--host-compute", EXPERT_CACHES, CACHES,
+         "a missed expert's rows computed on the host where its weights are when that is sooner than copying them "
+         "(cheaper), never, or whichever the held-out sequences predict faster (auto)",
+         click.Choice(["auto", "cheaper", "never"]), "auto"),
     Flag("weights", "--weights", TORCHRUN, BUNDLE,
          "copy each rank's tensors into the bundle, or write per-rank indexes into the original safetensors "
          "checkpoint (README: Weights)", click.Choice(["copy", "reference"]), "copy"),
@@ -128,6 +133,10 @@ FLAGS = (
          "container image of the rank pods (sglang: with --kubernetes)", T.NON_EMPTY_TEXT, show_default=False),
     Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES, "storage class of the weights volume",
          T.NON_EMPTY_TEXT, show_default=False),
+    Flag("batch_job", "--batch-job", ("kubernetes",), KUBERNETES,
+         "write an indexed batch Job that generates for the prompts in its ConfigMap and exits, instead of the "
+         "long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False, is_flag=True,
+         show_default=False),
     Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
          "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
          default=False, is_flag=True, show_default=False),
@@ -165,7 +174,7 @@ RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
 SERVERLESS_FLAGS = ("slo", "platform", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
                     "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
 OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "batch", "max_length", "prompt_tokens", "eviction",
-                 "prefetch")
+                 "prefetch", "host_compute")
 
 
 def flags_of(target: str) -> tuple:

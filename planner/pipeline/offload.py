@@ -38,11 +38,12 @@ def _plan(facts):
     req = OffloadRequest(hardware=hw, gpu_memory_bytes=o["gpu_memory_bytes"], expert_cache=o["expert_cache"],
                          batch=o["batch"], max_length=o["max_length"], prompt_tokens=o["prompt_tokens"],
                          validation_fraction=o["validation_fraction"], seed=o["seed"],
-                         host_memory_bytes=o.get("host_memory_bytes"))
+                         host_memory_bytes=o.get("host_memory_bytes"), host_compute=o.get("host_compute"))
     body = plan_offload(ir, facts["trace"], req, kv_bytes_per_token(config, ir), say=facts["progress"])
     inputs = {"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "gpu_memory_bytes": o["gpu_memory_bytes"],
               "expert_cache": o["expert_cache"], "hardware": hw.name, "batch": o["batch"], "max_length": o["max_length"],
               **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
+              **({"host_compute": o["host_compute"]} if o.get("host_compute") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
               **body["inputs_extra"], **given.plan_record(figures=False)}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
@@ -73,15 +74,18 @@ def offload_options(values: dict, target: str = "offload"):
     """The pipeline's `offload_options` from the flags' values; None for torchrun/kubernetes without
     --gpu-memory/--expert-cache (no expert cache). Bad values are UserErrors."""
     gpu_memory, expert_cache, prefetch = values["gpu_memory"], values["expert_cache"], values["prefetch"]
+    host_compute = None if values.get("host_compute") in (None, "auto") else values["host_compute"]
     if target != "offload" and gpu_memory is None and expert_cache is None:
         for flag, name in (("eviction", "--eviction"), ("host_memory", "--host-memory"), ("prefetch", "--prefetch")):
             if values[flag] is not None:
                 raise UserError(f"{name} needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
+        if host_compute is not None:
+            raise UserError("--host-compute needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
         return None
-    if prefetch is not None:  # a pair that cannot run stops here, before any pass
+    if prefetch is not None:  # a pair that cannot run stops here, before any pass (the trace's speculation comes later)
         from moeplan.passes.optimize.offload.ranks import prefetch_candidates
 
-        prefetch_candidates(values["eviction"], prefetch)
+        prefetch_candidates(values["eviction"], prefetch, trace_known=False)
     if (gpu_memory is None) == (expert_cache is None):
         raise UserError(f"--target {target} needs exactly one of --gpu-memory BYTES or --expert-cache N")
     for name, value in (("--batch", values["batch"]), ("--max-length", values["max_length"])):
@@ -99,6 +103,8 @@ def offload_options(values: dict, target: str = "offload"):
                "validation_fraction": values["validation_fraction"], "seed": values["seed"]}
     if target != "offload":  # the bundle's policy and prefetcher; --target offload compares them all
         options.update(eviction=values["eviction"], prefetch=prefetch)
+    if host_compute is not None:  # auto (the default) is recorded by leaving it out: plans keep their bytes
+        options["host_compute"] = host_compute
     return options
 
 
@@ -146,7 +152,7 @@ def _offload_request(o: dict, hardware: str):
     return OffloadRequest(hardware=load_hardware(hardware), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
                           prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"],
-                          host_memory_bytes=o.get("host_memory_bytes"))
+                          host_memory_bytes=o.get("host_memory_bytes"), host_compute=o.get("host_compute"))
 
 
 def _expert_cache(facts):
@@ -203,7 +209,7 @@ def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     forwards = simulated.pop("forwards")
     modelled = simulated.pop("modelled_seconds_by_rank")
     seconds = {"measured_wall": summary["elapsed_s"] / forwards if forwards else 0.0,
-               "modelled_for_these_tokens": max(modelled) / forwards if forwards and spec.get("prefetch", "none") != "none" else None,
+               "modelled_for_these_tokens": max(modelled) / forwards if forwards and "timing" in spec else None,
                "planned": plan["predicted"].get("expert_cache", {}).get("seconds_per_token"), "forwards": forwards}
     return {"expert_cache": {"eviction": spec["eviction"], "prefetch": spec.get("prefetch", "none"), "capacity": spec["capacity"],
                              "measured": measured, "simulated": simulated, "matches_simulation": matches(measured, simulated),

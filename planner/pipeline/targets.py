@@ -46,7 +46,8 @@ TARGETS = {t.name: t for t in (
     Target("torchrun", "torchrun bundle: expert-parallel ranks on GPUs (or gloo on CPU), launch.sh, shards",
            torchrun.PASSES, lambda m, t, o, v, g: torchrun.inputs("torchrun", m, t, o, v), torchrun.summary,
            torchrun.describe),
-    Target("kubernetes", "the torchrun bundle plus kubernetes/ manifests (indexed Job, Service, ConfigMap, PVC)",
+    Target("kubernetes", "the torchrun bundle plus kubernetes/ manifests: the OpenAI-compatible service (StatefulSets, Services, "
+           "PodDisruptionBudget, ConfigMap, PVC), or with --batch-job an indexed Job",
            torchrun.KUBERNETES_PASSES, lambda m, t, o, v, g: torchrun.inputs("kubernetes", m, t, o, v), torchrun.summary,
            torchrun.describe),
     Target("lambda", "AWS Lambda (SAM) bundle: sized expert functions, partitioned dense stages (docs/serverless.md)",

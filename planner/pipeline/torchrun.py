@@ -7,7 +7,7 @@ bundle into a temporary directory that is renamed onto --out only when everythin
 
 Facts read from the command (`inputs`): `topology` {"nodes", "gpus_per_node"}, `placement_options`
 (policy flags), `mode` (auto | coherent | standard), `target` {"name", and for kubernetes "image",
-"storage_class"; "weights": "reference" for `--weights reference`}, `cost_options`,
+"storage_class" and "batch_job": true for `--batch-job`; "weights": "reference" for `--weights reference`}, `cost_options`,
 `offload_options` (None without an expert cache), `out`.
 
 A Hugging Face directory with safetensors is imported on `meta` and its checkpoint streamed into
@@ -169,6 +169,8 @@ def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
         from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
 
         spec.update(image=values["image"] or DEFAULT_IMAGE, storage_class=values["storage_class"])
+        if values["batch_job"]:  # recorded only when on: the default (the service) keeps earlier plans' bytes
+            spec["batch_job"] = True
     if values["weights"] == "reference":  # recorded in the plan's deployment; codegen writes checkpoint indexes
         spec["weights"] = "reference"
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),

@@ -205,10 +205,17 @@ def offload_decisions(plan: dict) -> Table:
         ["expert cache (GPU entries)", num(plan, f"{c}.expert_cache"), size_reason],
         ["eviction", str(at(plan, f"{c}.eviction")), f"best held-out demand hit ratio ({evict}); a prefetcher brings its paired policy"],
         ["prefetch", str(at(plan, f"{c}.prefetch")), f"lowest simulated time per token ({pref})"],
+        ["host compute on a miss", str(at(plan, f"{c}.host_compute") or "never"),
+         "the lowest simulated time per token with and without it (+host rows above; docs/offload.md)"],
         ["residents at start", f"{len(at(plan, 'placement.resident') or [])} (layer, expert) entries", "the most popular in the fitting part of the trace"],
         ["host tier", num(plan, f"{c}.tiers.host_experts", unit="experts"), "the most popular experts that fit in host memory"],
         ["disk tier", num(plan, f"{c}.tiers.disk_experts", unit="experts") if tiers else "", "the rest"],
     ], "Decisions")
+
+
+def chosen_prefetch(plan: dict) -> str:
+    """The chosen row of predicted.prefetch: the prefetcher, "+host" with host compute on a miss."""
+    return str(at(plan, "communication.prefetch")) + ("+host" if at(plan, "communication.host_compute") == "cheaper" else "")
 
 
 def offload_predicted(plan: dict) -> list:
@@ -225,7 +232,7 @@ def offload_predicted(plan: dict) -> list:
                   num(plan, f"predicted.policies.{k}.hit_ratio"), num(plan, f"predicted.policies.{k}.bytes_moved", unit="B")]
                  for k in sorted(demand)], "Beside every eviction policy (demand loading)")
     pre = Table(["prefetch", "hit ratio", "time per token", "resident at layer start"],
-                [[k + (" (chosen)" if k == at(plan, "communication.prefetch") else ""),
+                [[k + (" (chosen)" if k == chosen_prefetch(plan) else ""),
                   num(plan, f"predicted.prefetch.{k}.hit_ratio"), num(plan, f"predicted.prefetch.{k}.seconds_per_token", MS, "ms"),
                   num(plan, f"predicted.prefetch.{k}.resident_at_layer_start")] for k in sorted(prefetch)],
                 "Beside every prefetcher")

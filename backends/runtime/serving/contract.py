@@ -103,6 +103,7 @@ class EngineClient(Protocol):
 
     def metrics(self) -> dict:
         """Engine-side figures for /metrics: {"running": int, "waiting": int,
-        "exchange_bytes": {(layer, kind): bytes}, "expert_cache": {"hits": int, "misses": int},
+        "exchange_bytes": {(layer, kind): bytes}, "expert_cache": {"hits": int, "misses": int,
+        "prefetches": int, "prefetch_hits": int, "host_computed": int},
         "gpu_local_fraction": float | None, "steps": int}. Token counts and latency histograms are
         the front's (it sees every event's time)."""

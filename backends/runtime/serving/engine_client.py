@@ -144,7 +144,7 @@ class ServingClient:
     def metrics(self) -> dict:
         with self._lock:
             running, waiting, stats, steps = len(self._running), len(self._waiting), list(self._stats), self._steps
-        out = {"running": running, "waiting": waiting, "exchange_bytes": {}, "expert_cache": {"hits": 0, "misses": 0},
+        out = {"running": running, "waiting": waiting, "exchange_bytes": {}, "expert_cache": {"hits": 0, "misses": 0, "prefetches": 0, "prefetch_hits": 0, "host_computed": 0},
                "gpu_local_fraction": None, "steps": steps}
         if stats:
             out.update(stats_figures(stats, self.num_layers))

@@ -76,7 +76,14 @@ class ServingMetrics:
                  for (l, k), b in sorted(exchange.items(), key=lambda i: (-1 if i[0][0] is None else i[0][0], str(i[0][1])))])
         cache = engine.get("expert_cache") or {}
         counter("expert_cache_hits_total", "Expert-cache lookups served from the cache.", [({}, cache.get("hits", 0))])
-        counter("expert_cache_misses_total", "Expert-cache lookups that loaded the expert.", [({}, cache.get("misses", 0))])
+        counter("expert_cache_misses_total", "Expert-cache lookups that missed (loaded the expert, or computed it on "
+                "the host).", [({}, cache.get("misses", 0))])
+        counter("expert_cache_prefetches_total", "Experts the prefetcher copied ahead of their layer.",
+                [({}, cache.get("prefetches", 0))])
+        counter("expert_cache_prefetch_hits_total", "Prefetched experts that a later lookup hit.",
+                [({}, cache.get("prefetch_hits", 0))])
+        counter("expert_cache_host_computed_total", "Missed experts computed on the host CPU instead of copied.",
+                [({}, cache.get("host_computed", 0))])
         local = engine.get("gpu_local_fraction")
         if local is not None:
             gauge("gpu_local_fraction", "Measured share of expert slots served on the token's current rank.", local)

@@ -39,6 +39,9 @@ class BatchWorker:
         for adapter in engine.model.adapters:
             adapter.route_fn = engine._route
         self.hooks = engine._install_hooks() if self.coherent else []
+        speculation = getattr(engine.model, "speculation", None)  # the speculative prefetcher's live routers
+        if speculation is not None:  # after the block-output hook, as in static runs: it sees the corrected rows
+            self.hooks += speculation.install(engine.real_rows)
         cache = getattr(engine.model, "expert_cache", None)
         if cache is not None:  # a service runs for days: keep the expert cache's request log bounded
             cache.keep_steps = EXPERT_LOG_STEPS
@@ -138,15 +141,17 @@ class BatchWorker:
 
     # --- figures for rank 0's metrics ----------------------------------------------------------------
     def stats_vector(self) -> torch.Tensor:
-        """float64 [L * 6 + 5]: per block the bytes of dispatch, combine, merge, context and the
-        local/all slot counts; token_sync bytes; expert-cache requests, hits, loads; steps."""
+        """float64 [L * 6 + 8]: per block the bytes of dispatch, combine, merge, context and the
+        local/all slot counts; token_sync bytes; expert-cache requests, hits, loads, prefetches,
+        prefetched keys that hit, requests computed on the host; steps."""
         values = []
         for layer in self.engine.counters.layers:
             values += [layer[p]["bytes"] for p in ("dispatch", "combine", "merge", "context")]
             values += [layer["local_slots"], layer["slots"]]
         values.append(self.engine.counters.step["token_sync_bytes"])
         cache = getattr(self.engine.model, "expert_cache", None)
-        values += [cache.requests, cache.hits, cache.loads] if cache is not None else [0, 0, 0]
+        values += ([cache.requests, cache.hits, cache.loads, cache.prefetches, cache.prefetch_hits, cache.host_computed]
+                   if cache is not None else [0] * 6)
         values.append(self.steps)
         return torch.tensor(values, dtype=torch.float64)
 
@@ -162,7 +167,8 @@ class BatchWorker:
 
 def stats_figures(vectors: list, num_layers: int) -> dict:
     """metrics() figures from every rank's `stats_vector` (lists of floats): exchange bytes summed over
-    ranks by (block, kind) and (None, "token_sync"), expert-cache hits and misses, GPU-local fraction."""
+    ranks by (block, kind) and (None, "token_sync"), expert-cache hits, misses, prefetches, prefetched
+    keys that hit and misses computed on the host, GPU-local fraction."""
     total = [sum(v[i] for v in vectors) for i in range(len(vectors[0]))]
     exchange, local, slots = {}, 0, 0
     for layer in range(num_layers):
@@ -171,6 +177,8 @@ def stats_figures(vectors: list, num_layers: int) -> dict:
             exchange[(layer, kind)] = int(row[k])
         local, slots = local + row[4], slots + row[5]
     exchange[(None, "token_sync")] = int(total[num_layers * 6])
-    requests, hits = total[num_layers * 6 + 1], total[num_layers * 6 + 2]
-    return {"exchange_bytes": exchange, "expert_cache": {"hits": int(hits), "misses": int(requests - hits)},
+    requests, hits, _, prefetches, prefetch_hits, host = total[num_layers * 6 + 1:num_layers * 6 + 7]
+    cache = {"hits": int(hits), "misses": int(requests - hits), "prefetches": int(prefetches),
+             "prefetch_hits": int(prefetch_hits), "host_computed": int(host)}
+    return {"exchange_bytes": exchange, "expert_cache": cache,
             "gpu_local_fraction": local / slots if slots else None}

@@ -9,7 +9,9 @@
 | attention_ids  | int [T,L]    | token id receiving the highest summed attention before layer l (optional) |
 | num_experts    | int scalar   | experts per MoE layer (optional; else max id + 1)             |
 | loads          | int [L,E]    | (token, choice) assignments per MoE layer and expert; present only in a loads-only trace |
-| version        | int scalar   | format version, 1                                             |
+| speculation    | int [T,L,D,K] | top-k the router of MoE layer l+d picks for token t from a hidden state of layer l, at [t, l, d-1] (optional; -1 past the last layer; speculate.py) |
+| speculation_source | int scalar | which hidden state: index into `SPECULATION_SOURCES` (with `speculation`) |
+| version        | int scalar   | format version: 2 with `speculation`, else 1 (both are read)  |
 
 Every read validates shapes, dtypes and ranges, and reports the first problem as a `UserError`.
 
@@ -33,8 +35,10 @@ import numpy as np
 from moeplan.planner.atomic import atomic_path
 from moeplan.planner.errors import UserError
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READ_VERSIONS = (1, 2)  # version 1: no speculation; traces without speculation are still written as 1
 OPTIONAL_PER_TOKEN = ("token_ids", "positions", "sequence")
+SPECULATION_SOURCES = ("block-output", "residual", "router-input")  # speculate.py says what each is
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,6 +53,12 @@ class Trace:
     sequence: Optional[np.ndarray] = None
     attention_ids: Optional[np.ndarray] = None
     loads: Optional[np.ndarray] = None  # int64 [L, E], loads-only traces only
+    speculation: Optional[np.ndarray] = None  # int32 [T, L, D, K]
+    speculation_source: Optional[str] = None  # one of SPECULATION_SOURCES, with `speculation`
+
+    @property
+    def speculation_depth(self) -> int:
+        return 0 if self.speculation is None else self.speculation.shape[2]
 
     @property
     def loads_only(self) -> bool:
@@ -88,6 +98,7 @@ class Trace:
             self.experts[rows], pick(self.weights), num_experts=self.num_experts,
             token_ids=pick(self.token_ids), positions=pick(self.positions),
             sequence=pick(self.sequence), attention_ids=pick(self.attention_ids), loads=self.loads,
+            speculation=pick(self.speculation), speculation_source=self.speculation_source,
         )
 
 
@@ -117,9 +128,10 @@ INT64_MAX = int(np.iinfo(np.int64).max)
 # checked against these bounds in their file's own dtype, before any cast, so an int64 id of
 # 2**32 + 3 is an error and never wraps to 3.
 STORED_DTYPE = {"experts": np.int32, "positions": np.int32, "sequence": np.int32,
-                "token_ids": np.int64, "attention_ids": np.int64, "loads": np.int64}
+                "token_ids": np.int64, "attention_ids": np.int64, "loads": np.int64, "speculation": np.int32}
 VALUE_BOUNDS = {"experts": (-1, INT32_MAX - 1), "positions": (0, INT32_MAX), "sequence": (0, INT32_MAX),
-                "token_ids": (0, INT64_MAX), "attention_ids": (-1, INT64_MAX), "loads": (-INT64_MAX - 1, INT64_MAX)}
+                "token_ids": (0, INT64_MAX), "attention_ids": (-1, INT64_MAX), "loads": (-INT64_MAX - 1, INT64_MAX),
+                "speculation": (-1, INT32_MAX - 1)}
 MAX_EXPERTS = 1 << 14  # per MoE layer; 40x the largest published MoE (384 routed experts)
 ANALYSIS_BUDGET_BYTES = 4 << 30  # the most one derived table (e.g. [L-1, E, E] transition counts) may take
 
@@ -188,6 +200,8 @@ def make_trace(
     sequence=None,
     attention_ids=None,
     loads=None,
+    speculation=None,
+    speculation_source: Optional[str] = None,
 ) -> Trace:
     """Build a `Trace`, validating every array; raises `UserError` naming the first problem."""
     experts = _int_array("experts", experts, 3)
@@ -246,15 +260,34 @@ def make_trace(
         if attention_ids.shape != (T, L):
             raise UserError(f"trace array 'attention_ids' has shape {attention_ids.shape}, expected {(T, L)}")
 
+    speculation, speculation_source = _speculation(speculation, speculation_source, T, L, K, num_experts)
     if K > num_experts:
         raise UserError(f"trace chooses top-{K} experts per token but has only {num_experts} experts per layer "
                         "(its 'num_experts', else its largest id + 1); top-k cannot exceed the expert count")
-    arrays = [experts, weights, attention_ids, loads, *extras.values()]
+    arrays = [experts, weights, attention_ids, loads, speculation, *extras.values()]
     for arr in arrays:
         if arr is not None:
             arr.setflags(write=False)
-    return Trace(experts=experts, weights=weights, num_experts=num_experts,
-                 attention_ids=attention_ids, loads=loads, **extras)
+    return Trace(experts=experts, weights=weights, num_experts=num_experts, attention_ids=attention_ids, loads=loads,
+                 speculation=speculation, speculation_source=speculation_source, **extras)
+
+
+def _speculation(speculation, source, T: int, L: int, K: int, num_experts: int) -> tuple:
+    """(speculation int32 [T, L, D, K] or None, its source name or None), validated."""
+    if speculation is None:
+        if source is not None:
+            raise UserError(f"trace names a speculation source ('{source}') but holds no 'speculation' array")
+        return None, None
+    if source not in SPECULATION_SOURCES:
+        raise UserError(f"trace speculation source {source!r} is not one of {', '.join(SPECULATION_SOURCES)}")
+    speculation = _int_array("speculation", speculation, 4)
+    if speculation.shape[0] != T or speculation.shape[1] != L or speculation.shape[3] != K or speculation.shape[2] < 1:
+        raise UserError(f"trace array 'speculation' has shape {speculation.shape}, expected ({T}, {L}, D >= 1, {K}) "
+                        "like 'experts' with a distance axis")
+    if speculation.size and int(speculation.max()) >= num_experts:
+        raise UserError(f"trace array 'speculation' holds expert id {int(speculation.max())} but the model has "
+                        f"{num_experts} experts per layer")
+    return speculation, source
 
 
 NPY_SUFFIX = ".npy"
@@ -325,18 +358,28 @@ def load_trace(path: str | os.PathLike) -> Trace:
     arrays = read_npz_arrays(path)
     if "experts" not in arrays:
         raise UserError(f"trace file '{path}' has no 'experts' array; it is not a moeplan routing trace")
-    version = _int_scalar(path, "version", arrays.pop("version", TRACE_VERSION))
-    if version != TRACE_VERSION:
-        raise UserError(f"trace file '{path}' is format version {version}; this moeplan reads version {TRACE_VERSION}")
+    version = _int_scalar(path, "version", arrays.pop("version", 1))
+    if version not in READ_VERSIONS:
+        raise UserError(f"trace file '{path}' is format version {version}; this moeplan reads versions "
+                        f"{', '.join(map(str, READ_VERSIONS))}")
     num_experts = arrays.pop("num_experts", None)
     if num_experts is not None:
         num_experts = _int_scalar(path, "num_experts", num_experts)
+    source = arrays.pop("speculation_source", None)
+    if source is not None:
+        code = _int_scalar(path, "speculation_source", source)
+        if not 0 <= code < len(SPECULATION_SOURCES):
+            raise UserError(f"trace file '{path}': 'speculation_source' is {code}, not one of 0..{len(SPECULATION_SOURCES) - 1}")
+        source = SPECULATION_SOURCES[code]
     known = {"experts", "weights", "token_ids", "positions", "sequence", "attention_ids", "loads"}
+    if version >= 2:
+        known.add("speculation")
     unknown = sorted(set(arrays) - known)
     if unknown:
-        raise UserError(f"trace file '{path}' has unknown arrays {unknown}; expected only {sorted(known | {'num_experts', 'version'})}")
+        raise UserError(f"trace file '{path}' (version {version}) has unknown arrays {unknown}; expected only "
+                        f"{sorted(known | {'num_experts', 'version'} | ({'speculation_source'} if version >= 2 else set()))}")
     try:
-        trace = make_trace(num_experts=num_experts, **arrays)
+        trace = make_trace(num_experts=num_experts, speculation_source=source, **arrays)
     except UserError as exc:
         raise UserError(f"trace file '{path}': {exc}") from None
     check_has_tokens(trace, f"trace file '{path}'")
@@ -355,17 +398,20 @@ def check_has_tokens(trace: Trace, source: str) -> None:
 
 
 def save_trace(trace: Trace, path: str | os.PathLike) -> None:
-    """Write a trace atomically; optional arrays that are absent are not written."""
+    """Write a trace atomically; optional arrays that are absent are not written. A trace without
+    speculation is written as version 1, byte for byte as before version 2 existed."""
     arrays = {
-        "version": np.int64(TRACE_VERSION),
+        "version": np.int64(TRACE_VERSION if trace.speculation is not None else 1),
         "num_experts": np.int64(trace.num_experts),
         "experts": trace.experts,
         "weights": trace.weights,
     }
-    for name in (*OPTIONAL_PER_TOKEN, "attention_ids", "loads"):
+    for name in (*OPTIONAL_PER_TOKEN, "attention_ids", "loads", "speculation"):
         value = getattr(trace, name)
         if value is not None:
             arrays[name] = value
+    if trace.speculation is not None:
+        arrays["speculation_source"] = np.int64(SPECULATION_SOURCES.index(trace.speculation_source))
     with atomic_path(path, kind="trace") as tmp:
         _write_npz_deterministic(tmp, arrays)
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from moeplan.passes.analysis.trace.format import Trace, make_trace
+from moeplan.passes.analysis.trace.speculate import DEFAULT_SOURCE, Speculator, find_spec_layers
 from moeplan.planner.errors import UserError
 
 DEFAULT_SEQ_LEN = 128
@@ -245,14 +246,15 @@ class _Recorder:
         return hook
 
 
-def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray):
-    """experts [B*S, L, K], weights [B*S, L, K], attention_ids [B*S, L] or None for one batch."""
+def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray, speculator=None):
+    """experts [B*S, L, K], weights [B*S, L, K], attention_ids [B*S, L] or None, speculation
+    [B*S, L, D, K] or None (with a `speculate.Speculator`) for one batch."""
     import torch
 
     param = next(module.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     ids_tensor = torch.as_tensor(input_ids, dtype=torch.long, device=device)
-    with _Recorder(points) as rec, torch.no_grad():
+    with _Recorder(points) as rec, speculator or contextlib.nullcontext(), torch.no_grad():
         if points.hf_model:
             module(input_ids=ids_tensor, use_cache=False)
         else:
@@ -278,7 +280,14 @@ def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray):
     experts_arr = np.stack(experts, axis=1)
     weights_arr = np.stack(weights, axis=1)
     attention_arr = None if any(a is None for a in attention) else np.stack(attention, axis=1)
-    return experts_arr, weights_arr, attention_arr
+    if speculator is None:
+        return experts_arr, weights_arr, attention_arr, None
+    if len(speculator.layers) != experts_arr.shape[1]:
+        raise UserError(f"speculation found {len(speculator.layers)} routers it can run but the model routed through "
+                        f"{experts_arr.shape[1]} MoE layers; record the trace without --speculate")
+    with torch.no_grad():  # after the hooks are gone: the routers' own hooks must not record these calls
+        spec = speculator.speculation(B * S, experts_arr.shape[2])
+    return experts_arr, weights_arr, attention_arr, spec
 
 
 class _EagerAttention:
@@ -329,8 +338,14 @@ def record_trace(
     seq_len: Optional[int] = None,
     tokenizer: Optional[Callable[[str], Sequence[int]]] = None,
     progress: Optional[Progress] = None,
+    speculate: int = 0,
+    speculate_from: str = DEFAULT_SOURCE,
 ) -> Trace:
     """Run `loaded` (a `LoadedModel`) on `data` and return its routing `Trace`.
+
+    With `speculate` D > 0 the trace also holds, per token and MoE layer l, the top-k the routers
+    of layers l+1 .. l+D pick from the stand-in hidden state `speculate_from` of layer l
+    (`speculate.py`; torch models only).
 
     `data` is text (encoded by `tokenizer`, else as UTF-8 bytes) or a sequence of token-id
     sequences or [B, S] token batches (each row is chunked on its own; sequence ids number the
@@ -369,17 +384,18 @@ def record_trace(
     batches = batch_sequences(sequences, batch)
     total = sum(b.size for b in batches)
 
-    run_batch = _batch_runner(loaded)
-    experts, weights, attention = [], [], []
+    run_batch = _batch_runner(loaded, speculate, speculate_from)
+    experts, weights, attention, speculation = [], [], [], []
     done = 0
     for input_ids in batches:
-        e, w, a = run_batch(input_ids)
+        e, w, a, spec = run_batch(input_ids)
         if experts and e.shape[1:] != experts[0].shape[1:]:
             raise UserError(f"the model routed through {e.shape[1]} MoE layers (top-{e.shape[2]}) in one batch and "
                             f"{experts[0].shape[1]} (top-{experts[0].shape[2]}) in another; tracing needs a fixed layer count")
         experts.append(e)
         weights.append(w)
         attention.append(a)
+        speculation.append(spec)
         done += input_ids.size
         if progress is not None:
             progress(done, total)
@@ -391,12 +407,18 @@ def record_trace(
     return make_trace(
         np.concatenate(experts), np.concatenate(weights), num_experts=num_experts,
         token_ids=token_ids, positions=positions, sequence=sequence_ids, attention_ids=attention_ids,
+        speculation=np.concatenate(speculation) if speculate else None,
+        speculation_source=speculate_from if speculate else None,
     )
 
 
-def _batch_runner(loaded) -> Callable[[np.ndarray], tuple]:
-    """A function running one [B, S] batch of token ids through the model (torch or ONNX)."""
+def _batch_runner(loaded, speculate: int = 0, speculate_from: str = DEFAULT_SOURCE) -> Callable[[np.ndarray], tuple]:
+    """A function running one [B, S] batch of token ids through the model (torch or ONNX):
+    (experts, weights, attention ids or None, speculation or None)."""
     if loaded.onnx_path:
+        if speculate:
+            raise UserError("--speculate runs the model's own router modules, which an ONNX graph does not expose; "
+                            "record the trace from the torch model or Hugging Face directory, or drop --speculate")
         from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 
         def run_onnx(input_ids):
@@ -404,7 +426,7 @@ def _batch_runner(loaded) -> Callable[[np.ndarray], tuple]:
             ids, w = _heaviest_first(np.asarray(out["experts"], dtype=np.int64),
                                      np.asarray(out["weights"], dtype=np.float32))
             attention_ids = out.get("attention_ids")
-            return ids, w, None if attention_ids is None else np.asarray(attention_ids)
+            return ids, w, None if attention_ids is None else np.asarray(attention_ids), None
         return run_onnx
 
     module = loaded.module
@@ -414,13 +436,14 @@ def _batch_runner(loaded) -> Callable[[np.ndarray], tuple]:
         raise UserError("the model was built from a config alone and has no weights, so it cannot be run to record "
                         "routing; give a directory with weights, or import a routing log with 'moeplan trace import'")
     points = find_hook_points(module)
+    speculator = Speculator(find_spec_layers(module), speculate, speculate_from) if speculate else None
 
     def run_torch(input_ids):
         was_training = module.training
         module.eval()
         try:
             with _EagerAttention(module) if points.hf_model else contextlib.nullcontext():
-                return _run_torch_batch(module, points, input_ids)
+                return _run_torch_batch(module, points, input_ids, speculator)
         finally:
             module.train(was_training)
     return run_torch

@@ -10,11 +10,13 @@ the affinity that independent, uniformly random top-1 choices would give on this
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import numpy as np
 
 from moeplan.passes.analysis.affinity import top1_affinity
 from moeplan.passes.analysis.trace.format import Trace, make_trace
+from moeplan.passes.analysis.trace.speculate import speculation_recall
 
 BASELINE_SEED = 0
 BASELINE_ROUNDS = 5
@@ -44,9 +46,14 @@ class RoutingStats:
     shuffled_affinity: list  # same, with each layer's routing shuffled over tokens
     mean_shuffled_affinity: float
     uniform_affinity: float  # independent uniform top-1 choices, same token count
+    speculation_recall: Optional[dict] = None  # {"d": recall} of a trace recorded with --speculate
+    speculation_source: Optional[str] = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.speculation_recall is None:  # traces without speculation: the same JSON as before
+            del out["speculation_recall"], out["speculation_source"]
+        return out
 
 
 def max_over_mean(loads: np.ndarray) -> np.ndarray:
@@ -107,4 +114,6 @@ def routing_stats(trace: Trace) -> RoutingStats:
         shuffled_affinity=[float(a) for a in shuffled],
         mean_shuffled_affinity=float(shuffled.mean()) if len(shuffled) else 0.0,
         uniform_affinity=uniform_affinity(trace.num_tokens, trace.num_experts),
+        speculation_recall=None if trace.speculation is None else speculation_recall(trace.experts, trace.speculation),
+        speculation_source=trace.speculation_source,
     )

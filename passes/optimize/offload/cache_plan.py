@@ -12,7 +12,9 @@ Decisions, all by simulation of the held-out part of the planning trace (its las
 * the moeplan policy's frequency weight (backends/runtime/offload_next_use.py);
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
-* prefetch: none, MoE-Infinity's EAMC or ours, by the lowest simulated seconds per token;
+* prefetch: none, MoE-Infinity's EAMC, ours, or (traces recorded with --speculate) the
+  speculative one, each with and without host compute on a miss (where the profile has the host's
+  rates), by the lowest simulated seconds per token;
 * tiers: host DRAM holds the most popular experts that fit in --host-memory (default: the
   profile's host memory less a reserve), disk the rest.
 
@@ -28,7 +30,8 @@ from typing import Optional
 import numpy as np
 
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, sequence_ids, stream_order
-from moeplan.passes.optimize.offload.evaluate import PREFETCH_MODES, gap_to_belady, run_demand, run_prefetch
+from moeplan.passes.optimize.offload.evaluate import (PAIRED_EVICTION, gap_to_belady, parse_variant, run_demand,
+                                                     run_variants, speculation_settings, variant_order)
 from moeplan.backends.runtime.offload_next_use import fit_next_use
 from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
@@ -53,6 +56,7 @@ class OffloadRequest:
     host_reserve_bytes: int = 8 * GIB
     host_memory_bytes: Optional[int] = None  # the host tier; None: the profile's host memory less host_reserve_bytes
     prompt_tokens: int = 0
+    host_compute: Optional[str] = None  # "cheaper" | "never" | None: by predicted time (where the profile can)
     validation_fraction: float = 0.2
     seed: int = 0
     max_sim_requests: int = 50_000
@@ -118,8 +122,12 @@ def host_tier_bytes(req: OffloadRequest) -> int:
     return max(0, int(req.hardware.host_memory_bytes - req.host_reserve_bytes))
 
 
-def timing_for(ir, hw: HardwareProfile, host_keys=None) -> Timing:
-    """Per-step compute and per-expert copy times of `ir` on `hw` (decode, memory-bound)."""
+def timing_for(ir, hw: HardwareProfile, host_keys=None, host_compute: bool = False) -> Timing:
+    """Per-step compute and per-expert copy times of `ir` on `hw` (decode, memory-bound); with
+    `host_compute` (and a profile that has the host's rates) also the host's time for a missed
+    expert: its weights read at the host's memory rate, 2 x its parameters FLOPs per row."""
+    from moeplan.planner.ir import dtype_bytes
+
     hw.require(OFFLOAD_FIGURES, "the expert cache's timing")
     moe = ir.moe_stages
     expert_bytes = int(moe[0].expert_param_bytes)
@@ -127,20 +135,53 @@ def timing_for(ir, hw: HardwareProfile, host_keys=None) -> Timing:
     embedding = sum(s.param_bytes for s in ir.stages if getattr(s, "kind", "") == "embedding")
     dense_read = max(ir.total_param_bytes - routed - embedding, 0) / len(moe)
     bw = hw.memory_bytes_per_s * hw.memory_efficiency
+    host = {}
+    if host_compute and hw.host_compute:
+        params = expert_bytes / dtype_bytes(ir.dtype)
+        host = {"host_expert_s": expert_bytes / hw.host_memory_bytes_per_s, "host_row_s": 2.0 * params / hw.host_flops_per_s,
+                "host_overhead_s": hw.host_overhead_s or 0.0}
     return Timing(layer_s=hw.layer_overhead_s + dense_read / bw, expert_compute_s=expert_bytes / bw,
                   pcie_copy_s=hw.copy_latency_s + expert_bytes / hw.host_to_device_bytes_per_s,
                   nvme_copy_s=expert_bytes / hw.disk_read_bytes_per_s, expert_bytes=expert_bytes,
-                  host_keys=None if host_keys is None else frozenset(int(k) for k in host_keys))
+                  host_keys=None if host_keys is None else frozenset(int(k) for k in host_keys), **host)
+
+
+HOST_COMPUTE_RULES = ("never", "cheaper")
+
+
+# blocks whose experts the runtime cannot run one at a time on the host (backends/runtime/host_compute.py)
+NO_HOST_COMPUTE = ("Llama4", "JetMoe")
+
+
+def host_compute_options(req: OffloadRequest, architecture: str = "") -> tuple:
+    """The host compute settings the planner compares: (False,), (True,) or both (auto)."""
+    able = req.hardware.host_compute and not architecture.startswith(NO_HOST_COMPUTE)
+    if req.host_compute == "cheaper" and not able:
+        raise UserError(f"--host-compute cheaper needs the host's memory and matmul rates (hardware profile "
+                        f"'{req.hardware.name}': host_memory_bytes_per_s, host_flops_per_s) and experts the runtime can run "
+                        f"one at a time ({architecture or 'this model'}: {'no' if architecture.startswith(NO_HOST_COMPUTE) else 'yes'}); "
+                        "use --host-compute never")
+    if req.host_compute is not None:
+        return (req.host_compute == "cheaper",)
+    return (False, True) if able else (False,)
+
+
+def host_compute_record(host: bool) -> dict:
+    """The plan's rule for a missed expert ({} when it is always copied: plans as before the rule existed)."""
+    return {"host_compute": "cheaper"} if host else {}
 
 
 def hardware_record(hw: HardwareProfile) -> dict:
     """The figures the offload plan used, under the keys plan.json's offload section (offload_version 1)
     has always had (gpu_memory_bandwidth is the profile's memory_bytes_per_s, pcie_bandwidth its
-    host_to_device_bytes_per_s, nvme_bandwidth its disk_read_bytes_per_s)."""
+    host_to_device_bytes_per_s, nvme_bandwidth its disk_read_bytes_per_s); the host's rates only
+    where the profile knows them."""
     return {"name": hw.name, "gpu_memory_bytes": hw.device_memory_bytes, "gpu_memory_bandwidth": hw.memory_bytes_per_s,
             "host_memory_bytes": hw.host_memory_bytes, "pcie_bandwidth": hw.host_to_device_bytes_per_s,
             "nvme_bandwidth": hw.disk_read_bytes_per_s, "memory_efficiency": hw.memory_efficiency,
-            "layer_overhead_s": hw.layer_overhead_s, "copy_latency_s": hw.copy_latency_s}
+            "layer_overhead_s": hw.layer_overhead_s, "copy_latency_s": hw.copy_latency_s,
+            **({"host_memory_bytes_per_s": hw.host_memory_bytes_per_s, "host_flops_per_s": hw.host_flops_per_s,
+                "host_overhead_s": hw.host_overhead_s or 0.0} if hw.host_compute else {})}
 
 
 def split_by_sequence(trace, validation_fraction: float):
@@ -203,29 +244,32 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
     host_capacity = max(0, int(host_tier_bytes(req) // budget["expert_bytes"]))
     total = budget["total_experts"]
     host_keys = None if host_capacity >= total else popular_keys(popularity, host_capacity)
-    timing = timing_for(ir, req.hardware, host_keys)
-    timing = Timing.from_dict(timing.to_dict(), host_keys)  # exactly what the plan stores
+    timings = {host: Timing.from_dict(timing_for(ir, req.hardware, host_keys, host).to_dict(), host_keys)  # as the plan stores it
+               for host in host_compute_options(req, ir.architecture)}
     stream = capped(build_stream(val, req.prompt_tokens), req.max_sim_requests)
     tuned = {}
     model, mix_hits = tune_mix(model, stream, capacity, resident, budget["expert_bytes"], tuned)
     say("moeplan policy mix (frequency weight): " + ", ".join(f"{w:g} -> {h:.4f}" for w, h in mix_hits.items()))
     demand = run_demand(stream, capacity, resident, model, expert_bytes=budget["expert_bytes"], known=tuned)
     eviction = max(ONLINE_POLICIES, key=lambda p: (demand[p]["hit_ratio"], -ONLINE_POLICIES.index(p)))
-    prefetch = run_prefetch(stream, capacity, resident, model, eamc.eamc, timing)
-    best_prefetch = min(PREFETCH_MODES, key=lambda m: (prefetch[m]["seconds_per_token"], PREFETCH_MODES.index(m)))
-    if best_prefetch == "moe-infinity":
-        eviction = "moe-infinity"
-    elif best_prefetch == "moeplan":
-        eviction = "moeplan"
-    chosen = prefetch[best_prefetch]
-    say(f"eviction {eviction}, prefetch {best_prefetch}: hit ratio {demand[eviction]['hit_ratio']:.3f}, "
-        f"{chosen['seconds_per_token'] * 1e3:.3f} ms/token")
+    speculation = speculation_settings(fit)
+    prefetch = run_variants(stream, capacity, resident, model, eamc.eamc, timings, speculation)
+    best = min(prefetch, key=lambda m: (prefetch[m]["seconds_per_token"], variant_order(m)))
+    best_prefetch, host = parse_variant(best)
+    if best_prefetch != "none":
+        eviction = PAIRED_EVICTION[best_prefetch]
+    chosen = prefetch[best]
+    timing = timings[host]
+    say(f"eviction {eviction}, prefetch {best_prefetch}, host compute {'cheaper' if host else 'never'}: hit ratio "
+        f"{demand[eviction]['hit_ratio']:.3f}, {chosen['seconds_per_token'] * 1e3:.3f} ms/token")
     tokens = max(stream.num_tokens, 1)
     return {
         "placement": {"version": 1, "policy": "offload", "resident": [[k // ir.moe_stages[0].num_experts,
                                                                        k % ir.moe_stages[0].num_experts] for k in resident]},
         "communication": {
             "offload_version": 1, "expert_cache": capacity, "eviction": eviction, "prefetch": best_prefetch,
+            **host_compute_record(host), **({"speculation": dict(speculation, depth=chosen["depth"])}
+                                            if best_prefetch == "speculative" else {}),
             "memory": budget,
             "tiers": {"gpu_experts": capacity, "host_experts": min(host_capacity, total),
                       "disk_experts": max(total - host_capacity, 0),
@@ -246,6 +290,6 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
             "validation_tokens": stream.num_tokens,
             "policies": demand, "prefetch": prefetch,
         },
-        "inputs_extra": {"eamc_capacity": eamc.capacity, "moeplan_mix_hit_ratio": {str(w): h for w, h in mix_hits.items()},
+        "inputs_extra": {**({"speculation": speculation} if speculation is not None else {}), "eamc_capacity": eamc.capacity, "moeplan_mix_hit_ratio": {str(w): h for w, h in mix_hits.items()},
                          "eamc_recall_by_capacity": {str(k): v for k, v in sorted(eamc.recall_by_capacity.items())}},
     }

@@ -7,7 +7,10 @@ that stream through the stepper with the plan's capacity, residents, eviction po
 prefetches, prefetched keys that hit, requests resident at layer start and bytes moved: the
 runtime drove the same stepper on the same steps. With prefetch "none" no decision reads the
 clock (the plan records no timing) and the replay is demand paging. The replay's loads (demand
-and prefetch) are split into disk reads and host-tier copies by the plan's host tier (tiers.py).
+and prefetch) are split into disk reads and host-tier copies by the plan's host tier (tiers.py);
+requests computed on the host (the plan's host_compute rule) are compared too, with the disk
+reads of those outside the host tier. A speculative prefetcher reads the speculation the rank
+logged (computed live with the model's own routers, backends/runtime/speculation.py).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from moeplan.backends.runtime.offload_stepper import TimedCache, Timing, pair_ke
 from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_totals
 
 COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved",
-            *TIER_COUNTERS)
+            "host_computed", "host_rows", *TIER_COUNTERS)
 
 
 def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream, timing: Timing | None = None,
@@ -43,10 +46,12 @@ def replay_rank_logs(spec: dict, streams: list, masks: list) -> dict:
     out = {"requests": sum(c.requests for c in caches), "hits": sum(c.hits for c in caches),
            "loads": sum(c.loads for c in caches), "prefetches": sum(c.prefetches for c in caches),
            "prefetch_hits": sum(c.prefetch_hits for c in caches),
-           "resident_at_layer_start": sum(c.resident_at_start for c in caches)}
+           "resident_at_layer_start": sum(c.resident_at_start for c in caches),
+           "host_computed": sum(c.host_computed for c in caches), "host_rows": sum(c.host_rows for c in caches)}
     out.update(tier_totals([c.policy.loaded for c in caches],
                            [pair_keys(tier, s.num_experts) for tier, s in zip(host["resident"], streams)],
-                           int(spec.get("disk_expert_bytes", host_bytes)), host_bytes))
+                           int(spec.get("disk_expert_bytes", host_bytes)), host_bytes,
+                           [c.host_keys_computed for c in caches]))
     out["bytes_moved"] = out["loads"] * host_bytes
     out["hit_ratio"] = out["hits"] / out["requests"] if out["requests"] else 0.0
     out["modelled_seconds_by_rank"] = [c.now for c in caches]

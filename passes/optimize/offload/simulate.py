@@ -7,10 +7,11 @@ Timed mode (`simulate_timed`), for prefetch: one host-to-GPU link copies one exp
 (`Timing.copy_s(key)`: PCIe, plus NVMe first for keys outside the host tier). Per step (one
 token or prefill chunk at one MoE layer), at time `now` its router has run: its keys resident
 and arrived by `now` count as "resident at layer start", keys in flight are waited for, missing
-keys are fetched on demand; the layer computes; the prefetcher sees the step and the copies of its
-list that start while the link is free before the next router are decided (an `idle_only`
-prefetcher copies only what arrives by then, so that it never delays a demand fetch). The steps
-are `offload_stepper.TimedCache`'s, which a bundle's runtime drives too
+keys are fetched on demand or, with host compute, computed on the host when that is sooner; the
+layer computes; the prefetcher sees the step and the copies of its list that start while the link
+is free before the next router (and not before what decided them was known) are decided (an
+`idle_only` prefetcher copies only what arrives by then, so that it never delays a demand fetch).
+The steps are `offload_stepper.TimedCache`'s, which a bundle's runtime drives too
 (backends/runtime/offload_stepper.py has the details).
 With no prefetcher this is the demand mode with time added; the hit ratio equals `simulate_demand`'s.
 """
@@ -36,6 +37,8 @@ class Result:
     tokens: int = 0
     expert_bytes: int = 0
     prefetch_hits: int = 0  # prefetched keys whose first request after the copy hit
+    host_computed: int = 0  # requests computed on the host (host compute on a miss)
+    host_rows: int = 0  # their token rows
 
     @property
     def hit_ratio(self) -> float:
@@ -47,6 +50,8 @@ class Result:
         if self.seconds:
             d.update({"prefetches": self.prefetches, "prefetch_hits": self.prefetch_hits, "resident_at_layer_start": self.resident_at_start / max(self.requests, 1),
                       "seconds_per_token": self.seconds / max(self.tokens, 1)})
+        if self.host_computed:
+            d.update({"host_computed": self.host_computed, "host_rows": self.host_rows})
         return d
 
 
@@ -81,4 +86,5 @@ def simulate_timed(stream, capacity: int, policy: Policy, timing: Timing, prefet
         cache.step(s)
     return Result(policy.name, cache.requests, cache.hits, cache.loads, prefetches=cache.prefetches,
                   resident_at_start=cache.resident_at_start, seconds=cache.now, tokens=stream.num_tokens,
-                  expert_bytes=timing.expert_bytes, prefetch_hits=cache.prefetch_hits)
+                  expert_bytes=timing.expert_bytes, prefetch_hits=cache.prefetch_hits,
+                  host_computed=cache.host_computed, host_rows=cache.host_rows)

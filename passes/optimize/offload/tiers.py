@@ -40,8 +40,17 @@ def tier_split(loaded, host_keys, disk_expert_bytes: int, host_expert_bytes: int
             "host_loads": host_loads, "host_bytes": host_loads * int(host_expert_bytes)}
 
 
-def tier_totals(loaded_by_rank, host_keys_by_rank, disk_expert_bytes: int, host_expert_bytes: int) -> dict:
-    """`tier_split` summed over ranks: each rank's loaded keys against its own host tier."""
+def tier_totals(loaded_by_rank, host_keys_by_rank, disk_expert_bytes: int, host_expert_bytes: int,
+                computed_by_rank=None) -> dict:
+    """`tier_split` summed over ranks: each rank's loaded keys against its own host tier. Keys a
+    rank computed on the host (`computed_by_rank`, host compute on a miss) move nothing to the
+    device, but one outside its host tier is read from disk for it: a disk read each."""
     splits = [tier_split(loaded, host, disk_expert_bytes, host_expert_bytes)
               for loaded, host in zip(loaded_by_rank, host_keys_by_rank)]
-    return {k: sum(one[k] for one in splits) for k in TIER_COUNTERS}
+    out = {k: sum(one[k] for one in splits) for k in TIER_COUNTERS}
+    for computed, host in zip(computed_by_rank or [], host_keys_by_rank):
+        held = {int(k) for k in host}
+        reads = sum(1 for k in computed if int(k) not in held)
+        out["disk_loads"] += reads
+        out["disk_bytes"] += reads * int(disk_expert_bytes)
+    return out

@@ -3,7 +3,8 @@
 Why one module: the sizing MILP enumerates these numbers for every candidate (memory, replicas)
 pair and the simulator evaluates them on real loads; both must use the same formulas.
 
-Reconstructions where the paper is ambiguous or wrong (see shared/papers/serverless-moe.md):
+Reconstructions where the paper (Liu, Wang, Wu, "Optimizing Distributed Deployment of MoE Model
+Inference in Serverless Computing") is ambiguous or wrong:
 * tokens per replica r = ceil(d / g) (the paper writes d / g);
 * pipelined S3 (method 1): beta is the minibatch size, b = min(beta, r):
   t_rep = T_h + [T_dl + b D_o/B_s] + ceil(r/b) [T_dl + b max(D_in/B_s + U(b), D_o/B_s)];

@@ -1,0 +1,83 @@
+"""The host memory a rank pod requests: what its processes hold at their peak, from the plan.
+
+A pod runs one node's ranks under torchrun (`launch.sh`). Per rank r (`rank_weight_bytes`):
+
+    weights(r) = S(r) + F(r)      S: the shard's tensor bytes as stored (the read buffer),
+                                  F: the same tensors as float32 (`bundle_io.load_rank_weights`
+                                  reads, then `.float()`s; on a GPU node both exist on the host
+                                  until `model.to(device)`)
+
+With an expert cache (issue 13) a rank loads only its dense tensors that way and keeps its host
+tier of experts as float32 from the start; the cache itself is GPU memory, the other experts stay
+on the volume:
+
+    weights(r) = S_dense(r) + F_dense(r) + tier(r) x runtime_expert_bytes
+
+A pod then asks, for node n:
+
+    memory(n) = sum over its ranks (weights(r) + RANK_OVERHEAD_MIB) + AGENT_MIB
+                + FRONT_OVERHEAD_MIB on node 0 of a service (rank 0's HTTP front)
+
+The overheads are measured, not guessed: `benchmarks/rank_memory.py` serves and runs bundles under
+load on CPU and reads every process's peak resident set (VmHWM) beside S + F (docs/serving.md,
+"Pod memory"). The KV cache the plan sizes (`communication.capacity`: kv_bytes_per_token x
+kv_tokens_per_rank) is device memory: the pods request GPUs and the runtime keeps the cache where
+the model runs, so it is not host memory here; on CPU, where the measurement runs, the KV cache of
+the measured load is inside the overhead.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+MIB = 1 << 20
+# Measured by benchmarks/rank_memory.py on CPU (docs/serving.md, "Pod memory": a rank beyond S + F
+# at most 408 MiB, rank 0's front 9 MiB beyond its peers, torchrun's agent 222 MiB), with margin:
+RANK_OVERHEAD_MIB = 448   # Python, torch, transformers, the process group, the engine, activations, the KV cache under load
+FRONT_OVERHEAD_MIB = 32   # rank 0's HTTP front beside its engine: uvicorn, starlette, the tokenizer, requests in flight
+AGENT_MIB = 256           # torchrun's agent (it imports torch) and launch.sh
+
+
+def rank_weight_bytes(path: Path) -> tuple:
+    """(S, F, expert S, expert F) of one rank's shard file or `--weights reference` index: its
+    tensors' bytes as stored and as float32, all of them and those of its experts alone."""
+    from moeplan.backends.runtime.checkpoint_reader import DTYPES
+
+    path = Path(path)
+    if path.name.endswith(".index.json"):
+        tensors = [(name, t["dtype"], t["shape"]) for name, t in json.loads(path.read_text())["tensors"].items()]
+        sizes = [(name, math.prod(shape) * DTYPES[dtype].itemsize, math.prod(shape)) for name, dtype, shape in tensors]
+    else:
+        with open(path, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        sizes = [(name, t["data_offsets"][1] - t["data_offsets"][0], math.prod(t["shape"]))
+                 for name, t in header.items() if name != "__metadata__"]
+    stored, numel = sum(s for _, s, _ in sizes), sum(n for _, _, n in sizes)
+    expert = [(s, n) for name, s, n in sizes if ".experts." in name]
+    return stored, 4 * numel, sum(s for s, _ in expert), 4 * sum(n for _, n in expert)
+
+
+def rank_host_bytes(bundle: Path, plan) -> list:
+    """weights(r) for every rank of the plan (module docstring), bytes."""
+    cache = plan.communication.get("expert_cache")
+    out = []
+    for rank, shard in enumerate(plan.shards):
+        stored, float32, expert_stored, expert_float32 = rank_weight_bytes(Path(bundle) / shard)
+        if not cache:
+            out.append(stored + float32)
+            continue
+        tier = int(cache["host"]["capacity"][rank])
+        out.append(stored - expert_stored + float32 - expert_float32 + tier * int(cache["runtime_expert_bytes"]))
+    return out
+
+
+def node_memory_mib(host_bytes: list, gpus_per_node: int, front: bool) -> list:
+    """memory(n) for every node, MiB (module docstring); `front`: node 0 runs the HTTP front."""
+    nodes = len(host_bytes) // gpus_per_node
+    out = []
+    for n in range(nodes):
+        weights = sum(host_bytes[n * gpus_per_node:(n + 1) * gpus_per_node])
+        extra = gpus_per_node * RANK_OVERHEAD_MIB + AGENT_MIB + (FRONT_OVERHEAD_MIB if front and n == 0 else 0)
+        out.append(int(math.ceil(weights / MIB)) + extra)
+    return out
