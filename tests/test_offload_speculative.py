@@ -300,8 +300,11 @@ def test_two_ranks_expert_parallel_speculate_and_compute_on_the_host_in_both_mod
 
 def test_the_planner_records_host_compute_when_it_is_predicted_faster(speculated, tmp_path):
     root, model_dir = speculated
+    # priced on a GPU workstation whose host's rates the profile knows (--hardware governs the caches too;
+    # the default cpu-gloo has no separate host to compute on)
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "s.npz"), "--target", "torchrun", "--policy",
-                     "contiguous", "--expert-cache", "6", "--out", str(tmp_path / "p.json"), "--quiet"])
+                     "contiguous", "--expert-cache", "6", "--hardware", "rtx4090-pcie4", "--out", str(tmp_path / "p.json"),
+                     "--quiet"])
     assert code == 0, out
     plan = json.loads((tmp_path / "p.json").read_text())
     table = plan["predicted"]["expert_cache"]["prefetch"]
