@@ -95,7 +95,8 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
         for i, text in enumerate(report["texts"]):
             click.echo(f"  [{i}] {text!r}")
         sb = report["storage_bytes"]
-        click.echo(f"{report['requests']} request(s): {report['invocations']} invocations {report['invocations_by_kind']}, "
+        click.echo(f"{report['new_tokens']} token(s) per prompt in {report['executions']} execution(s): "
+                   f"{report['invocations']} invocations {report['invocations_by_kind']}, "
                    f"{report['state_transitions']} state transitions; storage {sb['total']} bytes "
                    f"(functions get {sb['functions_get']} / put {sb['functions_put']}), payloads {report['payload_bytes']} bytes "
                    f"(largest {report['max_payload_bytes']} <= {report['payload_limit_bytes']})")

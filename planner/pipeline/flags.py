@@ -164,6 +164,9 @@ FLAGS = (
     Flag("seed", "--seed", HELD_OUT, LAMBDA, "random seed (of the held-out split, profiling and BO)", T.SEED, 0),
     Flag("requests_per_second", "--requests-per-second", ("lambda",), LAMBDA,
          "request rate the README's monthly cost is stated for", T.POSITIVE_FLOAT, 1.0),
+    Flag("http_entry", "--http-entry", ("lambda",), LAMBDA,
+         "what serves the OpenAI API: a Lambda Function URL or an API Gateway HTTP API (30 s limit) in front of the "
+         "front function", click.Choice(["function-url", "http-api"]), "function-url"),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
@@ -172,7 +175,8 @@ PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_b
 # on/off flags added after plans recorded their options: left out while off, so older plans keep their bytes
 RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
 SERVERLESS_FLAGS = ("slo", "platform", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
-                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
+                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second",
+                    "http_entry")
 OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "batch", "max_length", "prompt_tokens", "eviction",
                  "prefetch", "host_compute")
 

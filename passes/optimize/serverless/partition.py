@@ -367,6 +367,12 @@ def fine_memory_options(platform: Platform, low: int = 128, high: int = 10240) -
 
 def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> list:
     """Dense units of a model with per-token time and memory predicted by the profile's XGBoost models."""
+    return units_on_grid(ir, profile, [tokens], module, seed)[tokens]
+
+
+def units_on_grid(ir, profile, grid, module=None, seed: int = 0) -> dict:
+    """{tokens: dense units at that request size} for every token count of `grid`, from one fit of
+    the profile's XGBoost predictors (the request cost model prices steps of any size)."""
     from moeplan.passes.analysis.profile.predictor import features, fit_predictors
     from moeplan.passes.analysis.profile.operators import model_units
     from moeplan.planner.ir import dtype_bytes
@@ -381,19 +387,21 @@ def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> 
     width = int(ir.hidden_size * dtype_bytes(ir.dtype))
     kinds = {s.name: s.kind for s in ir.stages}
     top_k = {f"{s.name}.router": s.top_k for s in ir.moe_stages}
-    out = []
-    for u in model_units(ir, module):
-        if u.kind != "dense":
-            continue
-        segment = 0 if u.group == "head" else last if u.group == "tail" else moe[u.group]
-        secs = [float(preds.time(features(u.flops_per_token, u.param_bytes, tokens, t, False))[0]) / tokens
-                for t in profile.threads]
-        peak = float(preds.memory(features(u.flops_per_token, u.param_bytes, tokens, 1, False))[0]) / tokens
-        kind = kinds.get(u.name, "router")
-        # what the bundle's state file carries per token: ids, positions, sequence (24 B), the residual
-        # stream and the last norm's output (2 x width), routers add ids + weights, the head logits
-        in_b = 24 if kind == "embedding" else 24 + 2 * width
-        out_b = 24 + 2 * width + (ir.vocab_size * 4 if kind == "head" else 16 * top_k.get(u.name, 0))
-        out.append(DenseUnit((u.name,), segment, int(u.param_bytes), peak, out_b, in_b, tuple(secs),
-                             tuple(int(t) for t in profile.threads)))
+    dense = [u for u in model_units(ir, module) if u.kind == "dense"]
+    out = {}
+    for tokens in grid:
+        units = []
+        for u in dense:
+            segment = 0 if u.group == "head" else last if u.group == "tail" else moe[u.group]
+            secs = [float(preds.time(features(u.flops_per_token, u.param_bytes, tokens, t, False))[0]) / tokens
+                    for t in profile.threads]
+            peak = float(preds.memory(features(u.flops_per_token, u.param_bytes, tokens, 1, False))[0]) / tokens
+            kind = kinds.get(u.name, "router")
+            # what the bundle's state file carries per token: ids, positions, sequence (24 B), the residual
+            # stream and the last norm's output (2 x width), routers add ids + weights, the head logits
+            in_b = 24 if kind == "embedding" else 24 + 2 * width
+            out_b = 24 + 2 * width + (ir.vocab_size * 4 if kind == "head" else 16 * top_k.get(u.name, 0))
+            units.append(DenseUnit((u.name,), segment, int(u.param_bytes), peak, out_b, in_b, tuple(secs),
+                                   tuple(int(t) for t in profile.threads)))
+        out[tokens] = units
     return out
