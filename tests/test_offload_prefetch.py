@@ -194,8 +194,9 @@ def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_input
 
 def test_prefetch_none_plans_demand_paging_and_the_default_compares_all(offload_inputs, tmp_path):
     root, model_dir = offload_inputs
+    # a GPU workstation whose host's rates the profile knows: host compute is among the candidates
     flags = ["--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard", "--expert-cache", "5",
-             "--target", "torchrun", "--quiet"]
+             "--target", "torchrun", "--hardware", "rtx4090-pcie4", "--quiet"]
     code, out = cli(["plan", str(model_dir), *flags, "--prefetch", "none", "--out", str(tmp_path / "none.json")])
     assert code == 0, out
     code, out = cli(["plan", str(model_dir), *flags, "--out", str(tmp_path / "auto.json")])

@@ -23,6 +23,7 @@ from .bundle_io import BundleError, bundle_root, load_bundle
 from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
+from .text_codec import prompt_lines
 
 
 def parse_args(argv=None):
@@ -78,8 +79,7 @@ def main(argv=None) -> int:
     try:
         for root in roots:  # every bundle loads before any rank joins the group: launch errors stay one line
             plan, table, modes, model, codec = load_bundle(root, rank, world, device, args.mode)
-            with open(args.prompts, encoding="utf-8") as fh:
-                prompts = [codec.encode(line.rstrip("\n")) for line in fh if line.strip()]
+            prompts = [codec.encode(line) for line in prompt_lines(Path(args.prompts).read_text(encoding="utf-8"))]
             out = Path(args.out) / root.name if len(roots) > 1 else Path(args.out)
             loaded.append((model, codec, table, modes, prompts, out))
     except (BundleError, ValueError, OSError) as exc:

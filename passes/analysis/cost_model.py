@@ -31,7 +31,8 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
   the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
   loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
-  expert invoked, MOE_OPS per MoE layer) + slots x python_slot_s (the replica choice, a Python loop);
+  expert invoked, MOE_OPS per MoE layer; coherent mode adds COHERENT_HOOK_OPS per block on every
+  rank, its hooks) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
 * communication, per exchange call: 2 x collective latency(W) (counts, then rows) +
@@ -69,6 +70,12 @@ EXCHANGE_OPS = 8
 PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
 MERGE_OPS_PER_ROW = 0.5
 HEAD_OPS = 6
+# Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
+# running the block's norm and router a second time up to the experts, the context hook at the
+# attention input and the block-output correction. Measured, not counted: the runtime engine on one
+# rank in coherent mode less standard mode, over the fitted op cost, per block and step: 35.6
+# (examples/tiny_moe) and 37.3 (examples/qwen3_moe), median of 7 interleaved runs each.
+COHERENT_HOOK_OPS = 36
 
 
 @dataclass(frozen=True)
@@ -315,6 +322,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             if mode == COHERENT and current is not None:
                 counts = np.array([[len(holders[r])] * W for r in range(W)], dtype=np.int64)
                 step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes_at(block), block, "context"), comm=True)
+            if mode == COHERENT:
+                compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             for r in range(W):
                 seqs = len({s for s, _ in holders[r]})
                 if holders[r]:

@@ -59,7 +59,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
-            "predicted_hardware", "prompt_encoding", "expert_cache")
+            "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[modes[0]] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -109,6 +109,14 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
         sys.exit(1)
 
 
+def _loads(report: dict) -> str:
+    """', load average L; calibrated at load C' where known: a CPU's measured time follows its load."""
+    text = "" if report.get("load_average") is None else f", load average {report['load_average']:.1f}"
+    if report.get("calibration_load_average") is not None:
+        text += f"; calibrated at load {report['calibration_load_average']:.1f}"
+    return text
+
+
 def _print(report: dict, verify: bool) -> None:
     click.echo(f"{report['world_size']} ranks, mode {report['mode']}: {report['tokens_per_second']:.1f} tokens/s")
     click.echo(f"  prompts read as: {report.get('prompt_encoding', 'unknown')}")
@@ -124,7 +132,7 @@ def _print(report: dict, verify: bool) -> None:
     if "predicted_total_bytes_per_token" in report:
         click.echo(f"  predicted: all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
                    f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
-                   f"(measured {report['seconds_per_token'] * 1e3:.2f})")
+                   f"(measured {report['seconds_per_token'] * 1e3:.2f}{_loads(report)})")
     if report["mode"] == "coherent":
         click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
                    f"predicted {report['predicted_gpu_local_fraction']:.4f}")

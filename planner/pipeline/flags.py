@@ -14,6 +14,7 @@ import click
 
 from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
+from moeplan.planner.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
 TORCHRUN = ("torchrun", "kubernetes")
 ENGINES = ("sglang", "trtllm")
@@ -95,8 +96,9 @@ FLAGS = (
          "expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time",
          click.Choice(["auto", "coherent", "standard"]), "auto"),
     Flag("hardware", "--hardware", TORCHRUN + ("offload",), COST,
-         "hardware profile the cost model prices the plan for: cpu-gloo (default), h100-sxm, h200-sxm, a100-sxm, or a "
-         "YAML file written by 'moeplan calibrate' (offload: its own profiles, default rtx4090-pcie4)", show_default=False),
+         f"hardware profile every prediction of the plan is priced with (cost model, expert caches, serving capacity, "
+         f"offloading), the same names on every target: {hardware_names()}, or a YAML file (e.g. written by 'moeplan "
+         f"calibrate --out FILE'); default {DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}", show_default=False),
     Flag("workload", "--workload", TORCHRUN, COST,
          "requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)", show_default=False),
     Flag("gpu_memory", "--gpu-memory", EXPERT_CACHES, CACHES, "GPU memory for the model, bytes or e.g. 24GiB",

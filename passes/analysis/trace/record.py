@@ -50,15 +50,18 @@ Progress = Callable[[int, int], None]  # (tokens done, tokens total)
 
 
 def encode_text(text: str, vocab_size: int, tokenizer: Optional[Callable[[str], Sequence[int]]] = None) -> np.ndarray:
-    """Token ids [N] for `text`: the tokenizer's if given, else UTF-8 bytes (TinyMoE's vocabulary)."""
+    """Token ids [N] for `text`: the tokenizer's if given (`moeplan trace` gives the bundle runtime's
+    TextCodec), else UTF-8 bytes (TinyMoE's vocabulary) as that same codec encodes them."""
     if tokenizer is not None:
         ids = np.asarray(list(tokenizer(text)), dtype=np.int64)
     else:
+        from moeplan.backends.runtime.text_codec import TextCodec
+
         if vocab_size < 256:
             raise UserError(
                 f"the model's vocabulary has {vocab_size} ids, too few for byte-level text; "
                 "give a model with a tokenizer or pass token ids instead of text")
-        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        ids = np.asarray(TextCodec(None, vocab_size, native_bytes=True).encode_text(text), dtype=np.int64)
     if ids.size == 0:
         raise UserError("the text to trace is empty; give a --data file with some text in it")
     return ids

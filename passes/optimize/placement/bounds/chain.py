@@ -36,6 +36,7 @@ import math
 
 import numpy as np
 
+from moeplan.passes.optimize.milp import quiet_highs
 from moeplan.passes.optimize.placement.budget import WorkBudget
 
 CHAIN_WORK = 20_000_000  # (Q-subsets per layer)^2 x layer pairs, at effort 1: above it the bound is skipped
@@ -154,8 +155,7 @@ class _Master:
         self.layer, self.a, self.b, self.c, self.L, self.E = layer, a, b, c, L, E
         n, cover = len(c), L * E
         self.count_row = cover + n
-        h = self.h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = self.h = quiet_highs()
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("presolve", "off")  # each round starts from the last basis
