@@ -13,7 +13,7 @@ import yaml
 from click.testing import CliRunner
 
 from moeplan.passes.analysis.trace.format import save_trace
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.planner import hardware
 from moeplan.planner.cli import main
 from moeplan.planner.errors import UserError
