@@ -35,6 +35,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 
 # The demo prices its plan for this machine: `moeplan calibrate` measures it once (about a minute) into

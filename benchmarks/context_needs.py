@@ -45,10 +45,10 @@ def needed_share(hosts: np.ndarray, gpus_per_node: int, moe_blocks: tuple, num_b
     by_seq = {}
     for (t, b), r in current.items():
         by_seq.setdefault((t[0], b), []).append((t[1], r))
-    for (s, b), entries in by_seq.items():
+    for (_s, _b), entries in by_seq.items():
         entries.sort()
         later = set()
-        for pos, r in reversed(entries):  # ranks current for this or a later position of the sequence
+        for _pos, r in reversed(entries):  # ranks current for this or a later position of the sequence
             later.add(r)
             sent += W - 1
             needed += len(later - {r})

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     case = next(c for c in CORPUS if c.name == "deepseek-v3 drift")
     plan, held = split_by_sequence(load_case_trace(case))
     topology = Topology(case.nodes, case.gpus_per_node)
-    D, Q = topology.devices, (plan.num_experts + case.redundant) // topology.devices
+    _D, Q = topology.devices, (plan.num_experts + case.redundant) // topology.devices
     truth = true_counts(DEEPSEEK_DRIFT, args.tokens)
     total = truth.sum()
     loads = plan.expert_loads().astype(np.float64)

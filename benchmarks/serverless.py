@@ -198,7 +198,7 @@ def main(argv=None):
         oracle = size_for(facts, real_mean, slo, B, opts)
         rows["oracle"] = mean_sim(facts, oracle.layers, test, B)
     except UserError as exc:
-        raise SystemExit(f"error: {exc}")
+        raise SystemExit(f"error: {exc}") from None
 
     # predictor comparison on the test batches (errors) and what each predictor's plan costs
     table = pop.CountTable.from_trace(trace.select(table_rows))

@@ -96,7 +96,7 @@ class HardwareProfile:
                 out.pop(key)
         return out
 
-    def require(self, keys, purpose: str) -> "HardwareProfile":
+    def require(self, keys, purpose: str) -> HardwareProfile:
         """Self, or a UserError naming the first unknown figure among `keys` ('tier.key' for tiers)."""
         for key in keys:
             head, _, tier = key.partition(".")

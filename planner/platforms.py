@@ -10,7 +10,6 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -79,7 +78,7 @@ def _builtin_values(name: str) -> dict:
     return yaml.safe_load(text)
 
 
-def load_platform(override: Optional[str | Path] = None, base: str = "aws_lambda", **values) -> Platform:
+def load_platform(override: str | Path | None = None, base: str = "aws_lambda", **values) -> Platform:
     """The built-in platform `base`, with keys from the YAML file `override` and `values` replaced.
 
     Unknown keys and bad values are user errors naming the key.
@@ -96,7 +95,7 @@ def load_platform(override: Optional[str | Path] = None, base: str = "aws_lambda
         except UnicodeDecodeError:
             raise UserError(f"platform file '{path}' is not UTF-8 text; pass a YAML file of platform keys") from None
         except (yaml.YAMLError, RecursionError) as exc:
-            raise UserError(f"platform file '{path}' is not valid YAML ({exc.__class__.__name__})")
+            raise UserError(f"platform file '{path}' is not valid YAML ({exc.__class__.__name__})") from None
         if not isinstance(extra, dict):
             raise UserError(f"platform file '{path}' must hold a mapping of keys to values")
         data.update(extra)

@@ -4,7 +4,7 @@ them, so the importer (`passes/analysis/trace/sglang_dump.py`) is tested on file
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 

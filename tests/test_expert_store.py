@@ -14,7 +14,6 @@
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -54,7 +53,7 @@ def _compile(directory: Path, out: Path, ranks: int, *extra) -> dict:
 def test_reference_store_returns_the_copy_stores_tensors(tmp_path, arch):
     directory = tiny.build(arch, tmp_path / "models")
     _compile(directory, tmp_path / "copy", 2)
-    plan = _compile(directory, tmp_path / "ref", 2, "--weights", "reference")
+    _compile(directory, tmp_path / "ref", 2, "--weights", "reference")
     owner = expert_tensor_owner(_containers(directory))
     for rank in (0, 1):
         copy = ShardStore(tmp_path / "copy" / f"shards/rank-{rank:05d}.safetensors", owner)

@@ -83,7 +83,7 @@ def test_decoding_from_stored_deltas_equals_transformers(tmp_path, arch):
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     if arch == "gpt_oss":
         assert model.config.sliding_window < len(PROMPTS[0]) + 6  # the window binds
-    forward = lambda ids, pos, mask, cache: model(input_ids=ids, position_ids=pos, attention_mask=mask.long(),  # noqa: E731
+    forward = lambda ids, pos, mask, cache: model(input_ids=ids, position_ids=pos, attention_mask=mask.long(),
                                                   cache=cache, use_cache=True).logits
     with torch.no_grad():
         tokens, logits = generate_cold(forward, hf_cache(model.config), PROMPTS, 6)

@@ -102,7 +102,7 @@ def test_runtime_prefetch_moves_what_the_timed_simulation_predicts(shard, fitted
             resident = list(range(0, L * E, (L * E) // capacity))[:capacity]
             for name, eviction in PAIRS.items():
                 def new_stepper(st_, c, r):
-                    return TimedCache(st_, c, make_policy(eviction, model), timing, make_prefetcher(name, eamc), r)
+                    return TimedCache(st_, c, make_policy(eviction, model), timing, make_prefetcher(name, eamc), r)  # noqa: B023 (called within this iteration)
 
                 m = run_runtime(stream, capacity, resident, new_stepper, store, tensors)
                 sim = simulate_timed(stream, capacity, make_policy(eviction, model), timing, make_prefetcher(name, eamc),

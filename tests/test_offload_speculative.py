@@ -75,7 +75,7 @@ def test_stream_speculation_is_the_distinct_keys_of_the_steps_rows():
 
 def _forward_of(trace, prompt: int) -> np.ndarray:
     """The forward (decode token or prefill chunk) of each row, as build_stream numbers them."""
-    seq, pos = trace.sequence, trace.positions
+    _seq, pos = trace.sequence, trace.positions
     starts = (pos >= prompt) | (pos == 0)
     return np.cumsum(starts) - 1
 

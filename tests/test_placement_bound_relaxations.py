@@ -13,7 +13,7 @@ from moeplan.passes.optimize.placement.metrics import score_placement
 from test_placement_routed import random_trace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from research.relaxed_routing import colocation_cross, free_routing_cross  # noqa: E402  benchmarks/research/
+from research.relaxed_routing import colocation_cross, free_routing_cross
 
 
 def random_hosts(rng, layers, experts, devices, slots):

@@ -16,8 +16,10 @@ def drifting_trace(seed, tokens=2048, layers=2, experts=8, top_k=1, sequence_len
     rng = np.random.default_rng(seed)
     sequence = np.arange(tokens) // sequence_length
     late = sequence >= sequence.max() / 2
-    p_early = np.full(experts, 1.0); p_early[[2, 3]] = 4.0
-    p_late = np.full(experts, 1.0); p_late[[0, 1]] = 4.0
+    p_early = np.full(experts, 1.0)
+    p_early[[2, 3]] = 4.0
+    p_late = np.full(experts, 1.0)
+    p_late[[0, 1]] = 4.0
     chosen = np.empty((tokens, layers, top_k), dtype=np.int32)
     for t in range(tokens):
         p = p_late if late[t] else p_early

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from research.pair_milp import pair_cross_milp  # noqa: E402  benchmarks/research/pair_milp.py
+from research.pair_milp import pair_cross_milp
 
 
 def layer_placements(E, P, Q, loads, cap):

@@ -27,7 +27,7 @@ def random_hosts(rng, L, E, D, slots):
     hosts = np.zeros((L, E, D), dtype=bool)
     for l in range(L):
         units = list(rng.permutation(E)) + list(rng.choice(E, size=D * slots - E, replace=True))
-        free = {p: slots for p in range(D)}
+        free = dict.fromkeys(range(D), slots)
         for e in units:
             options = [p for p in range(D) if free[p] and not hosts[l, e, p]]
             if options:

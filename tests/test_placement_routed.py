@@ -19,7 +19,7 @@ from moeplan.passes.optimize.placement.local_search.routed import (RoutedTrace, 
 from moeplan.planner.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from research.layer_chain import layer_chain_placement  # noqa: E402  benchmarks/research/layer_chain.py
+from research.layer_chain import layer_chain_placement
 
 
 def random_trace(rng, tokens, layers, experts, top_k, skew=1.0):
@@ -85,7 +85,7 @@ def test_routed_tables_value_a_layer_exactly_without_replicas(seed, l):
         hosts[layer] = hosts[layer][:, rng.permutation(topology.devices)]
     g, h = routed_tables(routed, hosts, devices_after(routed, hosts), l)
     G = topology.gpus_per_node
-    node_value = lambda x: float((h * x.reshape(x.shape[0], -1, G).any(axis=2)).sum())  # noqa: E731
+    node_value = lambda x: float((h * x.reshape(x.shape[0], -1, G).any(axis=2)).sum())
     other = hosts.copy()
     other[l] = hosts[l][rng.permutation(hosts.shape[1])]  # the same slots per GPU, experts shuffled
     gpu_before, node_before = local_transitions(routed, hosts)
@@ -144,8 +144,11 @@ def test_routed_chain_keeps_tokens_on_the_copy_they_sit_on():
     routed = RoutedTrace.from_trace(trace, 2)
     loads = trace.expert_loads().astype(np.float64)
     start = np.zeros((2, 3, 2), dtype=bool)
-    start[0, 0, :] = True; start[0, 1, 1] = True
-    start[1, 0, :] = True; start[1, 1, 0] = True; start[1, 2, 1] = True  # expert 2 on GPU 1: 30 transitions lost
+    start[0, 0, :] = True
+    start[0, 1, 1] = True
+    start[1, 0, :] = True
+    start[1, 1, 0] = True
+    start[1, 2, 1] = True  # expert 2 on GPU 1: 30 transitions lost
     replicas = start.sum(axis=2)
     caps = np.full(2, 1e9)
     chain = routed_chain(routed, loads, replicas, caps, start)

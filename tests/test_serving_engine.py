@@ -116,7 +116,7 @@ def test_an_idle_service_uses_under_5_percent_of_a_core(served):
 def test_metrics_report_the_exchanges_of_the_mode(served):
     mode, _, result = served
     by_kind = {}
-    for layer, kind, nbytes in result["exchange_bytes"]:
+    for _layer, kind, nbytes in result["exchange_bytes"]:
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
     assert by_kind["dispatch"] > 0 and by_kind["token_sync"] > 0
     if mode == "standard":

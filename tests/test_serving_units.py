@@ -6,7 +6,6 @@ tests/test_serving_engine.py.
 """
 from __future__ import annotations
 
-import json
 import threading
 
 import numpy as np

@@ -86,7 +86,7 @@ class Machine:
                 doc = self._task(state, doc)
             elif kind == "Parallel":
                 with ThreadPoolExecutor(max_workers=self.max_parallel) as pool:
-                    results = list(pool.map(lambda b: self._run(b, doc), state["Branches"]))
+                    results = list(pool.map(lambda b: self._run(b, doc), state["Branches"]))  # noqa: B023 (called within this iteration)
                 doc = self._result(state, doc, results)
             elif kind == "Choice":
                 nxt = state.get("Default")

@@ -68,7 +68,7 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
     order = [u for s in slices for u in s["units"]]
     index = {u: i for i, u in enumerate(order)}
     out = []
-    for k, s in enumerate(slices):
+    for _k, s in enumerate(slices):
         parts = []
         for unit in s["units"]:
             seg = segment_of[unit]

@@ -147,11 +147,11 @@ class LocalCloud:
         self._procs, self._ports, self._fn_locks = {}, {}, {lid: threading.Lock() for lid in self.functions}
         self.s3_server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.s3_server.start()
-        self.s3_url = "http://%s:%d" % self.s3_server.get_host_and_port()
+        self.s3_url = "http://{}:{}".format(*self.s3_server.get_host_and_port())
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self.http.daemon_threads = True
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.lambda_url = "http://127.0.0.1:%d" % self.http.server_address[1]
+        self.lambda_url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.env = {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "AWS_DEFAULT_REGION": "us-east-1",
                     "AWS_ENDPOINT_URL_S3": self.s3_url, "AWS_ENDPOINT_URL_LAMBDA": self.lambda_url,
                     "AWS_ENDPOINT_URL_SFN": self.lambda_url}

@@ -194,7 +194,7 @@ class Engine:
         merged = dict(new)
         for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "token_sync"):
             _, m = unpack(got.cpu(), 0)
-            merged.update({s: t for s, t in m.tolist()})
+            merged.update(dict(m.tolist()))
         return merged
 
     # --- the routed computation (called by the library's MoE blocks) ------------------------

@@ -59,7 +59,7 @@ class ExpertTable:
         self._copies = None
 
     @classmethod
-    def from_placement(cls, placement: dict) -> "ExpertTable":
+    def from_placement(cls, placement: dict) -> ExpertTable:
         """From placement.json's dict (a device's list may repeat an expert another device holds)."""
         topology = placement["topology"]
         G = int(topology["gpus_per_node"])

@@ -30,7 +30,7 @@ def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: st
     try:
         return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens")
+        raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens") from None
 
 
 def failure_reason(output: str) -> str:

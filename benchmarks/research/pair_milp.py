@@ -33,7 +33,7 @@ def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarr
     total = float(c.sum())
     n, nx = len(c), E * P
     ncols = 2 * nx + n * P
-    x = lambda layer, e, p: layer * nx + e * P + p  # noqa: E731 (column index)
+    x = lambda layer, e, p: layer * nx + e * P + p
     rows = Rows()
     for layer, loads, cap in ((0, load_from, cap_from), (1, load_to, cap_to)):
         assignment_rows(rows, layer * nx, loads, np.full(P, float(Q)), cap * (1 + 1e-9))

@@ -99,7 +99,7 @@ class ModelShape:
                                  # K and V (2 x kv heads x head dim) or an MLA latent are smaller
 
     @classmethod
-    def from_ir(cls, ir) -> "ModelShape":
+    def from_ir(cls, ir) -> ModelShape:
         """From a ModelIR: blocks are the attention stages; MoE stages sit in the block they follow."""
         blocks, moe_blocks, attn, attn_bytes, mlp, head = -1, [], [], [], [], 0.0
         for s in ir.stages:
@@ -316,7 +316,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             compute = np.zeros(W)
             # attention (and the dense parts) where the token is; coherent: K/V for every token on every rank
             if current is None:
-                holders = {r: keys for r in range(W)}
+                holders = dict.fromkeys(range(W), keys)
             else:
                 holders = {r: [t for t in keys if current[t] == r] for r in range(W)}
             if mode == COHERENT and current is not None:
@@ -389,7 +389,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         step_time += _add(pred, _pace(profile, np.array([_cost(profile, HEAD_OPS, n * shape.head_flops) for n in ends]), W))
         if mode == COHERENT:
             new = np.zeros((W, W), dtype=np.int64)
-            for s, t in last_of.items():
+            for t in last_of.values():
                 new[current[t], :] += 1
             step_time += _add(pred, counter.exchange(new, 16, None, "token_sync"), comm=True)
         pred.step_seconds.append(step_time)

@@ -21,7 +21,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
@@ -31,7 +30,7 @@ GUROBI_SIZE_LIMIT = 2000
 
 @dataclass
 class MilpResult:
-    x: Optional[np.ndarray]  # best incumbent (None when none was found)
+    x: np.ndarray | None  # best incumbent (None when none was found)
     objective: float
     bound: float
     status: str  # "optimal", "time_limit", "infeasible", "other"
@@ -101,11 +100,11 @@ def solve_milp(
     integer: np.ndarray,
     *,
     time_limit: float,
-    warm_start: Optional[np.ndarray] = None,
+    warm_start: np.ndarray | None = None,
     solver: str = "highs",
     mip_gap: float = 1e-4,
-    node_limit: Optional[int] = None,
-    iteration_limit: Optional[int] = None,
+    node_limit: int | None = None,
+    iteration_limit: int | None = None,
 ) -> MilpResult:
     """Solve the model above; `integer` is a bool mask over columns.
 

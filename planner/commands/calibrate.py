@@ -165,7 +165,7 @@ def _rank_engine(model, fresh, kind: str, mode: str, rank: int = 0, world: int =
         hosts[:, experts, d] = True
     config = model.config
     top_k = int(config.top_k) if kind == "tiny_moe" else transformers_top_k(config)
-    max_positions = int(getattr(config, "max_positions", None) or getattr(config, "max_position_embeddings"))
+    max_positions = int(getattr(config, "max_positions", None) or config.max_position_embeddings)
     rank_model = RankModel(fresh, kind, None, {c.moe: devices[rank] for c in containers}, weights, max_positions)
     rank_model.top_k = top_k
     counters = Counters(rank_model.num_layers)
@@ -194,7 +194,6 @@ def _prompts(vocab: int) -> list:
 def measure_engine(partial: dict, scratch, model_dir=None, runs: int = 3) -> float:
     """Fit op_overhead_s: the value for which the cost model predicts the measured time of the
     runtime engine (standard mode) on one rank. The cost model is linear in op_overhead_s there."""
-    import numpy as np
     import torch
 
     from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
@@ -204,7 +203,7 @@ def measure_engine(partial: dict, scratch, model_dir=None, runs: int = 3) -> flo
     torch.set_num_threads(1)
     model, fresh, kind, directory = _engine_model(scratch, model_dir)  # a rank changes its module: one per run
     requests, length, new = ENGINE_WORKLOAD
-    prompts = _prompts(int(getattr(model.config, "vocab_size")))
+    prompts = _prompts(int(model.config.vocab_size))
     times, engine = [], None
     for _ in range(runs):
         engine, hosts = _rank_engine(model, fresh(), kind, "standard")
@@ -231,7 +230,7 @@ def _engine_worker(rank: int, world: int, port: int, directory: str, runs: int, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model, fresh, kind, _ = _engine_model(None, directory)
-        prompts = _prompts(int(getattr(model.config, "vocab_size")))
+        prompts = _prompts(int(model.config.vocab_size))
         times, engine = [], None
         for _ in range(runs):
             engine, _ = _rank_engine(model, fresh(), kind, "standard", rank, world)
@@ -308,7 +307,7 @@ def _worker(rank: int, world: int, port: int, queue) -> None:
             reps = SMALL_REPS if label != "large" else 8
 
             def call():
-                dist.all_to_all_single(recv, send)
+                dist.all_to_all_single(recv, send)  # noqa: B023 (called within this iteration)
 
             dist.barrier()
             out[label] = _median_per_call(call, reps)
@@ -371,8 +370,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                    "collective_latency_base_s": 1.0, "collective_latency_per_peer_s": 1.0,
                    "bandwidth_bytes_per_s": {"same_node": 1.0, "other_node": 1.0},
                    "message_latency_s": {"same_node": 1.0, "other_node": 1.0},
-                   **{k: None for k in ("device_memory_bytes", "host_memory_bytes", "host_to_device_bytes_per_s",
-                                        "disk_read_bytes_per_s", "memory_efficiency", "layer_overhead_s", "copy_latency_s")}}
+                   **dict.fromkeys(("device_memory_bytes", "host_memory_bytes", "host_to_device_bytes_per_s", "disk_read_bytes_per_s", "memory_efficiency", "layer_overhead_s", "copy_latency_s"))}
         compute["op_overhead_s"] = measure_engine(partial, scratch, model_dir)
         lo, hi = WORLDS
         message = max((gloo[lo]["kilo"] - gloo[lo]["small"]) / (lo - 1), 1e-7)

@@ -33,7 +33,7 @@ def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: b
         cost = request_cost(spec, prompt_tokens, new_tokens)
         old = request_cost(spec, prompt_tokens, new_tokens, mode="recompute")
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-        raise UserError(f"plan file '{plan_path}' has a malformed request cost model ({exc.__class__.__name__}: {exc}); regenerate it")
+        raise UserError(f"plan file '{plan_path}' has a malformed request cost model ({exc.__class__.__name__}: {exc}); regenerate it") from None
     summary = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "billed_gb_s": cost["lambda_gb_s"],
                "request_charges_usd": cost["request_charges_usd"], "predicted_cost_usd": cost["usd"]["total"],
                "latency_s": cost["latency_s"], "detail": cost,

@@ -9,7 +9,6 @@ which importer ran.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from moeplan.planner.importers.loaded import LoadedModel
 from moeplan.planner.importers.resolve import LOADER_KEY, read_json_object
@@ -23,7 +22,7 @@ def has_safetensors(directory: Path) -> bool:
     return directory.is_dir() and ((directory / INDEX).is_file() or any(directory.glob("*.safetensors")))
 
 
-def streamable_directory(spec: str) -> Optional[Path]:
+def streamable_directory(spec: str) -> Path | None:
     """The directory when `spec` is a Hugging Face model directory with safetensors weights, else None."""
     path = Path(spec).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file() or not has_safetensors(path):

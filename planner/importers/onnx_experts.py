@@ -119,7 +119,7 @@ def expert_weight_names(index: GraphIndex, gate, stage: str, stop_position: int,
     for seed in sorted(seed_nodes, key=lambda s: index.position[id(seed_nodes[s])]):
         groups.setdefault(_find(parent, seed), []).append(seed)
     routed, shared = [], []
-    for root, seeds in groups.items():
+    for _root, seeds in groups.items():
         outputs = {o for s in seeds for o in seed_nodes[s].output}
         descendants = set()
         for node in region:

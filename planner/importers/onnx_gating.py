@@ -15,7 +15,6 @@ graph through this one module so that they agree on which nodes are gates and in
 """
 from __future__ import annotations
 
-from typing import Optional
 
 from moeplan.planner.importers.onnx_argmax_gating import argmax_gates
 from moeplan.planner.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
@@ -23,7 +22,7 @@ CONTRIB_MOE_OPS = {"MoE", "QMoE"}
 CONTRIB_DOMAIN = "com.microsoft"
 
 
-def _k_of(index: GraphIndex, node) -> Optional[int]:
+def _k_of(index: GraphIndex, node) -> int | None:
     for attr in node.attribute:
         if attr.name == "k":
             return int(attr.i)
@@ -34,7 +33,7 @@ def _k_of(index: GraphIndex, node) -> Optional[int]:
     return None
 
 
-def _scored_scatter(index: GraphIndex, topk) -> Optional[str]:
+def _scored_scatter(index: GraphIndex, topk) -> str | None:
     """Scores [.., E] a TopK on router logits hands on by scattering its values into a filled row
     (`ScatterElements(fill, indices, values)`) and scoring that (Sigmoid/Softmax), else None."""
     values, indices = topk.output[0], topk.output[1]

@@ -6,7 +6,6 @@ and `onnx_experts.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -35,7 +34,7 @@ class GraphIndex:
                 if inp:
                     self.consumers.setdefault(inp, []).append(node)
 
-    def constant(self, name: str) -> Optional[np.ndarray]:
+    def constant(self, name: str) -> np.ndarray | None:
         """The value of a tensor that is an initializer or a Constant node's output, else None."""
         from onnx import numpy_helper
 
@@ -101,7 +100,7 @@ class GraphIndex:
             node = self.producer.get(name)
         return None
 
-    def weight_initializer(self, name: str) -> Optional[str]:
+    def weight_initializer(self, name: str) -> str | None:
         """The initializer a MatMul/Gemm weight input comes from (through Transpose/Cast), if any."""
         while name not in self.initializers:
             node = self.producer.get(name)
@@ -144,8 +143,8 @@ class Gate:
     node: object
     kind: str  # "pattern" or "contrib"
     top_k: int
-    router_node: Optional[object]
-    router_weight: Optional[str]
+    router_node: object | None
+    router_weight: str | None
     router_transposed: bool
     indices_output: str = ""
     weights_output: str = ""

@@ -304,7 +304,7 @@ def read_plan(path) -> tuple:
                   for l in plan.placement["layers"]]
         batch_tokens = int(plan.communication["batch_tokens"])
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
-        raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it")
+        raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it") from None
     for l, layer in enumerate(layers):
         for e, x in enumerate(layer.experts):
             if x.replicas < 1 or x.memory_mb < 1 or x.tokens < 0:

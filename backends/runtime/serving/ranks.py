@@ -141,7 +141,7 @@ def _follow(worker, rank: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_follower(worker)
-    except Exception as exc:  # noqa: BLE001 -- rank 0 or a peer is gone: exit so the supervisor restarts
+    except Exception as exc:
         print(f"error: rank {rank}: the service stopped: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
               file=sys.stderr, flush=True)
         os._exit(1)

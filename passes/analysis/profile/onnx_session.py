@@ -97,7 +97,7 @@ def measure_onnx(onnx_path: str, ir, units, tokens_grid, threads) -> list:
                         sess.run(None, {inp: ids})
                     trace_file = sess.end_profiling()
                 except Exception as exc:  # onnxruntime raises its own exception types
-                    raise UserError(f"onnxruntime cannot run '{onnx_path}' for profiling ({exc.__class__.__name__}); check the model runs with onnxruntime")
+                    raise UserError(f"onnxruntime cannot run '{onnx_path}' for profiling ({exc.__class__.__name__}); check the model runs with onnxruntime") from None
                 events = json.loads(Path(trace_file).read_text())
             runs = {}
             run_idx = -1

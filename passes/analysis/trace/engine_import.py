@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.analysis.trace.sglang_dump import import_sglang_dump
@@ -36,8 +35,8 @@ def detect_format(path: Path) -> str:
     return "vllm-jsonl"
 
 
-def import_engine_trace(path: str | os.PathLike, fmt: str = "auto", num_experts: Optional[int] = None,
-                        top_k: int = 1, trtllm_assignments: Optional[str] = None) -> Trace:
+def import_engine_trace(path: str | os.PathLike, fmt: str = "auto", num_experts: int | None = None,
+                        top_k: int = 1, trtllm_assignments: str | None = None) -> Trace:
     """Convert routing records at `path` into a validated trace.
 
     `top_k` labels loads-only traces from SGLang stat dumps (which do not record it);

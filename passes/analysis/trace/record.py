@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ Progress = Callable[[int, int], None]  # (tokens done, tokens total)
 # Text -> token sequences
 
 
-def encode_text(text: str, vocab_size: int, tokenizer: Optional[Callable[[str], Sequence[int]]] = None) -> np.ndarray:
+def encode_text(text: str, vocab_size: int, tokenizer: Callable[[str], Sequence[int]] | None = None) -> np.ndarray:
     """Token ids [N] for `text`: the tokenizer's if given (`moeplan trace` gives the bundle runtime's
     TextCodec), else UTF-8 bytes (TinyMoE's vocabulary) as that same codec encodes them."""
     if tokenizer is not None:
@@ -67,7 +67,7 @@ def encode_text(text: str, vocab_size: int, tokenizer: Optional[Callable[[str], 
     return ids
 
 
-def chunk_tokens(ids: np.ndarray, seq_len: int, max_tokens: Optional[int] = None) -> list[np.ndarray]:
+def chunk_tokens(ids: np.ndarray, seq_len: int, max_tokens: int | None = None) -> list[np.ndarray]:
     """Consecutive sequences of `seq_len` tokens (the last may be shorter), at most `max_tokens` in all."""
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
@@ -299,7 +299,7 @@ class _EagerAttention:
 # The pass
 
 
-def model_limits(loaded) -> tuple[int, Optional[int], int]:
+def model_limits(loaded) -> tuple[int, int | None, int]:
     """(vocabulary size, maximum positions or None, experts per MoE layer) of a loaded model."""
     ir = loaded.ir
     moe = ir.moe_stages
@@ -319,11 +319,11 @@ def model_limits(loaded) -> tuple[int, Optional[int], int]:
 def record_trace(
     loaded,
     data,
-    max_tokens: Optional[int] = None,
+    max_tokens: int | None = None,
     batch: int = DEFAULT_BATCH,
-    seq_len: Optional[int] = None,
-    tokenizer: Optional[Callable[[str], Sequence[int]]] = None,
-    progress: Optional[Progress] = None,
+    seq_len: int | None = None,
+    tokenizer: Callable[[str], Sequence[int]] | None = None,
+    progress: Progress | None = None,
     speculate: int = 0,
     speculate_from: str = DEFAULT_SOURCE,
 ) -> Trace:

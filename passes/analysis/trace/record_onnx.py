@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -54,10 +53,10 @@ class _Plan:
     input_name: str
     input_dtype: object
     gates: tuple  # _GateOutputs per MoE layer, in layer order
-    attention: Optional[tuple]  # Softmax output name per MoE layer, or None
+    attention: tuple | None  # Softmax output name per MoE layer, or None
 
 
-def _attention_before(gates, softmaxes, position) -> Optional[tuple]:
+def _attention_before(gates, softmaxes, position) -> tuple | None:
     """The last attention Softmax before each gate; None when some gate has none."""
     names = []
     for gate in gates:
@@ -112,7 +111,7 @@ def _build(path: Path):
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200]
         raise UserError(f"onnxruntime cannot run {path} ({reason}); check that the model is valid") from None
-    required = [i for i in session.get_inputs()]
+    required = list(session.get_inputs())
     if len(required) != 1:
         names = ", ".join(i.name for i in required)
         raise UserError(

@@ -37,7 +37,6 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -64,7 +63,7 @@ def load_dump(path: Path) -> dict:
     return data
 
 
-def dump_kind(data: dict) -> Optional[str]:
+def dump_kind(data: dict) -> str | None:
     """'per_token', 'per_pass', 'stat' or None for a loaded dump."""
     if all(key in data for key in PER_TOKEN_KEYS):
         records = data["records"]
@@ -105,7 +104,7 @@ class _PerTokenReader:
     def __init__(self):
         self.choices = []  # int [n, num_hidden_layers, 8] physical ids per record
         self.token_ids, self.positions, self.sequence = [], [], []
-        self.slot_map: Optional[np.ndarray] = None
+        self.slot_map: np.ndarray | None = None
         self.seen = set()
         self.next_sequence = 0
 
@@ -167,7 +166,7 @@ class _PerTokenReader:
         self.next_sequence += len(lens)
         return ids
 
-    def trace(self, source: str, num_experts: Optional[int]) -> Trace:
+    def trace(self, source: str, num_experts: int | None) -> Trace:
         if not self.choices:
             raise UserError(f"{source} holds no per_token records with tokens; record some traffic between "
                             f"/start_expert_distribution_record and /dump_expert_distribution_record")
@@ -238,7 +237,7 @@ def _per_pass_loads(files: list) -> np.ndarray:
     return np.rint(total).astype(np.int64)
 
 
-def _loads_only(loads: np.ndarray, path: Path, num_experts: Optional[int], top_k: int) -> Trace:
+def _loads_only(loads: np.ndarray, path: Path, num_experts: int | None, top_k: int) -> Trace:
     """The loads-only trace of [num_hidden_layers, E] counts: rows that count no token are dense layers."""
     routed = np.flatnonzero(loads.sum(axis=1) > 0)
     if not len(routed):
@@ -261,7 +260,7 @@ def dump_files(path: Path) -> list:
     return [path]
 
 
-def import_sglang_dump(path: str | os.PathLike, num_experts: Optional[int] = None, top_k: int = 1) -> Trace:
+def import_sglang_dump(path: str | os.PathLike, num_experts: int | None = None, top_k: int = 1) -> Trace:
     """Trace from SGLang per_token dumps (per-token) or per_pass / stat dumps (loads-only); see module doc.
 
     `top_k` is recorded in loads-only traces (those dumps do not say it)."""

@@ -25,7 +25,6 @@ plus bytes over PCIe (and over NVMe first for disk-tier experts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -47,16 +46,16 @@ ONLINE_POLICIES = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")  # order = t
 @dataclass(frozen=True)
 class OffloadRequest:
     hardware: HardwareProfile  # planner/hardware.py: the plan's one profile
-    gpu_memory_bytes: Optional[int] = None
-    expert_cache: Optional[int] = None
+    gpu_memory_bytes: int | None = None
+    expert_cache: int | None = None
     batch: int = 1
     max_length: int = 4096
     prefill_chunk: int = 512
     reserve_bytes: int = GIB
     host_reserve_bytes: int = 8 * GIB
-    host_memory_bytes: Optional[int] = None  # the host tier; None: the profile's host memory less host_reserve_bytes
+    host_memory_bytes: int | None = None  # the host tier; None: the profile's host memory less host_reserve_bytes
     prompt_tokens: int = 0
-    host_compute: Optional[str] = None  # "cheaper" | "never" | None: by predicted time (where the profile can)
+    host_compute: str | None = None  # "cheaper" | "never" | None: by predicted time (where the profile can)
     validation_fraction: float = 0.2
     seed: int = 0
     max_sim_requests: int = 50_000

@@ -59,7 +59,7 @@ class Placement:
     metrics: dict = field(default_factory=dict)
 
     @classmethod
-    def from_hosts(cls, policy: str, topology: Topology, hosts: np.ndarray, metrics=None) -> "Placement":
+    def from_hosts(cls, policy: str, topology: Topology, hosts: np.ndarray, metrics=None) -> Placement:
         """Build from a bool [L, E, D] hosting array."""
         L, E, D = hosts.shape
         layers = [[np.flatnonzero(hosts[l, :, d]).tolist() for d in range(D)] for l in range(L)]
@@ -112,7 +112,7 @@ def load_placement(path: str | os.PathLike) -> Placement:
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"placement file '{path}' is not valid JSON ({exc.__class__.__name__}); regenerate it with 'moeplan place'")
+        raise UserError(f"placement file '{path}' is not valid JSON ({exc.__class__.__name__}); regenerate it with 'moeplan place'") from None
     try:
         return placement_from_dict(doc)
     except UserError as exc:
@@ -131,7 +131,7 @@ def placement_from_dict(doc) -> Placement:
         topology = Topology(int(doc["topology"]["nodes"]), int(doc["topology"]["gpus_per_node"]))
         layers = [entry["devices"] for entry in sorted(doc["layers"], key=lambda e: e["layer"])]
     except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"placement is missing or has a malformed field ({exc}); expected 'topology' and 'layers'")
+        raise UserError(f"placement is missing or has a malformed field ({exc}); expected 'topology' and 'layers'") from None
     if topology.nodes < 1 or topology.gpus_per_node < 1:
         raise UserError(f"placement topology {topology} must have at least one node and one GPU per node")
     if not layers:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import numpy as np
 
@@ -156,7 +155,7 @@ class CostModel:
         act = max(tokens * (u.peak_bytes_per_token + u.in_bytes_per_token + u.out_bytes_per_token) for u in us)
         return self.p.runtime_memory_mb + (params + act) / MB
 
-    def min_memory(self, first: int, last: int, eta: int = 1) -> Optional[int]:
+    def min_memory(self, first: int, last: int, eta: int = 1) -> int | None:
         need = self.need_mb(first, last, eta)
         return next((m for m in self.options if m >= need - 1e-9), None)
 
@@ -308,8 +307,8 @@ def single_function(model: CostModel) -> list:
     return [Slice(0, len(model.units) - 1, mem)]
 
 
-def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Optional[float] = None,
-          memory_options=None, max_eta: Optional[int] = None, threshold: float = MERGE_THRESHOLD,
+def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: float | None = None,
+          memory_options=None, max_eta: int | None = None, threshold: float = MERGE_THRESHOLD,
           accounting: str = "lambda") -> PartitionResult:
     """Partition the dense unit chain; the latency limit defaults to the single function's latency."""
     if not units:
@@ -326,7 +325,7 @@ def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Opti
 
 
 def evaluate(units: list, platform: Platform, tokens: int, groups: list, memory_options=None,
-             memory_mb: Optional[int] = None, accounting: str = "lambda") -> PartitionResult:
+             memory_mb: int | None = None, accounting: str = "lambda") -> PartitionResult:
     """A fixed partition (lists of consecutive unit indices) at minimum (or the given) memory: the baselines."""
     model = CostModel(units, platform, tokens, memory_options, accounting=accounting)
     slices = []

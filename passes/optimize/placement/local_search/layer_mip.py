@@ -34,19 +34,37 @@ def layer_mip(g: np.ndarray, h: np.ndarray, replicas: np.ndarray, slots: int, pe
     lo, hi = [], []
     r = 0
     # sum_p m[e, p] = r_e
-    rows += list(np.repeat(np.arange(E), D)); cols += list(m_index.ravel()); vals += [1.0] * nm
-    lo += list(replicas.astype(float)); hi += list(replicas.astype(float)); r += E
+    rows += list(np.repeat(np.arange(E), D))
+    cols += list(m_index.ravel())
+    vals += [1.0] * nm
+    lo += list(replicas.astype(float))
+    hi += list(replicas.astype(float))
+    r += E
     # sum_e m[e, p] = slots, load <= cap
-    rows += list(r + np.tile(np.arange(D), E)); cols += list(m_index.ravel()); vals += [1.0] * nm
-    lo += [float(slots)] * D; hi += [float(slots)] * D; r += D
-    rows += list(r + np.tile(np.arange(D), E)); cols += list(m_index.ravel()); vals += list(np.repeat(per_copy, D))
-    lo += [-np.inf] * D; hi += [float(cap)] * D; r += D
+    rows += list(r + np.tile(np.arange(D), E))
+    cols += list(m_index.ravel())
+    vals += [1.0] * nm
+    lo += [float(slots)] * D
+    hi += [float(slots)] * D
+    r += D
+    rows += list(r + np.tile(np.arange(D), E))
+    cols += list(m_index.ravel())
+    vals += list(np.repeat(per_copy, D))
+    lo += [-np.inf] * D
+    hi += [float(cap)] * D
+    r += D
     # z[e, n] - sum_{p in n} m[e, p] <= 0
     node_of = np.arange(D) // gpus_per_node
     z_rows = r + np.arange(nz).reshape(E, N)
-    rows += list(z_rows.ravel()); cols += list(z_index.ravel()); vals += [1.0] * nz
-    rows += list(z_rows[:, node_of].ravel()); cols += list(m_index.ravel()); vals += [-1.0] * nm
-    lo += [-np.inf] * nz; hi += [0.0] * nz; r += nz
+    rows += list(z_rows.ravel())
+    cols += list(z_index.ravel())
+    vals += [1.0] * nz
+    rows += list(z_rows[:, node_of].ravel())
+    cols += list(m_index.ravel())
+    vals += [-1.0] * nm
+    lo += [-np.inf] * nz
+    hi += [0.0] * nz
+    r += nz
     A = sp.csc_matrix((vals, (rows, cols)), shape=(r, nm + nz))
     cost = -np.concatenate([g.ravel(), h.ravel()])
     start = None

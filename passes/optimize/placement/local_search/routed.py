@@ -53,7 +53,7 @@ class RoutedTrace:
     proposals: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_trace(cls, trace, gpus_per_node: int, counts: np.ndarray = None) -> "RoutedTrace":
+    def from_trace(cls, trace, gpus_per_node: int, counts: np.ndarray = None) -> RoutedTrace:
         """counts: the trace's transition counts where the caller has them already."""
         counts = transition_counts(trace, "current") if counts is None else counts
         return cls(trace.experts.astype(np.int64), heaviest_choice(trace), trace.num_experts, gpus_per_node, counts)
