@@ -4,7 +4,7 @@ Serving stacks log routing one record per token and MoE layer:
 
     {"problem_id": "req-7", "layer": 3, "token_idx": 0, "experts": [5, 1], "gating_probs": [0.7, 0.3]}
 
-Mapping onto the trace format (README.md, "Routing trace"):
+Mapping onto the trace format (docs/formats.md, "Routing trace"):
 * `sequence`: problem ids (any JSON string or integer) numbered 0, 1, ... in the order each
   first appears in the log; the trace's tokens are ordered by that number, then by `token_idx`.
 * `positions`: `token_idx`.
