@@ -47,7 +47,7 @@ class StubEngine:
                 raise self.c.Unavailable("draining")
             if len(request.prompt_ids) + request.max_tokens > self.max_context:
                 raise self.c.RequestTooLong(f"prompt + max_tokens exceeds {self.max_context}")
-            if len(self.waiting) >= self.max_waiting and len(self.running) >= self.max_running:
+            if len(self.waiting) + len(self.running) >= self.max_waiting + self.max_running:  # the engine's rule
                 raise self.c.Overloaded("queue full", retry_after_s=2.0)
             self.waiting.append([request, sink, 0])
             self.submitted.append(request)

@@ -139,23 +139,31 @@ def test_api_key(server):
     assert raw(server, "GET", "/metrics")[0] == 200
 
 
-def test_full_queue_answers_429_with_retry_after(server):
-    """4 running + 2 waiting fill the stand-in; the 7th request is refused, not queued."""
-    c = client(server, KEY)
-    streams = [c.completions.create(model="stub", prompt="x", max_tokens=250, stream=True) for _ in range(6)]
+def test_full_queue_answers_429_with_retry_after():
+    """4 running + 2 waiting fill the stand-in; the 7th request is refused, not queued. Its own
+    stand-in, stepping slowly, so no stream can finish (and free a slot) on a loaded machine before
+    the 7th request is sent."""
+    server = ServerProcess(STUB + ["--api-key", KEY, "--step-s", "0.05", "--max-running", "4", "--max-waiting", "2"])
     try:
-        with pytest.raises(openai.RateLimitError) as err:
-            c.completions.create(model="stub", prompt="x", max_tokens=2)
-        assert err.value.response.headers["retry-after"] == "2" and err.value.body["code"] == 429
+        c = client(server, KEY)
+        streams = [c.completions.create(model="stub", prompt="x", max_tokens=250, stream=True) for _ in range(6)]
+        try:
+            wait_for(lambda: running(server) == 4, 10, "four requests run")
+            with pytest.raises(openai.RateLimitError) as err:
+                c.completions.create(model="stub", prompt="x", max_tokens=2)
+            assert err.value.response.headers["retry-after"] == "2" and err.value.body["code"] == 429
+            wait_for(lambda: metrics(server)[("moeplan_inter_token_latency_seconds_count", ())] > 0, 10,
+                     "the running requests stream tokens (inter-token latencies observed)")
+        finally:
+            for s in streams:
+                s.close()
+        wait_for(lambda: running(server) == 0, 10, "closed streams left the batch")
+        m = metrics(server)
+        assert m[("moeplan_request_refused_total", (("code", "429"),))] >= 1
+        assert m[("moeplan_exchange_bytes_total", (("kind", "dispatch"), ("layer", "0")))] > 0
+        assert m[("moeplan_time_to_first_token_seconds_count", ())] >= 3
     finally:
-        for s in streams:
-            s.close()
-    wait_for(lambda: running(server) == 0, 10, "closed streams left the batch")
-    m = metrics(server)
-    assert m[("moeplan_request_refused_total", (("code", "429"),))] >= 1
-    assert m[("moeplan_exchange_bytes_total", (("kind", "dispatch"), ("layer", "0")))] > 0
-    assert m[("moeplan_time_to_first_token_seconds_count", ())] >= 3
-    assert m[("moeplan_inter_token_latency_seconds_count", ())] > 0
+        server.kill()
 
 
 def test_sigterm_drains_then_exits_zero():

@@ -147,11 +147,14 @@ def _byte_decode(ids):
 
 
 def _reference(text: str, stops) -> tuple:
-    hits = [(text.find(s), s) for s in stops if s and text.find(s) >= 0]
-    if not hits:
+    """What a stream must give: it stops at the first token that completes a stop string, so only the
+    text up to the first completion counts; there, the earliest stop string (the longest at one start)."""
+    ends = [text.find(s) + len(s) for s in stops if s and text.find(s) >= 0]
+    if not ends:
         return text, None
-    at = min(h[0] for h in hits)
-    return text[:at], max((s for a, s in hits if a == at), key=len)
+    seen = text[:min(ends)]
+    at, _, stop = min((seen.find(s), -len(s), s) for s in stops if s and seen.find(s) >= 0)
+    return text[:at], stop
 
 
 @settings(max_examples=300, deadline=None)
