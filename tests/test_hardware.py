@@ -134,6 +134,9 @@ def test_hardware_governs_every_prediction_of_a_compiled_plan_caches_included(tr
         capacity = plan["communication"]["capacity"]
         if "--gpu-memory" in flags:
             assert capacity["device_memory_source"] == "--gpu-memory"
+        elif hw == "cpu-gloo":  # CPU ranks: the node's two ranks share the host's memory
+            assert capacity["device_memory_bytes"] == profile.device_memory_bytes // 2
+            assert capacity["device_memory_source"] == f"hardware profile {hw}, host memory shared by 2 CPU ranks"
         else:
             assert capacity["device_memory_bytes"] == profile.device_memory_bytes
             assert capacity["device_memory_source"] == f"hardware profile {hw}"

@@ -90,7 +90,8 @@ def _with_capacity(plan: Plan, facts) -> Plan:
     resident = list(cache["capacity"]) if cache else [int(n) for n in facts["placement"].hosts().sum(axis=(0, 1))]
     profile = load_hardware(facts["cost_options"]["hardware"])  # the plan's one profile
     capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"],
-                                *device_memory(facts["offload_options"], profile))
+                                *device_memory(facts["offload_options"], profile,
+                                               facts["placement"].topology.gpus_per_node))
     return dataclasses.replace(plan, communication={**plan.communication, "capacity": capacity})
 
 
