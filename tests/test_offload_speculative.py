@@ -363,3 +363,29 @@ def test_offload_plan_records_the_speculation_and_simulate_runs_the_speculative_
     assert "speculative" in simulated and simulated["speculative"]["requests"] == simulated["none"]["requests"]
     code, out = cli(["simulate", str(tmp_path / "o.json"), "--trace", str(root / "t.npz"), "--json"])
     assert code == 0 and "speculative" not in json.loads(out.strip().splitlines()[-1])["prefetch"]  # no speculation: no such run
+
+
+@pytest.mark.parametrize("copy_s, hidden", [(65e-6, True), (500e-6, False)])
+def test_eviction_weighs_misses_by_what_speculation_hides(fitted, copy_s, hidden):
+    """A later layer's miss costs what a right guess (recall(1)) leaves past the next router, a
+    first layer's the whole copy; where no lone copy would be issued (slow link), every miss costs
+    the copy. The policy's victim is the key with the most expected steps per unit of that cost."""
+    model, _, _ = fitted
+    stream = build_stream(speculated_trace(120, seed=3))
+    timing = Timing(layer_s=50e-6, expert_compute_s=1e-6, pcie_copy_s=copy_s)
+    recall = 0.8
+    policy = make_policy("moeplan", model)
+    cache = TimedCache(stream, 2 * K, policy, timing, make_prefetcher("speculative", speculation={"recall": {1: recall}}),
+                       list(range(2 * K)))
+    cost = policy.miss_cost
+    first, later = cost[:E], cost[E:]
+    assert np.allclose(first, copy_s)
+    expected = (1 - recall) * copy_s + recall * (copy_s - 50e-6) if hidden else copy_s
+    assert np.allclose(later, expected)
+    for s in range(len(stream.step_layer)):  # the victim maximises score / cost among the cached keys
+        cache.serve(s)
+        scores = policy.state.all_scores()
+        weighted = np.where(scores > 0, scores / cost, scores)
+        v = policy.victim(-1)
+        assert weighted[v] == weighted[cache.cached].max()
+        cache.decide(s)
