@@ -29,7 +29,9 @@ caches ship it as it is.
   speculation reaches the next token's first layer (its input is a token not yet sampled): there,
   with a policy that scores keys (next-use), it queues that layer's experts as `NextUsePrefetch`
   does (most wanted first, only into link time idle until the next router, only in place of a
-  victim the policy wants less).
+  victim the policy wants less). With that policy it also weighs evictions by cost
+  (`price_misses`): a first layer's miss costs its whole copy, a later layer's only what a right
+  guess leaves unhidden, so the cache keeps what speculation cannot bring back in time.
 """
 from __future__ import annotations
 
