@@ -30,6 +30,7 @@ from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
 from moeplan.backends.runtime.offload_stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
+from moeplan.passes.optimize.offload.tiers import LoadRecorder
 from test_offload_prefetch import EXPERT_BYTES, E, K, L, fitted, owner, pool_of, shard  # noqa: F401 (fixtures)
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (fixture)
 
@@ -378,6 +379,10 @@ def test_eviction_weighs_misses_by_what_speculation_hides(fitted, copy_s, hidden
     cache = TimedCache(stream, 2 * K, policy, timing, make_prefetcher("speculative", speculation={"recall": {1: recall}}),
                        list(range(2 * K)))
     cost = policy.miss_cost
+    wrapped = make_policy("moeplan", model)  # the planner and the replay wrap the policy: it must still weigh
+    TimedCache(stream, 2 * K, LoadRecorder(wrapped), timing,
+               make_prefetcher("speculative", speculation={"recall": {1: recall}}), list(range(2 * K)))
+    assert np.array_equal(wrapped.miss_cost, cost)
     first, later = cost[:E], cost[E:]
     assert np.allclose(first, copy_s)
     expected = (1 - recall) * copy_s + recall * (copy_s - 50e-6) if hidden else copy_s

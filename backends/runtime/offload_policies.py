@@ -252,7 +252,13 @@ class Moeplan(Policy):
         """Eviction scores (higher = evict first) of `keys` now."""
         return self.state.scores(keys)
 
-    miss_cost = None  # float [N] or None: a miss's relative cost per key (set by a prefetcher that hides some)
+    miss_cost = None  # float [N] or None: a miss's relative cost per key (`weigh_misses`)
+
+    def weigh_misses(self, cost: np.ndarray) -> None:
+        """Evict by expected steps to the next use per unit of a miss's cost (float [N], > 0): a
+        prefetcher that hides some misses better than others sets it (a method, not an attribute
+        write, so that wrappers which delegate to the policy pass it on)."""
+        self.miss_cost = np.asarray(cost, dtype=float)
 
     def victim(self, r, exclude=()):
         all_scores = self.state.all_scores()

@@ -145,7 +145,7 @@ class SpeculativePrefetch:
         all (`latest_arrival`'s rule for a lone copy). The policy evicts by its expected steps to
         the next use divided by that expected cost (float [N]), so it keeps what speculation
         cannot bring back in time."""
-        if not hasattr(self.policy, "miss_cost"):
+        if not hasattr(self.policy, "weigh_misses"):
             return
         st = self.stream
         keys = np.arange(st.num_keys)
@@ -156,7 +156,7 @@ class SpeculativePrefetch:
         issued = late < r1 * m
         hidden = np.where(issued, (1.0 - r1) * m + r1 * np.minimum(m, late), m)
         cost = np.where(keys // st.num_experts == 0, m, hidden)
-        self.policy.miss_cost = np.maximum(cost, 1e-3 * m)
+        self.policy.weigh_misses(np.maximum(cost, 1e-3 * m))
 
     def after_step(self, s: int) -> list:
         self.distance = {}
