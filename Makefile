@@ -35,15 +35,19 @@ $(STAMP): pyproject.toml setup.py Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 
+# The demo prices its plan for this machine: `moeplan calibrate` measures it once (about a minute) into
+# a cache keyed by CPU model, cores, memory and torch version, and `--hardware this-machine` reads it.
 demo: $(STAMP)
 	$(BIN)/python examples/tiny_moe/train.py --out examples/tiny_moe --if-missing
 	mkdir -p $(DEMO)
 	$(BIN)/moeplan inspect examples/tiny_moe
 	$(BIN)/moeplan trace examples/tiny_moe --data examples/tiny_moe/corpus_heldout.txt --out $(DEMO)/trace.npz
 	$(BIN)/moeplan trace stats $(DEMO)/trace.npz
-	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --out $(DEMO)/bundle
+	$(BIN)/moeplan calibrate
+	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --hardware this-machine --out $(DEMO)/bundle
 	$(BIN)/moeplan run $(DEMO)/bundle --verify --nproc 4 --new-tokens 8 --mode both
 	$(BIN)/python examples/serve_demo.py $(DEMO)/bundle
 

@@ -1,6 +1,7 @@
 """Support matrix: every MoE architecture through trace, compile and a verified run, per target.
 
-For each architecture a tiny seeded transformers model (examples/hf_tiny/architectures.py) goes
+For each architecture (and each variant that once failed, `VARIANTS`: DeepSeek-V2 with its greedy,
+unsorted top-4) a tiny seeded transformers model (examples/hf_tiny/architectures.py) goes
 through the real CLI: `moeplan trace`, `moeplan compile --target torchrun` at 2 and 4 ranks and
 `--target kubernetes` at 2 ranks, each followed by `moeplan run --verify --mode both` (coherent
 and standard in one launch; a Kubernetes bundle's pods run exactly the bundle `run` launches),
@@ -126,7 +127,8 @@ def _cell(c: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", nargs="*", default=list(tiny.ARCHITECTURES), choices=tiny.ARCHITECTURES)
+    every = tiny.ARCHITECTURES + tuple(tiny.VARIANTS)
+    ap.add_argument("--arch", nargs="*", default=list(every), choices=every)
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4])
     ap.add_argument("--targets", nargs="*", default=["torchrun", "kubernetes", "lambda"],
                     choices=["torchrun", "kubernetes", "lambda"], help="which columns to fill (trace always runs)")

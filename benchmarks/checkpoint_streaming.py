@@ -90,7 +90,7 @@ def write_checkpoint(directory: Path, config, seed: int = 0) -> int:
         if current:
             file = f"model-{len(shards) + 1:05d}.safetensors"
             save_file(current, str(directory / file), metadata={"format": "pt"})
-            weight_map.update({k: file for k in current})
+            weight_map.update(dict.fromkeys(current, file))
             shards.append(file)
             current, size = {}, 0
 
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     if not args.json:
-        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+        gb = lambda b: f"{b / 1e9:.2f} GB"
         print(f"checkpoint: {gb(ckpt_bytes)} in {results['checkpoint_files']} files ({results['config']})")
         for key in ("import_floor", "materialised_import_baseline", "compile_copy", "compile_reference",
                     "run_2_ranks_copy_largest_process", "run_2_ranks_reference_largest_process"):

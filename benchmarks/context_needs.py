@@ -5,7 +5,7 @@ A token's context (hidden state or K/V) at block b is needed by rank r if some t
 sequence at the same or a later position is current on r at block b, now or at any later step.
 Which rank a later token lands on is decided by its own routing at the MoE block before b, which
 is not known when this token's context is sent; this script counts, on a routing replayed with
-the runtime's rules (`passes/analysis/cost_model.py` ReplicaTable), the share of the context rows
+the runtime's replica rule (`backends/runtime/expert_table.py`), the share of the context rows
 that a scheme knowing every future routing could skip: an upper bound on what "only to the ranks
 that need it" can save.
 
@@ -26,9 +26,9 @@ TOPOLOGIES = {2: (1, 2), 4: (2, 2), 8: (2, 4)}
 
 def needed_share(hosts: np.ndarray, gpus_per_node: int, moe_blocks: tuple, num_blocks: int, workload, routing: dict) -> float:
     """Share of coherent-mode context rows (token, block, other rank) some rank needs, with hindsight."""
-    from moeplan.passes.analysis.cost_model import ReplicaTable
+    from moeplan.backends.runtime.expert_table import ExpertTable
 
-    table = ReplicaTable(hosts, gpus_per_node)
+    table = ExpertTable(hosts, gpus_per_node)
     W = hosts.shape[2]
     moe_of = {b: m for m, b in enumerate(moe_blocks)}
     tokens = [t for step in workload.steps() for t in step]
@@ -40,15 +40,15 @@ def needed_share(hosts: np.ndarray, gpus_per_node: int, moe_blocks: tuple, num_b
                 current[(t, b)] = cur
             if b in moe_of:
                 m = moe_of[b]
-                cur = table.primary(m, int(routing[t][m][0]), -1 if cur is None else cur)
+                cur = int(table.primary(m, [int(routing[t][m][0])], [-1 if cur is None else cur])[0])
     sent = needed = 0
     by_seq = {}
     for (t, b), r in current.items():
         by_seq.setdefault((t[0], b), []).append((t[1], r))
-    for (s, b), entries in by_seq.items():
+    for (_s, _b), entries in by_seq.items():
         entries.sort()
         later = set()
-        for pos, r in reversed(entries):  # ranks current for this or a later position of the sequence
+        for _pos, r in reversed(entries):  # ranks current for this or a later position of the sequence
             later.add(r)
             sent += W - 1
             needed += len(later - {r})
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     from moeplan.passes.analysis.cost_model import ModelShape, routing_from_trace
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.importers import load_model
     from moeplan.planner.pipeline.cost_passes import parse_workload

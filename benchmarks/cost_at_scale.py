@@ -71,7 +71,7 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args, scrat
     from moeplan.passes.analysis.cost_model import ModelShape
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
     from moeplan.passes.optimize.by_predicted_time import choose_placement, predict_modes
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.hardware import load_hardware
     from moeplan.planner.importers import load_model

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload import REPO, olmoe_model, trace_of  # noqa: E402  (same traces as benchmarks/offload.py)
+from offload import REPO, olmoe_model, trace_of
 
 WINDOWS = (0, 1, 2, 4, 8)
 NEVER = np.iinfo(np.int64).max // 4

@@ -62,10 +62,13 @@ def prompts_file(count: int) -> Path:
     return out
 
 
+HARDWARE = "rtx4090-pcie4"  # the modelled clock: the GPU a cache like this one would serve from
+
+
 def compile_bundle(trace: Path, cache: int, eviction: str, prefetch: str) -> Path:
     bundle = BUILD / f"bundle_{cache}_{eviction}_{prefetch}"
     moeplan("compile", MODEL, "--trace", trace, "--policy", "contiguous", "--mode", "standard", "--expert-cache", cache,
-            "--eviction", eviction, "--prefetch", prefetch, "--out", bundle, "--quiet")
+            "--eviction", eviction, "--prefetch", prefetch, "--hardware", HARDWARE, "--out", bundle, "--quiet")
     return bundle
 
 
@@ -154,7 +157,7 @@ def main(argv=None) -> int:
             pair["modelled_ratio"] = round(pair["modelled_ms_prefetch"] / pair["modelled_ms_demand"], 3)
             pairs.append(pair)
             print(f"  {prefetcher} prefetch / demand: wall {pair['wall_ratio']:.3f}x, hit ratio {pair['hit_ratio_ratio']}x, "
-                  f"bytes {pair['bytes_ratio']}x, loads on demand {pair['demand_loads_ratio']}x; modelled on rtx4090-pcie4 {pair['modelled_ms_prefetch']} vs "
+                  f"bytes {pair['bytes_ratio']}x, loads on demand {pair['demand_loads_ratio']}x; modelled on {HARDWARE} {pair['modelled_ms_prefetch']} vs "
                   f"{pair['modelled_ms_demand']} ms/forward ({pair['modelled_ratio']}x)",
                   file=out, flush=True)
     setting = ("examples/tiny_moe (6 MoE layers x 16 experts, top-2, 96 KiB float32 experts), 1 rank on CPU, "

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
             host_bytes = per_rank * expert_bytes * ranks
             moeplan("compile", MODEL, "--trace", trace, "--gpus-per-node", ranks, "--policy", "contiguous", "--mode",
                     "standard", "--weights", "reference", "--expert-cache", args.cache, "--eviction", "lru",
-                    "--host-memory", host_bytes, "--out", bundle, "--quiet")
+                    "--host-memory", host_bytes, "--hardware", "rtx4090-pcie4",  # the prefetch choice's clock, as measured
+                    "--out", bundle, "--quiet")
             spec = json.loads((bundle / "plan.json").read_text())["communication"]["expert_cache"]
             report = moeplan("run", bundle, "--verify", "--nproc", ranks, "--mode", "standard", "--new-tokens",
                              args.new_tokens, "--prompts", prompt_file)

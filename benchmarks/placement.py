@@ -24,7 +24,7 @@ EPLB's max load with the same slots (the issue's "better balance than eplb with 
 Qwen3-MoE and OLMoE models, the latent-drift generator, two DeepSeek-V3-shaped traces), each planned
 on the first half of its sequences and scored on the rest. Rows: contiguous, eplb, eplb+R,
 `exflow (no cap)` (ExFlow's staged objective with no load cap and no replicas, as in the paper),
-`chain` / `chain+R` (the layer-chain MILP, `placement/layer_chain.py`), ilp, ilp+R at 1.1 x mean,
+`chain` / `chain+R` (the layer-chain MILP, `benchmarks/research/layer_chain.py`), ilp, ilp+R at 1.1 x mean,
 ilp+R at EPLB+R's max load per layer, ilp+R whose 1.1 x mean cap bounds the expected held-out
 max load (`held_out_balance`, below), and ilp+R with no cap (ExFlow's setting with the case's
 redundant slots: the row that answers the uncapped ExFlow row, as ilp+R answers eplb+R). A row
@@ -110,7 +110,7 @@ def row_summary(row: dict) -> str:
 
 def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0) -> list:
     from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.planner.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
@@ -152,11 +152,11 @@ def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort
 
 
 def chain_placement(trace, topology, redundant: int, balance: float, balance_base: str, effort: float = 1.0):
-    """The layer-chain MILP baseline (`placement/layer_chain.py`) under the ilp's cap for the same options."""
+    """The layer-chain MILP baseline (`benchmarks/research/layer_chain.py`) under the ilp's cap for the same options."""
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps
-    from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
+    from moeplan.passes.optimize.placement.algorithms.ilp_caps import eplb_replicas_and_caps
+    from research.layer_chain import layer_chain_placement
 
     loads = trace.expert_loads().astype(np.float64)
     D = topology.devices
@@ -200,7 +200,7 @@ def corpus_placements(case, plan_trace, time_limit: float, log, effort: float = 
 
     A row whose default cap (1.1 x mean) is infeasible (a hot expert alone exceeds it) is rerun
     at EPLB's max load + 5% per layer, for chain and ilp alike, and labelled so."""
-    from moeplan.passes.optimize.placement.decision import Placement, Topology
+    from moeplan.passes.optimize.placement.contract import Placement, Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.planner.errors import UserError
 

@@ -238,7 +238,7 @@ def main() -> int:
         trace = load_case_trace(case)
         counts = transition_counts(trace, "current")
         rows = counts.sum(axis=2, keepdims=True)
-        top1 = float((counts.max(axis=2).sum() / counts.sum())) if counts.size else 0.0
+        top1 = float(counts.max(axis=2).sum() / counts.sum()) if counts.size else 0.0
         load = np.stack([np.bincount(trace.experts[:, l][trace.experts[:, l] >= 0], minlength=trace.num_experts)
                          for l in range(trace.num_layers)])
         print(f"{case.name:24s} {trace.num_tokens:6d} tokens x {trace.num_layers:2d} layers, top-{trace.top_k} of "

@@ -6,7 +6,7 @@ is, in expectation, its locality under the generator's true routing distribution
 estimates that distribution from a large fresh sample of the same generator (the same expert
 embeddings and popularity, replayed from the corpus seed; new tokens), then prints
 - valid upper bounds on the expected local fraction of ANY placement on 64 GPUs x 5 slots:
-  the per-source row bound and the b-matching LP bound without replicas (`bound.dual_bound`,
+  the per-source row bound and the b-matching LP bound without replicas (`bounds.pairwise.dual_bound`,
   row/column caps 5), and the row bound with 64 redundant copies given where they help most;
 - the ilp planned on the true counts instead of the planning half's (an oracle no real planner
   has), at the default cap and with no load cap, scored on the corpus's held-out half.
@@ -92,17 +92,17 @@ def main(argv=None) -> int:
     from placement import split_by_sequence
     from placement_corpus import CORPUS, DEEPSEEK_DRIFT, load_case_trace
     from moeplan.passes.analysis.affinity import transition_counts
-    from moeplan.passes.optimize.placement.bound import dual_bound
+    from moeplan.passes.optimize.placement.bounds.pairwise import dual_bound
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.decision import Placement, Topology
-    from moeplan.passes.optimize.placement.eplb import eplb_placement
-    from moeplan.passes.optimize.placement.ilp import staged_placement
+    from moeplan.passes.optimize.placement.contract import Placement, Topology
+    from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
+    from moeplan.passes.optimize.placement.algorithms.ilp import staged_placement
     from moeplan.passes.optimize.placement.policies import evaluate_placement
 
     case = next(c for c in CORPUS if c.name == "deepseek-v3 drift")
     plan, held = split_by_sequence(load_case_trace(case))
     topology = Topology(case.nodes, case.gpus_per_node)
-    D, Q = topology.devices, (plan.num_experts + case.redundant) // topology.devices
+    _D, Q = topology.devices, (plan.num_experts + case.redundant) // topology.devices
     truth = true_counts(DEEPSEEK_DRIFT, args.tokens)
     total = truth.sum()
     loads = plan.expert_loads().astype(np.float64)

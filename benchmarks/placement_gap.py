@@ -5,19 +5,19 @@ For each 8-GPU corpus case (`placement_corpus.py`), `ilp` with the case's redund
 without, with --without-replicas) is planned on the planning half at 1.1 x mean (EPLB's max load + 5% where that is infeasible, as in
 `benchmarks/placement.py`). On the planning half, for that placement:
 - objective, bound, gap: what the placement reports (the metric's cross-GPU transitions, the
-  bound of `bound.py` / `chain_bound.py`, and their relative gap);
+  bound of `bounds/pairwise.py` / `bounds/chain.py`, and their relative gap);
 - free_routing_cross, colocation_cross: the same placement's cross transitions when each token
   picks its best copy, and when a transition is local as soon as its two experts share a GPU
-  (`relaxed_routing.py`);
+  (`research/relaxed_routing.py`);
 - gap_floor_free_routing = 1 - free_routing_cross / objective and gap_floor_colocation = 1 -
   colocation_cross / objective: no bound on the free-routing (co-location) relaxation can exceed
   that relaxation's count for this placement, so no such bound can report a smaller gap. Every
-  bound in `bound.py` and `chain_bound.py` bounds the free-routing count; all but the per-token
-  caps (`bound.source_token_caps`, binding only where top-k exceeds a GPU's slots) bound the
+  bound in `bounds/pairwise.py` and `bounds/chain.py` bounds the free-routing count; all but the per-token
+  caps (`bounds.pairwise.source_token_caps`, binding only where top-k exceeds a GPU's slots) bound the
   co-location count too.
 
 With --pair-milp NODES, rows without replicas also solve each layer pair's own placement as a
-compact MILP (`pair_milp.py`, NODES branch-and-bound nodes per pair, started from the placement):
+compact MILP (`research/pair_milp.py`, NODES branch-and-bound nodes per pair, started from the placement):
 - pair_milp_bound, pair_milp_gap: the sum of the pairs' MILP bounds, a valid bound on the
   placement problem (stronger than the LPs where the MILP gets far), and the gap against it;
 - pair_best_cross, gap_floor_pairwise = 1 - pair_best_cross / objective: the sum over pairs of
@@ -44,9 +44,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def gap_row(case, plan_trace, effort: float, time_limit: float, log, redundant: int, pair_nodes: int = 0) -> dict:
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-    from moeplan.passes.optimize.placement.relaxed_routing import colocation_cross, free_routing_cross
+    from research.relaxed_routing import colocation_cross, free_routing_cross
     from moeplan.planner.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
@@ -77,8 +77,8 @@ def pair_milp_columns(plan_trace, hosts, topology, cap_rule, objective: float, b
     """The --pair-milp columns (module docstring) for a placement without replicas, hosts bool [L, E, D]."""
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.milp import relative_gap
-    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps
-    from moeplan.passes.optimize.placement.pair_milp import pair_cross_milp
+    from moeplan.passes.optimize.placement.algorithms.ilp_caps import eplb_replicas_and_caps
+    from research.pair_milp import pair_cross_milp
 
     start = time.perf_counter()
     counts = transition_counts(plan_trace, "current")

@@ -23,6 +23,17 @@ batches (the paper's largest throughput loss), i.e. LambdaML latency / (1 - 0.18
 overrides it. Our plan is sized for the mean predicted load of the test batches' token ids
 (known before inference, as in the paper), after BO on the validation batches.
 
+Generation (issue 30): the deployed bundle generates a request's tokens in one Step Functions
+execution, reusing the prefix's K/V; the former way ran one execution per token over the whole
+sequence. Both are priced by the plan's request cost model (backends/runtime/
+lambda_request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
+64 new tokens, per generated token, under the deployment's accounting (warm containers keep their
+weights and K/V) and the paper's (every invocation downloads its weights; K/V read from S3 every
+step). `--measure-local` also runs a compiled bundle both ways on the local cloud, each request
+measured the second time it runs (warm containers, as the deployment's accounting assumes; billed
+GB-s from the handlers' measured seconds on this machine; no front function or Step Functions
+charges).
+
 `--json` prints one JSON object on the last line with cost_reduction_vs_lambdaml,
 throughput_change_vs_lambdaml, cost_over_oracle, cost_reduction_vs_cpu_cluster,
 predictor_error {ours, lina, marginal} and more. Profiling timings on a shared CPU are noisy
@@ -113,6 +124,10 @@ def main(argv=None):
     ap.add_argument("--tight-factor", type=float, default=1.15,
                     help="second scenario: SLO = this x the fastest latency of the slowest test batch (0 = skip)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="generation: prompt length of the priced requests")
+    ap.add_argument("--new-tokens", type=int, nargs="+", default=[8, 64], help="generation: tokens generated per request")
+    ap.add_argument("--measure-local", action="store_true",
+                    help="generation: also run a compiled bundle both ways on the local cloud (minutes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -183,7 +198,7 @@ def main(argv=None):
         oracle = size_for(facts, real_mean, slo, B, opts)
         rows["oracle"] = mean_sim(facts, oracle.layers, test, B)
     except UserError as exc:
-        raise SystemExit(f"error: {exc}")
+        raise SystemExit(f"error: {exc}") from None
 
     # predictor comparison on the test batches (errors) and what each predictor's plan costs
     table = pop.CountTable.from_trace(trace.select(table_rows))
@@ -262,9 +277,111 @@ def main(argv=None):
                           "time_by_threads": {str(k): v for k, v in prof.time_rmsle_by_threads.items()},
                           "load_average_when_profiled": prof.load_average},
     }
+    result["generation"] = generation(args, slo, log)
     print_table(result, lambdaml, lambdaml_direct, rows, cpu)
+    print_generation(result["generation"])
     if args.json:
         print(json.dumps(_finite(result), sort_keys=True))
+
+
+def lambda_plan(args, slo: float, out=None):
+    """The lambda target's plan (and bundle, with `out`) for the benchmark's model, trace and SLO."""
+    from moeplan.planner.pipeline import flags
+    from moeplan.planner.pipeline.targets import compile_target, plan_target
+    from moeplan.planner.plan import Plan
+
+    values = flags.resolve({"slo": slo, "platform": args.platform, "batch_tokens": args.batch_tokens, "bo_q": args.bo_q,
+                            "profile_budget": args.profile_budget, "cache_dir": args.cache_dir, "seed": args.seed,
+                            "time_limit": 60.0})
+    if out is None:
+        outcome = plan_target("lambda", args.model, args.trace, None, values, quiet=True)
+    else:
+        outcome = compile_target("lambda", args.model, args.trace, str(out), values, quiet=True)
+    return Plan.from_json(outcome.plan.to_json())  # as plan.json holds it (8 significant digits)
+
+
+def generation(args, slo: float, log) -> dict:
+    """Per generated token: K/V reuse (one execution) vs recomputation (one execution per token)."""
+    from moeplan.backends.runtime.lambda_request_cost import request_cost
+
+    plan = lambda_plan(args, slo)
+    spec, P = plan.predicted["request_cost"], args.prompt_tokens
+    out = {"prompt_tokens": P, "methods": plan.communication["methods"], "predicted": [], "measured": []}
+    for n in args.new_tokens:
+        for accounting, kw in (("warm", {}), ("paper", {"weights_per_invocation": True})):
+            kv = request_cost(spec, P, n, mode="kv", **kw)
+            cold = request_cost(spec, P, n, mode="kv", cold_kv=True, **kw)
+            old = request_cost(spec, P, n, mode="recompute", **kw)
+            out["predicted"].append({
+                "new_tokens": n, "accounting": accounting,
+                "usd_per_token": {"recompute": old["usd"]["total"] / n, "kv": kv["usd"]["total"] / n,
+                                  "kv_cold": cold["usd"]["total"] / n},
+                "gb_s_per_token": {"recompute": old["lambda_gb_s"] / n, "kv": kv["lambda_gb_s"] / n,
+                                   "kv_cold": cold["lambda_gb_s"] / n},
+                "functions_gb_s_per_token": {"recompute": (old["lambda_gb_s"] - old["front_gb_s"]) / n,
+                                             "kv": (kv["lambda_gb_s"] - kv["front_gb_s"]) / n},
+                "request_charges_usd_per_token": {"recompute": old["request_charges_usd"] / n,
+                                                  "kv": kv["request_charges_usd"] / n},
+                "latency_s": {"recompute": old["latency_s"], "kv": kv["latency_s"], "kv_cold": cold["latency_s"]},
+                "ratio_recompute_over_kv": old["usd"]["total"] / kv["usd"]["total"],
+                "ratio_gb_s_recompute_over_kv": old["lambda_gb_s"] / kv["lambda_gb_s"]})
+    if args.measure_local:
+        out["measured"] = measure_local(args, slo, log)
+    return out
+
+
+def measure_local(args, slo: float, log) -> list:
+    """A compiled bundle on the local cloud, both ways: measured billed GB-s and requests per token."""
+    import tempfile
+
+    from moeplan.backends.lambda_.local_run import run_lambda_bundle
+
+    text = Path(args.model, "corpus_heldout.txt")
+    prompt = (text.read_text()[:args.prompt_tokens] if text.is_file() else "x" * args.prompt_tokens)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = Path(tmp) / "bundle"
+        plan = lambda_plan(args, slo, out=bundle)
+        p = plan.inputs["facts"]["platform"]
+        for n in args.new_tokens:
+            row = {"new_tokens": n}
+            for mode in ("recompute", "kv"):
+                log(f"local cloud: {n} tokens, {mode}")
+                r = run_lambda_bundle(str(bundle), [prompt], n, verify=False, recompute=mode == "recompute", warm=True)
+                req = r["storage_requests"]
+                usd = (r["billed_gb_s"] * p["price_per_gb_s"] + r["invocations"] * p["price_per_request"]
+                       + (req["functions_put"]) * p["s3_put_price"] + req["functions_get"] * p["s3_get_price"])
+                row[mode] = {"billed_gb_s_per_token": r["billed_gb_s"] / n, "invocations_per_token": r["invocations"] / n,
+                             "s3_requests_per_token": (req["functions_put"] + req["functions_get"]) / n,
+                             "usd_per_token": usd / n, "wall_s": r["wall_s"], "texts": r["texts"]}
+            row["same_text"] = row["kv"]["texts"] == row["recompute"]["texts"]
+            row["ratio_gb_s_recompute_over_kv"] = row["recompute"]["billed_gb_s_per_token"] / row["kv"]["billed_gb_s_per_token"]
+            row["ratio_usd_recompute_over_kv"] = row["recompute"]["usd_per_token"] / row["kv"]["usd_per_token"]
+            rows.append(row)
+    return rows
+
+
+def print_generation(g: dict) -> None:
+    print(f"generation, {g['prompt_tokens']}-token prompt, one sequence (methods {','.join(sorted(set(g['methods'])))}): "
+          "predicted cost per generated token")
+    print(f"{'new':>4} {'accounting':<10}{'recompute $':>14}{'kv $':>13}{'kv cold $':>13}{'ratio':>8}"
+          f"{'GB-s rec.':>11}{'GB-s kv':>10}{'GB-s ratio':>11}{'latency rec./kv s':>20}")
+    for r in g["predicted"]:
+        u, b, lat = r["usd_per_token"], r["gb_s_per_token"], r["latency_s"]
+        print(f"{r['new_tokens']:>4} {r['accounting']:<10}{u['recompute']:>14.3e}{u['kv']:>13.3e}{u['kv_cold']:>13.3e}"
+              f"{r['ratio_recompute_over_kv']:>7.2f}x{b['recompute']:>11.4f}{b['kv']:>10.4f}"
+              f"{r['ratio_gb_s_recompute_over_kv']:>10.2f}x{lat['recompute']:>10.2f}/{lat['kv']:.2f}")
+    for r in g["predicted"]:
+        if r["accounting"] == "warm":
+            f = r["functions_gb_s_per_token"]
+            print(f"predicted, {r['new_tokens']} tokens, without the front function: GB-s per token {f['recompute']:.4f} "
+                  f"(recompute) vs {f['kv']:.4f} (kv), {f['recompute'] / f['kv']:.2f}x")
+    for r in g["measured"]:
+        rc, kv = r["recompute"], r["kv"]
+        print(f"measured on the local cloud, {r['new_tokens']} tokens: billed GB-s per token {rc['billed_gb_s_per_token']:.4f} "
+              f"(recompute) vs {kv['billed_gb_s_per_token']:.4f} (kv), {r['ratio_gb_s_recompute_over_kv']:.2f}x; $ per token "
+              f"{rc['usd_per_token']:.3e} vs {kv['usd_per_token']:.3e}, {r['ratio_usd_recompute_over_kv']:.2f}x; invocations "
+              f"{rc['invocations_per_token']:.1f} vs {kv['invocations_per_token']:.1f}; same text: {r['same_text']}")
 
 
 def _finite(v):

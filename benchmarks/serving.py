@@ -40,7 +40,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -313,8 +312,8 @@ def main(argv=None) -> int:
                 try:
                     extra = {"ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
                     for c in args.concurrency:
-                        load = lambda: measure(server.url, served_name(bundle), prompts, c, args.requests_per_level,
-                                               args.new_tokens, extra)
+                        load = lambda: measure(server.url, served_name(bundle), prompts, c, args.requests_per_level,  # noqa: B023 (called within this iteration)
+                                               args.new_tokens, extra)  # noqa: B023 (called within this iteration)
                         row = {"model": name, "server": "moeplan", "ranks": ranks, "concurrency": c, **load()}
                         if c == args.profile_at:  # a second pass under py-spy, so the figures above are unperturbed
                             row["profile_rank0"] = profile(stacks, load)
@@ -329,13 +328,13 @@ def main(argv=None) -> int:
                         _print(rows[-1], args.json)
             peers = [p for p in args.peers if p.startswith("transformers")] if name in HF_MODELS else []
             for peer in peers:
-                rows += _peer_rows(name, peer, lambda: start_transformers(model, peer == "transformers"), str(model),
+                rows += _peer_rows(name, peer, lambda: start_transformers(model, peer == "transformers"), str(model),  # noqa: B023 (called within this iteration)
                                    prompts, args, {"generation_config": json.dumps({
                                        "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,
                                        "do_sample": False})})
             if args.vllm_python and name == "qwen3_moe_hd32":
                 for tp in [r for r in args.ranks if r in (1, 2)]:
-                    rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model, tp), str(model),
+                    rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model, tp), str(model),  # noqa: B023 (called within this iteration)
                                        prompts, args, {"ignore_eos": True, "stream_options": {"include_usage": True}},
                                        ranks=tp)
     finally:

@@ -67,9 +67,9 @@ def closed_loop(client, prompts: list, concurrency: int, per_client: int, new_to
 
             def sink(event):
                 if event.token_id >= 0:
-                    times.append(event.time_s)
+                    times.append(event.time_s)  # noqa: B023 (called within this iteration)
                 if event.finish_reason:
-                    done.set()
+                    done.set()  # noqa: B023 (called within this iteration)
             start = time.monotonic()
             client.submit(GenerationRequest(f"c{concurrency}-{c}-{k}", prompts[(c * per_client + k) % len(prompts)],
                                             new_tokens, SamplingParams(temperature=0.0), (), True), sink)
@@ -95,7 +95,7 @@ def static_batch(bundle: Path, mode: str, prompts: list, new_tokens: int) -> flo
     from runtime.counters import Counters
     from runtime.engine import Engine
     from runtime.exchange import Exchanger
-    from runtime.serve import load_bundle
+    from runtime.bundle_io import load_bundle
 
     _, table, _, model, _ = load_bundle(bundle, 0, 1, torch.device("cpu"), mode)
     best = 0.0

@@ -48,7 +48,7 @@ def snapshot(path) -> dict:
 
 def shares(before: dict, after: dict) -> dict:
     """{category: share} of the non-idle samples taken between two snapshots."""
-    counts = {c: 0 for c in ORDER}
+    counts = dict.fromkeys(ORDER, 0)
     for stack, n in after.items():
         n -= before.get(stack, 0)
         if n > 0 and stack != "idle":
@@ -82,7 +82,7 @@ def category(frames: list) -> str:
     return next((c for c in ORDER if c in found), "other")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _classes(path: str) -> tuple:
     try:
         tree = ast.parse(Path(path).read_text())

@@ -84,7 +84,7 @@ def _is_onnx(path: Path) -> bool:
 
         onnx.load(str(path), load_external_data=False)
         return True
-    except Exception:  # noqa: BLE001 - anything that does not parse is not an ONNX file of ours
+    except Exception:
         return False
 
 
@@ -103,7 +103,7 @@ def _is_hardware_profile(path: Path) -> bool:
             return False
         profile_from_dict(yaml.safe_load(path.read_text(encoding="utf-8")), str(path))
         return True
-    except Exception:  # noqa: BLE001 - anything that does not load is not a profile of ours
+    except Exception:
         return False
 
 

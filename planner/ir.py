@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Union
 
 IR_VERSION = 1
 
@@ -84,7 +83,7 @@ class MoEStage:
         return True
 
 
-Stage = Union[DenseStage, MoEStage]
+Stage = DenseStage | MoEStage
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ class ModelIR:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelIR":
+    def from_dict(cls, data: dict) -> ModelIR:
         if data.get("version") != IR_VERSION:
             raise ValueError(f"IR version {data.get('version')!r} is not {IR_VERSION}")
         stages = []
@@ -191,5 +190,5 @@ class ModelIR:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelIR":
+    def from_json(cls, text: str) -> ModelIR:
         return cls.from_dict(json.loads(text))

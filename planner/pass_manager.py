@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from moeplan.planner import progress
 from moeplan.planner.errors import UserError
@@ -40,8 +40,8 @@ class Pass:
     reads: tuple
     writes: tuple
     run: Callable
-    check: Optional[Callable] = None
-    ensures: Optional[Callable] = None
+    check: Callable | None = None
+    ensures: Callable | None = None
 
 
 class PassError(RuntimeError):

@@ -54,7 +54,7 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
+    def from_dict(cls, data: dict) -> Plan:
         if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
             raise ValueError(f"plan version {data.get('version') if isinstance(data, dict) else None!r} is not {PLAN_VERSION}")
         names = cls.__dataclass_fields__.keys()
@@ -64,7 +64,7 @@ class Plan:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
 

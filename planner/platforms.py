@@ -7,10 +7,9 @@ user overrides any subset of them from their own YAML file without touching moep
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from importlib import resources
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -40,6 +39,18 @@ class Platform:
     dense_function_memory_mb: float
     cpu_cluster_price_per_hour: float
     cpu_cluster_cores: int
+    # serving a request (the HTTP front, EXPRESS executions, S3 requests): defaults for plans made before
+    s3_put_price: float = 0.000005
+    s3_get_price: float = 0.0000004
+    express_request_price: float = 0.000001
+    express_price_per_gb_s: float = 0.06 / 3600
+    express_billing_granularity_s: float = 0.1
+    express_memory_mb: float = 64.0
+    express_max_duration_s: float = 300.0
+    http_api_request_price: float = 0.000001
+    http_api_timeout_s: float = 30.0
+    http_api_payload_limit_bytes: int = 10 * 1024 * 1024
+    front_function_memory_mb: float = 256.0
 
     def vcpus(self, memory_mb: float) -> float:
         """vCPU share of a function with this much memory (proportional, capped)."""
@@ -67,7 +78,7 @@ def _builtin_values(name: str) -> dict:
     return yaml.safe_load(text)
 
 
-def load_platform(override: Optional[str | Path] = None, base: str = "aws_lambda", **values) -> Platform:
+def load_platform(override: str | Path | None = None, base: str = "aws_lambda", **values) -> Platform:
     """The built-in platform `base`, with keys from the YAML file `override` and `values` replaced.
 
     Unknown keys and bad values are user errors naming the key.
@@ -84,7 +95,7 @@ def load_platform(override: Optional[str | Path] = None, base: str = "aws_lambda
         except UnicodeDecodeError:
             raise UserError(f"platform file '{path}' is not UTF-8 text; pass a YAML file of platform keys") from None
         except (yaml.YAMLError, RecursionError) as exc:
-            raise UserError(f"platform file '{path}' is not valid YAML ({exc.__class__.__name__})")
+            raise UserError(f"platform file '{path}' is not valid YAML ({exc.__class__.__name__})") from None
         if not isinstance(extra, dict):
             raise UserError(f"platform file '{path}' must hold a mapping of keys to values")
         data.update(extra)
@@ -98,6 +109,8 @@ def platform_from_dict(data: dict) -> Platform:
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise UserError(f"unknown platform key(s) {unknown}; known keys: {', '.join(names)}")
+    defaults = {f.name: f.default for f in fields(Platform) if f.default is not MISSING}
+    data = {**defaults, **data}
     missing = [n for n in names if n not in data]
     if missing:
         raise UserError(f"platform is missing key(s) {missing}")
@@ -117,13 +130,15 @@ def platform_from_dict(data: dict) -> Platform:
             num = _number(f.name, value)
             if num < 0 or (num == 0 and f.name in _POSITIVE):
                 raise UserError(f"platform key '{f.name}' must be {'positive' if f.name in _POSITIVE else 'non-negative'}, got {value}")
-            out[f.name] = int(num) if f.name in ("max_replicas", "payload_limit_bytes", "cpu_cluster_cores") else num
+            out[f.name] = int(num) if f.name in _INTEGER else num
     return Platform(**out)
 
 
+_INTEGER = ("max_replicas", "payload_limit_bytes", "cpu_cluster_cores", "http_api_payload_limit_bytes")
 _POSITIVE = {
     "mb_per_vcpu", "max_vcpus", "payload_limit_bytes", "s3_bandwidth_bytes_per_s",
-    "f2f_bandwidth_bytes_per_s", "max_replicas", "cpu_cluster_cores",
+    "f2f_bandwidth_bytes_per_s", "max_replicas", "cpu_cluster_cores", "express_memory_mb", "express_max_duration_s",
+    "http_api_timeout_s", "http_api_payload_limit_bytes", "front_function_memory_mb",
 }
 
 

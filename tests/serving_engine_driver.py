@@ -215,7 +215,7 @@ class KeptWorker(ranks.BatchWorker):
 
 if __name__ == "__main__":
     front = {"engine": engine_front, "exact": exact_front, "fault": fault_front}[SCENARIO]
-    number = lambda k: int(OPTIONS[k]) if k in OPTIONS else None  # noqa: E731
+    number = lambda k: int(OPTIONS[k]) if k in OPTIONS else None
     ranks.BatchWorker = KeptWorker
     code = serve_bundle(BUNDLE, front, mode=OPTIONS.get("mode"), context=OPTIONS.get("context", "auto"),
                         max_sequences=number("max_sequences"), max_waiting=number("max_waiting"))

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 from moeplan.passes.analysis.activation import (build_eamc, eam_distance, kmeans_eamc, popularity_by_layer,
                                                  row_normalised, sequence_eams, stream_order)
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.optimize.offload.stream import build_stream
 
 

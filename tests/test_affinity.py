@@ -26,8 +26,10 @@ def test_heaviest_choice_follows_weights_and_ties_go_first():
 def test_current_mode_counts_heaviest_source_to_every_next_choice():
     c = transition_counts(hand_trace(), "current")
     expected = np.zeros((1, 3, 3))
-    expected[0, 0, 2] += 1; expected[0, 0, 0] += 1  # token 0: heaviest 0 -> {2, 0}
-    expected[0, 2, 0] += 1; expected[0, 2, 1] += 1  # token 1: heaviest 2 -> {0, 1}
+    expected[0, 0, 2] += 1
+    expected[0, 0, 0] += 1  # token 0: heaviest 0 -> {2, 0}
+    expected[0, 2, 0] += 1
+    expected[0, 2, 1] += 1  # token 1: heaviest 2 -> {0, 1}
     expected[0, 0, 2] += 1                          # token 2: heaviest 0 -> {2} (second choice is -1)
     assert np.array_equal(c, expected)
 

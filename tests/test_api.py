@@ -1,6 +1,5 @@
 """`import moeplan`: `moeplan.plan`, `moeplan.compile`, `moeplan.codegen` over the CLI's target registry,
 writing the same bytes as the commands."""
-import json
 
 import pytest
 from click.testing import CliRunner

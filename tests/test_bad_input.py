@@ -59,10 +59,10 @@ def test_int64_ids_beyond_int32_do_not_wrap(tmp_path, model):
 def test_jsonl_ids_beyond_int32_and_json_integer_overflow_are_one_line(tmp_path):
     for i, experts in enumerate(["[4294967299]", "[" + "9" * 400 + "]"]):
         log = tmp_path / f"big{i}.jsonl"
-        log.write_text('{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": %s}\n' % experts)
+        log.write_text(f'{{"problem_id": 0, "layer": 0, "token_idx": 0, "experts": {experts}}}\n')
         _refused(["trace", "import", log, "--out", tmp_path / "t.npz"])
     log = tmp_path / "tok.jsonl"
-    log.write_text('{"problem_id": 0, "layer": 0, "token_idx": %d, "experts": [1]}\n' % 2**40)
+    log.write_text(f'{{"problem_id": 0, "layer": 0, "token_idx": {2**40}, "experts": [1]}}\n')
     _refused(["trace", "import", log, "--out", tmp_path / "t.npz"], "token_idx")
     assert not (tmp_path / "t.npz").exists()
 

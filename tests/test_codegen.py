@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from moeplan.passes.analysis.trace.format import save_trace
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.planner.cli import main
 from runtime_fixtures import small_model_dir
 

@@ -51,6 +51,8 @@ def test_predicted_bytes_equal_the_measured_counters_of_a_two_rank_run(two_rank_
     assert r["predicted_messages_per_token"] == r["messages_per_token"]
     assert r["bytes_match_prediction"] is True
     assert r["predicted_seconds_per_token"] > 0 and r["predicted_hardware"] == "cpu-gloo"
+    # the load the time was measured at, beside the calibration's (a built-in profile records none)
+    assert r["load_average"] >= 0 and r["calibration_load_average"] is None
 
 
 def test_the_plan_records_predictions_for_both_modes_and_the_mode_auto_chose(two_rank_run):
@@ -110,7 +112,8 @@ def test_builtin_profiles_load_and_name_their_sources():
     for name in BUILTIN:
         p = load_hardware(name)
         assert p.name == name and p.flops_per_s > 0
-        assert p.bandwidth_bytes_per_s["same_node"] >= p.bandwidth_bytes_per_s["other_node"]
+        other = p.bandwidth_bytes_per_s["other_node"]  # None: a one-machine profile (tests/test_hardware.py)
+        assert other is None or p.bandwidth_bytes_per_s["same_node"] >= other
         assert {"flops_per_s", "bandwidth_bytes_per_s", "op_overhead_s"} <= set(p.sources)
 
 

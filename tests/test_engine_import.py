@@ -13,7 +13,7 @@ from safetensors.numpy import save_file
 
 from moeplan.passes.analysis.trace.engine_import import detect_format, import_engine_trace
 from moeplan.passes.analysis.trace.format import load_trace
-from moeplan.passes.analysis.trace.sglang_dump import per_token_records, write_per_token_dump
+from sglang_dump_writer import per_token_records, write_per_token_dump
 from moeplan.planner.cli import main
 from moeplan.planner.errors import UserError
 

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 from moeplan.backends.common.expert_slots import placement_slots
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-from moeplan.passes.optimize.placement.decision import Topology
+from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.planner.cli import main
 
@@ -156,7 +156,7 @@ def test_sglang_aggregates_our_per_token_layout_to_the_loads_we_import(tmp_path)
     """SGLang's own per-token -> physical count -> logical count functions (what its stat mode
     dumps) agree with our writer's counts and with the loads our importer reads back."""
     from moeplan.passes.analysis.trace.engine_import import import_engine_trace
-    from moeplan.passes.analysis.trace.sglang_dump import per_token_records
+    from sglang_dump_writer import per_token_records
 
     functions = sglang_functions("srt/eplb/expert_distribution.py", (
         "_convert_per_token_to_global_physical_count", "_convert_global_physical_count_to_logical_count"))

@@ -14,7 +14,6 @@
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -54,7 +53,7 @@ def _compile(directory: Path, out: Path, ranks: int, *extra) -> dict:
 def test_reference_store_returns_the_copy_stores_tensors(tmp_path, arch):
     directory = tiny.build(arch, tmp_path / "models")
     _compile(directory, tmp_path / "copy", 2)
-    plan = _compile(directory, tmp_path / "ref", 2, "--weights", "reference")
+    _compile(directory, tmp_path / "ref", 2, "--weights", "reference")
     owner = expert_tensor_owner(_containers(directory))
     for rank in (0, 1):
         copy = ShardStore(tmp_path / "copy" / f"shards/rank-{rank:05d}.safetensors", owner)
@@ -105,7 +104,7 @@ def test_host_tier_serves_preloaded_experts_and_counts_disk_and_host_bytes(tmp_p
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 10), st.sampled_from(["lru", "lfu", "lifo", "moe-infinity"]))
 def test_load_recorder_changes_nothing_and_records_every_load(seed, capacity, name):
-    from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+    from synth_routing import synthesize_routed_tokens
     from moeplan.backends.runtime.offload_policies import make_policy
     from moeplan.passes.optimize.offload.simulate import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream
@@ -211,7 +210,7 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
 def test_host_memory_sizes_the_offload_plans_host_tier(tmp_path):
     """`plan --target offload --host-memory B`: B // expert bytes experts in host memory (the most
     popular), the rest on disk; the timed simulator's host keys are those."""
-    from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+    from synth_routing import synthesize_routed_tokens
 
     save_trace(synthesize_routed_tokens(tokens=600, layers=6, experts=16, top_k=2, seq_len=100, seed=0), tmp_path / "t.npz")
     base = ["plan", "examples/tiny_moe", "--trace", str(tmp_path / "t.npz"), "--target", "offload", "--expert-cache", "20"]

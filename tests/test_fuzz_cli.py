@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import fuzz_cases as F
 from moeplan.passes.analysis.trace.format import save_trace
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.planner.cli import main
 
 def ci(max_examples):

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from click.testing import CliRunner  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
+from click.testing import CliRunner
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from moeplan.planner.cli import main  # noqa: E402
-from moeplan.planner.errors import UserError  # noqa: E402
-from moeplan.planner.importers import load_model  # noqa: E402
-from moeplan.planner.importers.resolve import import_file  # noqa: E402
+from moeplan.planner.cli import main
+from moeplan.planner.errors import UserError
+from moeplan.planner.importers import load_model
+from moeplan.planner.importers.resolve import import_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"

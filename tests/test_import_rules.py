@@ -24,8 +24,8 @@ FORBIDDEN = {
     "commands": (),
     "api": ("moeplan.planner.commands", "moeplan.planner.cli"),
 }
-# exceptions inside a forbidden prefix: passes simulate with the very code bundles run (the expert
-# cache's policy modules live once, in the runtime, and the planner imports them from there)
+# exceptions inside a forbidden prefix: passes run the very code bundles run (the replica rule,
+# `backends/runtime/expert_table.py`, and the expert cache's policy modules live once, in the runtime)
 ALLOWED = {"passes": ("moeplan.backends.runtime",)}
 
 
@@ -68,10 +68,13 @@ def test_every_module_imports_only_from_the_layers_below_it():
         rel = path.relative_to(ROOT)
         forbidden, allowed = FORBIDDEN[layer_of(rel)], ALLOWED.get(layer_of(rel), ())
         for line, module in imported_modules(path):
-            inside = lambda prefixes: any(module == f or module.startswith(f + ".") for f in prefixes)  # noqa: E731
-            if inside(forbidden) and not inside(allowed):
+            if any(_under(module, f) for f in forbidden) and not any(_under(module, a) for a in allowed):
                 broken.append(f"{rel}:{line} imports {module} ({layer_of(rel)} layer)")
     assert broken == []
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
 
 
 def test_the_runtime_imports_only_modules_of_the_runtime_package():
@@ -100,3 +103,134 @@ def test_the_rule_checker_sees_imports_inside_functions(tmp_path):
     assert layer_of(Path("backends/runtime/serve.py")) == "runtime"
     assert layer_of(Path("planner/pipeline/torchrun.py")) == "pipeline"
     assert layer_of(Path("planner/importers/resolve.py")) == "core"
+    assert module_name(Path("api/__init__.py")) == "moeplan"
+    assert module_name(Path("api/compile.py")) == "moeplan.compile"
+
+
+# No module of the package takes part in an import cycle (module-level imports, package __init__
+# included). Imports inside functions are left out: they run later, so they cannot deadlock a
+# module's initialisation.
+PACKAGE_FOLDERS = ("api", "planner", "passes", "backends")
+
+
+def module_name(rel: Path) -> str:
+    """The module a file is: api/ is the package `moeplan` itself (setup.py's package_dir)."""
+    parts = list(rel.with_suffix("").parts)
+    if parts[0] == "api":
+        parts = parts[1:]
+    if parts and parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["moeplan"] + parts)
+
+
+def module_level_imports(path: Path, name: str, anywhere: bool = False) -> list:
+    """Absolute module names imported when the module at `path` (module `name`) is imported; with
+    `anywhere`, also those its functions import when they run."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes = list(ast.walk(tree)) if anywhere else []
+    for node in [] if anywhere else tree.body:  # top level, and the branches of top-level if/try blocks
+        nodes.append(node)
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            if isinstance(node, (ast.If, ast.Try)):
+                for child in getattr(node, field, []):
+                    nodes += [child] + (child.body if isinstance(child, ast.ExceptHandler) else [])
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out += [f"{base}.{a.name}" for a in node.names]  # a submodule, or a name the module at `base` defines
+    return out
+
+
+def import_graph(root: Path, anywhere: bool = False) -> dict:
+    """{module: modules it imports at module level (`anywhere`: in functions too), with the packages
+    those sit in}, internal modules only."""
+    paths = {module_name(p.relative_to(root)): p for folder in PACKAGE_FOLDERS
+             for p in sorted((root / folder).rglob("*.py"))}
+    graph = {}
+    for name, path in paths.items():
+        edges = set()
+        for target in module_level_imports(path, name, anywhere):
+            while target and target not in paths:  # `from pkg.mod import name`: the module is pkg.mod
+                target = target.rpartition(".")[0]
+            if not target or target == name:
+                continue
+            edges.add(target)  # what the import needs initialised, a package's __init__ included
+            parts = target.split(".")  # the packages above it run first, unless they hold this module
+            edges |= {".".join(parts[:i]) for i in range(2, len(parts))
+                      if ".".join(parts[:i]) in paths and not name.startswith(".".join(parts[:i]) + ".")}
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_among_module_level_imports():
+    graph = import_graph(ROOT)
+    assert len(graph) > 200 and "moeplan" in graph and "moeplan.passes.optimize.placement.policies" in graph
+    assert cycles(graph) == []
+
+
+def test_no_import_inside_a_function_stands_in_for_one_that_would_close_a_cycle():
+    """Counting every import written inside a function as if it were at module level still gives no
+    cycle: imports sit in functions to defer optional or heavy modules, never to dodge a cycle."""
+    assert cycles(import_graph(ROOT, anywhere=True)) == []
+
+
+def test_the_cycle_checker_finds_a_cycle_through_a_package_init(tmp_path):
+    pkg = tmp_path / "passes" / "demo"
+    pkg.mkdir(parents=True)
+    (tmp_path / "passes" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from moeplan.passes.demo.a import x\n")
+    (pkg / "a.py").write_text("x = 1\ndef f():\n    from moeplan.passes.demo.b import y\n")  # inside a function: no edge
+    (pkg / "b.py").write_text("from moeplan.passes.demo import a\ny = 2\n")
+    (pkg / "c.py").write_text("from . import d\n")
+    (pkg / "d.py").write_text("try:\n    from .c import z\nexcept ImportError:\n    pass\n")
+    graph = import_graph(tmp_path)
+    assert "moeplan.passes.demo.b" not in graph["moeplan.passes.demo.a"]
+    assert "moeplan.passes.demo.b" in import_graph(tmp_path, anywhere=True)["moeplan.passes.demo.a"]
+    assert cycles(graph) == [["moeplan.passes.demo.c", "moeplan.passes.demo.d"]]  # through `from . import d`
+    # other.py imports demo.b, which first runs demo/__init__, which imports a, which imports other
+    (pkg / "a.py").write_text("from moeplan.passes.other import w\nx = 1\n")
+    (pkg / "b.py").write_text("y = 2\n")
+    (tmp_path / "passes" / "other.py").write_text("from moeplan.passes.demo.b import y\nw = 3\n")
+    assert cycles(import_graph(tmp_path))[0] == ["moeplan.passes.demo", "moeplan.passes.demo.a", "moeplan.passes.other"]
+    # a module that imports a name its own package's __init__ defines, while that __init__ imports the module
+    (pkg / "__init__.py").write_text("x = 0\nfrom moeplan.passes.demo.b import y\n")
+    (pkg / "b.py").write_text("from moeplan.passes.demo import x\ny = 2\n")
+    assert ["moeplan.passes.demo", "moeplan.passes.demo.b"] in cycles(import_graph(tmp_path))

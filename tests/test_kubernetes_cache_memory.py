@@ -14,11 +14,11 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_expert_store import _compile, tiny  # noqa: E402  (same tiny checkpoints and compile call)
+from test_expert_store import _compile, tiny
 
-from moeplan.backends.kubernetes.pod_memory import AGENT_MIB, FRONT_OVERHEAD_MIB, RANK_OVERHEAD_MIB  # noqa: E402
-from moeplan.backends.kubernetes.pod_memory import rank_host_bytes  # noqa: E402
-from moeplan.planner.plan import Plan  # noqa: E402
+from moeplan.backends.kubernetes.pod_memory import AGENT_MIB, FRONT_OVERHEAD_MIB, RANK_OVERHEAD_MIB
+from moeplan.backends.kubernetes.pod_memory import rank_host_bytes
+from moeplan.planner.plan import Plan
 
 OVERHEADS_MIB = 2 * RANK_OVERHEAD_MIB + AGENT_MIB + FRONT_OVERHEAD_MIB  # 2 ranks on node 0 of the service
 

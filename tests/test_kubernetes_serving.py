@@ -5,7 +5,6 @@ the image, the README's instructions), and one run of the head pod's own contain
 machine, whose `/health` (the probes' path and port) must answer 200 and which must drain on SIGTERM.
 """
 import json
-import math
 import os
 import re
 import shutil

@@ -4,7 +4,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
 from runtime_fixtures import small_model_dir
@@ -44,7 +44,15 @@ def test_template_lints_and_gives_each_function_only_its_own_weights(setup, tmp_
     assert cfn_lint(out / "template.yaml") == []
     plan = json.loads((out / "plan.json").read_text())
     res = doc["Resources"]
-    functions = {k: v for k, v in res.items() if v["Type"] == "AWS::Serverless::Function"}
+    functions = {k: v for k, v in res.items() if v["Type"] == "AWS::Serverless::Function" and k != "Front"}
+    # the front may only start synchronous executions of this state machine; no S3, no invoke
+    front = res["Front"]["Properties"]
+    assert front["Policies"] == [{"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": ["states:StartSyncExecution"], "Resource": {"Ref": "Pipeline"}}]}]
+    assert front["FunctionUrlConfig"] == {"AuthType": "NONE", "InvokeMode": "BUFFERED"}
+    assert res["Pipeline"]["Properties"]["Type"] == "EXPRESS"
+    assert "runtime.lambda_front.handler" in (out / "functions" / "front" / "Dockerfile").read_text()
+    assert "torch" not in (out / "functions" / "requirements-front.txt").read_text()
     slices = plan["placement"]["dense_slices"]
     replicas = sum(x["replicas"] for l in plan["placement"]["layers"] for x in l["experts"])
     assert len(functions) == len(slices) + replicas == plan["topology"]["functions"]
@@ -54,7 +62,7 @@ def test_template_lints_and_gives_each_function_only_its_own_weights(setup, tmp_
         assert (out / prefix / "weights.safetensors").is_file()
         statements = props["Policies"][0]["Statement"]
         def resources(action):
-            return [r["Fn::Sub"] for s in statements if s["Action"] == [action]
+            return [r["Fn::Sub"] for s in statements if s["Action"] == [action]  # noqa: B023 (called within this iteration)
                     for r in (s["Resource"] if isinstance(s["Resource"], list) else [s["Resource"]])]
 
         reads, writes = resources("s3:GetObject"), resources("s3:PutObject")
@@ -108,8 +116,9 @@ def test_a_model_name_with_yaml_and_shell_metacharacters_yields_a_safe_valid_tem
     assert cfn_lint(out / "template.yaml") == []
     assert doc["Description"].startswith("moeplan Lambda deployment of evil_name") and "${" not in doc["Description"]
     assert json.loads((out / "plan.json").read_text())["model"]["name"] == EVIL
-    assert set(doc) == {"AWSTemplateFormatVersion", "Transform", "Description", "Resources", "Outputs"}
-    assert all(k == "Bucket" or k == "Pipeline" or k.startswith(("Dense", "Expert")) for k in doc["Resources"])
+    assert set(doc) == {"AWSTemplateFormatVersion", "Transform", "Description", "Parameters", "Resources", "Outputs"}
+    assert all(k in ("Bucket", "Pipeline", "Front") or k.startswith(("Dense", "Expert")) for k in doc["Resources"])
+    assert json.loads((out / "functions" / "front.json").read_text())["model_name"] == EVIL  # served by its exact name
 
 
 @pytest.mark.parametrize("extra, words", [(["--slo", "0"], "--slo"), ([], "needs --slo")])
@@ -120,3 +129,18 @@ def test_bad_lambda_input_is_one_line_exit_2(setup, tmp_path, extra, words):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and words in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_the_http_api_entry_lints_and_waits_at_most_its_30_s(setup, tmp_path):
+    model = small_model_dir(tmp_path)
+    out = tmp_path / "b"
+    doc = compile_lambda(setup, model, out, "--http-entry", "http-api")
+    assert cfn_lint(out / "template.yaml") == []
+    front = doc["Resources"]["Front"]["Properties"]
+    api = front["Events"]["Api"]["Properties"]
+    assert api["TimeoutInMillis"] == 30000 and api["PayloadFormatVersion"] == "2.0" and front["Timeout"] == 30
+    assert "FunctionUrlConfig" not in front and "ServerlessHttpApi" in doc["Outputs"]["ApiUrl"]["Value"]["Fn::Sub"]
+    settings = json.loads((out / "functions" / "front.json").read_text())
+    assert settings["time_limit_s"] == 30 and settings["max_context"] >= 2
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["deployment"]["http_entry"] == "http-api" and plan["predicted"]["request_cost"]["http_request_price"] > 0

@@ -73,7 +73,7 @@ def test_hf_lambda_bundle_verifies_against_transformers(work, arch):
     assert [str(m) for m in lint_file(out / "template.yaml")] == []
     assert set(plan["communication"]["methods"]) == {CASES[arch]}
     (work / "prompts.txt").write_text("hello experts\nids: 5 9 11 3 40 2\n")
-    code, text = cli("run", out, "--verify", "--new-tokens", 1, "--prompts", work / "prompts.txt", "--json")
+    code, text = cli("run", out, "--verify", "--new-tokens", 3, "--prompts", work / "prompts.txt", "--json")
     assert code == 0, text
     report = json.loads(text.strip().splitlines()[-1])
     assert report["verified"] and report["tokens_match"] and report["max_abs_logit_diff"] <= 1e-4
@@ -89,7 +89,7 @@ def test_each_function_ships_only_its_own_tensors(work, arch):
     doc = yaml.safe_load((out / "template.yaml").read_text())
     dense_union = set()
     for lid, res in doc["Resources"].items():
-        if res["Type"] != "AWS::Serverless::Function":
+        if res["Type"] != "AWS::Serverless::Function" or lid == "Front":  # the front holds no weights
             continue
         env = res["Properties"]["Environment"]["Variables"]
         spec, names = json.loads(env["MOEPLAN_SPEC"]), tensor_names(out / env["MOEPLAN_WEIGHTS"] / "weights.safetensors")
@@ -167,7 +167,7 @@ def test_a_model_the_runtime_cannot_cut_is_one_line_exit_2(tmp_path):
     state = st.load_file(str(src / "model.safetensors"))
     st.save_file({k.replace(".attn.", ".mixer."): v for k, v in state.items()}, str(src / "model.safetensors"))
     from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+    from synth_routing import synthesize_routed_tokens
 
     save_trace(synthesize_routed_tokens(tokens=500, layers=3, experts=8, top_k=2, seq_len=32, seed=0), tmp_path / "t.npz")
     code, text = cli("compile", src, "--trace", tmp_path / "t.npz", "--target", "lambda", "--slo", 30,

@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
 from runtime_fixtures import small_model_dir
@@ -31,15 +31,25 @@ def bundle(setup, methods):
     return out
 
 
-@pytest.mark.parametrize("methods, n", [("direct", 2), ("s3", 2), ("pipelined_s3", 1)])
+VERIFIED = {}
+
+
+def verified(setup, methods: str, n: int) -> dict:
+    """`run --verify --json`'s report on the bundle of `methods` (`n` new tokens), run once per module."""
+    if (methods, n) not in VERIFIED:
+        tmp, _ = setup
+        result = CliRunner().invoke(main, ["run", str(bundle(setup, methods)), "--verify", "--new-tokens", str(n),
+                                           "--prompts", str(tmp / "prompts.txt"), "--json"])
+        assert result.exit_code == 0, result.output
+        VERIFIED[methods, n] = json.loads(result.output.strip().splitlines()[-1])
+    return VERIFIED[methods, n]
+
+
+@pytest.mark.parametrize("methods, n", [("direct", 2), ("s3", 3), ("pipelined_s3", 1)])
 def test_each_scatter_gather_method_verifies_against_the_source_model(setup, methods, n):
-    tmp, _ = setup
     out = bundle(setup, methods)
     assert set(json.loads((out / "plan.json").read_text())["communication"]["methods"]) == {methods}
-    result = CliRunner().invoke(main, ["run", str(out), "--verify", "--new-tokens", str(n), "--prompts",
-                                       str(tmp / "prompts.txt"), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output.strip().splitlines()[-1])
+    report = verified(setup, methods, n)
     assert report["verified"] and report["tokens_match"] and report["max_abs_logit_diff"] <= 1e-4
     plan = json.loads((out / "plan.json").read_text())
     slices = len(plan["placement"]["dense_slices"])
@@ -77,8 +87,7 @@ def test_a_tampered_lambda_bundle_is_refused_in_one_line(setup, tmp_path):
 def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tmp_path):
     import shutil
 
-    from moeplan.backends.lambda_.local_run import _batch
-    from moeplan.backends.runtime import lambda_wire as ops
+    from moeplan.backends.runtime.lambda_state import initial_state
 
     out = tmp_path / "b"
     shutil.copytree(bundle(setup, "s3"), out)
@@ -88,9 +97,9 @@ def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tm
     cloud = LocalCloud(out, payload_limit=6 * 2**20)
     try:
         cloud.upload_weights()
-        cloud.put("intermediates/r/state-000", ops.to_bytes(_batch([[104, 105], [33]])))
+        state = initial_state("r", [[104, 105], [33]], {"max_tokens": 2, "temperature": 0.0})
         with pytest.raises(CloudError, match="IAM policy does not allow"):
-            cloud.invoke("Dense00", {"request": "r", "segment": 0})
+            cloud.invoke("Dense00", {"state": state, "segment": 0})
     finally:
         cloud.close()
 
@@ -143,9 +152,41 @@ def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
     try:
         cloud.upload_weights()
         hidden = json.loads((out / "model" / "config.json").read_text())["hidden_size"]
-        cloud.put(f"intermediates/r/layer-{other['layer']:03d}/{other['tag']}.in",
+        cloud.put(f"intermediates/r/t00000/layer-{other['layer']:03d}/{other['tag']}.in",
                   ops.to_bytes({"rows": torch.zeros(1, hidden), "w": torch.ones(1)}))
         with pytest.raises(CloudError, match="IAM policy does not allow"):
-            cloud.invoke(first, {"request": "r"})
+            cloud.invoke(first, {"request": "r", "step": 0})
     finally:
         cloud.close()
+
+
+def test_decoding_is_correct_when_no_container_keeps_the_kv(setup, tmp_path):
+    """Lambda's containers are not guaranteed warm: with no memory for K/V (budget 0), every step of
+    every dense part rebuilds its K/V from the deltas in its own earlier state files, and the
+    generation still equals the source model's; reading them is what it costs. Run with the text
+    report, which names the texts, the executions, the storage read and the verdict."""
+    import re
+    import shutil
+
+    import yaml
+
+    from moeplan.backends.common.manifest import write_manifest
+
+    tmp, _ = setup
+    warm = verified(setup, "s3", 3)
+    out = tmp_path / "b"
+    shutil.copytree(bundle(setup, "s3"), out)
+    doc = yaml.safe_load((out / "template.yaml").read_text())
+    for lid, res in doc["Resources"].items():
+        if lid.startswith("Dense"):
+            env = res["Properties"]["Environment"]["Variables"]
+            env["MOEPLAN_SPEC"] = json.dumps(dict(json.loads(env["MOEPLAN_SPEC"]), kv_budget_bytes=0))
+    (out / "template.yaml").write_text(yaml.safe_dump(doc))
+    write_manifest(out)
+    cold = CliRunner().invoke(main, ["run", str(out), "--verify", "--new-tokens", "3", "--prompts", str(tmp / "prompts.txt")])
+    assert cold.exit_code == 0, cold.output
+    lines = cold.output.rstrip("\n").splitlines()
+    assert lines[:len(warm["texts"])] == [f"  [{i}] {t!r}" for i, t in enumerate(warm["texts"])]
+    assert "3 token(s) per prompt in 1 execution(s)" in cold.output
+    assert lines[-1].startswith("verify PASS") and "tokens identical" in lines[-1]
+    assert int(re.search(r"functions get (\d+)", cold.output).group(1)) > warm["storage_bytes"]["functions_get"]

@@ -28,7 +28,9 @@ def test_rows_and_blocks_build_the_dense_matrix_row_by_row(parts):
             rows.add(cols, vals, lo[0], hi[0])
         else:
             rows.add_block(row_ids, cols, vals, lo, hi, count)
-        dense.append(block); lower.append(lo); upper.append(hi)
+        dense.append(block)
+        lower.append(lo)
+        upper.append(hi)
     A, lo, hi = rows.matrix(columns)
     assert rows.count == A.shape[0] == sum(len(d) for d in dense)
     assert np.array_equal(A.toarray(), np.concatenate(dense) if dense else np.zeros((0, columns)))

@@ -20,8 +20,7 @@ from safetensors.torch import save_file
 
 from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import popularity_by_layer
-from moeplan.passes.analysis.trace.format import save_trace
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.backends.runtime.offload_next_use import fit_next_use
 from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import simulate_demand
@@ -72,7 +71,7 @@ def test_runtime_cache_matches_simulator_exactly(tmp_path):
             for name in ("lru", "lfu", "lifo", "moe-infinity", "moeplan"):
                 pool = pool_of(capacity)
                 cache = ExpertCache(capacity, store, pool, L, E,
-                                    lambda st, c, r: TimedCache(st, c, make_policy(name, model), resident=r), resident=resident)
+                                    lambda st, c, r: TimedCache(st, c, make_policy(name, model), resident=r), resident=resident)  # noqa: B023 (called within this iteration)
                 for s in range(len(stream.step_layer)):
                     keys = stream.keys[stream.step_start[s]:stream.step_start[s + 1]]
                     cache.token = int(stream.step_token[s])

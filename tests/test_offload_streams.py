@@ -3,7 +3,7 @@ a rank's restriction of a stream, and a logged stream read back (passes/optimize
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.optimize.offload.stream import batched_stream, build_stream, restrict, stream_from_log
 
 

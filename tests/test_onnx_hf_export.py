@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
-from moeplan.planner.cli import main  # noqa: E402
-from moeplan.planner.importers import load_model  # noqa: E402
-from moeplan.planner.importers.resolve import import_file  # noqa: E402
+from moeplan.planner.cli import main
+from moeplan.planner.importers import load_model
+from moeplan.planner.importers.resolve import import_file
 
 ROOT = Path(__file__).resolve().parents[1]
 bench = import_file(ROOT / "benchmarks" / "import_fidelity.py")

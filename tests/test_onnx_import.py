@@ -68,7 +68,7 @@ def test_contrib_moe_op_with_router_probabilities_through_softmax(tmp_path):
     sizes = contrib_moe_model(tmp_path / "moe.onnx", router_softmax=True)
     ir = import_onnx(tmp_path / "moe.onnx")
     (moe,) = ir.moe_stages
-    D, E, I = sizes["hidden"], sizes["experts"], sizes["inner"]
+    D, E, _I = sizes["hidden"], sizes["experts"], sizes["inner"]
     assert (moe.num_experts, moe.top_k, moe.router_params) == (E, sizes["top_k"], D * E)
     assert ir.stages == import_onnx(_plain(tmp_path)).stages  # the same model as its logits-fed twin
 

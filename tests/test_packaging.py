@@ -27,9 +27,9 @@ def test_the_wheel_holds_the_api_templates_and_runtime_and_imports(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),
                     str(wheel)], check=True, capture_output=True)
     probe = ("import moeplan, importlib.resources as r; "
-             "assert moeplan.__file__.startswith(%r); "
+             "assert moeplan.__file__.startswith({!r}); "
              "assert callable(moeplan.compile) and callable(moeplan.plan); "
-             "print(r.files('moeplan.templates.torchrun').joinpath('launch.sh.j2').is_file())") % str(tmp_path / "site")
+             "print(r.files('moeplan.templates.torchrun').joinpath('launch.sh.j2').is_file())").format(str(tmp_path / "site"))
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"), PYTHONDONTWRITEBYTECODE="1")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr

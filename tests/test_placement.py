@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-from moeplan.passes.optimize.placement.decision import Topology, validate_placement
+from moeplan.passes.optimize.placement.contract import Topology, validate_placement
 from moeplan.planner.errors import UserError
 
 
@@ -156,14 +156,16 @@ def test_gurobi_size_limited_licence_falls_back_to_highs():
 @settings(max_examples=20, deadline=None)
 @given(st.integers(0, 10_000))
 def test_transition_bound_never_exceeds_the_true_minimum(seed):
-    """Brute force over every balanced 2-partition of two layers of 6 experts: the bound holds."""
+    """Brute force over every balanced 2-partition of two layers of 6 experts: the reported bound (no binding load
+    cap: each layer's total) holds, and it is at least the counting and dual bounds it takes the maximum of."""
     import itertools
-    from moeplan.passes.optimize.placement.bound import counting_bound, dual_bound, transition_lower_bound
+    from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, counting_bound, dual_bound
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 5, size=(1, 6, 6)).astype(float)
     halves = [np.array([1 if i in combo else 0 for i in range(6)]) for combo in itertools.combinations(range(6), 3)]
     best = min(float(counts[0][np.not_equal.outer(a, b)].sum()) for a in halves for b in halves)
-    bound, _ = transition_lower_bound(counts, partitions=2, slots_per_partition=3, time_limit=5)
+    loads = np.ones((2, 6))
+    bound, _ = capped_transition_lower_bound(counts, loads, loads.sum(axis=1), partitions=2, slots_per_partition=3)
     assert counting_bound(counts[0], 3, 3) <= bound + 1e-9
     assert dual_bound(counts[0], 3, 3) <= bound + 1e-9
     assert bound <= best + 1e-6
@@ -171,7 +173,7 @@ def test_transition_bound_never_exceeds_the_true_minimum(seed):
 
 def test_replica_runs_get_fewer_sweeps_only_at_deepseek_scale():
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.ilp import MAX_SWEEPS, sweep_limit
+    from moeplan.passes.optimize.placement.algorithms.ilp import MAX_SWEEPS, sweep_limit
 
     budget = WorkBudget()
     assert sweep_limit(budget, 58, 256, 256, 64) == MAX_SWEEPS  # no replicas: the full budget
@@ -184,9 +186,10 @@ def test_the_bound_covers_the_whole_search_space_not_only_the_copies_used(plante
     """The reported bound assumes the most copies of an expert any placement in the planner's space may take
     (EPLB's largest count), not the returned placement's own largest count, which re-slotting may lower."""
     from moeplan.passes.analysis.affinity import transition_counts
-    from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound
+    from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.ilp import eplb_replicas_and_caps, staged_placement
+    from moeplan.passes.optimize.placement.algorithms.ilp import staged_placement
+    from moeplan.passes.optimize.placement.algorithms.ilp_caps import eplb_replicas_and_caps
 
     topology, redundant = Topology(2, 2), 4
     loads = planted.expert_loads().astype(float)

@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, transition_lower_bound
+from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, matching_bound
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.chain_bound import best_columns, chain_bound_applies, chain_configuration_bound
-from moeplan.passes.optimize.placement.decision import Topology
+from moeplan.passes.optimize.placement.bounds.chain import best_columns, chain_bound_applies, chain_configuration_bound
+from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
 from test_placement_routed import layer_options, random_trace
 
@@ -50,7 +50,7 @@ def test_chain_bound_sees_what_a_bound_over_one_layer_pair_cannot():
     bound says 0, the chain bound says some transitions cross (and the reported bound takes it),
     and brute force agrees."""
     counts, loads, caps = conflicting_pairs()
-    pairwise, _ = transition_lower_bound(counts, 2, 2)
+    pairwise = sum(matching_bound(c, 2, 2, pair_cap=2 * 2 ** 2, time_limit=10.0) for c in counts)
     chain = chain_configuration_bound(counts, loads, caps, 2, 2, 1, WorkBudget(4.0))
     reported, method = capped_transition_lower_bound(counts, loads, caps, 2, 2)
     options = layer_options(4, 2, 2)

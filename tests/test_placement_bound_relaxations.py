@@ -1,14 +1,19 @@
 """The relaxations the placement bounds rest on, in order: co-location <= free routing <= the metric (issue 15)."""
+import sys
+from pathlib import Path
+
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.bound import source_token_caps
-from moeplan.passes.optimize.placement.decision import Topology
+from moeplan.passes.optimize.placement.bounds.pairwise import source_token_caps
+from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.relaxed_routing import colocation_cross, free_routing_cross
 from test_placement_routed import random_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from research.relaxed_routing import colocation_cross, free_routing_cross
 
 
 def random_hosts(rng, layers, experts, devices, slots):

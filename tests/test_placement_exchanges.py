@@ -1,8 +1,8 @@
-"""The incrementally kept exchange tables (`placement/exchanges.py`) make the moves a full recomputation makes."""
+"""The incrementally kept exchange tables (`local_search/moves.py`) make the moves a full recomputation makes."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.exchanges import pair_tables, repair_exchanges, steepest_exchanges
+from moeplan.passes.optimize.placement.local_search.moves import pair_tables, repair_exchanges, steepest_exchanges
 
 
 def recomputed_exchanges(gain, assign, limit, loads, cap, max_rounds, repair=False):

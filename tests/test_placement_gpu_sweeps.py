@@ -1,4 +1,4 @@
-"""GPU-level exchange sweeps (`placement/gpu_sweeps.py`), the ilp's search at DeepSeek-V3 scale, and
+"""GPU-level exchange sweeps (`local_search/gpu_sweeps.py`), the ilp's search at DeepSeek-V3 scale, and
 `held_out_balance` (caps meant for held-out traffic)."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
@@ -6,13 +6,15 @@ from hypothesis import given, settings, strategies as st
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.decision import Topology
-from moeplan.passes.optimize.placement.eplb import replica_counts
-from moeplan.passes.optimize.placement.gpu_sweeps import gpu_sweeps
+from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
+from moeplan.passes.optimize.placement.local_search.gpu_sweeps import gpu_sweeps
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, load_scenarios
-from moeplan.passes.optimize.placement.ilp import _objective, initial_hosts, reslot_applies, staged_placement
+from moeplan.passes.optimize.placement.algorithms.ilp import reslot_applies, staged_placement
+from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts
+from moeplan.passes.optimize.placement.even_split import placement_value
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads
-from moeplan.passes.optimize.placement.routed import RoutedTrace
+from moeplan.passes.optimize.placement.local_search.routed import RoutedTrace
 
 
 def planted(seed, tokens=3000):
@@ -20,7 +22,7 @@ def planted(seed, tokens=3000):
 
 
 def value(counts, hosts):
-    return _objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float))
+    return placement_value(counts, hosts)
 
 
 @settings(max_examples=8, deadline=None)

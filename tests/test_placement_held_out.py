@@ -3,10 +3,10 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.decision import Topology
+from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_caps, load_scenarios
-from moeplan.passes.optimize.placement.ilp import initial_hosts, layer_caps
-from moeplan.passes.optimize.placement.eplb import replica_counts
+from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts, layer_caps
+from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
@@ -16,8 +16,10 @@ def drifting_trace(seed, tokens=2048, layers=2, experts=8, top_k=1, sequence_len
     rng = np.random.default_rng(seed)
     sequence = np.arange(tokens) // sequence_length
     late = sequence >= sequence.max() / 2
-    p_early = np.full(experts, 1.0); p_early[[2, 3]] = 4.0
-    p_late = np.full(experts, 1.0); p_late[[0, 1]] = 4.0
+    p_early = np.full(experts, 1.0)
+    p_early[[2, 3]] = 4.0
+    p_late = np.full(experts, 1.0)
+    p_late[[0, 1]] = 4.0
     chosen = np.empty((tokens, layers, top_k), dtype=np.int32)
     for t in range(tokens):
         p = p_late if late[t] else p_early

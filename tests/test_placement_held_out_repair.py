@@ -1,8 +1,8 @@
-"""Exchanges that lower the expected held-out max loads directly (`placement/held_out_repair.py`, issue 15)."""
+"""Exchanges that lower the expected held-out max loads directly (`local_search/held_out_repair.py`, issue 15)."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.held_out_repair import repair_expected_max
+from moeplan.passes.optimize.placement.local_search.held_out_repair import repair_expected_max
 
 
 def expected_max(x, loads, scenarios):
@@ -47,7 +47,7 @@ def test_a_layer_under_its_allowance_pays_for_one_above_it():
     x, loads, scenarios = swinging_layer()
     hosts = np.stack([x, x])
     two = np.stack([scenarios, scenarios], axis=1)  # [S, 2, E]
-    gain = lambda hosts, l: np.zeros((4, 2))  # noqa: E731
+    gain = lambda hosts, l: np.zeros((4, 2))
     kept, moves = repair_expected_max(hosts, np.stack([loads, loads]), two, np.array([200.0, 400.0]),
                                       np.array([200.0, 200.0]), gain, max_moves=10)
     assert moves == 0 and np.array_equal(kept, hosts)

@@ -4,7 +4,7 @@ import pytest
 
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.decision import Placement, Topology
+from moeplan.passes.optimize.placement.contract import Placement, Topology
 
 
 def hosts_of(layers, experts, devices):
@@ -82,9 +82,28 @@ def test_topk_counts_every_choice_from_the_heaviest_experts_device():
 
 
 def test_placement_json_round_trip_keeps_hosts():
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
     import json
     hosts = hosts_of([[[0, 1], [1, 2]], [[2], [0, 1]]], 3, 2)
     p = Placement.from_hosts("eplb", Topology(1, 2), hosts, {"gpu_local_fraction": 0.5})
     q = placement_from_dict(json.loads(p.to_json()))
     assert np.array_equal(q.hosts(), hosts) and q.metrics["gpu_local_fraction"] == 0.5
+
+
+def test_the_placement_contract_and_the_runtime_read_the_same_dispatch_rule():
+    """`Placement.expert_table()` (the planner's) and the runtime's table built from placement.json agree copy for copy."""
+    import json
+
+    from moeplan.backends.runtime.expert_table import ExpertTable
+
+    hosts = np.zeros((2, 4, 4), dtype=bool)
+    hosts[:, np.arange(4), np.arange(4)] = True
+    hosts[0, 0, 3] = hosts[1, 2, 0] = True  # a replica on the other node
+    placement = Placement.from_hosts("ilp", Topology(2, 2), hosts)
+    runtime = ExpertTable.from_placement(json.loads(placement.to_json()))
+    planner = placement.expert_table()
+    assert np.array_equal(runtime.hosts, planner.hosts)
+    ids, current = np.array([[2, 0], [2, 0], [0, 1]]), np.array([3, 1, 0])
+    for layer in (0, 1):
+        assert planner.choose(layer, ids, current).tolist() == runtime.choose(layer, ids, current).tolist()
+    assert planner.choose(1, ids, current)[:, 0].tolist() == [2, 0, 0]  # 2's copy on node 1, on node 0; local

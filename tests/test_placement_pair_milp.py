@@ -1,11 +1,14 @@
-"""The per-pair compact MILP (`pair_milp.py`): its bound never passes the true pair optimum, its best
+"""The per-pair compact MILP (`benchmarks/research/pair_milp.py`): its bound never passes the true pair optimum, its best
 placement never beats it, and solved to the end both meet it (brute force over every placement)."""
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.pair_milp import pair_cross_milp
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from research.pair_milp import pair_cross_milp
 
 
 def layer_placements(E, P, Q, loads, cap):
@@ -61,14 +64,10 @@ def test_a_node_limit_keeps_the_bound_valid_and_a_start_is_kept():
 def test_gap_benchmark_pair_columns_bracket_the_pairwise_optimum():
     """`placement_gap.py --pair-milp`: the pairs' MILP bound is below their best placements, which (started
     from the placement) are no worse than the placement itself, so the pairwise floor lies in [0, 1]."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from placement_gap import pair_milp_columns
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     trace = synthesize_trace(layers=4, experts=8, top_k=2, tokens=600, affinity=0.6, zipf=0.6, seed=5)

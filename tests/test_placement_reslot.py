@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from moeplan.passes.optimize.placement.reslot import reslot_search, tighten
+from moeplan.passes.optimize.placement.local_search.reslot import reslot_search, tighten
 
 
 def layer_value(hosts, counts, G):
@@ -27,7 +27,7 @@ def random_hosts(rng, L, E, D, slots):
     hosts = np.zeros((L, E, D), dtype=bool)
     for l in range(L):
         units = list(rng.permutation(E)) + list(rng.choice(E, size=D * slots - E, replace=True))
-        free = {p: slots for p in range(D)}
+        free = dict.fromkeys(range(D), slots)
         for e in units:
             options = [p for p in range(D) if free[p] and not hosts[l, e, p]]
             if options:

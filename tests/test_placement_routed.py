@@ -1,5 +1,7 @@
 """Routed layer steps, the layer-chain baseline and the load-capped bound (issue 15)."""
 import itertools
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,15 +9,17 @@ from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, source_token_caps, transition_lower_bound
-from moeplan.passes.optimize.placement.decision import Topology
-from moeplan.passes.optimize.placement.eplb import replica_counts
-from moeplan.passes.optimize.placement.ilp import initial_hosts, layer_caps
-from moeplan.passes.optimize.placement.layer_chain import layer_chain_placement
+from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, source_token_caps
+from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
+from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts, layer_caps
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.routed import (RoutedTrace, devices_after, local_transitions, routed_chain, routed_polish,
+from moeplan.passes.optimize.placement.local_search.routed import (RoutedTrace, devices_after, local_transitions, routed_chain, routed_polish,
                                                       routed_tables)
 from moeplan.planner.errors import UserError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from research.layer_chain import layer_chain_placement
 
 
 def random_trace(rng, tokens, layers, experts, top_k, skew=1.0):
@@ -81,7 +85,7 @@ def test_routed_tables_value_a_layer_exactly_without_replicas(seed, l):
         hosts[layer] = hosts[layer][:, rng.permutation(topology.devices)]
     g, h = routed_tables(routed, hosts, devices_after(routed, hosts), l)
     G = topology.gpus_per_node
-    node_value = lambda x: float((h * x.reshape(x.shape[0], -1, G).any(axis=2)).sum())  # noqa: E731
+    node_value = lambda x: float((h * x.reshape(x.shape[0], -1, G).any(axis=2)).sum())
     other = hosts.copy()
     other[l] = hosts[l][rng.permutation(hosts.shape[1])]  # the same slots per GPU, experts shuffled
     gpu_before, node_before = local_transitions(routed, hosts)
@@ -107,7 +111,7 @@ def test_routed_polish_only_improves_and_keeps_every_constraint(seed, redundant)
 def test_routed_polish_solves_a_layer_mip_once_per_distinct_input(monkeypatch):
     """A second polish of the same start on the same trace (what the held-out walk's rounds do to
     layers the walk left alone) reuses the first polish's proposals: the same placement, no new solve."""
-    import moeplan.passes.optimize.placement.routed as routed_module
+    import moeplan.passes.optimize.placement.local_search.routed as routed_module
 
     trace, topology, loads, replicas, caps, slots = setup(3, 4)
     routed = RoutedTrace.from_trace(trace, topology.gpus_per_node)
@@ -140,8 +144,11 @@ def test_routed_chain_keeps_tokens_on_the_copy_they_sit_on():
     routed = RoutedTrace.from_trace(trace, 2)
     loads = trace.expert_loads().astype(np.float64)
     start = np.zeros((2, 3, 2), dtype=bool)
-    start[0, 0, :] = True; start[0, 1, 1] = True
-    start[1, 0, :] = True; start[1, 1, 0] = True; start[1, 2, 1] = True  # expert 2 on GPU 1: 30 transitions lost
+    start[0, 0, :] = True
+    start[0, 1, 1] = True
+    start[1, 0, :] = True
+    start[1, 1, 0] = True
+    start[1, 2, 1] = True  # expert 2 on GPU 1: 30 transitions lost
     replicas = start.sum(axis=2)
     caps = np.full(2, 1e9)
     chain = routed_chain(routed, loads, replicas, caps, start)
@@ -192,7 +199,7 @@ def test_capped_bound_never_exceeds_the_best_placement_under_the_cap(seed, shape
     best = min(score_placement(trace, np.stack([a, b]), topology).cross_gpu_transitions for a in fits[0] for b in fits[1])
     counts = transition_counts(trace, "current")
     bound, _ = capped_transition_lower_bound(counts, loads, caps, D, Q, max_copies)
-    plain, _ = transition_lower_bound(counts, D, Q, max_copies)
+    plain, _ = capped_transition_lower_bound(counts, loads, loads.sum(axis=1), D, Q, max_copies)  # no binding cap
     assert plain - 1e-6 <= bound <= best + 1e-6
     with_tokens, _ = capped_transition_lower_bound(counts, loads, caps, D, Q, max_copies,
                                                    token_caps=source_token_caps(trace, Q))
@@ -208,7 +215,7 @@ def test_capped_bound_sees_a_binding_cap():
     counts[0, 0, 3] = counts[0, 2, 1] = 100.0
     loads = np.array([[100.0, 1.0, 100.0, 1.0], [1.0, 100.0, 1.0, 100.0]])
     caps = np.array([101.0, 101.0])
-    plain, _ = transition_lower_bound(counts, D, 2)
+    plain, _ = capped_transition_lower_bound(counts, loads, loads.sum(axis=1), D, 2)  # no binding cap
     capped, _ = capped_transition_lower_bound(counts, loads, caps, D, 2)
     assert plain == pytest.approx(0.0, abs=1e-6)
     assert capped >= 190.0

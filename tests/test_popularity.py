@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from moeplan.passes.analysis import popularity as pop
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import make_trace
 
 
@@ -92,7 +92,7 @@ def test_options_are_selected_on_validation_batches():
     val = [(b, tr.expert_loads(b)) for b in pop.batches(10000, 1000, start=8000)]
     best, tried = pop.select_options(table, tr, val)
     assert best == {"context": "previous", "position": "none"}
-    assert len(tried) == len(pop.CANDIDATE_OPTIONS) and min(e for _, e in tried) == dict(map(lambda t: (str(t[0]), t[1]), tried))[str(best)]
+    assert len(tried) == len(pop.CANDIDATE_OPTIONS) and min(e for _, e in tried) == {str(t[0]): t[1] for t in tried}[str(best)]
 
 
 def test_predictions_are_deterministic():

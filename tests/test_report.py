@@ -9,7 +9,6 @@ number of the summary must equal plan.json. Screenshots go to the test's tmp dir
 import json
 import math
 import os
-import shutil
 import tempfile
 from pathlib import Path
 

@@ -128,3 +128,31 @@ def test_qwen3_moe_example_runs_text_through_its_tokenizer_via_the_cli(tmp_path)
     modes = json.loads(result.output.strip().splitlines()[-1])["modes"]
     for report in modes.values():
         assert report["verified"] and report["prompt_encoding"] == "tokenizer.json"
+
+
+def test_deepseek_v2_greedy_unsorted_top_k_verifies_through_the_cli(tmp_path):
+    """Issue 32: DeepSeek-V2 with greedy top-4 (`torch.topk(..., sorted=False)`), the first layer dense, two
+    shared experts. Coherent mode's measured locality missed the prediction (0.5164 vs 0.4967) because the
+    runtime took the router's first slot as the token's heaviest expert; it now hands slots over heaviest first."""
+    from click.testing import CliRunner
+
+    from moeplan.planner.cli import main
+
+    model = tiny.build("deepseek_v2_greedy", tmp_path / "models")
+    config = json.loads((model / "config.json").read_text())
+    assert (config["topk_method"], config["num_experts_per_tok"], config["n_routed_experts"]) == ("greedy", 4, 16)
+    (tmp_path / "data.txt").write_text("Expert parallelism places experts on devices and moves tokens between them.\n" * 3)
+    (tmp_path / "prompts.txt").write_text("hello experts\nids: 5 9 11 3 40 2\nplace me well\n")
+    runner = CliRunner()
+    result = runner.invoke(main, ["trace", str(model), "--data", str(tmp_path / "data.txt"), "--out", str(tmp_path / "t.npz"),
+                                  "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["compile", str(model), "--trace", str(tmp_path / "t.npz"), "--target", "torchrun",
+                                  "--nodes", "1", "--gpus-per-node", "2", "--out", str(tmp_path / "bundle"), "--quiet"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(main, ["run", str(tmp_path / "bundle"), "--verify", "--nproc", "2", "--new-tokens", "3",
+                                  "--mode", "coherent", "--prompts", str(tmp_path / "prompts.txt"), "--json"])
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert report["locality_matches_prediction"], report
+    assert report["gpu_local_fraction"] == report["predicted_gpu_local_fraction"]
+    assert report["tokens_match"] and report["verified"] and result.exit_code == 0

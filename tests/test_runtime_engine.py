@@ -4,11 +4,14 @@ A world of one rank exercises the whole engine (routing, dispatch bookkeeping, e
 combine/merge, KV cache, greedy loop) without a process group; the multi-rank paths run under
 torchrun in test_runtime_torchrun.py.
 """
+import numpy as np
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from moeplan.backends.runtime.counters import Counters, sum_counters
 from moeplan.backends.runtime.exchange import pack, unpack
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.backends.runtime.expert_table import ExpertTable, heaviest_first
 from moeplan.backends.runtime.tiny_moe import encode, is_expert_tensor
 from runtime_fixtures import PROMPTS, load_small, single_rank_engine, small_model_dir
 
@@ -22,20 +25,81 @@ def _table(devices_per_layer, nodes=1, gpus=None):
 def test_primary_slot_follows_the_placement_metric_rule():
     # expert 0 on ranks 1 and 3 (nodes of 2 GPUs: rank 1 on node 0, rank 3 on node 1)
     table = _table([[[1], [0], [2], [0, 3]]] * 2, nodes=2, gpus=2)
-    assert table.primary_rank(1, 0, current=3) == 3  # a replica on the current rank
-    assert table.primary_rank(1, 0, current=2) == 3  # else the first on the current node
-    assert table.primary_rank(1, 0, current=0) == 1  # node 0: rank 1 hosts it
-    assert table.primary_rank(1, 1, current=2) == 0  # no replica on node 1: first listed
-    dest = table.choose(0, torch.tensor([[0, 1]]), torch.tensor([3]))
-    assert dest[0, 0].item() == 1  # MoE layer 0 has no previous device: first listed, as the metric
+    assert table.primary(1, [0, 0, 0, 1], [3, 2, 0, 2]).tolist() == [
+        3,  # a replica on the current rank
+        3,  # else the first on the current node
+        1,  # node 0: rank 1 hosts it
+        0]  # no replica on node 1: first listed
+    assert table.primary(1, [-1, 0], [2, -1]).tolist() == [2, 1]  # no expert: stays; no current rank: first listed
+    dest = table.choose(0, np.array([[0, 1]]), np.array([3]))
+    assert dest[0, 0] == 1  # MoE layer 0 has no previous device: first listed, as the metric
 
 
 def test_secondary_slots_prefer_local_then_rotate_over_replicas():
     table = _table([[[0], [1], [2, 0], [3, 0]]], nodes=1, gpus=4)
-    dest = table.choose(0, torch.tensor([[1, 0]] * 4), torch.tensor([2] * 4))
+    dest = table.choose(0, np.array([[1, 0]] * 4), np.array([2] * 4))
     assert dest[:, 1].tolist() == [2, 2, 2, 2]  # local replica wins
-    dest = table.choose(0, torch.tensor([[2, 0]] * 4), torch.tensor([1] * 4))
-    assert sorted(dest[:, 1].tolist()) == [0, 0, 2, 3] or set(dest[:, 1].tolist()) == {0, 2, 3}
+    dest = table.choose(0, np.array([[2, 0]] * 4), np.array([1] * 4))
+    assert dest[:, 1].tolist() == [0, 2, 3, 0]  # rotates over the copies in the order the tokens come
+
+
+def test_only_slots_that_leave_the_rank_take_a_turn():
+    # expert 0 on ranks 0, 2, 3 of one node; tokens current on 2 use it locally and do not advance the rotation
+    table = _table([[[0], [1], [0, 2], [0, 3]]] * 2, nodes=1, gpus=4)
+    dest = table.choose(0, np.array([[1, 0], [2, 0], [1, 0], [2, 0]]), np.array([1, 2, 1, 1]))
+    assert dest[:, 1].tolist() == [0, 2, 2, 3]
+
+
+def test_a_placement_that_leaves_an_expert_without_a_rank_is_refused():
+    with pytest.raises(ValueError, match="no replica of experts \\[1\\]"):
+        ExpertTable.from_placement({"topology": {"nodes": 1, "gpus_per_node": 2}, "num_experts": 3,
+                                    "layers": [{"layer": 0, "devices": [[0], [2]]}]})
+
+
+def _reference_choice(copies, per_node, layer, experts, current):
+    """The rule as its docstring states it, token by token and slot by slot (a test oracle)."""
+    turns, out = {}, []
+    for row, cur in zip(experts, current):
+        first = -1 if layer == 0 else cur
+        ranks = copies[row[0]]
+        same = [r for r in ranks if first >= 0 and r // per_node == first // per_node]
+        dest = [first if first in ranks else (same or ranks)[0]]
+        for e in row[1:]:
+            ranks = copies[e]
+            if cur in ranks:
+                dest.append(cur)
+                continue
+            pool = [r for r in ranks if r // per_node == cur // per_node] or ranks
+            turn = turns.get(e, 0)
+            turns[e] = turn + 1
+            dest.append(pool[turn % len(pool)])
+        out.append(dest)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_vectorised_rule_equals_the_rule_stated_slot_by_slot(data):
+    nodes, gpus = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    world, experts, k = nodes * gpus, data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4))
+    hosts = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=world, max_size=world),
+                                        min_size=experts, max_size=experts)), dtype=bool)
+    hosts[np.arange(experts), data.draw(st.lists(st.integers(0, world - 1), min_size=experts, max_size=experts))] = True
+    table = ExpertTable(np.stack([hosts, hosts[::-1]]), gpus)
+    n = data.draw(st.integers(0, 12))
+    ids = np.array(data.draw(st.lists(st.lists(st.integers(0, experts - 1), min_size=k, max_size=k), min_size=n, max_size=n)),
+                   dtype=np.int64).reshape(n, k)
+    current = np.array(data.draw(st.lists(st.integers(0, world - 1), min_size=n, max_size=n)), dtype=np.int64)
+    for layer, h in ((0, hosts), (1, hosts[::-1])):
+        copies = [list(np.flatnonzero(h[e])) for e in range(experts)]
+        assert table.choose(layer, ids, current).tolist() == _reference_choice(copies, gpus, layer, ids.tolist(), current.tolist())
+    if n:
+        assert table.primary(1, ids[:, 0], current).tolist() == table.choose(1, ids, current)[:, 0].tolist()
+
+
+def test_heaviest_first_orders_slots_by_weight_and_keeps_ties_in_router_order():
+    ids, weights = heaviest_first(np.array([[3, 1, 2], [5, 6, 7]]), np.array([[0.1, 0.7, 0.2], [0.3, 0.3, 0.4]]))
+    assert ids.tolist() == [[1, 2, 3], [7, 5, 6]] and weights[0].tolist() == [0.7, 0.2, 0.1]
 
 
 def test_pack_round_trips_hidden_rows_and_int64_metadata_bit_exactly():

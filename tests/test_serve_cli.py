@@ -49,8 +49,11 @@ def test_bundle_checks(bundle, tmp_path):
     _one_error_line(_serve(tampered), "extra.txt")
 
 
-def test_a_lambda_bundle_is_refused(tmp_path):
+def test_an_incomplete_lambda_bundle_is_refused(tmp_path):
+    """A Lambda bundle is served over the local cloud (tests/test_lambda_serve.py); it is checked as
+    `run` checks it first, and rank flags do not apply to it."""
     fake = tmp_path / "lambda"
     fake.mkdir()
     (fake / "plan.json").write_text(json.dumps({"target": "lambda"}))
-    _one_error_line(_serve(fake), "Lambda bundle")
+    _one_error_line(_serve(fake), "manifest.json", "missing")
+    _one_error_line(_serve(fake, "--nproc", 2), "--nproc", "Lambda bundle")

@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from moeplan.passes.analysis.trace.synth_routing import synthesize_routed_tokens
+from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
 from test_profile import small_model_dir
@@ -111,3 +111,38 @@ def test_simulate_refuses_a_hand_edited_plan_in_one_line(setup, tmp_path, edit, 
     edited.write_text(json.dumps(doc))
     code, out = run(["simulate", str(edited), "--trace", str(tmp / "held.npz")])
     assert code == 2 and out.startswith("error: ") and len(out.strip().splitlines()) == 1 and words in out, out
+
+
+def test_a_generation_request_is_priced_and_reusing_kv_is_cheaper_than_recomputing(setup):
+    """`simulate --prompt-tokens P --new-tokens N`: the plan's request cost model (the figures a served
+    Lambda bundle states per response); more tokens cost more, and from two tokens on, the bundle's
+    K/V reuse costs less than one full forward per token."""
+    tmp, base = setup
+    if not (tmp / "plan.json").exists():
+        assert run(base + ["--slo", "30", "--out", str(tmp / "plan.json")])[0] == 0
+    figures = {}
+    for n in (1, 8, 64):
+        code, out = run(["simulate", str(tmp / "plan.json"), "--prompt-tokens", "32", "--new-tokens", str(n), "--json"])
+        assert code == 0, out
+        figures[n] = json.loads(out.strip().splitlines()[-1])
+    assert figures[1]["predicted_cost_usd"] == pytest.approx(figures[1]["recompute"]["predicted_cost_usd"])
+    assert figures[1]["billed_gb_s"] < figures[8]["billed_gb_s"] < figures[64]["billed_gb_s"]
+    for n in (8, 64):
+        assert figures[n]["predicted_cost_usd"] < figures[n]["recompute"]["predicted_cost_usd"]
+        assert figures[n]["request_charges_usd"] > 0 and figures[n]["latency_s"] > figures[1]["latency_s"]
+    code, out = run(["simulate", str(tmp / "plan.json"), "--new-tokens", "4"])
+    assert code == 2 and out.count("\n") == 1 and "--prompt-tokens" in out
+
+
+def test_a_plan_slower_than_the_http_entry_waits_is_refused_in_one_line(setup):
+    """An API Gateway HTTP API waits 30 s for its integration: a plan whose one-token request is
+    predicted to take longer cannot serve anything behind it."""
+    tmp, base = setup
+    slow = tmp / "slow_start.yaml"
+    slow.write_text("warm_start_s: 20\n")
+    code, out = run(base + ["--slo", "600", "--platform", str(slow), "--http-entry", "http-api",
+                            "--out", str(tmp / "slow.json"), "--quiet"])
+    assert code == 2 and out.count("\n") == 1 and "30 s" in out and "function-url" in out, out
+    assert not (tmp / "slow.json").exists()
+    code, out = run(base + ["--slo", "600", "--platform", str(slow), "--out", str(tmp / "slow.json")])
+    assert code == 0, out  # the Function URL entry waits for the EXPRESS execution's 5 minutes

@@ -116,7 +116,7 @@ def test_an_idle_service_uses_under_5_percent_of_a_core(served):
 def test_metrics_report_the_exchanges_of_the_mode(served):
     mode, _, result = served
     by_kind = {}
-    for layer, kind, nbytes in result["exchange_bytes"]:
+    for _layer, kind, nbytes in result["exchange_bytes"]:
         by_kind[kind] = by_kind.get(kind, 0) + nbytes
     assert by_kind["dispatch"] > 0 and by_kind["token_sync"] > 0
     if mode == "standard":
@@ -226,7 +226,7 @@ def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_th
     from moeplan.passes.optimize.offload.ranks import rank_keys
     from moeplan.passes.optimize.offload.replay import COMPARED, replay_rank_logs
     from moeplan.passes.optimize.offload.stream import stream_from_log
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
 
     root, model, spec = speculative_offload
     out = root / f"out-{mode}"

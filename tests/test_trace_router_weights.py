@@ -17,10 +17,10 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from moeplan.passes.analysis.trace.record import record_trace  # noqa: E402
-from moeplan.planner.importers import LoadedModel, load_model  # noqa: E402
-from moeplan.planner.importers.resolve import import_file  # noqa: E402
-from moeplan.planner.importers.torch_module import import_module  # noqa: E402
+from moeplan.passes.analysis.trace.record import record_trace
+from moeplan.planner.importers import LoadedModel, load_model
+from moeplan.planner.importers.resolve import import_file
+from moeplan.planner.importers.torch_module import import_module
 
 ROOT = Path(__file__).resolve().parents[1]
 bench = import_file(ROOT / "benchmarks" / "import_fidelity.py")

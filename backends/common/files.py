@@ -14,11 +14,13 @@ RUNTIME_PACKAGE = "moeplan.backends.runtime"
 # The expert cache's decisions (eviction, next-use model, prefetch, the timed stepper): the planner's
 # simulator imports these same modules, so a bundle's ranks decide as the simulation did; and what
 # only an expert cache runs (live speculation, host compute on a miss). Shipped only in bundles whose
-# plan has per-rank expert caches (numpy is then a requirement).
+# plan has per-rank expert caches.
 EXPERT_CACHE_MODULES = ("host_compute.py", "offload_eam_match.py", "offload_next_use.py", "offload_policies.py",
                         "offload_prefetch.py", "offload_stepper.py", "speculation.py")
 # The inference service (OpenAI-compatible HTTP on rank 0 over continuous batching; issue 29): shipped
-# in torchrun and Kubernetes bundles, whose ranks serve it; starlette and uvicorn are then requirements.
+# in torchrun and Kubernetes bundles, whose ranks serve it (starlette and uvicorn are then
+# requirements), and in Lambda bundles, whose front function runs its framework-free API over
+# StartSyncExecution (runtime/lambda_front.py; issue 30).
 SERVING_PACKAGE = "serving"
 
 

@@ -127,7 +127,7 @@ def check_bundle(root: Path, nproc: int | None = None) -> dict:
         world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
         shards = plan["shards"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise BundleCheckError("plan.json is missing or malformed; recompile the bundle")
+        raise BundleCheckError("plan.json is missing or malformed; recompile the bundle") from None
     if "plan.json" not in files:
         raise BundleCheckError("plan.json is not covered by the manifest; recompile the bundle")
     if world < 1 or not isinstance(shards, list) or not all(isinstance(rel, str) for rel in shards):

@@ -111,20 +111,18 @@ def library_pins(arch: str) -> dict:
     return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def requirements(arch: str, expert_cache: bool = False) -> str:
+def requirements(arch: str) -> str:
     """requirements.txt of a torchrun bundle: what its runtime imports, with the model library
-    pinned, the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py), and numpy,
-    which the expert cache's shipped policy modules import."""
+    pinned: numpy for the replica rule (runtime/expert_table.py) and the expert cache's policy
+    modules, and the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py)."""
     import importlib.metadata
 
+    import numpy
     import safetensors
     import torch
 
-    lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}"]
+    lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
+             f"numpy=={numpy.__version__}"]
     lines += [f"{name}=={importlib.metadata.version(name)}" for name in SERVER_PACKAGES]
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
-    if expert_cache:
-        import numpy
-
-        lines.append(f"numpy=={numpy.__version__}")
     return "\n".join(lines) + "\n"

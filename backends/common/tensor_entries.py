@@ -10,7 +10,7 @@ library tensors can be rebuilt by concatenating consecutive entries. `load()` re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +24,7 @@ class TensorEntry:
     shape: tuple                   # shape of this bundle tensor
     dtype: torch.dtype
     load: Callable[[], torch.Tensor]
-    recipe: Optional[dict] = None  # how to read it from the checkpoint (checkpoint sources only)
+    recipe: dict | None = None  # how to read it from the checkpoint (checkpoint sources only)
 
 
 def expert_params(containers: list) -> dict:

@@ -3,7 +3,8 @@
 Why: `moeplan run --verify` must execute the deployed definition itself (the same JSON that goes
 into template.yaml), not a re-implementation of the plan. Supported: Task on
 `arn:aws:states:::lambda:invoke` (Parameters with `.$` paths, ResultSelector, ResultPath `$` or
-null), Parallel (branches run concurrently), Choice (IsPresent), Pass, Succeed, Next / End.
+null, OutputPath), Parallel (branches run concurrently), Choice (IsPresent, BooleanEquals), Pass,
+Succeed, Next / End.
 Anything else is an error, so a definition the interpreter cannot run is never reported as verified.
 States larger than Step Functions' 256 KB limit are refused, as the service would.
 """
@@ -45,6 +46,26 @@ def render(template, doc):
     return template
 
 
+def _matches(rule: dict, doc) -> bool:
+    """One Choice rule: IsPresent, or BooleanEquals (a missing or non-boolean variable is a runtime error)."""
+    if set(rule) == {"Variable", "IsPresent", "Next"}:
+        try:
+            path_get(doc, rule["Variable"])
+            present = True
+        except (KeyError, TypeError):
+            present = False
+        return present == bool(rule["IsPresent"])
+    if set(rule) == {"Variable", "BooleanEquals", "Next"}:
+        try:
+            value = path_get(doc, rule["Variable"])
+        except (KeyError, TypeError):
+            raise ASLError(f"choice variable {rule['Variable']} is missing (States.Runtime)") from None
+        if not isinstance(value, bool):
+            raise ASLError(f"choice variable {rule['Variable']} is not a boolean (States.Runtime)")
+        return value == bool(rule["BooleanEquals"])
+    raise ASLError(f"unsupported choice rule {sorted(rule)}")
+
+
 class Machine:
     """Runs a definition; `invoke(function, payload) -> result` is the Lambda call."""
 
@@ -65,19 +86,12 @@ class Machine:
                 doc = self._task(state, doc)
             elif kind == "Parallel":
                 with ThreadPoolExecutor(max_workers=self.max_parallel) as pool:
-                    results = list(pool.map(lambda b: self._run(b, doc), state["Branches"]))
+                    results = list(pool.map(lambda b: self._run(b, doc), state["Branches"]))  # noqa: B023 (called within this iteration)
                 doc = self._result(state, doc, results)
             elif kind == "Choice":
                 nxt = state.get("Default")
                 for rule in state["Choices"]:
-                    if set(rule) != {"Variable", "IsPresent", "Next"}:
-                        raise ASLError(f"unsupported choice rule {sorted(rule)}")
-                    try:
-                        path_get(doc, rule["Variable"])
-                        present = True
-                    except (KeyError, TypeError):
-                        present = False
-                    if present == bool(rule["IsPresent"]):
+                    if _matches(rule, doc):
                         nxt = rule["Next"]
                         break
                 if nxt is None:
@@ -95,6 +109,15 @@ class Machine:
             name = state["Next"]
 
     def _task(self, state: dict, doc):
+        doc = self._task_result(state, doc)
+        if "OutputPath" in state:
+            try:
+                doc = path_get(doc, state["OutputPath"])
+            except (KeyError, TypeError):
+                raise ASLError(f"OutputPath {state['OutputPath']!r} selects nothing") from None
+        return doc
+
+    def _task_result(self, state: dict, doc):
         if state.get("Resource") != "arn:aws:states:::lambda:invoke":
             raise ASLError(f"unsupported task resource {state.get('Resource')!r}")
         params = render(state["Parameters"], doc)

@@ -1,13 +1,14 @@
 """Write a Lambda bundle: SAM template, state machine, handlers, per-function weights, Dockerfiles, README.
 
-Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers, model/ (the
-config, and the source file of moeplan models) and requirements.txt for the image, one Dockerfile
-per function kind), weights/ (laid out as the S3 keys: weights/dense/slice-NN/ and
-weights/experts/layer-LLL/expert-EEE/, each a weights.safetensors holding only that function's
-tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
+Layout: plan.json, template.yaml, statemachine.json, functions/ (runtime/ handlers with serving/,
+model/ (the config, the source file of moeplan models, the tokenizer and chat files the front
+reads) and requirements.txt for the image, one Dockerfile per function kind; the front function's
+requirements-front.txt, front.json and request_cost.json: `front.py`), weights/ (laid out as the
+S3 keys: weights/dense/slice-NN/ and weights/experts/layer-LLL/expert-EEE/, each a
+weights.safetensors holding only that function's tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
 
 Functions: one per dense slice (`DenseNN`) and one per expert replica (`ExpertLlllEeeeRr`), each
-with the memory the plan chose. Least privilege: a function's role reads only its own weight
+with the memory the plan chose, and the front (`Front`), which may only start the state machine. Least privilege: a function's role reads only its own weight
 prefix and reads/writes only `intermediates/`; a dense function that routes a direct-method
 layer may also invoke exactly that layer's expert functions. Every value interpolated into the
 YAML goes through the `y` filter (JSON), so names cannot change its structure; the model name
@@ -23,11 +24,12 @@ from pathlib import Path
 
 from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
+from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
 from moeplan.backends.runtime.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.model_source import TEXT_FILES, bundle_model
+from moeplan.backends.common.model_source import bundle_model
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
 from moeplan.planner.atomic import atomic_path
 from moeplan.planner.errors import UserError
@@ -66,7 +68,7 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
     order = [u for s in slices for u in s["units"]]
     index = {u: i for i, u in enumerate(order)}
     out = []
-    for k, s in enumerate(slices):
+    for _k, s in enumerate(slices):
         parts = []
         for unit in s["units"]:
             seg = segment_of[unit]
@@ -97,11 +99,15 @@ def dense_parts(slices: list, segment_of: dict, num_layers: int, layers: list, p
 
 def dense_intermediates(parts: list) -> dict:
     """S3 key patterns (IAM resource syntax) one dense slice reads and writes under intermediates/:
-    the states its parts start from and end at, the gathered expert outputs of the layer before,
-    the scattered expert inputs of the layer it ends (S3 methods only). `*` stands for the request."""
+    the states its parts start from (the first part of the model starts from the execution's
+    state instead) and end at (read back too: they carry the part's K/V for a container that lacks
+    it), the gathered expert outputs of the layer before, the scattered expert inputs of the layer
+    it ends (S3 methods only). `*` stands for the request and step."""
     reads, writes = set(), set()
     for p in parts:
-        reads.add(f"intermediates/*/{p['read']}")
+        if p["read"] != "state-000":
+            reads.add(f"intermediates/*/{p['read']}")
+        reads.add(f"intermediates/*/{p['write']}")
         writes.add(f"intermediates/*/{p['write']}")
         if "gather" in p:
             reads.add(f"intermediates/*/layer-{int(p['gather']['layer']):03d}/*.out")
@@ -117,6 +123,12 @@ def expert_intermediates(layer: int, replica_tag: str, method: str) -> dict:
         return {"reads": [], "writes": []}
     return {"reads": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.in"],
             "writes": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.out"]}
+
+
+def kv_budget_bytes(memory_mb: int, runtime_mb: float, weight_bytes: int) -> int:
+    """Memory a dense function may give to the K/V it keeps between invocations: half of what
+    the runtime and its weights leave (the other half is the step's activations)."""
+    return max(0, int((memory_mb - runtime_mb) * 2**20 - weight_bytes) // 2)
 
 
 def _nbytes(tensors: dict) -> int:
@@ -137,11 +149,12 @@ def check_memory(functions: list, runtime_mb: float) -> None:
 def function_requirements(model: dict) -> str:
     """The image's requirements: what the runtime imports, the model library at the plan's pins."""
     import boto3
+    import numpy
     import safetensors
     import torch
 
     lines = [f"torch=={torch.__version__.split('+')[0]}", f"safetensors=={safetensors.__version__}",
-             f"boto3=={boto3.__version__}"]
+             f"numpy=={numpy.__version__}", f"boto3=={boto3.__version__}"]
     lines += [f"{name}=={version}" for name, version in sorted(model.get("library", {}).items())]
     return "\n".join(lines) + "\n"
 
@@ -174,8 +187,8 @@ def write_bundle(out, plan, state: dict, model_files: dict) -> dict:
 def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     """Every file of the bundle but its manifest, into `out` (which must not exist yet).
 
-    Everything comes from the plan (decisions, dense unit segments, payload limit, request rate)
-    and the weights, so `moeplan codegen plan.json` writes the same bytes.
+    Everything comes from the plan (decisions, dense unit segments, payload limit, request rate,
+    the request cost spec) and the weights, so `moeplan codegen plan.json` writes the same bytes.
     """
     out = Path(out)
     out.mkdir(parents=True)
@@ -199,6 +212,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     layout = lay.with_tail(layout, dense_names, stages)
     covered = set()
     functions = []
+    runtime_mb = float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0))
     parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit, layout, lay.unit_pieces(layout, stages))
     for k, s in enumerate(slices):
         tensors = {n: state[n] for p in parts[k] for n in lay.part_tensors(layout, dense_names, p["start"], p["stop"])}
@@ -207,7 +221,8 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
         write_shard(out / prefix / "weights.safetensors", tensors, k)
         invokes = [expert_id(p["scatter"]["layer"], int(e), r) for p in parts[k] if p.get("scatter", {}).get("method") == "direct"
                    for e, g in sorted(p["scatter"]["replicas"].items(), key=lambda kv: int(kv[0])) for r in range(g)]
-        spec = {"segments": [{k2: v for k2, v in p.items() if k2 != "units"} for p in parts[k]]}
+        spec = {"segments": [{k2: v for k2, v in p.items() if k2 != "units"} for p in parts[k]],
+                "kv_budget_bytes": kv_budget_bytes(int(s["memory_mb"]), runtime_mb, _nbytes(tensors))}
         functions.append({"id": dense_id(k), "kind": "dense", "handler": "dense_handler", "memory_mb": int(s["memory_mb"]),
                           "weights": prefix, "spec": spec, "invokes": invokes, "weight_bytes": _nbytes(tensors),
                           "units": s["units"], **dense_intermediates(parts[k])})
@@ -232,7 +247,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                                   **expert_intermediates(l, tag(l, e, r), L["method"]),
                                   "spec": {"layer": l, "expert": e, "tag": tag(l, e, r), "method": L["method"],
                                            "beta": int(L["beta"])}})
-    check_memory(functions, float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0)))
+    check_memory(functions, runtime_mb)
     steps = []
     for seg in range(num_layers + 1):
         for k, p in enumerate(parts):
@@ -243,14 +258,22 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                                        for x in layers[seg]["experts"] for r in range(int(x["replicas"]))]))
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
-    copy_runtime(out / "functions" / "runtime")
-    for rel, content in sorted(model_files.items()):  # what the functions build the model from (they take token ids)
-        if rel.removeprefix("model/") not in TEXT_FILES:
-            write_file(out / "functions" / rel, content)
+    copy_runtime(out / "functions" / "runtime", serving=True)  # serving/: the OpenAI API the front function runs
+    for rel, content in sorted(model_files.items()):  # the model the functions build, the text the front reads
+        write_file(out / "functions" / rel, content)
     write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
+    write_file(out / "functions" / "requirements-front.txt", front.requirements(pl["model"]))
+    rounded = json.loads(plan.to_json())["predicted"].get("request_cost")  # as plan.json holds it: simulate reads that
+    if rounded is None:
+        raise UserError("the plan has no request cost model (predicted.request_cost), which the front function states "
+                        "per response; regenerate it with this moeplan ('moeplan plan')")
+    write_file(out / "functions" / "request_cost.json", json.dumps(rounded, indent=1, sort_keys=True) + "\n")
+    entry = front.entry(pl, model_files)
+    write_file(out / "functions" / "front.json", json.dumps(front.settings(pl, entry), indent=1, sort_keys=True) + "\n")
     env = template_env("lambda")
     for kind in KINDS:
         write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
+    write_file(out / "functions" / "front" / "Dockerfile", env.get_template("Dockerfile.front.j2").render())
     predicted = pl["predicted"]
     per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
     ctx = {
@@ -264,6 +287,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
         "dense_cost": float(predicted["dense_partition"]["cost_per_request_usd"]),
         "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
+        "front": entry,
     }
     for f in ctx["functions"]:  # Lambda caps a function's environment at 4 KB
         size = len(f["spec_json"]) + len(f["weights"]) + 200

@@ -42,7 +42,7 @@ class Layout:
     post_only: frozenset = frozenset()   # MoE-block tensors the library uses only after the experts (`with_routing`)
 
     @classmethod
-    def of(cls, model) -> "Layout":
+    def of(cls, model) -> Layout:
         try:
             prefix, layers = decoder_layers(model)
             attention = tuple(attention_module(layer)[0] for layer in layers)
@@ -138,9 +138,9 @@ def with_routing(layout: Layout, model) -> Layout:
         called, hooks = [], []
         for name, module in block.named_modules():
             def pre(m, args, name=name):
-                if name in stops:
+                if name in stops:  # noqa: B023 (called within this iteration)
                     raise _Reached()
-                called.append(name)
+                called.append(name)  # noqa: B023 (called within this iteration)
             hooks.append(module.register_forward_pre_hook(pre))
         try:
             with torch.no_grad():
@@ -148,7 +148,7 @@ def with_routing(layout: Layout, model) -> Layout:
             continue  # never reached its experts: keep everything
         except _Reached:
             pass
-        except Exception:  # noqa: BLE001 - routing code that meta tensors cannot run
+        except Exception:
             continue
         finally:
             for h in hooks:

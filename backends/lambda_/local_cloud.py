@@ -1,13 +1,17 @@
-"""Local stand-ins for S3 and Lambda that a Lambda bundle's unchanged handlers talk to through boto3.
+"""Local stand-ins for S3, Lambda and Step Functions that a Lambda bundle's unchanged handlers talk
+to through boto3.
 
-Why: verification must exercise the deployed code paths - boto3 S3 calls, boto3 `lambda.invoke`
-for direct scatter-gather, one process per function, payload limits - without AWS. S3 is moto's
-server on 127.0.0.1 (random port); Lambda's Invoke API is a small HTTP server on 127.0.0.1 that
-forwards each call to the function's own process (forked by `runtime.lambda_worker`), enforcing
-the payload limit on requests and responses. Functions come from template.yaml itself: memory,
-environment (Ref / Fn::Sub resolved for a stack named `local`), handler from the Dockerfile CMD.
-Every invocation is recorded: function, measured seconds, planned memory, payload and storage bytes;
-every S3 key a function used is checked against the prefixes its IAM policy in the template allows.
+Why: verification and `moeplan serve` must exercise the deployed code paths - boto3 S3 calls, boto3
+`lambda.invoke` for direct scatter-gather, the front's `StartSyncExecution`, one process per
+function, payload limits - without AWS. S3 is moto's server on 127.0.0.1 (random port); Lambda's
+Invoke API and Step Functions' StartSyncExecution are a small HTTP server on 127.0.0.1: an invoke is
+forwarded to the function's own process (forked by `runtime.lambda_worker`), enforcing the payload
+limit on requests and responses; an execution runs the template's own definition (`asl.py`).
+Functions come from template.yaml itself: memory, environment (Ref / Fn::Sub resolved for a stack
+named `local`; `Ref: Pipeline` is the local state machine's ARN, other parameters from `parameters`),
+module and handler from the Dockerfile CMD. Every invocation is recorded: function, measured
+seconds, planned memory, payload and storage bytes; every S3 key a function used is checked
+against the prefixes its IAM policy in the template allows.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,11 +40,15 @@ class CloudError(Exception):
     """A function failed, a payload exceeded the limit, or the bundle cannot run locally."""
 
 
+STATE_MACHINE_ARN = f"arn:aws:states:us-east-1:000000000000:stateMachine:{STACK}-pipeline"
+
+
 @dataclass
 class Function:
     logical_id: str
     name: str
     handler: str
+    module: str
     memory_mb: int
     env: dict
     may_get: tuple = ()   # S3 key patterns (IAM wildcards: * any run of characters, ? one) its policy lets it read
@@ -80,29 +89,34 @@ class Invocation:
     io: dict = field(default_factory=dict)
 
 
-def _resolve(value, bucket: str):
+def _resolve(value, refs: dict):
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and list(value) == ["Ref"]:
-        return {"Bucket": bucket, "AWS::StackName": STACK}[value["Ref"]]
+        if value["Ref"] not in refs:
+            raise CloudError(f"cannot resolve Ref {value['Ref']!r} locally")
+        return refs[value["Ref"]]
     if isinstance(value, dict) and list(value) == ["Fn::Sub"]:
         return value["Fn::Sub"].replace("${AWS::StackName}", STACK)
     raise CloudError(f"cannot resolve {value!r} locally")
 
 
-def read_template(root: Path, bucket: str = BUCKET) -> tuple:
+def read_template(root: Path, bucket: str = BUCKET, parameters: dict | None = None) -> tuple:
     """(functions by logical id, state machine definition, substitutions -> logical id)."""
     doc = yaml.safe_load((root / "template.yaml").read_text())
+    refs = {"Bucket": bucket, "AWS::StackName": STACK, "Pipeline": STATE_MACHINE_ARN}
+    refs.update({k: str((parameters or {}).get(k, p.get("Default", ""))) for k, p in (doc.get("Parameters") or {}).items()})
     functions, machine = {}, None
     for lid, res in doc["Resources"].items():
         if res["Type"] == "AWS::Serverless::Function":
             props = res["Properties"]
             dockerfile = root / "functions" / res["Metadata"]["Dockerfile"]
-            cmd = re.search(r'^CMD \["runtime\.lambda_handlers\.(\w+)"\]', dockerfile.read_text(), re.M)
+            cmd = re.search(r'^CMD \["runtime\.(\w+)\.(\w+)"\]', dockerfile.read_text(), re.M)
             if cmd is None:
-                raise CloudError(f"{dockerfile} has no runtime.lambda_handlers CMD")
-            env = {k: _resolve(v, bucket) for k, v in props["Environment"]["Variables"].items()}
-            functions[lid] = Function(lid, _resolve(props["FunctionName"], bucket), cmd.group(1), int(props["MemorySize"]), env,
+                raise CloudError(f"{dockerfile} has no runtime.<module>.<handler> CMD")
+            env = {k: _resolve(v, refs) for k, v in props["Environment"]["Variables"].items()}
+            functions[lid] = Function(lid, _resolve(props["FunctionName"], refs), cmd.group(2), cmd.group(1),
+                                      int(props["MemorySize"]), env,
                                       _policy_prefixes(props, "s3:GetObject"), _policy_prefixes(props, "s3:PutObject"))
         elif res["Type"] == "AWS::Serverless::StateMachine":
             machine = res["Properties"]
@@ -113,7 +127,7 @@ def read_template(root: Path, bucket: str = BUCKET) -> tuple:
 class LocalCloud:
     """moto S3 + a Lambda Invoke endpoint + one process per function, all on 127.0.0.1."""
 
-    def __init__(self, root: Path, payload_limit: int):
+    def __init__(self, root: Path, payload_limit: int, parameters: dict | None = None):
         import logging
 
         try:
@@ -125,20 +139,22 @@ class LocalCloud:
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per S3 request
         self.root, self.payload_limit = Path(root), int(payload_limit)
-        self.functions, self.definition, self.subs = read_template(self.root)
+        self.functions, self.definition, self.subs = read_template(self.root, parameters=parameters)
+        self.executions = []  # (name, status, seconds, state transitions) of StartSyncExecution calls
         self.by_name = {f.name: f for f in self.functions.values()}
         self.invocations, self.lock = [], threading.Lock()
         self.client_io = {"get_bytes": 0, "put_bytes": 0, "gets": 0, "puts": 0}
         self._procs, self._ports, self._fn_locks = {}, {}, {lid: threading.Lock() for lid in self.functions}
         self.s3_server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.s3_server.start()
-        self.s3_url = "http://%s:%d" % self.s3_server.get_host_and_port()
+        self.s3_url = "http://{}:{}".format(*self.s3_server.get_host_and_port())
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self.http.daemon_threads = True
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        self.lambda_url = "http://127.0.0.1:%d" % self.http.server_address[1]
+        self.lambda_url = f"http://127.0.0.1:{self.http.server_address[1]}"
         self.env = {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "AWS_DEFAULT_REGION": "us-east-1",
-                    "AWS_ENDPOINT_URL_S3": self.s3_url, "AWS_ENDPOINT_URL_LAMBDA": self.lambda_url}
+                    "AWS_ENDPOINT_URL_S3": self.s3_url, "AWS_ENDPOINT_URL_LAMBDA": self.lambda_url,
+                    "AWS_ENDPOINT_URL_SFN": self.lambda_url}
         import boto3
 
         self.s3 = boto3.client("s3", endpoint_url=self.s3_url, region_name="us-east-1",
@@ -176,7 +192,8 @@ class LocalCloud:
     def _port(self, fn: Function) -> int:
         with self._zlock:
             if fn.logical_id not in self._ports:
-                self.zygote.stdin.write(json.dumps({"spawn": fn.logical_id, "handler": fn.handler, "env": fn.env}) + "\n")
+                self.zygote.stdin.write(json.dumps({"spawn": fn.logical_id, "module": fn.module, "handler": fn.handler,
+                                                    "env": fn.env}) + "\n")
                 self.zygote.stdin.flush()
                 line = self.zygote.stdout.readline()
                 if not line:
@@ -199,7 +216,7 @@ class LocalCloud:
         reply = json.loads(raw)
         result = json.dumps(reply.get("result")).encode()
         with self.lock:
-            self.invocations.append(Invocation(logical_id, fn.handler.replace("_handler", ""), float(reply["seconds"]),
+            self.invocations.append(Invocation(logical_id, _kind(fn), float(reply["seconds"]),
                                                fn.memory_mb, len(body), len(result), reply.get("io", {})))
         if not reply["ok"]:
             raise CloudError(f"function {logical_id} failed: {reply['error']}")
@@ -209,6 +226,27 @@ class LocalCloud:
         if len(result) > self.payload_limit:
             raise CloudError(f"response of {logical_id} is {len(result)} bytes, over the {self.payload_limit}-byte payload limit")
         return reply["result"]
+
+    def start_sync_execution(self, request: dict) -> dict:
+        """Step Functions' StartSyncExecution on the template's definition (SUCCEEDED or FAILED)."""
+        from moeplan.backends.lambda_.asl import ASLError, Machine
+
+        if request.get("stateMachineArn") != STATE_MACHINE_ARN:
+            raise CloudError(f"state machine {request.get('stateMachineArn')!r} does not exist here")
+        name = str(request.get("name") or f"execution-{len(self.executions)}")
+        machine = Machine(self.definition, self.subs, self.invoke)
+        start, started = time.perf_counter(), time.time()
+        reply = {"executionArn": f"{STATE_MACHINE_ARN.replace(':stateMachine:', ':express:')}:{name}",
+                 "stateMachineArn": STATE_MACHINE_ARN, "name": name, "startDate": started}
+        try:
+            output = machine.run(json.loads(request.get("input") or "{}"))
+            reply.update(status="SUCCEEDED", output=json.dumps(output))
+        except (CloudError, ASLError) as exc:
+            reply.update(status="FAILED", error="States.TaskFailed", cause=str(exc)[:1000])
+        reply["stopDate"] = time.time()
+        with self.lock:
+            self.executions.append((name, reply["status"], time.perf_counter() - start, machine.transitions))
+        return reply
 
     def close(self) -> None:
         try:
@@ -222,9 +260,13 @@ class LocalCloud:
         self.s3_server.stop()
 
 
+def _kind(fn: Function) -> str:
+    return fn.handler.replace("_handler", "") if fn.module == "lambda_handlers" else fn.module.replace("lambda_", "")
+
+
 def _handler_for(cloud: LocalCloud):
     class InvokeHandler(BaseHTTPRequestHandler):
-        """Lambda's Invoke API (synchronous), as boto3 calls it."""
+        """Lambda's Invoke API (synchronous) and Step Functions' StartSyncExecution, as boto3 calls them."""
 
         def log_message(self, *args):
             pass
@@ -232,6 +274,14 @@ def _handler_for(cloud: LocalCloud):
         def do_POST(self):
             m = INVOKE_PATH.match(self.path.split("?")[0])
             body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            target = self.headers.get("X-Amz-Target", "")
+            if target.startswith("AWSStepFunctions."):
+                if target != "AWSStepFunctions.StartSyncExecution":
+                    return self._reply(400, {"__type": "UnknownOperationException", "message": target}, {})
+                try:
+                    return self._reply(200, cloud.start_sync_execution(json.loads(body or b"{}")), {})
+                except CloudError as exc:
+                    return self._reply(400, {"__type": "StateMachineDoesNotExist", "message": str(exc)}, {})
             fn = cloud.by_name.get(m.group(1)) if m else None
             if fn is None:
                 return self._reply(404, {"Type": "User", "message": f"Function not found: {self.path}"},

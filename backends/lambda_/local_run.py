@@ -1,10 +1,12 @@
 """`moeplan run DIR --verify` for a Lambda bundle: greedy generation through the local state machine.
 
-Each generated token is one request: the client puts the batch (every prompt plus the tokens
-generated so far; full recomputation, as the reference) at `intermediates/<request>/state-000`,
-runs the bundle's own state machine definition (`asl.py`) against the local S3 and Lambda
-endpoints (`local_cloud.py`), and reads the logits from the last state file. The logits of the
-final request cover every position the reference computes; greedy tokens are compared too.
+One execution of the bundle's own state machine definition (`asl.py`, against the local S3 and
+Lambda endpoints of `local_cloud.py`) generates every token of every prompt: the prompts' forward,
+then one token per sequence per step, each dense function reusing the K/V its earlier
+invocations left (`runtime/lambda_kv.py`). With --verify the functions also write each step's
+logits, so the prompt positions (step 0) and every generated position (later steps) are compared
+with the source model's, and the greedy tokens too. `recompute=True` runs the former way instead,
+kept to measure what it cost: one execution per token, each the forward of the whole sequence.
 Measured: invocations, bytes through storage (handlers and client), bytes in payloads, and
 billed GB-s = sum over invocations of the handler's measured seconds, rounded up to the billing
 granularity, x the function's planned memory. First invocations include loading the weights.
@@ -21,6 +23,7 @@ import torch
 
 from moeplan.backends.lambda_.asl import ASLError, Machine
 from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
+from moeplan.backends.runtime import lambda_decode as decode
 from moeplan.backends.runtime import lambda_wire as wire
 from moeplan.planner.errors import UserError
 
@@ -71,12 +74,13 @@ def load_reference(root: Path, plan: dict):
         raise UserError(str(exc)) from None
 
 
-def _check_library(plan: dict) -> None:
+def check_library(plan: dict) -> None:
     """The functions run here with this machine's transformers: it must be the version pinned."""
-    from moeplan.backends.runtime.bundle_io import BundleError, check_library
+    from moeplan.backends.runtime.bundle_io import BundleError
+    from moeplan.backends.runtime.bundle_io import check_library as pinned
 
     try:
-        check_library(plan)
+        pinned(plan)
     except BundleError as exc:
         raise UserError(str(exc).replace("requirements.txt", "functions/requirements.txt")) from None
 
@@ -98,19 +102,62 @@ def _codec(root: Path, plan: dict):
             int(getattr(text, "max_position_embeddings", 1 << 30)))
 
 
-def _batch(seqs: list) -> dict:
-    ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
-    positions = torch.tensor([p for s in seqs for p in range(len(s))], dtype=torch.int64)
-    seq = torch.tensor([i for i, s in enumerate(seqs) for _ in s], dtype=torch.int64)
-    return {"ids": ids, "positions": positions, "seq": seq}
+def _execute(machine: Machine, request: str, prompts: list, max_tokens: int, keep_logits: bool) -> dict:
+    """One execution of the state machine: the generation of max_tokens greedy tokens per prompt."""
+    gen = {"max_tokens": int(max_tokens), "temperature": 0.0, "stop_token_ids": [], "keep_logits": bool(keep_logits)}
+    try:
+        out = machine.run(decode.initial_state(request, prompts, gen))
+    except (CloudError, ASLError) as exc:
+        raise UserError(f"the state machine failed on request {request}: {exc}") from None
+    if not out.get("done"):
+        raise UserError(f"the state machine ended request {request} before it was done")
+    return out
 
 
-def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool) -> dict:
+def _logits(cloud: LocalCloud, seqs: list, generated: list, units: int, recompute: bool) -> list:
+    """Per sequence, [len(prompt) + new_tokens - 1, V] logits: the prompt's positions (the first
+    forward) then each generated position but the last's (one per later step, or per execution)."""
+    def read(request, step):
+        return wire.from_bytes(cloud.get(f"intermediates/{request}/t{step:05d}/state-{units:03d}"))["logits"]
+
+    n = len(generated[0])
+    first = read("recompute-000" if recompute else "verify", 0)
+    ends = torch.cumsum(torch.tensor([len(s) for s in seqs]), 0)
+    out = []
+    for b, s in enumerate(seqs):
+        rows = [first[int(ends[b]) - len(s):int(ends[b])]]
+        for t in range(1, n):
+            if recompute:
+                logits = read(f"recompute-{t:03d}", 0)
+                stop = int(torch.cumsum(torch.tensor([len(x) + t for x in seqs]), 0)[b])
+                rows.append(logits[stop - 1:stop])
+            else:
+                rows.append(read("verify", t)[b:b + 1])
+        out.append(torch.cat(rows))
+    return out
+
+
+def _generate(machine: Machine, prefix: str, seqs: list, new_tokens: int, keep_logits: bool, recompute: bool) -> list:
+    """Generated tokens per prompt: one execution (K/V reuse), or one per token (recompute)."""
+    if not recompute:
+        return _execute(machine, prefix + "verify", seqs, new_tokens, keep_logits)["tokens"]
+    generated = [[] for _ in seqs]
+    for t in range(new_tokens):
+        out = _execute(machine, f"{prefix}recompute-{t:03d}", [s + g for s, g in zip(seqs, generated)], 1, keep_logits)
+        for g, tok in zip(generated, out["tokens"]):
+            g.extend(tok)
+    return generated
+
+
+def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool, recompute: bool = False,
+                      warm: bool = False) -> dict:
+    """The report of one generation; `warm`: the same generation runs once before, unmeasured, so
+    that every function it touches is a warm container (weights loaded, the library's model built)."""
     root = Path(bundle)
     plan = check_files(root)
     if plan.get("target") != "lambda":
         raise UserError(f"'{root}' is not a lambda bundle")
-    _check_library(plan)
+    check_library(plan)
     platform = plan["inputs"]["facts"]["platform"]
     units = sum(len(s["units"]) for s in plan["placement"]["dense_slices"])
     codec, max_positions = _codec(root, plan)
@@ -124,22 +171,12 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool)
     cloud = LocalCloud(root, platform["payload_limit_bytes"])
     try:
         weight_bytes = cloud.upload_weights()
-        machine = Machine(cloud.definition, cloud.subs, cloud.invoke)
-        generated = [[] for _ in seqs]
-        logits = None
-        for t in range(new_tokens):
-            request = f"verify-{t:03d}"
-            current = [s + g for s, g in zip(seqs, generated)]
-            cloud.put(f"intermediates/{request}/state-000", wire.to_bytes(_batch(current)))
-            try:
-                machine.run({"request": request})
-            except (CloudError, ASLError) as exc:
-                raise UserError(f"the state machine failed at request {t}: {exc}") from None
-            state = wire.from_bytes(cloud.get(f"intermediates/{request}/state-{units:03d}"))
-            logits = state["logits"]
-            ends = torch.cumsum(torch.tensor([len(s) for s in current]), 0) - 1
-            for i, e in enumerate(ends.tolist()):
-                generated[i].append(int(torch.argmax(logits[e])))
+        for attempt in ("warm-up-", "")[0 if warm else 1:]:
+            cloud.invocations.clear()
+            start = time.perf_counter()
+            machine = Machine(cloud.definition, cloud.subs, cloud.invoke)
+            generated = _generate(machine, attempt, seqs, new_tokens, verify, recompute)
+        logits = _logits(cloud, seqs, generated, units, recompute) if verify else None
         wall = time.perf_counter() - start
     finally:
         cloud.close()
@@ -150,34 +187,35 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool)
     for i in inv:
         io.update(i.io)
     report = {
-        "target": "lambda", "requests": new_tokens, "texts": [codec.decode(s + g) for s, g in zip(seqs, generated)],
-        "prompt_encoding": codec.source,
+        "target": "lambda", "executions": new_tokens if recompute else 1, "generation": "recompute" if recompute else "kv",
+        "texts": [codec.decode(s + g) for s, g in zip(seqs, generated)],
+        "prompt_encoding": codec.source, "new_tokens": new_tokens,
         "invocations": len(inv), "invocations_by_kind": dict(sorted(Counter(i.kind for i in inv).items())),
         "functions_used": len({i.function for i in inv}), "state_transitions": machine.transitions,
         "storage_bytes": {"functions_get": io["get_bytes"], "functions_put": io["put_bytes"],
                           "client_get": cloud.client_io["get_bytes"], "client_put": cloud.client_io["put_bytes"],
                           "total": io["get_bytes"] + io["put_bytes"] + cloud.client_io["get_bytes"] + cloud.client_io["put_bytes"],
                           "weights_uploaded": weight_bytes},
+        "storage_requests": {"functions_get": io["gets"], "functions_put": io["puts"],
+                             "client_get": cloud.client_io["gets"], "client_put": cloud.client_io["puts"]},
         "payload_bytes": sum(i.request_bytes + i.response_bytes for i in inv),
         "max_payload_bytes": max((max(i.request_bytes, i.response_bytes) for i in inv), default=0),
         "payload_limit_bytes": int(platform["payload_limit_bytes"]),
         "billed_gb_s": billed,
         "billed_usd": billed * float(platform["price_per_gb_s"]) + len(inv) * float(platform["price_per_request"]),
         "measured_seconds": sum(i.seconds for i in inv), "wall_s": wall,
+        "state_transitions_per_token": machine.transitions / new_tokens,
     }
     if verify:
         model = load_reference(root, plan)
         from moeplan.backends.torchrun.verify import reference_generate
 
         max_diff, match = 0.0, True
-        offset = 0
         torch.set_num_threads(1)
-        for s, g in zip(seqs, generated):
+        for s, g, mine in zip(seqs, generated, logits):
             ref_gen, ref_logits = reference_generate(model, s, new_tokens)
             match &= ref_gen == g
-            mine = logits[offset:offset + len(s) + new_tokens - 1]
             max_diff = max(max_diff, float((mine - ref_logits).abs().max()))
-            offset += len(s) + new_tokens - 1
         report.update(max_abs_logit_diff=max_diff, tokens_match=bool(match),
                       verified=bool(match and max_diff <= LOGIT_TOLERANCE))
     return report

@@ -1,4 +1,4 @@
-"""The Step Functions definition (Amazon States Language) that runs one request through the functions.
+"""The Step Functions definition (Amazon States Language) that generates one request's tokens.
 
 Why generated from the plan: the order is the model's (dense parts of segment 0, MoE layer 0,
 segment 1, ...), and each MoE layer's scatter-gather method decides its states. S3 methods: the
@@ -7,10 +7,19 @@ dense function that routed the layer wrote each active replica's rows to S3 and 
 replica only if it is named in `active` (ResultPath null: the state passes through unchanged).
 Direct method: no state; the routing function invoked the replicas itself. Function ARNs are
 `${LogicalId}` placeholders filled by DefinitionSubstitutions.
+
+One execution is the whole generation: a dense task hands the execution's state to its function
+(`Payload.state`) and the function's answer becomes the next state (OutputPath `$.Payload`); after
+the function that computes the logits, a Choice loops back to the first state for the next token
+until the state says `done` (`runtime/lambda_decode.py`). The first step is the prompt's forward,
+every later one a single token per sequence attending to the K/V the functions kept.
 """
 from __future__ import annotations
 
 INVOKE = "arn:aws:states:::lambda:invoke"
+
+
+NEXT_TOKEN, DONE = "Next token", "Done"
 
 
 def _task(function: str, payload: dict, nxt, keep_state: bool) -> dict:
@@ -21,8 +30,7 @@ def _task(function: str, payload: dict, nxt, keep_state: bool) -> dict:
     if keep_state:
         state["ResultPath"] = None
     else:
-        state["ResultSelector"] = {"request.$": "$.Payload.request", "active.$": "$.Payload.active"}
-        state["ResultPath"] = "$"
+        state["OutputPath"] = "$.Payload"
     return _link(state, nxt)
 
 
@@ -41,9 +49,9 @@ def definition(steps: list) -> dict:
         names.append(f"Segment {step[2]}: {step[1]}" if step[0] == "dense" else f"MoE layer {step[1]}")
     states = {}
     for k, step in enumerate(steps):
-        nxt = names[k + 1] if k + 1 < len(steps) else None
+        nxt = names[k + 1] if k + 1 < len(steps) else NEXT_TOKEN
         if step[0] == "dense":
-            states[names[k]] = _task(step[1], {"request.$": "$.request", "segment": int(step[2])}, nxt, keep_state=False)
+            states[names[k]] = _task(step[1], {"state.$": "$", "segment": int(step[2])}, nxt, keep_state=False)
             continue
         branches = []
         for tag, function in step[2]:
@@ -51,9 +59,12 @@ def definition(steps: list) -> dict:
             branches.append({"StartAt": check, "States": {
                 check: {"Type": "Choice", "Choices": [{"Variable": f"$.active.{tag}", "IsPresent": True, "Next": run}],
                         "Default": skip},
-                run: _task(function, {"request.$": "$.request"}, None, keep_state=True),
+                run: _task(function, {"request.$": "$.request", "step.$": "$.step"}, None, keep_state=True),
                 skip: {"Type": "Pass", "End": True},
             }})
         states[names[k]] = _link({"Type": "Parallel", "Branches": branches, "ResultPath": None}, nxt)
-    return {"Comment": "moeplan: one request through the dense slices and expert functions, layer by layer",
+    states[NEXT_TOKEN] = {"Type": "Choice", "Choices": [{"Variable": "$.done", "BooleanEquals": True, "Next": DONE}],
+                          "Default": names[0]}
+    states[DONE] = {"Type": "Succeed"}
+    return {"Comment": "moeplan: a request's tokens, each step through the dense slices and expert functions",
             "StartAt": names[0], "States": states}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
                                 read_reference_shard)
+from .expert_table import ExpertTable
 from .library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
 from .text_codec import TextCodec
 
@@ -145,3 +146,16 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     rank_model.top_k = top_k
     model.to(device)
     return rank_model, codec
+
+
+def load_bundle(root: Path, rank: int, world: int, device, mode: str | None) -> tuple:
+    """(plan, expert table, modes, RankModel, TextCodec) of one bundle for this rank; BundleError
+    when the launch does not fit the plan."""
+    plan = read_json(root, "plan.json")
+    if world != world_size_of(plan):
+        raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
+                          f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
+    table = ExpertTable.from_placement(read_json(root, "placement.json"))
+    modes = run_modes(plan, mode)
+    model, codec = build_rank_model(root, plan, rank, table, device)
+    return plan, table, modes, model, codec

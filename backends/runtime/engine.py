@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .context_exchange import ContextExchange, context_plan, hidden_size
@@ -193,7 +194,7 @@ class Engine:
         merged = dict(new)
         for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "token_sync"):
             _, m = unpack(got.cpu(), 0)
-            merged.update({s: t for s, t in m.tolist()})
+            merged.update(dict(m.tolist()))
         return merged
 
     # --- the routed computation (called by the library's MoE blocks) ------------------------
@@ -210,6 +211,11 @@ class Engine:
         rows, r_ids, r_w, r_dest = self.received
         partial = self._serve(adapter, h[rows.to(h.device)], r_ids, r_w, r_dest)
         return self._merge_on_primary(adapter.layer, h, rows, partial, r_dest[:, 0])
+
+    def _destinations(self, moe: int, ids: torch.Tensor, current: np.ndarray) -> torch.Tensor:
+        """int64 [n, k]: the rank of every slot of expert ids [n, k] (CPU) of tokens current on ranks [n]
+        (the replica rule of `expert_table.py`)."""
+        return torch.from_numpy(self.table.choose(moe, ids.numpy(), current))
 
     def _count_local(self, layer: int, moe: int, dest: torch.Tensor) -> None:
         if moe >= 1:
@@ -236,7 +242,7 @@ class Engine:
         active = (self.keys >= 0).nonzero().flatten()
         dev_active = active.to(h.device)
         a_ids, a_w, a_h, keys = ids[active], weights[dev_active], h[dev_active], self.keys[active]
-        dest = self.table.choose(adapter.moe, a_ids, torch.full((active.numel(),), self.rank, dtype=torch.int64))
+        dest = self._destinations(adapter.moe, a_ids, np.full(active.numel(), self.rank))
         self._count_local(adapter.layer, adapter.moe, dest)
         if self.recording:
             self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
@@ -259,8 +265,8 @@ class Engine:
         active = (self.keys >= 0).nonzero().flatten()
         dev_active = active.to(h.device)
         a_ids, a_w = ids[active], weights[dev_active]
-        first = torch.tensor([self.table.primary_rank(adapter.moe, e, -1) for e in a_ids[:, 0].tolist()], dtype=torch.int64)
-        dest = self.table.choose(adapter.moe, a_ids, first)
+        first = self.table.primary(adapter.moe, a_ids[:, 0].numpy(), np.full(active.numel(), -1))
+        dest = self._destinations(adapter.moe, a_ids, first)
         primary = dest[:, 0] == self.rank
         if self.recording:
             self.trace.append((adapter.moe, self.keys[active][primary], a_ids[primary], a_w.detach().float().cpu()[primary]))
@@ -337,7 +343,7 @@ class Engine:
                     ids, w = c.ids, c.weights
                 finally:
                     self.capture = False
-            dest = self.table.choose(adapter.moe, ids, torch.full((mine.numel(),), self.rank, dtype=torch.int64))
+            dest = self._destinations(adapter.moe, ids, np.full(mine.numel(), self.rank))
             self._count_local(adapter.layer, adapter.moe, dest)
             if self.recording:
                 self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))

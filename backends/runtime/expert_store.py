@@ -27,7 +27,6 @@ Nothing here imports moeplan: bundles run without it.
 """
 from __future__ import annotations
 
-import torch
 
 COUNTERS = ("disk_loads", "disk_bytes", "host_loads", "host_bytes")
 

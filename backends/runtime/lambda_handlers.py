@@ -9,10 +9,17 @@ invocation are plain boto3 calls, so the same code runs on AWS and against local
 (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL_LAMBDA). Weights are loaded once per container. The model
 is the library's own (`lambda_model.py`, built from `model/` beside the runtime in the image).
 
-Dense event: {"request", "segment"}; returns {"request", "active": {"L<l>E<e>R<r>": 1, ...}} naming
-the expert replicas the state machine must run next (S3 methods). Expert event (S3 methods):
-{"request"}; (direct): {"request", "rows": base64 tensor file} -> {"out": base64 tensor file}. An
-expert's input file holds `rows` [m, D] and gate weights `w` [m]; its output `y` [m, D] is weighted.
+One Step Functions execution generates a request's tokens: the state machine loops over the
+segments once per step (`lambda_decode.py`: the execution's state, the rows of a step, the next
+tokens), and each dense part reuses the K/V of earlier steps (`lambda_kv.py`: the container's
+memory, else the deltas every part writes inside its state file). Keys: intermediates/<request>/
+t<step>/state-NNN (a part's output), .../layer-LLL/<replica tag>.in|.out (S3 methods).
+
+Dense event: {"state": the execution's state, "segment"}; returns the execution's next state, its
+`active` naming the expert replicas the state machine must run next (S3 methods). Expert event (S3
+methods): {"request", "step"}; (direct): {"request", "step", "rows": base64 tensor file} -> {"out":
+base64 tensor file}. An expert's input file holds `rows` [m, D] and gate weights `w` [m]; its
+output `y` [m, D] is weighted.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from . import lambda_decode as decode
+from . import lambda_kv as kv
 from . import lambda_wire as wire
 from .lambda_model import DenseShare, ExpertShare, build, model_dir_of
 
@@ -79,26 +88,42 @@ def _share(make):
     return _CACHE["share"]
 
 
-def _key(request: str, name: str) -> str:
+def _key(request: str, step: int, name: str) -> str:
+    """S3 key of one step's file: intermediates/<request>/t<step>/<name>."""
     if not request or "/" in request or ".." in request:
         raise ValueError(f"bad request id {request!r}")
-    return f"intermediates/{request}/{name}"
+    return f"intermediates/{request}/t{int(step):05d}/{name}"
 
 
 def _tag(layer: int, expert: int, replica: int) -> str:
     return f"L{layer}E{expert}R{replica}"
 
 
+def _kv_store() -> kv.Store:
+    if "kv" not in _CACHE:
+        _CACHE["kv"] = kv.Store(int(_spec().get("kv_budget_bytes", 0)))
+    return _CACHE["kv"]
+
+
 def dense_handler(event, context=None):
-    """Run this slice's part of one segment with the library's model: combine the previous MoE
-    layer's expert outputs (S3: gathered here; direct: already in the state), run, then hand the
-    next MoE layer's rows to its expert functions (S3 files, or direct invocation and combine)."""
+    """One step of one segment of a request's generation, with the library's model: build or read
+    the step's rows, combine the previous MoE layer's expert outputs (S3: gathered here; direct:
+    already in the state), run the part attending to this part's K/V from earlier steps
+    (`lambda_kv`), then hand the next MoE layer's rows to its expert functions (S3 files, or
+    direct invocation and combine), or, at the logits, pick every sequence's next token.
+    Event: {"state": the execution's state, "segment"}; returns the execution's next state."""
     torch.set_num_threads(int(os.environ.get("MOEPLAN_THREADS", "1")))
     spec = _spec()
     share = _share(lambda w: DenseShare(MODEL_DIR, w))
-    request, segment = str(event["request"]), int(event["segment"])
+    doc, segment = dict(event["state"]), int(event["segment"])
+    request, step = str(doc["request"]), int(doc["step"])
     part = next(p for p in spec["segments"] if p["segment"] == segment)
-    state = wire.from_bytes(_get(_key(request, part["read"])))
+    if part["start"]["at"] == "ids":
+        state = decode.step_rows(doc)
+        doc.pop("prompt", None)  # only the first step's first part reads it
+    else:
+        state = wire.from_bytes(_get(_key(request, step, part["read"])))
+        state = {k: v for k, v in state.items() if not k.startswith(kv.KV_PREFIX)}
     routed = state.pop("routed", None)
     gather = part.get("gather")
     if gather is not None:  # S3 method: the experts of the previous layer wrote their outputs
@@ -108,27 +133,53 @@ def dense_handler(event, context=None):
         for e, g in replicas.items():
             for r, (tok, _) in enumerate(wire.assignment(state["route_ids"], e, g)):
                 if tok.numel():
-                    outputs[(e, r)] = wire.from_bytes(_get(_key(request, f"layer-{layer:03d}/{_tag(layer, e, r)}.out")))["y"]
+                    key = _key(request, step, f"layer-{layer:03d}/{_tag(layer, e, r)}.out")
+                    outputs[(e, r)] = wire.from_bytes(_get(key))["y"]
         routed = wire.routed_sum(state["route_ids"], outputs, replicas, state["x"].shape[1])
-    state, routing = share.run(state, part, routed)
-    active = {}
+    store, part_key = _kv_store(), f"s{segment:03d}"
+    keeps = bool(share.own_layers(part))  # a part without attention (the final norm and head) has no K/V
+    past, append = store.load(request, part_key, step, lambda t: _read_kv(request, t, part["write"])) if keeps else ({}, {})
+    try:
+        state, routing, after, grow = share.run(state, part, routed, past)
+    except Exception:
+        store.forget(request, part_key)
+        raise
+    more = keeps and decode.has_next_step(doc)  # else nothing reads this part's K/V again
+    tensors, meta = {}, {}
+    if more:
+        store.keep(request, part_key, step + 1, after, grow)
+        tensors, meta = kv.to_file(kv.delta_of(after, grow, decode.rows_per_sequence(state)), grow)
+    else:
+        store.forget(request, part_key)
+    doc["active"] = {}
     scatter = part.get("scatter")
     if scatter is not None:
         layer, replicas = int(scatter["layer"]), {int(e): int(g) for e, g in scatter["replicas"].items()}
         h, ids, weights = routing
         jobs = wire.expert_jobs(h, ids, weights, replicas)
         if scatter["method"] == "direct":
-            state["routed"] = wire.routed_sum(ids, _invoke_direct(request, scatter, jobs), replicas, h.shape[1])
+            state["routed"] = wire.routed_sum(ids, _invoke_direct(request, step, scatter, jobs), replicas, h.shape[1])
         else:
             for e, r, rows, w in jobs:
                 tag = _tag(layer, e, r)
-                _put(_key(request, f"layer-{layer:03d}/{tag}.in"), wire.to_bytes({"rows": rows, "w": w}))
-                active[tag] = 1
-    _put(_key(request, part["write"]), wire.to_bytes(state))
-    return {"request": request, "active": active}
+                _put(_key(request, step, f"layer-{layer:03d}/{tag}.in"), wire.to_bytes({"rows": rows, "w": w}))
+                doc["active"][tag] = 1
+    if part["stop"]["at"] == "logits":
+        doc = decode.advance(doc, state)
+        if not doc["gen"].get("keep_logits"):
+            state = {}
+    if state or tensors:
+        _put(_key(request, step, part["write"]), wire.to_bytes({**state, **tensors}, {"kv": meta}))
+    return doc
 
 
-def _invoke_direct(request: str, scatter: dict, jobs: list) -> dict:
+def _read_kv(request: str, step: int, name: str) -> tuple:
+    """(delta, append) this part wrote at `step` (inside its state file), for a container without it."""
+    data = _get(_key(request, step, name))
+    return kv.from_file(wire.from_bytes(data), wire.meta_of(data).get("kv", {}))
+
+
+def _invoke_direct(request: str, step: int, scatter: dict, jobs: list) -> dict:
     """Invoke each expert replica with its rows in the payload; split rows that exceed the payload limit."""
     import boto3
 
@@ -145,7 +196,7 @@ def _invoke_direct(request: str, scatter: dict, jobs: list) -> dict:
             n = rows.shape[0] - start
             while True:
                 data = wire.to_bytes({"rows": rows[start:start + n], "w": w[start:start + n]})
-                body = json.dumps({"request": request, "rows": base64.b64encode(data).decode()})
+                body = json.dumps({"request": request, "step": step, "rows": base64.b64encode(data).decode()})
                 if len(body) <= limit or n == 1:
                     break
                 n = max(1, n // 2)
@@ -168,11 +219,11 @@ def expert_handler(event, context=None):
     torch.set_num_threads(int(os.environ.get("MOEPLAN_THREADS", "1")))
     spec = _spec()
     share = _share(lambda w: ExpertShare(MODEL_DIR, w, int(spec["layer"]), int(spec["expert"])))
-    request = str(event["request"])
+    request, step = str(event["request"]), int(event["step"])
     if "rows" in event:
         got = wire.from_bytes(base64.b64decode(event["rows"]))
     else:
-        got = wire.from_bytes(_get(_key(request, f"layer-{spec['layer']:03d}/{spec['tag']}.in")))
+        got = wire.from_bytes(_get(_key(request, step, f"layer-{spec['layer']:03d}/{spec['tag']}.in")))
     rows, w = got["rows"], got["w"]
     beta = int(spec.get("beta") or 0)
     if spec["method"] == "pipelined_s3" and beta > 0:  # minibatches of beta rows
@@ -181,5 +232,5 @@ def expert_handler(event, context=None):
         y = share.run(rows, w)
     if "rows" in event:
         return {"out": base64.b64encode(wire.to_bytes({"y": y})).decode()}
-    _put(_key(request, f"layer-{spec['layer']:03d}/{spec['tag']}.out"), wire.to_bytes({"y": y}))
+    _put(_key(request, step, f"layer-{spec['layer']:03d}/{spec['tag']}.out"), wire.to_bytes({"y": y}))
     return {"request": request}

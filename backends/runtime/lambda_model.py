@@ -18,8 +18,10 @@ runs the library's forward with three kinds of cut, all by hooks on the decoder 
 * blocks outside the run are skipped (their forward returns its input).
 
 An expert function runs `MoEAdapter.local_expert_output`: the library's experts module holding
-only this function's expert. Batches are flat rows (every token of every sequence, sorted by
-sequence, `positions` 0..n-1), laid out here as a right-padded [B, W] batch with an attention mask.
+only this function's expert. Batches are one generation step's flat rows (the step's tokens of every
+sequence, sorted by sequence), laid out here as a left-padded [B, W] batch whose attention reaches
+the K/V of earlier steps through the library's own cache (`lambda_kv.py` keeps it between
+invocations): a prompt is one step of all its tokens, each decode step one token per sequence.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .library_model import ATTENTION_NAMES, build_tiny_moe, build_transformers, decoder_layers
+from .lambda_kv import append_names, flatten_layer, restore_layer
+from .library_model import ATTENTION_NAMES, build_tiny_moe, build_transformers, cache_kwarg, decoder_layers
 from .moe_adapter import MoEAdapter, find_containers
 
 
@@ -79,16 +82,22 @@ def _unload_others(model, loaded: set) -> None:
 
 
 class Batch:
-    """Flat rows <-> a right-padded [B, W] batch."""
+    """One step's flat rows <-> a left-padded [B, W] batch attending to `past` earlier columns.
 
-    def __init__(self, seq: torch.Tensor, positions: torch.Tensor):
-        self.B = int(seq.max()) + 1 if seq.numel() else 0
-        self.W = int(positions.max()) + 1 if positions.numel() else 0
-        self.index = seq * self.W + positions                    # flat row -> padded row
-        mask = torch.zeros(self.B * self.W, dtype=torch.bool)
-        mask[self.index] = True
-        self.mask = mask.view(self.B, self.W)
-        self.positions = torch.arange(self.W).expand(self.B, self.W).contiguous()
+    key_mask [B, past + W] is False where a column is padding (prompts are left-padded to the
+    longest, as the torchrun engine pads them), so every step appends W columns to every
+    sequence's cache and decode steps are [B, 1]."""
+
+    def __init__(self, seq: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor):
+        self.key_mask = key_mask.to(torch.bool)
+        self.B = int(self.key_mask.shape[0])
+        counts = torch.bincount(seq, minlength=self.B)
+        self.W = int(counts.max()) if seq.numel() else 0
+        self.past = int(self.key_mask.shape[1]) - self.W
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(seq.numel()) - starts[seq]          # rows are sorted by sequence
+        self.index = seq * self.W + (self.W - counts[seq]) + rank  # flat row -> padded row
+        self.positions = self.pad(positions)
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, ...] -> [B, W, ...] (zeros in padding)."""
@@ -116,6 +125,7 @@ class DenseShare:
         if self.kind != "tiny_moe":  # TinyMoE is small and embeds every call: keep its unused tensors
             _unload_others(self.model, set(weights))
         self.model.eval()
+        self.cache_kwarg = cache_kwarg(self.model) if self.kind != "tiny_moe" else None
         self._stop_moe = self._post_moe = None
         self._routed = None
 
@@ -129,15 +139,17 @@ class DenseShare:
             return self._routed.to(h.dtype)
         raise RuntimeError(f"MoE layer {adapter.moe} is outside this function's part")
 
-    def run(self, state: dict, part: dict, routed: torch.Tensor | None = None) -> tuple:
-        """Run one part on `state` (flat rows: ids, positions, seq, and x / attn / route_* when it
-        starts inside the model); returns (new state, routing or None) where routing is
-        (h [N, D], ids [N, k], weights [N, k]) of the MoE layer the part stops at."""
-        batch = Batch(state["seq"], state["positions"])
+    def run(self, state: dict, part: dict, routed: torch.Tensor | None = None, kv: dict | None = None) -> tuple:
+        """Run one part on `state` (one step's flat rows: ids, positions, seq, key_mask [B, past + W],
+        and x / attn / route_* when it starts inside the model) attending to `kv` (this part's
+        layers' cache state from earlier steps, `lambda_kv`); returns (new state, routing or None,
+        kv after this step, append names) where routing is (h [N, D], ids [N, k], weights [N, k])
+        of the MoE layer the part stops at."""
+        batch = Batch(state["seq"], state["positions"], state["key_mask"])
         start, stop = part["start"], part["stop"]
-        n_layers = len(self.layers)
-        first = {"ids": 0, "layer": start.get("layer"), "post": start.get("layer")}[start["at"]]
-        last = {"layer": stop.get("layer"), "routing": (stop.get("layer") or 0) + 1, "logits": n_layers}[stop["at"]]
+        first, last = self._bounds(part)
+        own = self.own_layers(part)
+        cache = self._cache_view(batch, own, kv or {})
         hooks, patched, keep = [], [], {}
         self._stop_moe = stop.get("moe") if stop["at"] == "routing" else None
         self._post_moe = start.get("moe") if start["at"] == "post" else None
@@ -164,7 +176,7 @@ class DenseShare:
                 hooks.append(attn.register_forward_hook(lambda m, a, out: keep.update(attn=out)))
             try:
                 with torch.no_grad():
-                    logits = self._forward(batch, state, start["at"] == "ids")
+                    logits = self._forward(batch, state, start["at"] == "ids", cache)
                 stopped = {}
             except Stop as end:
                 stopped = end.values
@@ -174,13 +186,14 @@ class DenseShare:
             for module, name in patched:
                 delattr(module, name)
             self._routed = None
-        out = {k: state[k] for k in ("ids", "positions", "seq")}
+        after, append = self._cache_state(cache, own)
+        out = {k: state[k] for k in ("ids", "positions", "seq", "key_mask")}
         if stop["at"] == "logits":
             out["logits"] = batch.unpad(logits).float()
-            return out, None
+            return out, None, after, append
         if stop["at"] == "layer":
             out["x"] = batch.unpad(stopped["x"]).float()
-            return out, None
+            return out, None, after, append
         if "h" not in stopped:
             raise RuntimeError(f"the part should stop at MoE layer {stop.get('moe')} but the forward ended")
         attn = keep["attn"]
@@ -193,16 +206,56 @@ class DenseShare:
         ids = stopped["ids"].reshape(batch.B * batch.W, -1)[idx].to(torch.int64)
         w = stopped["weights"].reshape(batch.B * batch.W, -1)[idx].float()
         out["route_ids"], out["route_w"] = ids, w
-        return out, (h, ids, w)
+        return out, (h, ids, w), after, append
 
-    def _forward(self, batch: Batch, state: dict, from_ids: bool):
+    def _bounds(self, part: dict) -> tuple:
+        """[first, last) decoder blocks the part runs (the others are skipped)."""
+        start, stop = part["start"], part["stop"]
+        first = {"ids": 0, "layer": start.get("layer"), "post": start.get("layer")}[start["at"]]
+        last = {"layer": stop.get("layer"), "routing": (stop.get("layer") or 0) + 1, "logits": len(self.layers)}[stop["at"]]
+        return first, last
+
+    def own_layers(self, part: dict) -> list:
+        """Blocks whose attention this part runs, so whose cache it keeps (a "post" start replays
+        its first block's attention: that block's cache is the routing part's)."""
+        first, last = self._bounds(part)
+        return [i for i in range(first, min(last, len(self.layers))) if not (part["start"]["at"] == "post" and i == first)]
+
+    def _forward(self, batch: Batch, state: dict, from_ids: bool, cache):
         ids = batch.pad(state["ids"]) if from_ids else torch.zeros(batch.B, batch.W, dtype=torch.int64)
         if self.kind == "tiny_moe":
-            return self.model.forward_incremental(ids, batch.positions, [], batch.mask)
+            return self.model.forward_incremental(ids, batch.positions, cache, batch.key_mask)
         embeds = None if from_ids else torch.zeros(batch.B, batch.W, state["x"].shape[-1])
-        out = self.model(input_ids=ids if from_ids else None, inputs_embeds=embeds, attention_mask=batch.mask.to(torch.int64),
-                         position_ids=batch.positions, use_cache=False)
+        out = self.model(input_ids=ids if from_ids else None, inputs_embeds=embeds,
+                         attention_mask=batch.key_mask.to(torch.int64), position_ids=batch.positions, use_cache=True,
+                         **{self.cache_kwarg: cache})
         return out.logits
+
+    # --- the library's cache, rebuilt per invocation -------------------------------------------
+    def _cache_view(self, batch: Batch, own: list, kv: dict):
+        """The library's cache for this forward: this part's layers (`own`) hold their state from
+        earlier steps; every other layer of a transformers cache holds a stand-in of the right
+        length (a [B, 1, past, 1] zero key), because the library sizes the attention mask from one
+        layer's length and that layer may belong to another function."""
+        if self.kind == "tiny_moe":
+            return [dict(kv.get(i, {})) if i in own else {} for i in range(len(self.layers))]
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = DynamicCache(config=self.model.config)
+        for i, layer in enumerate(cache.layers):
+            if i in own and i in kv:
+                restore_layer(layer, kv[i])
+            elif i not in own and batch.past and isinstance(layer, DynamicLayer):
+                stand_in = torch.zeros(batch.B, 1, batch.past, 1)
+                layer.update(stand_in, stand_in)
+        return cache
+
+    def _cache_state(self, cache, own: list) -> tuple:
+        """({layer: flat state}, {layer: append names}) of this part's layers after the forward."""
+        if self.kind == "tiny_moe":
+            return ({i: dict(cache[i]) for i in own if cache[i]}, {i: {"k", "v"} for i in own if cache[i]})
+        state = {i: flatten_layer(cache.layers[i]) for i in own if i < len(cache.layers)}
+        return state, {i: append_names(cache.layers[i]) for i in state}
 
     # --- hooks ------------------------------------------------------------------------------
     def _inject(self, layer: int, x: torch.Tensor):

@@ -8,19 +8,30 @@ Only torch, safetensors and the standard library.
 """
 from __future__ import annotations
 
+import json
 import math
+import struct
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 
-def to_bytes(tensors: dict) -> bytes:
-    return st_save({k: v.contiguous() for k, v in sorted(tensors.items())})
+def to_bytes(tensors: dict, meta: dict | None = None) -> bytes:
+    """A safetensors file; `meta` (JSON-able) rides in its header."""
+    header = None if meta is None else {"moeplan": json.dumps(meta, sort_keys=True)}
+    return st_save({k: v.contiguous() for k, v in sorted(tensors.items())}, metadata=header)
 
 
 def from_bytes(data: bytes) -> dict:
     return st_load(data)
+
+
+def meta_of(data: bytes) -> dict:
+    """The `meta` a file was written with ({} if none), read from its header only."""
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    return json.loads(header.get("__metadata__", {}).get("moeplan", "{}"))
 
 
 def assignment(route_ids: torch.Tensor, expert: int, replicas: int) -> list:

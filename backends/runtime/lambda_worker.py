@@ -6,14 +6,15 @@ functions and each fresh Python + torch start costs seconds. The zygote imports 
 handlers once and forks a child per function; the child keeps its weights between invocations
 like a warm container and serves one invocation at a time on a 127.0.0.1 socket.
 
-Zygote protocol (JSON lines on stdin/stdout): {"spawn": name, "handler": "dense_handler", "env": {}}
--> {"name", "pid", "port"}; {"exit": true} ends every child. Invocation protocol (per connection):
+Zygote protocol (JSON lines on stdin/stdout): {"spawn": name, "module": "lambda_handlers", "handler":
+"dense_handler", "env": {}} -> {"name", "pid", "port"}; {"exit": true} ends every child. Invocation protocol (per connection):
 8-byte length + JSON event -> 8-byte length + JSON {"ok", "result" | "error", "seconds"}, where
 `seconds` is the handler's own wall time (the billed duration), `io` its storage traffic and
 `access` the (operation, key) pairs it used.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -52,17 +53,18 @@ def _serve(module, handler_name: str, listener) -> None:
                 event = json.loads(recv(conn))
             except (ConnectionError, ValueError):
                 continue
-            for k in module.IO:
-                module.IO[k] = 0
-            del module.ACCESS[:]
+            io, access = getattr(module, "IO", {}), getattr(module, "ACCESS", [])
+            for k in io:
+                io[k] = 0
+            del access[:]
             start = time.perf_counter()
             try:
                 reply = {"ok": True, "result": handler(event, None)}
             except Exception as exc:  # reported to the caller, as Lambda's FunctionError
                 reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
             reply["seconds"] = time.perf_counter() - start
-            reply["io"] = dict(module.IO)
-            reply["access"] = list(module.ACCESS)
+            reply["io"] = dict(io)
+            reply["access"] = list(access)
             send(conn, json.dumps(reply).encode())
 
 
@@ -89,7 +91,7 @@ def zygote() -> int:
             os.environ.update(msg["env"])
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
-                _serve(lambda_handlers, msg["handler"], listener)
+                _serve(importlib.import_module(f"{__package__}.{msg.get('module', 'lambda_handlers')}"), msg["handler"], listener)
             finally:
                 os._exit(0)
         listener.close()

@@ -155,10 +155,7 @@ class RankModel:
                 raise ModelError(f"decoder block {layer} has no norm before its MoE block among {FFN_NORM_NAMES}")
         if any(a is None for a in self.attention):
             raise ModelError(f"a decoder block has no attention module among {ATTENTION_NAMES}")
-        # transformers 5.24 renamed the cache keyword and output field `past_key_values` to `cache`
-        # (the old name still works there, with a deprecation warning, until 5.40)
-        self.cache_kwarg = "cache" if kind != "tiny_moe" and "cache" in inspect.signature(model.forward).parameters \
-            else "past_key_values"
+        self.cache_kwarg = cache_kwarg(model) if kind != "tiny_moe" else "past_key_values"
 
     def forward(self, ids, positions, key_mask, cache):
         """Logits [B, S, V] and the cache to pass next time, for ids/positions [B, S], key_mask [B, P + S]."""
@@ -168,6 +165,12 @@ class RankModel:
         out = self.model(input_ids=ids, attention_mask=key_mask.to(torch.int64), position_ids=positions,
                          use_cache=True, **{self.cache_kwarg: cache})
         return out.logits, getattr(out, self.cache_kwarg)
+
+
+def cache_kwarg(model) -> str:
+    """The keyword the model's forward takes its cache by: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name still works there, with a warning, until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _load_dense(model, dense: dict, containers: list, kind: str) -> tuple:

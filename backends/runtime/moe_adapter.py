@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .expert_table import heaviest_order
+
 
 class Captured(Exception):
     """Raised through the library's forward to stop it once routing is known (capture mode)."""
@@ -270,6 +272,12 @@ class MoEAdapter:
         self._input = args[0].reshape(-1, args[0].shape[-1])
 
     def routed(self, h, ids, weights):
+        """The engine's routed sum for rows h [n, D] with the library's top-k ids and weights [n, k],
+        handed over heaviest first: routers need not sort them (DeepSeek-V2/V3 and GLM-4.5 take
+        `torch.topk(..., sorted=False)`), and slot 0 is the primary of the replica rule."""
+        if ids.shape[-1] > 1:
+            order = torch.from_numpy(heaviest_order(weights.detach().float().cpu().numpy()))
+            ids, weights = ids.gather(1, order.to(ids.device)), weights.gather(1, order.to(weights.device))
         return self.route_fn(self, h, ids, weights)
 
 

@@ -85,7 +85,7 @@ class NextUseModel:
                 "mix": round(float(self.mix), 6)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "NextUseModel":
+    def from_dict(cls, d: dict) -> NextUseModel:
         top = np.asarray(d["affinity"]["top"], dtype=np.int64)
         p = np.asarray(d["affinity"]["p"], dtype=float)
         E = top.shape[1]
@@ -96,14 +96,14 @@ class NextUseModel:
         return cls(np.asarray(d["p1"], float), np.asarray(d["m2"], float), aff, pop, _prior(pop, mean_k), mean_k,
                    float(d.get("mix", 0.0)))
 
-    def with_mix(self, mix: float) -> "NextUseModel":
+    def with_mix(self, mix: float) -> NextUseModel:
         return replace(self, mix=float(mix))
 
-    def round_trip(self) -> "NextUseModel":
+    def round_trip(self) -> NextUseModel:
         """The model as a plan stores it (sparse affinity, rounded): what the runtime will use."""
         return NextUseModel.from_dict(self.to_dict())
 
-    def new_state(self, stream) -> "NextUseState":
+    def new_state(self, stream) -> NextUseState:
         return NextUseState(self, stream)
 
 

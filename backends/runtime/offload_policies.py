@@ -139,7 +139,7 @@ class LIFO(Policy):
         del self.loaded[key]
 
     def victim(self, r, exclude=()):
-        active = set(self.step_keys().tolist()) | set(int(k) for k in exclude)
+        active = set(self.step_keys().tolist()) | {int(k) for k in exclude}
         for key in reversed(self.loaded):
             if key not in active:
                 return key

@@ -82,7 +82,7 @@ class Timing:
         return out
 
     @classmethod
-    def from_dict(cls, d: dict, host_keys=None) -> "Timing":
+    def from_dict(cls, d: dict, host_keys=None) -> Timing:
         return cls(layer_s=d["layer_ns"] * 1e-9, expert_compute_s=d["expert_compute_ns"] * 1e-9,
                    pcie_copy_s=d["pcie_copy_ns"] * 1e-9, nvme_copy_s=d["nvme_copy_ns"] * 1e-9,
                    expert_bytes=int(d["expert_bytes"]),
@@ -226,7 +226,7 @@ class TimedCache:
             served.append((key, False, evicted, False))
         self.block_done = max(done + on_device * timing.expert_compute_s, host_done)
         self.now = self.block_done + timing.layer_s
-        self.served_step = (s, set(int(k) for k in keys))
+        self.served_step = (s, {int(k) for k in keys})
         return served
 
     def decide(self, s: int) -> list:

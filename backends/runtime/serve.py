@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from . import results
-from .bundle_io import BundleError, build_rank_model, bundle_root, read_json, run_modes, world_size_of
+from .bundle_io import BundleError, bundle_root, load_bundle
 from .counters import Counters
 from .engine import Engine
 from .exchange import Exchanger
-from .expert_table import ExpertTable
+from .text_codec import prompt_lines
 
 
 def parse_args(argv=None):
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         print(f"error: --mode takes coherent and/or standard, got {bad}", file=sys.stderr)
         return 2
     if args.serve:
-        from .serving.ranks import serve_main
+        from .serving.ranks import serve_main  # serving/ ships in torchrun bundles only, not Lambda's (files.py)
 
         return serve_main(args)
     missing = [f"--{n}" for n in ("prompts", "out") if getattr(args, n) is None]
@@ -79,8 +79,7 @@ def main(argv=None) -> int:
     try:
         for root in roots:  # every bundle loads before any rank joins the group: launch errors stay one line
             plan, table, modes, model, codec = load_bundle(root, rank, world, device, args.mode)
-            with open(args.prompts, encoding="utf-8") as fh:
-                prompts = [codec.encode(line.rstrip("\n")) for line in fh if line.strip()]
+            prompts = [codec.encode(line) for line in prompt_lines(Path(args.prompts).read_text(encoding="utf-8"))]
             out = Path(args.out) / root.name if len(roots) > 1 else Path(args.out)
             loaded.append((model, codec, table, modes, prompts, out))
     except (BundleError, ValueError, OSError) as exc:
@@ -99,19 +98,6 @@ def main(argv=None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
-
-
-def load_bundle(root: Path, rank: int, world: int, device, mode: str | None) -> tuple:
-    """(plan, expert table, modes, RankModel, TextCodec) of one bundle for this rank; BundleError
-    when the launch does not fit the plan."""
-    plan = read_json(root, "plan.json")
-    if world != world_size_of(plan):
-        raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
-                          f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
-    table = ExpertTable.from_placement(read_json(root, "placement.json"))
-    modes = run_modes(plan, mode)
-    model, codec = build_rank_model(root, plan, rank, table, device)
-    return plan, table, modes, model, codec
 
 
 def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, rank, world, device,

@@ -91,7 +91,7 @@ def write_files(out: Path, plan, weights, model_files: dict):
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
     copy_runtime(out / "runtime", expert_cache=expert_cache, serving=True)
-    write_file(out / "requirements.txt", requirements(arch, expert_cache=expert_cache))
+    write_file(out / "requirements.txt", requirements(arch))
     env = template_env("torchrun")
     topo = plan.topology
     context = {

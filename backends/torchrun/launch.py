@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moeplan.backends.runtime.text_codec import prompt_lines
 from moeplan.planner.errors import UserError
 
 DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")
@@ -29,7 +30,7 @@ def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: st
     try:
         return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens")
+        raise UserError(f"the bundle did not finish within {timeout:.0f} s; raise --timeout or lower --new-tokens") from None
 
 
 def failure_reason(output: str) -> str:
@@ -45,7 +46,8 @@ def failure_reason(output: str) -> str:
 
 
 def read_prompts(prompts_path) -> list:
-    """Prompts, one per line (the defaults when no file is given); a missing or empty file is a UserError."""
+    """Prompts, one per line as the runtime reads them (`text_codec.prompt_lines`), or the defaults
+    when no file is given; a missing, binary or empty file is a UserError."""
     if prompts_path is None:
         return [p.replace("\n", " ") for p in DEFAULT_PROMPTS]
     path = Path(prompts_path)
@@ -59,7 +61,7 @@ def read_prompts(prompts_path) -> list:
         raise UserError(f"cannot read prompts file '{path}' ({exc.strerror or exc})") from None
     if "\0" in text:
         raise UserError(f"prompts file '{path}' is binary; give a text file with one prompt per line")
-    prompts = [l.rstrip("\n") for l in text.splitlines() if l.strip()]
+    prompts = prompt_lines(text)
     if not prompts:
         raise UserError(f"prompts file '{path}' holds no prompt; write one prompt per line")
     return prompts

@@ -38,7 +38,7 @@ class TinyMoEConfig:
     norm_eps: float = 1e-5
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TinyMoEConfig":
+    def from_dict(cls, data: dict) -> TinyMoEConfig:
         names = cls.__dataclass_fields__.keys()
         return cls(**{k: v for k, v in data.items() if k in names})
 

@@ -24,8 +24,8 @@ from pathlib import Path
 # 2-thread step ~20x slower. Only takes effect if torch is not imported yet.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 THREADS = 2

@@ -22,9 +22,8 @@ counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the r
   per step) = 16 bytes per sequence and other rank;
 * control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts);
 * messages = per rank and call, the number of other ranks it sends at least one row to.
-Replica choice follows the runtime rule exactly (primary: current rank, else first on its node,
-else first listed; secondary: current, else same node, else rotate by the order tokens appear on
-the rank), so with the run's own routing the bytes equal the measured counters.
+Replica choice is the runtime's own rule (`backends/runtime/expert_table.py`, run here as in the
+bundle), so with the run's own routing the bytes equal the measured counters.
 
 Time (per step, then per generated token = sum of steps / generated tokens):
 * compute, per block and rank r: c_r = ops_r x op_overhead + max(flops_r / flops_per_s,
@@ -32,7 +31,8 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
   the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
   loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
-  expert invoked, MOE_OPS per MoE layer) + slots x python_slot_s (the replica choice, a Python loop);
+  expert invoked, MOE_OPS per MoE layer; coherent mode adds COHERENT_HOOK_OPS per block on every
+  rank, its hooks) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
 * communication, per exchange call: 2 x collective latency(W) (counts, then rows) +
@@ -47,6 +47,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from moeplan.backends.runtime.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
 PHASES = ("dispatch", "combine", "merge", "context")
@@ -68,6 +70,12 @@ EXCHANGE_OPS = 8
 PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
 MERGE_OPS_PER_ROW = 0.5
 HEAD_OPS = 6
+# Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
+# running the block's norm and router a second time up to the experts, the context hook at the
+# attention input and the block-output correction. Measured, not counted: the runtime engine on one
+# rank in coherent mode less standard mode, over the fitted op cost, per block and step: 35.6
+# (examples/tiny_moe) and 37.3 (examples/qwen3_moe), median of 7 interleaved runs each.
+COHERENT_HOOK_OPS = 36
 
 
 @dataclass(frozen=True)
@@ -91,7 +99,7 @@ class ModelShape:
                                  # K and V (2 x kv heads x head dim) or an MLA latent are smaller
 
     @classmethod
-    def from_ir(cls, ir) -> "ModelShape":
+    def from_ir(cls, ir) -> ModelShape:
         """From a ModelIR: blocks are the attention stages; MoE stages sit in the block they follow."""
         blocks, moe_blocks, attn, attn_bytes, mlp, head = -1, [], [], [], [], 0.0
         for s in ir.stages:
@@ -225,44 +233,10 @@ class Prediction:
         }
 
 
-class ReplicaTable:
-    """hosts bool [L, E, W] -> the runtime's replica choice (expert_table.py), as plain lists."""
-
-    def __init__(self, hosts: np.ndarray, gpus_per_node: int):
-        self.hosts = [[tuple(int(d) for d in np.flatnonzero(hosts[l, e])) for e in range(hosts.shape[1])]
-                      for l in range(hosts.shape[0])]
-        self.per_node = gpus_per_node
-
-    def primary(self, layer: int, e: int, current: int) -> int:
-        ranks = self.hosts[layer][e]
-        if current in ranks:
-            return current
-        node = current // self.per_node
-        return next((r for r in ranks if r // self.per_node == node and current >= 0), ranks[0])
-
-    def choose(self, layer: int, ids: list, current: list) -> list:
-        """Destination ranks [n][k] for tokens on one rank, in the order the rank holds them."""
-        turns: dict = {}
-        out = []
-        for experts, cur in zip(ids, current):
-            row = [self.primary(layer, experts[0], cur if layer > 0 else -1)]
-            for e in experts[1:]:
-                ranks = self.hosts[layer][e]
-                if cur in ranks:
-                    row.append(cur)
-                    continue
-                pool = [r for r in ranks if r // self.per_node == cur // self.per_node] or list(ranks)
-                turn = turns.get(e, 0)
-                turns[e] = turn + 1
-                row.append(pool[turn % len(pool)])
-            out.append(row)
-        return out
-
-
 class _Counter:
     """Accumulates one exchange call's rows per (source, destination) into counters and time."""
 
-    def __init__(self, pred: Prediction, table: ReplicaTable, profile, world: int):
+    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int):
         self.pred, self.table, self.profile, self.world = pred, table, profile, world
 
     def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
@@ -284,7 +258,7 @@ class _Counter:
             entry["messages"] += msgs
             entry["control_bytes"] += ctrl_b
             entry["control_messages"] += ctrl_m
-        node = np.arange(W) // self.table.per_node
+        node = self.table.node_of
         same = node[:, None] == node[None, :]
         self.pred.tiers["same_node"] += int(off[same].sum()) * row_bytes
         self.pred.tiers["other_node"] += int(off[~same].sum()) * row_bytes
@@ -315,7 +289,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     if mode not in (COHERENT, STANDARD):
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = hosts.shape[2]
-    table = ReplicaTable(hosts, gpus_per_node)
+    table = ExpertTable(hosts, gpus_per_node)
     pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
                       layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)
                                for p in PHASES} for _ in range(shape.num_blocks)],
@@ -342,12 +316,14 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             compute = np.zeros(W)
             # attention (and the dense parts) where the token is; coherent: K/V for every token on every rank
             if current is None:
-                holders = {r: keys for r in range(W)}
+                holders = dict.fromkeys(range(W), keys)
             else:
                 holders = {r: [t for t in keys if current[t] == r] for r in range(W)}
             if mode == COHERENT and current is not None:
                 counts = np.array([[len(holders[r])] * W for r in range(W)], dtype=np.int64)
                 step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes_at(block), block, "context"), comm=True)
+            if mode == COHERENT:
+                compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             for r in range(W):
                 seqs = len({s for s, _ in holders[r]})
                 if holders[r]:
@@ -365,12 +341,12 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             rows_compute = np.zeros(W)
             experts_called = [set() for _ in range(W)]
             if current is None:  # coherent first MoE layer: replicated tokens, merge only
-                ids = [list(routing[t][moe]) for t in keys]
-                first = [table.primary(moe, e[0], -1) for e in ids]
+                ids = _slot_ids(routing, keys, moe, shape.top_k)
+                first = table.primary(moe, ids[:, 0], np.full(len(keys), -1))
                 dest = table.choose(moe, ids, first)
                 merge = np.zeros((W, W), dtype=np.int64)
-                for e, d in zip(ids, dest):
-                    for slot, (ex, r) in enumerate(zip(e, d)):
+                for e, d in zip(ids.tolist(), dest.tolist()):
+                    for ex, r in zip(e, d):
                         rows_compute[r] += 1
                         experts_called[r].add(ex)
                     for r in set(d) - {d[0]}:
@@ -379,17 +355,17 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                     compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(keys) * shape.top_k)
                 step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
                 step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
-                current = {t: d[0] for t, d in zip(keys, dest)}
+                current = {t: int(d) for t, d in zip(keys, dest[:, 0])}
                 continue
             dispatch = np.zeros((W, W), dtype=np.int64)
             merge = np.zeros((W, W), dtype=np.int64)
             new_current = {}
             for r in range(W):
                 mine = holders[r]
-                ids = [list(routing[t][moe]) for t in mine]
-                dest = table.choose(moe, ids, [r] * len(mine))
+                ids = _slot_ids(routing, mine, moe, shape.top_k)
+                dest = table.choose(moe, ids, np.full(len(mine), r))
                 compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(mine) * shape.top_k)
-                for t, e, d in zip(mine, ids, dest):
+                for t, e, d in zip(mine, ids.tolist(), dest.tolist()):
                     for ex, dr in zip(e, d):
                         rows_compute[dr] += 1
                         experts_called[dr].add(ex)
@@ -413,11 +389,18 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         step_time += _add(pred, _pace(profile, np.array([_cost(profile, HEAD_OPS, n * shape.head_flops) for n in ends]), W))
         if mode == COHERENT:
             new = np.zeros((W, W), dtype=np.int64)
-            for s, t in last_of.items():
+            for t in last_of.values():
                 new[current[t], :] += 1
             step_time += _add(pred, counter.exchange(new, 16, None, "token_sync"), comm=True)
         pred.step_seconds.append(step_time)
     return pred
+
+
+def _slot_ids(routing: dict, tokens: list, moe: int, top_k: int) -> np.ndarray:
+    """int64 [n, k]: the expert ids of `tokens` at MoE layer `moe`, heaviest first."""
+    if not tokens:
+        return np.zeros((0, top_k), dtype=np.int64)
+    return np.array([routing[t][moe] for t in tokens], dtype=np.int64)
 
 
 def _add(pred: Prediction, seconds: float, comm: bool = False) -> float:

@@ -59,7 +59,7 @@ class CountTable:
     previous: np.ndarray = None  # context: the previous token of the request (-1: first / unknown)
 
     @classmethod
-    def from_trace(cls, trace: Trace) -> "CountTable":
+    def from_trace(cls, trace: Trace) -> CountTable:
         if trace.token_ids is None:
             raise UserError("popularity prediction needs 'token_ids' in the trace; re-record it with 'moeplan trace'")
         T, L, K = trace.experts.shape
@@ -77,7 +77,7 @@ class CountTable:
         return cls(uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3], uniq[:, 4], counts.astype(float),
                    token_freq, L, trace.num_experts, K, uniq[:, 5])
 
-    def with_values(self, keys: np.ndarray, values: np.ndarray) -> "CountTable":
+    def with_values(self, keys: np.ndarray, values: np.ndarray) -> CountTable:
         """A copy where each key (token, position, attention, layer, expert) has its count set.
 
         The paper's key has no context column: a set key replaces every row of that key (whatever

@@ -93,13 +93,12 @@ def describe_capacity(capacity: dict) -> str:
             f"{capacity['device_memory_bytes'] / (1 << 30):.1f} GiB, {capacity['device_memory_source']})")
 
 
-def device_memory(offload_options: dict | None) -> tuple:
-    """(bytes, where the figure comes from): compile's --gpu-memory, else the offload hardware
-    profile's device memory (passes/optimize/offload/hardware.yaml; its default when none is named)."""
-    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
-
+def device_memory(offload_options: dict | None, profile) -> tuple:
+    """(bytes, where the figure comes from): compile's --gpu-memory, else the device memory of the
+    plan's hardware profile (`profile`: planner/hardware.py, the one the cost model and expert
+    caches price with; --hardware NAME|FILE|this-machine)."""
     o = offload_options or {}
     if o.get("gpu_memory_bytes"):
         return int(o["gpu_memory_bytes"]), "--gpu-memory"
-    name = o.get("hardware") or DEFAULT
-    return int(load_hardware(name).gpu_memory_bytes), f"hardware profile {name}"
+    profile.require(("device_memory_bytes",), "serving capacity without --gpu-memory")
+    return int(profile.device_memory_bytes), f"hardware profile {profile.name}"

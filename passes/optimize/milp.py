@@ -10,12 +10,17 @@ without presolve (HiGHS 1.16 returned a warm start as optimal with objective 0).
 
 Model: minimise c @ x subject to row_lower <= A @ x <= row_upper, lower <= x <= upper,
 x[integer] integral.
+
+Every HiGHS object is made by `quiet_highs()`: highspy prints HiGHS's banner on stdout while it
+constructs one, before any option can turn output off, and `--json` stdout must stay JSON.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import scipy.sparse as sp
@@ -25,7 +30,7 @@ GUROBI_SIZE_LIMIT = 2000
 
 @dataclass
 class MilpResult:
-    x: Optional[np.ndarray]  # best incumbent (None when none was found)
+    x: np.ndarray | None  # best incumbent (None when none was found)
     objective: float
     bound: float
     status: str  # "optimal", "time_limit", "infeasible", "other"
@@ -95,11 +100,11 @@ def solve_milp(
     integer: np.ndarray,
     *,
     time_limit: float,
-    warm_start: Optional[np.ndarray] = None,
+    warm_start: np.ndarray | None = None,
     solver: str = "highs",
     mip_gap: float = 1e-4,
-    node_limit: Optional[int] = None,
-    iteration_limit: Optional[int] = None,
+    node_limit: int | None = None,
+    iteration_limit: int | None = None,
 ) -> MilpResult:
     """Solve the model above; `integer` is a bool mask over columns.
 
@@ -131,6 +136,58 @@ def solve_milp(
     return result
 
 
+def quiet_highs():
+    """A `highspy.Highs` with output off that wrote nothing to stdout while it was made.
+
+    Why: highspy 1.16's constructor registers its callbacks first, and HiGHS logs its two-line
+    banner to the process's stdout then (once per process), so `output_flag` set afterwards is too
+    late. The banner is written by C code, so file descriptor 1 itself is pointed at /dev/null for
+    the constructor and C's stdio buffer is flushed there before it is restored."""
+    import highspy
+
+    with _fd1_to_devnull():
+        h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    return h
+
+
+@contextlib.contextmanager
+def _fd1_to_devnull():
+    """Point file descriptor 1 at /dev/null for the block (C-level writes included)."""
+    try:
+        sys.stdout.flush()
+    except (AttributeError, ValueError):  # stdout replaced or closed
+        pass
+    try:
+        saved = os.dup(1)
+    except OSError:  # no fd 1 at all: nothing to protect
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        try:
+            yield
+        finally:
+            _flush_c_stdio()
+            os.dup2(saved, 1)
+    finally:
+        os.close(devnull)
+        os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """fflush(NULL): what C code buffered for fd 1 goes to /dev/null, not to the restored stdout."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc.fflush(None)
+    except (OSError, AttributeError):  # no C library to flush (then nothing was buffered by it)
+        pass
+
+
 def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, warm_start, mip_gap, node_limit=None,
                  iteration_limit=None) -> MilpResult:
     import highspy
@@ -153,8 +210,7 @@ def _solve_highs(c, A, row_lower, row_upper, lower, upper, integer, time_limit, 
     is_mip = bool(np.any(integer))
     if is_mip:
         lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("time_limit", float(max(time_limit, 0.01)))

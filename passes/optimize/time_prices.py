@@ -71,9 +71,10 @@ def time_prices(profile, shape, workload, world: int, gpus_per_node: int, num_ex
     weights = np.array(steps, dtype=float) / max(sum(steps), 1)
     back = shape.combine_row_bytes if mode == STANDARD else shape.keyed_row_bytes
     share_other = (W - gpus_per_node) / (W - 1) if W > 1 else 0.0
-    per_byte = (share_other / profile.bandwidth_bytes_per_s["other_node"]
-                + (1 - share_other) / profile.bandwidth_bytes_per_s["same_node"])
-    latency = share_other * profile.message_latency_s["other_node"] + (1 - share_other) * profile.message_latency_s["same_node"]
+    tiers = ("same_node", "other_node") if share_other else ("same_node",)  # one node: the other tier may be unknown
+    shares = {"same_node": 1 - share_other, "other_node": share_other}
+    per_byte = sum(shares[t] / profile.bandwidth_bytes_per_s[t] for t in tiers)
+    latency = sum(shares[t] * profile.message_latency_s[t] for t in tiers)
     alone = float(sum(w * math.exp(-n * k / max(W * W, 1)) for w, n in zip(weights, steps)))
     remote = (shape.dispatch_row_bytes + back) * per_byte + 2 * latency * alone
     opens_call = float(sum(w * math.exp(-n * k / max(num_experts, 1)) for w, n in zip(weights, steps)))

@@ -26,7 +26,7 @@ def read_plan_file(path: Path):
     try:
         return Plan.from_json(path.read_text(encoding="utf-8"))
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc}); write one with 'moeplan plan'")
+        raise UserError(f"plan file '{path}' is not a moeplan plan ({exc}); write one with 'moeplan plan'") from None
 
 
 @click.command("codegen", short_help="Write the bundle of a plan.json (byte-identical to compile's).")

@@ -49,7 +49,7 @@ def compile_cmd(model, trace_path, target, out, as_json, quiet, with_report=Fals
     if with_report:  # issue 31: the bundle's own report.html, listed in its manifest before any signature
         from moeplan.planner.commands.report import write_bundle_report
 
-        finish = lambda bundle: write_bundle_report(Path(bundle), [trace_path])  # noqa: E731
+        finish = lambda bundle: write_bundle_report(Path(bundle), [trace_path])
     outcome = compile_target(target, model, trace_path, out, flag_values(ctx), given_flags(ctx), quiet=quiet or as_json,
                              finish=finish)
     if as_json:

@@ -62,7 +62,7 @@ def report_facts(plan: dict, plan_path: Path, planning, held_out, tie: float) ->
 # ------------------------------------------------------------------------------------- placement
 
 def _placement_and_loads(plan: dict, trace):
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
 
     placement = placement_from_dict(plan["placement"])
     hosts = placement.hosts()  # bool [L, E, D]
@@ -89,8 +89,8 @@ def max_over_mean(hosts: np.ndarray, loads: np.ndarray) -> list:
 
 def placement_facts(plan: dict, trace, with_affinity: bool) -> dict:
     """Device loads, per-layer balance beside contiguous and EPLB, and the heaviest pair's affinity."""
-    from moeplan.passes.optimize.placement.eplb import eplb_placement
-    from moeplan.passes.optimize.placement.policies import contiguous_placement
+    from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
+    from moeplan.passes.optimize.placement.algorithms.contiguous import contiguous_placement
 
     placement, hosts, loads = _placement_and_loads(plan, trace)
     L, E, D = hosts.shape

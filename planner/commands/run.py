@@ -59,7 +59,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
-            "predicted_hardware", "prompt_encoding", "expert_cache")
+            "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[modes[0]] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -95,7 +95,8 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
         for i, text in enumerate(report["texts"]):
             click.echo(f"  [{i}] {text!r}")
         sb = report["storage_bytes"]
-        click.echo(f"{report['requests']} request(s): {report['invocations']} invocations {report['invocations_by_kind']}, "
+        click.echo(f"{report['new_tokens']} token(s) per prompt in {report['executions']} execution(s): "
+                   f"{report['invocations']} invocations {report['invocations_by_kind']}, "
                    f"{report['state_transitions']} state transitions; storage {sb['total']} bytes "
                    f"(functions get {sb['functions_get']} / put {sb['functions_put']}), payloads {report['payload_bytes']} bytes "
                    f"(largest {report['max_payload_bytes']} <= {report['payload_limit_bytes']})")
@@ -106,6 +107,14 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
                        f"(<= {LOGIT_TOLERANCE:g}), tokens {'identical' if report['tokens_match'] else 'DIFFER'}")
     if verify and not report["verified"]:
         sys.exit(1)
+
+
+def _loads(report: dict) -> str:
+    """', load average L; calibrated at load C' where known: a CPU's measured time follows its load."""
+    text = "" if report.get("load_average") is None else f", load average {report['load_average']:.1f}"
+    if report.get("calibration_load_average") is not None:
+        text += f"; calibrated at load {report['calibration_load_average']:.1f}"
+    return text
 
 
 def _print(report: dict, verify: bool) -> None:
@@ -123,7 +132,7 @@ def _print(report: dict, verify: bool) -> None:
     if "predicted_total_bytes_per_token" in report:
         click.echo(f"  predicted: all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
                    f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
-                   f"(measured {report['seconds_per_token'] * 1e3:.2f})")
+                   f"(measured {report['seconds_per_token'] * 1e3:.2f}{_loads(report)})")
     if report["mode"] == "coherent":
         click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
                    f"predicted {report['predicted_gpu_local_fraction']:.4f}")

@@ -1,5 +1,6 @@
 """`moeplan serve BUNDLE`: run a bundle's inference service locally (the OpenAI-compatible HTTP API on
-rank 0 over continuous batching; docs/serving.md).
+rank 0 over continuous batching; docs/serving.md). A Lambda bundle is served by its own front
+function over the local cloud instead (`backends/lambda_/serve_local.py`, docs/serverless.md).
 
 The bundle is checked as `run` checks it (manifest, shards, world size, referenced checkpoint, and
 its signature with --trusted-key), then its ranks start under torchrun (`backends/torchrun/
@@ -48,6 +49,10 @@ def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, 
     from moeplan.backends.torchrun.serve_launch import serve_command, start_service, stop_workers
 
     root = Path(bundle)
+    if _target(root) == "lambda":
+        return _serve_lambda(root, host, port, api_key, trusted_key,
+                             {"--nproc": nproc, "--mode": mode, "--max-sequences": max_sequences,
+                              "--max-waiting": max_waiting, "--threads": threads})
     plan = _checked_plan(root, nproc, trusted_key)
     world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
     _check_port(host, port)
@@ -94,6 +99,36 @@ def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, 
     sys.exit(1)
 
 
+def _target(root: Path):
+    try:
+        return json.loads((root / "plan.json").read_text()).get("target")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _serve_lambda(root: Path, host: str, port: int, api_key, trusted_key, rank_flags: dict) -> int:
+    """Lambda bundles: the front function and state machine on the local cloud (backends/lambda_/serve_local.py)."""
+    from moeplan.backends.lambda_.serve_local import serve_lambda
+
+    given = [flag for flag, value in rank_flags.items() if value is not None]
+    if given:
+        raise UserError(f"{', '.join(given)} apply to torchrun and kubernetes bundles; a Lambda bundle's functions "
+                        "are sized by its plan")
+    if trusted_key is not None:
+        from moeplan.backends.common.signing import SigningError, verify_bundle_signature
+
+        try:
+            verify_bundle_signature(str(root), trusted_key)
+        except SigningError as exc:
+            raise UserError(str(exc)) from None
+
+    def ready(url: str) -> None:
+        click.echo(READY + url)
+        sys.stdout.flush()
+
+    return serve_lambda(str(root), host, port, api_key, ready)
+
+
 def _pump_stderr(proc, keep: list, forward: threading.Event) -> None:
     for line in proc.stderr:
         keep.append(line)
@@ -103,7 +138,7 @@ def _pump_stderr(proc, keep: list, forward: threading.Event) -> None:
 
 
 def _checked_plan(root: Path, nproc, trusted_key) -> dict:
-    """The bundle's plan after the checks `run` makes; torchrun and kubernetes bundles only."""
+    """The bundle's plan after the checks `run` makes (torchrun and kubernetes bundles)."""
     from moeplan.backends.common.manifest import BundleCheckError, check_bundle
     from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
 
@@ -114,13 +149,6 @@ def _checked_plan(root: Path, nproc, trusted_key) -> dict:
             verify_bundle_signature(str(root), trusted_key)
         except SigningError as exc:
             raise UserError(str(exc)) from None
-    try:
-        target = json.loads((root / "plan.json").read_text()).get("target")
-    except (OSError, ValueError, AttributeError):
-        target = None
-    if target == "lambda":
-        raise UserError(f"'{root}' is a Lambda bundle: it is served by its own API front once deployed "
-                        "(docs/serverless.md); moeplan serve runs torchrun and kubernetes bundles")
     try:
         plan = check_bundle(root, nproc)
         check_referenced_checkpoint(root, plan)

@@ -4,7 +4,8 @@ The held-out trace is cut into batches of the plan's batch size (a trace shorter
 is one batch scaled to that size); each batch's real per-expert loads run against the plan's
 fixed memory and replicas (overflows invoke extra replicas, as the runtime would). Prints the
 mean cost per batch, latency, throughput, SLO misses and the per-layer sizing; `--json` prints
-one JSON line.
+one JSON line. `--prompt-tokens P --new-tokens N` instead prices one generation request of a lambda
+plan, the figures a served response's X-Moeplan-* headers state.
 """
 from __future__ import annotations
 
@@ -12,20 +13,66 @@ import json
 
 import click
 
+from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
 
 
-@click.command("simulate", short_help="Replay a lambda or offload plan on a held-out trace: cost, latency, hit ratios.")
+def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:
+    """One generation request priced by the plan's request cost model (backends/runtime/
+    lambda_request_cost.py, the code the bundle's front function runs on the same spec)."""
+    from moeplan.backends.runtime.lambda_request_cost import request_cost
+    from moeplan.planner.pipeline.lambda_ import read_plan
+
+    plan = read_plan(plan_path)[0]
+    spec = plan.predicted.get("request_cost") if isinstance(plan.predicted, dict) else None
+    if not isinstance(spec, dict):
+        raise UserError(f"plan file '{plan_path}' has no request cost model (predicted.request_cost); regenerate it with this moeplan")
+    if prompt_tokens < 1:
+        raise UserError(f"--prompt-tokens must be at least 1 with --new-tokens, got {prompt_tokens}")
+    try:
+        cost = request_cost(spec, prompt_tokens, new_tokens)
+        old = request_cost(spec, prompt_tokens, new_tokens, mode="recompute")
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise UserError(f"plan file '{plan_path}' has a malformed request cost model ({exc.__class__.__name__}: {exc}); regenerate it") from None
+    summary = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "billed_gb_s": cost["lambda_gb_s"],
+               "request_charges_usd": cost["request_charges_usd"], "predicted_cost_usd": cost["usd"]["total"],
+               "latency_s": cost["latency_s"], "detail": cost,
+               "recompute": {"billed_gb_s": old["lambda_gb_s"], "predicted_cost_usd": old["usd"]["total"],
+                             "latency_s": old["latency_s"]}}
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+        return
+    u = cost["usd"]
+    click.echo(f"one request, {prompt_tokens} prompt + {new_tokens} new tokens, one execution reusing the prefix's K/V:")
+    click.echo(f"  billed {cost['lambda_gb_s']:.6f} GB-s of Lambda ({cost['front_gb_s']:.6f} of them the front function "
+               f"waiting), {cost['lambda_invocations']:.1f} invocations, {cost['s3_puts']:.1f} S3 PUTs, {cost['s3_gets']:.1f} GETs")
+    click.echo(f"  ${u['total']:.8f}: duration ${u['lambda_duration']:.8f}, Lambda requests ${u['lambda_requests']:.8f}, "
+               f"S3 requests ${u['s3_requests']:.8f}, Step Functions ${u['express']:.8f}, API ${u['http']:.8f}; "
+               f"latency {cost['latency_s']:.2f} s")
+    click.echo(f"  recomputing the prefix for every token instead: ${old['usd']['total']:.8f} "
+               f"({old['usd']['total'] / u['total']:.2f}x), {old['lambda_gb_s']:.6f} GB-s")
+
+
+@click.command("simulate", short_help="Replay a lambda or offload plan on a held-out trace (cost, latency, hit ratios), or price one Lambda request.")
 @click.argument("plan_path", metavar="PLAN")
-@click.option("--trace", "trace_path", required=True, help="held-out routing trace (.npz) of the planned model")
+@click.option("--trace", "trace_path", default=None, help="held-out routing trace (.npz) of the planned model")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON summary as the last line")
 @click.option("--prompt-tokens", type=int, default=0, show_default=True,
-              help="offload plans: the first P tokens of each sequence are one prefill step")
-def simulate(plan_path, trace_path, as_json, prompt_tokens):
-    """Billed cost and latency of a lambda PLAN on the real loads of a held-out trace; for an
-    offload PLAN, every cache policy's hit ratio and the prefetch results on the trace."""
+              help="offload plans: the first P tokens of each sequence are one prefill step; lambda plans with "
+                   "--new-tokens: the priced request's prompt")
+@click.option("--new-tokens", type=T.POSITIVE_INT, default=None,
+              help="lambda plans: price one generation request (--prompt-tokens P, N new tokens) as each served "
+                   "response's X-Moeplan-* headers do; no trace needed")
+def simulate(plan_path, trace_path, as_json, prompt_tokens, new_tokens):
+    """Billed cost and latency of a lambda PLAN on the real loads of a held-out trace, or of one
+    generation request (--new-tokens); for an offload PLAN, every cache policy's hit ratio and the
+    prefetch results on the trace."""
     from moeplan.planner.commands.simulate_offload import is_offload_plan, simulate_offload
 
+    if new_tokens is not None:
+        return _simulate_request(plan_path, prompt_tokens, new_tokens, as_json)
+    if trace_path is None:
+        raise UserError("give --trace HELDOUT.npz (or, for a lambda plan, --prompt-tokens P --new-tokens N)")
     if is_offload_plan(plan_path):
         return simulate_offload(plan_path, trace_path, as_json, prompt_tokens)
     from moeplan.passes.analysis.trace.format import load_trace

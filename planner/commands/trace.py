@@ -47,7 +47,8 @@ def _register():
     trace.add_command(trace_record.record)
     trace.add_command(trace_import.import_log)
     trace.add_command(trace_stats.stats)
-    from moeplan.planner.commands.trace_synth import synth; trace.add_command(synth)
+    from moeplan.planner.commands.trace_synth import synth
+    trace.add_command(synth)
 
 
 _register()

@@ -35,37 +35,41 @@ def read_text(path: Path) -> str:
     return text
 
 
-IDS_PREFIX = "ids:"
-
-
 def token_id_lines(text: str):
-    """Sequences of token ids if every non-empty line of --data reads 'ids: 1 2 3', else None (text)."""
-    lines = [l for l in text.splitlines() if l.strip()]
-    if not lines or not all(l.startswith(IDS_PREFIX) for l in lines):
-        return None
+    """Sequences of token ids if the non-empty lines of --data are `ids: 1 2 3` lines, else None
+    (text); a file mixing both is refused (text would read the ids literally)."""
+    from moeplan.backends.runtime.text_codec import parse_ids, prompt_lines
+
+    lines = prompt_lines(text)
     try:
-        return [[int(t) for t in l[len(IDS_PREFIX):].split()] for l in lines]
-    except ValueError:
-        raise UserError("--data lines starting with 'ids:' must hold space-separated integer token ids") from None
+        ids = [parse_ids(line) for line in lines]
+    except ValueError as exc:
+        raise UserError(f"--data: {exc}") from None
+    if all(i is None for i in ids):
+        return None
+    if any(i is None for i in ids):
+        first = next(n for n, i in enumerate(ids) if i is None)
+        raise UserError(f"--data mixes 'ids:' lines with text (non-empty line {first + 1}: {lines[first][:40]!r}); "
+                        "give token ids on every line, or text only")
+    return ids
 
 
-def hf_tokenizer(model: str):
-    """The model directory's tokenizer if it ships one, else None (byte-level ids). tokenizer.json
-    is read with the `tokenizers` library, as bundles read it (no network, same ids)."""
+def text_codec(model: str, vocab_size: int):
+    """The bundle runtime's TextCodec for MODEL (backends/runtime/text_codec.py): the directory's
+    tokenizer.json, TinyMoE's bytes, or the stated byte fallback, so that a trace reads text as the
+    bundle will. A directory whose tokenizer is not a tokenizer.json is refused: its bundle would
+    serve that text as bytes, so a trace through another tokenizer would route other tokens."""
+    from moeplan.backends.runtime.text_codec import TextCodec
+
     directory = Path(model)
-    if not directory.is_dir() or not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        return None
-    if (directory / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        fast = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        return lambda text: fast.encode(text, add_special_tokens=False).ids
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise UserError(f"'{model}' ships a tokenizer but transformers is not installed; pip install 'moeplan[hf]'") from None
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    if directory.is_dir() and not (directory / "tokenizer.json").is_file() and \
+            any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"'{model}' ships its tokenizer without a tokenizer.json, the one file bundles read; write it "
+                        f"once with: python -c \"from transformers import AutoTokenizer; "
+                        f"AutoTokenizer.from_pretrained('{model}').save_pretrained('{model}')\" "
+                        "(or give --data as 'ids: ...' lines)")
+    tokenizer = directory / "tokenizer.json" if directory.is_dir() else None
+    return TextCodec(tokenizer, vocab_size, native_bytes=not _is_hf_directory(model))
 
 
 @contextlib.contextmanager
@@ -95,19 +99,22 @@ def _tracing_progress(shown: bool):
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary line.")
 def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_from, quiet):
     """Record MODEL's routing on the text in --data into a trace file (.npz)."""
-    from moeplan.passes.analysis.trace.record import record_trace
+    from moeplan.passes.analysis.trace.record import model_limits, record_trace
     from moeplan.passes.analysis.trace.format import save_trace
     from moeplan.planner.importers import load_model
 
     text = read_text(data)
     loaded = load_model(model)
-    tokenizer = hf_tokenizer(model)
     ids = token_id_lines(text)
-    byte_fallback = ids is None and tokenizer is None and _is_hf_directory(model)
+    codec = None
+    if ids is None:
+        vocab_size, _, _ = model_limits(loaded)
+        codec = text_codec(model, vocab_size if vocab_size else 1 << 62)
+    byte_fallback = codec is not None and codec.source.startswith("byte fallback")
     with _tracing_progress(not quiet) as update:
         trace = record_trace(loaded, text if ids is None else ids, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
-                             tokenizer=tokenizer, progress=update, speculate=speculate or 0,
-                             speculate_from=speculate_from)
+                             tokenizer=None if codec is None else _encoder(codec), progress=update,
+                             speculate=speculate or 0, speculate_from=speculate_from)
     save_trace(trace, out)
     if not quiet:
         click.echo(f"wrote {out}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers, "
@@ -116,6 +123,16 @@ def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_fr
                    + ("" if trace.attention_ids is not None else " (no attention ids: the model exposes no attention probabilities)"))
         if byte_fallback:
             click.echo("note: no tokenizer.json in the model directory; the text was traced as UTF-8 bytes (ids 0-255)")
+
+
+def _encoder(codec):
+    """codec.encode_text with its complaints as one-line user errors."""
+    def encode(text: str) -> list:
+        try:
+            return codec.checked(text, codec.encode_text(text))
+        except ValueError as exc:
+            raise UserError(f"--data: {exc}") from None
+    return encode
 
 
 def _is_hf_directory(model: str) -> bool:

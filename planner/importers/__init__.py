@@ -16,23 +16,7 @@ The forms are resolved in `resolve.py`; stages are derived by the rule in `stage
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
-
-from moeplan.planner.ir import ModelIR
-
-
-@dataclass
-class LoadedModel:
-    """The IR plus what can execute the model: an `nn.Module` (maybe on meta) or an ONNX path."""
-
-    ir: ModelIR
-    module: Optional[Any] = None  # torch.nn.Module
-    onnx_path: Optional[str] = None
-    has_weights: bool = True  # False for meta-device models built from a config alone
-    notes: tuple = ()  # what the import left out or assumed, one sentence each (shown by `inspect`)
-
-
-from moeplan.planner.importers.resolve import load_model  # noqa: E402  (needs LoadedModel above)
+from moeplan.planner.importers.loaded import LoadedModel
+from moeplan.planner.importers.resolve import load_model
 
 __all__ = ["LoadedModel", "load_model"]

@@ -17,10 +17,10 @@ import ast
 import functools
 import inspect
 import textwrap
-from typing import Iterator
+from collections.abc import Iterator
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _method_tree(cls: type, method: str):
     func = getattr(cls, method, None)
     if func is None or not callable(func):
@@ -53,7 +53,7 @@ def _self_names_in_evaluation_order(node) -> Iterator[str]:
         yield from _self_names_in_evaluation_order(child)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def child_call_order(cls: type, children: tuple) -> tuple:
     """`children` (attribute names of submodules) in the order `cls.forward` first touches them."""
     wanted = set(children)

@@ -10,18 +10,20 @@ A multimodal config is planned as its text model, with a note on what is left ou
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from moeplan.planner.errors import UserError  # noqa: E402
-from moeplan.planner.importers import LoadedModel  # noqa: E402
-from moeplan.planner.importers.quantization import FLOAT8_DTYPES, checkpoint_storage  # noqa: E402
-from moeplan.planner.importers.torch_module import import_module  # noqa: E402
+from moeplan.planner.errors import UserError
+from moeplan.planner.importers.checkpoint import load_state_into
+from moeplan.planner.importers.loaded import LoadedModel
+from moeplan.planner.importers.quantization import FLOAT8_DTYPES, checkpoint_storage
+from moeplan.planner.importers.torch_module import import_module
 
 IGNORED_KEYS = ("auto_map", "quantization_config")
 
@@ -141,8 +143,6 @@ def _auto_class(config):
 
 def _skip_weight_init():
     """Meta tensors have no values to initialise; skipping the init calls saves ~0.3 s at 671B."""
-    import contextlib
-
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # an older or newer transformers without it: initialise, only slower
@@ -220,7 +220,7 @@ def _weight_files(directory: Path) -> list:
     return sorted(directory.glob("*.safetensors")) + sorted(directory.glob("pytorch_model*.bin"))
 
 
-def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]] = None) -> LoadedModel:
+def load_directory(directory: Path, data: dict, weights: Sequence[Path] | None = None) -> LoadedModel:
     """A Hugging Face model directory: with safetensors, the model with its weights; else on meta.
 
     `weights` names checkpoint files to load into a model built from the config (a checkpoint
@@ -243,8 +243,6 @@ def load_directory(directory: Path, data: dict, weights: Optional[Sequence[Path]
         except Exception as exc:
             raise UserError(f"cannot load the weights in {directory}: {_one_line(exc)}") from None
     else:
-        from moeplan.planner.importers.checkpoint import load_state_into
-
         module = build_model(config, dtype, meta=False)
         for path in weights:
             load_state_into(module, path, strict=len(weights) == 1)

@@ -9,9 +9,9 @@ which importer ran.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
-from moeplan.planner.importers import LoadedModel
+from moeplan.planner.importers.loaded import LoadedModel
+from moeplan.planner.importers.resolve import LOADER_KEY, read_json_object
 
 
 INDEX = "model.safetensors.index.json"
@@ -22,10 +22,8 @@ def has_safetensors(directory: Path) -> bool:
     return directory.is_dir() and ((directory / INDEX).is_file() or any(directory.glob("*.safetensors")))
 
 
-def streamable_directory(spec: str) -> Optional[Path]:
+def streamable_directory(spec: str) -> Path | None:
     """The directory when `spec` is a Hugging Face model directory with safetensors weights, else None."""
-    from moeplan.planner.importers.resolve import LOADER_KEY, read_json_object
-
     path = Path(spec).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file() or not has_safetensors(path):
         return None
@@ -37,9 +35,9 @@ def streamable_directory(spec: str) -> Optional[Path]:
 
 def load_directory_meta(directory: Path) -> LoadedModel:
     """The model of a Hugging Face directory on `meta`, with the IR of its weighted import."""
+    # imported here: hf_config switches the hub off (HF_HUB_OFFLINE) when imported, only for Hugging Face models
     from moeplan.planner.importers.hf_config import (build_model, checkpoint_storage, dtype_name, import_module,
                                                       make_config, model_dtype, model_name, multimodal_notes)
-    from moeplan.planner.importers.resolve import read_json_object
 
     config_path = directory / "config.json"
     data = read_json_object(config_path)

@@ -20,9 +20,8 @@ head's logits, which is no router).
 """
 from __future__ import annotations
 
-from typing import Optional
 
-from moeplan.planner.importers.onnx_gating import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
+from moeplan.planner.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
 
 
 def _argmax_ancestors(index: GraphIndex, name: str, stop) -> set:
@@ -84,7 +83,7 @@ def _from(index: GraphIndex, name: str, node) -> bool:
     return index.skip_back(name) is node
 
 
-def _joined(index: GraphIndex, parts: list) -> Optional[str]:
+def _joined(index: GraphIndex, parts: list) -> str | None:
     """The output of a Concat whose inputs are exactly `parts` (nodes, in order), through layout ops."""
     if len(parts) == 1:
         return parts[0].output[0]
@@ -97,7 +96,7 @@ def _joined(index: GraphIndex, parts: list) -> Optional[str]:
     return None
 
 
-def _gathered_at(index: GraphIndex, choice) -> Optional[object]:
+def _gathered_at(index: GraphIndex, choice) -> object | None:
     """The one GatherElements reading a value at the ArgMax `choice`'s index (the pick's gate weight)."""
     found = [
         node for name in index.skip_forward(choice.output[0]) for node in index.consumers.get(name, ())

@@ -21,7 +21,7 @@ shared ones) so the stage rules can size the layer.
 from __future__ import annotations
 
 from moeplan.planner.errors import UserError
-from moeplan.planner.importers.onnx_gating import GraphIndex
+from moeplan.planner.importers.onnx_graph_index import GraphIndex
 
 WEIGHTING_OPS = {"Mul", "MatMul", "Einsum"}  # expert output x gate weight; a plain Add is not one
 
@@ -119,7 +119,7 @@ def expert_weight_names(index: GraphIndex, gate, stage: str, stop_position: int,
     for seed in sorted(seed_nodes, key=lambda s: index.position[id(seed_nodes[s])]):
         groups.setdefault(_find(parent, seed), []).append(seed)
     routed, shared = [], []
-    for root, seeds in groups.items():
+    for _root, seeds in groups.items():
         outputs = {o for s in seeds for o in seed_nodes[s].output}
         descendants = set()
         for node in region:

@@ -32,11 +32,15 @@ weight look like two modules' and loses the other's count; `moeplan export-onnx`
 """
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from moeplan.planner.errors import UserError
-from moeplan.planner.importers.onnx_gating import GraphIndex, find_gates, node_module_path
+from moeplan.planner.importers.onnx_experts import expert_weight_names
+from moeplan.planner.importers.onnx_gating import find_gates
+from moeplan.planner.importers.onnx_graph_index import GraphIndex, node_module_path
 from moeplan.planner.importers.onnx_roles import anonymous_roles, meets_values, value_tensors
 from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.planner.ir import ModelIR
@@ -258,8 +262,6 @@ def _untie(index: GraphIndex, params: list, names: dict) -> tuple:
         names[tensor_name] = owner
     if not renames:
         return params, names
-    from dataclasses import replace
-
     params = [replace(p, name=renames[p.name]) if p.name in renames else p for p in params]
     return params + aliases, names
 
@@ -267,8 +269,6 @@ def _untie(index: GraphIndex, params: list, names: dict) -> tuple:
 def _declared_buffers(model):
     """Initializers the exporter declared to be buffers (`moeplan.buffers`), or None when the file
     declares none (another exporter): then the data-flow rule of `onnx_roles.py` finds them."""
-    import json
-
     for prop in model.metadata_props:
         if prop.key == BUFFERS_KEY:
             try:
@@ -323,8 +323,6 @@ def _owner(groups, names: dict, gate):
 
 def _structural_names(model, gates, unowned, names: dict, params) -> dict:
     """Initializer -> parameter names for gates whose experts are found by data flow alone."""
-    from moeplan.planner.importers.onnx_experts import expert_weight_names
-
     index = GraphIndex(model.graph)
     shapes = {p.name: p.shape for p in params}
     order = sorted(gates, key=lambda g: index.position[id(g.node)])

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import replace
-from typing import Optional
 
 from moeplan.planner.errors import UserError
 
@@ -62,7 +61,7 @@ def _matrix(shape: tuple) -> tuple:
     return count, int(shape[-2]), int(shape[-1])
 
 
-def _fp8_bytes(shape: tuple, block: Optional[list]) -> float:
+def _fp8_bytes(shape: tuple, block: list | None) -> float:
     matrices, out, inp = _matrix(shape)
     scales = math.ceil(out / block[0]) * math.ceil(inp / block[1]) if block else 1
     return matrices * (out * inp + 4 * scales)

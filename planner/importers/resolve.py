@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 from moeplan.planner.errors import UserError
-from moeplan.planner.importers import LoadedModel
-from moeplan.planner.importers.checkpoint import CHECKPOINT_SUFFIXES
+from moeplan.planner.importers.checkpoint import CHECKPOINT_SUFFIXES, load_state_into
+from moeplan.planner.importers.loaded import LoadedModel
+from moeplan.planner.importers.torch_module import import_module
 
 LOADER_KEY = "moeplan_loader"
 FACTORY_SPEC = re.compile(r"^(?P<target>[\w./\\-]+?):(?P<attr>[A-Za-z_]\w*)$")
@@ -83,11 +84,11 @@ def _load_config(config_path: Path, data: dict, is_dir_spec: bool = False) -> Lo
     """
     if LOADER_KEY in data:
         return _load_moeplan_dir(config_path.parent, data)
-    from moeplan.planner.importers import hf_config
+    from moeplan.planner.importers.hf_config import load_config_file, load_directory  # switches the hub off: HF only
 
     if is_dir_spec:
-        return hf_config.load_directory(config_path.parent, data)
-    return hf_config.load_config_file(config_path, data)
+        return load_directory(config_path.parent, data)
+    return load_config_file(config_path, data)
 
 
 def _load_checkpoint(path: Path) -> LoadedModel:
@@ -100,9 +101,9 @@ def _load_checkpoint(path: Path) -> LoadedModel:
     data = read_json_object(config)
     if LOADER_KEY in data:
         return _load_moeplan_dir(path.parent, data, checkpoint=path)
-    from moeplan.planner.importers import hf_config
+    from moeplan.planner.importers.hf_config import load_directory  # switches the hub off: HF models only
 
-    return hf_config.load_directory(path.parent, data, weights=[path])
+    return load_directory(path.parent, data, weights=[path])
 
 
 def _load_onnx(path: Path) -> LoadedModel:
@@ -177,8 +178,6 @@ def _call(factory, where: str, *args):
 
 
 def _loaded(module, *, name: str, config=None) -> LoadedModel:
-    from moeplan.planner.importers.torch_module import import_module
-
     ir = import_module(module, name=name, config=config)
     has_weights = not any(p.is_meta for p in module.parameters())
     return LoadedModel(ir=ir, module=module, has_weights=has_weights)
@@ -216,8 +215,6 @@ def _load_moeplan_dir(directory: Path, data: dict, checkpoint: Path | None = Non
     factory = _callable(import_file(directory / file), attr, str(directory / file))
     module = _as_module(_call(factory, where, directory), where)
     if checkpoint is not None:
-        from moeplan.planner.importers.checkpoint import load_state_into
-
         load_state_into(module, checkpoint)
         module.eval()
     name = str(data.get("name") or data.get("model_type") or directory.resolve().name)

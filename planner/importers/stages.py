@@ -53,7 +53,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from moeplan.planner.stage_costs import (
     activation_bytes_per_token,
@@ -189,7 +189,7 @@ def _flattened_experts(child: str, entries, num_experts: int, hidden: int) -> bo
     )
 
 
-def _router_shape(entries) -> Optional[tuple]:
+def _router_shape(entries) -> tuple | None:
     """(E, D) of a child that is one 2-D weight [E, D] plus at most E-element tensors, else None."""
     weights = [p for _, p in entries if len(p.shape) == 2]
     if len(weights) != 1 or weights[0].shape[0] < 2:
@@ -216,7 +216,7 @@ def _prefer(names: list, good: tuple, bad: tuple = ()) -> str:
     return names[0]
 
 
-def _match_moe(prefix: str, params: Sequence[Param]) -> Optional[StageGroup]:
+def _match_moe(prefix: str, params: Sequence[Param]) -> StageGroup | None:
     children = _children(prefix, params)
     if len(children) < 2:
         return None
@@ -272,7 +272,7 @@ def _params_by_module(params: Sequence[Param]) -> dict:
     return dict(sorted(under.items(), key=lambda item: item[0].count(".")))  # sorted() is stable
 
 
-def _claimed_by(path: str, moe_groups: Mapping) -> Optional[str]:
+def _claimed_by(path: str, moe_groups: Mapping) -> str | None:
     """The MoE block path that `path` lies in (or is), if any."""
     parts = path.split(".")
     for depth in range(1, len(parts) + 1):
@@ -388,10 +388,10 @@ def build_model_ir(
     name: str,
     architecture: str,
     top_k: Mapping[str, int],
-    hidden_size: Optional[int] = None,
-    vocab_size: Optional[int] = None,
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
     source_format: str = "",
-    sources: Optional[Mapping[str, str]] = None,
+    sources: Mapping[str, str] | None = None,
     quantization: str = "",
 ) -> ModelIR:
     """Compute every stage's figures from its parameters. `top_k` maps MoE stage name -> k."""

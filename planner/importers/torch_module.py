@@ -7,7 +7,7 @@ many experts each token picks (top-k), read from the MoE block, its router, or t
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from moeplan.planner.errors import UserError
 from moeplan.planner.importers.forward_order import module_ranks, rank_of
@@ -28,7 +28,7 @@ def module_params(module) -> list:
     return out
 
 
-def _int_attr(obj: Any, names=TOP_K_NAMES) -> Optional[int]:
+def _int_attr(obj: Any, names=TOP_K_NAMES) -> int | None:
     if obj is None:
         return None
     for attr in names:
@@ -57,7 +57,7 @@ def find_top_k(module, moe_path: str, router_path: str, config: Any = None) -> i
 def import_module(
     module,
     *,
-    name: Optional[str] = None,
+    name: str | None = None,
     config: Any = None,
     source_format: str = "torch",
     storage=None,

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -25,16 +26,27 @@ from moeplan.planner.pass_manager import Pass
 DEFAULT_WORKLOAD = "8x32+8"
 
 
-def default_cost_options(given: dict | None) -> dict:
+def default_cost_options(given: dict | None, nodes: int | None = None) -> dict:
     """{"hardware", "workload"} with the defaults filled in (the default profile is named in the plan);
-    both are checked here, before any pass runs."""
-    from moeplan.planner.hardware import DEFAULT_HARDWARE, load_hardware
+    both are checked here, before any pass runs (with `nodes`, also that the profile knows every
+    figure the cost model needs for that many nodes)."""
+    from moeplan.planner.hardware import DEFAULT_HARDWARE
 
     out = {"hardware": DEFAULT_HARDWARE, "workload": DEFAULT_WORKLOAD}
     out.update({k: v for k, v in (given or {}).items() if v is not None})
-    load_hardware(out["hardware"])
+    cost_profile(out, nodes or 1)
     parse_workload(out["workload"])
     return out
+
+
+def cost_profile(cost_options: dict, nodes: int):
+    """The plan's LoadedProfile, refused in one line if it lacks a figure the cost model needs for
+    `nodes` nodes (a one-machine profile over two nodes)."""
+    from moeplan.planner.hardware import cost_model_figures, load_profile
+
+    given = load_profile(cost_options["hardware"])
+    given.profile.require(cost_model_figures(nodes), f"the cost model of a plan over {nodes} node(s)")
+    return given
 
 
 def parse_workload(text: str) -> Workload:
@@ -93,9 +105,9 @@ def _ir(plan: dict):
 def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None) -> dict:
     """What compile records under plan.json `predicted.cost` and the mode the bundle runs."""
     from moeplan.passes.optimize.by_predicted_time import choose_mode, predict_modes
-    from moeplan.planner.hardware import load_hardware
 
-    profile = load_hardware(cost_options["hardware"])
+    given = cost_profile(cost_options, placement.topology.nodes)
+    profile = given.profile
     workload = parse_workload(cost_options["workload"])
     shape = shape_with_context(ir, context or [])
     preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
@@ -104,7 +116,8 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
                 "mode": chosen, "modes": preds, "context": context or [],
-                "alternatives": placement.metrics.get("auto_predictions", [])},
+                "alternatives": placement.metrics.get("auto_predictions", []),
+                **given.plan_record(figures=True)},
     }
 
 
@@ -113,7 +126,7 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
     `context`: the run's context choice (`serve --context`)."""
     import torch
 
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
 
     plan = json.loads((root / "plan.json").read_text())
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
@@ -131,13 +144,37 @@ def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: l
     """--policy auto: every candidate policy priced by the cost model; the fastest, with the table
     of candidates under its metrics (`auto_candidates`)."""
     from moeplan.passes.optimize.by_predicted_time import choose_placement
-    from moeplan.planner.hardware import load_hardware
 
-    placement, rows = choose_placement(trace, request, shape_with_context(ir, context or []), load_hardware(cost_options["hardware"]),
+    profile = cost_profile(cost_options, request.topology.nodes).profile
+    placement, rows = choose_placement(trace, request, shape_with_context(ir, context or []), profile,
                                        parse_workload(cost_options["workload"]), mode)
     placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
     placement.metrics["auto_predictions"] = rows
     return placement
+
+
+def plan_profile(cost: dict):
+    """The HardwareProfile a plan's `predicted.cost` was priced with (planner/hardware.py)."""
+    from moeplan.planner.hardware import profile_of_record
+
+    return profile_of_record(cost.get("hardware_profile"), cost.get("hardware"))
+
+
+def profile_label(cost: dict, detail: bool = False) -> str:
+    """The profile as a person reads it: 'cpu-gloo', or 'cpu-gloo (this-machine, calibrated DATE)';
+    `detail` adds the machine key and the file's hash."""
+    recorded = cost.get("hardware_profile")
+    if recorded is None:
+        return cost.get("hardware", "?")
+    calibration = recorded.get("calibration") or {}
+    where = recorded["given"]
+    if calibration:
+        where += f", calibrated {calibration.get('date', '?')}"
+        if detail:
+            where += f" on {calibration.get('machine_key', '?')}"
+    if detail:
+        where += f", sha256 {recorded['sha256'][:12]}"
+    return f"{cost.get('hardware', '?')} ({where})"
 
 
 def describe_choice(plan: dict) -> str:
@@ -145,24 +182,20 @@ def describe_choice(plan: dict) -> str:
     cost = plan["predicted"]["cost"]
     modes = ", ".join(f"{m} {v['seconds_per_token'] * 1e3:.2f} ms/token {v['total_bytes_per_token']:.0f} B/token"
                       for m, v in sorted(cost["modes"].items()))
-    note = " (the default; pass --hardware for the machine the bundle will run on)" if cost["hardware"] == "cpu-gloo" else ""
+    note = (" (the default; pass --hardware for the machine the bundle will run on)"
+            if cost["hardware"] == "cpu-gloo" and "hardware_profile" not in cost else "")
     return (f"placement {plan['placement'].get('policy')}, mode {cost['mode']} (requested {cost['mode_requested']}); "
-            f"predicted {modes}; hardware profile {cost['hardware']}{note}")
+            f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}")
 
 
 def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, summary: dict,
                               context: str = "auto") -> dict:
     """The keys `moeplan run` reports next to its measurements: the cost model on the run's own
-    routing, priced with the plan's hardware profile (bytes only when that profile is a file not here)."""
-    from moeplan.planner.hardware import BUILTIN, DEFAULT_HARDWARE, load_hardware
-
+    routing, priced with the plan's hardware profile (its recorded figures, or the built-in of its name)."""
     if "ir" not in plan.get("model", {}):  # a bundle written without the planner: nothing to predict from
         return {}
-    name = plan.get("predicted", {}).get("cost", {}).get("hardware", DEFAULT_HARDWARE)
-    try:
-        profile = load_hardware(name if name in BUILTIN or Path(name).is_file() else DEFAULT_HARDWARE)
-    except UserError:
-        profile = load_hardware(DEFAULT_HARDWARE)
+    cost = plan.get("predicted", {}).get("cost", {})
+    profile = plan_profile(cost)
     pred = predict_run(root, out_dir, mode, profile, context)
     tps = summary["tokens_per_second"]
     used = [int(n) for _, n in summary.get("context", [])]
@@ -171,8 +204,11 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
         "predicted_total_bytes_per_token": pred["total_bytes_per_token"],
         "predicted_messages_per_token": pred["messages_per_token"],
         "predicted_seconds_per_token": pred["seconds_per_token"],
-        "predicted_hardware": profile.name,
+        "predicted_hardware": profile_label(cost) if cost else profile.name,
         "seconds_per_token": 1.0 / tps if tps > 0 else float("inf"),
+        # the machine's 1-minute load beside the calibration's: a CPU prediction holds at the load it was fitted at
+        "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "calibration_load_average": ((cost.get("hardware_profile") or {}).get("calibration") or {}).get("load_average"),
         "bytes_match_prediction": abs(pred["total_bytes_per_token"] - summary["total_bytes_per_token"]) < 1e-6
                                   and abs(pred["bytes_per_token"] - summary["bytes_per_token"]) < 1e-6,
         "context_elements": used,  # coherent: per block, what the runtime sent per token (hidden or K/V)
@@ -188,7 +224,7 @@ def placement_or_auto(facts):
     options = facts["placement_options"]
     if options.get("policy") != "auto":
         return place_passes._placement(facts)
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest
 
     topo = facts["topology"]

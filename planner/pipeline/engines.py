@@ -107,7 +107,7 @@ def with_model_experts(trace, num_experts: int):
 
 
 def _placement(facts):
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     topo, engine_model = facts["topology"], facts["engine_model"]

@@ -14,6 +14,7 @@ import click
 
 from moeplan.planner import cli_types as T
 from moeplan.planner.errors import UserError
+from moeplan.planner.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
 TORCHRUN = ("torchrun", "kubernetes")
 ENGINES = ("sglang", "trtllm")
@@ -95,8 +96,9 @@ FLAGS = (
          "expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time",
          click.Choice(["auto", "coherent", "standard"]), "auto"),
     Flag("hardware", "--hardware", TORCHRUN + ("offload",), COST,
-         "hardware profile the cost model prices the plan for: cpu-gloo (default), h100-sxm, h200-sxm, a100-sxm, or a "
-         "YAML file written by 'moeplan calibrate' (offload: its own profiles, default rtx4090-pcie4)", show_default=False),
+         f"hardware profile every prediction of the plan is priced with (cost model, expert caches, serving capacity, "
+         f"offloading), the same names on every target: {hardware_names()}, or a YAML file (e.g. written by 'moeplan "
+         f"calibrate --out FILE'); default {DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}", show_default=False),
     Flag("workload", "--workload", TORCHRUN, COST,
          "requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)", show_default=False),
     Flag("gpu_memory", "--gpu-memory", EXPERT_CACHES, CACHES, "GPU memory for the model, bytes or e.g. 24GiB",
@@ -162,6 +164,9 @@ FLAGS = (
     Flag("seed", "--seed", HELD_OUT, LAMBDA, "random seed (of the held-out split, profiling and BO)", T.SEED, 0),
     Flag("requests_per_second", "--requests-per-second", ("lambda",), LAMBDA,
          "request rate the README's monthly cost is stated for", T.POSITIVE_FLOAT, 1.0),
+    Flag("http_entry", "--http-entry", ("lambda",), LAMBDA,
+         "what serves the OpenAI API: a Lambda Function URL or an API Gateway HTTP API (30 s limit) in front of the "
+         "front function", click.Choice(["function-url", "http-api"]), "function-url"),
 )
 BY_NAME = {f.name: f for f in FLAGS}
 
@@ -170,7 +175,8 @@ PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_b
 # on/off flags added after plans recorded their options: left out while off, so older plans keep their bytes
 RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
 SERVERLESS_FLAGS = ("slo", "platform", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
-                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second")
+                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second",
+                    "http_entry")
 OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "batch", "max_length", "prompt_tokens", "eviction",
                  "prefetch", "host_compute")
 

@@ -13,10 +13,13 @@ plan.json body (serverless version 1):
   "units", "segments", "memory_mb", "eta"}], "unit_segments": {dense unit: segment}}
 * `communication`: {"serverless_version": 1, "batch_tokens", "methods": per layer}
 * `predicted`: cost (per batch: MoE layers, dense functions; per request with the partition),
-  latency, throughput, validation batches, predictor errors, solver reports, profile, BO
+  latency, throughput, validation batches, predictor errors, solver reports, profile, BO, and
+  `request_cost`: the spec the request cost model prices one generation from
+  (`passes/optimize/serverless/generation.py`; the front function and `simulate --new-tokens`)
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
-* `deployment`: payload limit and the request rate the README's monthly cost is stated for.
+* `deployment`: payload limit, the request rate the README's monthly cost is stated for, and the
+  HTTP entry (`function-url` or `http-api`).
 * `model.library`: the transformers / tokenizers versions the functions run (Hugging Face models).
 
 Dense units are grouped per decoder block before HyPAD (the functions run the library's model,
@@ -104,12 +107,15 @@ def _sizing(facts):
 def _partition(facts):
     from moeplan.passes.optimize.serverless import partition as P
 
+    from moeplan.passes.optimize.serverless.generation import REQUEST_GRID
+
     loaded, o = facts["model"], facts["serverless_options"]
-    units = P.units_from_profile(loaded.ir, facts["profile"], o["batch_tokens"],
-                                 loaded.module if loaded.has_weights else None, seed=o["seed"])
-    units = _runtime_units(loaded, facts["model_spec"], units)
+    by_tokens = P.units_on_grid(loaded.ir, facts["profile"], sorted(set(REQUEST_GRID) | {o["batch_tokens"]}),
+                                loaded.module if loaded.has_weights else None, seed=o["seed"])
+    units = _runtime_units(loaded, facts["model_spec"], by_tokens[o["batch_tokens"]])
+    grid_units = {T: _runtime_units(loaded, facts["model_spec"], by_tokens[T]) for T in REQUEST_GRID}
     return {"partition": (P.hypad(units, facts["platform"], o["batch_tokens"], max_eta=1),
-                          {n: u.segment for u in units for n in u.names})}
+                          {n: u.segment for u in units for n in u.names}, grid_units)}
 
 
 def _runtime_units(loaded, spec: str, units: list) -> list:
@@ -188,7 +194,7 @@ def _plan(facts):
     from moeplan.passes.optimize.serverless import billing as sc
 
     loaded, o, outcome = facts["model"], facts["serverless_options"], facts["sizing"]
-    part, segment_of = facts["partition"]
+    part, segment_of, grid_units = facts["partition"]
     ir, sfacts, layers = loaded.ir, facts["serverless_facts"], outcome.result.layers
     placement = {"version": 1, "policy": "function_per_expert", "layers": [
         {"layer": e, "method": sc.METHOD_NAMES[d.method], "beta": int(d.beta), "experts": [
@@ -214,12 +220,34 @@ def _plan(facts):
         placement=placement,
         communication={"serverless_version": SERVERLESS_VERSION, "batch_tokens": int(o["batch_tokens"]),
                        "methods": [sc.METHOD_NAMES[d.method] for d in layers]},
-        predicted=_predicted(outcome, part, facts["profile"], sfacts, o),
+        predicted=dict(_predicted(outcome, part, facts["profile"], sfacts, o),
+                       request_cost=_request_spec(loaded, sfacts, layers, part, grid_units, o["http_entry"])),
         inputs=inputs,
         deployment={"payload_limit_bytes": int(facts["platform"].payload_limit_bytes),
-                    "requests_per_second": o["requests_per_second"]},
+                    "requests_per_second": o["requests_per_second"], "http_entry": o["http_entry"]},
     )
     return {"plan": plan}
+
+
+def _request_spec(loaded, sfacts, layers, part, grid_units: dict, http_entry: str) -> dict:
+    """What one generation request costs under this plan (passes/optimize/serverless/generation.py)."""
+    from moeplan.passes.optimize.serverless.generation import kv_bytes_per_layer_token, request_spec
+
+    from moeplan.backends.lambda_.front import time_limit_s
+    from moeplan.backends.runtime.lambda_request_cost import request_cost
+
+    p = sfacts.platform
+    attention = {s.name for s in loaded.ir.stages if s.kind == "attention"}
+    config = getattr(loaded.module, "config", None) if loaded.module is not None else None
+    spec = request_spec(sfacts, layers, part.slices, grid_units, attention, kv_bytes_per_layer_token(config, loaded.ir),
+                        int(p.front_function_memory_mb), p.http_api_request_price if http_entry == "http-api" else 0.0)
+    limit, least = time_limit_s(p.to_dict(), http_entry), request_cost(spec, 1, 1)["latency_s"]
+    if least > limit:  # even the smallest request cannot be answered behind this entry
+        where = "an API Gateway HTTP API waits for its integration" if http_entry == "http-api" else \
+            "a synchronous EXPRESS execution may run"
+        other = "; --http-entry function-url waits up to 5 minutes" if http_entry == "http-api" else ""
+        raise UserError(f"a one-token request is predicted to take {least:.1f} s, over the {limit:g} s {where}{other}")
+    return spec
 
 
 def _lambda_model_files(facts):
@@ -276,7 +304,7 @@ def read_plan(path) -> tuple:
                   for l in plan.placement["layers"]]
         batch_tokens = int(plan.communication["batch_tokens"])
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
-        raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it")
+        raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it") from None
     for l, layer in enumerate(layers):
         for e, x in enumerate(layer.experts):
             if x.replicas < 1 or x.memory_mb < 1 or x.tokens < 0:

@@ -27,12 +27,13 @@ def routed_trace_matches_model(facts) -> None:
 
 
 def _plan(facts):
-    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
     from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
+    from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
 
     o, loaded = facts["offload_options"], facts["model"]
     ir = loaded.ir
-    hw = load_hardware(o["hardware"] or DEFAULT)
+    given = load_profile(o["hardware"], DEFAULT_OFFLOAD_HARDWARE)
+    hw = given.profile
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     req = OffloadRequest(hardware=hw, gpu_memory_bytes=o["gpu_memory_bytes"], expert_cache=o["expert_cache"],
                          batch=o["batch"], max_length=o["max_length"], prompt_tokens=o["prompt_tokens"],
@@ -44,7 +45,7 @@ def _plan(facts):
               **({"host_memory_bytes": o["host_memory_bytes"]} if o.get("host_memory_bytes") is not None else {}),
               **({"host_compute": o["host_compute"]} if o.get("host_compute") is not None else {}),
               "prompt_tokens": o["prompt_tokens"], "validation_fraction": o["validation_fraction"], "seed": o["seed"],
-              **body["inputs_extra"]}
+              **body["inputs_extra"], **given.plan_record(figures=False)}
     plan = Plan(target="offload", model={"name": ir.name, "architecture": ir.architecture, "ir": ir.to_dict()},
                 topology={"kind": "single_gpu", "nodes": 1, "gpus_per_node": 1, "hardware": hw.name},
                 placement=body["placement"], communication=body["communication"], predicted=body["predicted"],
@@ -108,7 +109,10 @@ def offload_options(values: dict, target: str = "offload"):
 
 
 def inputs(model: str, trace: str, out, values: dict) -> dict:
-    """The facts `moeplan plan --target offload` starts from."""
+    """The facts `moeplan plan --target offload` starts from (an unknown --hardware stops here, before any pass)."""
+    from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
+
+    load_profile(values["hardware"], DEFAULT_OFFLOAD_HARDWARE)
     return {"model_spec": str(model), "trace_path": str(trace), "offload_options": offload_options(values)}
 
 
@@ -139,11 +143,13 @@ def describe(summary: dict, facts: dict) -> str:
 
 # --- expert caches inside torchrun bundles (compile --gpu-memory / --expert-cache) -------------------
 
-def _offload_request(o: dict):
-    from moeplan.passes.optimize.offload.hardware import DEFAULT, load_hardware
+def _offload_request(o: dict, hardware: str):
+    """The expert-cache request of a torchrun/Kubernetes plan, priced on the plan's own profile
+    (`hardware`: --hardware, the same profile as the cost model's)."""
     from moeplan.passes.optimize.offload.cache_plan import OffloadRequest
+    from moeplan.planner.hardware import load_hardware
 
-    return OffloadRequest(hardware=load_hardware(o.get("hardware") or DEFAULT), gpu_memory_bytes=o["gpu_memory_bytes"],
+    return OffloadRequest(hardware=load_hardware(hardware), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],
                           prompt_tokens=o["prompt_tokens"], validation_fraction=o["validation_fraction"], seed=o["seed"],
                           host_memory_bytes=o.get("host_memory_bytes"), host_compute=o.get("host_compute"))
@@ -161,7 +167,8 @@ def _expert_cache(facts):
     require_routing(facts["trace"], "an expert cache (per-token expert requests)")
     loaded = facts["model"]
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
-    body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o),
+    hardware = facts["cost_options"]["hardware"]  # the plan's one profile (default_cost_options filled it in)
+    body = plan_rank_caches(loaded.ir, facts["trace"], facts["placement"].hosts(), _offload_request(o, hardware),
                             kv_bytes_per_token(config, loaded.ir), eviction=o.get("eviction"),
                             prefetch=o.get("prefetch"), ranks_per_node=facts["placement"].topology.gpus_per_node)
     return {"expert_cache": body}
@@ -173,7 +180,7 @@ def recorded_options(o: dict) -> dict:
     return {k: v for k, v in o.items() if not (k == "prefetch" and v in (None, "none"))}
 
 
-EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options"), ("expert_cache",),
+EXPERT_CACHE = Pass("expert_cache", ("model", "trace", "placement", "offload_options", "cost_options"), ("expert_cache",),
                     _expert_cache)
 
 
@@ -191,7 +198,7 @@ def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
     from moeplan.passes.optimize.offload.ranks import rank_keys
     from moeplan.passes.optimize.offload.replay import matches, replay_rank_logs
     from moeplan.passes.optimize.offload.stream import stream_from_log
-    from moeplan.passes.optimize.placement.decision import placement_from_dict
+    from moeplan.passes.optimize.placement.contract import placement_from_dict
 
     spec = plan["communication"]["expert_cache"]
     data = torch.load(Path(out_dir) / "expert_cache.pt", weights_only=True)

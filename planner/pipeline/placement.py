@@ -10,7 +10,7 @@ from moeplan.planner.pipeline.common import TRACE
 
 
 def _placement(facts):
-    from moeplan.passes.optimize.placement.decision import Topology
+    from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     topo = facts["topology"]
@@ -21,7 +21,7 @@ def _placement(facts):
 def placement_is_valid(facts) -> None:
     """Postcondition of every placement pass: the structural rules of a placement (every expert
     placed, no device hosting one twice), on the topology asked for, one entry per traced layer."""
-    from moeplan.passes.optimize.placement.decision import validate_placement
+    from moeplan.passes.optimize.placement.contract import validate_placement
 
     placement, topology, trace = facts["placement"], facts["topology"], facts["trace"]
     validate_placement(placement)

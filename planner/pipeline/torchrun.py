@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import numpy as np
 
@@ -84,11 +83,14 @@ def _plan(facts):
 def _with_capacity(plan: Plan, facts) -> Plan:
     """Issue 29: how many sequences of what context the ranks hold (passes/optimize/capacity.py)."""
     from moeplan.passes.optimize.capacity import device_memory, serving_capacity
+    from moeplan.planner.hardware import load_hardware
 
     loaded, cache = facts["model"], plan.communication.get("expert_cache")
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     resident = list(cache["capacity"]) if cache else [int(n) for n in facts["placement"].hosts().sum(axis=(0, 1))]
-    capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"], *device_memory(facts["offload_options"]))
+    profile = load_hardware(facts["cost_options"]["hardware"])  # the plan's one profile
+    capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"],
+                                *device_memory(facts["offload_options"], profile))
     return dataclasses.replace(plan, communication={**plan.communication, "capacity": capacity})
 
 
@@ -147,7 +149,8 @@ AFFINITY = Pass("affinity", ("trace",), ("affinity",), _affinity)
 PLACEMENT = dataclasses.replace(place_passes.PLACEMENT, reads=place_passes.PLACEMENT.reads + ("model", "mode", "cost_options"),
                                 run=cost_passes.placement_or_auto, check=trace_matches_model)
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",
-                     "target", "cost", "expert_cache", "offload_options"), ("plan",), _plan, ensures=plan_reads_back)
+                     "target", "cost", "expert_cache", "offload_options", "cost_options"), ("plan",), _plan,
+            ensures=plan_reads_back)
 IMPORT = dataclasses.replace(common.IMPORT, run=_import)
 
 PLANNING = [MODEL_FILES, IMPORT, TRACE, AFFINITY, PLACEMENT, cost_passes.COST, offload_passes.EXPERT_CACHE, PLAN]
@@ -172,7 +175,8 @@ def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
             "topology": {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]},
             "placement_options": pick(values, PLACEMENT_FLAGS), "mode": values["mode"], "target": spec,
-            "cost_options": default_cost_options({"hardware": values["hardware"], "workload": values["workload"]}),
+            "cost_options": default_cost_options({"hardware": values["hardware"], "workload": values["workload"]},
+                                                 values["nodes"]),
             "offload_options": offload_passes.offload_options(values, target)}
 
 

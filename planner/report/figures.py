@@ -15,7 +15,9 @@ from moeplan.planner.report.summary import at, hardware_name
 
 ALIASES = ("seconds_per_token", "bytes_per_token", "cost", "latency", "throughput", "hit_ratio", "max_over_mean_load",
            "gpu_local_fraction", "node_local_fraction")
-SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition")
+# left out: large tables, and a lambda plan's `request_cost`, the request cost model's inputs (per-part
+# seconds on a token grid, shares, platform prices), not figures ('moeplan simulate --new-tokens' prices it)
+SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition", "request_cost")
 MAX_LIST = 64
 
 

@@ -32,7 +32,7 @@ def placement_map(plan: dict, facts: dict) -> Figure:
     counts = [[0] * D for _ in layers]
     copies = [dict() for _ in layers]
     for l, layer in enumerate(layers):
-        for d, experts in enumerate(layer["devices"]):
+        for experts in layer["devices"]:
             for e in experts:
                 copies[l][e] = copies[l].get(e, 0) + 1
     small = D * max((len(x) for layer in layers for x in layer["devices"]), default=0) <= 64 and len(layers) <= 32
@@ -166,9 +166,9 @@ def capacity_section(plan: dict) -> Section | None:
                     if isinstance(v, dict):
                         walk(v, f"{prefix}.{key}")
                     elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                        rows.append([f"{prefix}.{key}"[len(path) + 1:], Num(v, f"{prefix}.{key}")])
+                        rows.append([f"{prefix}.{key}"[len(path) + 1:], Num(v, f"{prefix}.{key}")])  # noqa: B023 (called within this iteration)
                     else:
-                        rows.append([f"{prefix}.{key}"[len(path) + 1:], str(v)])
+                        rows.append([f"{prefix}.{key}"[len(path) + 1:], str(v)])  # noqa: B023 (called within this iteration)
             walk(value, path)
             return Section("capacity", "Serving capacity", [Table(["decision", "value"], rows, f"plan.json {path}")],
                            "What the plan holds at once: concurrent sequences and context length (KV cache against "

@@ -30,6 +30,20 @@ def hardware_name(plan: dict) -> str:
     return "" if hw is None else str(hw)
 
 
+def profile_rows(record) -> list:
+    """Where a profile that is not built in came from (planner/hardware.py `plan_record`): the file as
+    given and its sha256, and for a `moeplan calibrate` profile its date, machine key and load."""
+    if not isinstance(record, dict):
+        return []
+    rows = [["hardware profile file", f"{record.get('given', '')} ({record.get('origin', '')})"],
+            ["hardware profile sha256", str(record.get("sha256", ""))]]
+    calibration = record.get("calibration")
+    if isinstance(calibration, dict):
+        rows += [["calibrated", str(calibration.get("date", ""))], ["calibration machine", str(calibration.get("machine_key", ""))],
+                 ["load average while calibrating", str(calibration.get("load_average", ""))]]
+    return rows
+
+
 def num(plan: dict, path: str, scale: float = 1.0, unit: str = "", digits: int = 4) -> Num:
     return Num(at(plan, path), path, scale, digits, unit)
 
@@ -60,15 +74,17 @@ def inputs_table(plan: dict) -> Table:
             rows += [[f"hardware.{k}", num(plan, f"predicted.cost.hardware.{k}") if isinstance(v, (int, float))
                       and not isinstance(v, bool) else (_options_text(v) if isinstance(v, dict) else str(v))]
                      for k, v in sorted(cost["hardware"].items()) if k != "name"]
+        rows += profile_rows(cost.get("hardware_profile"))
         rows.append(["workload (requests x prompt + new tokens)", str(cost.get("workload", ""))])
         for key in sorted(cost):  # what the plan records about the profile's calibration, whatever its keys
-            if key != "hardware" and any(w in key for w in ("hardware", "calibrat", "profile")):
+            if key not in ("hardware", "hardware_profile") and any(w in key for w in ("hardware", "calibrat", "profile")):
                 value = cost[key]
                 rows.append([f"{key}", _options_text(value) if isinstance(value, dict) else
                              (num(plan, f"predicted.cost.{key}") if isinstance(value, (int, float)) and not isinstance(value, bool)
                               else str(value))])
     if plan.get("target") == "offload":
         rows.append(["hardware profile (predictions)", str(at(plan, "topology.hardware") or "")])
+        rows += profile_rows(at(plan, "inputs.hardware_profile"))
         rows += [[k, num(plan, f"inputs.{k}")] for k in ("gpu_memory_bytes", "expert_cache", "batch", "max_length",
                                                          "prompt_tokens", "validation_fraction", "seed")
                  if at(plan, f"inputs.{k}") is not None]

@@ -34,7 +34,7 @@ class ChatFormat:
         self.template, self.special_tokens, self.source = template, dict(special_tokens), source
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path | None) -> "ChatFormat":
+    def from_model_dir(cls, model_dir: Path | None) -> ChatFormat:
         if model_dir is None:
             return cls(None, {}, FALLBACK)
         config = _read_json(model_dir / "tokenizer_config.json")

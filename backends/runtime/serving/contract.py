@@ -11,7 +11,8 @@ must not block (the front hands the event to its loop with `call_soon_threadsafe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 

@@ -43,7 +43,7 @@ def run_leader(worker, client, heartbeat_s: float) -> None:
                 client.set_stats(worker.gather_stats())
             if tokens is not None:
                 client.on_tokens(tokens)
-    except BaseException as exc:  # noqa: BLE001 -- whatever stopped the loop, no request may hang
+    except BaseException as exc:
         client.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
 
 

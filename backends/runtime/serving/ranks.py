@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..bundle_io import BundleError, bundle_root
+from ..bundle_io import BundleError, bundle_root, load_bundle
 from ..counters import Counters
 from ..engine import Engine
 from ..exchange import Exchanger
@@ -87,8 +87,6 @@ def serve_bundle(root: Path, front, mode: str | None = None, context: str = "aut
                  max_sequences: int | None = None, max_waiting: int | None = None,
                  collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, heartbeat_s: float = HEARTBEAT_S) -> int:
     """Run the service on this rank; `front(client, plan, codec) -> exit code` runs on rank 0."""
-    from ..serve import load_bundle
-
     torch.set_num_threads(threads)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     use_cuda = torch.cuda.is_available()
@@ -143,7 +141,7 @@ def _follow(worker, rank: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_follower(worker)
-    except Exception as exc:  # noqa: BLE001 -- rank 0 or a peer is gone: exit so the supervisor restarts
+    except Exception as exc:
         print(f"error: rank {rank}: the service stopped: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
               file=sys.stderr, flush=True)
         os._exit(1)

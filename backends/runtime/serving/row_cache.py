@@ -122,7 +122,7 @@ class RowCache:
         _count_columns(self.cache, self.kind, width)
         self.width = width
 
-    def join(self, other: "RowCache") -> None:
+    def join(self, other: RowCache) -> None:
         """Append `other`'s rows (a cache filled by a prefill forward) after this cache's rows."""
         if not other.seqs:
             return

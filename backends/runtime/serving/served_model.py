@@ -23,10 +23,10 @@ class ServedModel:
     def __init__(self, name: str, codec: TextCodec, eos_token_ids: tuple, chat: ChatFormat):
         self.name, self.codec, self.chat = name, codec, chat
         self.vocab_size = codec.vocab_size
-        self.eos_token_ids = tuple(sorted(set(int(i) for i in eos_token_ids)))
+        self.eos_token_ids = tuple(sorted({int(i) for i in eos_token_ids}))
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, name: str) -> "ServedModel":
+    def from_model_dir(cls, model_dir: Path, name: str) -> ServedModel:
         """From a bundle's `model/` (config.json, and tokenizer and generation files where shipped)."""
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())

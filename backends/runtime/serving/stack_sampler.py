@@ -20,7 +20,7 @@ ENV = "MOEPLAN_PROFILE"
 IDLE = ("selectors.py", "threading.py", "queue.py")
 
 
-def start_from_env() -> "StackSampler | None":
+def start_from_env() -> StackSampler | None:
     path = os.environ.get(ENV)
     if not path:
         return None

@@ -62,7 +62,7 @@ class StepPlan:
         return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
 
     @classmethod
-    def decode(cls, header: torch.Tensor, payload: torch.Tensor) -> "StepPlan":
+    def decode(cls, header: torch.Tensor, payload: torch.Tensor) -> StepPlan:
         kind, n_admit, n_depart, gather, _, number = header.tolist()
         values = payload.tolist()
         depart, at = values[:n_depart], n_depart

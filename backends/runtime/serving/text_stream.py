@@ -13,7 +13,7 @@ would have cut.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"
 

@@ -67,7 +67,7 @@ def node_units(model, units) -> dict:
 
 
 def measure_onnx(onnx_path: str, ir, units, tokens_grid, threads) -> list:
-    """Rows like `profile.measure`, from onnxruntime's per-node kernel times."""
+    """Rows like `operators.measure`, from onnxruntime's per-node kernel times."""
     import onnx
     import onnxruntime as ort
 
@@ -97,7 +97,7 @@ def measure_onnx(onnx_path: str, ir, units, tokens_grid, threads) -> list:
                         sess.run(None, {inp: ids})
                     trace_file = sess.end_profiling()
                 except Exception as exc:  # onnxruntime raises its own exception types
-                    raise UserError(f"onnxruntime cannot run '{onnx_path}' for profiling ({exc.__class__.__name__}); check the model runs with onnxruntime")
+                    raise UserError(f"onnxruntime cannot run '{onnx_path}' for profiling ({exc.__class__.__name__}); check the model runs with onnxruntime") from None
                 events = json.loads(Path(trace_file).read_text())
             runs = {}
             run_idx = -1

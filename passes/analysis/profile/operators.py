@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,8 +68,8 @@ class Unit:
     group: str          # "head" | "layer<e>" | "tail"
     flops_per_token: int
     param_bytes: int
-    module: Optional[object] = None
-    make_input: Optional[Callable] = None
+    module: object | None = None
+    make_input: Callable | None = None
     mandatory: bool = True
     rank: int = 0   # how many units of the same shape come before this one
     hidden: int = 1  # model width, for estimating intermediates of units that cannot run
@@ -273,7 +273,7 @@ class Profile:
                 "load_average": self.load_average}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Profile":
+    def from_dict(cls, d: dict) -> Profile:
         return cls(d["model_hash"], tuple(d["tokens_grid"]), tuple(d["threads"]), d["rows"], d["time_rmsle"],
                    d["memory_rmsle"], d["seconds_spent"], d["groups"],
                    time_rmsle_by_threads={int(k): v for k, v in d.get("time_rmsle_by_threads", {}).items()},
@@ -291,8 +291,8 @@ def model_hash(ir: ModelIR, tokens_grid, threads, budget_s) -> str:
 
 
 def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threads=None,
-                  budget_s: float = DEFAULT_BUDGET_S, cache_dir: Optional[str | Path] = DEFAULT_CACHE_DIR,
-                  refresh: bool = False, seed: int = 0, onnx_path: Optional[str] = None) -> Profile:
+                  budget_s: float = DEFAULT_BUDGET_S, cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
+                  refresh: bool = False, seed: int = 0, onnx_path: str | None = None) -> Profile:
     """Profile (or load the cached profile of) a model; `cache_dir=None` disables the cache.
 
     A torch `module` is timed unit by unit; without one, an `onnx_path` is profiled with
@@ -318,7 +318,7 @@ def profile_model(ir: ModelIR, module=None, *, tokens_grid=DEFAULT_TOKENS, threa
 
         rows = measure_onnx(onnx_path, ir, units, tokens_grid, threads)
         measured = {r["unit"] for r in rows}
-        rows += [r for r in measure([u for u in units if u.name not in measured], tokens_grid, threads, 0.0)]
+        rows += list(measure([u for u in units if u.name not in measured], tokens_grid, threads, 0.0))
     else:
         rows = measure(units, tokens_grid, threads, budget_s)
     seconds = time.perf_counter() - start

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 from moeplan.passes.analysis.trace.format import Trace
+from moeplan.passes.analysis.trace.sglang_dump import import_sglang_dump
+from moeplan.passes.analysis.trace.trtllm_stats import import_trtllm_stats, read_assignments
+from moeplan.passes.analysis.trace.vllm_jsonl import import_routing_log
 from moeplan.planner.errors import UserError
 
 FORMATS = ("auto", "sglang", "trtllm", "vllm-jsonl")
@@ -33,8 +35,8 @@ def detect_format(path: Path) -> str:
     return "vllm-jsonl"
 
 
-def import_engine_trace(path: str | os.PathLike, fmt: str = "auto", num_experts: Optional[int] = None,
-                        top_k: int = 1, trtllm_assignments: Optional[str] = None) -> Trace:
+def import_engine_trace(path: str | os.PathLike, fmt: str = "auto", num_experts: int | None = None,
+                        top_k: int = 1, trtllm_assignments: str | None = None) -> Trace:
     """Convert routing records at `path` into a validated trace.
 
     `top_k` labels loads-only traces from SGLang stat dumps (which do not record it);
@@ -49,14 +51,8 @@ def import_engine_trace(path: str | os.PathLike, fmt: str = "auto", num_experts:
     if trtllm_assignments is not None and fmt != "trtllm":
         raise UserError("--trtllm-assignments applies to TensorRT-LLM statistics only (--format trtllm)")
     if fmt == "sglang":
-        from moeplan.passes.analysis.trace.sglang_dump import import_sglang_dump
-
         return import_sglang_dump(path, num_experts=num_experts, top_k=top_k)
     if fmt == "trtllm":
-        from moeplan.passes.analysis.trace.trtllm_stats import import_trtllm_stats, read_assignments
-
         assignments = read_assignments(trtllm_assignments) if trtllm_assignments is not None else None
         return import_trtllm_stats(path, num_experts=num_experts, assignments=assignments)
-    from moeplan.passes.analysis.trace.vllm_jsonl import import_routing_log
-
     return import_routing_log(path, num_experts=num_experts)

@@ -28,7 +28,6 @@ import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -48,13 +47,13 @@ class Trace:
     experts: np.ndarray  # int32 [T, L, K]
     weights: np.ndarray  # float32 [T, L, K]
     num_experts: int
-    token_ids: Optional[np.ndarray] = None
-    positions: Optional[np.ndarray] = None
-    sequence: Optional[np.ndarray] = None
-    attention_ids: Optional[np.ndarray] = None
-    loads: Optional[np.ndarray] = None  # int64 [L, E], loads-only traces only
-    speculation: Optional[np.ndarray] = None  # int32 [T, L, D, K]
-    speculation_source: Optional[str] = None  # one of SPECULATION_SOURCES, with `speculation`
+    token_ids: np.ndarray | None = None
+    positions: np.ndarray | None = None
+    sequence: np.ndarray | None = None
+    attention_ids: np.ndarray | None = None
+    loads: np.ndarray | None = None  # int64 [L, E], loads-only traces only
+    speculation: np.ndarray | None = None  # int32 [T, L, D, K]
+    speculation_source: str | None = None  # one of SPECULATION_SOURCES, with `speculation`
 
     @property
     def speculation_depth(self) -> int:
@@ -90,7 +89,7 @@ class Trace:
         return np.stack([np.bincount(layer[layer >= 0], minlength=E)[:E] for layer in flat]).astype(np.int64) \
             if L else np.zeros((0, E), dtype=np.int64)
 
-    def select(self, rows: np.ndarray) -> "Trace":
+    def select(self, rows: np.ndarray) -> Trace:
         """The sub-trace of the given token rows (a mask or indices), e.g. a train/held-out split."""
         def pick(a):
             return None if a is None else a[rows]
@@ -112,7 +111,7 @@ def require_routing(trace: Trace, purpose: str) -> None:
             f"--expert-distribution-recorder-mode per_token, or 'moeplan trace')")
 
 
-def loads_trace(loads, top_k: int = 1, num_experts: Optional[int] = None) -> Trace:
+def loads_trace(loads, top_k: int = 1, num_experts: int | None = None) -> Trace:
     """A loads-only trace from int [L, E] counts (see module doc); `top_k` is kept for reference."""
     loads = np.asarray(loads)
     if loads.ndim != 2:
@@ -194,14 +193,14 @@ def make_trace(
     experts,
     weights=None,
     *,
-    num_experts: Optional[int] = None,
+    num_experts: int | None = None,
     token_ids=None,
     positions=None,
     sequence=None,
     attention_ids=None,
     loads=None,
     speculation=None,
-    speculation_source: Optional[str] = None,
+    speculation_source: str | None = None,
 ) -> Trace:
     """Build a `Trace`, validating every array; raises `UserError` naming the first problem."""
     experts = _int_array("experts", experts, 3)
@@ -303,7 +302,7 @@ def _member_header(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path):
             shape, _, dtype = read_header(fh, max_header_size=10000)
             header_len = fh.tell()
         except (ValueError, TypeError, SyntaxError, EOFError, OSError) as exc:
-            raise UserError(f"trace file '{path}': array '{name}' has a malformed .npy header ({exc}); re-record the trace")
+            raise UserError(f"trace file '{path}': array '{name}' has a malformed .npy header ({exc}); re-record the trace") from None
     if dtype.hasobject or dtype.kind not in "biuf":
         raise UserError(f"trace file '{path}': array '{name}' has dtype {dtype}; traces hold only numbers")
     count = 1

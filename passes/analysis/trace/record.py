@@ -28,11 +28,14 @@ from __future__ import annotations
 import contextlib
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.passes.analysis.trace.format import Trace, make_trace
+from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 from moeplan.passes.analysis.trace.speculate import DEFAULT_SOURCE, Speculator, find_spec_layers
 from moeplan.planner.errors import UserError
 
@@ -46,22 +49,25 @@ Progress = Callable[[int, int], None]  # (tokens done, tokens total)
 # Text -> token sequences
 
 
-def encode_text(text: str, vocab_size: int, tokenizer: Optional[Callable[[str], Sequence[int]]] = None) -> np.ndarray:
-    """Token ids [N] for `text`: the tokenizer's if given, else UTF-8 bytes (TinyMoE's vocabulary)."""
+def encode_text(text: str, vocab_size: int, tokenizer: Callable[[str], Sequence[int]] | None = None) -> np.ndarray:
+    """Token ids [N] for `text`: the tokenizer's if given (`moeplan trace` gives the bundle runtime's
+    TextCodec), else UTF-8 bytes (TinyMoE's vocabulary) as that same codec encodes them."""
     if tokenizer is not None:
         ids = np.asarray(list(tokenizer(text)), dtype=np.int64)
     else:
+        from moeplan.backends.runtime.text_codec import TextCodec
+
         if vocab_size < 256:
             raise UserError(
                 f"the model's vocabulary has {vocab_size} ids, too few for byte-level text; "
                 "give a model with a tokenizer or pass token ids instead of text")
-        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        ids = np.asarray(TextCodec(None, vocab_size, native_bytes=True).encode_text(text), dtype=np.int64)
     if ids.size == 0:
         raise UserError("the text to trace is empty; give a --data file with some text in it")
     return ids
 
 
-def chunk_tokens(ids: np.ndarray, seq_len: int, max_tokens: Optional[int] = None) -> list[np.ndarray]:
+def chunk_tokens(ids: np.ndarray, seq_len: int, max_tokens: int | None = None) -> list[np.ndarray]:
     """Consecutive sequences of `seq_len` tokens (the last may be shorter), at most `max_tokens` in all."""
     if seq_len <= 0:
         raise UserError(f"--seq-len must be positive, got {seq_len}")
@@ -193,23 +199,6 @@ def find_hook_points(module) -> HookPoints:
 # Running one batch
 
 
-def _heaviest_first(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder each row's choices by weight, descending; ties keep the router's order."""
-    order = np.argsort(-weights, axis=-1, kind="stable")
-    return np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
-
-
-def attention_argmax_ids(probs: np.ndarray, input_ids: np.ndarray) -> np.ndarray:
-    """[B, S] vocabulary ids of the key each query attends to most (probs summed over heads).
-
-    Masked (non-attended) keys have probability 0, so the argmax is always among attended ones;
-    ties go to the earliest position.
-    """
-    summed = probs.sum(axis=1)  # [B, S_q, S_k]
-    best = summed.argmax(axis=-1)  # [B, S_q]
-    return np.take_along_axis(input_ids, best, axis=1)
-
-
 class _Recorder:
     """Forward hooks that log routing and attention events in the order they fire."""
 
@@ -264,7 +253,7 @@ def _run_torch_batch(module, points: HookPoints, input_ids: np.ndarray, speculat
             last_attention = value
             continue
         ids, w = value
-        ids, w = _heaviest_first(ids.reshape(B * S, -1), w.reshape(B * S, -1))
+        ids, w = heaviest_first(ids.reshape(B * S, -1), w.reshape(B * S, -1))
         experts.append(ids)
         weights.append(w)
         if last_attention is None:
@@ -310,7 +299,7 @@ class _EagerAttention:
 # The pass
 
 
-def model_limits(loaded) -> tuple[int, Optional[int], int]:
+def model_limits(loaded) -> tuple[int, int | None, int]:
     """(vocabulary size, maximum positions or None, experts per MoE layer) of a loaded model."""
     ir = loaded.ir
     moe = ir.moe_stages
@@ -330,11 +319,11 @@ def model_limits(loaded) -> tuple[int, Optional[int], int]:
 def record_trace(
     loaded,
     data,
-    max_tokens: Optional[int] = None,
+    max_tokens: int | None = None,
     batch: int = DEFAULT_BATCH,
-    seq_len: Optional[int] = None,
-    tokenizer: Optional[Callable[[str], Sequence[int]]] = None,
-    progress: Optional[Progress] = None,
+    seq_len: int | None = None,
+    tokenizer: Callable[[str], Sequence[int]] | None = None,
+    progress: Progress | None = None,
     speculate: int = 0,
     speculate_from: str = DEFAULT_SOURCE,
 ) -> Trace:
@@ -416,12 +405,10 @@ def _batch_runner(loaded, speculate: int = 0, speculate_from: str = DEFAULT_SOUR
         if speculate:
             raise UserError("--speculate runs the model's own router modules, which an ONNX graph does not expose; "
                             "record the trace from the torch model or Hugging Face directory, or drop --speculate")
-        from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 
         def run_onnx(input_ids):
-            out = record_onnx_routing(loaded.onnx_path, input_ids)
-            ids, w = _heaviest_first(np.asarray(out["experts"], dtype=np.int64),
-                                     np.asarray(out["weights"], dtype=np.float32))
+            out = record_onnx_routing(loaded.onnx_path, input_ids)  # heaviest first already
+            ids, w = np.asarray(out["experts"], dtype=np.int64), np.asarray(out["weights"], dtype=np.float32)
             attention_ids = out.get("attention_ids")
             return ids, w, None if attention_ids is None else np.asarray(attention_ids), None
         return run_onnx

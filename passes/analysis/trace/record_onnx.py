@@ -12,7 +12,7 @@ the file is untouched) gets extra outputs, and one run returns them beside the l
   is exposed and the op's routing is applied to it (softmax, top-k, optional renormalisation, as
   the op's `normalize_routing_weights` says; ties go to the lower expert id).
 * Attention: the probabilities of the last attention Softmax before each gate, summed over heads;
-  `attention_ids` is the id of the token most attended to (see `trace.attention_argmax_ids`).
+  `attention_ids` is the id of the token most attended to (see `attention_ids.py`).
 
 Sessions are deterministic (one thread, sequential execution, basic graph optimizations only) and
 kept per file, so tracing many batches builds the session once.
@@ -22,11 +22,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.planner.errors import UserError
+from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
+from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
 _CACHE_SIZE = 2
 _sessions: dict = {}
@@ -50,10 +53,10 @@ class _Plan:
     input_name: str
     input_dtype: object
     gates: tuple  # _GateOutputs per MoE layer, in layer order
-    attention: Optional[tuple]  # Softmax output name per MoE layer, or None
+    attention: tuple | None  # Softmax output name per MoE layer, or None
 
 
-def _attention_before(gates, softmaxes, position) -> Optional[tuple]:
+def _attention_before(gates, softmaxes, position) -> tuple | None:
     """The last attention Softmax before each gate; None when some gate has none."""
     names = []
     for gate in gates:
@@ -68,9 +71,6 @@ def _attention_before(gates, softmaxes, position) -> Optional[tuple]:
 def _build(path: Path):
     import onnx
     import onnxruntime as ort
-
-    from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
-    from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
     load_onnx_model(path)  # one-line errors for unreadable files, before the full load
     model = onnx.load(str(path))
@@ -111,7 +111,7 @@ def _build(path: Path):
     except Exception as exc:
         reason = " ".join(str(exc).split())[:200]
         raise UserError(f"onnxruntime cannot run {path} ({reason}); check that the model is valid") from None
-    required = [i for i in session.get_inputs()]
+    required = list(session.get_inputs())
     if len(required) != 1:
         names = ", ".join(i.name for i in required)
         raise UserError(
@@ -149,8 +149,6 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
     Returns `experts` int64 [B*S, L, K] (heaviest first), `weights` float32 [B*S, L, K] and
     `attention_ids` int64 [B*S, L] (None when the graph shows no attention before every gate).
     """
-    from moeplan.passes.analysis.trace.record import attention_argmax_ids
-
     path = Path(os.fspath(onnx_path))
     if not path.is_file():
         raise UserError(f"ONNX model {path} not found; check the path")
@@ -181,9 +179,9 @@ def record_onnx_routing(onnx_path, input_ids) -> dict:
                 w = out[gate.weights].reshape(-1, gate.top_k)
         if ids.shape[0] != tokens:
             raise UserError(f"{path}: MoE layer {layer} routed {ids.shape[0]} tokens, expected {tokens} (batch x sequence)")
-        order = np.argsort(-w, axis=-1, kind="stable")
-        experts.append(np.take_along_axis(ids.astype(np.int64), order, -1))
-        weights.append(np.take_along_axis(w.astype(np.float32), order, -1))
+        ids, w = heaviest_first(ids.astype(np.int64), w.astype(np.float32))
+        experts.append(ids)
+        weights.append(w)
     attention_ids = None
     if plan.attention is not None:
         attention_ids = np.stack(

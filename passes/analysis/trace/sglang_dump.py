@@ -1,4 +1,4 @@
-"""SGLang expert-distribution dumps <-> moeplan routing traces.
+"""SGLang expert-distribution dumps -> moeplan routing traces (tests write dumps with tests/sglang_dump_writer.py).
 
 Layout followed: sglang 0.5.23, `python/sglang/srt/eplb/expert_distribution.py`
 (`_DetailSinglePassGatherer`, `_DetailAccumulator.dump`, `_StatAccumulator.dump`), written when
@@ -37,7 +37,6 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Iterable, Optional
 
 import numpy as np
 
@@ -64,7 +63,7 @@ def load_dump(path: Path) -> dict:
     return data
 
 
-def dump_kind(data: dict) -> Optional[str]:
+def dump_kind(data: dict) -> str | None:
     """'per_token', 'per_pass', 'stat' or None for a loaded dump."""
     if all(key in data for key in PER_TOKEN_KEYS):
         records = data["records"]
@@ -105,7 +104,7 @@ class _PerTokenReader:
     def __init__(self):
         self.choices = []  # int [n, num_hidden_layers, 8] physical ids per record
         self.token_ids, self.positions, self.sequence = [], [], []
-        self.slot_map: Optional[np.ndarray] = None
+        self.slot_map: np.ndarray | None = None
         self.seen = set()
         self.next_sequence = 0
 
@@ -167,7 +166,7 @@ class _PerTokenReader:
         self.next_sequence += len(lens)
         return ids
 
-    def trace(self, source: str, num_experts: Optional[int]) -> Trace:
+    def trace(self, source: str, num_experts: int | None) -> Trace:
         if not self.choices:
             raise UserError(f"{source} holds no per_token records with tokens; record some traffic between "
                             f"/start_expert_distribution_record and /dump_expert_distribution_record")
@@ -238,7 +237,7 @@ def _per_pass_loads(files: list) -> np.ndarray:
     return np.rint(total).astype(np.int64)
 
 
-def _loads_only(loads: np.ndarray, path: Path, num_experts: Optional[int], top_k: int) -> Trace:
+def _loads_only(loads: np.ndarray, path: Path, num_experts: int | None, top_k: int) -> Trace:
     """The loads-only trace of [num_hidden_layers, E] counts: rows that count no token are dense layers."""
     routed = np.flatnonzero(loads.sum(axis=1) > 0)
     if not len(routed):
@@ -261,7 +260,7 @@ def dump_files(path: Path) -> list:
     return [path]
 
 
-def import_sglang_dump(path: str | os.PathLike, num_experts: Optional[int] = None, top_k: int = 1) -> Trace:
+def import_sglang_dump(path: str | os.PathLike, num_experts: int | None = None, top_k: int = 1) -> Trace:
     """Trace from SGLang per_token dumps (per-token) or per_pass / stat dumps (loads-only); see module doc.
 
     `top_k` is recorded in loads-only traces (those dumps do not say it)."""
@@ -283,52 +282,3 @@ def import_sglang_dump(path: str | os.PathLike, num_experts: Optional[int] = Non
     for p, data in loaded:
         reader.add_file(p, data)
     return reader.trace(f"'{path}'", num_experts)
-
-
-def per_token_records(trace: Trace, moe_layers: Iterable[int], slot_map: np.ndarray, rank: int = 0) -> list:
-    """SGLang per_token records for a routed trace: one EXTEND pass per sequence (see module doc).
-
-    `moe_layers`: the decoder-layer index of each trace MoE layer; `slot_map` int [layers, slots]
-    (the dump's `last_physical_to_logical_map`). Each logical expert is written as its replicas in
-    turn (token t uses replica t mod copies), as SGLang's dynamic dispatch spreads them."""
-    import torch
-
-    moe_layers = list(moe_layers)
-    num_layers, slots = slot_map.shape
-    if len(moe_layers) != trace.num_layers:
-        raise ValueError("one decoder-layer index per trace MoE layer")
-    replicas = [[np.flatnonzero(slot_map[layer] == e) for e in range(trace.num_experts)] for layer in moe_layers]
-    sequence = trace.sequence if trace.sequence is not None else np.zeros(trace.num_tokens, dtype=np.int64)
-    positions = trace.positions if trace.positions is not None else None
-    token_ids = trace.token_ids if trace.token_ids is not None else np.zeros(trace.num_tokens, dtype=np.int64)
-    records = []
-    _, first = np.unique(sequence, return_index=True)
-    for pass_id, seq in enumerate(sequence[np.sort(first)]):
-        rows = np.flatnonzero(sequence == seq)
-        topk = np.full((num_layers, len(rows), max(trace.top_k, TOPK_COLUMNS)), -1, dtype=np.int32)
-        for l, layer in enumerate(moe_layers):
-            for i, t in enumerate(rows):
-                for k, e in enumerate(trace.experts[t, l]):
-                    if e >= 0:
-                        copies = replicas[l][e]
-                        topk[layer, i, k] = copies[t % len(copies)]
-        count = np.zeros((num_layers, slots), dtype=np.int32)
-        for layer in range(num_layers):
-            ids = topk[layer][topk[layer] >= 0]
-            count[layer] = np.bincount(ids, minlength=slots)
-        records.append({
-            "forward_pass_id": pass_id, "rank": rank, "gatherer_key": "primary",
-            "input_ids": token_ids[rows].tolist(),
-            "positions": (positions[rows] if positions is not None else np.arange(len(rows))).tolist(),
-            "extend_seq_lens": [len(rows)], "forward_mode": EXTEND,
-            "topk_ids_of_layer": torch.from_numpy(topk), "misc_objects": [],
-            "global_physical_count": torch.from_numpy(count),
-        })
-    return records
-
-
-def write_per_token_dump(path: str | os.PathLike, records: list, slot_map: np.ndarray) -> None:
-    """Write one rank's per_token dump file the way SGLang's `_DetailAccumulator.dump` lays it out."""
-    import torch
-
-    torch.save({"records": records, "last_physical_to_logical_map": torch.from_numpy(np.asarray(slot_map))}, str(path))

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import SPECULATION_SOURCES as SOURCES
 from moeplan.planner.errors import UserError
 
@@ -70,8 +71,7 @@ def _norm_of(block, block_name: str):
 def _hf_route(router):
     def route(x):
         _, weights, ids = router(x)
-        order = np.argsort(-weights.detach().float().cpu().numpy(), axis=-1, kind="stable")
-        return np.take_along_axis(ids.detach().cpu().numpy().astype(np.int64), order, -1)
+        return heaviest_first(ids.detach().cpu().numpy().astype(np.int64), weights.detach().float().cpu().numpy())[0]
     return route
 
 

@@ -10,7 +10,6 @@ the affinity that independent, uniformly random top-1 choices would give on this
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -46,8 +45,8 @@ class RoutingStats:
     shuffled_affinity: list  # same, with each layer's routing shuffled over tokens
     mean_shuffled_affinity: float
     uniform_affinity: float  # independent uniform top-1 choices, same token count
-    speculation_recall: Optional[dict] = None  # {"d": recall} of a trace recorded with --speculate
-    speculation_source: Optional[str] = None
+    speculation_recall: dict | None = None  # {"d": recall} of a trace recorded with --speculate
+    speculation_source: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)

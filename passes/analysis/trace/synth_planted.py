@@ -20,7 +20,6 @@ Deterministic for a seed.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import numpy as np
 
@@ -42,7 +41,7 @@ def synthesize_trace(
     affinity: float,
     zipf: float,
     seed: int,
-    group_size: Optional[int] = None,
+    group_size: int | None = None,
     sequence_length: int = 128,
 ) -> Trace:
     """A `Trace` drawn from the planted model described in the module docstring."""

@@ -21,7 +21,6 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -115,8 +114,8 @@ def read_assignments(path: str | os.PathLike) -> dict:
     return out
 
 
-def import_trtllm_stats(path: str | os.PathLike, num_experts: Optional[int] = None,
-                        assignments: Optional[dict] = None) -> Trace:
+def import_trtllm_stats(path: str | os.PathLike, num_experts: int | None = None,
+                        assignments: dict | None = None) -> Trace:
     """Loads-only trace from an EXPERT_STATISTIC_PATH directory (see module doc)."""
     path = Path(path)
     if not path.is_dir():

@@ -22,10 +22,11 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import INT32_MAX, VALUE_BOUNDS, Trace, make_trace
 from moeplan.planner.errors import UserError
 
@@ -47,8 +48,8 @@ class _LogParser:
         self.source = source
         self.problems: dict = {}  # problem id -> sequence number, first-seen order
         self.records: dict = {}  # (sequence, token_idx, layer) -> (line, experts, probs)
-        self.top_k: Optional[int] = None
-        self.has_probs: Optional[bool] = None
+        self.top_k: int | None = None
+        self.has_probs: bool | None = None
 
     def fail(self, line: int, problem: str) -> None:
         raise UserError(f"{self.source} line {line}: {problem}; fix or remove that line")
@@ -103,7 +104,7 @@ class _LogParser:
                                f"(the first is on line {first})")
         self.records[key] = (line_no, experts, probs)
 
-    def trace(self, num_experts: Optional[int]) -> Trace:
+    def trace(self, num_experts: int | None) -> Trace:
         if not self.records:
             raise UserError(f"{self.source} holds no routing records; it should have one JSON object per token and layer")
         layers = sorted({layer for _, _, layer in self.records})
@@ -127,9 +128,7 @@ class _LogParser:
             if weights is not None:
                 weights[t, l] = probs
         if weights is not None:
-            order = np.argsort(-weights, axis=-1, kind="stable")
-            experts = np.take_along_axis(experts, order, -1)
-            weights = np.take_along_axis(weights, order, -1)
+            experts, weights = heaviest_first(experts, weights)
         token_arr = np.asarray(tokens, dtype=np.int64).reshape(T, 2)
         try:
             return make_trace(experts, weights, num_experts=num_experts,
@@ -140,7 +139,7 @@ class _LogParser:
             raise UserError(f"{self.source}: {exc}") from None
 
 
-def parse_routing_log(lines: Iterable[str], source: str = "routing log", num_experts: Optional[int] = None) -> Trace:
+def parse_routing_log(lines: Iterable[str], source: str = "routing log", num_experts: int | None = None) -> Trace:
     """Trace from JSONL lines (see module doc); `source` names the input in error messages."""
     if num_experts is not None and num_experts <= 0:
         raise UserError(f"--num-experts must be positive, got {num_experts}")
@@ -150,7 +149,7 @@ def parse_routing_log(lines: Iterable[str], source: str = "routing log", num_exp
     return parser.trace(num_experts)
 
 
-def import_routing_log(path: str | os.PathLike, num_experts: Optional[int] = None) -> Trace:
+def import_routing_log(path: str | os.PathLike, num_experts: int | None = None) -> Trace:
     """Read a JSONL routing log file into a validated `Trace`."""
     path = Path(path)
     if not path.exists():

@@ -25,19 +25,18 @@ plus bytes over PCIe (and over NVMe first for disk-tier experts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, sequence_ids, stream_order
 from moeplan.passes.optimize.offload.evaluate import (PAIRED_EVICTION, gap_to_belady, parse_variant, run_demand,
                                                      run_variants, speculation_settings, variant_order)
-from moeplan.passes.optimize.offload.hardware import Hardware
 from moeplan.backends.runtime.offload_next_use import fit_next_use
 from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.errors import UserError
+from moeplan.planner.hardware import OFFLOAD_FIGURES, HardwareProfile
 
 ACT_BUFFERS = 8
 GIB = 1 << 30
@@ -46,17 +45,17 @@ ONLINE_POLICIES = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")  # order = t
 
 @dataclass(frozen=True)
 class OffloadRequest:
-    hardware: Hardware
-    gpu_memory_bytes: Optional[int] = None
-    expert_cache: Optional[int] = None
+    hardware: HardwareProfile  # planner/hardware.py: the plan's one profile
+    gpu_memory_bytes: int | None = None
+    expert_cache: int | None = None
     batch: int = 1
     max_length: int = 4096
     prefill_chunk: int = 512
     reserve_bytes: int = GIB
     host_reserve_bytes: int = 8 * GIB
-    host_memory_bytes: Optional[int] = None  # the host tier; None: the profile's host memory less host_reserve_bytes
+    host_memory_bytes: int | None = None  # the host tier; None: the profile's host memory less host_reserve_bytes
     prompt_tokens: int = 0
-    host_compute: Optional[str] = None  # "cheaper" | "never" | None: by predicted time (where the profile can)
+    host_compute: str | None = None  # "cheaper" | "never" | None: by predicted time (where the profile can)
     validation_fraction: float = 0.2
     seed: int = 0
     max_sim_requests: int = 50_000
@@ -99,7 +98,9 @@ def memory_budget(ir, kv_per_token: int, req: OffloadRequest) -> dict:
         out["capacity"] = min(int(req.expert_cache), total_keys)
         out["gpu_memory_bytes"] = dense + kv + act + int(req.reserve_bytes) + out["capacity"] * expert_bytes
         return out
-    gpu = int(req.gpu_memory_bytes if req.gpu_memory_bytes is not None else req.hardware.gpu_memory_bytes)
+    if req.gpu_memory_bytes is None:
+        req.hardware.require(("device_memory_bytes",), "sizing the expert cache without --gpu-memory")
+    gpu = int(req.gpu_memory_bytes if req.gpu_memory_bytes is not None else req.hardware.device_memory_bytes)
     left = gpu - dense - kv - act - int(req.reserve_bytes)
     if left < expert_bytes:
         need = dense + kv + act + req.reserve_bytes + expert_bytes
@@ -116,29 +117,31 @@ def host_tier_bytes(req: OffloadRequest) -> int:
     """Host memory for experts (one machine): --host-memory, else the profile's less the host reserve."""
     if req.host_memory_bytes is not None:
         return max(0, int(req.host_memory_bytes))
+    req.hardware.require(("host_memory_bytes",), "the host tier without --host-memory")
     return max(0, int(req.hardware.host_memory_bytes - req.host_reserve_bytes))
 
 
-def timing_for(ir, hw: Hardware, host_keys=None, host_compute: bool = False) -> Timing:
+def timing_for(ir, hw: HardwareProfile, host_keys=None, host_compute: bool = False) -> Timing:
     """Per-step compute and per-expert copy times of `ir` on `hw` (decode, memory-bound); with
     `host_compute` (and a profile that has the host's rates) also the host's time for a missed
     expert: its weights read at the host's memory rate, 2 x its parameters FLOPs per row."""
     from moeplan.planner.ir import dtype_bytes
 
+    hw.require(OFFLOAD_FIGURES, "the expert cache's timing")
     moe = ir.moe_stages
     expert_bytes = int(moe[0].expert_param_bytes)
     routed = sum(s.num_experts * s.expert_param_bytes for s in moe)
     embedding = sum(s.param_bytes for s in ir.stages if getattr(s, "kind", "") == "embedding")
     dense_read = max(ir.total_param_bytes - routed - embedding, 0) / len(moe)
-    bw = hw.gpu_memory_bandwidth * hw.memory_efficiency
+    bw = hw.memory_bytes_per_s * hw.memory_efficiency
     host = {}
     if host_compute and hw.host_compute:
         params = expert_bytes / dtype_bytes(ir.dtype)
         host = {"host_expert_s": expert_bytes / hw.host_memory_bytes_per_s, "host_row_s": 2.0 * params / hw.host_flops_per_s,
-                "host_overhead_s": hw.host_overhead_s}
+                "host_overhead_s": hw.host_overhead_s or 0.0}
     return Timing(layer_s=hw.layer_overhead_s + dense_read / bw, expert_compute_s=expert_bytes / bw,
-                  pcie_copy_s=hw.copy_latency_s + expert_bytes / hw.pcie_bandwidth,
-                  nvme_copy_s=expert_bytes / hw.nvme_bandwidth, expert_bytes=expert_bytes,
+                  pcie_copy_s=hw.copy_latency_s + expert_bytes / hw.host_to_device_bytes_per_s,
+                  nvme_copy_s=expert_bytes / hw.disk_read_bytes_per_s, expert_bytes=expert_bytes,
                   host_keys=None if host_keys is None else frozenset(int(k) for k in host_keys), **host)
 
 
@@ -165,6 +168,19 @@ def host_compute_options(req: OffloadRequest, architecture: str = "") -> tuple:
 def host_compute_record(host: bool) -> dict:
     """The plan's rule for a missed expert ({} when it is always copied: plans as before the rule existed)."""
     return {"host_compute": "cheaper"} if host else {}
+
+
+def hardware_record(hw: HardwareProfile) -> dict:
+    """The figures the offload plan used, under the keys plan.json's offload section (offload_version 1)
+    has always had (gpu_memory_bandwidth is the profile's memory_bytes_per_s, pcie_bandwidth its
+    host_to_device_bytes_per_s, nvme_bandwidth its disk_read_bytes_per_s); the host's rates only
+    where the profile knows them."""
+    return {"name": hw.name, "gpu_memory_bytes": hw.device_memory_bytes, "gpu_memory_bandwidth": hw.memory_bytes_per_s,
+            "host_memory_bytes": hw.host_memory_bytes, "pcie_bandwidth": hw.host_to_device_bytes_per_s,
+            "nvme_bandwidth": hw.disk_read_bytes_per_s, "memory_efficiency": hw.memory_efficiency,
+            "layer_overhead_s": hw.layer_overhead_s, "copy_latency_s": hw.copy_latency_s,
+            **({"host_memory_bytes_per_s": hw.host_memory_bytes_per_s, "host_flops_per_s": hw.host_flops_per_s,
+                "host_overhead_s": hw.host_overhead_s or 0.0} if hw.host_compute else {})}
 
 
 def split_by_sequence(trace, validation_fraction: float):
@@ -260,7 +276,7 @@ def plan_offload(ir, trace, req: OffloadRequest, kv_per_token: int, say=lambda m
                       "disk_bytes": max(total - host_capacity, 0) * budget["expert_bytes"]},
             "timing": timing.to_dict(),
             "host_resident": None if host_keys is None else sorted(host_keys),
-            "hardware": req.hardware.to_dict(),
+            "hardware": hardware_record(req.hardware),
             "policy_model": model.to_dict(),
             "eamc": eamc.eamc.tolist(),
         },

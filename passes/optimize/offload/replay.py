@@ -26,7 +26,7 @@ COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "residen
 def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream, timing: Timing | None = None,
                  wrap=lambda policy: policy) -> TimedCache:
     """A fresh stepper for `rank` of the plan's expert_cache section `spec` over `stream`, with the
-    rank's planned capacity and residents (`stepper.plan_stepper`; `timing`: another clock)."""
+    rank's planned capacity and residents (`offload_stepper.plan_stepper`; `timing`: another clock)."""
     new = plan_stepper(spec, rank, allowed, stream.num_experts, timing, wrap)
     return new(stream, int(spec["capacity"][rank]), pair_keys(spec["resident"][rank], stream.num_experts))
 

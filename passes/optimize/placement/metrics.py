@@ -1,7 +1,8 @@
 """The placement metrics of ARCHITECTURE.md, computed by one vectorised function for everyone.
 
-- *Current device* after MoE layer l: the device of the token's highest-weight expert at l. For a
-  replicated expert: the replica on the previous current device if any, else the first replica
+- *Current device* after MoE layer l: the device of the token's highest-weight expert at l, by the
+  runtime's replica rule (`backends/runtime/expert_table.py: ExpertTable.primary`): for a
+  replicated expert the replica on the previous current device if any, else the first replica
   on the same node as it, else the first listed (lowest device id). At layer 0 there is no
   previous device, so the first listed replica is taken. A token with no expert at a layer keeps
   its current device; before its first expert it has none and its choices are not counted.
@@ -19,9 +20,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
-from moeplan.passes.optimize.placement.decision import Topology
+from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.planner.errors import UserError
 
 
@@ -49,9 +51,7 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
         raise ValueError("hosts and topology disagree on the device count")
     if not hosts.any(axis=2).all():
         raise UserError("the placement leaves an expert without a device")
-    G = topology.gpus_per_node
-    node_of = np.arange(D) // G
-    node_hosts, first_device, first_on_node = routing_tables(hosts, G)
+    table = ExpertTable(hosts, topology.gpus_per_node)
     experts = trace.experts.astype(np.int64)
     heaviest = heaviest_choice(trace)
     current = np.full(trace.num_tokens, -1, dtype=np.int64)
@@ -68,12 +68,12 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
             d = np.where(counted, current[:, None], 0)
             transitions += int(counted.sum())
             gpu_local += int((hosts[l][e, d] & counted).sum())
-            node_local += int((node_hosts[l][e, node_of[d]] & counted).sum())
+            node_local += int((table.node_hosts[l][e, table.node_of[d]] & counted).sum())
         load = layer_loads[l]
         if load.sum() > 0:
             device_load = hosts[l].T.astype(np.float64) @ (load / hosts[l].sum(axis=1))
             ratios.append(device_load.max() / device_load.mean())
-        current = next_devices(current, heaviest[:, l], hosts[l], first_device[l], first_on_node[l], node_of)
+        current = table.primary(l, heaviest[:, l], current)
     return PlacementScore(
         gpu_local_fraction=gpu_local / transitions if transitions else 0.0,
         node_local_fraction=node_local / transitions if transitions else 0.0,
@@ -82,32 +82,6 @@ def score_placement(trace: Trace, hosts: np.ndarray, topology: Topology) -> Plac
         cross_gpu_transitions=transitions - gpu_local,
         cross_node_transitions=transitions - node_local,
     )
-
-
-def routing_tables(hosts: np.ndarray, gpus_per_node: int) -> tuple:
-    """From bool [L, E, D] hosts: (node_hosts bool [L, E, N], first device int [L, E], first device of
-    each expert on each node int [L, E, N], -1 where the node has none): what `next_devices` needs."""
-    L, E, D = hosts.shape
-    N = D // gpus_per_node
-    by_node = hosts.reshape(L, E, N, gpus_per_node)
-    node_hosts = by_node.any(axis=3)
-    first_device = np.argmax(hosts, axis=2)
-    first_on_node = np.where(node_hosts, np.argmax(by_node, axis=3) + np.arange(N) * gpus_per_node, -1)
-    return node_hosts, first_device, first_on_node
-
-
-def next_devices(current: np.ndarray, heaviest: np.ndarray, hosts_l: np.ndarray, first_device_l: np.ndarray,
-                 first_on_node_l: np.ndarray, node_of: np.ndarray) -> np.ndarray:
-    """int [T]: each token's current device after a layer (module docstring), from its current device
-    before it (-1: none yet) and its heaviest expert there (-1: none; the token stays put)."""
-    has = heaviest >= 0
-    hh = np.where(has, heaviest, 0)
-    known = current >= 0
-    c = np.where(known, current, 0)
-    stay = known & hosts_l[hh, c]
-    same_node = np.where(known, first_on_node_l[hh, node_of[c]], -1)
-    moved = np.where(stay, c, np.where(same_node >= 0, same_node, first_device_l[hh]))
-    return np.where(has, moved, current)
 
 
 def max_gpu_loads(hosts: np.ndarray, loads: np.ndarray) -> np.ndarray:

@@ -1,13 +1,13 @@
-"""Expert placement: decide, per MoE layer, which GPU hosts which experts (and replicas).
+"""Expert placement's entry point: a request (topology, policy, slots, caps, work) in, a scored `Placement` out.
 
-Policies, all returning a `Placement` scored by `metrics.score_placement`:
-- `contiguous`: expert i on device i // (E / D) at every layer (DeepSpeed-MoE's default);
-- `eplb`: DeepSeek's Expert Parallelism Load Balancer, our implementation (`eplb`);
-- `ilp`: ExFlow's staged affinity ILP with a load cap and redundant slots (`ilp`),
-  reporting objective (cross-GPU transitions), a valid lower bound (`bound`) and gap.
+`plan_placement` checks the request against the trace, runs the algorithm it names
+(`algorithms/`: contiguous, eplb, ilp) and scores the result with the placement metric
+(`metrics.score_placement`); an ilp placement also records its objective (cross-GPU transitions),
+a valid lower bound (`bounds/`) and the gap. `evaluate_placement` scores an existing placement on
+another trace.
 
 `ilp` work is set by `effort` (a multiplier on sweeps, exchange moves, branch-and-bound nodes and
-LP sizes; `budget`), never by the clock, so the same inputs give the same bytes on any
+LP sizes; `budget.py`), never by the clock, so the same inputs give the same bytes on any
 machine. `time_limit` is a safety net: when it stops the solve, metrics say
 `stopped_by: "time_limit"` and a note warns that the result may not be reproducible.
 """
@@ -16,22 +16,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
-from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import relative_gap
-from moeplan.passes.optimize.placement.bound import capped_transition_lower_bound, source_token_caps
-from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT, WorkBudget
-from moeplan.passes.optimize.placement.eplb import eplb_placement
-from moeplan.passes.optimize.placement.held_out import load_scenarios
-from moeplan.passes.optimize.placement.ilp import BALANCE_BASES, staged_placement
+from moeplan.passes.optimize.placement.algorithms import PlacementAlgorithm, algorithm_named, place_experts
+from moeplan.passes.optimize.placement.algorithms.ilp_caps import BALANCE_BASES
+from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT
+from moeplan.passes.optimize.placement.contract import Placement, Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.routed import RoutedTrace
-from moeplan.passes.optimize.placement.decision import Placement, Topology
 from moeplan.planner.errors import UserError
 
-POLICIES = ("ilp", "eplb", "contiguous")
 SOLVERS = ("highs", "gurobi")
 
 
@@ -55,8 +48,7 @@ def check_request(trace: Trace, request: PlacementRequest) -> None:
     E, D = trace.num_experts, request.topology.devices
     if request.topology.nodes < 1 or request.topology.gpus_per_node < 1:
         raise UserError(f"--nodes and --gpus-per-node must be at least 1, got {request.topology.nodes} and {request.topology.gpus_per_node}")
-    if request.policy not in POLICIES:
-        raise UserError(f"--policy must be one of {', '.join(POLICIES)}, got {request.policy!r}")
+    algorithm = algorithm_named(request.policy)
     if request.solver not in SOLVERS:
         raise UserError(f"--solver must be one of {', '.join(SOLVERS)}, got {request.solver!r}")
     if request.balance_base not in BALANCE_BASES:
@@ -69,7 +61,7 @@ def check_request(trace: Trace, request: PlacementRequest) -> None:
         raise UserError(f"--time-limit must be positive, got {request.time_limit}")
     if not request.effort > 0:
         raise UserError(f"--effort must be positive, got {request.effort}")
-    if request.policy == "contiguous":
+    if algorithm is PlacementAlgorithm.CONTIGUOUS:
         if request.redundant:
             raise UserError("the contiguous policy places no replicas; drop --redundant or use --policy eplb/ilp")
         if E % D:
@@ -96,15 +88,8 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
     check_request(trace, request)
     start = time.perf_counter()
     topology = request.topology
-    L, E = trace.num_layers, trace.num_experts
-    loads = trace.expert_loads().astype(np.float64)
-    extra = {}
-    if request.policy == "contiguous":
-        hosts = contiguous_placement(L, E, topology)
-    elif request.policy == "eplb":
-        hosts = eplb_placement(loads, topology, request.redundant, request.expert_groups)
-    else:
-        hosts, extra = _ilp(trace, loads, request, start)
+    algorithm = algorithm_named(request.policy)
+    hosts, extra = place_experts(algorithm, trace, request, start)
     score = score_placement(trace, hosts, topology)
     metrics = {
         "gpu_local_fraction": score.gpu_local_fraction,
@@ -114,7 +99,7 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         "redundant": request.redundant,
     }
     metrics = without_unknown_locality(metrics, trace)
-    if request.policy == "ilp":
+    if algorithm is PlacementAlgorithm.ILP:
         objective = float(score.cross_gpu_transitions)
         bound = min(extra.pop("bound"), objective)
         metrics.update(objective=objective, bound=bound, gap=relative_gap(objective, bound),
@@ -125,41 +110,6 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         if request.held_out_balance:
             metrics["held_out_balance"] = True
     return Placement.from_hosts(request.policy, topology, hosts, metrics)
-
-
-def _ilp(trace: Trace, loads: np.ndarray, request: PlacementRequest, start: float):
-    topology = request.topology
-    D = topology.devices
-    counts = transition_counts(trace, "current")
-    budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
-    solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
-                                request.solver, budget,
-                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node, counts),
-                                load_scenarios(trace) if request.held_out_caps else None, request.held_out_balance)
-    slots = (trace.num_experts + request.redundant) // D
-    # the bound covers every placement the planner could have returned, so it assumes the search space's most
-    # copies of an expert, not the fewer the returned placement may use
-    max_copies = max(solution.max_copies, int(solution.replicas.max()))
-    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, max_copies, budget=budget,
-                                                  token_caps=source_token_caps(trace, slots))
-    extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps,
-             "stopped_by": "time_limit" if budget.timed_out else "work"}
-    notes = list(solution.notes)
-    if budget.timed_out:
-        notes.append(f"--time-limit {request.time_limit:g} s stopped the solve before its work budget "
-                     f"(--effort {request.effort:g}) was spent: this placement depends on machine speed and load "
-                     f"and may not be reproducible; raise --time-limit (or lower --effort) for a deterministic result")
-    if notes:
-        extra["notes"] = notes
-    return solution.hosts, extra
-
-
-def contiguous_placement(num_layers: int, num_experts: int, topology: Topology) -> np.ndarray:
-    """bool [L, E, D]: expert i on device i // (E / D) at every layer (DeepSpeed-MoE's default)."""
-    D = topology.devices
-    hosts = np.zeros((num_layers, num_experts, D), dtype=bool)
-    hosts[:, np.arange(num_experts), np.arange(num_experts) // (num_experts // D)] = True
-    return hosts
 
 
 def evaluate_placement(placement: Placement, trace: Trace) -> dict:

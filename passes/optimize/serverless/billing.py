@@ -96,7 +96,7 @@ class ServerlessFacts:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ServerlessFacts":
+    def from_dict(cls, d: dict) -> ServerlessFacts:
         layers = []
         for raw in d["layers"]:
             raw = dict(raw)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class BOOptions:
     max_iterations: int = 8
     slo_penalty: float = 1.0
     seed: int = 0
-    storage: Optional[str] = None   # e.g. sqlite:///bo.db to share the study
+    storage: str | None = None   # e.g. sqlite:///bo.db to share the study
 
 
 @dataclass
@@ -113,7 +113,7 @@ def _make_sampler(state):
 
 
 def refine(table: CountTable, evaluate: Callable, *, vocab_tokens: np.ndarray, max_position: int,
-           options: BOOptions = BOOptions(), progress: Optional[Callable] = None) -> BOResult:
+           options: BOOptions = BOOptions(), progress: Callable | None = None) -> BOResult:
     """Run Alg. 2. `evaluate(table) -> (cost, mispredictions)`, where mispredictions is a list of
     (kind, keys) with kind in {"memory", "payload", "other"} and keys the [n, 5] keys of tokens
     whose expert load was mispredicted (the range L for the next iteration)."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import numpy as np
 
@@ -156,7 +155,7 @@ class CostModel:
         act = max(tokens * (u.peak_bytes_per_token + u.in_bytes_per_token + u.out_bytes_per_token) for u in us)
         return self.p.runtime_memory_mb + (params + act) / MB
 
-    def min_memory(self, first: int, last: int, eta: int = 1) -> Optional[int]:
+    def min_memory(self, first: int, last: int, eta: int = 1) -> int | None:
         need = self.need_mb(first, last, eta)
         return next((m for m in self.options if m >= need - 1e-9), None)
 
@@ -308,8 +307,8 @@ def single_function(model: CostModel) -> list:
     return [Slice(0, len(model.units) - 1, mem)]
 
 
-def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Optional[float] = None,
-          memory_options=None, max_eta: Optional[int] = None, threshold: float = MERGE_THRESHOLD,
+def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: float | None = None,
+          memory_options=None, max_eta: int | None = None, threshold: float = MERGE_THRESHOLD,
           accounting: str = "lambda") -> PartitionResult:
     """Partition the dense unit chain; the latency limit defaults to the single function's latency."""
     if not units:
@@ -326,7 +325,7 @@ def hypad(units: list, platform: Platform, tokens: int, *, latency_limit_s: Opti
 
 
 def evaluate(units: list, platform: Platform, tokens: int, groups: list, memory_options=None,
-             memory_mb: Optional[int] = None, accounting: str = "lambda") -> PartitionResult:
+             memory_mb: int | None = None, accounting: str = "lambda") -> PartitionResult:
     """A fixed partition (lists of consecutive unit indices) at minimum (or the given) memory: the baselines."""
     model = CostModel(units, platform, tokens, memory_options, accounting=accounting)
     slices = []
@@ -367,6 +366,12 @@ def fine_memory_options(platform: Platform, low: int = 128, high: int = 10240) -
 
 def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> list:
     """Dense units of a model with per-token time and memory predicted by the profile's XGBoost models."""
+    return units_on_grid(ir, profile, [tokens], module, seed)[tokens]
+
+
+def units_on_grid(ir, profile, grid, module=None, seed: int = 0) -> dict:
+    """{tokens: dense units at that request size} for every token count of `grid`, from one fit of
+    the profile's XGBoost predictors (the request cost model prices steps of any size)."""
     from moeplan.passes.analysis.profile.predictor import features, fit_predictors
     from moeplan.passes.analysis.profile.operators import model_units
     from moeplan.planner.ir import dtype_bytes
@@ -381,19 +386,21 @@ def units_from_profile(ir, profile, tokens: int, module=None, seed: int = 0) -> 
     width = int(ir.hidden_size * dtype_bytes(ir.dtype))
     kinds = {s.name: s.kind for s in ir.stages}
     top_k = {f"{s.name}.router": s.top_k for s in ir.moe_stages}
-    out = []
-    for u in model_units(ir, module):
-        if u.kind != "dense":
-            continue
-        segment = 0 if u.group == "head" else last if u.group == "tail" else moe[u.group]
-        secs = [float(preds.time(features(u.flops_per_token, u.param_bytes, tokens, t, False))[0]) / tokens
-                for t in profile.threads]
-        peak = float(preds.memory(features(u.flops_per_token, u.param_bytes, tokens, 1, False))[0]) / tokens
-        kind = kinds.get(u.name, "router")
-        # what the bundle's state file carries per token: ids, positions, sequence (24 B), the residual
-        # stream and the last norm's output (2 x width), routers add ids + weights, the head logits
-        in_b = 24 if kind == "embedding" else 24 + 2 * width
-        out_b = 24 + 2 * width + (ir.vocab_size * 4 if kind == "head" else 16 * top_k.get(u.name, 0))
-        out.append(DenseUnit((u.name,), segment, int(u.param_bytes), peak, out_b, in_b, tuple(secs),
-                             tuple(int(t) for t in profile.threads)))
+    dense = [u for u in model_units(ir, module) if u.kind == "dense"]
+    out = {}
+    for tokens in grid:
+        units = []
+        for u in dense:
+            segment = 0 if u.group == "head" else last if u.group == "tail" else moe[u.group]
+            secs = [float(preds.time(features(u.flops_per_token, u.param_bytes, tokens, t, False))[0]) / tokens
+                    for t in profile.threads]
+            peak = float(preds.memory(features(u.flops_per_token, u.param_bytes, tokens, 1, False))[0]) / tokens
+            kind = kinds.get(u.name, "router")
+            # what the bundle's state file carries per token: ids, positions, sequence (24 B), the residual
+            # stream and the last norm's output (2 x width), routers add ids + weights, the head logits
+            in_b = 24 if kind == "embedding" else 24 + 2 * width
+            out_b = 24 + 2 * width + (ir.vocab_size * 4 if kind == "head" else 16 * top_k.get(u.name, 0))
+            units.append(DenseUnit((u.name,), segment, int(u.param_bytes), peak, out_b, in_b, tuple(secs),
+                                   tuple(int(t) for t in profile.threads)))
+        out[tokens] = units
     return out

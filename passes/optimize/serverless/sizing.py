@@ -154,7 +154,7 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
     fastest, fastest_lat = [], 0.0
     for e in range(L):
         best = None
-        for m, ((method, beta), opts) in enumerate(layer_modes[e]):
+        for m, ((method, _beta), opts) in enumerate(layer_modes[e]):
             contribs = [float(o.contrib[-1]) for o in opts.values()]
             lat = sc.layer_latency(p, facts.layers[e], method, contribs, float(total_tok[e]))
             if best is None or lat < best[0] - 1e-12:
@@ -191,16 +191,16 @@ def size_layers(facts: sc.ServerlessFacts, loads: np.ndarray, slo_s: float, mode
         rows.add([col for col, _ in entries], [v for _, v in entries], lower, upper)
 
     groups = {}
-    for col, (e, m, i, k) in enumerate(z_index):
+    for col, (e, m, i, _k) in enumerate(z_index):
         groups.setdefault((e, m, i), []).append(col)
-    for (e, m, i), zc in sorted(groups.items()):
+    for (e, m, _i), zc in sorted(groups.items()):
         add_row([(col, 1.0) for col in zc] + [(w_cols[(e, m)], -1.0)], 0.0, 0.0)
     for e in range(L):
         add_row([(w_cols[(e, m)], 1.0) for m in range(len(layer_modes[e]))], 1.0, 1.0)
     by_expert = {}
     for col, (e, m, i, k) in enumerate(z_index):
         by_expert.setdefault((e, i), []).append((col, float(layer_modes[e][m][1][i].contrib[k])))
-    for (e, i), entries in sorted(by_expert.items()):
+    for (e, _i), entries in sorted(by_expert.items()):
         add_row(entries + [(l_cols[e], -1.0)], -np.inf, 0.0)
     slo_entries = [(l_cols[e], 1.0) for e in range(L)]
     for e in range(L):
@@ -262,7 +262,7 @@ def _solve_frontier(facts, loads, layer_modes, budget, total_tok, time_limit_s, 
     p = facts.platform
     points = []  # (layer, mode, latency, cost, picks)
     for e, modes in enumerate(layer_modes):
-        for m, ((method, beta), opts) in enumerate(modes):
+        for m, ((method, _beta), opts) in enumerate(modes):
             for lat, cost, picks in _layer_frontier(p, facts.layers[e], method, opts, float(total_tok[e])):
                 points.append((e, m, lat, cost, picks))
     n = len(points)

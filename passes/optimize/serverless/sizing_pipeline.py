@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -80,7 +79,7 @@ class PlanOutcome:
     predicted_sim: object
     validation: list                  # SimResult per validation batch
     predictor_error: dict             # name -> load error on validation batches
-    bo: Optional[dict] = None
+    bo: dict | None = None
     timings: dict = field(default_factory=dict)
     predictor: object = None          # the (refined) predictor the plan was sized with
     predictor_options: dict = field(default_factory=dict)
@@ -98,8 +97,8 @@ def penalised_cost(sim, slo_s: float, penalty: float) -> float:
 
 
 def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                    validation_fraction: float = 0.2, predictor_options: Optional[dict] = None,
-                    sizing_options: SizingOptions = SizingOptions(), bo_options: Optional[BOOptions] = None,
+                    validation_fraction: float = 0.2, predictor_options: dict | None = None,
+                    sizing_options: SizingOptions | None = None, bo_options: BOOptions | None = None,
                     progress=None, table_rows=None, validation_rows=None, request_batches=None,
                     size_for_statistic: str = "mean") -> PlanOutcome:
     """Everything after profiling. `bo_options=None` skips BO refinement.
@@ -109,6 +108,7 @@ def plan_serverless(facts: sc.ServerlessFacts, trace: Trace, slo_s: float, *, ba
     expected requests whose predicted loads the final plan is sized for (default: the
     validation batches).
     """
+    sizing_options = sizing_options or SizingOptions()
     if trace.token_ids is None:
         raise UserError("the trace has no 'token_ids'; serverless planning predicts loads from token ids - re-record it with 'moeplan trace'")
     if trace.num_layers != len(facts.layers):

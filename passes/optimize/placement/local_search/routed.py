@@ -3,7 +3,7 @@
 Why (issue 15): the staged ILP values a placement by an even-split model: a replicated expert's
 tokens are taken to sit on each of its copies in equal shares. The metric routes them otherwise:
 a token stays on its GPU when its next expert has a copy there, else goes to the copy on its
-node, else to the first copy (`metrics.next_devices`). With a hot, many-times replicated expert
+node, else to the first copy (`ExpertTable.primary`, the runtime's rule). With a hot, many-times replicated expert
 (briefly trained top-1 models route a third of their tokens to one expert) the two disagree, and
 moves the model likes can lose real locality (measured: +0.9% model value, -1.5 points of
 GPU-local on a trained 64-expert top-1 trace). Here a layer step is valued by routing the
@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.passes.analysis.affinity import heaviest_choice, transition_counts
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.layer_chain import CHAIN_NODE_LIMIT, layer_mip
-from moeplan.passes.optimize.placement.metrics import next_devices, routing_tables
+from moeplan.passes.optimize.placement.local_search.layer_mip import CHAIN_NODE_LIMIT, layer_mip
+from moeplan.passes.optimize.placement.local_search.moves import steepest_exchanges
 
 SWEEPS = 3  # at effort 1; a sweep that gains nothing ends the polish
 MAX_VARIABLES = 4_096  # experts x GPUs per layer MIP at effort 1 (DeepSeek-V3 x 64 GPUs is 16k: skipped)
@@ -51,10 +53,8 @@ class RoutedTrace:
     proposals: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_trace(cls, trace, gpus_per_node: int, counts: np.ndarray = None) -> "RoutedTrace":
+    def from_trace(cls, trace, gpus_per_node: int, counts: np.ndarray = None) -> RoutedTrace:
         """counts: the trace's transition counts where the caller has them already."""
-        from moeplan.passes.analysis.affinity import heaviest_choice, transition_counts
-
         counts = transition_counts(trace, "current") if counts is None else counts
         return cls(trace.experts.astype(np.int64), heaviest_choice(trace), trace.num_experts, gpus_per_node, counts)
 
@@ -62,13 +62,11 @@ class RoutedTrace:
 def devices_after(routed: RoutedTrace, hosts: np.ndarray) -> np.ndarray:
     """int [T, L]: every token's current device after each layer (-1 before its first expert)."""
     T, L = routed.heaviest.shape
-    D = hosts.shape[2]
-    node_of = np.arange(D) // routed.gpus_per_node
-    _, first_device, first_on_node = routing_tables(hosts, routed.gpus_per_node)
+    table = ExpertTable(hosts, routed.gpus_per_node)
     out = np.empty((T, L), dtype=np.int64)
     current = np.full(T, -1, dtype=np.int64)
     for l in range(L):
-        current = next_devices(current, routed.heaviest[:, l], hosts[l], first_device[l], first_on_node[l], node_of)
+        current = table.primary(l, routed.heaviest[:, l], current)
         out[:, l] = current
     return out
 
@@ -203,7 +201,6 @@ def routed_chain(routed: RoutedTrace, loads: np.ndarray, replicas: np.ndarray, c
     if E * D > budget.scaled(MAX_VARIABLES):
         return hosts
     G = routed.gpus_per_node
-    node_of = np.arange(D) // G
     current = np.full(routed.heaviest.shape[0], -1, dtype=np.int64)
     for l in range(L):
         if l > 0 and not budget.expired():
@@ -219,8 +216,7 @@ def routed_chain(routed: RoutedTrace, loads: np.ndarray, replicas: np.ndarray, c
                             CHAIN_NODE_LIMIT, budget, solver)
             if new is not None and (per_copy @ new).max() <= caps[l] * (1 + 1e-9):
                 hosts[l] = new
-        _, first_device, first_on_node = routing_tables(hosts[l:l + 1], G)
-        current = next_devices(current, routed.heaviest[:, l], hosts[l], first_device[0], first_on_node[0], node_of)
+        current = ExpertTable(hosts[l:l + 1], G).primary(0, routed.heaviest[:, l], current)
     return hosts
 
 
@@ -231,17 +227,15 @@ SWAP_SWEEPS = 1  # at effort 1
 def routed_swaps(hosts: np.ndarray, routed: RoutedTrace, loads: np.ndarray, caps: np.ndarray,
                  budget: WorkBudget = None) -> tuple:
     """The routed layer step at any scale: steepest exchanges of two copies between GPUs
-    (`ilp.improve_by_swaps`) on the routed tables, the node term charged per copy (exact for
+    (`moves.steepest_exchanges`) on the routed tables, the node term charged per copy (exact for
     experts with one copy), each layer's result kept only if the trace's exact counts improve.
     Returns (hosts, GPU-local gain)."""
-    from moeplan.passes.optimize.placement.ilp import improve_by_swaps
-
     budget = budget or WorkBudget()
     E, D = hosts.shape[1:]
     node_of = np.arange(D) // routed.gpus_per_node
 
     def step(l, x, per_copy, g, h):
-        return improve_by_swaps(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
+        return steepest_exchanges(g + h[:, node_of], x.astype(np.int64), np.ones(E, dtype=np.int64), per_copy, caps[l],
                                 budget.scaled(SWAP_MOVES)) > 0
 
     # the stay-only look-ahead here: with the one-copy term the DeepSeek-V3 rows gained 0.002-0.003 of

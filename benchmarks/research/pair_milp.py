@@ -1,6 +1,6 @@
 """One layer pair's placement without replicas, solved as a compact MILP: a bound and its limit.
 
-Why: the reported bound (`bound.py`) is a sum over layer pairs of LP relaxations. Solving each
+Why: the reported bound (`passes/optimize/placement/bounds/pairwise.py`) is a sum over layer pairs of LP relaxations. Solving each
 pair's own placement problem exactly (GPU-indexed binaries, branch and bound) gives the strongest
 bound any pair-by-pair argument can give, and the pair's best placement found caps it: the sum
 over pairs of those best values is an upper limit on every bound that treats the pairs one at a
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.milp import Rows, solve_milp
-from moeplan.passes.optimize.placement.joint import assignment_rows
+from moeplan.passes.optimize.placement.local_search.joint import assignment_rows
 
 
 def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarray, cap_from: float, cap_to: float,
@@ -33,7 +33,7 @@ def pair_cross_milp(counts: np.ndarray, load_from: np.ndarray, load_to: np.ndarr
     total = float(c.sum())
     n, nx = len(c), E * P
     ncols = 2 * nx + n * P
-    x = lambda layer, e, p: layer * nx + e * P + p  # noqa: E731 (column index)
+    x = lambda layer, e, p: layer * nx + e * P + p
     rows = Rows()
     for layer, loads, cap in ((0, load_from, cap_from), (1, load_to, cap_to)):
         assignment_rows(rows, layer * nx, loads, np.full(P, float(Q)), cap * (1 + 1e-9))

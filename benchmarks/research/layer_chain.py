@@ -1,4 +1,4 @@
-"""The layer-chain placement: one exact MILP per layer, in layer order, with no look-ahead.
+"""The layer-chain placement: one exact MILP per layer, in layer order, with no look-ahead (a baseline).
 
 Why: it is the plain baseline that beat the staged ILP on traces the ILP was not tuned on
 (issue 15), and a start the ILP can polish. Layer 0 is EPLB's packing; layer l (l >= 1) is placed
@@ -18,14 +18,11 @@ machine load), warm-started from the transportation optimum repaired to the cap.
 from __future__ import annotations
 
 import numpy as np
-import scipy.sparse as sp
 
-from moeplan.passes.optimize.milp import solve_milp
+from moeplan.passes.optimize.placement.algorithms.eplb import balanced_packing, replica_counts
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.eplb import balanced_packing, replica_counts
+from moeplan.passes.optimize.placement.local_search.layer_mip import layer_mip
 from moeplan.planner.errors import UserError
-
-CHAIN_NODE_LIMIT = 200  # branch-and-bound nodes per layer MIP at effort 1
 
 
 def layer_gains(counts_prev: np.ndarray, hosts_prev: np.ndarray, gpus_per_node: int) -> tuple:
@@ -36,47 +33,6 @@ def layer_gains(counts_prev: np.ndarray, hosts_prev: np.ndarray, gpus_per_node: 
     g = counts_prev.T @ share
     h = g.reshape(E, D // gpus_per_node, gpus_per_node).sum(axis=2)
     return g, h
-
-
-def layer_mip(g: np.ndarray, h: np.ndarray, replicas: np.ndarray, slots: int, per_copy: np.ndarray, cap: float,
-              gpus_per_node: int, warm: np.ndarray = None, node_limit: int = CHAIN_NODE_LIMIT,
-              budget: WorkBudget = None, solver: str = "highs") -> np.ndarray:
-    """bool [E, D] maximising g.m + h.z under the layer's constraints (module docstring), or None."""
-    budget = budget or WorkBudget()
-    E, D = g.shape
-    N = D // gpus_per_node
-    nm, nz = E * D, E * N
-    m_index = np.arange(nm).reshape(E, D)
-    z_index = nm + np.arange(nz).reshape(E, N)
-    rows, cols, vals = [], [], []
-    lo, hi = [], []
-    r = 0
-    # sum_p m[e, p] = r_e
-    rows += list(np.repeat(np.arange(E), D)); cols += list(m_index.ravel()); vals += [1.0] * nm
-    lo += list(replicas.astype(float)); hi += list(replicas.astype(float)); r += E
-    # sum_e m[e, p] = slots, load <= cap
-    rows += list(r + np.tile(np.arange(D), E)); cols += list(m_index.ravel()); vals += [1.0] * nm
-    lo += [float(slots)] * D; hi += [float(slots)] * D; r += D
-    rows += list(r + np.tile(np.arange(D), E)); cols += list(m_index.ravel()); vals += list(np.repeat(per_copy, D))
-    lo += [-np.inf] * D; hi += [float(cap)] * D; r += D
-    # z[e, n] - sum_{p in n} m[e, p] <= 0
-    node_of = np.arange(D) // gpus_per_node
-    z_rows = r + np.arange(nz).reshape(E, N)
-    rows += list(z_rows.ravel()); cols += list(z_index.ravel()); vals += [1.0] * nz
-    rows += list(z_rows[:, node_of].ravel()); cols += list(m_index.ravel()); vals += [-1.0] * nm
-    lo += [-np.inf] * nz; hi += [0.0] * nz; r += nz
-    A = sp.csc_matrix((vals, (rows, cols)), shape=(r, nm + nz))
-    cost = -np.concatenate([g.ravel(), h.ravel()])
-    start = None
-    if warm is not None:
-        start = np.concatenate([warm.ravel(), warm.reshape(E, N, gpus_per_node).any(axis=2).ravel()]).astype(float)
-    result = solve_milp(cost, A, np.asarray(lo), np.asarray(hi), np.zeros(nm + nz), np.ones(nm + nz),
-                        np.ones(nm + nz, dtype=bool), time_limit=budget.seconds_left(), warm_start=start, solver=solver,
-                        mip_gap=1e-4, node_limit=budget.scaled(node_limit))
-    budget.record(result)
-    if result.x is None:
-        return None
-    return np.rint(result.x[:nm]).reshape(E, D) > 0.5
 
 
 def packed_layer(loads: np.ndarray, replicas: np.ndarray, devices: int, slots: int) -> np.ndarray:

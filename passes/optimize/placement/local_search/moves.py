@@ -1,33 +1,77 @@
-"""Steepest-ascent exchanges of a layer step, with the pair tables kept up to date move by move.
+"""The local-search moves, in one place: what an exchange and a re-slot are, which are allowed, and
+applying them; and the steepest exchange searches every layer step uses.
 
-Why: `ilp.improve_by_swaps` is the layer step's local search (and the routed step's at DeepSeek-V3
-scale). Each move picks the best exchange of two units (a unit: an expert's copies on one
-partition) over all U x U pairs. Recomputing every pair's gain and feasibility for each move
-(several U x U gathers) took 41 of the 90 CPU s of a DeepSeek-V3 x 64 GPU solve. An exchange
+A layer's placement is `assign` [n, P]: copies of expert e on partition p (bool hosts [E, D] at GPU
+level, or int counts of a node split). A *unit* is an (expert, partition) cell holding copies, in
+np.nonzero order. Moves:
+* exchange: unit i's copy (e_i on p_i) and unit j's copy (e_j on p_j) trade partitions; allowed when
+  the partitions and experts differ and each target stays within the expert's per-partition limit
+  (1 for bool hosts: the target does not hold the expert yet) (`exchange_units`, `exchange`);
+* re-slot (`reslot.py`): a redundant copy of a on p is dropped and b, absent from p, gets one there
+  (`reslot_copy`): replica counts become r_a - 1 and r_b + 1.
+Who evaluates them: the staged ILP's steps and GPU sweeps (`steepest_exchanges`, `repair_exchanges`
+on even-split gain tables), the routed steps at scale (`routed.routed_swaps`), the re-slot search
+(`reslot.py`) and the held-out repair (`held_out_repair.py`), each with its own value.
+
+Steepest exchanges keep their pair tables up to date move by move. Why: each move picks the best
+exchange of two units over all U x U pairs. Recomputing every pair's gain and feasibility for each
+move (several U x U gathers) took 41 of the 90 CPU s of a DeepSeek-V3 x 64 GPU solve. An exchange
 moves two units to each other's partition; only their rows and columns of the gain table change,
 and the feasibility table changes only for units of the two experts involved. So the tables are
 kept and patched; only the load test (two partitions' loads changed) is redone per move, as two
-broadcast comparisons.
-
-Same moves and ties as recomputing everything (`pair_tables`): the same float expressions
-(so bit-identical gains), and units kept in (expert, partition) order, the order np.nonzero
-gives, so argmax breaks ties alike. When an exchange changes which (expert, partition) cells are
-occupied in another way than moving two single copies (an expert with several copies on one
-partition), the tables are rebuilt from scratch.
+broadcast comparisons. Same moves and ties as recomputing everything (`pair_tables`): the same
+float expressions (so bit-identical gains), and units kept in (expert, partition) order, the order
+np.nonzero gives, so argmax breaks ties alike. When an exchange changes which (expert, partition)
+cells are occupied in another way than moving two single copies (an expert with several copies on
+one partition), the tables are rebuilt from scratch.
 """
 from __future__ import annotations
 
 import numpy as np
 
 
+def exchange_allowed(assign, limit, e_a, p_a, e_b, p_b) -> np.ndarray:
+    """bool [len(e_a), len(e_b)]: may unit (e_a, p_a) exchange with unit (e_b, p_b)? Distinct partitions and
+    experts, and each expert within its per-partition limit (int [n]) on the other's partition."""
+    ok = (p_a[:, None] != p_b[None, :]) & (e_a[:, None] != e_b[None, :])
+    ok &= assign[e_a[:, None], p_b[None, :]] < limit[e_a][:, None]
+    ok &= assign[e_b[None, :], p_a[:, None]] < limit[e_b][None, :]
+    return ok
+
+
+def exchange_units(assign, limit=None) -> tuple:
+    """(e [U], p [U], allowed bool [U, U]): the units of a layer and which pairs may exchange; limit
+    None: one copy per partition (bool hosts)."""
+    limit = np.ones(assign.shape[0], dtype=np.int64) if limit is None else limit
+    e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
+    return e, p, exchange_allowed(assign, limit, e, p, e, p)
+
+
+def exchange(assign, e, p, f, q) -> None:
+    """In place: e's copy on p and f's copy on q trade partitions (bool hosts or int counts)."""
+    _move_copy(assign, e, p, q)
+    _move_copy(assign, f, q, p)
+
+
+def reslot_copy(assign, a, b, p) -> None:
+    """In place: drop a's copy on partition p, give b a copy there (bool hosts)."""
+    assign[a, p] = False
+    assign[b, p] = True
+
+
+def _move_copy(assign, expert, source, target) -> None:
+    if assign.dtype == bool:
+        assign[expert, source], assign[expert, target] = False, True
+    else:
+        assign[expert, source] -= 1
+        assign[expert, target] += 1
+
+
 def pair_tables(gain, assign, limit, loads):
     """Every exchange of two units (i = e_i on p_i, j = e_j on p_j): (e, p, gain [i, j], load shift
-    on p_i [i, j], allowed [i, j] by distinct partitions/experts and the per-partition limit)."""
-    e, p = np.nonzero(assign)  # one unit per (expert, partition) holding it
+    on p_i [i, j], allowed [i, j]: `exchange_allowed`)."""
+    e, p, ok = exchange_units(assign, limit)
     delta = gain[e[:, None], p[None, :]] - gain[e, p][:, None] + gain[e[None, :], p[:, None]] - gain[e, p][None, :]
-    ok = (p[:, None] != p[None, :]) & (e[:, None] != e[None, :])
-    ok &= assign[e[:, None], p[None, :]] < limit[e][:, None]
-    ok &= assign[e[None, :], p[:, None]] < limit[e][None, :]
     shift = loads[e][None, :] - loads[e][:, None]
     return e, p, delta, shift, ok
 
@@ -57,8 +101,7 @@ class ExchangeTables:
         e, p, assign = self.e, self.p, self.assign
         ei, ej, pi, pj = e[i], e[j], p[i], p[j]
         single = assign[ei, pi] == 1 and assign[ei, pj] == 0 and assign[ej, pj] == 1 and assign[ej, pi] == 0
-        assign[ei, pi] -= 1; assign[ei, pj] += 1
-        assign[ej, pj] -= 1; assign[ej, pi] += 1
+        exchange(assign, ei, pi, ej, pj)
         self.partition_load[pi] += self.loads[ej] - self.loads[ei]
         self.partition_load[pj] += self.loads[ei] - self.loads[ej]
         if not single:
@@ -79,10 +122,8 @@ class ExchangeTables:
 
     def _patch_feasible(self, rows) -> None:
         """Rows (and, by symmetry, columns) of the units whose expert's cells changed."""
-        e, p, assign, limit = self.e, self.p, self.assign, self.limit
-        ok = (p[rows][:, None] != p[None, :]) & (e[rows][:, None] != e[None, :])
-        ok &= assign[e[rows][:, None], p[None, :]] < limit[e[rows]][:, None]
-        ok &= assign[e[None, :], p[rows][:, None]] < limit[e][None, :]
+        e, p = self.e, self.p
+        ok = exchange_allowed(self.assign, self.limit, e[rows], p[rows], e, p)
         self.ok[rows, :] = ok
         self.ok[:, rows] = ok.T
 
@@ -99,7 +140,10 @@ class ExchangeTables:
 
 
 def steepest_exchanges(gain, assign, limit, loads, cap, max_rounds: int) -> np.ndarray:
-    """`ilp.improve_by_swaps` (same moves, same result) on incrementally kept tables."""
+    """Steepest-ascent exchanges: move one copy of e from p to q and one of f from q to p while that
+    gains (gain float [n, P]: the value of each expert on each partition) and keeps both partitions
+    under the cap (loads float [n]: per copy) and within the per-partition limit (int [n]); at most
+    `max_rounds` moves. Deterministic (ties: lowest index); returns the new int [n, P] assign."""
     assign = assign.copy()
     tables = ExchangeTables(gain, assign, limit, loads)
     for _ in range(max_rounds):
@@ -113,8 +157,12 @@ def steepest_exchanges(gain, assign, limit, loads, cap, max_rounds: int) -> np.n
 
 
 def repair_exchanges(gain, assign, limit, loads, cap, max_rounds: int) -> np.ndarray:
-    """`ilp.repair_by_swaps` on incrementally kept tables: each move the exchange that cuts the load
-    over the cap most (ties: most gain), until the layer fits or no exchange cuts its overload."""
+    """Exchanges that cut the load over the cap most (ties: most gain), until the layer fits or no
+    exchange cuts its overload (arguments as `steepest_exchanges`).
+
+    Why: at 64-GPU scale a node's replicas, packed onto its GPUs, often miss the per-GPU cap by a
+    little; finding a fitting start by exchanges takes milliseconds where the step MIP spends
+    seconds at its root."""
     assign = assign.copy()
     tables = ExchangeTables(gain, assign, limit, loads)
     for _ in range(max_rounds):

@@ -1,8 +1,8 @@
 """Cross-GPU transitions of one placement under two relaxations of the metric's routing.
 
-Why: the reported gap compares the metric's cross-GPU count (`metrics.py`: a token sits on one
+Why: the reported gap compares the metric's cross-GPU count (`passes/optimize/placement/metrics.py`: a token sits on one
 copy of its heaviest expert, chosen by where it came from) with a bound. Every bound in
-`bound.py` and `chain_bound.py` bounds a relaxation instead, so part of the gap is the
+`bounds/pairwise.py` and `bounds/chain.py` bounds a relaxation instead, so part of the gap is the
 relaxation, not the solver. For a placement, in increasing order (each a lower bound of the next):
 - `colocation_cross`: a transition a -> b of the counts is local when some GPU hosts a at l and
   b at l+1 (what the LP bounds relax to; a token of a replicated expert may use a different copy
@@ -12,7 +12,7 @@ relaxation, not the solver. For a placement, in increasing order (each a lower b
 - the metric's `cross_gpu_transitions` (its routing rule).
 Where the co-location count of a good placement is already far below its metric count, no bound
 that relaxes to co-location can show a small gap. Every bound here bounds the free-routing count;
-all but the per-token caps of `bound.source_token_caps` (which bind only where a token chooses
+all but the per-token caps of `bounds.pairwise.source_token_caps` (which bind only where a token chooses
 more experts than a GPU holds) bound the co-location count too.
 """
 from __future__ import annotations

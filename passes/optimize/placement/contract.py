@@ -1,4 +1,12 @@
-"""The placement decision and its `placement.json` form (ARCHITECTURE, format version 1).
+"""The placement contract: `Topology`, `Placement` (which devices host which experts of each MoE layer)
+and its `placement.json` form (format version 1), read and validated here, and the dispatch rule
+that goes with it.
+
+The dispatch rule (which copy of a replicated expert a token's slot uses) is the runtime's own:
+`backends/runtime/expert_table.py: ExpertTable`, which bundles run, the cost model replays and the
+placement metric follows (`Placement.expert_table()`). It lives in the runtime because a bundle
+runs without moeplan installed. The two halves follow SGLang's `ExpertLocationMetadata`
+(python/sglang/srt/eplb/expert_location.py) and `expert_location_dispatch.py` (sglang 0.5.23).
 
 `placement.json`: {"version": 1, "policy", "topology": {"nodes", "gpus_per_node"},
 "layers": [{"layer": l, "devices": [[expert ids on device 0], ...]}], "metrics": {...}}.
@@ -16,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.planner.atomic import write_text_atomic
 from moeplan.planner.errors import UserError
 from moeplan.planner.plan import rounded
@@ -50,7 +59,7 @@ class Placement:
     metrics: dict = field(default_factory=dict)
 
     @classmethod
-    def from_hosts(cls, policy: str, topology: Topology, hosts: np.ndarray, metrics=None) -> "Placement":
+    def from_hosts(cls, policy: str, topology: Topology, hosts: np.ndarray, metrics=None) -> Placement:
         """Build from a bool [L, E, D] hosting array."""
         L, E, D = hosts.shape
         layers = [[np.flatnonzero(hosts[l, :, d]).tolist() for d in range(D)] for l in range(L)]
@@ -64,6 +73,10 @@ class Placement:
             for d, experts in enumerate(devices):
                 out[l, experts, d] = True
         return out
+
+    def expert_table(self) -> ExpertTable:
+        """The dispatch rule over this placement's copies: what the runtime builds from placement.json."""
+        return ExpertTable(self.hosts(), self.topology.gpus_per_node)
 
     def to_json(self, timings: bool = False) -> str:
         """Deterministic text: sorted keys, one line per layer (diffable), floats rounded.
@@ -99,7 +112,7 @@ def load_placement(path: str | os.PathLike) -> Placement:
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"placement file '{path}' is not valid JSON ({exc.__class__.__name__}); regenerate it with 'moeplan place'")
+        raise UserError(f"placement file '{path}' is not valid JSON ({exc.__class__.__name__}); regenerate it with 'moeplan place'") from None
     try:
         return placement_from_dict(doc)
     except UserError as exc:
@@ -118,7 +131,7 @@ def placement_from_dict(doc) -> Placement:
         topology = Topology(int(doc["topology"]["nodes"]), int(doc["topology"]["gpus_per_node"]))
         layers = [entry["devices"] for entry in sorted(doc["layers"], key=lambda e: e["layer"])]
     except (KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"placement is missing or has a malformed field ({exc}); expected 'topology' and 'layers'")
+        raise UserError(f"placement is missing or has a malformed field ({exc}); expected 'topology' and 'layers'") from None
     if topology.nodes < 1 or topology.gpus_per_node < 1:
         raise UserError(f"placement topology {topology} must have at least one node and one GPU per node")
     if not layers:

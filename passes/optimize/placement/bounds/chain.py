@@ -1,13 +1,13 @@
 """A lower bound on cross-GPU transitions that sees whole GPU columns, not one layer pair at a time.
 
-Why: a bound over one layer pair at a time (`bound.py`) cannot see that the Q experts GPU p hosts
+Why: a bound over one layer pair at a time (`pairwise.py`) cannot see that the Q experts GPU p hosts
 at layer l are at once the successors of its layer l-1 experts and the predecessors of its layer
 l+1 experts. On the trained corpus traces each expert sends its tokens to few successors (21-101
 observed pairs per layer pair, against P Q^2 = 72-648 co-located pairs), so each pair alone can
 be made nearly all-local. Here a GPU's whole column, (A_0, ..., A_{L-1}) with |A_l| = Q, is one
 configuration (mixtral-16x2-s1 without replicas: gap 0.202 -> 0.054). With replicas this LP is
-all-local too where it fits (a copy can only be charged load / K), so `bound.py` uses it without
-replicas only; `relaxed_routing.py` says why no bound of this kind can do much better there.
+all-local too where it fits (a copy can only be charged load / K), so `pairwise.py` uses it without
+replicas only; benchmarks/research/relaxed_routing.py says why no bound of this kind can do much better there.
 
 The bound (Lagrangian, valid for every multiplier; no LP optimality is needed for validity).
 Take any placement with Q experts per GPU per layer, every expert hosted, at most K copies per
@@ -36,6 +36,7 @@ import math
 
 import numpy as np
 
+from moeplan.passes.optimize.milp import quiet_highs
 from moeplan.passes.optimize.placement.budget import WorkBudget
 
 CHAIN_WORK = 20_000_000  # (Q-subsets per layer)^2 x layer pairs, at effort 1: above it the bound is skipped
@@ -154,8 +155,7 @@ class _Master:
         self.layer, self.a, self.b, self.c, self.L, self.E = layer, a, b, c, L, E
         n, cover = len(c), L * E
         self.count_row = cover + n
-        h = self.h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = self.h = quiet_highs()
         h.setOptionValue("threads", 1)
         h.setOptionValue("random_seed", 0)
         h.setOptionValue("presolve", "off")  # each round starts from the last basis

@@ -5,7 +5,7 @@ redundant slots go to the highest load per replica). Under a tight load cap that
 copy splits its expert's load evenly over the copies, so *which* expert holds a redundant slot
 decides what fractions of load can move between GPUs, and the copy also makes the expert local
 to a second GPU's tokens. This pass improves a placement layer by layer (all other layers fixed)
-with two moves:
+with two moves (`moves.py`):
   * exchange: a copy of e on GPU p and a copy of f on GPU q trade places;
   * re-slot: a redundant copy of a on p (a has >= 2 copies) is dropped and b, absent from p,
     gets a copy there: replica counts become r_a - 1 and r_b + 1, so every GPU hosting a or b
@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.placement.budget import WorkBudget
+from moeplan.passes.optimize.placement.even_split import layer_gain_tables
+from moeplan.passes.optimize.placement.local_search.moves import exchange, exchange_units, reslot_copy
 from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_layers
 
 MOVES_PER_LAYER = 400  # at effort 1
@@ -54,33 +56,6 @@ def reslot_search(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps
         if made == 0:
             break
     return hosts, moves
-
-
-def layer_gain_tables(hosts, counts, l, G):
-    """Per-expert gain tables of layer l with its neighbours fixed: (inG, outG, inN, outN)."""
-    L, E, D = hosts.shape
-    N = D // G
-    zg, zn = np.zeros((E, D)), np.zeros((E, N))
-    in_g, out_g, in_n, out_n = zg, zg, zn, zn
-    if l > 0:
-        prev = hosts[l - 1].astype(float)
-        r = prev.sum(axis=1, keepdims=True)
-        in_g = counts[l - 1].T @ (prev / r)
-        in_n = counts[l - 1].T @ (prev.reshape(E, N, G).sum(axis=2) / r)
-    if l < L - 1:
-        nxt = hosts[l + 1]
-        out_g = counts[l] @ nxt.astype(float)
-        out_n = counts[l] @ nxt.reshape(E, N, G).any(axis=2).astype(float)
-    return in_g, out_g, in_n, out_n
-
-
-def layer_gain_table(hosts, counts, l, G) -> np.ndarray:
-    """float [E, D]: the value of each expert of layer l on each GPU with its neighbours fixed, GPU and
-    node terms equally weighted, the out-terms charged per copy (exact for an expert with one copy)."""
-    in_g, out_g, in_n, out_n = layer_gain_tables(hosts, counts, l, G)
-    node_of = np.arange(hosts.shape[2]) // G
-    r = hosts[l].sum(axis=1)
-    return in_g + out_g / r[:, None] + in_n[:, node_of] + out_n[:, node_of] / r[:, None]
 
 
 def _row_values(rows, experts, gains, G):
@@ -123,16 +98,14 @@ def _improve_layer(x, gains, load, cap, G, max_replicas, max_moves, exchanges: b
 
 def _best_exchange(x, gains, base, per_copy, device_load, cap, over, G, best):
     E, D = x.shape
-    e, p = np.nonzero(x)  # one unit per copy
+    e, p, allowed = exchange_units(x)  # one unit per copy, and the pairs that may trade
     U = len(e)
-    # moved[i, q]: value change of expert e_i when its copy on p_i goes to q (-inf where impossible)
+    # moved[i, q]: value change of expert e_i when its copy on p_i goes to q
     rows = np.repeat(x[e], D, axis=0).reshape(U, D, D)
     rows[np.arange(U), :, p] = False
     rows[:, np.arange(D), np.arange(D)] = True
     moved = _row_values(rows.reshape(U * D, D), np.repeat(e, D), gains, G).reshape(U, D) - base[e][:, None]
-    moved = np.where(x[e], -np.inf, moved)  # q already hosts e (includes q == p)
-    delta = moved[:, p] + moved[:, p].T  # [i, j]: e_i -> p_j and e_j -> p_i
-    delta = np.where(e[:, None] == e[None, :], -np.inf, delta)
+    delta = np.where(allowed, moved[:, p] + moved[:, p].T, -np.inf)  # [i, j]: e_i -> p_j and e_j -> p_i
     shift = per_copy[e][None, :] - per_copy[e][:, None]  # load change on p_i
     new_p = device_load[p][:, None] + shift
     new_q = device_load[p][None, :] - shift
@@ -142,8 +115,7 @@ def _best_exchange(x, gains, base, per_copy, device_load, cap, over, G, best):
     i, j = np.unravel_index(int(np.argmax(merit)), merit.shape)
     if merit[i, j] > best[0]:
         def apply(i=i, j=j):
-            x[e[i], p[i]] = False; x[e[i], p[j]] = True
-            x[e[j], p[j]] = False; x[e[j], p[i]] = True
+            exchange(x, e[i], p[i], e[j], p[j])
         return (float(merit[i, j]), apply)
     return best
 
@@ -174,8 +146,7 @@ def _best_reslot(x, gains, base, load, r, device_load, cap, over, G, max_replica
     i, b = np.unravel_index(int(np.argmax(merit)), merit.shape)
     if merit[i, b] > best[0]:
         def apply(i=i, b=b):
-            x[a[i], p[i]] = False
-            x[b, p[i]] = True
+            reslot_copy(x, a[i], b, p[i])
         return (float(merit[i, b]), apply)
     return best
 

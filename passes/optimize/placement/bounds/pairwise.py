@@ -25,15 +25,13 @@ corpus gap with replicas from 0.825 to 0.378 (`benchmarks/placement_gap.py`).
 """
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import Rows, solve_milp
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.chain_bound import chain_configuration_bound
+from moeplan.passes.optimize.placement.bounds.chain import chain_configuration_bound
 
 LP_COLUMNS = 1_000_000  # observed expert pairs, summed over the layer pairs given the LP, at effort 1
 CAPPED_LP_COLUMNS = 200_000  # observed pairs given the load-capped LP too, at effort 1 (all of them at 8 GPUs)
@@ -77,12 +75,16 @@ def _cross_transitions(result, weights: np.ndarray):
     return float(weights.sum() + result.objective)
 
 
+def _observed_pairs(counts: np.ndarray) -> tuple:
+    """(E, a [n], b [n], c [n]): the experts and the observed pairs a -> b of counts [E, E], with their counts."""
+    a, b = np.nonzero(counts)
+    return counts.shape[0], a, b, counts[a, b]
+
+
 def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: float, time_limit: float,
                    iteration_limit: int = None) -> float:
     """Cross transitions >= total - max fractional b-matching (see module); None if the LP stops early."""
-    E = counts.shape[0]
-    a, b = np.nonzero(counts)
-    weights = counts[a, b]
+    E, a, b, weights = _observed_pairs(counts)
     n = len(weights)
     if n == 0:
         return 0.0
@@ -95,35 +97,6 @@ def matching_bound(counts: np.ndarray, row_cap: int, col_cap: int, pair_cap: flo
     result = solve_milp(-weights, A, lower, upper, np.zeros(n), np.ones(n),
                         np.zeros(n, dtype=bool), time_limit=time_limit, iteration_limit=iteration_limit)
     return _cross_transitions(result, weights)
-
-
-def transition_lower_bound(counts: np.ndarray, partitions: int, slots_per_partition: int,
-                           max_replicas: int = 1, time_limit: float = 10.0,
-                           budget: WorkBudget = None) -> tuple[float, str]:
-    """(lower bound on cross-partition transitions summed over layer pairs, method used).
-
-    `budget` sets the work (and its safety deadline); without one, effort 1 and `time_limit`."""
-    if budget is None:
-        budget = WorkBudget(deadline=time.perf_counter() + time_limit)
-    row_cap = col_cap = min(counts.shape[1], slots_per_partition * max(1, max_replicas))
-    pair_cap = partitions * slots_per_partition ** 2
-    bounds = [max(counting_bound(c, row_cap, col_cap), dual_bound(c, row_cap, col_cap)) for c in counts]
-    improved = 0
-    columns_left = budget.scaled(LP_COLUMNS)
-    for i, c in enumerate(counts):
-        n = int(np.count_nonzero(c))
-        columns_left -= n
-        if columns_left < 0 or budget.expired():
-            break
-        iterations = budget.scaled(max(10_000, LP_ITERATIONS_PER_COLUMN * n))
-        value = matching_bound(c, row_cap, col_cap, pair_cap, budget.seconds_left(), iterations)
-        if value is None and budget.expired():
-            break
-        if value is not None:
-            bounds[i] = max(bounds[i], value)
-            improved += 1
-    method = "b-matching LP" if improved == len(counts) else f"b-matching LP on {improved}/{len(counts)} layer pairs, its dual bound elsewhere"
-    return float(sum(bounds)), method
 
 
 def dual_bound(counts: np.ndarray, row_cap: int, col_cap: int, rounds: int = 30) -> float:
@@ -172,9 +145,7 @@ def capped_matching_bound(counts: np.ndarray, weight_from: np.ndarray, weight_to
     expert's successors are hot too), the matching bound without them can keep a hot successor
     local for every predecessor at once. With `token_caps` (float [E], `source_token_caps`), also
     sum_b c[a, b] y[a, b] <= token_caps[a]."""
-    E = counts.shape[0]
-    a, b = np.nonzero(counts)
-    c = counts[a, b]
+    E, a, b, c = _observed_pairs(counts)
     n = len(c)
     if n == 0:
         return 0.0
@@ -226,9 +197,7 @@ def replica_capped_matching_bound(counts: np.ndarray, load_from: np.ndarray, loa
     the LP's optimum bounds its local transitions from above. Columns: (2 max_replicas + 1) per
     observed pair. With `token_caps` (`source_token_caps`), also sum_{b, k} c[a, b] y[a, b, k] <=
     token_caps[a]: a's tokens keep at most that many choices local, whichever copies they use."""
-    E = counts.shape[0]
-    a, b = np.nonzero(counts)
-    c = counts[a, b]
+    E, a, b, c = _observed_pairs(counts)
     n = len(c)
     if n == 0:
         return 0.0
@@ -287,10 +256,10 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
     """(lower bound on cross-GPU transitions of any placement meeting the per-layer caps, method).
 
     Per layer pair the largest of the counting and dual bounds, the matching LP without the cap
-    (within `LP_COLUMNS`, as `transition_lower_bound`) and `capped_matching_bound` (within
+    (within `LP_COLUMNS` observed pairs) and `capped_matching_bound` (within
     `CAPPED_LP_COLUMNS`: every pair at 8-GPU scale, the first few at DeepSeek-V3's); without
     replicas and where its exact pricing fits the work budget (16 experts on 8 GPUs, not 64), the
-    whole-column bound of `chain_bound.py` too, which sees that a GPU's experts at l serve both
+    whole-column bound of `chain.py` too, which sees that a GPU's experts at l serve both
     pairs (l-1, l) and (l, l+1). token_caps: optional float [L-1, E] (`source_token_caps`), used
     by the counting bound and the capped LPs."""
     budget = budget or WorkBudget()
@@ -335,5 +304,6 @@ def capped_transition_lower_bound(counts: np.ndarray, loads: np.ndarray, caps: n
     # found every transition local on the corpus case it fits (mixtral-16x2-s1: 4 of 163,840)
     chain = chain_configuration_bound(counts, loads, caps, partitions, Q, 1, budget) if max_replicas <= 1 else None
     if chain is not None and chain > pairwise:  # both are valid: the larger holds
+        # the label placement.json records; it keeps the module's former name so that plans keep their bytes
         return chain, "whole-GPU-column configuration bound (chain_bound.py)"
     return pairwise, method

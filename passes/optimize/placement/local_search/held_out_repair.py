@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeplan.passes.optimize.placement.local_search.moves import exchange, exchange_units
+
 
 def repair_expected_max(hosts: np.ndarray, loads: np.ndarray, scenarios: np.ndarray, allowed: np.ndarray,
                         caps: np.ndarray, layer_gain, max_moves: int) -> tuple:
@@ -46,8 +48,7 @@ def repair_expected_max(hosts: np.ndarray, loads: np.ndarray, scenarios: np.ndar
             break
         l = min(found, key=lambda k: (best[k][0], k))
         e, f, p, q = best[l][1]
-        hosts[l, e, p] = hosts[l, f, q] = False
-        hosts[l, e, q] = hosts[l, f, p] = True
+        exchange(hosts[l], e, p, f, q)
         expected[l] = _expected_max(hosts[l], rows[l])
         stale.update(k for k in (l - 1, l, l + 1) if 0 <= k < L)  # neighbours' gain tables changed
         moves += 1
@@ -77,12 +78,11 @@ def _best_exchange(x: np.ndarray, rows: np.ndarray, expected: float, cap: float,
 
 
 def _exchanges(x: np.ndarray) -> tuple:
-    """int [M] arrays (e, f, p, q): every exchange of e's copy on p with f's copy on q, p != q, e absent from q, f from p."""
-    experts, gpus = np.nonzero(x)
-    i, j = np.triu_indices(len(experts), 1)
-    e, p, f, q = experts[i], gpus[i], experts[j], gpus[j]
-    ok = (p != q) & (e != f) & ~x[e, q] & ~x[f, p]
-    return e[ok], f[ok], p[ok], q[ok]
+    """int [M] arrays (e, f, p, q): every allowed exchange (`moves.exchange_units`) of e's copy on p with f's
+    copy on q, each pair once."""
+    experts, gpus, allowed = exchange_units(x)
+    i, j = np.nonzero(np.triu(allowed, 1))
+    return experts[i], experts[j], gpus[i], gpus[j]
 
 
 def _max_elsewhere(columns: np.ndarray, p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """GPU-level exchange sweeps: the placement search at DeepSeek-V3 scale (64 GPUs, replicas).
 
-Why: at this scale the staged search (`ilp.py`: nodes first, then each node's GPUs) cannot run
+Why: at this scale the staged search (`algorithms/ilp.py`: nodes first, then each node's GPUs) cannot run
 its step MIPs, so each step is a priced transportation LP plus exchanges, and a node split found
 under the node cap (8 x the GPU cap) often does not pack onto the node's GPUs under a tight GPU
 cap: the stage loop retried up to 8 times, and at a cap of 1.03 x mean (what a held-out max/mean
@@ -11,10 +11,10 @@ found 0.042 and 0.186 in about 15 CPU s from EPLB's balanced packing.
 
 Each sweep visits the layers (alternating direction) and improves one layer with all others
 fixed: its gain table g[e, p] = in_g[e, p] + out_g[e, p] / r[e] + in_n[e, node(p)] +
-out_n[e, node(p)] / r[e] (`reslot.layer_gain_table`; the node terms charged per copy, exact for
+out_n[e, node(p)] / r[e] (`even_split.layer_gain_table`; the node terms charged per copy, exact for
 an expert with one copy per node), a layer over its cap first takes the exchanges that cut its
-overload most (`ilp.repair_by_swaps`), then steepest exchanges under the cap
-(`ilp.improve_by_swaps`). Replica counts stay as given. Sweeps stop when one gains nothing.
+overload most (`moves.repair_exchanges`), then steepest exchanges under the cap
+(`moves.steepest_exchanges`). Replica counts stay as given. Sweeps stop when one gains nothing.
 Deterministic: work limits (sweeps, moves per layer) scaled by --effort.
 """
 from __future__ import annotations
@@ -22,10 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.reslot import layer_gain_table
+from moeplan.passes.optimize.placement.even_split import layer_gain_table, placement_value
+from moeplan.passes.optimize.placement.local_search.moves import repair_exchanges, steepest_exchanges
 
 SWEEPS = 12  # at effort 1; the drift and planted DeepSeek-V3 traces stop gaining (< 0.1% a sweep) by about 10
-WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`ilp.staged_placement`)
+WALK_SWEEPS = 3  # at effort 1, per held-out round over the layers whose caps were lowered (`algorithms/ilp.staged_placement`)
 MOVES_PER_LAYER = 400  # exchanges per layer step at effort 1
 
 
@@ -33,8 +34,6 @@ def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: n
                budget: WorkBudget = None, layers=None, sweeps: int = SWEEPS) -> tuple:
     """Improve bool [L, E, D] hosts (a copy is returned) under float [L] caps; `layers`: the layers
     to visit (default all); `sweeps`: at most this many at effort 1. Returns (hosts, sweeps run)."""
-    from moeplan.passes.optimize.placement.ilp import _objective, improve_by_swaps, repair_by_swaps
-
     budget = budget or WorkBudget()
     hosts = hosts.copy()
     L, E, D = hosts.shape
@@ -51,12 +50,12 @@ def gpu_sweeps(hosts: np.ndarray, counts: np.ndarray, loads: np.ndarray, caps: n
             per_copy = loads[l] / hosts[l].sum(axis=1)
             x = hosts[l].astype(np.int64)
             if (per_copy @ x).max() > caps[l] * (1 + 1e-9):
-                x = repair_by_swaps(gain, x, one, per_copy, caps[l], moves)
+                x = repair_exchanges(gain, x, one, per_copy, caps[l], moves)
             if (per_copy @ x).max() <= caps[l] * (1 + 1e-9):
-                x = improve_by_swaps(gain, x, one, per_copy, caps[l], moves)
+                x = steepest_exchanges(gain, x, one, per_copy, caps[l], moves)
             hosts[l] = x > 0
         sweeps += 1
-        value = _objective(counts, hosts / hosts.sum(axis=2, keepdims=True), hosts.astype(float))
+        value = placement_value(counts, hosts)
         if previous is not None and value <= previous * (1 + 1e-9):
             break
         previous = value

@@ -1,6 +1,6 @@
 """ExFlow's joint placement ILP (Eqs. 8-12) on aggregated counts, over windows of layers.
 
-Why: the per-layer sweeps of `ilp` fix all other layers at each step; the joint model
+Why: the per-layer sweeps of the staged ILP (`algorithms/ilp_stages.py`) fix all other layers at each step; the joint model
 optimises several consecutive layers at once, so it can move a whole chain of affine experts
 together. It follows ExFlow with one cross indicator per *observed* expert pair (not per token):
     minimise  sum_l sum_(a,b) c[l,a,b] * y[l,a,b]  -  boundary gains
@@ -61,7 +61,7 @@ def polish_windows(problem, assign: np.ndarray, to_place: np.ndarray, slots: np.
 def assignment_rows(rows: Rows, base: int, loads: np.ndarray, slots: np.ndarray, cap: float) -> None:
     """One layer's rows of a GPU-indexed model, x[j, p] at column base + j P + p for its experts j
     (loads float [n]) on GPUs p (slots float [P]): each expert on one GPU, each GPU full, its load
-    within the cap. Shared with `pair_milp.py`."""
+    within the cap. Shared with benchmarks/research/pair_milp.py."""
     P, n = len(slots), len(loads)
     for j in range(n):
         rows.add(base + j * P + np.arange(P), np.ones(P), 1.0, 1.0)
