@@ -3,7 +3,10 @@
 * Stream: a trace's speculation becomes, per step and distance, the distinct keys its rows named.
 * Stepper rules: a miss goes to the host exactly when the host finishes first (a hand-worked
   step); no copy starts before what decided it is known (hypothesis); perfect speculation on a
-  fast link makes every request after a token's first layer resident at its layer start.
+  fast link makes every request after a token's first layer resident at its layer start; the
+  prefetcher's cost-aware eviction prices a first layer's miss at the whole copy and a later
+  layer's at what a right guess leaves unhidden (or the whole copy where no lone copy is issued),
+  also through the planner's wrapped policy, and the victim maximises steps per unit of cost.
 * Runtime cache: driven step by step with speculation and host compute, it moves what
   `simulate_timed` predicts, counter for counter (hypothesis over streams, capacities, clocks).
 * End to end (real CLI, real torchrun): a trace recorded with --speculate, the speculative
