@@ -179,18 +179,28 @@ def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=Tr
     cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
     cache.causal = causal
     first = [0, 0]  # requests and resident ones at each token's first MoE layer (nothing speculates them)
+    stall = [0.0, 0.0]  # seconds the blocks waited for weights (copies or the host), all layers and first layers
     for s in range(len(stream.step_layer)):
         requests, resident_before = cache.requests, cache.resident_at_start
-        cache.step(s)
+        cache.serve(s)
+        waited = cache.block_done - cache.router_at - (cache.requests - requests) * timing.expert_compute_s
+        stall[0] += waited
+        cache.decide(s)
         if stream.step_layer[s] == 0:
             first[0] += cache.requests - requests
             first[1] += cache.resident_at_start - resident_before
+            stall[1] += waited
     tokens = max(stream.num_tokens, 1)
     later = max(cache.requests - first[0], 1)
     return {"seconds_per_token": cache.now / tokens, "resident_at_layer_start": cache.resident_at_start / max(cache.requests, 1),
             "resident_after_first_layer": (cache.resident_at_start - first[1]) / later,
             "hit_ratio": cache.hits / max(cache.requests, 1), "bytes_moved_per_token": cache.loads * timing.expert_bytes / tokens,
-            "host_rows_per_token": cache.host_rows / tokens, "prefetches": cache.prefetches, "prefetch_hits": cache.prefetch_hits}
+            "host_rows_per_token": cache.host_rows / tokens, "prefetches": cache.prefetches, "prefetch_hits": cache.prefetch_hits,
+            # where the time goes: waiting for weights beyond the experts' own compute (at first layers: no
+            # speculation reaches them), the link's busy time, and the copies of prefetched keys never hit
+            "stall_s_per_token": stall[0] / tokens, "first_layer_stall_s_per_token": stall[1] / tokens,
+            "link_s_per_token": cache.loads * timing.pcie_copy_s / tokens,
+            "unused_prefetch_s_per_token": (cache.prefetches - cache.prefetch_hits) * timing.pcie_copy_s / tokens}
 
 
 def side_plan(plan_trace, ir, hw, capacity: int) -> dict:
@@ -241,6 +251,8 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
             "host_expert_ms": timings[True].host_expert_s * 1e3,
             "layer_compute_ms": (t.layer_s + per_step * t.expert_compute_s) * 1e3, "requests_per_layer": per_step,
             "speculative_depth": depth, "speculation_recall": speculation["recall"],
+            "compute_s_per_token": compute / max(stream.num_tokens, 1),
+            "belady_link_s_per_token": belady.loads * t.pcie_copy_s / max(stream.num_tokens, 1),
             "copy_only_floor_s_per_token": floor, "copy_only_floor_over_moeplan": floor / rows["moeplan prefetch"]["seconds_per_token"],
             "planner_choice": planner if body["hardware"] == hw.name else None, "rows": rows,
             "speculative_over_moeplan": rows["speculative"]["seconds_per_token"] / best,
@@ -254,6 +266,8 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
         log(f"    {label:<36} {r['seconds_per_token'] * 1e3:9.4f} ms/token  resident {r['resident_at_layer_start']:.3f} "
             f"(after layer 0: {r['resident_after_first_layer']:.3f})  "
             f"{r['bytes_moved_per_token'] / 2**20:10.3f} MiB/token  host rows {r['host_rows_per_token']:.2f}/token  "
+            f"stall {r['stall_s_per_token'] * 1e3:.4f} ms (first layer {r['first_layer_stall_s_per_token'] * 1e3:.4f})  "
+            f"link {r['link_s_per_token'] * 1e3:.4f} ms (unused prefetches {r['unused_prefetch_s_per_token'] * 1e3:.4f})  "
             f"x{r['seconds_per_token'] / best:.3f}")
     return case
 

@@ -3,7 +3,10 @@
 * Stream: a trace's speculation becomes, per step and distance, the distinct keys its rows named.
 * Stepper rules: a miss goes to the host exactly when the host finishes first (a hand-worked
   step); no copy starts before what decided it is known (hypothesis); perfect speculation on a
-  fast link makes every request after a token's first layer resident at its layer start.
+  fast link makes every request after a token's first layer resident at its layer start; the
+  prefetcher's cost-aware eviction prices a first layer's miss at the whole copy and a later
+  layer's at what a right guess leaves unhidden (or the whole copy where no lone copy is issued),
+  also through the planner's wrapped policy, and the victim maximises steps per unit of cost.
 * Runtime cache: driven step by step with speculation and host compute, it moves what
   `simulate_timed` predicts, counter for counter (hypothesis over streams, capacities, clocks).
 * End to end (real CLI, real torchrun): a trace recorded with --speculate, the speculative
@@ -30,6 +33,7 @@ from moeplan.backends.runtime.offload_prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
 from moeplan.backends.runtime.offload_stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
+from moeplan.passes.optimize.offload.tiers import LoadRecorder
 from test_offload_prefetch import EXPERT_BYTES, E, K, L, fitted, owner, pool_of, shard  # noqa: F401 (fixtures)
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (fixture)
 
@@ -365,3 +369,33 @@ def test_offload_plan_records_the_speculation_and_simulate_runs_the_speculative_
     assert "speculative" in simulated and simulated["speculative"]["requests"] == simulated["none"]["requests"]
     code, out = cli(["simulate", str(tmp_path / "o.json"), "--trace", str(root / "t.npz"), "--json"])
     assert code == 0 and "speculative" not in json.loads(out.strip().splitlines()[-1])["prefetch"]  # no speculation: no such run
+
+
+@pytest.mark.parametrize("copy_s, hidden", [(65e-6, True), (500e-6, False)])
+def test_eviction_weighs_misses_by_what_speculation_hides(fitted, copy_s, hidden):
+    """A later layer's miss costs what a right guess (recall(1)) leaves past the next router, a
+    first layer's the whole copy; where no lone copy would be issued (slow link), every miss costs
+    the copy. The policy's victim is the key with the most expected steps per unit of that cost."""
+    model, _, _ = fitted
+    stream = build_stream(speculated_trace(120, seed=3))
+    timing = Timing(layer_s=50e-6, expert_compute_s=1e-6, pcie_copy_s=copy_s)
+    recall = 0.8
+    policy = make_policy("moeplan", model)
+    cache = TimedCache(stream, 2 * K, policy, timing, make_prefetcher("speculative", speculation={"recall": {1: recall}}),
+                       list(range(2 * K)))
+    cost = policy.miss_cost
+    wrapped = make_policy("moeplan", model)  # the planner and the replay wrap the policy: it must still weigh
+    TimedCache(stream, 2 * K, LoadRecorder(wrapped), timing,
+               make_prefetcher("speculative", speculation={"recall": {1: recall}}), list(range(2 * K)))
+    assert np.array_equal(wrapped.miss_cost, cost)
+    first, later = cost[:E], cost[E:]
+    assert np.allclose(first, copy_s)
+    expected = (1 - recall) * copy_s + recall * (copy_s - 50e-6) if hidden else copy_s
+    assert np.allclose(later, expected)
+    for s in range(len(stream.step_layer)):  # the victim maximises score / cost among the cached keys
+        cache.serve(s)
+        scores = policy.state.all_scores()
+        weighted = np.where(scores > 0, scores / cost, scores)
+        v = policy.victim(-1)
+        assert weighted[v] == weighted[cache.cached].max()
+        cache.decide(s)

@@ -252,12 +252,23 @@ class Moeplan(Policy):
         """Eviction scores (higher = evict first) of `keys` now."""
         return self.state.scores(keys)
 
+    miss_cost = None  # float [N] or None: a miss's relative cost per key (`weigh_misses`)
+
+    def weigh_misses(self, cost: np.ndarray) -> None:
+        """Evict by expected steps to the next use per unit of a miss's cost (float [N], > 0): a
+        prefetcher that hides some misses better than others sets it (a method, not an attribute
+        write, so that wrappers which delegate to the policy pass it on)."""
+        self.miss_cost = np.asarray(cost, dtype=float)
+
     def victim(self, r, exclude=()):
-        s = np.where(self.cached, self.state.all_scores(), -np.inf)
+        all_scores = self.state.all_scores()
+        if self.miss_cost is not None:  # expected steps to the next use per unit of a miss's cost: cheap misses go first
+            all_scores = np.where(all_scores > 0, all_scores / self.miss_cost, all_scores)
+        s = np.where(self.cached, all_scores, -np.inf)
         if len(exclude):
             s[list(exclude)] = -np.inf
             if not np.isfinite(s.max()):
-                s = np.where(self.cached, self.state.all_scores(), -np.inf)
+                s = np.where(self.cached, all_scores, -np.inf)
         best = np.flatnonzero(s == s.max())
         if len(best) == 1:
             return int(best[0])

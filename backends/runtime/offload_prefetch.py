@@ -29,7 +29,9 @@ caches ship it as it is.
   speculation reaches the next token's first layer (its input is a token not yet sampled): there,
   with a policy that scores keys (next-use), it queues that layer's experts as `NextUsePrefetch`
   does (most wanted first, only into link time idle until the next router, only in place of a
-  victim the policy wants less).
+  victim the policy wants less). With that policy it also weighs evictions by cost
+  (`price_misses`): a first layer's miss costs its whole copy, a later layer's only what a right
+  guess leaves unhidden, so the cache keeps what speculation cannot bring back in time.
 """
 from __future__ import annotations
 
@@ -133,6 +135,28 @@ class SpeculativePrefetch:
         if self.first_layer is not None:
             self.first_layer.start(stream, cached, policy)
         self.queued_first = {}
+
+    def price_misses(self, timing) -> None:
+        """Cost-aware eviction (with a policy that scores keys): a miss at a token's first MoE
+        layer costs m, the cheaper of its copy and its host time (no speculation reaches it); at
+        a later layer the speculation from the layer before names the key with probability
+        recall(1), and a right guess, copied from the block's output on, leaves unhidden only the
+        copy's part beyond the window to the next router (`timing.layer_s`), if it is copied at
+        all (`latest_arrival`'s rule for a lone copy). The policy evicts by its expected steps to
+        the next use divided by that expected cost (float [N]), so it keeps what speculation
+        cannot bring back in time."""
+        if not hasattr(self.policy, "weigh_misses"):
+            return
+        st = self.stream
+        keys = np.arange(st.num_keys)
+        copy = np.array([timing.copy_s(int(k)) for k in keys])
+        m = np.minimum(copy, [timing.host_s(int(k), 1) for k in keys]) if timing.host_compute else copy
+        r1 = self.recall.get(1, 1.0)
+        late = np.maximum(copy - timing.layer_s, 0.0)  # a right guess's copy past the next router
+        issued = late < r1 * m
+        hidden = np.where(issued, (1.0 - r1) * m + r1 * np.minimum(m, late), m)
+        cost = np.where(keys // st.num_experts == 0, m, hidden)
+        self.policy.weigh_misses(np.maximum(cost, 1e-3 * m))
 
     def after_step(self, s: int) -> list:
         self.distance = {}

@@ -168,6 +168,8 @@ class TimedCache:
         self.served_step = None
         if prefetcher is not None:
             prefetcher.start(stream, self.cached, policy)
+            if hasattr(prefetcher, "price_misses"):
+                prefetcher.price_misses(timing)
         self.idle_only = bool(getattr(prefetcher, "idle_only", False))
 
     def _forget(self, key) -> None:
