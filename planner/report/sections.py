@@ -114,22 +114,21 @@ def time_breakdown(plan: dict) -> list:
         by_tier[TIER_NAMES[t]] = [sum(at(plan, f"{p}.exchange_seconds_per_token.{k}.{t}") or 0.0 for k in EXCHANGES) * MS
                                   for _, p in cands]
     hw = hardware_name(plan)
-    fig1 = Figure("time-by-kind", "Time per token by exchange kind",
-                  f"Predicted milliseconds per generated token on the {hw} profile (workload {at(plan, 'predicted.cost.workload')}): "
-                  "compute, then each exchange the runtime makes, for the chosen placement in both modes and every other candidate "
-                  "--policy auto priced (in the mode it would run).",
-                  charts.stacked_bars("time-by-kind", labels, by_kind, "ms per generated token"),
-                  Table(["candidate", "total"] + list(by_kind),
-                        [[lab, num(plan, f"{p}.seconds_per_token", MS, "ms")] + [Num(by_kind[k][i], unit="ms") for k in by_kind]
-                         for i, (lab, p) in enumerate(cands)]))
-    fig2 = Figure("time-by-tier", "Time per token by link tier",
-                  "The same time split by where it goes: compute, the fixed cost of each exchange call (collective latency and "
-                  "framework work), and the slowest rank's messages to its own node and to other nodes.",
-                  charts.stacked_bars("time-by-tier", labels, by_tier, "ms per generated token"),
-                  Table(["candidate", "total"] + list(by_tier),
-                        [[lab, num(plan, f"{p}.seconds_per_token", MS, "ms")] + [Num(by_tier[k][i], unit="ms") for k in by_tier]
-                         for i, (lab, p) in enumerate(cands)]))
-    return [fig1, fig2]
+
+    def figure(key: str, title: str, caption: str, parts: dict) -> Figure:
+        """One stacked bar per candidate of `parts` (name -> ms per candidate), and its table."""
+        return Figure(key, title, caption, charts.stacked_bars(key, labels, parts, "ms per generated token"),
+                      Table(["candidate", "total"] + list(parts),
+                            [[lab, num(plan, f"{p}.seconds_per_token", MS, "ms")] + [Num(parts[k][i], unit="ms") for k in parts]
+                             for i, (lab, p) in enumerate(cands)]))
+
+    return [figure("time-by-kind", "Time per token by exchange kind",
+                   f"Predicted milliseconds per generated token on the {hw} profile (workload {at(plan, 'predicted.cost.workload')}): "
+                   "compute, then each exchange the runtime makes, for the chosen placement in both modes and every other candidate "
+                   "--policy auto priced (in the mode it would run).", by_kind),
+            figure("time-by-tier", "Time per token by link tier",
+                   "The same time split by where it goes: compute, the fixed cost of each exchange call (collective latency and "
+                   "framework work), and the slowest rank's messages to its own node and to other nodes.", by_tier)]
 
 
 # --------------------------------------------------------------------------------- affinity
