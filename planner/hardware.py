@@ -87,6 +87,12 @@ class HardwareProfile:
         """Whether the profile knows the host's rates, so a missed expert may be computed there."""
         return bool(self.host_memory_bytes_per_s) and bool(self.host_flops_per_s)
 
+    @property
+    def device_is_host(self) -> bool:
+        """Whether a rank's "device" is the host itself (cpu-gloo, a calibration): its memory figure is the
+        machine's, which the ranks on one node share."""
+        return self.device_memory_bytes is not None and self.device_memory_bytes == self.host_memory_bytes
+
     def to_dict(self) -> dict:
         out = asdict(self)
         if out["calibration"] is None:

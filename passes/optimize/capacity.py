@@ -96,13 +96,13 @@ def describe_capacity(capacity: dict) -> str:
 def device_memory(offload_options: dict | None, profile, ranks_per_node: int = 1) -> tuple:
     """(bytes, where the figure comes from) for one rank: compile's --gpu-memory, else the device
     memory of the plan's hardware profile (`profile`: planner/hardware.py, the one the cost model and
-    expert caches price with; --hardware NAME|FILE|this-machine). A profile whose device memory is its
-    host memory (cpu-gloo, a calibration: CPU ranks) has the node's `ranks_per_node` ranks share it."""
+    expert caches price with; --hardware NAME|FILE|this-machine). Where the device is the host
+    (`profile.device_is_host`: CPU ranks), the node's `ranks_per_node` ranks share its memory."""
     o = offload_options or {}
     if o.get("gpu_memory_bytes"):
         return int(o["gpu_memory_bytes"]), "--gpu-memory"
     profile.require(("device_memory_bytes",), "serving capacity without --gpu-memory")
-    if ranks_per_node > 1 and profile.device_memory_bytes == profile.host_memory_bytes:
+    if ranks_per_node > 1 and profile.device_is_host:
         return (int(profile.device_memory_bytes) // ranks_per_node,
                 f"hardware profile {profile.name}, host memory shared by {ranks_per_node} CPU ranks")
     return int(profile.device_memory_bytes), f"hardware profile {profile.name}"
