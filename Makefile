@@ -38,7 +38,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 
-# The demo prices its plan for this machine: `moeplan calibrate` measures it once (about a minute) into
+# The demo prices its plan for this machine: `moeplan calibrate` measures it once (about two minutes) into
 # a cache keyed by CPU model, cores, memory and torch version, and `--hardware this-machine` reads it.
 demo: $(STAMP)
 	$(BIN)/python examples/tiny_moe/train.py --out examples/tiny_moe --if-missing

@@ -35,7 +35,7 @@ THIS_MACHINE = "this-machine"
 DEFAULT_HARDWARE = "cpu-gloo"
 DEFAULT_OFFLOAD_HARDWARE = "rtx4090-pcie4"
 # Bump when `moeplan calibrate` measures differently, so older cached calibrations are not reused.
-CALIBRATION_METHOD = 3  # 3: also the host's expert rates (host compute on a miss)
+CALIBRATION_METHOD = 4  # 3: also the host's expert rates (host compute on a miss); 4: multi-rank engine under torchrun
 
 COST_FIGURES = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "attention_ops_per_sequence",
                 "parallel_ranks", "collective_latency_base_s", "collective_latency_per_peer_s")
@@ -43,6 +43,10 @@ MEMORY_FIGURES = ("device_memory_bytes", "host_memory_bytes", "host_to_device_by
                   "memory_efficiency", "layer_overhead_s", "copy_latency_s")
 TIERED = ("bandwidth_bytes_per_s", "message_latency_s")
 _MAY_BE_ZERO = ("python_slot_s", "attention_ops_per_sequence")
+# the intercept of the exchange call's latency line, only ever priced at 2 ranks or more: `moeplan calibrate`
+# fits the line through its 2- and 4-rank runs, and where 4 ranks share 2 cores the calls slow down faster
+# than linearly from one rank, so the line's value at 1 rank (the intercept) can be negative
+_INTERCEPT = "collective_latency_base_s"
 _INTEGER = ("device_memory_bytes", "host_memory_bytes")
 # optional keys (absent = unknown): host compute on a miss; `moeplan calibrate` measures the first two
 HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s")
@@ -59,7 +63,7 @@ class HardwareProfile:
     python_slot_s: float | None              # the runtime's replica choice, per (token, expert) slot
     attention_ops_per_sequence: float | None  # framework calls per sequence in a block's attention
     parallel_ranks: float | None             # ranks that compute at once (CPU: cores; GPUs: all)
-    collective_latency_base_s: float | None  # fixed part of one all_to_all call
+    collective_latency_base_s: float | None  # fixed part of one all_to_all call (a fitted intercept: any sign)
     collective_latency_per_peer_s: float | None
     bandwidth_bytes_per_s: dict              # tier -> bytes/s one rank sends (None: unknown)
     message_latency_s: dict                  # tier -> seconds per message
@@ -191,7 +195,7 @@ def load_profile(name_or_file: str | None, default: str = DEFAULT_HARDWARE) -> L
         path = calibration_path()
         if not path.is_file():
             raise UserError(f"--hardware {THIS_MACHINE}: this machine ({machine_key()}) has no calibration yet; run "
-                            f"'moeplan calibrate' once (about a minute; cached in {path.parent})")
+                            f"'moeplan calibrate' once (about two minutes; cached in {path.parent})")
         raw = path.read_bytes()
         return LoadedProfile(_parse(raw, str(path)), THIS_MACHINE, THIS_MACHINE, hashlib.sha256(raw).hexdigest())
     path = Path(spec)
@@ -228,6 +232,10 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     values.update({k: _figure(where, k, data[k]) for k in HOST_FIGURES if k in data})  # optional keys
     for k in _INTEGER:
         values[k] = None if values[k] is None else int(values[k])
+    base, per_peer = values["collective_latency_base_s"], values["collective_latency_per_peer_s"]
+    if base is not None and per_peer is not None and base + per_peer <= 0:
+        raise UserError(f"hardware profile '{where}': one all_to_all call at 2 ranks (collective_latency_base_s + "
+                        f"collective_latency_per_peer_s = {base + per_peer!r}) must take a positive time")
     tiers = {}
     for key in TIERED:
         per = data[key]
@@ -245,6 +253,10 @@ def _figure(where: str, key: str, value):
     """A figure: None (unknown), or a finite positive number (zero where the key allows it)."""
     if value is None:
         return None
+    if key == _INTERCEPT:  # any sign: profile_from_dict checks the latency at 2 ranks
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"hardware profile '{where}': '{key}' must be a number or null, got {value!r}")
+        return float(value)
     zero_ok = key in _MAY_BE_ZERO
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or value < 0 or (value == 0 and not zero_ok)):

@@ -14,6 +14,8 @@ from click.testing import CliRunner
 from moeplan.planner import hardware
 from moeplan.planner.cli import main
 from moeplan.planner.commands import calibrate as C
+from moeplan.planner.commands import calibrate_engine as CE
+from moeplan.planner.errors import UserError
 from moeplan.planner.hardware import load_hardware, profile_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,36 +33,43 @@ def test_compute_and_memory_measurements_are_figures(tmp_path):
     assert memory["device_memory_bytes"] == hardware.physical_memory_bytes() > 0
 
 
+def _bundle_runs(tmp_path, model_dir, world: int) -> tuple:
+    """calibrate's engine model compiled at `world` ranks and launched once by torchrun: (bundle, runs)."""
+    directory = CE.engine_model(tmp_path, model_dir)
+    prompts, trace = CE.prompt_file(directory, tmp_path), CE._trace(directory, tmp_path)
+    root = CE.compile_bundle(directory, trace, world, tmp_path)
+    return root, CE.measure_bundle(root, world, prompts, tmp_path, runs=1)
+
+
+def _relative_errors(root, runs: dict, profile: dict) -> dict:
+    """{mode: predicted / measured - 1} for the runs, priced with `profile` as `moeplan run` prices them."""
+    from moeplan.planner.pipeline.cost_passes import predict_run
+
+    p = profile_from_dict(profile, "x")
+    return {m: predict_run(root, r["results"], m, p)["seconds_per_token"] / r["seconds_per_token"] - 1
+            for m, r in runs.items()}
+
+
 @pytest.mark.parametrize("model_dir", [None, str(ROOT / "examples" / "tiny_moe")])
-def test_the_engine_fit_reproduces_the_run_it_measured(tmp_path, model_dir, monkeypatch):
-    """op_overhead_s is chosen so that the cost model predicts the measured one-rank engine time."""
-    from moeplan.passes.analysis import cost_model
-
-    measured, predicted = [], []
-    real_predict = cost_model.predict
-
-    def spy(*args, **kwargs):  # the real cost model, its answers kept to compare
-        out = real_predict(*args, **kwargs)
-        predicted.append(sum(out.step_seconds))
-        return out
-
-    monkeypatch.setattr(cost_model, "predict", spy)
-    from moeplan.backends.runtime.engine import Engine
-
-    real_generate = Engine.generate
-
-    def timed(self, prompts, new_tokens):
-        out = real_generate(self, prompts, new_tokens)
-        measured.append(out["elapsed_s"])
-        return out
-
-    monkeypatch.setattr(Engine, "generate", timed)
+def test_the_one_rank_fit_is_the_least_squares_op_cost_of_the_bundle_runs_it_measured(tmp_path, model_dir):
+    """op_overhead_s is the value that best predicts the 1-rank bundle's measured runs in both modes:
+    at the least-squares optimum the relative errors, weighted by their slope in op_overhead_s, sum to
+    zero; any other value predicts worse. The runs are real torchrun launches of a compiled bundle."""
+    pytest.importorskip("transformers")
+    root, runs = _bundle_runs(tmp_path, model_dir, 1)
+    assert sorted(runs) == ["coherent", "standard"] and all(finite_positive(r["seconds_per_token"]) for r in runs.values())
     partial = {k: v for k, v in load_hardware("cpu-gloo").to_dict().items() if k != "sources"}
-    op = C.measure_engine(partial, str(tmp_path), model_dir, runs=3)
-    assert finite_positive(op) and len(measured) == 3
-    median = sorted(measured)[1]
-    at0, at1 = predicted[-2:]  # the fit's two evaluations: at op ~ 0 and at op = 1 s
-    assert at0 + op * (at1 - at0) == pytest.approx(median, rel=1e-6)
+    op = CE.fit(root, runs, lambda v: dict(partial, op_overhead_s=max(v, 1e-12)))
+    assert finite_positive(op)
+
+    def loss(v: float) -> float:
+        return sum(e * e for e in _relative_errors(root, runs, dict(partial, op_overhead_s=v)).values())
+
+    assert loss(op) <= min(loss(op * 0.9), loss(op * 1.1))
+    at, up = _relative_errors(root, runs, dict(partial, op_overhead_s=op)), _relative_errors(root, runs, dict(partial, op_overhead_s=2 * op))
+    slopes = {m: (up[m] - at[m]) / op for m in at}  # d(relative error)/d(op): the prediction is linear in it
+    terms = [slopes[m] * at[m] for m in at]  # the loss's gradient: zero at the optimum (up to rounding)
+    assert sum(terms) == pytest.approx(0.0, abs=1e-4 * sum(abs(t) for t in terms))
 
 
 def test_a_cached_calibration_is_reused_and_model_needs_out(tmp_path, monkeypatch):
@@ -86,27 +95,33 @@ def test_a_calibration_yaml_round_trips_with_its_date_as_text():
     assert profile_from_dict(again, "x").calibration == {"date": "2026-01-02T03:04:05+00:00"}
 
 
-def test_the_engine_runs_at_two_ranks_and_the_exchange_latency_fits_it(tmp_path):
-    """The multi-rank engine run of the calibration: every token of the workload routed, and the
-    fitted latency makes the cost model predict that run."""
+def test_the_engine_runs_at_two_ranks_under_torchrun_and_the_exchange_latency_fits_them(tmp_path):
+    """The 2-rank engine run: every token of the workload routed, and the fitted exchange latency is
+    the least-squares value over both modes (neither mode's error can shrink without the other's growing)."""
     import torch
 
-    from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
-    from moeplan.planner.importers import load_model
-
-    torch.manual_seed(0)
-    transformers = pytest.importorskip("transformers")
-    directory = tmp_path / "qwen3_moe"
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**C.ENGINE_QWEN3)).save_pretrained(directory)
-    runs = C.measure_engine_ranks(directory, 2, runs=1)
-    requests, length, new = C.ENGINE_WORKLOAD
-    assert len(runs["routing"]) == requests * (length + new - 1)  # every prompt and decode token, once
-    assert runs["hosts"].shape == (6, 16, 2) and runs["hosts"].sum(axis=2).min() == 1
+    pytest.importorskip("transformers")
+    root, runs = _bundle_runs(tmp_path, None, 2)
+    requests, length, new = CE.WORKLOAD
+    for run in runs.values():
+        routing = torch.load(run["results"] / "routing.pt", weights_only=False)
+        assert len(routing["keys"]) == requests * (length + new - 1)  # every prompt and decode token, once
     partial = {k: v for k, v in load_hardware("cpu-gloo").to_dict().items() if k != "sources"}
-    latency = C.fit_collective_latency(partial, directory, runs)
-    assert finite_positive(latency)
-    if latency > 1e-7:  # not clamped: the model now predicts the measured run
-        profile = profile_from_dict(dict(partial, collective_latency_base_s=latency, collective_latency_per_peer_s=1e-12), "x")
-        shape = ModelShape.from_ir(load_model(str(directory)).ir)
-        pred = predict(runs["hosts"], 2, shape, "standard", Workload((length,) * requests, new), runs["routing"], profile)
-        assert sum(pred.step_seconds) == pytest.approx(runs["seconds"], rel=1e-6)
+
+    def profile(v: float) -> dict:
+        return dict(partial, collective_latency_base_s=max(v, 1e-12), collective_latency_per_peer_s=1e-12)
+
+    latency = CE.fit(root, runs, profile)
+    assert math.isfinite(latency)
+    if latency > 1e-6:  # an optimum inside the allowed range
+        errors = _relative_errors(root, runs, profile(latency))
+        assert min(errors.values()) <= 1e-9 <= max(errors.values()) or max(abs(e) for e in errors.values()) < 1e-6
+
+
+def test_a_failed_engine_launch_is_one_line_naming_the_world(tmp_path):
+    (tmp_path / "not-a-bundle").mkdir()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("ids: 1 2 3\n")
+    with pytest.raises(UserError, match=r"^the engine run at 2 rank\(s\) failed: ") as info:
+        CE.measure_bundle(tmp_path / "not-a-bundle", 2, prompts, tmp_path, runs=1)
+    assert "\n" not in str(info.value)

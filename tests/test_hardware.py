@@ -79,6 +79,19 @@ def test_a_profile_missing_a_key_or_with_a_bad_figure_is_refused():
     assert profile_from_dict(data | {"disk_read_bytes_per_s": None}, "mine.yaml").disk_read_bytes_per_s is None
 
 
+def test_the_exchange_latency_line_may_have_a_negative_intercept_but_not_a_non_positive_call():
+    """`moeplan calibrate` fits the line through its 2- and 4-rank latencies; where 4 ranks share 2
+    cores the line's value at 1 rank is negative. Only worlds of 2 or more are priced, so the profile
+    is accepted as long as a call at 2 ranks takes a positive time."""
+    data = load_hardware("cpu-gloo").to_dict()
+    line = profile_from_dict(data | {"collective_latency_base_s": -1.5e-4, "collective_latency_per_peer_s": 8e-4}, "cal.yaml")
+    assert line.collective_latency(2) == pytest.approx(6.5e-4) and line.collective_latency(4) == pytest.approx(2.25e-3)
+    with pytest.raises(UserError, match=r"cal.yaml.*at 2 ranks.*must take a positive time"):
+        profile_from_dict(data | {"collective_latency_base_s": -8e-4, "collective_latency_per_peer_s": 8e-4}, "cal.yaml")
+    with pytest.raises(UserError, match="collective_latency_base_s' must be a number"):
+        profile_from_dict(data | {"collective_latency_base_s": "fast"}, "cal.yaml")
+
+
 def test_hardware_names_are_the_same_on_compile_and_offload(trace, tmp_path):
     # cpu-gloo on the offload target (refused before), rtx4090-pcie4 on torchrun (refused before)
     code, out = run(["plan", TINY, "--trace", trace, "--target", "offload", "--expert-cache", "24", "--hardware", "cpu-gloo",

@@ -18,15 +18,21 @@ from moeplan.planner.errors import UserError
 DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")
 
 
+def torchrun_command(nproc: int, module: str, *args: str) -> list:
+    """`torchrun --standalone --nproc-per-node N -m MODULE ARGS`: how a bundle's ranks start on this
+    machine (a static run, the inference service)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", module, *args]
+
+
 def launch(root: Path, nproc: int, prompts_file: Path, new_tokens: int, mode: str, out_dir: Path,
            timeout: float, context: str = "auto") -> subprocess.CompletedProcess:
     """torchrun --standalone with the bundle's runtime; returns the finished process (`context`:
     coherent mode's context exchange, `runtime.serve --context`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)  # the bundle must run from its own runtime/
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "runtime.serve", "--prompts", str(prompts_file.resolve()), "--new-tokens", str(new_tokens),
-           "--mode", mode, "--out", str(out_dir.resolve())] + (["--context", context] if context != "auto" else [])
+    cmd = torchrun_command(nproc, "runtime.serve", "--prompts", str(prompts_file.resolve()), "--new-tokens", str(new_tokens),
+                           "--mode", mode, "--out", str(out_dir.resolve())) + (["--context", context] if context != "auto" else [])
     try:
         return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

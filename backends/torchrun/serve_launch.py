@@ -14,8 +14,9 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
+
+from moeplan.backends.torchrun.launch import torchrun_command
 
 API_KEY_ENV = "MOEPLAN_API_KEY"
 
@@ -23,8 +24,7 @@ API_KEY_ENV = "MOEPLAN_API_KEY"
 def serve_command(nproc: int, host: str, port: int, mode: str | None = None, max_sequences: int | None = None,
                   max_waiting: int | None = None, threads: int | None = None) -> list:
     """torchrun over `runtime.serve --serve`; options left None take the runtime's defaults (the plan's)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "runtime.serve", "--serve", "--host", host, "--port", str(port)]
+    cmd = torchrun_command(nproc, "runtime.serve", "--serve", "--host", host, "--port", str(port))
     for flag, value in (("--mode", mode), ("--max-sequences", max_sequences), ("--max-waiting", max_waiting),
                         ("--threads", threads)):
         if value is not None:

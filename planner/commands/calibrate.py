@@ -5,14 +5,15 @@ framework overhead and gloo latency depend on the machine and its load. About th
 one-thread matmul throughput, a large copy, the host's rates for computing an expert on all cores
 (host compute on a miss, docs/offload.md), the runtime's own replica choice (`ExpertTable.choose`),
 expert reads as the runtime's stores do them, gloo `all_to_all_single` over loopback at 2 and 4
-ranks (message latency and bandwidth), and the runtime engine itself: on one rank, to fit the cost
-of one of its framework calls (`op_overhead_s`), then at 2 and 4 ranks (processes over gloo,
-standard mode), to fit the latency of one exchange call as the engine meets it. That latency is
-not the micro-benchmark's: between calls the ranks compute, drift out of step and share the cores
-(4 ranks on 2 here), so each call waits for the slowest; fitted on the micro-benchmark alone, the
-demo's multi-rank runs were predicted 25-70 % fast. The YAML it writes has every key of
-`planner/hardware_data/*.yaml`, each with its source, and a `calibration` block (date, machine,
-machine key, load average) that plans record.
+ranks (message latency and bandwidth), and the runtime engine itself, as `moeplan run` measures
+it (`calibrate_engine.py`: torchrun bundles of the engine model at 1, 2 and 4 ranks, both modes):
+on one rank to fit the cost of one framework call (`op_overhead_s`), at 2 and 4 ranks to fit the
+latency of one exchange call as the engine meets it. That latency is not the micro-benchmark's:
+between calls the ranks compute, drift out of step and share the cores (4 ranks on 2 here), so
+each call waits for the slowest; fitted on the micro-benchmark alone, the demo's multi-rank runs
+were predicted 25-70 % fast. The YAML it writes has every key of `planner/hardware_data/*.yaml`,
+each with its source, and a `calibration` block (date, machine, machine key, load average) that
+plans record.
 
 Without `--out` the profile is this machine's cached calibration
 (`$XDG_CACHE_HOME/moeplan/hardware/cpu-gloo-<machine key>.yaml`, the key naming the CPU model,
@@ -20,9 +21,10 @@ cores, memory, torch version and calibration method), measured once and reused (
 measures again); `--hardware this-machine` prices plans with it. With `--out FILE` it writes FILE
 (pass it as `--hardware FILE`).
 
-The engine run uses a seeded random-weight Qwen3-MoE built by transformers at the example model's
+The engine runs use a seeded random-weight Qwen3-MoE built by transformers at the example model's
 size (`--model MODEL` runs a model directory instead, e.g. the one you plan: the cost model counts
-one set of framework calls per block for every model, and models differ around it).
+one set of framework calls per block for every model, and models differ around it: the demo's
+TinyMoE runs about 11 % faster than the Qwen3-MoE of the same sizes, docs/cost_model.md).
 """
 from __future__ import annotations
 
@@ -95,198 +97,6 @@ def measure_memory(scratch) -> dict:
             "copy_latency_s": latency, "device_memory_bytes": memory, "host_memory_bytes": memory}
 
 
-# The engine run that fits op_overhead_s: a model at the example model's size, 8 requests of 32
-# prompt tokens and 8 new tokens on one rank (no communication), standard mode.
-ENGINE_QWEN3 = {"vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
-                "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 2,
-                "moe_intermediate_size": 64, "intermediate_size": 128, "max_position_embeddings": 256,
-                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False}
-ENGINE_WORKLOAD = (8, 32, 8)
-
-
-def _engine_model(scratch, model_dir):
-    """(library module with its weights, a maker of fresh modules of its class, runtime kind, model
-    path): MODEL's own, or the seeded Qwen3-MoE written to `scratch`."""
-    import json
-    from pathlib import Path
-
-    import torch
-
-    from moeplan.backends.runtime.library_model import build_tiny_moe, build_transformers
-
-    if model_dir is None:
-        try:
-            import transformers
-        except ImportError:
-            raise UserError("calibrate runs the runtime on a small Qwen3-MoE built by transformers; "
-                            "pip install 'moeplan[hf]' (or give --model with a moeplan model directory)") from None
-        torch.manual_seed(0)
-        model_dir = Path(scratch) / "qwen3_moe"
-        transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**ENGINE_QWEN3)).save_pretrained(model_dir)
-    directory = Path(model_dir)
-    config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else None
-    if config is None:
-        raise UserError(f"--model '{model_dir}' is not a model directory with a config.json")
-    if "moeplan_loader" in config:
-        from moeplan.planner.importers import load_model
-
-        loaded = load_model(str(directory))
-        return (loaded.module, lambda: build_tiny_moe(directory / "config.json", directory / "model.py"), "tiny_moe",
-                directory)
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return model, lambda: build_transformers(directory, device="cpu"), "transformers", directory
-
-
-def _rank_engine(model, fresh, kind: str, mode: str, rank: int = 0, world: int = 1):
-    """Rank `rank` of `world`'s Engine (contiguous placement: expert e on rank e * world // E), over
-    `fresh` loaded with `model`'s weights, as a bundle's rank builds it; (engine, hosts bool [L, E, W])."""
-    import numpy as np
-
-    import torch
-
-    from moeplan.backends.runtime.counters import Counters
-    from moeplan.backends.runtime.engine import Engine
-    from moeplan.backends.runtime.exchange import Exchanger
-    from moeplan.backends.runtime.expert_table import ExpertTable
-    from moeplan.backends.runtime.library_model import RankModel, decoder_layers, transformers_top_k
-    from moeplan.backends.runtime.moe_adapter import find_containers, split_expert_state
-
-    prefix, layers = decoder_layers(model)
-    containers = find_containers(layers, prefix)
-    weights = split_expert_state({k: v.detach() for k, v in model.state_dict().items()}, containers)
-    E = containers[0].num_experts
-    devices = [[e for e in range(E) if e * world // E == d] for d in range(world)]
-    table = ExpertTable.from_placement({"topology": {"nodes": 1, "gpus_per_node": world},
-                                        "layers": [{"layer": c.moe, "devices": devices} for c in containers]})
-    hosts = np.zeros((len(containers), E, world), dtype=bool)
-    for d, experts in enumerate(devices):
-        hosts[:, experts, d] = True
-    config = model.config
-    top_k = int(config.top_k) if kind == "tiny_moe" else transformers_top_k(config)
-    max_positions = int(getattr(config, "max_positions", None) or config.max_position_embeddings)
-    rank_model = RankModel(fresh, kind, None, {c.moe: devices[rank] for c in containers}, weights, max_positions)
-    rank_model.top_k = top_k
-    counters = Counters(rank_model.num_layers)
-    engine = Engine(rank_model, table, Exchanger(rank, world, counters, torch.device("cpu")), counters, rank, world, mode,
-                    torch.device("cpu"), top_k)
-    return engine, hosts
-
-
-def _routing(traces: list, max_len: int, layers: int) -> dict:
-    """{(seq, pos): int [L, k]} from the engine traces of every rank ((layer, keys, ids, weights) rows)."""
-    import numpy as np
-
-    experts = {}
-    for trace in traces:
-        for layer, keys, ids, _ in trace:
-            for k, row in zip(keys.tolist(), ids.tolist()):
-                experts.setdefault((k // max_len, k % max_len), [None] * layers)[layer] = row
-    return {t: np.array(v) for t, v in experts.items()}
-
-
-def _prompts(vocab: int) -> list:
-    requests, length, _ = ENGINE_WORKLOAD
-    return [[(7 * i + 3 * j) % vocab for j in range(length)] for i in range(requests)]
-
-
-def measure_engine(partial: dict, scratch, model_dir=None, runs: int = 3) -> float:
-    """Fit op_overhead_s: the value for which the cost model predicts the measured time of the
-    runtime engine (standard mode) on one rank. The cost model is linear in op_overhead_s there."""
-    import torch
-
-    from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
-    from moeplan.planner.hardware import profile_from_dict
-    from moeplan.planner.importers import load_model
-
-    torch.set_num_threads(1)
-    model, fresh, kind, directory = _engine_model(scratch, model_dir)  # a rank changes its module: one per run
-    requests, length, new = ENGINE_WORKLOAD
-    prompts = _prompts(int(model.config.vocab_size))
-    times, engine = [], None
-    for _ in range(runs):
-        engine, hosts = _rank_engine(model, fresh(), kind, "standard")
-        times.append(engine.generate(prompts, new)["elapsed_s"])
-    measured = sorted(times)[len(times) // 2]
-    shape = ModelShape.from_ir(load_model(str(directory)).ir)
-    routing = _routing([engine.trace], engine.max_len, len(shape.moe_blocks))
-    workload = Workload((length,) * requests, new)
-
-    def predicted(op: float) -> float:
-        profile = profile_from_dict(dict(partial, op_overhead_s=max(op, 1e-12)), "calibration")
-        return sum(predict(hosts, 1, shape, "standard", workload, routing, profile).step_seconds)
-
-    at0, at1 = predicted(1e-12), predicted(1.0)
-    return max((measured - at0) / (at1 - at0), 1e-9)
-
-
-def _engine_worker(rank: int, world: int, port: int, directory: str, runs: int, queue) -> None:
-    """One rank of the engine run at `world` ranks (standard mode, gloo): its times and routing."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        model, fresh, kind, _ = _engine_model(None, directory)
-        prompts = _prompts(int(model.config.vocab_size))
-        times, engine = [], None
-        for _ in range(runs):
-            engine, _ = _rank_engine(model, fresh(), kind, "standard", rank, world)
-            dist.barrier()
-            times.append(engine.generate(prompts, ENGINE_WORKLOAD[2])["elapsed_s"])
-        trace = [(int(layer), keys.tolist(), ids.tolist()) for layer, keys, ids, _ in engine.trace]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, {"times": times, "trace": trace})
-        if rank == 0:
-            queue.put({"times": [max(g["times"][i] for g in gathered) for i in range(runs)],  # the slowest rank's
-                       "traces": [g["trace"] for g in gathered], "max_len": engine.max_len})
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_engine_ranks(directory, world: int, runs: int = 3) -> dict:
-    """The runtime engine at `world` ranks (processes over gloo, one thread each), standard mode:
-    {"seconds": median of `runs`, "routing", "hosts"}."""
-    import numpy as np
-    import torch
-
-    result = _spawn_ranks(_engine_worker, world, (str(directory), runs), f"the engine run at {world} ranks", 600)
-    traces = [[(layer, torch.tensor(keys), torch.tensor(ids), None) for layer, keys, ids in t] for t in result["traces"]]
-    layers = 1 + max(layer for t in traces for layer, _, _, _ in t)
-    routing = _routing(traces, result["max_len"], layers)
-    E = 1 + max(int(np.max(v)) for v in routing.values())
-    hosts = np.zeros((layers, E, world), dtype=bool)
-    for e in range(E):
-        hosts[:, e, e * world // E] = True
-    return {"seconds": sorted(result["times"])[runs // 2], "routing": routing, "hosts": hosts}
-
-
-def fit_collective_latency(partial: dict, directory, runs: dict) -> float:
-    """One all_to_all call's latency at W ranks as the engine meets it (between compute, ranks out of
-    step, cores shared): the value for which the cost model predicts the measured engine run at W
-    ranks, with every other figure fixed; `runs` one world's `measure_engine_ranks`. The model is
-    linear in it (two calls per exchange)."""
-    from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict
-    from moeplan.planner.hardware import profile_from_dict
-    from moeplan.planner.importers import load_model
-
-    requests, length, new = ENGINE_WORKLOAD
-    shape = ModelShape.from_ir(load_model(str(directory)).ir)
-    workload = Workload((length,) * requests, new)
-    hosts = runs["hosts"]
-    W = hosts.shape[2]
-
-    def predicted(latency: float) -> float:
-        profile = profile_from_dict(dict(partial, collective_latency_base_s=max(latency, 1e-12),
-                                         collective_latency_per_peer_s=1e-12), "calibration")
-        return sum(predict(hosts, W, shape, "standard", workload, runs["routing"], profile).step_seconds)
-
-    at0, at1 = predicted(1e-12), predicted(1.0)
-    return max((runs["seconds"] - at0) / (at1 - at0), 1e-7)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -350,8 +160,10 @@ def _g4(x: float) -> float:
 def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     """The cpu-gloo profile of this machine, as a YAML-ready dict (every key, each with its source)."""
     import tempfile
+    from pathlib import Path
 
     from moeplan.passes.analysis.cost_model import ATTN_OPS, MOE_OPS
+    from moeplan.planner.commands.calibrate_engine import fit_engine
     from moeplan.planner.hardware import machine_facts, machine_key
 
     from moeplan.passes.analysis.profile.host_rates import measure_host_experts
@@ -364,26 +176,22 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         memory = measure_memory(scratch)
         gloo = {w: measure_gloo(w) for w in WORLDS}
         cores = facts["cores"]
+        lo, hi = WORLDS
+        message = max((gloo[lo]["kilo"] - gloo[lo]["small"]) / (lo - 1), 1e-7)
+        bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
         partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
                    "python_slot_s": compute["python_slot_s"], "parallel_ranks": cores,
                    "attention_ops_per_sequence": 0, "op_overhead_s": 1e-6,
                    "collective_latency_base_s": 1.0, "collective_latency_per_peer_s": 1.0,
-                   "bandwidth_bytes_per_s": {"same_node": 1.0, "other_node": 1.0},
-                   "message_latency_s": {"same_node": 1.0, "other_node": 1.0},
+                   "bandwidth_bytes_per_s": {"same_node": bandwidth, "other_node": bandwidth},
+                   "message_latency_s": {"same_node": message, "other_node": message},
                    **dict.fromkeys(("device_memory_bytes", "host_memory_bytes", "host_to_device_bytes_per_s", "disk_read_bytes_per_s", "memory_efficiency", "layer_overhead_s", "copy_latency_s"))}
-        compute["op_overhead_s"] = measure_engine(partial, scratch, model_dir)
-        lo, hi = WORLDS
-        message = max((gloo[lo]["kilo"] - gloo[lo]["small"]) / (lo - 1), 1e-7)
-        bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
-        directory = model_dir or os.path.join(scratch, "qwen3_moe")  # _engine_model saved the seeded one there
-        fitted = dict(partial, op_overhead_s=compute["op_overhead_s"],
-                      bandwidth_bytes_per_s={"same_node": bandwidth, "other_node": bandwidth},
-                      message_latency_s={"same_node": message, "other_node": message})
-        latency = {w: fit_collective_latency(fitted, directory, measure_engine_ranks(directory, w)) for w in WORLDS}
+        engine = fit_engine(partial, Path(scratch), model_dir)  # op_overhead_s, then the exchange call's latency
+        latency = engine["latency"]
     per_peer = max((latency[hi] - latency[lo]) / (hi - lo), 1e-7)
-    base = max(latency[lo] - per_peer * (lo - 1), 1e-7)
+    base = latency[lo] - per_peer * (lo - 1)  # the line through both worlds' latencies (negative intercept allowed)
     micro = {w: gloo[w]["small"] for w in WORLDS}
-    op = _g4(compute["op_overhead_s"])
+    op = _g4(engine["op_overhead_s"])
     measured = f"moeplan calibrate on this machine ({cores} cores): median of timed calls"
     engine_model = "a seeded Qwen3-MoE (hidden 128, 6 layers, 16 experts, top-2)" if model_dir is None else str(model_dir)
     when = (now or datetime.now(timezone.utc)).replace(microsecond=0)
@@ -412,19 +220,22 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         "sources": {
             "flops_per_s": f"{measured}, 256x256x256 float32 matmul, one thread",
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
-            "op_overhead_s": f"{measured}: fitted so that the cost model predicts a one-rank run of the runtime engine "
-                             f"({engine_model}; 8 x 32 prompt tokens + 8 new, standard mode; median of 3)",
+            "op_overhead_s": f"moeplan calibrate on this machine: the least-squares fit of `moeplan run`'s prediction "
+                             f"to its measurement of a 1-rank torchrun bundle of {engine_model} (8 x 32 prompt tokens "
+                             f"+ 8 new, both modes, median of 5 launches)",
             "attention_ops_per_sequence": "zero: the runtime runs one batched library forward per step "
                                           "(backends/runtime/engine.py), no loop over sequences",
             "python_slot_s": f"{measured}, the runtime's replica choice (ExpertTable.choose) on 256 tokens x top-2, per slot",
             "parallel_ranks": "os.sched_getaffinity (cores this process may use)",
-            "collective_latency_base_s": f"moeplan calibrate on this machine ({cores} cores): fitted so that the cost "
-                                         f"model predicts the runtime engine at {lo} and {hi} ranks (standard mode, "
-                                         f"{engine_model}, median of 3): an exchange call as the engine meets it, "
+            "collective_latency_base_s": f"moeplan calibrate on this machine ({cores} cores): the line through one "
+                                         f"exchange call's latency at {lo} and {hi} ranks ({latency[lo] * 1e6:.0f} and "
+                                         f"{latency[hi] * 1e6:.0f} us), each the least-squares fit of `moeplan run`'s "
+                                         f"prediction to its measurement of a torchrun bundle of {engine_model} at that "
+                                         f"many ranks (both modes, median of 5 launches): a call as the engine meets it, "
                                          f"ranks out of step and cores shared (gloo all_to_all_single alone, 8 B per "
                                          f"peer back to back: {micro[lo] * 1e6:.0f} us at {lo} ranks, "
-                                         f"{micro[hi] * 1e6:.0f} us at {hi})",
-            "collective_latency_per_peer_s": f"the same fit: slope between {lo} and {hi} ranks",
+                                         f"{micro[hi] * 1e6:.0f} us at {hi}); its value at 1 rank, this intercept, may be "
+                                         f"negative, as only {lo} ranks or more are priced",
             "bandwidth_bytes_per_s": f"{measured}, 2 MiB per peer at {lo} ranks over loopback (both tiers: one machine)",
             "message_latency_s": f"{measured}, 1 KiB minus 8 B per peer at {lo} ranks",
             "device_memory_bytes": "physical memory (os.sysconf): a CPU rank keeps its experts in host memory",
@@ -481,6 +292,10 @@ def calibrate_cmd(out, refresh, model_dir, as_json):
     _report(path, data, as_json, cached=False)
 
 
+def _latency(data: dict, world: int) -> float:
+    return data["collective_latency_base_s"] + data["collective_latency_per_peer_s"] * (world - 1)
+
+
 def _report(path, data: dict, as_json: bool, cached: bool) -> None:
     import json
 
@@ -489,5 +304,5 @@ def _report(path, data: dict, as_json: bool, cached: bool) -> None:
         return
     what = f"using this machine's calibration of {data['calibration']['date']}" if cached else "wrote"
     click.echo(f"{what} {path}: matmul {data['flops_per_s'] / 1e9:.1f} GFLOP/s, op {data['op_overhead_s'] * 1e6:.1f} us, "
-               f"all_to_all {data['collective_latency_base_s'] * 1e6:.0f} us + {data['collective_latency_per_peer_s'] * 1e6:.0f} us/peer, "
+               f"exchange call {', '.join(f'{_latency(data, w) * 1e6:.0f} us at {w} ranks' for w in WORLDS)}, "
                f"{data['bandwidth_bytes_per_s']['same_node'] / 1e9:.2f} GB/s, {data['parallel_ranks']} cores")
