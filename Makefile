@@ -38,17 +38,18 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 
-# The demo prices its plan for this machine: `moeplan calibrate` measures it once (about two minutes) into
-# a cache keyed by CPU model, cores, memory and torch version, and `--hardware this-machine` reads it.
+# The demo prices its plan for this machine: `moeplan calibrate` measures it once (about two minutes) on the
+# example model's own engine into build/demo/cpu-gloo.yaml, kept while it is this machine's calibration
+# (--reuse: same machine key, same engine model), and compile reads it with --hardware.
 demo: $(STAMP)
 	$(BIN)/python examples/tiny_moe/train.py --out examples/tiny_moe --if-missing
 	mkdir -p $(DEMO)
 	$(BIN)/moeplan inspect examples/tiny_moe
 	$(BIN)/moeplan trace examples/tiny_moe --data examples/tiny_moe/corpus_heldout.txt --out $(DEMO)/trace.npz
 	$(BIN)/moeplan trace stats $(DEMO)/trace.npz
-	$(BIN)/moeplan calibrate
-	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --hardware this-machine --out $(DEMO)/bundle
-	$(BIN)/moeplan run $(DEMO)/bundle --verify --nproc 4 --new-tokens 8 --mode both
+	$(BIN)/moeplan calibrate --model examples/tiny_moe --out $(DEMO)/cpu-gloo.yaml --reuse
+	$(BIN)/moeplan compile examples/tiny_moe --trace $(DEMO)/trace.npz --target torchrun --nodes 2 --gpus-per-node 2 --policy ilp --time-limit 20 --hardware $(DEMO)/cpu-gloo.yaml --out $(DEMO)/bundle
+	$(BIN)/moeplan run $(DEMO)/bundle --verify --nproc 4 --new-tokens 32 --mode both
 	$(BIN)/python examples/serve_demo.py $(DEMO)/bundle
 
 clean:

@@ -125,3 +125,27 @@ def test_a_failed_engine_launch_is_one_line_naming_the_world(tmp_path):
     with pytest.raises(UserError, match=r"^the engine run at 2 rank\(s\) failed: ") as info:
         CE.measure_bundle(tmp_path / "not-a-bundle", 2, prompts, tmp_path, runs=1)
     assert "\n" not in str(info.value)
+
+
+def test_reuse_keeps_an_out_file_only_while_it_is_this_machines_calibration_of_the_same_engine(tmp_path):
+    """`make demo` calibrates on the example model's engine into build/demo and keeps the file with
+    --reuse: kept for this machine's key and the same engine model, measured again for any other."""
+    model = str(ROOT / "examples" / "tiny_moe")
+    data = load_hardware("cpu-gloo").to_dict()
+    data["calibration"] = {"date": "2026-01-02T03:04:05+00:00", "machine_key": hardware.machine_key(), "engine_model": model}
+    path = tmp_path / "cpu-gloo.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    before = path.read_bytes()
+    result = CliRunner().invoke(main, ["calibrate", "--model", model, "--out", str(path), "--reuse"])
+    assert result.exit_code == 0, result.output
+    assert "using this machine's calibration of 2026-01-02T03:04:05+00:00" in result.output
+    assert path.read_bytes() == before  # nothing measured, nothing written
+    assert C._this_machines(path, model) is not None
+    assert C._this_machines(path, None) is None  # another engine model: measured again
+    other = data | {"calibration": dict(data["calibration"], machine_key="another-cpu-64c-512g-torch2.13.0-m4")}
+    path.write_text(yaml.safe_dump(other, sort_keys=False))
+    assert C._this_machines(path, model) is None  # another machine's: measured again
+    path.write_text("not: [a profile")
+    assert C._this_machines(path, model) is None
+    result = CliRunner().invoke(main, ["calibrate", "--reuse"])
+    assert result.exit_code == 2 and "--reuse keeps an --out FILE" in result.output

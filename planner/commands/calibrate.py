@@ -193,7 +193,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     micro = {w: gloo[w]["small"] for w in WORLDS}
     op = _g4(engine["op_overhead_s"])
     measured = f"moeplan calibrate on this machine ({cores} cores): median of timed calls"
-    engine_model = "a seeded Qwen3-MoE (hidden 128, 6 layers, 16 experts, top-2)" if model_dir is None else str(model_dir)
+    engine_model = _engine_label(model_dir)
     when = (now or datetime.now(timezone.utc)).replace(microsecond=0)
     return {
         "name": "cpu-gloo",
@@ -261,8 +261,11 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
 @click.option("--refresh", is_flag=True, help="measure again even if this machine's calibration is cached")
 @click.option("--model", "model_dir", default=None,
               help="model directory the engine run uses (default: a seeded Qwen3-MoE); needs --out")
+@click.option("--reuse", is_flag=True,
+              help="with --out: keep FILE when it already holds this machine's calibration of the same engine model "
+                   "(as the default cache is kept); measure otherwise")
 @click.option("--json", "as_json", is_flag=True, help="print the profile as one JSON object")
-def calibrate_cmd(out, refresh, model_dir, as_json):
+def calibrate_cmd(out, refresh, model_dir, reuse, as_json):
     """Measure this machine (matmul, copies, the runtime engine, gloo all-to-all) into a hardware profile."""
     from pathlib import Path
 
@@ -277,11 +280,18 @@ def calibrate_cmd(out, refresh, model_dir, as_json):
     path = Path(out) if out is not None else calibration_path()
     if path.exists() and not path.is_file():
         raise UserError(f"--out '{path}' is not a file; give a YAML file path")
+    if reuse and out is None:
+        raise UserError("--reuse keeps an --out FILE; without --out this machine's calibration is cached anyway")
     if out is None and path.is_file() and not refresh:
         data = yaml.safe_load(path.read_text())
         profile_from_dict(data, str(path))  # a damaged cache entry stops here; --refresh replaces it
         _report(path, data, as_json, cached=True)
         return
+    if reuse and not refresh and path.is_file():
+        data = _this_machines(path, model_dir)
+        if data is not None:
+            _report(path, data, as_json, cached=True)
+            return
     data = calibrate(model_dir)
     profile_from_dict(data, str(path))  # what we write must load
     header = (f"# cpu-gloo hardware profile written by `moeplan calibrate` on {data['calibration']['date']} "
@@ -290,6 +300,27 @@ def calibrate_cmd(out, refresh, model_dir, as_json):
         path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, header + yaml.safe_dump(data, sort_keys=False), kind="hardware")
     _report(path, data, as_json, cached=False)
+
+
+def _this_machines(path, model_dir) -> dict | None:
+    """FILE's profile if it is a calibration of this machine (its key) on the same engine model, else None
+    (another machine's, another model's, or not a profile: measured again and replaced)."""
+    import yaml
+
+    from moeplan.planner.hardware import machine_key, profile_from_dict
+
+    try:
+        data = yaml.safe_load(path.read_text())
+        profile_from_dict(data, str(path))
+    except (UserError, yaml.YAMLError, UnicodeDecodeError, OSError):
+        return None
+    calibration = data.get("calibration") or {}
+    same = calibration.get("machine_key") == machine_key() and calibration.get("engine_model") == _engine_label(model_dir)
+    return data if same else None
+
+
+def _engine_label(model_dir) -> str:
+    return "a seeded Qwen3-MoE (hidden 128, 6 layers, 16 experts, top-2)" if model_dir is None else str(model_dir)
 
 
 def _latency(data: dict, world: int) -> float:
@@ -303,6 +334,6 @@ def _report(path, data: dict, as_json: bool, cached: bool) -> None:
         click.echo(json.dumps({"path": str(path), "cached": cached, "profile": data}, sort_keys=True))
         return
     what = f"using this machine's calibration of {data['calibration']['date']}" if cached else "wrote"
-    click.echo(f"{what} {path}: matmul {data['flops_per_s'] / 1e9:.1f} GFLOP/s, op {data['op_overhead_s'] * 1e6:.1f} us, "
+    click.echo(f"{what} {path}: matmul {data['flops_per_s'] / 1e9:.1f} GFLOP/s (one thread), framework call {data['op_overhead_s'] * 1e6:.1f} us, "
                f"exchange call {', '.join(f'{_latency(data, w) * 1e6:.0f} us at {w} ranks' for w in WORLDS)}, "
                f"{data['bandwidth_bytes_per_s']['same_node'] / 1e9:.2f} GB/s, {data['parallel_ranks']} cores")
