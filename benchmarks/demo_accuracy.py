@@ -1,14 +1,17 @@
 """How close `make demo`'s predicted ms/token come to the measured ones on this machine (issue 31 item 5).
 
-    python benchmarks/demo_accuracy.py [--runs 5] [--calibrations 1] [--new-tokens 32 8] [--work DIR] [--json]
+    python benchmarks/demo_accuracy.py [--runs 5] [--calibrations 1] [--new-tokens 32 8]
+                                       [--calibration-model examples/tiny_moe] [--work DIR] [--json]
 
-Per calibration: `moeplan calibrate` into a fresh cache (as a first `make demo` on a new machine
-does), the demo's compile (`examples/tiny_moe`, its held-out trace, 2 x 2 ranks, ILP, `--hardware
-this-machine`), then `--runs` times the demo's `moeplan run BUNDLE --nproc 4 --new-tokens N --mode
-both` for each N of `--new-tokens` (the demo's 32 first). Prints, per run and mode, predicted and measured ms/token, the error (predicted - measured) /
-measured, and how many runs fall within 25 % in both modes; the machine's 1-minute load beside
-each. The demo's model, plan and prompts are none of the calibration's (a seeded Qwen3-MoE,
-contiguous experts, 8 x 32 token ids): every figure here is held out of the fit.
+Per calibration: a fresh `moeplan calibrate` (by default this machine's, on the seeded Qwen3-MoE,
+into an empty cache, priced with `--hardware this-machine`; with `--calibration-model DIR`, on
+that model's engine into a file, as `make demo` does with examples/tiny_moe), the demo's compile
+(`examples/tiny_moe`, its held-out trace, 2 x 2 ranks, ILP), then `--runs` times the demo's
+`moeplan run BUNDLE --nproc 4 --new-tokens N --mode both` for each N of `--new-tokens` (the
+demo's 32 first). Prints, per run and mode, predicted and measured ms/token, the error (predicted
+- measured) / measured, and how many runs fall within 25 % in both modes; the machine's 1-minute
+load beside each. The demo's plan and prompts are none of the calibration's (contiguous experts,
+8 x 32 token ids), nor, by default, its model: those figures are held out of the fit.
 Run it on a quiet machine: a CPU prediction holds at the load it was calibrated at.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from moeplan.planner.hardware import profile_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 0.25
@@ -55,7 +60,7 @@ def one_calibration(work: Path, runs: int, lengths: list, model: str | None = No
             report = json.loads(moeplan("run", str(bundle), "--nproc", "4", "--new-tokens", str(new_tokens), "--mode", "both",
                                         "--json", env=env))["modes"]
             rows.append({"new_tokens": new_tokens} | {mode: figures(r) for mode, r in report.items()})
-    latency = {w: profile["collective_latency_base_s"] + profile["collective_latency_per_peer_s"] * (w - 1) for w in (2, 4)}
+    latency = {w: profile_from_dict(profile, "calibration").collective_latency(w) for w in (2, 4)}
     return {"calibration_load": round(load, 2), "op_overhead_us": profile["op_overhead_s"] * 1e6,
             "exchange_call_us": {w: v * 1e6 for w, v in latency.items()}, "runs": rows}
 

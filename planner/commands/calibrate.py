@@ -163,7 +163,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     from pathlib import Path
 
     from moeplan.passes.analysis.cost_model import ATTN_OPS, MOE_OPS
-    from moeplan.planner.commands.calibrate_engine import fit_engine
+    from moeplan.planner.commands.calibrate_engine import engine_label, fit_engine
     from moeplan.planner.hardware import machine_facts, machine_key
 
     from moeplan.passes.analysis.profile.host_rates import measure_host_experts
@@ -193,7 +193,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     micro = {w: gloo[w]["small"] for w in WORLDS}
     op = _g4(engine["op_overhead_s"])
     measured = f"moeplan calibrate on this machine ({cores} cores): median of timed calls"
-    engine_model = _engine_label(model_dir)
+    engine_model = engine_label(model_dir)
     when = (now or datetime.now(timezone.utc)).replace(microsecond=0)
     return {
         "name": "cpu-gloo",
@@ -236,6 +236,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                                          f"peer back to back: {micro[lo] * 1e6:.0f} us at {lo} ranks, "
                                          f"{micro[hi] * 1e6:.0f} us at {hi}); its value at 1 rank, this intercept, may be "
                                          f"negative, as only {lo} ranks or more are priced",
+            "collective_latency_per_peer_s": f"the same fit: slope between {lo} and {hi} ranks",
             "bandwidth_bytes_per_s": f"{measured}, 2 MiB per peer at {lo} ranks over loopback (both tiers: one machine)",
             "message_latency_s": f"{measured}, 1 KiB minus 8 B per peer at {lo} ranks",
             "device_memory_bytes": "physical memory (os.sysconf): a CPU rank keeps its experts in host memory",
@@ -307,6 +308,7 @@ def _this_machines(path, model_dir) -> dict | None:
     (another machine's, another model's, or not a profile: measured again and replaced)."""
     import yaml
 
+    from moeplan.planner.commands.calibrate_engine import engine_label
     from moeplan.planner.hardware import machine_key, profile_from_dict
 
     try:
@@ -315,25 +317,20 @@ def _this_machines(path, model_dir) -> dict | None:
     except (UserError, yaml.YAMLError, UnicodeDecodeError, OSError):
         return None
     calibration = data.get("calibration") or {}
-    same = calibration.get("machine_key") == machine_key() and calibration.get("engine_model") == _engine_label(model_dir)
+    same = calibration.get("machine_key") == machine_key() and calibration.get("engine_model") == engine_label(model_dir)
     return data if same else None
-
-
-def _engine_label(model_dir) -> str:
-    return "a seeded Qwen3-MoE (hidden 128, 6 layers, 16 experts, top-2)" if model_dir is None else str(model_dir)
-
-
-def _latency(data: dict, world: int) -> float:
-    return data["collective_latency_base_s"] + data["collective_latency_per_peer_s"] * (world - 1)
 
 
 def _report(path, data: dict, as_json: bool, cached: bool) -> None:
     import json
 
+    from moeplan.planner.hardware import profile_from_dict
+
     if as_json:
         click.echo(json.dumps({"path": str(path), "cached": cached, "profile": data}, sort_keys=True))
         return
     what = f"using this machine's calibration of {data['calibration']['date']}" if cached else "wrote"
+    profile = profile_from_dict(data, str(path))
     click.echo(f"{what} {path}: matmul {data['flops_per_s'] / 1e9:.1f} GFLOP/s (one thread), framework call {data['op_overhead_s'] * 1e6:.1f} us, "
-               f"exchange call {', '.join(f'{_latency(data, w) * 1e6:.0f} us at {w} ranks' for w in WORLDS)}, "
+               f"exchange call {', '.join(f'{profile.collective_latency(w) * 1e6:.0f} us at {w} ranks' for w in WORLDS)}, "
                f"{data['bandwidth_bytes_per_s']['same_node'] / 1e9:.2f} GB/s, {data['parallel_ranks']} cores")

@@ -4,9 +4,10 @@ The engine model (a seeded Qwen3-MoE at the example model's size, or `--model`'s
 torchrun bundles at 1, 2 and 4 ranks (contiguous experts, standard mode); each is launched `runs`
 times by the launcher `moeplan run` uses (`backends/torchrun/launch.py`) on 8 prompts of 32 token
 ids and 8 new tokens. `op_overhead_s` (one framework call) is fitted on the 1-rank runs and the
-latency of one exchange call on the 2- and 4-rank runs, each as the value for which `run`'s own
-prediction (`predict_run`, the cost model on the routing the run recorded) equals `run`'s own
-measurement (the median run's seconds per generated token). The cost model is linear in both.
+latency of one exchange call on the 2- and 4-rank runs, each as the least-squares value (relative
+errors, both modes) at which `run`'s own prediction (`predict_run`, the cost model on the routing
+the run recorded) meets `run`'s own measurement (the median run's seconds per generated token).
+The cost model is linear in both.
 
 Why bundles under torchrun: the figure a user checks is `moeplan run`'s, and what the fit absorbs
 (ranks out of step, 4 ranks on 2 cores) depends on how the ranks were started and built. Fitted
@@ -56,6 +57,15 @@ def engine_model(scratch: Path, model_dir=None) -> Path:
         if bars:
             transformers.utils.logging.enable_progress_bar()
     return directory
+
+
+def engine_label(model_dir=None) -> str:
+    """How a calibration names its engine model (recorded in its `calibration` block and sources)."""
+    if model_dir is not None:
+        return str(model_dir)
+    q = QWEN3
+    return (f"a seeded Qwen3-MoE (hidden {q['hidden_size']}, {q['num_hidden_layers']} layers, {q['num_experts']} experts, "
+            f"top-{q['num_experts_per_tok']})")
 
 
 def prompt_file(directory: Path, scratch: Path) -> Path:
@@ -137,8 +147,8 @@ def fit(root: Path, runs: dict, profile_at) -> float:
 
 
 def fit_engine(partial: dict, scratch: Path, model_dir=None, runs: int = 5) -> dict:
-    """{"op_overhead_s", "latency": {world: one exchange call's latency}, "engine_model"}: the 1-rank
-    runs fix op_overhead_s, then each multi-rank world's runs fix its exchange-call latency."""
+    """{"op_overhead_s", "latency": {world: one exchange call's latency}}: the 1-rank runs fix
+    op_overhead_s, then each multi-rank world's runs fix its exchange-call latency."""
     directory = engine_model(scratch, model_dir)
     prompts, trace = prompt_file(directory, scratch), _trace(directory, scratch)
     roots = {w: compile_bundle(directory, trace, w, scratch) for w in WORLDS}
@@ -149,4 +159,4 @@ def fit_engine(partial: dict, scratch: Path, model_dir=None, runs: int = 5) -> d
         run = measure_bundle(roots[w], w, prompts, scratch, runs)
         latency[w] = max(fit(roots[w], run, lambda v: dict(partial, op_overhead_s=op, collective_latency_base_s=max(v, 1e-12),
                                                            collective_latency_per_peer_s=1e-12)), 1e-7)
-    return {"op_overhead_s": op, "latency": latency, "engine_model": directory}
+    return {"op_overhead_s": op, "latency": latency}
