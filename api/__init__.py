@@ -19,7 +19,7 @@ Progress lines go to stderr unless `quiet` (the default here).
 """
 from __future__ import annotations
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 __all__ = ["compile", "plan", "codegen", "targets", "options", "UserError"]
 
@@ -68,7 +68,7 @@ def codegen(plan, out, model=None, *, quiet: bool = True, force: bool = False):
     from pathlib import Path
 
     from moeplan.planner.pipeline import targets as registry
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     path = None
     if not isinstance(plan, Plan):
@@ -88,7 +88,7 @@ def _guard(inputs, out, kind: str, force: bool):
     output) and `out` is checked before any work."""
     import contextlib
 
-    from moeplan.planner.atomic import check_output, command_scope
+    from moeplan.core.atomic import check_output, command_scope
 
     @contextlib.contextmanager
     def scope():

@@ -24,7 +24,7 @@ Assumptions (all of them; change with the flags):
   our int64 metadata), its framework calls per block at the profile's launch overhead, no
   CUDA graphs, no overlap of compute and communication, replica choice on the device;
 * hardware: the profiles' published peak FLOP/s, HBM and link bandwidths (no efficiency
-  factor), latencies estimated (see planner/hardware_data/*.yaml sources);
+  factor), latencies estimated (see core/hardware_data/*.yaml sources);
 * compute per rank: max(FLOPs / peak, weight bytes read / HBM bandwidth) + launches; the slowest
   rank sets each layer's pace.
 
@@ -73,7 +73,7 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args, scrat
     from moeplan.passes.optimize.by_predicted_time import choose_placement, predict_modes
     from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
     from moeplan.planner.importers import load_model
     from moeplan.planner.pipeline.cost_passes import context_plan_of, parse_workload, shape_with_context
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from moeplan.planner.hardware import profile_from_dict
+from moeplan.core.hardware import profile_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 0.25

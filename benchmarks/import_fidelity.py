@@ -184,7 +184,7 @@ def config_rows(only=None) -> list:
 
 
 def onnx_rows(only=None) -> list:
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
     from moeplan.planner.importers.onnx_graph import import_onnx
     from moeplan.planner.importers.torch_module import import_module
     from moeplan.planner.onnx_export import export_onnx

@@ -22,7 +22,7 @@ benchmarks/speculation.py), traced with `--speculate 2` (block output) on the tr
 architecture (as benchmarks/placement_deployment.py does: examples/configs/mixtral-8x7b.json for
 TinyMoE's top-2, qwen3-30b-a3b.json, olmoe-1b-7b.json, with the traced model's experts, top-k and
 MoE layers; bf16 weights, every expert in host memory); hardware profiles rtx4090-pcie4 and
-h100-sxm (planner/hardware_data/); caches of 10, 25 and 50% of the (layer, expert)
+h100-sxm (core/hardware_data/); caches of 10, 25 and 50% of the (layer, expert)
 keys; also at the trained models' own widths (`native`: KB-sized experts, where the link can carry
 the speculated copies within a layer's compute; 25% cache, rtx4090-pcie4). The offload planner
 plans each cache (on rtx4090-pcie4's clock; its choice is reported for that profile) on the planning trace (residents, next-use model, EAMC,
@@ -93,7 +93,7 @@ def trace_of(model: Path, name: str, corpus: str, tokens: int) -> Path:
 
 def switch_large_timing():
     from moeplan.passes.optimize.offload.simulate import Timing
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
 
     hw = load_hardware("a5000-pcie4")
     bw = hw.memory_bytes_per_s * hw.memory_efficiency
@@ -276,7 +276,7 @@ def side_by_side(args) -> int:
     from speculation import emit, traced
 
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
     from moeplan.passes.optimize.offload.stream import build_stream
 
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))

@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.optimize.serverless import partition as P
     from moeplan.planner.importers import load_model
-    from moeplan.planner.errors import UserError
-    from moeplan.planner.platforms import load_platform
+    from moeplan.core.errors import UserError
+    from moeplan.core.platforms import load_platform
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "examples" / "tiny_moe"))

@@ -73,7 +73,7 @@ def deployment_shape(config: dict, scratch: Path):
 
 def profiles() -> dict:
     """{label: HardwareProfile}: the published H100 profile, and the same with no per-call overhead."""
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
 
     h100 = load_hardware(HARDWARE)
     return {HARDWARE: h100, f"{HARDWARE}, no op overhead": replace(h100, op_overhead_s=0.0)}

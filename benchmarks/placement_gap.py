@@ -47,7 +47,7 @@ def gap_row(case, plan_trace, effort: float, time_limit: float, log, redundant: 
     from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from research.relaxed_routing import colocation_cross, free_routing_cross
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
     start = time.perf_counter()

@@ -140,9 +140,9 @@ def main(argv=None):
     from moeplan.passes.optimize.serverless.bo_refine import BOOptions
     from moeplan.passes.optimize.serverless.sizing_pipeline import (SizingOptions, plan_serverless, predicted_loads,
                                                          real_batches, size_for, split_by_sequence)
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
     from moeplan.planner.importers import load_model
-    from moeplan.planner.platforms import load_platform
+    from moeplan.core.platforms import load_platform
 
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     B = args.batch_tokens
@@ -288,7 +288,7 @@ def lambda_plan(args, slo: float, out=None):
     """The lambda target's plan (and bundle, with `out`) for the benchmark's model, trace and SLO."""
     from moeplan.planner.pipeline import flags
     from moeplan.planner.pipeline.targets import compile_target, plan_target
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     values = flags.resolve({"slo": slo, "platform": args.platform, "batch_tokens": args.batch_tokens, "bo_q": args.bo_q,
                             "profile_budget": args.profile_budget, "cache_dir": args.cache_dir, "seed": args.seed,

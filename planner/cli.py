@@ -3,7 +3,7 @@
 User mistakes surface as `UserError` and print one line with exit code 2; click's own usage
 errors (`--nodes abc`) are reshaped into the same one line. Anything else is a moeplan bug and
 keeps its traceback. Every command runs inside `output_guard.guard_command` (inputs declared,
-`--force` added where there is an `--out`; see planner/atomic.py).
+`--force` added where there is an `--out`; see core/atomic.py).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import click
 
 from moeplan.planner.commands.help_format import ListingGroup
-from moeplan.planner.errors import UserError, one_line_usage_error
+from moeplan.core.errors import UserError, one_line_usage_error
 
 
 class MoeplanGroup(ListingGroup):

@@ -33,8 +33,8 @@ import re
 import warnings
 from pathlib import Path
 
-from moeplan.planner.atomic import atomic_path
-from moeplan.planner.errors import UserError
+from moeplan.core.atomic import atomic_path
+from moeplan.core.errors import UserError
 from moeplan.planner.onnx_export_equivalents import export_equivalents
 
 INPUT_NAME = "input_ids"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner.atomic import check_not_input, check_output, command_scope
+from moeplan.core.atomic import check_not_input, check_output, command_scope
 
 OUTPUT_PARAMS = frozenset({"out", "results", "cache_dir", "bo_storage", "force"})
-# What each command's --out holds (planner/atomic.py KINDS), so a bad --out fails before any work.
+# What each command's --out holds (core/atomic.py KINDS), so a bad --out fails before any work.
 OUT_KIND = {"compile": "bundle", "codegen": "bundle", "place": "placement", "plan": "plan", "export-onnx": "onnx", "synth": "trace",
             "import": "trace", "record": "trace", "calibrate": "hardware", "report": "report"}
 

@@ -68,7 +68,7 @@ def write_small_bundle(out: Path, model_dir: Path, placement: dict, mode: str = 
     from moeplan.backends.torchrun.codegen import write_bundle
     from moeplan.backends.common.model_source import model_files
     from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     state = load_small(model_dir).state_dict()
     arch, files = model_files(str(model_dir))
@@ -117,7 +117,7 @@ def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
     from moeplan.backends.torchrun.codegen import write_bundle
     from moeplan.backends.common.model_source import model_files
     from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     state = model.state_dict()
     arch, files = model_files(str(model_dir))

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 import moeplan
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
-from moeplan.planner.plan import Plan
+from moeplan.core.plan import Plan
 from runtime_fixtures import SMALL, random_trace, small_model_dir
 
 

@@ -84,7 +84,7 @@ def test_array_headers_are_checked_against_their_data_before_allocating(tmp_path
 def test_arrays_larger_than_the_memory_budget_are_refused_before_reading(tmp_path):
     """A consistent archive (a zip of zeros inflates ~1000x) is refused by its declared size."""
     from moeplan.passes.analysis.trace.format import read_npz_arrays
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
 
     path = tmp_path / "zeros.npz"
     np.savez_compressed(path, experts=np.zeros((4000, 4, 2), np.int32))
@@ -192,7 +192,7 @@ def test_binary_platform_and_prompts_files(tmp_path, model, good_trace):
     _refused(["plan", model, "--trace", good_trace, "--target", "lambda", "--slo", 1, "--platform", blob, "--out", tmp_path / "p.json", "--quiet"],
              "not UTF-8")
     from moeplan.backends.torchrun.launch import read_prompts
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
 
     with pytest.raises(UserError, match="not UTF-8"):
         read_prompts(blob)

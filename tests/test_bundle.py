@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from moeplan.backends.common.manifest import sha256_file
 from moeplan.planner.pipeline.run import run_bundle
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from runtime_fixtures import SMALL, contiguous_placement, small_model_dir, write_small_bundle
 
 

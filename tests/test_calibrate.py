@@ -11,12 +11,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from moeplan.planner import hardware
+from moeplan.core import hardware
 from moeplan.planner.cli import main
 from moeplan.planner.commands import calibrate as C
 from moeplan.planner.commands import calibrate_engine as CE
-from moeplan.planner.errors import UserError
-from moeplan.planner.hardware import load_hardware, profile_from_dict
+from moeplan.core.errors import UserError
+from moeplan.core.hardware import load_hardware, profile_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 

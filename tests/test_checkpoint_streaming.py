@@ -52,7 +52,7 @@ def test_streamed_bundle_equals_the_bundle_of_the_loaded_state_dict(tmp_path, ar
 
     from moeplan.backends.common.model_source import model_files
     from moeplan.backends.torchrun.codegen import write_bundle
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     directory = tiny.build(arch, tmp_path / "models")
     trace = _trace(tmp_path / "trace.npz", _moe_layers(directory))

@@ -9,8 +9,8 @@ from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.passes.optimize.placement.contract import placement_from_dict
 from moeplan.planner.commands.compile import compile_cmd
 import moeplan
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass, PassManager
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass, PassManager
 from runtime_fixtures import SMALL, random_trace, small_model_dir
 
 

@@ -14,8 +14,8 @@ from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.optimize.by_predicted_time import choose_mode
 from moeplan.planner.cli import main
 from moeplan.planner.commands.compile import compile_cmd
-from moeplan.planner.errors import UserError
-from moeplan.planner.hardware import BUILTIN, load_hardware, profile_from_dict
+from moeplan.core.errors import UserError
+from moeplan.core.hardware import BUILTIN, load_hardware, profile_from_dict
 from runtime_fixtures import SMALL, random_trace, small_model_dir
 
 SHAPE = ModelShape(hidden=32, top_k=2, num_blocks=3, moe_blocks=(0, 1, 2), attention_flops=1e4, expert_flops=1e4)

@@ -15,7 +15,7 @@ from moeplan.passes.analysis.trace.engine_import import detect_format, import_en
 from moeplan.passes.analysis.trace.format import load_trace
 from sglang_dump_writer import per_token_records, write_per_token_dump
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 

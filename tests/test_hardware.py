@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 from moeplan.passes.analysis.trace.format import save_trace
 from synth_routing import synthesize_routed_tokens
-from moeplan.planner import hardware
+from moeplan.core import hardware
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
-from moeplan.planner.hardware import (BUILTIN, COST_FIGURES, MEMORY_FIGURES, THIS_MACHINE, TIERED, load_hardware,
+from moeplan.core.errors import UserError
+from moeplan.core.hardware import (BUILTIN, COST_FIGURES, MEMORY_FIGURES, THIS_MACHINE, TIERED, load_hardware,
                                       load_profile, profile_from_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def trace(tmp_path_factory):
 
 
 def test_one_list_of_builtin_profiles_each_figure_with_a_source():
-    files = sorted(p.stem for p in (ROOT / "planner" / "hardware_data").glob("*.yaml"))
+    files = sorted(p.stem for p in (ROOT / "core" / "hardware_data").glob("*.yaml"))
     assert list(BUILTIN) == files and {"cpu-gloo", "h100-sxm", "rtx4090-pcie4", "a5000-pcie4"} <= set(BUILTIN)
     for name in BUILTIN:
         p = load_hardware(name)

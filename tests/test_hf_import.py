@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers import load_model
 from moeplan.planner.importers.torch_module import import_module
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers import load_model
 from moeplan.planner.importers.resolve import import_file
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers import load_model
 from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.planner.importers.torch_module import import_module, module_params

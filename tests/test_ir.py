@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.planner.ir import DENSE_KINDS, DTYPE_BYTES, DenseStage, ModelIR, MoEStage
+from moeplan.core.ir import DENSE_KINDS, DTYPE_BYTES, DenseStage, ModelIR, MoEStage
 
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789._", min_size=1, max_size=24)
 counts = st.integers(min_value=0, max_value=10**13)

@@ -18,7 +18,7 @@ from test_expert_store import _compile, tiny
 
 from moeplan.backends.kubernetes.pod_memory import AGENT_MIB, FRONT_OVERHEAD_MIB, RANK_OVERHEAD_MIB
 from moeplan.backends.kubernetes.pod_memory import rank_host_bytes
-from moeplan.planner.plan import Plan
+from moeplan.core.plan import Plan
 
 OVERHEADS_MIB = 2 * RANK_OVERHEAD_MIB + AGENT_MIB + FRONT_OVERHEAD_MIB  # 2 ranks on node 0 of the service
 

@@ -336,8 +336,8 @@ def test_calibrate_measures_the_hosts_expert_rates_into_keys_profiles_accept():
     """`moeplan calibrate` writes host_memory_bytes_per_s and host_flops_per_s (the host compute
     rates, same names as the offload profiles'); a profile may carry them, and refuses bad values."""
     from moeplan.passes.analysis.profile.host_rates import measure_host_experts
-    from moeplan.planner.errors import UserError
-    from moeplan.planner.hardware import load_hardware, profile_from_dict
+    from moeplan.core.errors import UserError
+    from moeplan.core.hardware import load_hardware, profile_from_dict
 
     rates = measure_host_experts()
     assert set(rates) == {"host_memory_bytes_per_s", "host_flops_per_s"}

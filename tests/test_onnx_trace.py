@@ -17,11 +17,11 @@ from onnx import numpy_helper
 
 from moeplan.passes.analysis.trace.record import record_trace
 from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers import load_model
 from onnx_fixtures import EXAMPLE, SMALL, contrib_moe_model, dense_softmax_model, exported_model
 
-TEXT = (Path(__file__).resolve().parents[1] / "planner" / "ir.py").read_text()[:1500]
+TEXT = (Path(__file__).resolve().parents[1] / "core" / "ir.py").read_text()[:1500]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("api", "planner", "passes", "backends", "templates", "setup.py", "pyproject.toml", "README.md")
+SOURCES = ("api", "core", "planner", "passes", "backends", "templates", "setup.py", "pyproject.toml", "README.md")
 
 
 def test_the_wheel_holds_the_api_templates_and_runtime_and_imports(tmp_path):

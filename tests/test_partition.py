@@ -6,8 +6,8 @@ import math
 import pytest
 
 from moeplan.passes.optimize.serverless import partition as P
-from moeplan.planner.errors import UserError
-from moeplan.planner.platforms import load_platform
+from moeplan.core.errors import UserError
+from moeplan.core.platforms import load_platform
 
 
 def unit(name, segment, params=1 << 20, peak=2000.0, secs=2e-5, width=512):

@@ -5,8 +5,8 @@ from click.testing import CliRunner
 
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass, PassError, PassManager
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass, PassError, PassManager
 from runtime_fixtures import SMALL, random_trace, small_model_dir
 
 
@@ -100,7 +100,7 @@ def test_every_plan_pass_checks_its_plan_serialises_and_reads_back():
     import numpy as np
 
     from moeplan.planner.pipeline import common, engines, lambda_, offload, torchrun
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     for module in (torchrun, lambda_, engines, offload):
         assert module.PLAN.ensures is common.plan_reads_back, module.__name__

@@ -7,7 +7,7 @@ from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.passes.optimize.placement.contract import Topology, validate_placement
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 @pytest.fixture(scope="module")

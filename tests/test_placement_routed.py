@@ -16,7 +16,7 @@ from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts,
 from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.passes.optimize.placement.local_search.routed import (RoutedTrace, devices_after, local_transitions, routed_chain, routed_polish,
                                                       routed_tables)
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from research.layer_chain import layer_chain_placement

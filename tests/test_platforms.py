@@ -1,8 +1,8 @@
 """Platform model: documented Lambda defaults, YAML overrides, and user errors for bad values."""
 import pytest
 
-from moeplan.planner.errors import UserError
-from moeplan.planner.platforms import load_platform
+from moeplan.core.errors import UserError
+from moeplan.core.platforms import load_platform
 
 
 def test_defaults_are_the_documented_lambda_values():

@@ -104,7 +104,7 @@ def test_predictions_are_deterministic():
 
 
 def test_trace_without_token_ids_is_a_user_error():
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
 
     with pytest.raises(UserError, match="token_ids"):
         pop.CountTable.from_trace(make_trace(np.zeros((3, 1, 1), dtype=int), num_experts=2))

@@ -11,7 +11,7 @@ from moeplan.passes.analysis.profile import operators as prof
 from moeplan.passes.analysis.profile.predictor import features, fit_predictors
 from moeplan.passes.analysis.profile.peak_memory import peak_intermediate_bytes
 from moeplan.passes.analysis.serverless_facts import build_facts
-from moeplan.planner.platforms import load_platform
+from moeplan.core.platforms import load_platform
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 SMALL = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_experts": 4, "top_k": 2,

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from moeplan.backends.runtime.lambda_request_cost import _expert_loads, _expert_u, _replica_seconds
 from moeplan.passes.optimize.serverless import billing as sc
-from moeplan.planner.platforms import load_platform
+from moeplan.core.platforms import load_platform
 
 PLATFORM = load_platform()
 LAYER = sc.LayerFacts(num_experts=8, top_k=2, expert_param_bytes=3_000_000, expert_fixed_bytes=1e5, expert_token_bytes=2e3,

@@ -1,4 +1,4 @@
-"""Issue 17: `--out` never destroys data (planner/atomic.py, planner/output_guard.py).
+"""Issue 17: `--out` never destroys data (core/atomic.py, planner/output_guard.py).
 
 Through the real CLI: a non-moeplan --out is refused unless --force, an input is never replaced
 or contained, earlier outputs of the same kind are replaced, a kill leaves the old or the new
@@ -14,7 +14,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from moeplan.planner import atomic
+from moeplan.core import atomic
 from moeplan.planner.cli import main
 
 SYNTH = ["trace", "synth", "--layers", "2", "--experts", "4", "--tokens", "50"]
@@ -174,11 +174,11 @@ def test_calibrate_replaces_a_hardware_profile_but_refuses_another_file_before_m
     import shutil
     from pathlib import Path
 
-    import moeplan.planner as planner_pkg
-    from moeplan.planner.errors import UserError
+    import moeplan.core as core_pkg
+    from moeplan.core.errors import UserError
 
     profile = tmp_path / "hw.yaml"
-    shutil.copy(Path(planner_pkg.__file__).parent / "hardware_data" / "cpu-gloo.yaml", profile)
+    shutil.copy(Path(core_pkg.__file__).parent / "hardware_data" / "cpu-gloo.yaml", profile)
     atomic.check_replaceable(profile, "hardware")  # an earlier profile: replaced without --force
     notes = tmp_path / "notes.txt"
     notes.write_text("precious")

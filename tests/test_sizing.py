@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.passes.optimize.serverless import sizing
 from moeplan.passes.optimize.serverless.sim import simulate
-from moeplan.planner.errors import UserError
-from moeplan.planner.platforms import load_platform
+from moeplan.core.errors import UserError
+from moeplan.core.platforms import load_platform
 
 
 def make_facts(layers=2, experts=4, *, platform=None, param_bytes=200_000, d=512, token_bytes=1024.0):

@@ -7,7 +7,7 @@ from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 ARGS = dict(layers=4, experts=32, top_k=4, tokens=3000, zipf=0.8, seed=3)
 

@@ -19,7 +19,7 @@ from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.passes.analysis.trace.record import encode_text as record_bytes
 from moeplan.planner.cli import main
 from moeplan.planner.commands.trace_record import text_codec, token_id_lines
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = ROOT / "examples" / "qwen3_moe"

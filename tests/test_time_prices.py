@@ -12,7 +12,7 @@ from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest
 from moeplan.passes.optimize.time_prices import TimePrices, choose_load_cap, device_loads, priced_objective, time_prices
-from moeplan.planner.hardware import load_hardware
+from moeplan.core.hardware import load_hardware
 
 SHAPE = ModelShape(hidden=128, top_k=2, num_blocks=4, moe_blocks=(0, 1, 2, 3), attention_flops=1e5, expert_flops=5e4,
                    expert_bytes=1e5)

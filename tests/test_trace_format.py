@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from moeplan.passes.analysis.trace.format import load_trace, make_trace, save_trace
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def _trace(T=5, L=3, K=2, E=4, seed=0):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.passes.analysis.trace.vllm_jsonl import parse_routing_log
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def log_records(experts, weights, problems, layers=None):

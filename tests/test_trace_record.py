@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from moeplan.passes.analysis.trace.record import batch_sequences, chunk_tokens, record_trace
 from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.planner.cli import main
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers import LoadedModel, load_model
 from moeplan.planner.importers.torch_module import import_module
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from moeplan.backends.common.tensor_entries import TensorEntry, expert_params, expert_shape, per_expert_rows
 from moeplan.backends.runtime.checkpoint_reader import (DTYPE_NAMES, DTYPES, file_sha256, header_sha256,
                                                         read_header, read_recipe)
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 

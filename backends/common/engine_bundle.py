@@ -11,7 +11,7 @@ from pathlib import Path
 from moeplan.backends.common.expert_slots import placement_slots
 from moeplan.backends.common.files import write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.planner.atomic import atomic_path
+from moeplan.core.atomic import atomic_path
 
 
 def write_engine_bundle(out, plan, write_files) -> dict:

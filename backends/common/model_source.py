@@ -16,7 +16,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 SUPPORTED = ("tiny_moe",)
 TOKENIZER = "tokenizer.json"

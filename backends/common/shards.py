@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from moeplan.planner import progress
+from moeplan.core import progress
 
 
 def shard_name(rank: int, form: str = "copy") -> str:

@@ -40,7 +40,7 @@ from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.kubernetes import pod_memory
 from moeplan.backends.torchrun import codegen as torchrun
-from moeplan.planner.atomic import atomic_path
+from moeplan.core.atomic import atomic_path
 
 DEFAULT_IMAGE = "moeplan-torchrun:latest"
 # The image installs exactly the bundle's requirements.txt (torch pinned as the plan was compiled)

@@ -31,8 +31,8 @@ from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.model_source import bundle_model
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
-from moeplan.planner.atomic import atomic_path
-from moeplan.planner.errors import UserError
+from moeplan.core.atomic import atomic_path
+from moeplan.core.errors import UserError
 
 KINDS = ("dense", "expert")
 TIMEOUT_S = 900

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from moeplan.backends.runtime.lambda_model import attention_module
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.backends.runtime.library_model import ModelError, decoder_layers
 from moeplan.backends.runtime.moe_adapter import expert_owner, find_containers
 

@@ -133,7 +133,7 @@ class LocalCloud:
         try:
             from moto.server import ThreadedMotoServer
         except ImportError:
-            from moeplan.planner.errors import UserError
+            from moeplan.core.errors import UserError
 
             raise UserError("running a Lambda bundle locally needs boto3 and moto: pip install 'moeplan[lambda]'") from None
 

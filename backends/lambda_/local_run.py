@@ -25,7 +25,7 @@ from moeplan.backends.lambda_.asl import ASLError, Machine
 from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
 from moeplan.backends.runtime import lambda_decode as decode
 from moeplan.backends.runtime import lambda_wire as wire
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 LOGIT_TOLERANCE = 1e-4
 

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
 from moeplan.backends.lambda_.local_run import check_files, check_library
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 FRONT = "Front"
 

@@ -26,8 +26,8 @@ from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.shards import entries_sha256, holders, shard_name, write_rank_shards, write_reference_indexes
 from moeplan.backends.common.tensor_entries import entries_from_state
-from moeplan.planner.atomic import atomic_path
-from moeplan.planner.errors import UserError
+from moeplan.core.atomic import atomic_path
+from moeplan.core.errors import UserError
 
 
 def write_weights(out: Path, plan, weights, containers: list) -> str:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from moeplan.backends.runtime.text_codec import prompt_lines
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")
 

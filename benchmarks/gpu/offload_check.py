@@ -114,9 +114,9 @@ def wide_model(directory: Path, layers: int, experts: int, top_k: int, hidden: i
 
 def clock_for(plan: dict, profile: str, host: bool) -> dict:
     """The plan's expert-cache timing on `profile` (the offload planner's own `timing_for`)."""
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
     from moeplan.passes.optimize.offload.cache_plan import timing_for
-    from moeplan.planner.ir import ModelIR
+    from moeplan.core.ir import ModelIR
 
     ir = ModelIR.from_dict(plan["model"]["ir"])
     return timing_for(ir, load_hardware(profile), host_compute=host).to_dict()
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     gpu = machine.get("gpu", "")
     profile = next((p for key, p in PROFILE_OF if key in gpu), "h100-sxm")
     machine["profile"] = profile
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
 
     machine["profile_rates"] = load_hardware(profile).to_dict()
     log("machine: " + json.dumps(machine, sort_keys=True))

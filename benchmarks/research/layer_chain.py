@@ -22,7 +22,7 @@ import numpy as np
 from moeplan.passes.optimize.placement.algorithms.eplb import balanced_packing, replica_counts
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.local_search.layer_mip import layer_mip
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def layer_gains(counts_prev: np.ndarray, hosts_prev: np.ndarray, gpus_per_node: int) -> tuple:

@@ -39,7 +39,7 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   per message and tier: latency + bytes / bandwidth of the tier (same node / other node), the
   slowest rank's sum, + the call's Python work (EXCHANGE_OPS + PEER_OPS[kind] x W ops, times
   W / parallel_ranks when ranks outnumber cores).
-The constants come from a hardware profile (`planner/hardware_data/*.yaml`, `moeplan calibrate`).
+The constants come from a hardware profile (`core/hardware_data/*.yaml`, `moeplan calibrate`).
 """
 from __future__ import annotations
 

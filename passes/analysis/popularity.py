@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.passes.analysis.trace.format import Trace
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def batches(num_tokens: int, batch_tokens: int, start: int = 0) -> list:

@@ -9,8 +9,8 @@ import numpy as np
 
 from moeplan.passes.analysis.profile.operators import Profile, u_per_token
 from moeplan.passes.optimize.serverless.billing import LayerFacts, ServerlessFacts
-from moeplan.planner.ir import ModelIR, dtype_bytes
-from moeplan.planner.platforms import Platform
+from moeplan.core.ir import ModelIR, dtype_bytes
+from moeplan.core.platforms import Platform
 
 
 def _round(values, digits=4):

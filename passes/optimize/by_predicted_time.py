@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moeplan.passes.analysis.cost_model import COHERENT, STANDARD, expected
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 MODES = (STANDARD, COHERENT)
 TIE = 0.01  # relative: a coherent win smaller than this is not worth its context traffic

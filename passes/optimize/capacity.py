@@ -34,7 +34,7 @@ MAX_SEQUENCES = 256               # the most sequences one step batches
 def runtime_kv_bytes_per_token(config, ir) -> int:
     """KV-cache bytes one token adds on a rank that holds its context, in the runtime's float32."""
     from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     return int(round(kv_bytes_per_token(config, ir) / dtype_bytes(ir.dtype))) * RUNTIME_BYTES
 
@@ -55,7 +55,7 @@ def serving_capacity(ir, config, experts_per_rank: list, mode: str, device_memor
                      device_memory_source: str) -> dict:
     """The plan's `communication.capacity` (module docstring). `experts_per_rank`: the (layer,
     expert) entries each rank keeps resident (hosted experts, or its expert cache's capacity)."""
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     per_param = RUNTIME_BYTES / dtype_bytes(ir.dtype)
     dense = int(round(ir.dense_params * RUNTIME_BYTES))
@@ -95,7 +95,7 @@ def describe_capacity(capacity: dict) -> str:
 
 def device_memory(offload_options: dict | None, profile, ranks_per_node: int = 1) -> tuple:
     """(bytes, where the figure comes from) for one rank: compile's --gpu-memory, else the device
-    memory of the plan's hardware profile (`profile`: planner/hardware.py, the one the cost model and
+    memory of the plan's hardware profile (`profile`: core/hardware.py, the one the cost model and
     expert caches price with; --hardware NAME|FILE|this-machine). Where the device is the host
     (`profile.device_is_host`: CPU ranks), the node's `ranks_per_node` ranks share its memory."""
     o = offload_options or {}

@@ -128,7 +128,7 @@ def choose_load_cap(trace, request, prices: dict, ladder=CAP_LADDER) -> tuple:
     stops changing (a looser cap cannot help). Returns ({mode: (placement, balance)}, rows
     {balance, mode: {objective_s, remote_slots_per_token, excess_slots_per_token}, chosen_for})."""
     from moeplan.passes.optimize.placement.policies import plan_placement
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
 
     best, rows, previous = {}, [], None
     worse = dict.fromkeys(prices, 0)

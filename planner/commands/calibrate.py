@@ -11,7 +11,7 @@ on one rank to fit the cost of one framework call (`op_overhead_s`), at 2 and 4 
 latency of one exchange call as the engine meets it. That latency is not the micro-benchmark's:
 between calls the ranks compute, drift out of step and share the cores (4 ranks on 2 here), so
 each call waits for the slowest; fitted on the micro-benchmark alone, the demo's multi-rank runs
-were predicted 25-70 % fast. The YAML it writes has every key of `planner/hardware_data/*.yaml`,
+were predicted 25-70 % fast. The YAML it writes has every key of `core/hardware_data/*.yaml`,
 each with its source, and a `calibration` block (date, machine, machine key, load average) that
 plans record.
 
@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 
 import click
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 WORLDS = (2, 4)
 SMALL_REPS = 60
@@ -79,7 +79,7 @@ def measure_memory(scratch) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from moeplan.planner.hardware import physical_memory_bytes
+    from moeplan.core.hardware import physical_memory_bytes
 
     torch.set_num_threads(1)
     src = torch.randn(COPY_BYTES // 4)
@@ -164,7 +164,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
 
     from moeplan.passes.analysis.cost_model import ATTN_OPS, MOE_OPS
     from moeplan.planner.commands.calibrate_engine import engine_label, fit_engine
-    from moeplan.planner.hardware import machine_facts, machine_key
+    from moeplan.core.hardware import machine_facts, machine_key
 
     from moeplan.passes.analysis.profile.host_rates import measure_host_experts
 
@@ -272,8 +272,8 @@ def calibrate_cmd(out, refresh, model_dir, reuse, as_json):
 
     import yaml
 
-    from moeplan.planner.atomic import write_text_atomic
-    from moeplan.planner.hardware import calibration_path, machine_key, profile_from_dict
+    from moeplan.core.atomic import write_text_atomic
+    from moeplan.core.hardware import calibration_path, machine_key, profile_from_dict
 
     if model_dir is not None and out is None:
         raise UserError("--model calibrates for one model: give --out FILE too (this machine's cached calibration "
@@ -309,7 +309,7 @@ def _this_machines(path, model_dir) -> dict | None:
     import yaml
 
     from moeplan.planner.commands.calibrate_engine import engine_label
-    from moeplan.planner.hardware import machine_key, profile_from_dict
+    from moeplan.core.hardware import machine_key, profile_from_dict
 
     try:
         data = yaml.safe_load(path.read_text())
@@ -324,7 +324,7 @@ def _this_machines(path, model_dir) -> dict | None:
 def _report(path, data: dict, as_json: bool, cached: bool) -> None:
     import json
 
-    from moeplan.planner.hardware import profile_from_dict
+    from moeplan.core.hardware import profile_from_dict
 
     if as_json:
         click.echo(json.dumps({"path": str(path), "cached": cached, "profile": data}, sort_keys=True))

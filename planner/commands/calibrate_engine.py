@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 WORLDS = (1, 2, 4)
 MODES = ("coherent", "standard")  # `moeplan run --mode both`'s order
@@ -129,7 +129,7 @@ def fit(root: Path, runs: dict, profile_at) -> float:
     """The value v that best predicts both modes' runs when the profile is `profile_at(v)` (a profile
     dict): least squares on the relative errors. Each prediction is linear in v (a_m + b_m v), so
     v = sum (b_m / y_m)(1 - a_m / y_m) / sum (b_m / y_m)^2, y_m the measured seconds per token."""
-    from moeplan.planner.hardware import profile_from_dict
+    from moeplan.core.hardware import profile_from_dict
     from moeplan.planner.pipeline.cost_passes import predict_run
 
     def predicted(mode: str, v: float) -> float:

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner import progress
+from moeplan.core import progress
 from moeplan.planner.commands.options import output_options
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def read_plan_file(path: Path):
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     if not path.is_file():
         raise UserError(f"plan file '{path}' does not exist; write one with 'moeplan plan MODEL --trace T --out {path}'")

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def compare(a: dict, b: dict) -> dict:

@@ -20,7 +20,7 @@ import click
 
 from moeplan.planner.commands.options import placement_options, topology_options
 from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load", "objective", "bound", "gap", "solve_seconds",
                 "stopped_by")
@@ -39,7 +39,7 @@ def place(trace_path, nodes, gpus_per_node, out, evaluate, timings, as_json, **f
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.passes.optimize.placement.contract import load_placement
     from moeplan.passes.optimize.placement.policies import evaluate_placement
-    from moeplan.planner.pass_manager import PassManager
+    from moeplan.core.pass_manager import PassManager
     from moeplan.planner.pipeline.placement import PASSES
 
     options = pick(flags, PLACEMENT_FLAGS)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 REPORT_NAME = "report.html"
 
@@ -51,7 +51,7 @@ def render(plan: dict, data: bytes, plan_path: Path, traces: list) -> str:
 def write_bundle_report(bundle: Path, traces: list) -> dict:
     """`compile --report`: the bundle's report.html, then its manifest (and signature) rewritten to list it."""
     from moeplan.backends.common.manifest import write_manifest
-    from moeplan.planner.atomic import write_text_atomic
+    from moeplan.core.atomic import write_text_atomic
 
     plan, data, plan_path = read_plan_document(bundle)
     write_text_atomic(bundle / REPORT_NAME, render(plan, data, plan_path, traces), kind="report")
@@ -66,7 +66,7 @@ def write_bundle_report(bundle: Path, traces: list) -> dict:
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="HTML file to write")
 def report(source, traces, out):
     """Write one self-contained HTML page of a plan: decisions, reasons, predicted figures and their alternatives."""
-    from moeplan.planner.atomic import atomic_path
+    from moeplan.core.atomic import atomic_path
 
     plan, data, plan_path = read_plan_document(source)
     for t in traces:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 PLACED_TARGETS = ("torchrun", "kubernetes", "sglang", "trtllm")
 CURVE_POINTS = 8
@@ -274,7 +274,7 @@ def rescore(plan: dict, plan_path: Path, held_out) -> dict:
 def _cost_on(plan: dict, hosts, gpus_per_node: int, trace, notes: list):
     """The cost model's prediction for the plan's mode with routing sampled from `trace` instead."""
     from moeplan.passes.analysis.cost_model import expected
-    from moeplan.planner.hardware import BUILTIN, load_hardware
+    from moeplan.core.hardware import BUILTIN, load_hardware
     from moeplan.planner.pipeline.cost_passes import parse_workload, shape_of_plan
 
     cost = plan["predicted"]["cost"]

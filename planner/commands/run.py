@@ -12,9 +12,9 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner import cli_types as T
-from moeplan.planner import progress
-from moeplan.planner.errors import UserError
+from moeplan.core import cli_types as T
+from moeplan.core import progress
+from moeplan.core.errors import UserError
 from moeplan.planner.pipeline.engines import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 

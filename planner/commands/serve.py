@@ -21,8 +21,8 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner import cli_types as T
-from moeplan.planner.errors import UserError
+from moeplan.core import cli_types as T
+from moeplan.core.errors import UserError
 
 READY = "serving on "
 

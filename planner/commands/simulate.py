@@ -13,8 +13,8 @@ import json
 
 import click
 
-from moeplan.planner import cli_types as T
-from moeplan.planner.errors import UserError
+from moeplan.core import cli_types as T
+from moeplan.core.errors import UserError
 
 
 def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def is_offload_plan(path) -> bool:

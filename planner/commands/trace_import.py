@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner import cli_types as T
+from moeplan.core import cli_types as T
 from moeplan.passes.analysis.trace.engine_import import FORMATS
 
 
@@ -31,7 +31,7 @@ def import_log(log, out, fmt, num_experts, top_k, trtllm_assignments, quiet):
     """Convert routing records from a serving engine (SGLang, TensorRT-LLM, vLLM-style JSONL) into a trace file."""
     from moeplan.passes.analysis.trace.engine_import import import_engine_trace
     from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
 
     if num_experts is not None and num_experts <= 0:
         raise UserError(f"--num-experts must be positive, got {num_experts}")

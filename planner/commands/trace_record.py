@@ -11,9 +11,9 @@ from pathlib import Path
 import click
 
 from moeplan.passes.analysis.trace.format import SPECULATION_SOURCES
-from moeplan.planner import cli_types as T
-from moeplan.planner import progress
-from moeplan.planner.errors import UserError
+from moeplan.core import cli_types as T
+from moeplan.core import progress
+from moeplan.core.errors import UserError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -74,7 +74,7 @@ def text_codec(model: str, vocab_size: int):
 
 @contextlib.contextmanager
 def _tracing_progress(shown: bool):
-    """Yields progress(done, total) for the tracing bar of `planner/progress.py` (a terminal only), or None."""
+    """Yields progress(done, total) for the tracing bar of `core/progress.py` (a terminal only), or None."""
     if not shown or not progress.enabled():
         yield None
         return

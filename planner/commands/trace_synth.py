@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from moeplan.planner import cli_types as T
+from moeplan.core import cli_types as T
 
 
 @click.command("synth")

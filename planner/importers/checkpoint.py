@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers.checkpoint import load_state_into
 from moeplan.planner.importers.loaded import LoadedModel
 from moeplan.planner.importers.quantization import FLOAT8_DTYPES, checkpoint_storage

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moeplan.planner.ir import ModelIR
+from moeplan.core.ir import ModelIR
 
 
 @dataclass

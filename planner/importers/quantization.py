@@ -27,7 +27,7 @@ import math
 import re
 from dataclasses import replace
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 FLOAT8_DTYPES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
 SUPPORTED = ("mxfp4", "fp8", "gptq", "awq")

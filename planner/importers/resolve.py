@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 from moeplan.planner.importers.checkpoint import CHECKPOINT_SUFFIXES, load_state_into
 from moeplan.planner.importers.loaded import LoadedModel
 from moeplan.planner.importers.torch_module import import_module

@@ -41,7 +41,7 @@ Figures (`build_model_ir`): params and bytes from shapes x dtype sizes (or a qua
 stored bits, `Param.bits`), tied aliases counted once
 (under the parameter they alias) but still charged FLOPs where they are used (a tied head
 multiplies through the embedding matrix); a stage's dtype is the dtype holding most of its
-elements; FLOPs and activation bytes follow `planner/stage_costs.py`. An MoE stage's expert figures are
+elements; FLOPs and activation bytes follow `core/stage_costs.py`. An MoE stage's expert figures are
 one routed expert's (container / E); its shared-expert count is the number of modules in a shared
 list, else the shared parameters divided by one expert's (rounded; DeepSeek's fused shared MLP of
 width n x I counts n), at least 1. Hidden size = the first embedding's width (else the first
@@ -55,13 +55,13 @@ from collections import Counter
 from dataclasses import dataclass
 from collections.abc import Iterable, Mapping, Sequence
 
-from moeplan.planner.stage_costs import (
+from moeplan.core.stage_costs import (
     activation_bytes_per_token,
     dense_flops_per_token,
     moe_flops_per_token,
 )
-from moeplan.planner.errors import UserError
-from moeplan.planner.ir import DenseStage, ModelIR, MoEStage, dtype_bytes
+from moeplan.core.errors import UserError
+from moeplan.core.ir import DenseStage, ModelIR, MoEStage, dtype_bytes
 
 
 @dataclass(frozen=True)

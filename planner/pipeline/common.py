@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 
 
 def _import(facts):
@@ -64,7 +64,7 @@ def needs_weights(facts) -> None:
 def plan_reads_back(facts) -> None:
     """Postcondition of every plan pass: plan.json reads back as the plan that wrote it (what
     `moeplan codegen` and `simulate` will read is what was decided)."""
-    from moeplan.planner.plan import Plan
+    from moeplan.core.plan import Plan
 
     text = facts["plan"].to_json()
     if Plan.from_json(text).to_json() != text:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 
 from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict, routing_from_keys
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 
 DEFAULT_WORKLOAD = "8x32+8"
 
@@ -30,7 +30,7 @@ def default_cost_options(given: dict | None, nodes: int | None = None) -> dict:
     """{"hardware", "workload"} with the defaults filled in (the default profile is named in the plan);
     both are checked here, before any pass runs (with `nodes`, also that the profile knows every
     figure the cost model needs for that many nodes)."""
-    from moeplan.planner.hardware import DEFAULT_HARDWARE
+    from moeplan.core.hardware import DEFAULT_HARDWARE
 
     out = {"hardware": DEFAULT_HARDWARE, "workload": DEFAULT_WORKLOAD}
     out.update({k: v for k, v in (given or {}).items() if v is not None})
@@ -42,7 +42,7 @@ def default_cost_options(given: dict | None, nodes: int | None = None) -> dict:
 def cost_profile(cost_options: dict, nodes: int):
     """The plan's LoadedProfile, refused in one line if it lacks a figure the cost model needs for
     `nodes` nodes (a one-machine profile over two nodes)."""
-    from moeplan.planner.hardware import cost_model_figures, load_profile
+    from moeplan.core.hardware import cost_model_figures, load_profile
 
     given = load_profile(cost_options["hardware"])
     given.profile.require(cost_model_figures(nodes), f"the cost model of a plan over {nodes} node(s)")
@@ -97,7 +97,7 @@ def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:
 
 
 def _ir(plan: dict):
-    from moeplan.planner.ir import ModelIR
+    from moeplan.core.ir import ModelIR
 
     return ModelIR.from_dict(plan["model"]["ir"])
 
@@ -154,8 +154,8 @@ def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: l
 
 
 def plan_profile(cost: dict):
-    """The HardwareProfile a plan's `predicted.cost` was priced with (planner/hardware.py)."""
-    from moeplan.planner.hardware import profile_of_record
+    """The HardwareProfile a plan's `predicted.cost` was priced with (core/hardware.py)."""
+    from moeplan.core.hardware import profile_of_record
 
     return profile_of_record(cost.get("hardware_profile"), cost.get("hardware"))
 

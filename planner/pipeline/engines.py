@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
 from moeplan.planner.pipeline.placement import placement_is_valid
-from moeplan.planner.plan import Plan
+from moeplan.core.plan import Plan
 
 ENGINE_TARGETS = ("sglang", "trtllm")
 DEFAULT_POLICY = "eplb"

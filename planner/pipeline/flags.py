@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import click
 
-from moeplan.planner import cli_types as T
-from moeplan.planner.errors import UserError
-from moeplan.planner.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
+from moeplan.core import cli_types as T
+from moeplan.core.errors import UserError
+from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
 TORCHRUN = ("torchrun", "kubernetes")
 ENGINES = ("sglang", "trtllm")

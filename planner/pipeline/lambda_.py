@@ -31,10 +31,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 from moeplan.planner.pipeline.common import IMPORT, TRACE, needs_weights, plan_reads_back, trace_matches_model
-from moeplan.planner.plan import Plan
+from moeplan.core.plan import Plan
 
 SERVERLESS_VERSION = 1
 
@@ -67,7 +67,7 @@ def check_options(facts) -> None:
 
 
 def _platform(facts):
-    from moeplan.planner.platforms import load_platform
+    from moeplan.core.platforms import load_platform
 
     return {"platform": load_platform(facts["serverless_options"]["platform"])}
 

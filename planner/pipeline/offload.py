@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
-from moeplan.planner.plan import Plan
+from moeplan.core.plan import Plan
 
 
 def routed_trace_matches_model(facts) -> None:
@@ -28,7 +28,7 @@ def routed_trace_matches_model(facts) -> None:
 
 def _plan(facts):
     from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
-    from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
+    from moeplan.core.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
 
     o, loaded = facts["offload_options"], facts["model"]
     ir = loaded.ir
@@ -110,7 +110,7 @@ def offload_options(values: dict, target: str = "offload"):
 
 def inputs(model: str, trace: str, out, values: dict) -> dict:
     """The facts `moeplan plan --target offload` starts from (an unknown --hardware stops here, before any pass)."""
-    from moeplan.planner.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
+    from moeplan.core.hardware import DEFAULT_OFFLOAD_HARDWARE, load_profile
 
     load_profile(values["hardware"], DEFAULT_OFFLOAD_HARDWARE)
     return {"model_spec": str(model), "trace_path": str(trace), "offload_options": offload_options(values)}
@@ -147,7 +147,7 @@ def _offload_request(o: dict, hardware: str):
     """The expert-cache request of a torchrun/Kubernetes plan, priced on the plan's own profile
     (`hardware`: --hardware, the same profile as the cost model's)."""
     from moeplan.passes.optimize.offload.cache_plan import OffloadRequest
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
 
     return OffloadRequest(hardware=load_hardware(hardware), gpu_memory_bytes=o["gpu_memory_bytes"],
                           expert_cache=o["expert_cache"], batch=o["batch"], max_length=o["max_length"],

@@ -5,7 +5,7 @@ fields), `out`, `timings` (keep solve_seconds in the file) -> `placement`, `writ
 """
 from __future__ import annotations
 
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.pass_manager import Pass
 from moeplan.planner.pipeline.common import TRACE
 
 

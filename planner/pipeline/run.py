@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 from moeplan.backends.torchrun.launch import failure_reason, launch, read_prompts
-from moeplan.planner import progress
-from moeplan.planner.errors import UserError
+from moeplan.core import progress
+from moeplan.core.errors import UserError
 
 LOGIT_TOLERANCE = 1e-4
 

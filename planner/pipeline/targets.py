@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
-from moeplan.planner import progress
-from moeplan.planner.errors import UserError
-from moeplan.planner.pass_manager import PassManager
+from moeplan.core import progress
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import PassManager
 from moeplan.planner.pipeline import engines, flags, lambda_, offload, torchrun
 
 DEFAULT_TARGET = "torchrun"
@@ -134,7 +134,7 @@ def compile_target(name: str, model, trace, out, values: dict, given=(), quiet: 
 
 def plan_target(name: str, model, trace, out, values: dict, given=(), quiet: bool = False) -> Outcome:
     """The plan of target `name` alone (its pass list without codegen), written at `out` when given."""
-    from moeplan.planner.atomic import write_text_atomic
+    from moeplan.core.atomic import write_text_atomic
 
     target = target_of(name)
     facts = _start(target, model, trace, out, values, given)

@@ -21,13 +21,13 @@ import json
 
 import numpy as np
 
-from moeplan.planner.pass_manager import Pass
+from moeplan.core.pass_manager import Pass
 from moeplan.planner.pipeline import cost_passes
 from moeplan.planner.pipeline import offload as offload_passes
 from moeplan.planner.pipeline import placement as place_passes
 from moeplan.planner.pipeline import common
 from moeplan.planner.pipeline.common import MODEL_FILES, TRACE, needs_weights, plan_reads_back, trace_matches_model
-from moeplan.planner.plan import Plan
+from moeplan.core.plan import Plan
 
 def _affinity(facts):
     from moeplan.passes.analysis.affinity import top1_affinity
@@ -83,7 +83,7 @@ def _plan(facts):
 def _with_capacity(plan: Plan, facts) -> Plan:
     """Issue 29: how many sequences of what context the ranks hold (passes/optimize/capacity.py)."""
     from moeplan.passes.optimize.capacity import device_memory, serving_capacity
-    from moeplan.planner.hardware import load_hardware
+    from moeplan.core.hardware import load_hardware
 
     loaded, cache = facts["model"], plan.communication.get("expert_cache")
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
@@ -98,7 +98,7 @@ def _with_capacity(plan: Plan, facts) -> Plan:
 def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy") -> tuple:
     """(weights for codegen, referenced checkpoint or None): a Hugging Face safetensors directory is
     streamed (`TensorEntry`s reading one tensor at a time); other models give their state dict."""
-    from moeplan.planner.errors import UserError
+    from moeplan.core.errors import UserError
     from moeplan.planner.importers.hf_streaming import streamable_directory
 
     directory = streamable_directory(model_spec) if model_files["architecture"] == "transformers" else None

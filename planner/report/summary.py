@@ -31,7 +31,7 @@ def hardware_name(plan: dict) -> str:
 
 
 def profile_rows(record) -> list:
-    """Where a profile that is not built in came from (planner/hardware.py `plan_record`): the file as
+    """Where a profile that is not built in came from (core/hardware.py `plan_record`): the file as
     given and its sha256, and for a `moeplan calibrate` profile its date, machine key and load."""
     if not isinstance(record, dict):
         return []

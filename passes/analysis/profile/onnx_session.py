@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 SEQ_LEN = 128
 REPS = 3

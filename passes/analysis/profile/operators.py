@@ -36,8 +36,8 @@ from collections.abc import Callable
 import numpy as np
 
 from moeplan.passes.analysis.profile.predictor import features, fit_predictors
-from moeplan.planner.atomic import write_text_atomic
-from moeplan.planner.ir import ModelIR, dtype_bytes
+from moeplan.core.atomic import write_text_atomic
+from moeplan.core.ir import ModelIR, dtype_bytes
 
 PROFILE_VERSION = 2
 DEFAULT_TOKENS = (8, 64, 512, 2048)

@@ -16,7 +16,7 @@ from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.analysis.trace.sglang_dump import import_sglang_dump
 from moeplan.passes.analysis.trace.trtllm_stats import import_trtllm_stats, read_assignments
 from moeplan.passes.analysis.trace.vllm_jsonl import import_routing_log
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 FORMATS = ("auto", "sglang", "trtllm", "vllm-jsonl")
 

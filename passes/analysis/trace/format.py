@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplan.planner.atomic import atomic_path
-from moeplan.planner.errors import UserError
+from moeplan.core.atomic import atomic_path
+from moeplan.core.errors import UserError
 
 TRACE_VERSION = 2
 READ_VERSIONS = (1, 2)  # version 1: no speculation; traces without speculation are still written as 1

@@ -37,7 +37,7 @@ from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.passes.analysis.trace.format import Trace, make_trace
 from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 from moeplan.passes.analysis.trace.speculate import DEFAULT_SOURCE, Speculator, find_spec_layers
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_BATCH = 8

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from moeplan.passes.analysis.trace.format import Trace, loads_trace, make_trace
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 EXTEND, MIXED = 1, 3  # ForwardMode values whose extend_seq_lens split a pass into requests
 TOPK_COLUMNS = 8  # SGLang's per_token buffer width (`_DetailSinglePassGatherer._TOP_K_NUM`)

@@ -31,7 +31,7 @@ import numpy as np
 
 from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import SPECULATION_SOURCES as SOURCES
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 DEFAULT_SOURCE = "block-output"
 # when the stand-in is known: at layer l's router, or once layer l's experts have computed

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.analysis.trace.format import Trace, make_trace
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def default_group_size(num_experts: int, top_k: int) -> int:

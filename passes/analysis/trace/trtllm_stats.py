@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from moeplan.passes.analysis.trace.format import Trace, loads_trace
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 STAT_KEY = re.compile(r"^(\d+)_(\d+)$")
 RANK_FILE = re.compile(r"^rank(\d+)\.safetensors$")

@@ -28,7 +28,7 @@ import numpy as np
 
 from moeplan.backends.runtime.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import INT32_MAX, VALUE_BOUNDS, Trace, make_trace
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 REQUIRED_KEYS = ("problem_id", "layer", "token_idx", "experts")
 

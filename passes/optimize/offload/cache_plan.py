@@ -35,8 +35,8 @@ from moeplan.backends.runtime.offload_next_use import fit_next_use
 from moeplan.backends.runtime.offload_policies import make_policy
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
-from moeplan.planner.errors import UserError
-from moeplan.planner.hardware import OFFLOAD_FIGURES, HardwareProfile
+from moeplan.core.errors import UserError
+from moeplan.core.hardware import OFFLOAD_FIGURES, HardwareProfile
 
 ACT_BUFFERS = 8
 GIB = 1 << 30
@@ -45,7 +45,7 @@ ONLINE_POLICIES = ("moeplan", "lru", "lfu", "lifo", "moe-infinity")  # order = t
 
 @dataclass(frozen=True)
 class OffloadRequest:
-    hardware: HardwareProfile  # planner/hardware.py: the plan's one profile
+    hardware: HardwareProfile  # core/hardware.py: the plan's one profile
     gpu_memory_bytes: int | None = None
     expert_cache: int | None = None
     batch: int = 1
@@ -63,7 +63,7 @@ class OffloadRequest:
 
 def kv_bytes_per_token(config, ir) -> int:
     """KV-cache bytes one token adds over all attention layers (MLA: the compressed latent)."""
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     b = dtype_bytes(ir.dtype)
     layers = sum(1 for s in ir.stages if getattr(s, "kind", "") == "attention") or len(ir.moe_stages)
@@ -125,7 +125,7 @@ def timing_for(ir, hw: HardwareProfile, host_keys=None, host_compute: bool = Fal
     """Per-step compute and per-expert copy times of `ir` on `hw` (decode, memory-bound); with
     `host_compute` (and a profile that has the host's rates) also the host's time for a missed
     expert: its weights read at the host's memory rate, 2 x its parameters FLOPs per row."""
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     hw.require(OFFLOAD_FIGURES, "the expert cache's timing")
     moe = ir.moe_stages

@@ -41,14 +41,14 @@ from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
 from moeplan.backends.runtime.offload_stepper import TimedCache, pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 RUNTIME_POLICIES = ONLINE_POLICIES  # what a bundle can run (Belady needs the future)
 
 
 def runtime_expert_bytes(ir) -> int:
     """Bytes one expert load moves in the runtime, which holds weights as float32."""
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     return int(round(ir.moe_stages[0].expert_param_bytes / dtype_bytes(ir.dtype))) * 4
 

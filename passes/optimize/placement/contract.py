@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from moeplan.backends.runtime.expert_table import ExpertTable
-from moeplan.planner.atomic import write_text_atomic
-from moeplan.planner.errors import UserError
-from moeplan.planner.plan import rounded
+from moeplan.core.atomic import write_text_atomic
+from moeplan.core.errors import UserError
+from moeplan.core.plan import rounded
 
 PLACEMENT_VERSION = 1
 RUN_DEPENDENT_METRICS = ("solve_seconds",)

@@ -24,7 +24,7 @@ from moeplan.backends.runtime.expert_table import ExpertTable
 from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.placement.contract import Topology
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from moeplan.passes.optimize.placement.algorithms.ilp_caps import BALANCE_BASES
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT
 from moeplan.passes.optimize.placement.contract import Placement, Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 SOLVERS = ("highs", "gurobi")
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moeplan.planner.platforms import Platform, platform_from_dict
+from moeplan.core.platforms import Platform, platform_from_dict
 
 PIPELINED_S3, S3, DIRECT = 1, 2, 3
 METHOD_NAMES = {PIPELINED_S3: "pipelined_s3", S3: "s3", DIRECT: "direct"}

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moeplan.passes.analysis.popularity import CountTable
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 @dataclass(frozen=True)

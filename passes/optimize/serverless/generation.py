@@ -19,7 +19,7 @@ KV_BYTES_PER_ELEMENT = 4  # the functions run and keep float32
 def kv_bytes_per_layer_token(config, ir) -> int:
     """K/V bytes one token adds to one attention layer's cache, in the functions' float32."""
     from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     layers = sum(1 for s in ir.stages if getattr(s, "kind", "") == "attention") or len(ir.moe_stages)
     return int(kv_bytes_per_token(config, ir) // layers // dtype_bytes(ir.dtype) * KV_BYTES_PER_ELEMENT)

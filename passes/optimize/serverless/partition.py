@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from moeplan.planner.errors import UserError
-from moeplan.planner.platforms import Platform
+from moeplan.core.errors import UserError
+from moeplan.core.platforms import Platform
 
 MB = 1024 * 1024
 MERGE_THRESHOLD = 0.05
@@ -374,7 +374,7 @@ def units_on_grid(ir, profile, grid, module=None, seed: int = 0) -> dict:
     the profile's XGBoost predictors (the request cost model prices steps of any size)."""
     from moeplan.passes.analysis.profile.predictor import features, fit_predictors
     from moeplan.passes.analysis.profile.operators import model_units
-    from moeplan.planner.ir import dtype_bytes
+    from moeplan.core.ir import dtype_bytes
 
     rows = profile.rows
     X = features([r["flops_per_token"] for r in rows], [r["param_bytes"] for r in rows], [r["tokens"] for r in rows],

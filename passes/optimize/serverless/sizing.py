@@ -30,7 +30,7 @@ import scipy.sparse as sp
 
 from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.passes.optimize.milp import MilpResult, Rows, solve_milp
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 DEFAULT_BETAS = (64, 256, 1024)
 # Costs differ by fractions of a percent between sizings: solve (near) to optimality.

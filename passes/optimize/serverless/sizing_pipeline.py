@@ -21,7 +21,7 @@ from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.passes.optimize.serverless import sizing
 from moeplan.passes.optimize.serverless.bo_refine import BOOptions, refine
 from moeplan.passes.optimize.serverless.sim import simulate
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 DEFAULT_BATCH_TOKENS = 10240
 

@@ -21,7 +21,7 @@ import numpy as np
 from moeplan.passes.optimize.placement.algorithms.contiguous import contiguous_placement
 from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
 from moeplan.passes.optimize.placement.algorithms.ilp import ilp_placement
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 class PlacementAlgorithm(Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplan.passes.optimize.placement.algorithms.eplb import balanced_packing, replica_counts
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 
 def initial_hosts(loads: np.ndarray, replicas: np.ndarray, devices: int, slots: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from moeplan.passes.optimize.placement.even_split import even_split_value
 from moeplan.passes.optimize.placement.local_search.joint import polish_windows
 from moeplan.passes.optimize.placement.local_search.moves import repair_exchanges, steepest_exchanges
 from moeplan.passes.optimize.placement.metrics import over_cap_layers
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 MIP_NODE_LIMIT = 50  # branch-and-bound nodes per layer step at effort 1: a deterministic work limit
 MAX_SWEEPS = 12  # coordinate sweeps per stage at effort 1 (fewer when they stop gaining)

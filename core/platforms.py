@@ -1,7 +1,7 @@
 """Serverless platform model: the constants that turn a sizing decision into seconds and dollars.
 
 Why data and not code: prices, limits and bandwidths change and differ per region and account,
-so the defaults live in `planner/platform_data/<name>.yaml` (each value with its source) and a
+so the defaults live in `core/platform_data/<name>.yaml` (each value with its source) and a
 user overrides any subset of them from their own YAML file without touching moeplan.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 BUILTIN = ("aws_lambda",)
 
@@ -74,7 +74,7 @@ class Platform:
 
 
 def _builtin_values(name: str) -> dict:
-    text = resources.files("moeplan.planner").joinpath("platform_data", f"{name}.yaml").read_text()
+    text = resources.files("moeplan.core").joinpath("platform_data", f"{name}.yaml").read_text()
     return yaml.safe_load(text)
 
 

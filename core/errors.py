@@ -17,7 +17,7 @@ class UserError(Exception):
 def one_line_usage_error(exc) -> str:
     """Click's usage error (`Invalid value for '--nodes': 'abc' is not a valid integer.`) as one
     line that also says where to look for the right form."""
-    from moeplan.planner.cli_types import OneLineType
+    from moeplan.core.cli_types import OneLineType
 
     param = getattr(exc, "param", None)
     if param is not None and isinstance(param.type, OneLineType) and getattr(exc, "param_hint", None) is None:

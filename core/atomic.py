@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 _INPUTS: contextvars.ContextVar = contextvars.ContextVar("moeplan_inputs", default=())
 _FORCE: contextvars.ContextVar = contextvars.ContextVar("moeplan_force", default=False)
@@ -97,7 +97,7 @@ def _is_hardware_profile(path: Path) -> bool:
     try:
         import yaml
 
-        from moeplan.planner.hardware import profile_from_dict
+        from moeplan.core.hardware import profile_from_dict
 
         if path.stat().st_size > 1 << 20:
             return False

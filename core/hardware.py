@@ -1,7 +1,7 @@
 """Hardware profiles: every constant a plan's predictions are priced with, in one system.
 
 Why data and not code: a plan is often compiled on a CI machine with no GPU, so the hardware it
-will run on is the user's choice. Built-in profiles live in `planner/hardware_data/<name>.yaml`,
+will run on is the user's choice. Built-in profiles live in `core/hardware_data/<name>.yaml`,
 every figure with its source (published specifications for GPUs, `moeplan calibrate` for a CPU);
 `--hardware FILE` reads a user's YAML with the same keys, and `--hardware this-machine` the
 cached calibration of the machine at hand (`moeplan calibrate` writes it).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from moeplan.planner.errors import UserError
+from moeplan.core.errors import UserError
 
 TIERS = ("same_node", "other_node")
 THIS_MACHINE = "this-machine"
@@ -130,8 +130,8 @@ OFFLOAD_FIGURES = ("memory_bytes_per_s", "memory_efficiency", "layer_overhead_s"
 
 
 def builtin_profiles() -> tuple:
-    """The names of the built-in profiles: the YAML files of planner/hardware_data/ (one list)."""
-    data = resources.files("moeplan.planner").joinpath("hardware_data")
+    """The names of the built-in profiles: the YAML files of core/hardware_data/ (one list)."""
+    data = resources.files("moeplan.core").joinpath("hardware_data")
     return tuple(sorted(p.name[:-len(".yaml")] for p in data.iterdir() if p.name.endswith(".yaml")))
 
 
@@ -189,7 +189,7 @@ def load_hardware(name_or_file: str | None, default: str = DEFAULT_HARDWARE) -> 
 def load_profile(name_or_file: str | None, default: str = DEFAULT_HARDWARE) -> LoadedProfile:
     spec = name_or_file or default
     if spec in BUILTIN:
-        raw = resources.files("moeplan.planner").joinpath("hardware_data", f"{spec}.yaml").read_bytes()
+        raw = resources.files("moeplan.core").joinpath("hardware_data", f"{spec}.yaml").read_bytes()
         return LoadedProfile(_parse(raw, spec), spec, "built-in", hashlib.sha256(raw).hexdigest())
     if spec == THIS_MACHINE:
         path = calibration_path()

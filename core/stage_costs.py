@@ -9,7 +9,7 @@
 """
 from __future__ import annotations
 
-from moeplan.planner.ir import dtype_bytes
+from moeplan.core.ir import dtype_bytes
 
 
 def dense_flops_per_token(kind: str, params: int, hidden_size: int) -> int:

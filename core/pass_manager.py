@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
 
-from moeplan.planner import progress
-from moeplan.planner.errors import UserError
+from moeplan.core import progress
+from moeplan.core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class PassManager:
     """Runs a pass list over a dictionary of facts; `records` holds the last run's timings.
 
     Progress: a line per pass on `stream` (stderr) unless `quiet`; on a terminal, the running pass
-    is shown live with its elapsed time (`planner/progress.py`) in place of its start line.
+    is shown live with its elapsed time (`core/progress.py`) in place of its start line.
     """
 
     passes: list
