@@ -7,7 +7,7 @@ so the mapping is computed here; everything else lives in pyproject.toml.
 """
 from setuptools import find_namespace_packages, find_packages, setup
 
-ROOTS = ("core", "planner", "passes", "backends", "templates")
+ROOTS = ("core", "runtime", "planner", "passes", "backends", "templates")
 
 packages, package_dir = ["moeplan"], {"moeplan": "api"}
 for root in ROOTS:

@@ -9,7 +9,7 @@ EPLB (one redundant slot per GPU) + standard EP, and the planner's choice (`--po
 --mode auto` under the same profile), as predicted decode and overall tokens/s and ratios to
 contiguous + standard, beside ExFlow's reported 2.2x (MoE-16 on 8 A100s over DeepSpeed-MoE);
 coherent mode on the chosen placement with the hidden state as context row and with the
-runtime's own per-block choice (`backends/runtime/context_exchange.py`: K/V or the MLA latent
+runtime's own per-block choice (`runtime/ep/context_exchange.py`: K/V or the MLA latent
 where smaller).
 
 Assumptions (all of them; change with the flags):

@@ -112,7 +112,7 @@ def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw
     body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000), kv_bytes_per_token(None, ir))
     E = ir.moe_stages[0].num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
-    from moeplan.backends.runtime.offload_next_use import NextUseModel
+    from moeplan.runtime.offload.next_use import NextUseModel
     import numpy as np
 
     model = NextUseModel.from_dict(body["communication"]["policy_model"])
@@ -174,7 +174,7 @@ def production_ir(name: str, trace):
 
 def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=True) -> dict:
     """One held-out run: seconds per token, resident at layer start, bytes moved and host rows per token."""
-    from moeplan.backends.runtime.offload_stepper import TimedCache
+    from moeplan.runtime.offload.stepper import TimedCache
 
     cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
     cache.causal = causal
@@ -215,10 +215,10 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
     """Every scheme on the held-out stream for one model, profile and cache size, from the plan `body`."""
     import numpy as np
 
-    from moeplan.backends.runtime.offload_next_use import NextUseModel
+    from moeplan.runtime.offload.next_use import NextUseModel
     from moeplan.passes.optimize.offload.cache_plan import timing_for
-    from moeplan.backends.runtime.offload_policies import make_policy
-    from moeplan.backends.runtime.offload_prefetch import make_prefetcher
+    from moeplan.runtime.offload.policies import make_policy
+    from moeplan.runtime.offload.prefetch import make_prefetcher
     from moeplan.passes.optimize.offload.simulate import simulate_demand
 
     E = stream.num_experts

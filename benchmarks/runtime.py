@@ -22,7 +22,7 @@ Predictions, from the cost model (`passes/analysis/cost_model.py`):
 examples/hf_tiny/kv_rows.py (Qwen3-MoE with 8 query heads and 1 KV head, K + V = 16 elements
 against a hidden state of 64; DeepSeek-V3 with MLA, latent 16 + rotated key 8 = 24 against 64);
 models without a corpus use examples/tiny_moe's. Where coherent mode's context
-exchange sends K/V instead of the hidden state for some block (`backends/runtime/context_exchange.py`),
+exchange sends K/V instead of the hidden state for some block (`runtime/ep/context_exchange.py`),
 every coherent bundle is also run with `--context hidden`: rows carry `context` ("kv" or "hidden").
 
 With --json the last line is {"runs": [{"ranks", "placement", "mode", "bytes_per_token",

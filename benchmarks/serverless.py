@@ -25,8 +25,8 @@ overrides it. Our plan is sized for the mean predicted load of the test batches'
 
 Generation (issue 30): the deployed bundle generates a request's tokens in one Step Functions
 execution, reusing the prefix's K/V; the former way ran one execution per token over the whole
-sequence. Both are priced by the plan's request cost model (backends/runtime/
-lambda_request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
+sequence. Both are priced by the plan's request cost model (runtime/lambda_/
+request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
 64 new tokens, per generated token, under the deployment's accounting (warm containers keep their
 weights and K/V) and the paper's (every invocation downloads its weights; K/V read from S3 every
 step). `--measure-local` also runs a compiled bundle both ways on the local cloud, each request
@@ -302,7 +302,7 @@ def lambda_plan(args, slo: float, out=None):
 
 def generation(args, slo: float, log) -> dict:
     """Per generated token: K/V reuse (one execution) vs recomputation (one execution per token)."""
-    from moeplan.backends.runtime.lambda_request_cost import request_cost
+    from moeplan.runtime.lambda_.request_cost import request_cost
 
     plan = lambda_plan(args, slo)
     spec, P = plan.predicted["request_cost"], args.prompt_tokens

@@ -89,8 +89,8 @@ def test_sharded_checkpoint_with_an_index_gives_the_same_shards(tmp_path):
 
 
 def test_a_rank_holds_dense_weights_and_only_its_experts(tmp_path):
-    from moeplan.backends.runtime.bundle_io import build_rank_model
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.bundle_io import build_rank_model
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     directory = tiny.build("qwen3_moe", tmp_path / "models")
     _compile(directory, _trace(tmp_path / "trace.npz", _moe_layers(directory)), tmp_path / "b")

@@ -25,13 +25,13 @@ FORBIDDEN = {
     "api": ("moeplan.planner.commands", "moeplan.planner.cli"),
 }
 # exceptions inside a forbidden prefix: passes run the very code bundles run (the replica rule,
-# `backends/runtime/expert_table.py`, and the expert cache's policy modules live once, in the runtime)
-ALLOWED = {"passes": ("moeplan.backends.runtime",)}
+# `runtime/ep/expert_table.py`, and the expert cache's policy modules live once, in the runtime)
+ALLOWED = {"passes": ("moeplan.runtime",)}
 
 
 def layer_of(rel: Path) -> str:
     parts = rel.parts
-    if parts[:2] == ("backends", "runtime"):
+    if parts[0] == "runtime":
         return "runtime"
     if parts[0] == "api":
         return "api"
@@ -58,7 +58,7 @@ def imported_modules(path: Path) -> list:
 
 
 def sources():
-    for folder in ("api", "core", "planner", "passes", "backends", "benchmarks"):
+    for folder in ("api", "core", "runtime", "planner", "passes", "backends", "benchmarks"):
         yield from sorted((ROOT / folder).rglob("*.py"))
 
 
@@ -78,9 +78,9 @@ def _under(module: str, prefix: str) -> bool:
 
 
 def test_the_runtime_imports_only_modules_of_the_runtime_package():
-    """Relative imports in backends/runtime/ name modules that exist there: the runtime never relies
+    """Relative imports in runtime/ name modules that exist there: the runtime never relies
     on a file that only a bundle has (bundles copy these files verbatim, backends/common/files.py)."""
-    runtime = ROOT / "backends" / "runtime"
+    runtime = ROOT / "runtime"
     missing = []
     for path in sorted(runtime.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -100,7 +100,7 @@ def test_the_rule_checker_sees_imports_inside_functions(tmp_path):
     sample = tmp_path / "x.py"
     sample.write_text("def f():\n    from moeplan.planner.commands.run import run\n")
     assert (2, "moeplan.planner.commands.run") in imported_modules(sample)
-    assert layer_of(Path("backends/runtime/serve.py")) == "runtime"
+    assert layer_of(Path("runtime/serve.py")) == "runtime"
     assert layer_of(Path("planner/pipeline/torchrun.py")) == "pipeline"
     assert layer_of(Path("planner/importers/resolve.py")) == "core"
     assert module_name(Path("api/__init__.py")) == "moeplan"
@@ -110,7 +110,7 @@ def test_the_rule_checker_sees_imports_inside_functions(tmp_path):
 # No module of the package takes part in an import cycle (module-level imports, package __init__
 # included). Imports inside functions are left out: they run later, so they cannot deadlock a
 # module's initialisation.
-PACKAGE_FOLDERS = ("api", "core", "planner", "passes", "backends")
+PACKAGE_FOLDERS = ("api", "core", "runtime", "planner", "passes", "backends")
 
 
 def module_name(rel: Path) -> str:

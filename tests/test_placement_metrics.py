@@ -94,7 +94,7 @@ def test_the_placement_contract_and_the_runtime_read_the_same_dispatch_rule():
     """`Placement.expert_table()` (the planner's) and the runtime's table built from placement.json agree copy for copy."""
     import json
 
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     hosts = np.zeros((2, 4, 4), dtype=bool)
     hosts[:, np.arange(4), np.arange(4)] = True

@@ -146,8 +146,8 @@ def test_transformers_models_serve_exactly(tmp_path, arch, mode, context):
     cache rows; gpt-oss, whose sliding-window layers (window 4) alternate with full ones."""
     import transformers
 
-    from moeplan.backends.runtime.library_model import decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
+    from moeplan.runtime.model.library_model import decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
     from moeplan.planner.importers.resolve import import_file
 
     model_dir = import_file(HF_TINY).build(arch, tmp_path)

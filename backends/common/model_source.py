@@ -65,8 +65,8 @@ def model_files(model_spec: str) -> tuple:
 
 def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
     """The runtime's view of where each MoE layer's experts live, from the bundle's model files."""
-    from moeplan.backends.runtime.library_model import ModelError, decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
+    from moeplan.runtime.model.library_model import ModelError, decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
 
     try:
         prefix, layers = decoder_layers(bundle_model(arch, files, spec))
@@ -77,7 +77,7 @@ def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
 
 def bundle_model(arch: str, files: dict, spec: str | None = None):
     """The library's model built from a bundle's model files (transformers: on the meta device)."""
-    from moeplan.backends.runtime.library_model import build_tiny_moe
+    from moeplan.runtime.model.library_model import build_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
         for rel, data in files.items():
@@ -92,7 +92,7 @@ def _build_meta(config_dir: Path, spec):
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("Hugging Face models need transformers: pip install 'moeplan[hf]'") from None
-    from moeplan.backends.runtime.library_model import build_transformers
+    from moeplan.runtime.model.library_model import build_transformers
 
     try:
         return build_transformers(config_dir, device="meta")
@@ -113,7 +113,7 @@ def library_pins(arch: str) -> dict:
 
 def requirements(arch: str) -> str:
     """requirements.txt of a torchrun bundle: what its runtime imports, with the model library
-    pinned: numpy for the replica rule (runtime/expert_table.py) and the expert cache's policy
+    pinned: numpy for the replica rule (runtime/ep/expert_table.py) and the expert cache's policy
     modules, and the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py)."""
     import importlib.metadata
 

@@ -42,7 +42,7 @@ AGENT_MIB = 256           # torchrun's agent (it imports torch) and launch.sh
 def rank_weight_bytes(path: Path) -> tuple:
     """(S, F, expert S, expert F) of one rank's shard file or `--weights reference` index: its
     tensors' bytes as stored and as float32, all of them and those of its experts alone."""
-    from moeplan.backends.runtime.checkpoint_reader import DTYPES
+    from moeplan.runtime.checkpoint_reader import DTYPES
 
     path = Path(path)
     if path.name.endswith(".index.json"):

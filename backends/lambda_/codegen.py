@@ -26,7 +26,7 @@ from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
-from moeplan.backends.runtime.moe_adapter import split_expert_state
+from moeplan.runtime.model.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.model_source import bundle_model
@@ -258,7 +258,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                                        for x in layers[seg]["experts"] for r in range(int(x["replicas"]))]))
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
-    copy_runtime(out / "functions" / "runtime", serving=True)  # serving/: the OpenAI API the front function runs
+    copy_runtime(out / "functions" / "runtime", "lambda")  # with serving/: the OpenAI API the front function runs
     for rel, content in sorted(model_files.items()):  # the model the functions build, the text the front reads
         write_file(out / "functions" / rel, content)
     write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))

@@ -1,6 +1,6 @@
 """The HTTP entry of a Lambda bundle: the front function's settings and image requirements.
 
-Why here: the front (runtime/lambda_front.py) answers the OpenAI API behind a Lambda Function URL
+Why here: the front (runtime/lambda_/front.py) answers the OpenAI API behind a Lambda Function URL
 (default) or an API Gateway HTTP API, and how long a request may run and how long a context may be
 are set by what stands in front of it:
 * time: an HTTP API waits at most 30 s for its integration ("Maximum integration timeout 30

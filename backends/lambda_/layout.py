@@ -1,6 +1,6 @@
 """Where a Lambda plan's dense units sit in the library's model, and which tensors each function ships.
 
-Why: the bundle's functions run the library's own model (`runtime/lambda_model.py`), which can
+Why: the bundle's functions run the library's own model (`runtime/lambda_/model.py`), which can
 start and stop only at decoder-block boundaries and at an MoE layer's experts. This file maps the
 planner's dense units (IR stages, each router after its layer's norm) onto those places:
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moeplan.backends.runtime.lambda_model import attention_module
+from moeplan.runtime.lambda_.model import attention_module
 from moeplan.core.errors import UserError
-from moeplan.backends.runtime.library_model import ModelError, decoder_layers
-from moeplan.backends.runtime.moe_adapter import expert_owner, find_containers
+from moeplan.runtime.model.library_model import ModelError, decoder_layers
+from moeplan.runtime.model.moe_adapter import expert_owner, find_containers
 
 
 class LayoutError(UserError):

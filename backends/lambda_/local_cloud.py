@@ -5,7 +5,7 @@ Why: verification and `moeplan serve` must exercise the deployed code paths - bo
 `lambda.invoke` for direct scatter-gather, the front's `StartSyncExecution`, one process per
 function, payload limits - without AWS. S3 is moto's server on 127.0.0.1 (random port); Lambda's
 Invoke API and Step Functions' StartSyncExecution are a small HTTP server on 127.0.0.1: an invoke is
-forwarded to the function's own process (forked by `runtime.lambda_worker`), enforcing the payload
+forwarded to the function's own process (forked by `runtime.lambda_.worker`), enforcing the payload
 limit on requests and responses; an execution runs the template's own definition (`asl.py`).
 Functions come from template.yaml itself: memory, environment (Ref / Fn::Sub resolved for a stack
 named `local`; `Ref: Pipeline` is the local state machine's ARN, other parameters from `parameters`),
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from moeplan.backends.runtime.lambda_worker import recv, send
+from moeplan.runtime.lambda_.worker import recv, send
 
 STACK = "local"
 BUCKET = "moeplan-local"
@@ -111,9 +111,9 @@ def read_template(root: Path, bucket: str = BUCKET, parameters: dict | None = No
         if res["Type"] == "AWS::Serverless::Function":
             props = res["Properties"]
             dockerfile = root / "functions" / res["Metadata"]["Dockerfile"]
-            cmd = re.search(r'^CMD \["runtime\.(\w+)\.(\w+)"\]', dockerfile.read_text(), re.M)
+            cmd = re.search(r'^CMD \["runtime\.lambda_\.(\w+)\.(\w+)"\]', dockerfile.read_text(), re.M)
             if cmd is None:
-                raise CloudError(f"{dockerfile} has no runtime.<module>.<handler> CMD")
+                raise CloudError(f"{dockerfile} has no runtime.lambda_.<module>.<handler> CMD")
             env = {k: _resolve(v, refs) for k, v in props["Environment"]["Variables"].items()}
             functions[lid] = Function(lid, _resolve(props["FunctionName"], refs), cmd.group(2), cmd.group(1),
                                       int(props["MemorySize"]), env,
@@ -162,7 +162,7 @@ class LocalCloud:
         self.s3.create_bucket(Bucket=BUCKET)
         env = dict(os.environ, **self.env, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
         env.pop("PYTHONPATH", None)  # the handlers run from the bundle's own functions/runtime
-        self.zygote = subprocess.Popen([sys.executable, "-m", "runtime.lambda_worker"], cwd=self.root / "functions",
+        self.zygote = subprocess.Popen([sys.executable, "-m", "runtime.lambda_.worker"], cwd=self.root / "functions",
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._zlock = threading.Lock()
 
@@ -261,7 +261,7 @@ class LocalCloud:
 
 
 def _kind(fn: Function) -> str:
-    return fn.handler.replace("_handler", "") if fn.module == "lambda_handlers" else fn.module.replace("lambda_", "")
+    return fn.handler.replace("_handler", "") if fn.module == "handlers" else fn.module
 
 
 def _handler_for(cloud: LocalCloud):

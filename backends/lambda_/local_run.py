@@ -3,7 +3,7 @@
 One execution of the bundle's own state machine definition (`asl.py`, against the local S3 and
 Lambda endpoints of `local_cloud.py`) generates every token of every prompt: the prompts' forward,
 then one token per sequence per step, each dense function reusing the K/V its earlier
-invocations left (`runtime/lambda_kv.py`). With --verify the functions also write each step's
+invocations left (`runtime/lambda_/kv.py`). With --verify the functions also write each step's
 logits, so the prompt positions (step 0) and every generated position (later steps) are compared
 with the source model's, and the greedy tokens too. `recompute=True` runs the former way instead,
 kept to measure what it cost: one execution per token, each the forward of the whole sequence.
@@ -23,8 +23,8 @@ import torch
 
 from moeplan.backends.lambda_.asl import ASLError, Machine
 from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
-from moeplan.backends.runtime import lambda_decode as decode
-from moeplan.backends.runtime import lambda_wire as wire
+from moeplan.runtime.lambda_ import decode
+from moeplan.runtime.lambda_ import wire
 from moeplan.core.errors import UserError
 
 LOGIT_TOLERANCE = 1e-4
@@ -56,7 +56,7 @@ def load_reference(root: Path, plan: dict):
     from moeplan.backends.common.manifest import bundle_path
     from moeplan.backends.common.model_source import expert_containers
     from moeplan.backends.common.shards import state_dict_sha256
-    from moeplan.backends.runtime.moe_adapter import join_expert_state
+    from moeplan.runtime.model.moe_adapter import join_expert_state
     from moeplan.backends.torchrun.verify import VerifyError, reference_model
 
     state = {}
@@ -76,8 +76,8 @@ def load_reference(root: Path, plan: dict):
 
 def check_library(plan: dict) -> None:
     """The functions run here with this machine's transformers: it must be the version pinned."""
-    from moeplan.backends.runtime.bundle_io import BundleError
-    from moeplan.backends.runtime.bundle_io import check_library as pinned
+    from moeplan.runtime.bundle_io import BundleError
+    from moeplan.runtime.bundle_io import check_library as pinned
 
     try:
         pinned(plan)
@@ -88,13 +88,13 @@ def check_library(plan: dict) -> None:
 def _codec(root: Path, plan: dict):
     """(TextCodec, max positions) of the bundle's model: its tokenizer.json, or bytes."""
     from moeplan.backends.common.manifest import bundle_path
-    from moeplan.backends.runtime.text_codec import TextCodec
+    from moeplan.runtime.text_codec import TextCodec
 
     config_path = bundle_path(root, plan["model"]["config"])
     if plan["model"]["architecture"] == "tiny_moe":
         config = json.loads(config_path.read_text())
         return TextCodec(None, int(config["vocab_size"]), native_bytes=True), int(config["max_positions"])
-    from moeplan.backends.runtime.library_model import transformers_config
+    from moeplan.runtime.model.library_model import transformers_config
 
     config = transformers_config(config_path.parent)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -1,7 +1,7 @@
 """Write a torchrun bundle from a Plan, the source weights and the model's own files.
 
 Layout: plan.json, placement.json, launch.sh, README.md, requirements.txt, model/ (config + source
-file), runtime/ (copied from moeplan.backends.runtime, `backends/common/files.py`: with its
+file), runtime/ (copied from moeplan.runtime, `backends/common/files.py`: with its
 serving/ subpackage, the inference service `launch.sh --serve` runs; with expert caches also the
 cache's policy modules), shards/rank-NNNNN.safetensors (or, with `--weights
 reference`, shards/rank-NNNNN.index.json pointing into the original checkpoint), manifest.json.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.common.model_source import expert_containers, requirements
-from moeplan.backends.runtime.moe_adapter import expert_owner
+from moeplan.runtime.model.moe_adapter import expert_owner
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.backends.common.shards import entries_sha256, holders, shard_name, write_rank_shards, write_reference_indexes
@@ -90,7 +90,7 @@ def write_files(out: Path, plan, weights, model_files: dict):
     write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    copy_runtime(out / "runtime", expert_cache=expert_cache, serving=True)
+    copy_runtime(out / "runtime", "torchrun", expert_cache=expert_cache)
     write_file(out / "requirements.txt", requirements(arch))
     env = template_env("torchrun")
     topo = plan.topology

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moeplan.backends.runtime.text_codec import prompt_lines
+from moeplan.runtime.text_codec import prompt_lines
 from moeplan.core.errors import UserError
 
 DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "import torch\n", "Mixture of experts")

@@ -25,7 +25,7 @@ class VerifyError(Exception):
 
 def _transformers_reference(root: Path, plan: dict, state: dict):
     """The transformers model named by the bundle's config, built by transformers, with `state`."""
-    from moeplan.backends.runtime.library_model import build_transformers
+    from moeplan.runtime.model.library_model import build_transformers
 
     model = build_transformers(bundle_path(root, plan["model"]["config"]).parent)
     result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
@@ -50,13 +50,13 @@ class _LogitsOnly(torch.nn.Module):
 
 def load_reference(root: Path, plan: dict):
     """The source model rebuilt from the bundle: its source file, config and all shards."""
-    from moeplan.backends.runtime.bundle_io import read_rank_tensors
+    from moeplan.runtime.bundle_io import read_rank_tensors
 
     state = {}
     for rank in range(len(plan["shards"])):  # shards, or indexes into the original checkpoint
         state.update(read_rank_tensors(root, plan, rank))
     from moeplan.backends.common.model_source import expert_containers
-    from moeplan.backends.runtime.moe_adapter import join_expert_state
+    from moeplan.runtime.model.moe_adapter import join_expert_state
 
     arch = plan["model"]["architecture"]
     files = {rel: (root / rel).read_bytes() for rel in _model_files(root, plan)}

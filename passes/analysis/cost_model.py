@@ -2,7 +2,7 @@
 
 Why: the placement objective (share of tokens that stay on their GPU) is a proxy. A plan that wins
 on it can lose on time (coherent mode's context traffic, more collective calls). This pass
-replays the runtime's exchanges (`backends/runtime/engine.py`, `exchange.py`, `expert_table.py`)
+replays the runtime's exchanges (`runtime/ep/engine.py`, `exchange.py`, `expert_table.py`)
 on a routing of the served tokens and prices them with a hardware profile, so every decision
 (mode, policy, ILP balance) is taken by predicted seconds, and every prediction is one that
 `moeplan run --verify` measures.
@@ -15,14 +15,14 @@ counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the r
 * merge row (coherent) = 4 (D + 2), one per (token, distinct destination rank other than its
   primary rank): each non-primary rank sends its partial sum to the primary;
 * context row (coherent) = 4 (C + 2) per token and other rank, at every block after the first
-  MoE block, C per block as the runtime chooses (`backends/runtime/context_exchange.py`): the
+  MoE block, C per block as the runtime chooses (`runtime/ep/context_exchange.py`): the
   normed hidden state (C = D, each rank projects K/V itself) or, where smaller, what the library's
   KV cache stores (K + V = 2 x KV heads x head dim for GQA; latent + rotated key for MLA);
 * prompt sync (coherent, once) = 24 bytes per prompt token and other rank; token sync (coherent,
   per step) = 16 bytes per sequence and other rank;
 * control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts);
 * messages = per rank and call, the number of other ranks it sends at least one row to.
-Replica choice is the runtime's own rule (`backends/runtime/expert_table.py`, run here as in the
+Replica choice is the runtime's own rule (`runtime/ep/expert_table.py`, run here as in the
 bundle), so with the run's own routing the bytes equal the measured counters.
 
 Time (per step, then per generated token = sum of steps / generated tokens):
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
 PHASES = ("dispatch", "combine", "merge", "context")

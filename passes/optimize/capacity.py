@@ -12,7 +12,7 @@ KV bytes per token: layers x KV heads x head dim x 2 (K and V) x 4 bytes, or for
 key (`offload.cache_plan.kv_bytes_per_token`, counted in the runtime's float32).
 
 Continuous batching keeps a rank's sequences as rows of one cache whose width is the longest row
-(`backends/runtime/serving/row_cache.py`), so B rows of up to `max_context` tokens take
+(`runtime/serving/row_cache.py`), so B rows of up to `max_context` tokens take
 B x max_context token slots. Coherent mode holds every sequence on every rank; standard mode holds
 a sequence on its owner only, and rank 0 gives each new sequence to the least loaded rank:
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 RUNTIME_BYTES = 4                 # the runtime holds weights and KV cache as float32
 RESERVE_BYTES = 1 << 30           # CUDA context and allocator slack, as the offload planner reserves
 ACTIVATION_BUFFERS = 8            # working copies of the widest activation (offload planner's ACT_BUFFERS)
-MAX_PREFILL_TOKENS = 2048         # the most padded prompt tokens one step prefills (engine_client.Limits)
+MAX_PREFILL_TOKENS = 2048         # the most padded prompt tokens one step prefills (runtime/serving/scheduler.py: Limits)
 MAX_SEQUENCES = 256               # the most sequences one step batches
 
 

@@ -50,7 +50,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
                         f"{'SGLang' if target == 'sglang' else 'TensorRT-LLM'}; docs/interop.md), not under 'moeplan run'")
     if target == "offload":
         raise UserError(f"'{bundle}' holds an offload plan, which has no bundle yet; 'moeplan simulate' replays it")
-    from moeplan.backends.runtime.bundle_io import run_modes as plan_modes
+    from moeplan.runtime.bundle_io import run_modes as plan_modes
 
     modes = ("coherent", "standard") if mode == "both" else tuple(plan_modes(plan, mode))
     with progress.silenced(as_json):

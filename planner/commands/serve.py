@@ -140,7 +140,7 @@ def _pump_stderr(proc, keep: list, forward: threading.Event) -> None:
 def _checked_plan(root: Path, nproc, trusted_key) -> dict:
     """The bundle's plan after the checks `run` makes (torchrun and kubernetes bundles)."""
     from moeplan.backends.common.manifest import BundleCheckError, check_bundle
-    from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
+    from moeplan.runtime.bundle_io import BundleError, check_referenced_checkpoint
 
     if trusted_key is not None:
         from moeplan.backends.common.signing import SigningError, verify_bundle_signature

@@ -18,9 +18,9 @@ from moeplan.core.errors import UserError
 
 
 def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:
-    """One generation request priced by the plan's request cost model (backends/runtime/
-    lambda_request_cost.py, the code the bundle's front function runs on the same spec)."""
-    from moeplan.backends.runtime.lambda_request_cost import request_cost
+    """One generation request priced by the plan's request cost model (runtime/lambda_/
+    request_cost.py, the code the bundle's front function runs on the same spec)."""
+    from moeplan.runtime.lambda_.request_cost import request_cost
     from moeplan.planner.pipeline.lambda_ import read_plan
 
     plan = read_plan(plan_path)[0]

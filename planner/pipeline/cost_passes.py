@@ -60,10 +60,10 @@ def parse_workload(text: str) -> Workload:
 
 def context_plan_of(module, choice: str = "auto") -> list:
     """[[hidden | kv, elements per token]] per decoder block: the runtime's own choice of coherent
-    mode's context row (`backends/runtime/context_exchange.py`), read off the model's modules
+    mode's context row (`runtime/ep/context_exchange.py`), read off the model's modules
     (meta device is enough); [] when the runtime cannot run the model."""
-    from moeplan.backends.runtime.context_exchange import model_context_plan
-    from moeplan.backends.runtime.library_model import ModelError
+    from moeplan.runtime.ep.context_exchange import model_context_plan
+    from moeplan.runtime.model.library_model import ModelError
 
     if module is None:
         return []
@@ -90,7 +90,7 @@ def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:
     (built on meta); with choice 'hidden' every block sends the hidden state."""
     recorded = plan.get("predicted", {}).get("cost", {}).get("context") if choice == "auto" else None
     if recorded is None and plan["model"].get("architecture") == "transformers":
-        from moeplan.backends.runtime.library_model import build_transformers
+        from moeplan.runtime.model.library_model import build_transformers
 
         recorded = context_plan_of(build_transformers((root / plan["model"]["config"]).parent, device="meta"), choice)
     return recorded or []

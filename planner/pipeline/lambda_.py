@@ -234,7 +234,7 @@ def _request_spec(loaded, sfacts, layers, part, grid_units: dict, http_entry: st
     from moeplan.passes.optimize.serverless.generation import kv_bytes_per_layer_token, request_spec
 
     from moeplan.backends.lambda_.front import time_limit_s
-    from moeplan.backends.runtime.lambda_request_cost import request_cost
+    from moeplan.runtime.lambda_.request_cost import request_cost
 
     p = sfacts.platform
     attention = {s.name for s in loaded.ir.stages if s.kind == "attention"}

@@ -47,7 +47,7 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
     from moeplan.backends.common.manifest import BundleCheckError, check_bundle
 
     root = Path(bundle)
-    from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
+    from moeplan.runtime.bundle_io import BundleError, check_referenced_checkpoint
 
     try:
         plan = check_bundle(root, nproc)

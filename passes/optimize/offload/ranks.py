@@ -10,7 +10,7 @@ restricted to them (stream.restrict). Per rank r:
 * eviction: given, or the online policy with the most held-out hits summed over ranks (ties:
   moeplan first); the moeplan policy's frequency weight is tuned on the same sum;
 * prefetch: given, or of none, MoE-Infinity's EAMC prefetch and ours
-  (backends/runtime/offload_prefetch.py) the one with the lowest held-out seconds per token on
+  (runtime/offload/prefetch.py) the one with the lowest held-out seconds per token on
   the hardware profile's timing (the slowest rank's; ties: none first). Without --eviction each
   prefetcher brings its own cache policy (none: the best demand policy; moe-infinity:
   MoE-Infinity's; moeplan: ours, which its prefetcher needs); with --eviction only the prefetchers
@@ -21,7 +21,7 @@ restricted to them (stream.restrict). Per rank r:
   reserve) split evenly among its ranks; each rank holds its most popular keys that fit, as the
   float32 copies the runtime keeps (`runtime_expert_bytes`), and reads the others from disk at
   every load (tiers.py). Recorded per rank, with the held-out disk/host bytes per token.
-The runtime drives the simulator's stepper (backends/runtime/offload_stepper.py): its hits, loads, prefetches, bytes and
+The runtime drives the simulator's stepper (runtime/offload/stepper.py): its hits, loads, prefetches, bytes and
 disk/host split must equal the simulator's replay of the same requests.
 """
 from __future__ import annotations
@@ -31,14 +31,14 @@ import numpy as np
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from moeplan.passes.optimize.offload.evaluate import (PAIRED_EVICTION, PREFETCH_MODES, parse_variant,
                                                      speculation_settings, variant_label, variant_order)
-from moeplan.backends.runtime.offload_next_use import fit_next_use
+from moeplan.runtime.offload.next_use import fit_next_use
 from moeplan.passes.optimize.offload.cache_plan import (MIXES, ONLINE_POLICIES, OffloadRequest, capped,
                                                        host_compute_options, host_compute_record, host_tier_bytes,
                                                        memory_budget, popular_keys, split_by_sequence, timing_for)
-from moeplan.backends.runtime.offload_policies import make_policy
-from moeplan.backends.runtime.offload_prefetch import make_prefetcher
+from moeplan.runtime.offload.policies import make_policy
+from moeplan.runtime.offload.prefetch import make_prefetcher
 from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
-from moeplan.backends.runtime.offload_stepper import TimedCache, pair_keys, rank_timing
+from moeplan.runtime.offload.stepper import TimedCache, pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
 from moeplan.core.errors import UserError

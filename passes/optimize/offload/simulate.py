@@ -11,16 +11,16 @@ keys are fetched on demand or, with host compute, computed on the host when that
 layer computes; the prefetcher sees the step and the copies of its list that start while the link
 is free before the next router (and not before what decided them was known) are decided (an
 `idle_only` prefetcher copies only what arrives by then, so that it never delays a demand fetch).
-The steps are `offload_stepper.TimedCache`'s, which a bundle's runtime drives too
-(backends/runtime/offload_stepper.py has the details).
+The steps are `runtime/offload/stepper.py: TimedCache`'s, which a bundle's runtime drives too
+(runtime/offload/stepper.py has the details).
 With no prefetcher this is the demand mode with time added; the hit ratio equals `simulate_demand`'s.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeplan.backends.runtime.offload_policies import Policy
-from moeplan.backends.runtime.offload_stepper import Timing, TimedCache, admit_on_demand, start_cache
+from moeplan.runtime.offload.policies import Policy
+from moeplan.runtime.offload.stepper import Timing, TimedCache, admit_on_demand, start_cache
 
 __all__ = ["Result", "Timing", "simulate_demand", "simulate_timed"]
 
@@ -79,7 +79,7 @@ def simulate_demand(stream, capacity: int, policy: Policy, resident=(), expert_b
 
 def simulate_timed(stream, capacity: int, policy: Policy, timing: Timing, prefetcher=None, resident=()) -> Result:
     """Demand + optional prefetch with the link and compute times of `timing`: the stepper's steps
-    over the whole stream (backends/runtime/offload_stepper.py; a bundle's runtime drives the same
+    over the whole stream (runtime/offload/stepper.py; a bundle's runtime drives the same
     steps as it serves)."""
     cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
     for s in range(len(stream.step_layer)):

@@ -3,7 +3,7 @@ and its `placement.json` form (format version 1), read and validated here, and t
 that goes with it.
 
 The dispatch rule (which copy of a replicated expert a token's slot uses) is the runtime's own:
-`backends/runtime/expert_table.py: ExpertTable`, which bundles run, the cost model replays and the
+`runtime/ep/expert_table.py: ExpertTable`, which bundles run, the cost model replays and the
 placement metric follows (`Placement.expert_table()`). It lives in the runtime because a bundle
 runs without moeplan installed. The two halves follow SGLang's `ExpertLocationMetadata`
 (python/sglang/srt/eplb/expert_location.py) and `expert_location_dispatch.py` (sglang 0.5.23).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.runtime.ep.expert_table import ExpertTable
 from moeplan.core.atomic import write_text_atomic
 from moeplan.core.errors import UserError
 from moeplan.core.plan import rounded

@@ -1,4 +1,4 @@
-"""The request cost spec of a Lambda plan: what the request cost model (backends/runtime/lambda_request_cost.py) needs to price one generation.
+"""The request cost spec of a Lambda plan: what the request cost model (runtime/lambda_/request_cost.py) needs to price one generation.
 
 Why at plan time: the dense parts' compute at any step size comes from the profile's predictors
 (the partition pass evaluates them on `REQUEST_GRID`), the experts' from the serverless facts; the
@@ -9,7 +9,7 @@ slices in chain order), as the functions run them (backends/lambda_/codegen.py d
 """
 from __future__ import annotations
 
-from moeplan.backends.runtime.lambda_request_cost import SPEC_VERSION
+from moeplan.runtime.lambda_.request_cost import SPEC_VERSION
 from moeplan.passes.optimize.serverless import billing as sc
 
 REQUEST_GRID = (1, 8, 64, 512, 2048)
