@@ -67,11 +67,11 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    from moeplan.passes.analysis.cost_model import ModelShape, routing_from_trace
+    from moeplan.passes.cost.model import ModelShape, routing_from_trace
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.planner.pipeline.cost_passes import parse_workload
 
     loaded = load_model(args.model)

@@ -61,20 +61,20 @@ EXFLOW_RATIO = 2.2
 def model_path(config, scratch: Path) -> str:
     """A config path as is; "kv_rows:NAME" built (seeded) under scratch."""
     if str(config).startswith("kv_rows:"):
-        from moeplan.planner.importers.resolve import import_file
+        from moeplan.passes.importers.resolve import import_file
 
         return str(import_file(KV_ROWS).build(str(config).split(":", 1)[1], scratch))
     return str(config)
 
 
 def scenario(name, config, nodes, per_node, hardware, workload_text, args, scratch: Path) -> dict:
-    from moeplan.passes.analysis.cost_model import ModelShape
+    from moeplan.passes.cost.model import ModelShape
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.optimize.by_predicted_time import choose_placement, predict_modes
+    from moeplan.passes.cost.by_predicted_time import choose_placement, predict_modes
     from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.core.hardware import load_hardware
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.planner.pipeline.cost_passes import context_plan_of, parse_workload, shape_with_context
 
     loaded = load_model(model_path(config, scratch))

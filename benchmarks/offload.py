@@ -106,7 +106,7 @@ def switch_large_timing():
 def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw) -> dict:
     from moeplan.passes.optimize.offload.evaluate import gap_to_belady, run_demand, run_prefetch
     from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     ir = load_model(str(model_dir)).ir
     body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000), kv_bytes_per_token(None, ir))
@@ -160,7 +160,7 @@ def production_ir(name: str, trace):
     import hashlib
 
     from placement_deployment import CONFIGS, PRODUCTION
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     file, experts_key, layer_keys = PRODUCTION[SIDE_MODELS[name]]
     config = {**json.loads((CONFIGS / file).read_text()), experts_key: trace.num_experts,
@@ -282,7 +282,7 @@ def side_by_side(args) -> int:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     cases = []
     from speculation import model_dir
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     from moeplan.passes.optimize.offload.cache_plan import capped
 

@@ -2,7 +2,7 @@
 
 Why: `benchmarks/placement.py --corpus` compares placements by GPU-local fraction, the proxy the
 ILP optimises. A placement is better only if its deployment is faster. Here every row is priced
-by the cost model (`passes/analysis/cost_model.py`, the runtime's exchanges replayed exactly; its
+by the cost model (`passes/cost/model.py`, the runtime's exchanges replayed exactly; its
 bytes equal the measured counters of real runs, tests/test_cost_model.py) in both modes, on the
 held-out half's routing, and the faster mode is reported beside EPLB+R in standard mode.
 
@@ -61,7 +61,7 @@ def deployment_config(case, trace) -> dict:
 
 def deployment_shape(config: dict, scratch: Path):
     """ModelShape of a config built on the meta device, with the runtime's context rows, bf16 on the wire."""
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.planner.pipeline.cost_passes import context_plan_of, shape_with_context
 
     text = json.dumps(config, sort_keys=True)
@@ -81,7 +81,7 @@ def profiles() -> dict:
 
 def price(placement, shape, workload, held_out, hardware) -> dict:
     """Both modes' prediction on the held-out routing, and the faster one (`by_predicted_time.choose_mode`)."""
-    from moeplan.passes.optimize.by_predicted_time import choose_mode, predict_modes
+    from moeplan.passes.cost.by_predicted_time import choose_mode, predict_modes
 
     modes = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, held_out.experts,
                           hardware)

@@ -141,7 +141,7 @@ def main(argv=None):
     from moeplan.passes.optimize.serverless.sizing_pipeline import (SizingOptions, plan_serverless, predicted_loads,
                                                          real_batches, size_for, split_by_sequence)
     from moeplan.core.errors import UserError
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.core.platforms import load_platform
 
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
@@ -334,7 +334,7 @@ def measure_local(args, slo: float, log) -> list:
     """A compiled bundle on the local cloud, both ways: measured billed GB-s and requests per token."""
     import tempfile
 
-    from moeplan.backends.lambda_.local_run import run_lambda_bundle
+    from moeplan.planner.launch.lambda_run import run_lambda_bundle
 
     text = Path(args.model, "corpus_heldout.txt")
     prompt = (text.read_text()[:args.prompt_tokens] if text.is_file() else "x" * args.prompt_tokens)

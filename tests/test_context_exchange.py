@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from moeplan.runtime.ep.context_exchange import HIDDEN, KV, context_plan, kv_elements, model_context_plan
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.commands.compile import compile_cmd
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from moeplan.planner.pipeline.run import run_modes
 from runtime_fixtures import random_trace
 

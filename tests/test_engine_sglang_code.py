@@ -20,7 +20,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from moeplan.backends.common.expert_slots import placement_slots
+from moeplan.core.expert_slots import placement_slots
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.optimize.placement.contract import Topology

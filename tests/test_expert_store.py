@@ -25,7 +25,7 @@ from moeplan.runtime.checkpoint_reader import read_header
 from moeplan.runtime.offload.expert_store import ReferenceStore, ShardStore, open_rank_store
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import random_trace
 
 REPO = Path(__file__).resolve().parents[1]

@@ -162,7 +162,7 @@ def test_hardware_governs_every_prediction_of_a_compiled_plan_caches_included(tr
 
 def test_offload_timing_follows_the_profile_figures():
     from moeplan.passes.optimize.offload.cache_plan import hardware_record, timing_for
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     ir = load_model(TINY).ir
     for name in ("h100-sxm", "cpu-gloo", "rtx4090-pcie4"):

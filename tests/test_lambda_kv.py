@@ -10,7 +10,7 @@ from moeplan.runtime.lambda_ import decode
 from moeplan.runtime.lambda_ import kv
 from moeplan.runtime.lambda_ import wire
 from moeplan.runtime.lambda_.model import Batch
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import EXAMPLE, load_small, small_model_dir
 
 tiny = import_file(EXAMPLE.parent / "hf_tiny" / "architectures.py")

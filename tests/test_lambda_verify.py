@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
+from moeplan.planner.launch.lambda_cloud import CloudError, LocalCloud
 from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main

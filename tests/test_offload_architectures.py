@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from moeplan.runtime.offload.expert_cache import per_expert_shape
-from moeplan.backends.torchrun.verify import compare
-from moeplan.planner.importers.resolve import import_file
+from moeplan.planner.launch.torchrun_verify import compare
+from moeplan.passes.importers.resolve import import_file
 from moeplan.backends.common.files import copy_runtime
 from moeplan.planner.pipeline.offload import cache_beside_simulation
 from runtime_fixtures import contiguous_placement, write_hf_bundle

@@ -157,7 +157,7 @@ def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_input
     """With a host tier of 4 experts per rank: prefetched and demand loads both split into host
     copies and disk reads exactly as the replay predicts."""
     from moeplan.passes.optimize.offload.ranks import runtime_expert_bytes
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     root, model_dir = offload_inputs
     bundle = root / f"bundle-{prefetch}-{gpus}"

@@ -264,7 +264,7 @@ def forced_host_compute(model_dir, trace, bundle, gpus: int, prefetch: str) -> d
 
 def test_one_rank_speculates_live_what_the_recorder_does_and_computes_misses_on_the_host(speculated, tmp_path):
     from moeplan.passes.analysis.trace.record import record_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     root, model_dir = speculated
     spec = forced_host_compute(model_dir, root / "s.npz", tmp_path / "b1", 1, "speculative")

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeplan.backends.torchrun.verify import compare
+from moeplan.planner.launch.torchrun_verify import compare
 from moeplan.planner.pipeline.run import predicted_locality
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 
 REPO = Path(__file__).resolve().parents[1]

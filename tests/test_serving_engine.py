@@ -148,7 +148,7 @@ def test_transformers_models_serve_exactly(tmp_path, arch, mode, context):
 
     from moeplan.runtime.model.library_model import decoder_layers
     from moeplan.runtime.model.moe_adapter import find_containers
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.passes.importers.resolve import import_file
 
     model_dir = import_file(HF_TINY).build(arch, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplan.runtime.text_codec import TextCodec, parse_ids, prompt_lines
-from moeplan.backends.torchrun.launch import read_prompts
+from moeplan.planner.launch.torchrun_launch import read_prompts
 from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.passes.analysis.trace.record import encode_text as record_bytes
 from moeplan.planner.cli import main

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeplan.backends.common.expert_slots import placement_slots
+from moeplan.core.expert_slots import placement_slots
 from moeplan.backends.common.files import write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.core.atomic import atomic_path

@@ -273,7 +273,7 @@ def rescore(plan: dict, plan_path: Path, held_out) -> dict:
 
 def _cost_on(plan: dict, hosts, gpus_per_node: int, trace, notes: list):
     """The cost model's prediction for the plan's mode with routing sampled from `trace` instead."""
-    from moeplan.passes.analysis.cost_model import expected
+    from moeplan.passes.cost.model import expected
     from moeplan.core.hardware import BUILTIN, load_hardware
     from moeplan.planner.pipeline.cost_passes import parse_workload, shape_of_plan
 

@@ -1,8 +1,8 @@
 """`moeplan run DIR [--verify]`: launch a bundle locally and report (the flags and the printing only).
 
 torchrun bundles: `planner/pipeline/run.py` checks the bundle, launches its ranks
-(`backends/torchrun/launch.py`) and verifies them; Lambda bundles run their state machine locally
-(`backends/lambda_/local_run.py`).
+(`planner/launch/torchrun_launch.py`) and verifies them; Lambda bundles run their state machine locally
+(`planner/launch/lambda_run.py`).
 """
 from __future__ import annotations
 
@@ -80,9 +80,9 @@ def _plan(bundle: str) -> dict:
 
 
 def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
-    """Lambda bundles: the state machine runs locally (backends/lambda_/local_run.py)."""
-    from moeplan.backends.lambda_.local_run import run_lambda_bundle
-    from moeplan.backends.torchrun.launch import read_prompts
+    """Lambda bundles: the state machine runs locally (planner/launch/lambda_run.py)."""
+    from moeplan.planner.launch.lambda_run import run_lambda_bundle
+    from moeplan.planner.launch.torchrun_launch import read_prompts
 
     if new_tokens < 1:
         raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")

@@ -1,10 +1,10 @@
 """`moeplan serve BUNDLE`: run a bundle's inference service locally (the OpenAI-compatible HTTP API on
 rank 0 over continuous batching; docs/serving.md). A Lambda bundle is served by its own front
-function over the local cloud instead (`backends/lambda_/serve_local.py`, docs/serverless.md).
+function over the local cloud instead (`planner/launch/lambda_serve.py`, docs/serverless.md).
 
 The bundle is checked as `run` checks it (manifest, shards, world size, referenced checkpoint, and
-its signature with --trusted-key), then its ranks start under torchrun (`backends/torchrun/
-serve_launch.py`). stdout carries exactly one line, `serving on http://HOST:PORT`, once the service
+its signature with --trusted-key), then its ranks start under torchrun (`planner/launch/
+torchrun_serve.py`). stdout carries exactly one line, `serving on http://HOST:PORT`, once the service
 answers; everything the ranks print goes to stderr. SIGINT and SIGTERM are passed to the ranks,
 which stop admitting (503), finish the requests in flight and exit 0; a second one stops them at
 once. A service that fails (a rank died) exits non-zero with one `error:` line, so a supervisor
@@ -46,7 +46,7 @@ READY = "serving on "
               help="ed25519 public key (PEM): serve BUNDLE only if its manifest is signed by it (docs/security.md)")
 def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, threads, trusted_key):
     """Serve BUNDLE's model over an OpenAI-compatible HTTP API until SIGINT or SIGTERM."""
-    from moeplan.backends.torchrun.serve_launch import serve_command, start_service, stop_workers
+    from moeplan.planner.launch.torchrun_serve import serve_command, start_service, stop_workers
 
     root = Path(bundle)
     if _target(root) == "lambda":
@@ -90,7 +90,7 @@ def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, 
             proc.wait()
     if code == 0:
         return 0
-    from moeplan.backends.torchrun.launch import failure_reason
+    from moeplan.planner.launch.torchrun_launch import failure_reason
 
     reason = failure_reason("".join(stderr_lines))
     if not state["ready"] and not state["signals"]:
@@ -107,8 +107,8 @@ def _target(root: Path):
 
 
 def _serve_lambda(root: Path, host: str, port: int, api_key, trusted_key, rank_flags: dict) -> int:
-    """Lambda bundles: the front function and state machine on the local cloud (backends/lambda_/serve_local.py)."""
-    from moeplan.backends.lambda_.serve_local import serve_lambda
+    """Lambda bundles: the front function and state machine on the local cloud (planner/launch/lambda_serve.py)."""
+    from moeplan.planner.launch.lambda_serve import serve_lambda
 
     given = [flag for flag, value in rank_flags.items() if value is not None]
     if given:

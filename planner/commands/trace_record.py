@@ -101,7 +101,7 @@ def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_fr
     """Record MODEL's routing on the text in --data into a trace file (.npz)."""
     from moeplan.passes.analysis.trace.record import model_limits, record_trace
     from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     text = read_text(data)
     loaded = load_model(model)

@@ -14,7 +14,7 @@ from moeplan.core.pass_manager import Pass
 
 
 def _import(facts):
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     return {"model": load_model(facts["model_spec"])}
 

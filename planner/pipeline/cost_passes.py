@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 
-from moeplan.passes.analysis.cost_model import ModelShape, Workload, predict, routing_from_keys
+from moeplan.passes.cost.model import ModelShape, Workload, predict, routing_from_keys
 from moeplan.core.errors import UserError
 from moeplan.core.pass_manager import Pass
 
@@ -104,7 +104,7 @@ def _ir(plan: dict):
 
 def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None) -> dict:
     """What compile records under plan.json `predicted.cost` and the mode the bundle runs."""
-    from moeplan.passes.optimize.by_predicted_time import choose_mode, predict_modes
+    from moeplan.passes.cost.by_predicted_time import choose_mode, predict_modes
 
     given = cost_profile(cost_options, placement.topology.nodes)
     profile = given.profile
@@ -143,7 +143,7 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
 def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None):
     """--policy auto: every candidate policy priced by the cost model; the fastest, with the table
     of candidates under its metrics (`auto_candidates`)."""
-    from moeplan.passes.optimize.by_predicted_time import choose_placement
+    from moeplan.passes.cost.by_predicted_time import choose_placement
 
     profile = cost_profile(cost_options, request.topology.nodes).profile
     placement, rows = choose_placement(trace, request, shape_with_context(ir, context or []), profile,

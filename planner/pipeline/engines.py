@@ -117,7 +117,7 @@ def _placement(facts):
 
 
 def _plan(facts):
-    from moeplan.backends.common.expert_slots import placement_slots
+    from moeplan.core.expert_slots import placement_slots
 
     placement, trace, engine_model, target = facts["placement"], facts["trace"], facts["engine_model"], facts["target"]
     doc = json.loads(placement.to_json())

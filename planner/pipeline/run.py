@@ -1,9 +1,9 @@
 """`moeplan run BUNDLE [--verify]` for torchrun bundles: launch, then check what the ranks report.
 
 The bundle is validated first (manifest hashes, shards, world size) so a tampered bundle stops
-with one line before any rank starts; `backends/torchrun/launch.py` starts the ranks. With
+with one line before any rank starts; `planner/launch/torchrun_launch.py` starts the ranks. With
 --verify the outputs are compared with the source model shipped in the bundle
-(`backends/torchrun/verify.py`: max |logit diff| <= 1e-4, identical greedy tokens), and in
+(`planner/launch/torchrun_verify.py`: max |logit diff| <= 1e-4, identical greedy tokens), and in
 coherent mode the measured gpu_local_fraction must equal the placement metric of
 `passes/optimize/placement/metrics.py` on the routing of the same tokens.
 """
@@ -13,7 +13,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from moeplan.backends.torchrun.launch import failure_reason, launch, read_prompts
+from moeplan.planner.launch.torchrun_launch import failure_reason, launch, read_prompts
 from moeplan.core import progress
 from moeplan.core.errors import UserError
 
@@ -104,7 +104,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
 
         report.update(cache_beside_simulation(root, plan, out_dir, summary))
     if verify:
-        from moeplan.backends.torchrun.verify import VerifyError, compare
+        from moeplan.planner.launch.torchrun_verify import VerifyError, compare
 
         try:
             report.update(compare(root, plan, out_dir, new_tokens, reference_cache))

@@ -81,8 +81,8 @@ def _plan(facts):
 
 
 def _with_capacity(plan: Plan, facts) -> Plan:
-    """Issue 29: how many sequences of what context the ranks hold (passes/optimize/capacity.py)."""
-    from moeplan.passes.optimize.capacity import device_memory, serving_capacity
+    """Issue 29: how many sequences of what context the ranks hold (passes/cost/capacity.py)."""
+    from moeplan.passes.cost.capacity import device_memory, serving_capacity
     from moeplan.core.hardware import load_hardware
 
     loaded, cache = facts["model"], plan.communication.get("expert_cache")
@@ -99,7 +99,7 @@ def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy
     """(weights for codegen, referenced checkpoint or None): a Hugging Face safetensors directory is
     streamed (`TensorEntry`s reading one tensor at a time); other models give their state dict."""
     from moeplan.core.errors import UserError
-    from moeplan.planner.importers.hf_streaming import streamable_directory
+    from moeplan.passes.importers.hf_streaming import streamable_directory
 
     directory = streamable_directory(model_spec) if model_files["architecture"] == "transformers" else None
     if directory is None:
@@ -119,7 +119,7 @@ def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy
 
 def _import(facts):
     """The model, on `meta` for a Hugging Face safetensors directory (codegen streams its weights)."""
-    from moeplan.planner.importers.hf_streaming import load_directory_meta, streamable_directory
+    from moeplan.passes.importers.hf_streaming import load_directory_meta, streamable_directory
 
     directory = streamable_directory(facts["model_spec"])
     return {"model": load_directory_meta(directory)} if directory is not None else common.IMPORT.run(facts)
@@ -217,7 +217,7 @@ def describe(summary: dict, facts: dict) -> str:
         lines.append(f"expert caches: {c['capacity']} entries per rank, eviction {c['eviction']}, prefetch {c['prefetch']}, "
                      f"predicted hit ratio {c['predicted_hit_ratio']:.3f}")
     if "capacity" in summary:
-        from moeplan.passes.optimize.capacity import describe_capacity
+        from moeplan.passes.cost.capacity import describe_capacity
 
         lines.append(describe_capacity(summary["capacity"]))
     return "\n".join(lines)

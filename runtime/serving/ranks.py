@@ -43,7 +43,7 @@ DEFAULT_MAX_SEQUENCES = 64    # plans without a capacity decision (compiled befo
 
 def limits_for(plan: dict, max_positions: int, max_sequences: int | None, max_waiting: int | None) -> Limits:
     """The plan's capacity decision (plan.json communication.capacity: max_sequences, max_context,
-    passes/optimize/capacity.py), lowered by the options."""
+    passes/cost/capacity.py), lowered by the options."""
     capacity = plan.get("communication", {}).get("capacity", {})
     if capacity and not capacity.get("fits", True):
         raise BundleError(f"the plan's capacity holds no sequence: {capacity['device_memory_bytes']} bytes of device "

@@ -21,7 +21,7 @@ shared ones) so the stage rules can size the layer.
 from __future__ import annotations
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.onnx_graph_index import GraphIndex
+from moeplan.passes.importers.onnx_graph_index import GraphIndex
 
 WEIGHTING_OPS = {"Mul", "MatMul", "Einsum"}  # expert output x gate weight; a plain Add is not one
 

@@ -21,8 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
-from moeplan.backends.lambda_.local_run import check_files, check_library
+from moeplan.planner.launch.lambda_cloud import CloudError, LocalCloud
+from moeplan.planner.launch.lambda_run import check_files, check_library
 from moeplan.core.errors import UserError
 
 FRONT = "Front"

@@ -1,5 +1,5 @@
 """Start a bundle's inference service on this machine: `torchrun --standalone` over the bundle's own
-`runtime.serve --serve`, as `launch.py` starts a static run.
+`runtime.serve --serve`, as `torchrun_launch.py` starts a static run.
 
 Signals: torchrun exits non-zero whenever *it* receives a signal (it re-raises the signal after
 stopping its workers), even when every worker exits cleanly. A service that drains on SIGTERM and
@@ -16,7 +16,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from moeplan.backends.torchrun.launch import torchrun_command
+from moeplan.planner.launch.torchrun_launch import torchrun_command
 
 API_KEY_ENV = "MOEPLAN_API_KEY"
 

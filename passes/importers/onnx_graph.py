@@ -38,11 +38,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.onnx_experts import expert_weight_names
-from moeplan.planner.importers.onnx_gating import find_gates
-from moeplan.planner.importers.onnx_graph_index import GraphIndex, node_module_path
-from moeplan.planner.importers.onnx_roles import anonymous_roles, meets_values, value_tensors
-from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
+from moeplan.passes.importers.onnx_experts import expert_weight_names
+from moeplan.passes.importers.onnx_gating import find_gates
+from moeplan.passes.importers.onnx_graph_index import GraphIndex, node_module_path
+from moeplan.passes.importers.onnx_roles import anonymous_roles, meets_values, value_tensors
+from moeplan.passes.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.core.ir import ModelIR
 
 FQN = re.compile(r"^[A-Za-z_]\w*(\.\w+)+$")

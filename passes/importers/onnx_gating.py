@@ -16,8 +16,8 @@ graph through this one module so that they agree on which nodes are gates and in
 from __future__ import annotations
 
 
-from moeplan.planner.importers.onnx_argmax_gating import argmax_gates
-from moeplan.planner.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
+from moeplan.passes.importers.onnx_argmax_gating import argmax_gates
+from moeplan.passes.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
 CONTRIB_MOE_OPS = {"MoE", "QMoE"}
 CONTRIB_DOMAIN = "com.microsoft"
 

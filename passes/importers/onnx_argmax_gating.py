@@ -21,7 +21,7 @@ head's logits, which is no router).
 from __future__ import annotations
 
 
-from moeplan.planner.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
+from moeplan.passes.importers.onnx_graph_index import SCORE_OPS, Gate, GraphIndex, handed_on, router_of
 
 
 def _argmax_ancestors(index: GraphIndex, name: str, stop) -> set:

@@ -20,10 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.checkpoint import load_state_into
-from moeplan.planner.importers.loaded import LoadedModel
-from moeplan.planner.importers.quantization import FLOAT8_DTYPES, checkpoint_storage
-from moeplan.planner.importers.torch_module import import_module
+from moeplan.passes.importers.checkpoint import load_state_into
+from moeplan.passes.importers.loaded import LoadedModel
+from moeplan.passes.importers.quantization import FLOAT8_DTYPES, checkpoint_storage
+from moeplan.passes.importers.torch_module import import_module
 
 IGNORED_KEYS = ("auto_map", "quantization_config")
 

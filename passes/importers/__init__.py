@@ -16,7 +16,7 @@ The forms are resolved in `resolve.py`; stages are derived by the rule in `stage
 """
 from __future__ import annotations
 
-from moeplan.planner.importers.loaded import LoadedModel
-from moeplan.planner.importers.resolve import load_model
+from moeplan.passes.importers.loaded import LoadedModel
+from moeplan.passes.importers.resolve import load_model
 
 __all__ = ["LoadedModel", "load_model"]

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.checkpoint import CHECKPOINT_SUFFIXES, load_state_into
-from moeplan.planner.importers.loaded import LoadedModel
-from moeplan.planner.importers.torch_module import import_module
+from moeplan.passes.importers.checkpoint import CHECKPOINT_SUFFIXES, load_state_into
+from moeplan.passes.importers.loaded import LoadedModel
+from moeplan.passes.importers.torch_module import import_module
 
 LOADER_KEY = "moeplan_loader"
 FACTORY_SPEC = re.compile(r"^(?P<target>[\w./\\-]+?):(?P<attr>[A-Za-z_]\w*)$")
@@ -31,7 +31,7 @@ USAGE = (
 
 
 def load_model(spec) -> LoadedModel:
-    """Load MODEL as the CLI accepts it (see `moeplan.planner.importers` for the forms)."""
+    """Load MODEL as the CLI accepts it (see `moeplan.passes.importers` for the forms)."""
     text = str(spec)
     path = Path(text).expanduser()
     if path.exists():
@@ -84,7 +84,7 @@ def _load_config(config_path: Path, data: dict, is_dir_spec: bool = False) -> Lo
     """
     if LOADER_KEY in data:
         return _load_moeplan_dir(config_path.parent, data)
-    from moeplan.planner.importers.hf_config import load_config_file, load_directory  # switches the hub off: HF only
+    from moeplan.passes.importers.hf_config import load_config_file, load_directory  # switches the hub off: HF only
 
     if is_dir_spec:
         return load_directory(config_path.parent, data)
@@ -101,16 +101,16 @@ def _load_checkpoint(path: Path) -> LoadedModel:
     data = read_json_object(config)
     if LOADER_KEY in data:
         return _load_moeplan_dir(path.parent, data, checkpoint=path)
-    from moeplan.planner.importers.hf_config import load_directory  # switches the hub off: HF models only
+    from moeplan.passes.importers.hf_config import load_directory  # switches the hub off: HF models only
 
     return load_directory(path.parent, data, weights=[path])
 
 
 def _load_onnx(path: Path) -> LoadedModel:
     try:
-        from moeplan.planner.importers.onnx_graph import import_onnx
+        from moeplan.passes.importers.onnx_graph import import_onnx
     except ModuleNotFoundError as exc:
-        if exc.name != "moeplan.planner.importers.onnx_graph":
+        if exc.name != "moeplan.passes.importers.onnx_graph":
             raise
         raise UserError("this moeplan build cannot import ONNX models yet; give the torch model instead") from None
     return LoadedModel(ir=import_onnx(str(path)), onnx_path=str(path), has_weights=True)

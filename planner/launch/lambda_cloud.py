@@ -6,7 +6,7 @@ Why: verification and `moeplan serve` must exercise the deployed code paths - bo
 function, payload limits - without AWS. S3 is moto's server on 127.0.0.1 (random port); Lambda's
 Invoke API and Step Functions' StartSyncExecution are a small HTTP server on 127.0.0.1: an invoke is
 forwarded to the function's own process (forked by `runtime.lambda_.worker`), enforcing the payload
-limit on requests and responses; an execution runs the template's own definition (`asl.py`).
+limit on requests and responses; an execution runs the template's own definition (`lambda_asl.py`).
 Functions come from template.yaml itself: memory, environment (Ref / Fn::Sub resolved for a stack
 named `local`; `Ref: Pipeline` is the local state machine's ARN, other parameters from `parameters`),
 module and handler from the Dockerfile CMD. Every invocation is recorded: function, measured
@@ -229,7 +229,7 @@ class LocalCloud:
 
     def start_sync_execution(self, request: dict) -> dict:
         """Step Functions' StartSyncExecution on the template's definition (SUCCEEDED or FAILED)."""
-        from moeplan.backends.lambda_.asl import ASLError, Machine
+        from moeplan.planner.launch.lambda_asl import ASLError, Machine
 
         if request.get("stateMachineArn") != STATE_MACHINE_ARN:
             raise CloudError(f"state machine {request.get('stateMachineArn')!r} does not exist here")

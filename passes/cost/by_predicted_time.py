@@ -2,7 +2,7 @@
 
 Why: the placement objective (tokens that stay on their GPU) is a proxy; on the example model at
 4 CPU ranks the plan that wins on it (ilp + coherent) runs at 0.68x the tokens/s of contiguous +
-standard EP. Here every candidate is priced by the cost model (`passes/analysis/cost_model.py`)
+standard EP. Here every candidate is priced by the cost model (`passes/cost/model.py`)
 under the chosen hardware profile, on the plan's trace and workload, and the fastest wins.
 
 * `--mode auto`: the mode with the lower predicted seconds per generated token; on a tie (within
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moeplan.passes.analysis.cost_model import COHERENT, STANDARD, expected
+from moeplan.passes.cost.model import COHERENT, STANDARD, expected
 from moeplan.core.errors import UserError
 
 MODES = (STANDARD, COHERENT)
@@ -55,7 +55,7 @@ def candidates(request, num_experts: int) -> list:
 def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
     """[(label@balance, request, placement)] of the ILP at the load cap each mode's time prices
     choose (one per distinct cap), and the cap search's table."""
-    from moeplan.passes.optimize.time_prices import choose_load_cap
+    from moeplan.passes.cost.time_prices import choose_load_cap
 
     try:
         chosen, table = choose_load_cap(trace, req, prices)
@@ -80,7 +80,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
     seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json; the
     ILP rows carry `prices` and `cap_search` (time_prices.py)."""
     from moeplan.passes.optimize.placement.policies import plan_placement
-    from moeplan.passes.optimize.time_prices import time_prices
+    from moeplan.passes.cost.time_prices import time_prices
 
     modes = MODES if mode == "auto" else (mode,)
     topo = request.topology

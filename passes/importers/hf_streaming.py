@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moeplan.planner.importers.loaded import LoadedModel
-from moeplan.planner.importers.resolve import LOADER_KEY, read_json_object
+from moeplan.passes.importers.loaded import LoadedModel
+from moeplan.passes.importers.resolve import LOADER_KEY, read_json_object
 
 
 INDEX = "model.safetensors.index.json"
@@ -36,7 +36,7 @@ def streamable_directory(spec: str) -> Path | None:
 def load_directory_meta(directory: Path) -> LoadedModel:
     """The model of a Hugging Face directory on `meta`, with the IR of its weighted import."""
     # imported here: hf_config switches the hub off (HF_HUB_OFFLINE) when imported, only for Hugging Face models
-    from moeplan.planner.importers.hf_config import (build_model, checkpoint_storage, dtype_name, import_module,
+    from moeplan.passes.importers.hf_config import (build_model, checkpoint_storage, dtype_name, import_module,
                                                       make_config, model_dtype, model_name, multimodal_notes)
 
     config_path = directory / "config.json"

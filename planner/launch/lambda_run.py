@@ -1,6 +1,6 @@
 """`moeplan run DIR --verify` for a Lambda bundle: greedy generation through the local state machine.
 
-One execution of the bundle's own state machine definition (`asl.py`, against the local S3 and
+One execution of the bundle's own state machine definition (`lambda_asl.py`, against the local S3 and
 Lambda endpoints of `local_cloud.py`) generates every token of every prompt: the prompts' forward,
 then one token per sequence per step, each dense function reusing the K/V its earlier
 invocations left (`runtime/lambda_/kv.py`). With --verify the functions also write each step's
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from moeplan.backends.lambda_.asl import ASLError, Machine
-from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
+from moeplan.planner.launch.lambda_asl import ASLError, Machine
+from moeplan.planner.launch.lambda_cloud import CloudError, LocalCloud
 from moeplan.runtime.lambda_ import decode
 from moeplan.runtime.lambda_ import wire
 from moeplan.core.errors import UserError
@@ -57,7 +57,7 @@ def load_reference(root: Path, plan: dict):
     from moeplan.backends.common.model_source import expert_containers
     from moeplan.backends.common.shards import state_dict_sha256
     from moeplan.runtime.model.moe_adapter import join_expert_state
-    from moeplan.backends.torchrun.verify import VerifyError, reference_model
+    from moeplan.planner.launch.torchrun_verify import VerifyError, reference_model
 
     state = {}
     for path in sorted((root / "weights").rglob("weights.safetensors")):
@@ -208,7 +208,7 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool,
     }
     if verify:
         model = load_reference(root, plan)
-        from moeplan.backends.torchrun.verify import reference_generate
+        from moeplan.planner.launch.torchrun_verify import reference_generate
 
         max_diff, match = 0.0, True
         torch.set_num_threads(1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.forward_order import module_ranks, rank_of
-from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
+from moeplan.passes.importers.forward_order import module_ranks, rank_of
+from moeplan.passes.importers.stages import Param, build_model_ir, classify_parameter_groups
 from moeplan.core.ir import ModelIR
 
 TOP_K_NAMES = ("top_k", "num_experts_per_tok", "num_selected_experts", "moe_top_k", "moe_topk", "topk", "k")

@@ -16,7 +16,7 @@ import torch
 
 from moeplan.backends.common.manifest import bundle_path
 from moeplan.backends.common.shards import state_dict_sha256
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 
 
 class VerifyError(Exception):
