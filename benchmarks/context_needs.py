@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from moeplan.passes.optimize.placement.contract import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.passes.importers import load_model
-    from moeplan.planner.pipeline.cost_passes import parse_workload
+    from moeplan.passes.cost.options import parse_workload
 
     loaded = load_model(args.model)
     shape = ModelShape.from_ir(loaded.ir)

@@ -75,7 +75,8 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args, scrat
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.core.hardware import load_hardware
     from moeplan.passes.importers import load_model
-    from moeplan.planner.pipeline.cost_passes import context_plan_of, parse_workload, shape_with_context
+    from moeplan.passes.cost.context import context_plan_of, shape_with_context
+    from moeplan.passes.cost.options import parse_workload
 
     loaded = load_model(model_path(config, scratch))
     ir = loaded.ir

@@ -62,7 +62,7 @@ def deployment_config(case, trace) -> dict:
 def deployment_shape(config: dict, scratch: Path):
     """ModelShape of a config built on the meta device, with the runtime's context rows, bf16 on the wire."""
     from moeplan.passes.importers import load_model
-    from moeplan.planner.pipeline.cost_passes import context_plan_of, shape_with_context
+    from moeplan.passes.cost.context import context_plan_of, shape_with_context
 
     text = json.dumps(config, sort_keys=True)
     path = scratch / f"{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
@@ -96,7 +96,7 @@ def run_case(case, args, scratch: Path, log) -> list:
     from placement import corpus_placements, split_by_sequence
     from placement_corpus import load_case_trace
     from moeplan.passes.optimize.placement.policies import evaluate_placement
-    from moeplan.planner.pipeline.cost_passes import parse_workload
+    from moeplan.passes.cost.options import parse_workload
 
     plan_trace, held_out = split_by_sequence(load_case_trace(case, log))
     shape = deployment_shape(deployment_config(case, plan_trace), scratch)

@@ -84,3 +84,11 @@ def rounded(value):
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         return rounded(value.item())
     return value
+
+
+def plan_reads_back(facts) -> None:
+    """Postcondition of every plan pass: plan.json reads back as the plan that wrote it (what
+    `moeplan codegen` and `simulate` will read is what was decided)."""
+    text = facts["plan"].to_json()
+    if Plan.from_json(text).to_json() != text:
+        raise ValueError("plan.json does not read back as the plan that wrote it")

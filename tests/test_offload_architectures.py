@@ -19,7 +19,7 @@ from moeplan.runtime.offload.expert_cache import per_expert_shape
 from moeplan.planner.launch.torchrun_verify import compare
 from moeplan.passes.importers.resolve import import_file
 from moeplan.backends.common.files import copy_runtime
-from moeplan.planner.pipeline.offload import cache_beside_simulation
+from moeplan.passes.optimize.offload.run_check import cache_beside_simulation
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from moeplan.passes.cost.by_predicted_time import TIE
 from moeplan.passes.optimize.placement.contract import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.passes.importers.resolve import import_file
-from moeplan.planner.pipeline.cost_passes import parse_workload
+from moeplan.passes.cost.options import parse_workload
 
 BENCH = Path(__file__).parent.parent / "benchmarks"
 

@@ -1,7 +1,9 @@
-"""What the serving-engine targets (sglang, trtllm) share: the bundle's frame and the template context.
+"""What the serving-engine targets (sglang, trtllm) share: their codegen pass, the bundle's frame and the
+template context.
 
 Their outputs are small text files (no weights): the engine's placement file, a launch script,
-a README, plan.json and placement.json, and manifest.json over all of them.
+a README, plan.json and placement.json, and manifest.json over all of them. `moeplan codegen
+plan.json` rewrites them from the plan alone.
 """
 from __future__ import annotations
 
@@ -12,6 +14,21 @@ from moeplan.core.expert_slots import placement_slots
 from moeplan.backends.common.files import write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.core.atomic import atomic_path
+from moeplan.core.pass_manager import Pass
+
+
+def write_bundle(out, plan) -> dict:
+    """The engine's files for a plan (`backends/sglang/` or `backends/trtllm/`), written atomically at `out`."""
+    import importlib
+
+    return importlib.import_module(f"moeplan.backends.{plan.target}.codegen").write_bundle(out, plan)
+
+
+def _codegen(facts):
+    return {"manifest": write_bundle(facts["out"], facts["plan"])}
+
+
+CODEGEN = Pass("codegen", ("plan", "out"), ("manifest",), _codegen)
 
 
 def write_engine_bundle(out, plan, write_files) -> dict:

@@ -9,6 +9,10 @@
   generation_config.json for the end-of-sequence ids), and the plan and the bundle's
   requirements.txt pin the transformers version it was compiled with.
 Both are rebuilt by `moeplan run --verify` from the bundle alone.
+
+`MODEL_FILES` is the pass that finds them (`model_spec` -> `model_files`: {"architecture": runtime
+family, "files": {bundle path: bytes}}; only codegen needs it, so `moeplan plan` never asks for it),
+and `needs_weights` the precondition of every codegen pass.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from moeplan.core.errors import UserError
+from moeplan.core.library_pins import library_pins
+from moeplan.core.pass_manager import Pass
 
 SUPPORTED = ("tiny_moe",)
 TOKENIZER = "tokenizer.json"
@@ -101,16 +107,6 @@ def _build_meta(config_dir: Path, spec):
         raise UserError(f"cannot compile '{spec}' for torchrun: transformers cannot build its model ({first}); {_hint()}") from None
 
 
-def library_pins(arch: str) -> dict:
-    """The library versions a bundle of this architecture runs on (recorded in the plan)."""
-    if arch != "transformers":
-        return {}
-    import tokenizers
-    import transformers
-
-    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-
-
 def requirements(arch: str) -> str:
     """requirements.txt of a torchrun bundle: what its runtime imports, with the model library
     pinned: numpy for the replica rule (runtime/ep/expert_table.py) and the expert cache's policy
@@ -126,3 +122,18 @@ def requirements(arch: str) -> str:
     lines += [f"{name}=={importlib.metadata.version(name)}" for name in SERVER_PACKAGES]
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
     return "\n".join(lines) + "\n"
+
+
+def _model_files(facts):
+    arch, files = model_files(facts["model_spec"])
+    return {"model_files": {"architecture": arch, "files": files}}
+
+
+def needs_weights(facts) -> None:
+    """Precondition of codegen: a bundle ships weights, so a config-only (meta) model cannot compile."""
+    if facts["model"].module is None or not facts["model"].has_weights:
+        raise UserError(f"model '{facts['model_spec']}' has no weights to ship; compiling a bundle needs a runnable model "
+                        "('moeplan plan' plans it without weights)")
+
+
+MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _model_files)

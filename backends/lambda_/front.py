@@ -12,24 +12,18 @@ are set by what stands in front of it:
 * context: the model's positions, the plan's batch size (what the functions' memory was sized
   for) and a Step Functions execution's 256 KB input, which holds the prompt's ids.
 `moeplan plan/compile` refuses a plan whose one-token request would already overrun the time limit
-(planner/pipeline/lambda_.py); the front refuses longer requests with a 400 naming what fits.
+(passes/optimize/serverless/passes.py); the front refuses longer requests with a 400 naming what fits.
 """
 from __future__ import annotations
 
 import json
 
+from moeplan.core.platforms import time_limit_s
+
 STATE_LIMIT_BYTES = 256 * 1024
 BYTES_PER_ID = 7            # "123456," in the execution's JSON input: vocabularies below a million
 ENTRIES = ("function-url", "http-api")
 FRONT_TIMEOUT_MARGIN_S = 30  # the front outlives the execution it waits for, to answer its error
-
-
-def time_limit_s(platform: dict, http_entry: str) -> float:
-    """How long a request may take end to end behind this entry."""
-    express = float(platform.get("express_max_duration_s", 300.0))
-    if http_entry == "http-api":
-        return min(express, float(platform.get("http_api_timeout_s", 30.0)))
-    return express
 
 
 def max_context(plan: dict, model_files: dict) -> int:

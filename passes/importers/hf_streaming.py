@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint directory imported without reading its weights, for `compile`.
 
 Planning needs shapes and dtypes, and compile's codegen streams the safetensors tensor by tensor
-(`backends/common/checkpoint_index.py`), so the model is built on `meta` exactly as
+(`backends/common/checkpoint_index.py`; which directories are streamed: `core/model_dirs.py`), so the model is built on `meta` exactly as
 `load_directory` would build it, and marked as having weights (they are in the directory, read
 later). The IR is the one `load_directory` gives (same `source_format`), so plans do not depend on
 which importer ran.
@@ -11,26 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moeplan.passes.importers.loaded import LoadedModel
-from moeplan.passes.importers.resolve import LOADER_KEY, read_json_object
-
-
-INDEX = "model.safetensors.index.json"
-
-
-def has_safetensors(directory: Path) -> bool:
-    """A safetensors checkpoint: one or more *.safetensors files, or their index json."""
-    return directory.is_dir() and ((directory / INDEX).is_file() or any(directory.glob("*.safetensors")))
-
-
-def streamable_directory(spec: str) -> Path | None:
-    """The directory when `spec` is a Hugging Face model directory with safetensors weights, else None."""
-    path = Path(spec).expanduser()
-    if not path.is_dir() or not (path / "config.json").is_file() or not has_safetensors(path):
-        return None
-    data = read_json_object(path / "config.json")
-    if LOADER_KEY in data or "model_type" not in data:
-        return None
-    return path
+from moeplan.core.model_dirs import read_json_object
 
 
 def load_directory_meta(directory: Path) -> LoadedModel:

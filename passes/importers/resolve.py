@@ -11,18 +11,17 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 import re
 import sys
 from pathlib import Path
 
 from moeplan.core.errors import UserError
+from moeplan.core.model_dirs import LOADER_KEY, read_json_object
 from moeplan.passes.importers.checkpoint import CHECKPOINT_SUFFIXES, load_state_into
 from moeplan.passes.importers.loaded import LoadedModel
 from moeplan.passes.importers.torch_module import import_module
 
-LOADER_KEY = "moeplan_loader"
 FACTORY_SPEC = re.compile(r"^(?P<target>[\w./\\-]+?):(?P<attr>[A-Za-z_]\w*)$")
 USAGE = (
     "give a model directory with config.json, a Hugging Face config.json, an .onnx file, "
@@ -40,24 +39,6 @@ def load_model(spec) -> LoadedModel:
     if match and not text.endswith((".json", ".onnx", *CHECKPOINT_SUFFIXES)):
         return _load_factory(text, match["target"], match["attr"])
     raise UserError(f"model {text!r} not found: no such file or directory; {USAGE}")
-
-
-def read_json_object(path: Path) -> dict:
-    """A JSON object from `path`; unreadable, invalid or non-object files are a UserError."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise UserError(f"cannot read {path}: {reason}; check the path and its permissions") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(
-            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix the file"
-        ) from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object; a model config is an object")
-    return data
 
 
 def _load_path(path: Path) -> LoadedModel:

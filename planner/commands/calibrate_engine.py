@@ -130,7 +130,7 @@ def fit(root: Path, runs: dict, profile_at) -> float:
     dict): least squares on the relative errors. Each prediction is linear in v (a_m + b_m v), so
     v = sum (b_m / y_m)(1 - a_m / y_m) / sum (b_m / y_m)^2, y_m the measured seconds per token."""
     from moeplan.core.hardware import profile_from_dict
-    from moeplan.planner.pipeline.cost_passes import predict_run
+    from moeplan.passes.cost.run_check import predict_run
 
     def predicted(mode: str, v: float) -> float:
         profile = profile_from_dict(profile_at(v), "calibration")

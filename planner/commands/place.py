@@ -40,7 +40,7 @@ def place(trace_path, nodes, gpus_per_node, out, evaluate, timings, as_json, **f
     from moeplan.passes.optimize.placement.contract import load_placement
     from moeplan.passes.optimize.placement.policies import evaluate_placement
     from moeplan.core.pass_manager import PassManager
-    from moeplan.planner.pipeline.placement import PASSES
+    from moeplan.planner.pipeline.place import PASSES
 
     options = pick(flags, PLACEMENT_FLAGS)
     if evaluate is not None:

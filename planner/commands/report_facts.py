@@ -275,7 +275,8 @@ def _cost_on(plan: dict, hosts, gpus_per_node: int, trace, notes: list):
     """The cost model's prediction for the plan's mode with routing sampled from `trace` instead."""
     from moeplan.passes.cost.model import expected
     from moeplan.core.hardware import BUILTIN, load_hardware
-    from moeplan.planner.pipeline.cost_passes import parse_workload, shape_of_plan
+    from moeplan.passes.cost.context import shape_of_plan
+    from moeplan.passes.cost.options import parse_workload
 
     cost = plan["predicted"]["cost"]
     from moeplan.planner.report.summary import hardware_name

@@ -15,7 +15,7 @@ import click
 from moeplan.core import cli_types as T
 from moeplan.core import progress
 from moeplan.core.errors import UserError
-from moeplan.planner.pipeline.engines import ENGINE_TARGETS
+from moeplan.planner.pipeline.engine_targets import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
 

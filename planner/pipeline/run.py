@@ -96,11 +96,11 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
     }
-    from moeplan.planner.pipeline.cost_passes import measured_beside_predicted  # issue 12: the cost model, checked
+    from moeplan.passes.cost.run_check import measured_beside_predicted  # issue 12: the cost model, checked
 
     report.update(measured_beside_predicted(root, plan, out_dir, mode, summary, context))
     if plan["communication"].get("expert_cache"):  # issue 13: measured cache counters beside the simulator's
-        from moeplan.planner.pipeline.offload import cache_beside_simulation
+        from moeplan.passes.optimize.offload.run_check import cache_beside_simulation
 
         report.update(cache_beside_simulation(root, plan, out_dir, summary))
     if verify:

@@ -1,29 +1,11 @@
-"""Passes every target starts with: import the model, find its runtime files, load the trace.
-
-Facts: `model_spec` (path as given) -> `model` (LoadedModel: IR + module); `model_spec` ->
-`model_files` ({"architecture": runtime family, "files": {bundle path: bytes}}: what a bundle
-ships besides weights; only codegen needs it, so `moeplan plan` never asks for it);
-`trace_path` -> `trace`, `trace_sha256`.
-"""
+"""The trace pass (`trace_path` -> `trace`, `trace_sha256`) and the check that a trace was recorded
+from the model it plans (the precondition of every pass that reads both)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from moeplan.core.errors import UserError
 from moeplan.core.pass_manager import Pass
-
-
-def _import(facts):
-    from moeplan.passes.importers import load_model
-
-    return {"model": load_model(facts["model_spec"])}
-
-
-def _model_files(facts):
-    from moeplan.backends.common.model_source import model_files
-
-    arch, files = model_files(facts["model_spec"])
-    return {"model_files": {"architecture": arch, "files": files}}
 
 
 def _trace(facts):
@@ -54,23 +36,4 @@ def trace_matches_model(facts) -> None:
     check_trace_matches(facts["model"].ir, facts["trace"])
 
 
-def needs_weights(facts) -> None:
-    """Precondition of codegen: a bundle ships weights, so a config-only (meta) model cannot compile."""
-    if facts["model"].module is None or not facts["model"].has_weights:
-        raise UserError(f"model '{facts['model_spec']}' has no weights to ship; compiling a bundle needs a runnable model "
-                        "('moeplan plan' plans it without weights)")
-
-
-def plan_reads_back(facts) -> None:
-    """Postcondition of every plan pass: plan.json reads back as the plan that wrote it (what
-    `moeplan codegen` and `simulate` will read is what was decided)."""
-    from moeplan.core.plan import Plan
-
-    text = facts["plan"].to_json()
-    if Plan.from_json(text).to_json() != text:
-        raise ValueError("plan.json does not read back as the plan that wrote it")
-
-
-IMPORT = Pass("import", ("model_spec",), ("model",), _import)
-MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _model_files)
 TRACE = Pass("trace", ("trace_path",), ("trace", "trace_sha256"), _trace)

@@ -1,4 +1,6 @@
-"""`moeplan place` as passes: trace -> placement -> write placement.json; the placement pass torchrun reuses.
+"""The placement passes: `moeplan place` is trace -> placement -> write placement.json (its pass list is
+`planner/pipeline/place.py`); torchrun's placement pass is this one priced by the cost model
+(`passes/cost/cost_pass.py`), the engine targets' applies the engines' defaults.
 
 Facts: `trace_path`, `topology` {"nodes", "gpus_per_node"}, `placement_options` (PlacementRequest
 fields), `out`, `timings` (keep solve_seconds in the file) -> `placement`, `written`.
@@ -6,7 +8,6 @@ fields), `out`, `timings` (keep solve_seconds in the file) -> `placement`, `writ
 from __future__ import annotations
 
 from moeplan.core.pass_manager import Pass
-from moeplan.planner.pipeline.common import TRACE
 
 
 def _placement(facts):
@@ -41,4 +42,3 @@ def _write(facts):
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options"), ("placement",), _placement,
                  ensures=placement_is_valid)
 WRITE = Pass("write", ("placement", "out", "timings"), ("written",), _write)
-PASSES = [TRACE, PLACEMENT, WRITE]

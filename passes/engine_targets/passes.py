@@ -1,10 +1,8 @@
-"""The sglang and trtllm targets: a placement that a serving engine loads at startup.
+"""The passes of the serving-engine targets (sglang, trtllm): a placement that a serving engine loads at startup.
 
-Passes: import (the config alone is enough: full-size models are built on the `meta` device) ->
-layers (which decoder layers are MoE, from the config) -> trace -> placement -> plan -> codegen
-(`backends/sglang/`, `backends/trtllm/`, written into a temporary directory renamed onto --out
-only when everything succeeded). `moeplan codegen plan.json` rewrites the files from the plan
-alone: they hold no weights.
+Passes: layers (which decoder layers are MoE, from the config) -> placement (with the engines'
+defaults) -> plan; the list (with import, trace and codegen, `backends/common/engine_bundle.py`) is
+`planner/pipeline/engine_targets.py`.
 
 What the plan optimises: SGLang and TensorRT-LLM run standard expert parallelism. Every token goes
 from its attention rank to the ranks of its experts and its outputs are combined back at that home
@@ -29,11 +27,10 @@ import numpy as np
 
 from moeplan.core.errors import UserError
 from moeplan.core.pass_manager import Pass
-from moeplan.planner.pipeline.common import IMPORT, TRACE, plan_reads_back, trace_matches_model
-from moeplan.planner.pipeline.placement import placement_is_valid
-from moeplan.core.plan import Plan
+from moeplan.core.plan import Plan, plan_reads_back
+from moeplan.passes.analysis.trace.passes import trace_matches_model
+from moeplan.passes.optimize.placement.passes import placement_is_valid
 
-ENGINE_TARGETS = ("sglang", "trtllm")
 DEFAULT_POLICY = "eplb"
 ENGINE_DEFAULTED = ("policy", "expert_groups")  # placement flags whose engine default differs from torchrun's
 OBJECTIVE = ("balance under standard expert parallelism (tokens combine at their home rank every MoE layer): "
@@ -145,54 +142,8 @@ def _plan(facts):
     return {"plan": plan}
 
 
-def write_bundle(out, plan: Plan) -> dict:
-    """The engine's files for a plan (`backends/sglang/` or `backends/trtllm/`), written atomically at `out`."""
-    import importlib
-
-    return importlib.import_module(f"moeplan.backends.{plan.target}.codegen").write_bundle(out, plan)
-
-
-def _codegen(facts):
-    return {"manifest": write_bundle(facts["out"], facts["plan"])}
-
-
 LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
                  _placement, check=trace_matches_model, ensures=placement_is_valid)
 PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target"),
             ("plan",), _plan, ensures=plan_reads_back)
-CODEGEN = Pass("codegen", ("plan", "out"), ("manifest",), _codegen)
-PASSES = [IMPORT, LAYERS, TRACE, PLACEMENT, PLAN, CODEGEN]
-
-
-def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dict:
-    """The facts the engine pass list starts from. Placement flags not given (`given`: the names of
-    those that were) become None, so the passes apply the engine defaults (eplb, the config's groups)."""
-    from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
-
-    if values["image"] is not None and not values["kubernetes"]:
-        raise UserError("--image applies to --target sglang with --kubernetes (the pods' image)")
-    placement = {k: (None if k in ENGINE_DEFAULTED and k not in given else v)
-                 for k, v in pick(values, PLACEMENT_FLAGS).items()}
-    spec = {"name": target}
-    if values["kubernetes"]:
-        from moeplan.backends.sglang.codegen import DEFAULT_IMAGE
-
-        spec.update(kubernetes=True, image=values["image"] or DEFAULT_IMAGE)
-    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
-            "topology": {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]},
-            "placement_options": placement, "target": spec}
-
-
-def summary(facts: dict) -> dict:
-    """The --json summary's fields of an engine target's plan."""
-    plan = facts["plan"]
-    return {"world_size": plan.world_size, "policy": plan.placement.get("policy"),
-            "redundant": plan.communication["redundant"], "objective": "balance",
-            "predicted": dict(plan.to_dict()["predicted"])}
-
-
-def describe(summary: dict, facts: dict) -> str:
-    return (f"{summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
-            f"{summary['redundant']} redundant slots); predicted max/mean rank load "
-            f"{summary['predicted']['max_over_mean_load']:.3f}")
