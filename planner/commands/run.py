@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
 from moeplan.core import cli_types as T
 from moeplan.core import progress
 from moeplan.core.errors import UserError
+from moeplan.planner.launch.open_bundle import open_bundle
 from moeplan.planner.pipeline.engine_targets import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
@@ -34,14 +34,7 @@ from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, trusted_key, as_json):
     """Launch BUNDLE locally (torchrun standalone, or a Lambda bundle's state machine) and report."""
-    if trusted_key is not None:
-        from moeplan.backends.common.signing import SigningError, verify_bundle_signature
-
-        try:
-            verify_bundle_signature(bundle, trusted_key)
-        except SigningError as exc:
-            raise UserError(str(exc)) from None
-    plan = _plan(bundle)
+    plan = open_bundle(bundle, trusted_key=trusted_key, check_files=False)  # the files: by the target's run below
     target = plan.get("target")
     if target == "lambda":
         return _run_lambda(bundle, verify, prompts_path, new_tokens, as_json)
@@ -68,15 +61,6 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             _print(report, verify)
     if verify and not all(r["verified"] for r in reports.values()):
         sys.exit(1)
-
-
-def _plan(bundle: str) -> dict:
-    """The bundle's plan.json as far as it reads ({} if not: the bundle check then says what is wrong)."""
-    try:
-        plan = json.loads((Path(bundle) / "plan.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return plan if isinstance(plan, dict) else {}
 
 
 def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):

@@ -16,6 +16,7 @@ from pathlib import Path
 from moeplan.planner.launch.torchrun_launch import failure_reason, launch, read_prompts
 from moeplan.core import progress
 from moeplan.core.errors import UserError
+from moeplan.planner.launch.open_bundle import open_bundle
 
 LOGIT_TOLERANCE = 1e-4
 
@@ -44,16 +45,8 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
               results: str | None, timeout: float, context: str = "auto") -> dict:
     """One torchrun launch running every mode in turn on the same prompts; {mode: report}.
     `context`: coherent mode's context exchange (auto: hidden state or K/V per block; hidden)."""
-    from moeplan.backends.common.manifest import BundleCheckError, check_bundle
-
     root = Path(bundle)
-    from moeplan.runtime.bundle_io import BundleError, check_referenced_checkpoint
-
-    try:
-        plan = check_bundle(root, nproc)
-        check_referenced_checkpoint(root, plan)  # --weights reference: the checkpoint is the compiled one
-    except (BundleCheckError, BundleError) as exc:
-        raise UserError(str(exc)) from None
+    plan = open_bundle(root, nproc)
     world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
     if new_tokens < 1:
         raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
