@@ -60,7 +60,7 @@ def rank_weight_bytes(path: Path) -> tuple:
 
 def rank_host_bytes(bundle: Path, plan) -> list:
     """weights(r) for every rank of the plan (module docstring), bytes."""
-    cache = plan.communication.get("expert_cache")
+    cache = plan.communication.expert_cache
     out = []
     for rank, shard in enumerate(plan.shards):
         stored, float32, expert_stored, expert_float32 = rank_weight_bytes(Path(bundle) / shard)

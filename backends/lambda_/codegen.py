@@ -192,19 +192,18 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     """
     out = Path(out)
     out.mkdir(parents=True)
-    plan_doc = plan.to_dict()
+    pl = plan.as_written()  # the plan as plan.json holds it: `moeplan codegen plan.json` sees the same values
     write_file(out / "plan.json", plan.to_json())
-    segment_of = plan_doc["placement"]["unit_segments"]
-    payload_limit = int(plan_doc["deployment"]["payload_limit_bytes"])
-    requests_per_second = float(plan_doc["deployment"]["requests_per_second"])
+    segment_of = pl.placement.unit_segments
+    payload_limit = int(pl.deployment["payload_limit_bytes"])
+    requests_per_second = float(pl.deployment["requests_per_second"])
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    pl = plan_doc
-    layers = pl["placement"]["layers"]
-    slices = pl["placement"]["dense_slices"]
+    layers = pl.placement.layers
+    slices = pl.placement.dense_slices
     num_layers = len(layers)
-    stages = pl["model"]["ir"]["stages"]
-    model = bundle_model(pl["model"]["architecture"], model_files)
+    stages = pl.model["ir"]["stages"]
+    model = bundle_model(pl.model["architecture"], model_files)
     layout = lay.with_routing(lay.Layout.of(model), model)
     state = split_expert_state(state, list(layout.containers))
     owner = lay.expert_tensor_owner(layout)
@@ -212,7 +211,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     layout = lay.with_tail(layout, dense_names, stages)
     covered = set()
     functions = []
-    runtime_mb = float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0))
+    runtime_mb = float(pl.inputs["facts"]["platform"].get("runtime_memory_mb", 0.0))
     parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit, layout, lay.unit_pieces(layout, stages))
     for k, s in enumerate(slices):
         tensors = {n: state[n] for p in parts[k] for n in lay.part_tensors(layout, dense_names, p["start"], p["stop"])}
@@ -261,9 +260,9 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     copy_runtime(out / "functions" / "runtime", "lambda")  # with serving/: the OpenAI API the front function runs
     for rel, content in sorted(model_files.items()):  # the model the functions build, the text the front reads
         write_file(out / "functions" / rel, content)
-    write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
-    write_file(out / "functions" / "requirements-front.txt", front.requirements(pl["model"]))
-    rounded = json.loads(plan.to_json())["predicted"].get("request_cost")  # as plan.json holds it: simulate reads that
+    write_file(out / "functions" / "requirements.txt", function_requirements(pl.model))
+    write_file(out / "functions" / "requirements-front.txt", front.requirements(pl.model))
+    rounded = pl.predicted.request_cost  # as plan.json holds it: simulate reads that
     if rounded is None:
         raise UserError("the plan has no request cost model (predicted.request_cost), which the front function states "
                         "per response; regenerate it with this moeplan ('moeplan plan')")
@@ -274,17 +273,18 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     for kind in KINDS:
         write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
     write_file(out / "functions" / "front" / "Dockerfile", env.get_template("Dockerfile.front.j2").render())
-    predicted = pl["predicted"]
-    per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
+    predicted = pl.predicted
+    moe_cost = float(predicted.moe_cost_per_batch_usd if predicted.moe_cost_per_batch_usd is not None else 0.0)
+    per_request = moe_cost + float(predicted.dense_partition["cost_per_request_usd"])
     ctx = {
-        "model_name_json": to_yaml(str(pl["model"]["name"])), "description": "moeplan Lambda deployment of " + safe_text(str(pl["model"]["name"])),
+        "model_name_json": to_yaml(str(pl.model["name"])), "description": "moeplan Lambda deployment of " + safe_text(str(pl.model["name"])),
         "functions": [dict(f, spec_json=json.dumps(f["spec"], sort_keys=True, separators=(",", ":")),
                            suffix=function_suffix(f["id"])) for f in functions],
         "definition": machine, "timeout": TIMEOUT_S,
         "substitutions": {f["id"]: {"Fn::GetAtt": [f["id"], "Arn"]} for f in functions},
-        "layers": layers, "slices": slices, "batch_tokens": int(pl["communication"]["batch_tokens"]),
-        "cost_per_request": per_request, "moe_cost": float(predicted.get("moe_cost_per_batch_usd", 0.0)),
-        "dense_cost": float(predicted["dense_partition"]["cost_per_request_usd"]),
+        "layers": layers, "slices": slices, "batch_tokens": int(pl.communication.batch_tokens),
+        "cost_per_request": per_request, "moe_cost": moe_cost,
+        "dense_cost": float(predicted.dense_partition["cost_per_request_usd"]),
         "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
         "front": entry,

@@ -79,7 +79,7 @@ def write_files(out: Path, plan, weights, model_files: dict):
     out.mkdir(parents=True)
     arch = plan.model["architecture"]
     placement = plan.placement
-    expert_cache = bool(plan.communication.get("expert_cache"))
+    expert_cache = bool(plan.communication.expert_cache)
     digest = write_weights(out, plan, weights, expert_containers(arch, model_files))
     expected = plan.model.get("weights_sha256")
     if expected is not None and expected != digest:
@@ -87,32 +87,36 @@ def write_files(out: Path, plan, weights, model_files: dict):
                         "give the plan's model with --model or plan again")
     plan = dataclasses.replace(plan, model=dict(plan.model, weights_sha256=digest))
     write_file(out / "plan.json", plan.to_json())
-    write_file(out / "placement.json", json.dumps(placement, indent=1, sort_keys=True) + "\n")
+    write_file(out / "placement.json", json.dumps(placement.to_json(), indent=1, sort_keys=True) + "\n")
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
     copy_runtime(out / "runtime", "torchrun", expert_cache=expert_cache)
     write_file(out / "requirements.txt", requirements(arch))
     env = template_env("torchrun")
     topo = plan.topology
+    shown = plan.as_written().predicted  # as plan.json holds the figures
     context = {
         "model_name": plan.model["name"], "nodes": int(topo["nodes"]), "gpus_per_node": int(topo["gpus_per_node"]),
-        "world_size": plan.world_size, "plan_version": plan.version, "policy": placement.get("policy", "unknown"),
-        "mode": plan.communication["mode"],
-        "gpu_local": plan.to_dict()["predicted"].get("gpu_local_fraction", "n/a"),
-        "node_local": plan.to_dict()["predicted"].get("node_local_fraction", "n/a"),
-        "load": plan.to_dict()["predicted"].get("max_over_mean_load", "n/a"),
+        "world_size": plan.world_size, "plan_version": plan.version, "policy": placement.policy or "unknown",
+        "mode": plan.communication.mode,
+        "gpu_local": _shown(shown.gpu_local_fraction), "node_local": _shown(shown.node_local_fraction),
+        "load": _shown(shown.max_over_mean_load),
         "checkpoint": (plan.model.get("checkpoint") or {}).get("path"),
         "has_transformers": arch == "transformers", "has_tokenizer": "model/tokenizer.json" in model_files,
         "has_template": _has_chat_template(model_files),
         "ranks": [
             {"rank": r, "node": r // int(topo["gpus_per_node"]), "shard": plan.shards[r],
-             "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement["layers"])}
+             "experts": "; ".join(",".join(str(e) for e in layer["devices"][r]) for layer in placement.layers)}
             for r in range(plan.world_size)
         ],
     }
     write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**context), executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**context))
     return plan
+
+
+def _shown(value):
+    return "n/a" if value is None else value
 
 
 def _has_chat_template(model_files: dict) -> bool:

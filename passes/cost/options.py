@@ -72,12 +72,13 @@ def profile_label(cost: dict, detail: bool = False) -> str:
     return f"{cost.get('hardware', '?')} ({where})"
 
 
-def describe_choice(plan: dict) -> str:
-    """One line: policy and mode chosen, predicted seconds per token under each mode, the profile."""
-    cost = plan["predicted"]["cost"]
+def describe_choice(plan) -> str:
+    """One line: policy and mode chosen, predicted seconds per token under each mode, the profile
+    (`plan`: a Plan as plan.json holds it, `Plan.as_written`)."""
+    cost = plan.predicted.cost
     modes = ", ".join(f"{m} {v['seconds_per_token'] * 1e3:.2f} ms/token {v['total_bytes_per_token']:.0f} B/token"
                       for m, v in sorted(cost["modes"].items()))
     note = (" (the default; pass --hardware for the machine the bundle will run on)"
             if cost["hardware"] == "cpu-gloo" and "hardware_profile" not in cost else "")
-    return (f"placement {plan['placement'].get('policy')}, mode {cost['mode']} (requested {cost['mode_requested']}); "
+    return (f"placement {plan.placement.policy}, mode {cost['mode']} (requested {cost['mode_requested']}); "
             f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}")

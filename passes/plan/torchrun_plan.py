@@ -54,8 +54,8 @@ def _plan(facts):
         deployment={k: v for k, v in target.items() if k != "name"},
     )
     if facts["expert_cache"] is not None:  # issue 13: each rank caches among its experts (passes/optimize/offload/)
-        plan = dataclasses.replace(plan, communication={**plan.communication, "expert_cache": facts["expert_cache"]["communication"]},
-                                   predicted={**plan.predicted, "expert_cache": facts["expert_cache"]["predicted"]},
+        plan = dataclasses.replace(plan, communication={**plan.communication.to_json(), "expert_cache": facts["expert_cache"]["communication"]},
+                                   predicted={**plan.predicted.to_json(), "expert_cache": facts["expert_cache"]["predicted"]},
                                    inputs={**plan.inputs, "offload": recorded_options(facts["offload_options"])})
     return {"plan": _with_capacity(plan, facts)}
 
@@ -65,14 +65,14 @@ def _with_capacity(plan: Plan, facts) -> Plan:
     from moeplan.passes.cost.capacity import device_memory, serving_capacity
     from moeplan.core.hardware import load_hardware
 
-    loaded, cache = facts["model"], plan.communication.get("expert_cache")
+    loaded, cache = facts["model"], plan.communication.expert_cache
     config = getattr(loaded.module, "config", None) if loaded.module is not None else None
     resident = list(cache["capacity"]) if cache else [int(n) for n in facts["placement"].hosts().sum(axis=(0, 1))]
     profile = load_hardware(facts["cost_options"]["hardware"])  # the plan's one profile
-    capacity = serving_capacity(loaded.ir, config, resident, plan.communication["mode"],
+    capacity = serving_capacity(loaded.ir, config, resident, plan.communication.mode,
                                 *device_memory(facts["offload_options"], profile,
                                                facts["placement"].topology.gpus_per_node))
-    return dataclasses.replace(plan, communication={**plan.communication, "capacity": capacity})
+    return dataclasses.replace(plan, communication={**plan.communication.to_json(), "capacity": capacity})
 
 
 PLAN = Pass("plan", ("model", "model_spec", "model_files", "trace", "trace_sha256", "placement", "placement_options", "affinity", "mode",

@@ -15,6 +15,7 @@ import click
 
 from moeplan.core import cli_types as T
 from moeplan.core.errors import UserError
+from moeplan.core.plan_sections import Predicted
 
 
 def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:
@@ -24,7 +25,7 @@ def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: b
     from moeplan.planner.pipeline.lambda_ import read_plan
 
     plan = read_plan(plan_path)[0]
-    spec = plan.predicted.get("request_cost") if isinstance(plan.predicted, dict) else None
+    spec = plan.predicted.request_cost if isinstance(plan.predicted, Predicted) else None
     if not isinstance(spec, dict):
         raise UserError(f"plan file '{plan_path}' has no request cost model (predicted.request_cost); regenerate it with this moeplan")
     if prompt_tokens < 1:

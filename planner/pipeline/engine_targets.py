@@ -43,9 +43,9 @@ def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dic
 def summary(facts: dict) -> dict:
     """The --json summary's fields of an engine target's plan."""
     plan = facts["plan"]
-    return {"world_size": plan.world_size, "policy": plan.placement.get("policy"),
-            "redundant": plan.communication["redundant"], "objective": "balance",
-            "predicted": dict(plan.to_dict()["predicted"])}
+    return {"world_size": plan.world_size, "policy": plan.placement.policy,
+            "redundant": plan.communication.redundant, "objective": "balance",
+            "predicted": plan.as_written().predicted.to_json()}
 
 
 def describe(summary: dict, facts: dict) -> str:

@@ -17,6 +17,7 @@ from moeplan.backends.lambda_.codegen_pass import CODEGEN, MODEL_FILES
 from moeplan.backends.lambda_.layout import runtime_units
 from moeplan.core.errors import UserError
 from moeplan.core.plan import Plan
+from moeplan.core.plan_sections import Communication, Placement
 from moeplan.passes.analysis.passes import FACTS
 from moeplan.passes.analysis.profile.passes import PROFILE
 from moeplan.passes.analysis.trace.passes import TRACE
@@ -41,16 +42,16 @@ def inputs(model: str, trace: str, out, values: dict) -> dict:
 
 def summary(facts: dict) -> dict:
     """The --json summary's fields of a lambda plan."""
-    doc = facts["plan"].to_dict()
+    plan = facts["plan"].as_written()  # the figures as plan.json holds them
     result = {}
     if "manifest" not in facts:
         result["bo_iterations"] = facts["sizing"].bo["iterations"] if facts["sizing"].bo else 0
-    p = doc["predicted"]
-    result.update(functions=doc["topology"]["functions"], dense_slices=len(doc["placement"]["dense_slices"]),
-                  methods=doc["communication"]["methods"], cost_per_request_usd=p["cost_per_request_usd"],
-                  moe_cost_per_batch_usd=p["moe_cost_per_batch_usd"], latency_s=p["latency_s"],
-                  throughput_tokens_per_s=p["throughput_tokens_per_s"], algorithm=p["algorithm"],
-                  predictor_error=p["predictor_error"])
+    p = plan.predicted
+    result.update(functions=plan.topology["functions"], dense_slices=len(plan.placement.dense_slices),
+                  methods=plan.communication.methods, cost_per_request_usd=p.cost_per_request_usd,
+                  moe_cost_per_batch_usd=p.moe_cost_per_batch_usd, latency_s=p.latency_s,
+                  throughput_tokens_per_s=p.throughput_tokens_per_s, algorithm=p.algorithm,
+                  predictor_error=p.predictor_error)
     return result
 
 
@@ -97,10 +98,10 @@ def read_plan(path) -> tuple:
         plan = Plan.from_json(path.read_text(encoding="utf-8"))
     except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError, RecursionError) as exc:
         raise UserError(f"plan file '{path}' is not a moeplan plan ({exc.__class__.__name__}: {str(exc)[:80]})") from None
-    if not isinstance(plan.communication, dict) or not isinstance(plan.inputs, dict) \
-            or not isinstance(plan.placement, dict):
+    if not isinstance(plan.communication, Communication) or not isinstance(plan.inputs, dict) \
+            or not isinstance(plan.placement, Placement):
         raise UserError(f"plan file '{path}' has malformed sections; regenerate it with 'moeplan plan'")
-    if plan.target != "lambda" or plan.communication.get("serverless_version") != SERVERLESS_VERSION:
+    if plan.target != "lambda" or plan.communication.serverless_version != SERVERLESS_VERSION:
         raise UserError(f"plan file '{path}' is a '{plan.target}' plan; 'moeplan simulate' takes lambda plans "
                         f"(serverless_version {SERVERLESS_VERSION}) and offload plans"
                         + ("; a torchrun or kubernetes bundle is measured by 'moeplan run BUNDLE --verify'"
@@ -115,7 +116,7 @@ def read_plan(path) -> tuple:
                                 tuple(ExpertChoice(int(x["memory_mb"]), int(x["replicas"]), int(x["predicted_tokens"]))
                                       for x in l["experts"]))
                   for l in plan.placement["layers"]]
-        batch_tokens = int(plan.communication["batch_tokens"])
+        batch_tokens = int(plan.communication["batch_tokens"])  # string keys here: a missing one is the KeyError reported
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise UserError(f"plan file '{path}' has a malformed serverless section ({exc.__class__.__name__}: {exc}); regenerate it") from None
     for l, layer in enumerate(layers):

@@ -56,20 +56,22 @@ def summary(facts: dict) -> dict:
     """The --json summary's fields of a torchrun or kubernetes plan: scale, headline predictions."""
     from moeplan.passes.cost.options import describe_choice
 
-    plan = facts["plan"]
-    doc = plan.to_dict()
-    result = dict(world_size=plan.world_size, policy=doc["placement"].get("policy"), mode=doc["communication"]["mode"],
-                  predicted={k: doc["predicted"][k] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")})
-    cache = doc["communication"].get("expert_cache")
+    plan = facts["plan"].as_written()  # the figures as plan.json holds them
+    comm, predicted = plan.communication, plan.predicted
+    result = dict(world_size=plan.world_size, policy=plan.placement.policy, mode=comm.mode,
+                  predicted={"gpu_local_fraction": predicted.gpu_local_fraction,
+                             "node_local_fraction": predicted.node_local_fraction,
+                             "max_over_mean_load": predicted.max_over_mean_load})
+    cache = comm.expert_cache
     if cache:  # issue 13: per-rank expert caches
         result["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
-                                  "predicted_hit_ratio": doc["predicted"]["expert_cache"]["hit_ratio"]}
-    if doc["communication"].get("capacity"):  # issue 29: what the service holds at once
-        result["capacity"] = doc["communication"]["capacity"]
-    cost = doc["predicted"].get("cost")
+                                  "predicted_hit_ratio": predicted.expert_cache["hit_ratio"]}
+    if comm.capacity:  # issue 29: what the service holds at once
+        result["capacity"] = comm.capacity
+    cost = predicted.cost
     if cost:  # issue 12: the cost model's figures for the chosen mode, and the profile they are for
         chosen = cost["modes"][cost["mode"]]
-        result.update(hardware=cost["hardware"], choice=describe_choice(doc))
+        result.update(hardware=cost["hardware"], choice=describe_choice(plan))
         result["predicted"].update(seconds_per_token=chosen["seconds_per_token"],
                                    total_bytes_per_token=chosen["total_bytes_per_token"])
     return result
