@@ -67,9 +67,9 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    from moeplan.passes.cost.model import ModelShape, routing_from_trace
+    from moeplan.passes.cost.cost_model import ModelShape, routing_from_trace
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.passes.importers import load_model
     from moeplan.passes.cost.options import parse_workload

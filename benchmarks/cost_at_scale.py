@@ -68,10 +68,10 @@ def model_path(config, scratch: Path) -> str:
 
 
 def scenario(name, config, nodes, per_node, hardware, workload_text, args, scratch: Path) -> dict:
-    from moeplan.passes.cost.model import ModelShape
+    from moeplan.passes.cost.cost_model import ModelShape
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
     from moeplan.passes.cost.by_predicted_time import choose_placement, predict_modes
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.core.hardware import load_hardware
     from moeplan.passes.importers import load_model

@@ -92,7 +92,7 @@ def trace_of(model: Path, name: str, corpus: str, tokens: int) -> Path:
 
 
 def switch_large_timing():
-    from moeplan.passes.optimize.offload.simulate import Timing
+    from moeplan.passes.optimize.offload.simulator import Timing
     from moeplan.core.hardware import load_hardware
 
     hw = load_hardware("a5000-pcie4")
@@ -219,7 +219,7 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
     from moeplan.passes.optimize.offload.cache_plan import timing_for
     from moeplan.runtime.offload.policies import make_policy
     from moeplan.runtime.offload.prefetch import make_prefetcher
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.passes.optimize.offload.simulator import simulate_demand
 
     E = stream.num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]

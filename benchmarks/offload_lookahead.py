@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     from moeplan.runtime.offload.next_use import fit_next_use
     from moeplan.passes.optimize.offload.cache_plan import popular_keys, split_by_sequence, tune_mix
     from moeplan.runtime.offload.policies import make_policy
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.passes.optimize.offload.simulator import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -2,7 +2,7 @@
 
 Why: `benchmarks/placement.py --corpus` compares placements by GPU-local fraction, the proxy the
 ILP optimises. A placement is better only if its deployment is faster. Here every row is priced
-by the cost model (`passes/cost/model.py`, the runtime's exchanges replayed exactly; its
+by the cost model (`passes/cost/cost_model.py`, the runtime's exchanges replayed exactly; its
 bytes equal the measured counters of real runs, tests/test_cost_model.py) in both modes, on the
 held-out half's routing, and the faster mode is reported beside EPLB+R in standard mode.
 

@@ -8,7 +8,7 @@ plan (policy auto, mode auto, cpu-gloo profile), then run held-out prompts throu
 one launch; launches go round-robin over the bundles `--repeats` times and tokens/s is the median
 (the machine may be shared: ratios to the baseline are what to read, not absolute figures).
 
-Predictions, from the cost model (`passes/cost/model.py`):
+Predictions, from the cost model (`passes/cost/cost_model.py`):
 * `predicted_total_bytes_per_token`: on the routing the run recorded (must equal the measurement);
 * `prior_total_bytes_per_token`: before the run, routing sampled from the plan's trace;
 * `predicted_seconds_per_token`: on the run's routing, priced with the cpu-gloo profile; compare

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.cost.model import COHERENT, STANDARD, ModelShape, Workload, predict, routing_from_trace
+from moeplan.passes.cost.cost_model import COHERENT, STANDARD, ModelShape, Workload, predict, routing_from_trace
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.cost.by_predicted_time import choose_mode
 from moeplan.planner.cli import main

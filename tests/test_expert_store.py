@@ -106,7 +106,7 @@ def test_host_tier_serves_preloaded_experts_and_counts_disk_and_host_bytes(tmp_p
 def test_load_recorder_changes_nothing_and_records_every_load(seed, capacity, name):
     from synth_routing import synthesize_routed_tokens
     from moeplan.runtime.offload.policies import make_policy
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.passes.optimize.offload.simulator import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream
     from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_split
 

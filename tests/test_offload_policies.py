@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.runtime.offload.policies import DEMAND_POLICIES, make_policy
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_demand, simulate_timed
 from moeplan.passes.optimize.offload.stream import build_stream
 
 

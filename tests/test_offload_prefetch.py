@@ -26,7 +26,7 @@ from synth_routing import synthesize_routed_tokens
 from moeplan.runtime.offload.next_use import fit_next_use
 from moeplan.runtime.offload.policies import make_policy
 from moeplan.runtime.offload.prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_timed
 from moeplan.runtime.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (the module's fixture: a small model and its trace)
@@ -156,7 +156,7 @@ def test_a_prefetcher_copies_only_the_keys_it_may(fitted):
 def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_inputs, gpus, cache, prefetch, mode):
     """With a host tier of 4 experts per rank: prefetched and demand loads both split into host
     copies and disk reads exactly as the replay predicts."""
-    from moeplan.passes.optimize.offload.ranks import runtime_expert_bytes
+    from moeplan.passes.optimize.offload.rank_caches import runtime_expert_bytes
     from moeplan.passes.importers import load_model
 
     root, model_dir = offload_inputs

@@ -23,7 +23,7 @@ from moeplan.passes.analysis.activation import popularity_by_layer
 from synth_routing import synthesize_routed_tokens
 from moeplan.runtime.offload.next_use import fit_next_use
 from moeplan.runtime.offload.policies import make_policy
-from moeplan.passes.optimize.offload.simulate import simulate_demand
+from moeplan.passes.optimize.offload.simulator import simulate_demand
 from moeplan.runtime.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.cli import main
@@ -157,7 +157,7 @@ def test_expert_cache_bundles_ship_the_simulators_own_policy_modules_verbatim(tm
     runtime package; bundles with expert caches ship those very files (the whole runtime/offload/
     subpackage, no rewriting), others do not ship the subpackage at all."""
     from moeplan.backends.common.files import EXPERT_CACHE_SUBPACKAGE, copy_runtime
-    from moeplan.passes.optimize.offload import ranks
+    from moeplan.passes.optimize.offload import rank_caches as ranks
 
     runtime = Path(__file__).resolve().parents[1] / "runtime"
     assert ranks.make_policy.__module__ == "moeplan.runtime.offload.policies"

@@ -30,7 +30,7 @@ from moeplan.passes.analysis.trace.format import make_trace
 from synth_routing import synthesize_routed_tokens
 from moeplan.runtime.offload.policies import make_policy
 from moeplan.runtime.offload.prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_timed
 from moeplan.runtime.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.passes.optimize.offload.tiers import LoadRecorder

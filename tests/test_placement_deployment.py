@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.cost.by_predicted_time import TIE
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.passes.importers.resolve import import_file
 from moeplan.passes.cost.options import parse_workload

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, source_token_caps
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
 from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts, layer_caps
 from moeplan.passes.optimize.placement.metrics import score_placement

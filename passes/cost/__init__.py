@@ -1,6 +1,6 @@
 """The cost model and what prices with it (issue 38 item 7: one cost-model package).
 
-`model.py`: bytes, messages and seconds per token of a placement under a mode, with the runtime's
+`cost_model.py`: bytes, messages and seconds per token of a placement under a mode, with the runtime's
 replica rule; `by_predicted_time.py`: the mode and the placement policy chosen by predicted time;
 `time_prices.py`: the ILP's load cap priced in the profile's seconds; `capacity.py`: the sequences
 and context the ranks hold (plan.json `communication.capacity`); `cost_pass.py`: the cost and

@@ -2,7 +2,7 @@
 
 Why: the placement objective (tokens that stay on their GPU) is a proxy; on the example model at
 4 CPU ranks the plan that wins on it (ilp + coherent) runs at 0.68x the tokens/s of contiguous +
-standard EP. Here every candidate is priced by the cost model (`passes/cost/model.py`)
+standard EP. Here every candidate is priced by the cost model (`passes/cost/cost_model.py`)
 under the chosen hardware profile, on the plan's trace and workload, and the fastest wins.
 
 * `--mode auto`: the mode with the lower predicted seconds per generated token; on a tie (within
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from moeplan.passes.cost.model import COHERENT, STANDARD, expected
+from moeplan.passes.cost.cost_model import COHERENT, STANDARD, expected
 from moeplan.core.errors import UserError
 
 MODES = (STANDARD, COHERENT)

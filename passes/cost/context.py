@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from moeplan.passes.cost.model import ModelShape
+from moeplan.passes.cost.cost_model import ModelShape
 
 
 def context_plan_of(module, choice: str = "auto") -> list:

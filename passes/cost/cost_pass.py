@@ -55,7 +55,7 @@ def placement_or_auto(facts):
     options = facts["placement_options"]
     if options.get("policy") != "auto":
         return place_passes._placement(facts)
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest
 
     topo = facts["topology"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from moeplan.core.errors import UserError
-from moeplan.passes.cost.model import Workload
+from moeplan.passes.cost.cost_model import Workload
 
 DEFAULT_WORKLOAD = "8x32+8"
 

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from moeplan.passes.cost.context import bundle_context_plan, shape_of_plan
-from moeplan.passes.cost.model import Workload, predict, routing_from_keys
+from moeplan.passes.cost.cost_model import Workload, predict, routing_from_keys
 from moeplan.passes.cost.options import plan_profile, profile_label
 
 
@@ -18,7 +18,7 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
     `context`: the run's context choice (`serve --context`)."""
     import torch
 
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
     plan = json.loads((root / "plan.json").read_text())
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))

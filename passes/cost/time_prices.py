@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeplan.passes.cost.model import COHERENT, EXPERT_CALL_OPS, STANDARD
+from moeplan.passes.cost.cost_model import COHERENT, EXPERT_CALL_OPS, STANDARD
 
 CAP_LADDER = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 

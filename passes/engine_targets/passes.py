@@ -104,7 +104,7 @@ def with_model_experts(trace, num_experts: int):
 
 
 def _placement(facts):
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     topo, engine_model = facts["topology"], facts["engine_model"]

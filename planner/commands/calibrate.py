@@ -162,7 +162,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     import tempfile
     from pathlib import Path
 
-    from moeplan.passes.cost.model import ATTN_OPS, MOE_OPS
+    from moeplan.passes.cost.cost_model import ATTN_OPS, MOE_OPS
     from moeplan.planner.commands.calibrate_engine import engine_label, fit_engine
     from moeplan.core.hardware import machine_facts, machine_key
 
@@ -247,7 +247,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                                      f"converted to float32 (the rank's store); stored bytes per second",
             "memory_efficiency": "one: memory_bytes_per_s is measured, already effective",
             "layer_overhead_s": "derived: op_overhead_s x (ATTN_OPS + MOE_OPS), the framework calls of one decoder "
-                                "block in passes/cost/model.py",
+                                "block in passes/cost/cost_model.py",
             "copy_latency_s": f"{measured}, safetensors read of 16 float16 values (the fixed cost of one tensor read)",
             "host_memory_bytes_per_s": f"{measured}, all cores: one row through a 2048 x 768 SwiGLU expert (float32, "
                                        "18 MiB of weights), bytes / time",

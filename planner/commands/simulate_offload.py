@@ -27,7 +27,7 @@ def load_offload_plan(path) -> dict:
     import numpy as np
 
     from moeplan.runtime.offload.next_use import NextUseModel
-    from moeplan.passes.optimize.offload.simulate import Timing
+    from moeplan.passes.optimize.offload.simulator import Timing
 
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     try:

@@ -27,7 +27,7 @@ def predicted_locality(root: Path, out_dir: Path) -> float:
 
     from moeplan.passes.analysis.trace.format import make_trace
     from moeplan.passes.optimize.placement.metrics import score_placement
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
     routing = torch.load(out_dir / "routing.pt", weights_only=True)

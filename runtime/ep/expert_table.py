@@ -16,7 +16,7 @@ sorted: DeepSeek-V2/V3's `torch.topk(..., sorted=False)`):
   rank take a turn, so replicated hot experts share the traffic that crosses ranks.
 
 One implementation, vectorised over tokens (numpy): the runtime (`engine.py`) calls it on each
-rank's tokens per MoE layer, the cost model (`passes/cost/model.py`) replays runs with it
+rank's tokens per MoE layer, the cost model (`passes/cost/cost_model.py`) replays runs with it
 and the placement metric follows 100k-token traces with `primary` inside the placement search.
 The tables are shaped after SGLang's `ExpertLocationMetadata` (python/sglang/srt/eplb/
 expert_location.py, sglang 0.5.23: a logical expert's physical copies, `logical_to_all_physical_map`)

@@ -1,6 +1,6 @@
 """Eviction policies of the GPU expert cache, over a request `Stream` (passes/optimize/offload/stream.py).
 
-A policy sees the stream in order. The driver (passes/optimize/offload/simulate.py, or the stepper) calls `begin_step(s)` when a step's
+A policy sees the stream in order. The driver (passes/optimize/offload/simulator.py, or the stepper) calls `begin_step(s)` when a step's
 router has run (all of the step's keys are then known), `touch(r, key)` once request r is served
 (key now cached), and `victim(r, exclude)` when a key must leave a full cache; `evicted(key)`
 follows. `cached` is the driver's bool [N] residency mask, shared with the policy.

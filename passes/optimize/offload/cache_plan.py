@@ -33,7 +33,7 @@ from moeplan.passes.optimize.offload.evaluate import (PAIRED_EVICTION, gap_to_be
                                                      run_variants, speculation_settings, variant_order)
 from moeplan.runtime.offload.next_use import fit_next_use
 from moeplan.runtime.offload.policies import make_policy
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import OFFLOAD_FIGURES, HardwareProfile

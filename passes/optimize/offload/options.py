@@ -33,7 +33,7 @@ def offload_options(values: dict, target: str = "offload"):
             raise UserError("--host-compute needs --gpu-memory BYTES or --expert-cache N (an expert cache to serve)")
         return None
     if prefetch is not None:  # a pair that cannot run stops here, before any pass (the trace's speculation comes later)
-        from moeplan.passes.optimize.offload.ranks import prefetch_candidates
+        from moeplan.passes.optimize.offload.rank_caches import prefetch_candidates
 
         prefetch_candidates(values["eviction"], prefetch, trace_known=False)
     if (gpu_memory is None) == (expert_cache is None):

@@ -2,7 +2,7 @@
 expert caches of torchrun bundles (compile --gpu-memory / --expert-cache).
 
 The decisions (cache capacity, residents, eviction, prefetch, tiers) are `cache_plan.py` and, per
-rank, `ranks.py`. Facts read: `offload_options` (gpu_memory_bytes | expert_cache, hardware, batch,
+rank, `rank_caches.py`. Facts read: `offload_options` (gpu_memory_bytes | expert_cache, hardware, batch,
 max_length, prompt_tokens, validation_fraction, seed; `options.py` makes them from the flags) and
 `progress` (a callable for progress lines).
 """
@@ -73,7 +73,7 @@ def _expert_cache(facts):
         return {"expert_cache": None}
     from moeplan.passes.analysis.trace.format import require_routing
     from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
-    from moeplan.passes.optimize.offload.ranks import plan_rank_caches
+    from moeplan.passes.optimize.offload.rank_caches import plan_rank_caches
 
     require_routing(facts["trace"], "an expert cache (per-token expert requests)")
     loaded = facts["model"]

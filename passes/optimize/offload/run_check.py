@@ -17,10 +17,10 @@ def cache_beside_simulation(root, plan: dict, out_dir, summary: dict) -> dict:
 
     import torch
 
-    from moeplan.passes.optimize.offload.ranks import rank_keys
+    from moeplan.passes.optimize.offload.rank_caches import rank_keys
     from moeplan.passes.optimize.offload.replay import matches, replay_rank_logs
     from moeplan.passes.optimize.offload.stream import stream_from_log
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
     spec = plan["communication"]["expert_cache"]
     data = torch.load(Path(out_dir) / "expert_cache.pt", weights_only=True)

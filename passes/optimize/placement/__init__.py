@@ -4,7 +4,7 @@ Start at `policies.plan_placement(trace, PlacementRequest(...))`: it checks the 
 algorithm the request names and scores the result with the placement metric.
 
     policies.py       the entry point: request -> algorithm -> scored `Placement`
-    contract.py       `Topology`, `Placement` and placement.json (read, validate, write); the dispatch
+    schema.py         `Topology`, `Placement` and placement.json (read, validate, write); the dispatch
                       rule over a placement is the runtime's: runtime/ep/expert_table.py
     metrics.py        the placement metric (GPU/node-local transitions, max/mean load): tokens follow
                       the runtime's replica rule

@@ -23,7 +23,7 @@ import numpy as np
 from moeplan.runtime.ep.expert_table import ExpertTable
 from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.core.errors import UserError
 
 

@@ -11,7 +11,7 @@ from moeplan.core.pass_manager import Pass
 
 
 def _placement(facts):
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     topo = facts["topology"]
@@ -22,7 +22,7 @@ def _placement(facts):
 def placement_is_valid(facts) -> None:
     """Postcondition of every placement pass: the structural rules of a placement (every expert
     placed, no device hosting one twice), on the topology asked for, one entry per traced layer."""
-    from moeplan.passes.optimize.placement.contract import validate_placement
+    from moeplan.passes.optimize.placement.schema import validate_placement
 
     placement, topology, trace = facts["placement"], facts["topology"], facts["trace"]
     validate_placement(placement)

@@ -20,7 +20,7 @@ plan.json body (serverless version 1):
 * `predicted`: cost (per batch: MoE layers, dense functions; per request with the partition),
   latency, throughput, validation batches, predictor errors, solver reports, profile, BO, and
   `request_cost`: the spec the request cost model prices one generation from
-  (`passes/optimize/serverless/generation.py`; the front function and `simulate --new-tokens`)
+  (`passes/optimize/serverless/request_spec.py`; the front function and `simulate --new-tokens`)
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
 * `deployment`: payload limit, the request rate the README's monthly cost is stated for, and the
@@ -100,7 +100,7 @@ def partition_pass(runtime_units) -> Pass:
     def _partition(facts):
         from moeplan.passes.optimize.serverless import partition as P
 
-        from moeplan.passes.optimize.serverless.generation import REQUEST_GRID
+        from moeplan.passes.optimize.serverless.request_spec import REQUEST_GRID
 
         loaded, o = facts["model"], facts["serverless_options"]
         by_tokens = P.units_on_grid(loaded.ir, facts["profile"], sorted(set(REQUEST_GRID) | {o["batch_tokens"]}),
@@ -189,8 +189,8 @@ def _plan(facts):
 
 
 def _request_spec(loaded, sfacts, layers, part, grid_units: dict, http_entry: str) -> dict:
-    """What one generation request costs under this plan (passes/optimize/serverless/generation.py)."""
-    from moeplan.passes.optimize.serverless.generation import kv_bytes_per_layer_token, request_spec
+    """What one generation request costs under this plan (passes/optimize/serverless/request_spec.py)."""
+    from moeplan.passes.optimize.serverless.request_spec import kv_bytes_per_layer_token, request_spec
     from moeplan.runtime.lambda_.request_cost import request_cost
 
     p = sfacts.platform

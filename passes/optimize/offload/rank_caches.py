@@ -37,7 +37,7 @@ from moeplan.passes.optimize.offload.cache_plan import (MIXES, ONLINE_POLICIES, 
                                                        memory_budget, popular_keys, split_by_sequence, timing_for)
 from moeplan.runtime.offload.policies import make_policy
 from moeplan.runtime.offload.prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_demand
 from moeplan.runtime.offload.stepper import TimedCache, pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
