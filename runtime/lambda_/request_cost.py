@@ -4,7 +4,7 @@ Why in the runtime, dependency-free: the deployed front function states this pre
 response (runtime/lambda_/front.py) and `moeplan simulate` computes it from plan.json; both must run
 the very same code on the very same spec (`predicted.request_cost`, built by
 passes/optimize/serverless/request_spec.py from the plan's facts), as the offload simulator and the
-ranks share the runtime's offload_* modules. Only the standard library.
+ranks share the runtime's offload/ modules. Only the standard library.
 
 The generation of `new` tokens after a `prompt`-token prompt (B sequences), two ways:
 * "kv" (the bundle's way): one execution; step 0 runs the prompt's B x prompt rows, each later step

@@ -13,7 +13,7 @@ in (what a read takes off disk), host = the float32 copy handed to the device.
 
 * `ShardStore`: the rank's copied safetensors shard (`--weights copy`), read with `safe_open`.
 * `ReferenceStore`: the original checkpoint through the rank's reference index (`--weights
-  reference`): one expert's recipe per load (checkpoint_reader.py), i.e. that expert's rows of a
+  reference`): one expert's recipe per load (runtime/checkpoint_reader.py), i.e. that expert's rows of a
   fused [E, ...] or DBRX [E * r, D] tensor via `get_slice`, or its own per-expert tensors.
 
 The host tier (`preload(keys)`): the plan's host-memory keys for this rank are read once when the
