@@ -1,5 +1,5 @@
 """What kind of model directory a path is, a rule both the importers (passes/importers/) and codegen
-(backends/torchrun/codegen_pass.py: which checkpoints are streamed into the shards) apply.
+(backends/torchrun/codegen.py: which checkpoints are streamed into the shards) apply.
 
 * `read_json_object`: a model config as a JSON object, or a one-line UserError;
 * `streamable_directory`: a Hugging Face model directory with safetensors weights (imported on

@@ -7,6 +7,9 @@ requirements-front.txt, front.json and request_cost.json: `front.py`), weights/ 
 S3 keys: weights/dense/slice-NN/ and weights/experts/layer-LLL/expert-EEE/, each a
 weights.safetensors holding only that function's tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
 
+`MODEL_FILES` (the model files a Lambda bundle ships, once the runtime is known to cut the model into
+functions) and `CODEGEN` (this `write_bundle`) are the target's bundle passes.
+
 Functions: one per dense slice (`DenseNN`) and one per expert replica (`ExpertLlllEeeeRr`), each
 with the memory the plan chose, and the front (`Front`), which may only start the state machine. Least privilege: a function's role reads only its own weight
 prefix and reads/writes only `intermediates/`; a dense function that routes a direct-method
@@ -29,10 +32,12 @@ from moeplan.backends.lambda_ import layout as lay
 from moeplan.runtime.model.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.model_source import bundle_model
+from moeplan.backends.common import model_source
+from moeplan.backends.common.model_source import bundle_model, needs_weights
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
 from moeplan.core.atomic import atomic_path
 from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 
 KINDS = ("dense", "expert")
 TIMEOUT_S = 900
@@ -296,3 +301,28 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                             "fewer experts per direct layer (--methods s3,pipelined_s3) keep it smaller")
     write_file(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
+
+
+# --- the Lambda target's bundle passes ---------------------------------------------------------------
+
+def _lambda_model_files(facts):
+    """The model files a Lambda bundle ships, once the runtime is known to cut this model into functions."""
+    try:
+        arch, files = model_source.model_files(facts["model_spec"])
+    except UserError as exc:  # its messages name the torchrun target, whose models this one runs too
+        raise UserError(str(exc).replace("torchrun", "lambda")) from None
+    try:
+        lay.Layout.of(bundle_model(arch, files, facts["model_spec"]))
+    except lay.LayoutError as exc:
+        raise UserError(f"cannot compile '{facts['model_spec']}' for lambda: {exc}") from None
+    return {"model_files": {"architecture": arch, "files": files}}
+
+
+MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _lambda_model_files)
+
+
+def _codegen(facts):
+    return {"manifest": write_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(), facts["model_files"])}
+
+
+CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)

@@ -9,7 +9,13 @@ Weights arrive as `TensorEntry`s (an in-memory state dict, or a checkpoint read 
 `backends/common/checkpoint_index.py`) and are written in one streaming pass. Every byte is a
 function of the inputs (no timestamps, sorted JSON, fixed shard metadata), so compiling twice gives
 identical bundles. `write_bundle` builds it in a temporary directory renamed onto the target only
-on success (`planner.atomic.atomic_path`), and writes the manifest once, last.
+on success (`core/atomic.py: atomic_path`), and writes the manifest once, last.
+
+`codegen_pass(backend)` is the codegen pass of the torchrun and Kubernetes targets: the plan's bundle
+written by this `write_bundle` (or `backends/kubernetes/codegen.py`'s: the torchrun bundle plus
+manifests), its weights read from the model (`weights_source`: a Hugging Face safetensors
+directory is streamed into the shards tensor by tensor, so compile never holds the model's
+weights; with `--weights reference` the bundle holds per-rank indexes into the checkpoint).
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from pathlib import Path
 
 
 from moeplan.backends.common.templating import template_env
-from moeplan.backends.common.model_source import expert_containers, requirements
+from moeplan.backends.common.model_source import expert_containers, needs_weights, requirements
 from moeplan.runtime.model.moe_adapter import expert_owner
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
@@ -28,6 +34,8 @@ from moeplan.backends.common.shards import entries_sha256, holders, shard_name, 
 from moeplan.backends.common.tensor_entries import entries_from_state
 from moeplan.core.atomic import atomic_path
 from moeplan.core.errors import UserError
+from moeplan.core.model_dirs import streamable_directory
+from moeplan.core.pass_manager import Pass
 
 
 def write_weights(out: Path, plan, weights, containers: list) -> str:
@@ -128,3 +136,41 @@ def _has_chat_template(model_files: dict) -> bool:
     except ValueError:
         return False
     return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def weights_source(model_spec: str, loaded, model_files: dict, form: str = "copy") -> tuple:
+    """(weights for codegen, referenced checkpoint or None): a Hugging Face safetensors directory is
+    streamed (`TensorEntry`s reading one tensor at a time); other models give their state dict."""
+    directory = streamable_directory(model_spec) if model_files["architecture"] == "transformers" else None
+    if directory is None:
+        if form == "reference":
+            raise UserError(f"--weights reference needs a Hugging Face model directory with safetensors weights; "
+                            f"'{model_spec}' is not one: use --weights copy")
+        return loaded.module.state_dict(), None
+    from moeplan.backends.common.checkpoint_index import checkpoint_entries, checkpoint_files
+    from moeplan.backends.common.model_source import expert_containers
+
+    containers = expert_containers("transformers", model_files["files"], spec=model_spec)
+    entries, tensors = checkpoint_entries(directory, loaded.module, containers, model_spec)
+    if form != "reference":
+        return entries, None
+    return entries, {"path": str(directory.resolve()), "files": checkpoint_files(directory, tensors)}
+
+
+def write_target_bundle(backend: str, out, plan, model_spec: str, loaded, model_files: dict) -> dict:
+    """The plan's bundle at `out` by `backends/<backend>/codegen.py` (torchrun, or kubernetes: the
+    torchrun bundle plus manifests), its weights read from the model."""
+    import importlib
+
+    weights, checkpoint = weights_source(model_spec, loaded, model_files, plan.deployment.get("weights", "copy"))
+    writer = write_bundle if backend == "torchrun" else importlib.import_module(f"moeplan.backends.{backend}.codegen").write_bundle
+    return writer(out, plan, weights, model_files, checkpoint)
+
+
+def codegen_pass(backend: str) -> Pass:
+    """The codegen pass writing the bundle with `backends/<backend>/codegen.py`."""
+    def codegen(facts):
+        return {"manifest": write_target_bundle(backend, facts["out"], facts["plan"], facts["model_spec"], facts["model"],
+                                         facts["model_files"])}
+
+    return Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), codegen, check=needs_weights)

@@ -3,7 +3,7 @@
 The plan records the placement (`passes/optimize/placement/`), the communication mode and its
 predicted cost (`passes/cost/`), the expert caches (`passes/optimize/offload/`), the serving
 capacity (`passes/cost/capacity.py`) and the Kubernetes settings, and nothing of the bundle's
-layout: the codegen pass (`backends/torchrun/codegen_pass.py`) adds that (shard names, model file
+layout: the codegen pass (`backends/torchrun/codegen.py`) adds that (shard names, model file
 paths) when it writes the bundle.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ its summaries, and a Lambda plan read back for `moeplan simulate` and the report
 
 The planning passes and plan.json's serverless body are `passes/optimize/serverless/passes.py`;
 `moeplan plan --target lambda` runs this list for the plan alone, so it works on config-only models
-too; `compile --target lambda` adds the runtime check and the bundle (`backends/lambda_/codegen_pass.py`).
+too; `compile --target lambda` adds the runtime check and the bundle (`backends/lambda_/codegen.py`).
 The partition pass groups dense units where the Lambda runtime can cut the model: this list hands it
 the Lambda backend's rule (`backends/lambda_/layout.py: runtime_units`).
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from moeplan.backends.lambda_.codegen_pass import CODEGEN, MODEL_FILES
+from moeplan.backends.lambda_.codegen import CODEGEN, MODEL_FILES
 from moeplan.backends.lambda_.layout import runtime_units
 from moeplan.core.errors import UserError
 from moeplan.core.plan import Plan

@@ -5,7 +5,7 @@ Each pass lives beside what it runs: `backends/common/model_source.py` (the runt
 `passes/importers/passes.py` (on `meta` for a Hugging Face safetensors directory), `passes/analysis/`
 (trace, affinity), `passes/cost/cost_pass.py` (placement, --policy auto by predicted time, and the cost
 pass), `passes/optimize/offload/passes.py` (expert caches), `passes/plan/torchrun_plan.py` (the plan)
-and `backends/torchrun/codegen_pass.py` (the bundle, written into a temporary directory renamed onto
+and `backends/torchrun/codegen.py` (the bundle, written into a temporary directory renamed onto
 --out only when everything succeeded).
 
 Facts read from the command (`inputs`): `topology` {"nodes", "gpus_per_node"}, `placement_options`
@@ -16,7 +16,7 @@ Facts read from the command (`inputs`): `topology` {"nodes", "gpus_per_node"}, `
 from __future__ import annotations
 
 from moeplan.backends.common.model_source import MODEL_FILES
-from moeplan.backends.torchrun.codegen_pass import codegen_pass
+from moeplan.backends.torchrun.codegen import codegen_pass
 from moeplan.passes.analysis.passes import AFFINITY
 from moeplan.passes.analysis.trace.passes import TRACE
 from moeplan.passes.cost.cost_pass import COST, PLACEMENT

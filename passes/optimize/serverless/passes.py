@@ -3,7 +3,7 @@
 The whole list (runtime files, import, trace, profile, serverless facts, these, codegen) is
 `planner/pipeline/lambda_.py`; the profile and facts passes stand beside their analyses
 (`passes/analysis/profile/passes.py`, `passes/analysis/passes.py`), the codegen pass beside the
-bundle writer (`backends/lambda_/codegen_pass.py`).
+bundle writer (`backends/lambda_/codegen.py`).
 
 Expert functions are sized by `passes/optimize/serverless/sizing_pipeline.py` (popularity table, optional
 BO, MILP + ODS with a scatter-gather method per layer); the dense stages are partitioned by HyPAD
