@@ -1,8 +1,8 @@
 """Maps the design card's top-level folders into the single `moeplan` namespace.
 
 `api/` is the package `moeplan` itself (its `__init__.py` is the Python API: `moeplan.compile`,
-`moeplan.plan`, `moeplan.codegen`); `planner/`, `passes/`, `backends/` and `templates/` are its
-subpackages. pyproject's static `package-dir` cannot list subpackages found under a renamed root,
+`moeplan.plan`, `moeplan.codegen`); `core/`, `runtime/`, `planner/`, `passes/`, `backends/` and
+`templates/` are its subpackages, one layer each (docs/architecture.md). pyproject's static `package-dir` cannot list subpackages found under a renamed root,
 so the mapping is computed here; everything else lives in pyproject.toml.
 """
 from setuptools import find_namespace_packages, find_packages, setup

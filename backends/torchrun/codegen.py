@@ -1,9 +1,8 @@
 """Write a torchrun bundle from a Plan, the source weights and the model's own files.
 
 Layout: plan.json, placement.json, launch.sh, README.md, requirements.txt, model/ (config + source
-file), runtime/ (copied from moeplan.runtime, `backends/common/files.py`: with its
-serving/ subpackage, the inference service `launch.sh --serve` runs; with expert caches also the
-cache's policy modules), shards/rank-NNNNN.safetensors (or, with `--weights
+file), runtime/ (copied from moeplan.runtime, `backends/common/files.py`: its top level, model/, ep/
+and serving/, the inference service `launch.sh --serve` runs; with expert caches also offload/), shards/rank-NNNNN.safetensors (or, with `--weights
 reference`, shards/rank-NNNNN.index.json pointing into the original checkpoint), manifest.json.
 Weights arrive as `TensorEntry`s (an in-memory state dict, or a checkpoint read tensor by tensor:
 `backends/common/checkpoint_index.py`) and are written in one streaming pass. Every byte is a
