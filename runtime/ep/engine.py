@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from .context_exchange import ContextExchange, context_plan, hidden_size
-from .exchange import pack, pack_small, unpack, unpack_small
+from .exchange import by_destination, pack, pack_small, unpack, unpack_small
 from ..model.moe_adapter import Captured
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -81,7 +81,11 @@ class Engine:
         return [rows[:0] if d == self.rank else rows for d in range(self.world)]
 
     def _rows_of(self, keys: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([self.row_of[int(k)] for k in keys.tolist()], dtype=torch.int64)
+        """int64 [m]: the forward's row of each token key [m] (CPU; every key one of this step's)."""
+        if self._key_index is None:
+            self._key_index = torch.sort(self.keys)
+        ordered, rows = self._key_index
+        return rows[torch.searchsorted(ordered, keys.contiguous())]
 
     # --- generation ------------------------------------------------------------------------
     def generate(self, prompts: list, new_tokens: int) -> dict:
@@ -147,8 +151,12 @@ class Engine:
         indices of the rows whose forward ended on this rank, the cache to pass next time)."""
         dev = self.device
         self.keys = keys
-        self.row_of = {int(k): i for i, k in enumerate(keys.tolist()) if k >= 0}
-        self.mine = keys >= 0
+        real = keys >= 0
+        self.all_real = bool(real.all())
+        self.active = real.nonzero().flatten()          # rows that are tokens (not padding), CPU
+        self.dev_active = self.active.to(dev)
+        self._key_index = None                          # (sorted keys, their rows): `_rows_of`, built when asked
+        self.mine = real
         self.replicated = self.mode == COHERENT
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
@@ -205,7 +213,7 @@ class Engine:
         if h.shape[0] != self.keys.shape[0]:
             raise RuntimeError(f"MoE block saw {h.shape[0]} rows, the step has {self.keys.shape[0]}")
         if self.mode == STANDARD:
-            return self._standard(adapter, h, ids.cpu(), weights)
+            return self._standard(adapter, h, ids, weights)
         if self.replicated:
             return self._coherent_first(adapter, h, ids.cpu(), weights)
         rows, r_ids, r_w, r_dest = self.received
@@ -217,54 +225,61 @@ class Engine:
         (the replica rule of `expert_table.py`)."""
         return torch.from_numpy(self.table.choose(moe, ids.numpy(), current))
 
-    def _count_local(self, layer: int, moe: int, dest: torch.Tensor) -> None:
+    def _count_local(self, layer: int, moe: int, local: int, slots: int) -> None:
         if moe >= 1:
             lay = self.counters.layers[layer]
-            lay["local_slots"] += int((dest == self.rank).sum())
-            lay["slots"] += int(dest.numel())
+            lay["local_slots"] += int(local)
+            lay["slots"] += int(slots)
 
     def _dispatch(self, adapter, x, ids, weights, keys, dest):
-        """Send rows (x [n, D] with weights, keys, ids, dest) to the ranks of their slots; returns
-        what this rank received: (x [m, D], weights [m, k], keys [m], ids [m, k], dest [m, k], sources [m])
-        and the row indices sent to each rank."""
-        k, width = ids.shape[1], x.shape[1] + ids.shape[1]
-        rows = pack(torch.cat([x, weights.to(x.dtype)], dim=1), torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], 1))], 1))
-        sent_idx = [(dest == d).any(dim=1).nonzero().flatten() for d in range(self.world)]
-        got = self.ex.exchange([rows[i.to(rows.device)] for i in sent_idx], rows.shape[1], adapter.layer, "dispatch")
-        parts = [unpack(g, width) for g in got]
-        rx = torch.cat([p for p, _ in parts])
-        meta = torch.cat([m.cpu() for _, m in parts])
-        sources = torch.cat([torch.full((p.shape[0],), s, dtype=torch.int64) for s, (p, _) in enumerate(parts)])
-        slots = unpack_small(meta[:, 1:], 2 * k)
-        return (rx[:, : x.shape[1]], rx[:, x.shape[1]:], meta[:, 0], slots[:, :k], slots[:, k:], sources), sent_idx
+        """Send rows (x [n, D] with weights, keys, ids, dest) to the ranks of their slots, packed in
+        rank order in one tensor (`exchange.by_destination`); returns what this rank received:
+        (x [m, D], weights [m, k], keys [m], ids [m, k], dest [m, k]; CPU but x and weights), how many
+        rows came from each rank, and the rows sent, in the order they went."""
+        k, D = ids.shape[1], x.shape[1]
+        order, counts = by_destination(dest, self.world)
+        meta = torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], 1))], 1)[order]
+        rows = pack(torch.cat([x, weights.to(x.dtype)], dim=1)[order.to(x.device)], meta)
+        got, got_counts = self.ex.exchange_sorted(rows, counts, rows.shape[1], adapter.layer, "dispatch")
+        rx, m = unpack(got, D + k)
+        m = m.cpu()
+        slots = unpack_small(m[:, 1:], 2 * k)
+        return (rx[:, :D], rx[:, D:], m[:, 0], slots[:, :k], slots[:, k:]), got_counts, order
+
+    def _one_rank(self, adapter, h, ids, weights):
+        """World of one: every slot is local, nothing to choose, pack or exchange; the routing stays on
+        the device (no host sync), padding rows aside."""
+        if self.all_real:
+            a_h, a_ids, a_w = h, ids, weights
+        else:
+            a_h, a_ids, a_w = h[self.dev_active], ids[self.dev_active], weights[self.dev_active]
+        n, k = a_ids.shape
+        self._count_local(adapter.layer, adapter.moe, n * k, n * k)
+        if self.recording:
+            self.trace.append((adapter.moe, self.keys[self.active], a_ids.cpu(), a_w.detach().float().cpu()))
+        partial = adapter.local_expert_output(a_h, adapter.local_slots(a_ids), a_w).to(h.dtype)
+        return partial if self.all_real else torch.zeros_like(h).index_copy(0, self.dev_active, partial)
 
     def _standard(self, adapter, h, ids, weights):
-        active = (self.keys >= 0).nonzero().flatten()
-        dev_active = active.to(h.device)
-        a_ids, a_w, a_h, keys = ids[active], weights[dev_active], h[dev_active], self.keys[active]
+        if self.world == 1:
+            return self._one_rank(adapter, h, ids, weights)
+        active, dev_active = self.active, self.dev_active
+        a_ids, a_w, a_h, keys = ids.cpu()[active], weights[dev_active], h[dev_active], self.keys[active]
         dest = self._destinations(adapter.moe, a_ids, np.full(active.numel(), self.rank))
-        self._count_local(adapter.layer, adapter.moe, dest)
+        self._count_local(adapter.layer, adapter.moe, int((dest == self.rank).sum()), dest.numel())
         if self.recording:
             self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
-        if self.world == 1:  # every slot is local: nothing to pack or exchange
-            partial = self._serve(adapter, a_h, a_ids, a_w, dest)
-            return torch.zeros_like(h).index_copy(0, dev_active, partial.to(h.dtype))
-        (r_h, r_w, _, r_ids, r_dest, sources), sent_idx = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
+        (r_h, r_w, _, r_ids, r_dest), got_counts, sent = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
         partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
-        back = [partial[(sources == d).nonzero().flatten().to(h.device)] for d in range(self.world)]
-        returned = self.ex.exchange(back, h.shape[1], adapter.layer, "combine")
-        out = torch.zeros_like(h)
-        for d in range(self.world):
-            if sent_idx[d].numel():
-                out = out.index_add(0, dev_active[sent_idx[d].to(h.device)], returned[d][:, : h.shape[1]].to(h.dtype))
-        return out
+        # the partial sums go back to their sources in the order they came; they return in the order sent
+        returned, _ = self.ex.exchange_sorted(partial, got_counts, h.shape[1], adapter.layer, "combine")
+        return torch.zeros_like(h).index_add(0, dev_active[sent.to(h.device)], returned.to(h.dtype))
 
     def _coherent_first(self, adapter, h, ids, weights):
         """First MoE block in coherent mode: every rank holds every token, nothing is dispatched;
         replica choices depend only on the token, so ranks agree without talking."""
-        active = (self.keys >= 0).nonzero().flatten()
-        dev_active = active.to(h.device)
-        a_ids, a_w = ids[active], weights[dev_active]
+        active, dev_active = self.active, self.dev_active
+        a_ids, a_w = ids.cpu()[active], weights[dev_active]
         first = self.table.primary(adapter.moe, a_ids[:, 0].numpy(), np.full(active.numel(), -1))
         dest = self._destinations(adapter.moe, a_ids, first)
         primary = dest[:, 0] == self.rank
@@ -276,37 +291,43 @@ class Engine:
         return self._merge_on_primary(adapter.layer, h, rows, partial, dest[sel, 0], all_rows=active, all_primary=dest[:, 0])
 
     def _serve(self, adapter, x, ids, w, dest):
-        """Sum over this rank's slots of weight x expert(x): [m, D] for rows x [m, D] (zero elsewhere)."""
+        """Sum over this rank's slots of weight x expert(x): [m, D] for rows x [m, D] with expert ids,
+        weights and destination ranks [m, k] (ids and dest on the CPU); zero for rows with no slot here.
+        One grouped call (`moe_adapter.slot_output`) over the (row, slot) pairs served here."""
+        here = dest == self.rank
+        if x.shape[0] == 0 or bool(here.all()):
+            return adapter.local_expert_output(x, self._held(adapter, ids).to(x.device), w).to(x.dtype)
+        rows, slots = here.nonzero(as_tuple=True)
         out = torch.zeros_like(x)
-        rows, slots = (dest == self.rank).nonzero(as_tuple=True)
         if rows.numel() == 0:
             return out
-        experts = ids[rows, slots]
-        for e in set(experts.tolist()):
-            if (adapter.moe, e) not in self.local_experts:
-                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of MoE layer {adapter.moe} it does not hold")
-        local = torch.tensor([adapter.local_index[e] for e in experts.tolist()], dtype=torch.int64, device=x.device)
         dev_rows = rows.to(x.device)
-        y = adapter.local_expert_output(x[dev_rows], local, w[dev_rows, slots.to(x.device)])
+        local = self._held(adapter, ids[rows, slots])[:, None].to(x.device)
+        y = adapter.local_expert_output(x[dev_rows], local, w[dev_rows, slots.to(x.device)][:, None])
         return out.index_add(0, dev_rows, y.to(out.dtype))
+
+    def _held(self, adapter, ids: torch.Tensor) -> torch.Tensor:
+        """Local expert indices of expert ids (CPU), refusing an expert this rank does not hold."""
+        local = adapter.local_slots(ids)
+        missing = local < 0
+        if bool(missing.any()):
+            raise RuntimeError(f"rank {self.rank} received tokens for expert {int(ids[missing][0])} of MoE layer "
+                               f"{adapter.moe} it does not hold")
+        return local
 
     def _merge_on_primary(self, layer, h, rows, partial, primary, all_rows=None, all_primary=None):
         """Coherent combine: partial outputs of forward rows `rows` meet on their primary rank.
         Returns the routed sum [n, D] (nonzero only on rows whose primary is this rank) and sets
         the rows current here after this block."""
-        send = []
-        keys = self.keys[rows]
-        for d in range(self.world):
-            idx = ((primary == d) & (primary != self.rank)).nonzero().flatten()
-            send.append(pack(partial[idx.to(partial.device)], keys[idx][:, None]))
-        merged = self.ex.exchange(send, h.shape[1] + 2, layer, "merge")
-        out = torch.zeros_like(h)
+        away = (primary != self.rank).nonzero().flatten()
+        away = away[torch.argsort(primary[away], stable=True)]  # grouped by primary rank, in row order
+        counts = torch.bincount(primary[away], minlength=self.world).tolist()
+        send = pack(partial[away.to(partial.device)], self.keys[rows][away][:, None])
+        merged, _ = self.ex.exchange_sorted(send, counts, h.shape[1] + 2, layer, "merge")
         here = (primary == self.rank).nonzero().flatten()
-        out[rows[here].to(h.device)] += partial[here.to(h.device)].to(h.dtype)
-        for g in merged:
-            if g.shape[0] == 0:
-                continue
-            p, m = unpack(g, h.shape[1])
+        out = torch.zeros_like(h).index_add(0, rows[here].to(h.device), partial[here.to(h.device)].to(h.dtype))
+        if merged.shape[0]:
+            p, m = unpack(merged, h.shape[1])
             out = out.index_add(0, self._rows_of(m[:, 0].cpu()).to(h.device), p.to(h.dtype))
         all_rows = rows if all_rows is None else all_rows
         all_primary = primary if all_primary is None else all_primary
@@ -344,10 +365,10 @@ class Engine:
                 finally:
                     self.capture = False
             dest = self._destinations(adapter.moe, ids, np.full(mine.numel(), self.rank))
-            self._count_local(adapter.layer, adapter.moe, dest)
+            self._count_local(adapter.layer, adapter.moe, int((dest == self.rank).sum()), dest.numel())
             if self.recording:
                 self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))
-            (r_x, r_w, r_keys, r_ids, r_dest, _), _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
+            (r_x, r_w, r_keys, r_ids, r_dest), _, _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
             rows = self._rows_of(r_keys)
             self.received = (rows, r_ids, r_w, r_dest)
             dev_rows = rows.to(flat.device)

@@ -58,16 +58,25 @@ class Exchanger:
 
     def exchange(self, rows_by_dest: list, row_width: int, layer, phase: str) -> list:
         """Send rows_by_dest[d] ([n_d, row_width] float32) to rank d; return the rows from each source."""
-        send_counts = [int(r.shape[0]) for r in rows_by_dest]
+        counts = [int(r.shape[0]) for r in rows_by_dest]
         if self.world == 1:
             return list(rows_by_dest)
+        send = torch.cat([r.to(self.device, torch.float32) for r in rows_by_dest], dim=0)
+        recv, recv_counts = self.exchange_sorted(send, counts, row_width, layer, phase)
+        return list(torch.split(recv, recv_counts, dim=0))
+
+    def exchange_sorted(self, send: torch.Tensor, send_counts: list, row_width: int, layer, phase: str) -> tuple:
+        """Rows already grouped by destination (send [N, row_width]: send_counts[d] rows for rank d,
+        in rank order) -> (the rows received [M, row_width], grouped by source, and their counts):
+        one call whatever the number of ranks, no list of per-rank pieces."""
+        send_counts = [int(c) for c in send_counts]
+        if self.world == 1:
+            return send, send_counts
         counts_out = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
         counts_in = torch.empty_like(counts_out)
         dist.all_to_all_single(counts_in, counts_out)
         recv_counts = counts_in.tolist()
-        send = torch.cat([r.to(self.device, torch.float32) for r in rows_by_dest], dim=0)
-        if send.shape[0] == 0:
-            send = send.reshape(0, row_width)
+        send = send.to(self.device, torch.float32).reshape(-1, row_width)
         recv = torch.empty(sum(recv_counts), row_width, dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
         off_rank = [c for d, c in enumerate(send_counts) if d != self.rank]
@@ -76,4 +85,13 @@ class Exchanger:
                           messages=sum(1 for c in off_rank if c > 0),
                           control_bytes=8 * (self.world - 1), control_messages=self.world - 1)
         # layer None: a once-per-step exchange (prompt or new-token sync), counted under `step`
-        return list(torch.split(recv, recv_counts, dim=0))
+        return recv, recv_counts
+
+
+def by_destination(dest: torch.Tensor, world: int) -> tuple:
+    """Exchange packing, vectorised: for destination ranks dest [n, k] (CPU) of n rows, the rows to
+    send in rank order (int64 [N], a row once per distinct rank among its slots) and how many go to
+    each rank (list of `world` ints)."""
+    member = (dest[:, :, None] == torch.arange(world)).any(dim=1)  # [n, W]
+    rank_of, rows = member.T.nonzero(as_tuple=True)
+    return rows, torch.bincount(rank_of, minlength=world).tolist()

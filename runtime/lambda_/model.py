@@ -307,4 +307,4 @@ class ExpertShare:
     def run(self, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """rows [m, D], gate weights [m] -> weighted outputs [m, D] (the library's experts module)."""
         with torch.no_grad():
-            return self.adapter.local_expert_output(rows, torch.zeros(rows.shape[0], dtype=torch.int64), weights).float()
+            return self.adapter.local_expert_output(rows, torch.zeros(rows.shape[0], 1, dtype=torch.int64), weights[:, None]).float()

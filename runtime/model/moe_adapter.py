@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from ..ep.expert_table import heaviest_order
+from .grouped_experts import ExpertGroups, gated_experts, grouped_linear, stacked_expert_weights
 
 
 class Captured(Exception):
@@ -150,8 +151,7 @@ class MoEAdapter:
 
     def __init__(self, root, container: ExpertContainer, local: list, weights: dict, route_fn):
         self.container, self.layer, self.moe = container, container.layer, container.moe
-        self.local = list(local)                      # global expert ids held here, ascending
-        self.local_index = {e: i for i, e in enumerate(self.local)}
+        self._set_local(local)
         self.route_fn = route_fn
         self.num_slots = len(self.local)  # expert slots of the library module (an expert cache's pool: C)
         self.expert_cache = None
@@ -170,6 +170,22 @@ class MoEAdapter:
         elif kind == "tiny_moe":
             self.block.forward = types.MethodType(_tiny_moe_forward, self.block)
             self.block.__dict__["_moeplan_adapter"] = self
+
+    def _set_local(self, local: list) -> None:
+        self.local = list(local)                      # global expert ids held here, ascending
+        self._lut = torch.full((self.container.num_experts,), -1, dtype=torch.int64)  # expert id -> local index
+        self._lut[self.local] = torch.arange(len(self.local))
+        self._identity = self.local == list(range(self.container.num_experts))  # every expert, in order
+        self._luts = {}
+
+    def local_slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Local indices (position in `self.local`, -1: not held here) of expert ids, on ids' device;
+        where the block holds every expert in order, the ids themselves (no lookup kernel)."""
+        if self._identity:
+            return ids
+        if ids.device not in self._luts:
+            self._luts[ids.device] = self._lut.to(ids.device)
+        return self._luts[ids.device][ids]
 
     # --- weights ---------------------------------------------------------------------------
     def _install_local_weights(self, root, weights: dict) -> None:
@@ -212,8 +228,7 @@ class MoEAdapter:
     def use_pool(self, root, pool, local: list, cache) -> None:
         """Run this block's experts from an expert cache's pool (runtime/offload/expert_cache.py):
         the library module's expert parameters become the pool's slots, shared by every MoE layer."""
-        self.local = list(local)
-        self.local_index = {e: i for i, e in enumerate(self.local)}
+        self._set_local(local)
         self.num_slots, self.expert_cache = pool.capacity, cache
         if self.container.kind == "tiny_moe":
             self.block.experts = pool.modules
@@ -230,39 +245,48 @@ class MoEAdapter:
 
     # --- the local computation (an expert cache can wrap this one function) -----------------
     def local_expert_output(self, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Weighted outputs [M, D] of M (token, slot) rows: h [M, D] routed to local expert
-        index local_ids [M] (position in `self.local`) with gate weight weights [M]."""
+        """Weighted sums [M, D] over K slots: token rows h [M, D], each slot routed to local expert
+        index local_ids [M, K] (position in `self.local`) with gate weight weights [M, K]."""
         if self.expert_cache is not None:  # offloading: the cache loads each expert into a slot first
             return self.expert_cache.output(self, h, local_ids, weights)
         return self.slot_output(h, local_ids, weights)
 
     def slot_output(self, h: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """As `local_expert_output`, with slots [M] indexing the library module's experts directly."""
-        local_ids = slots
+        """As `local_expert_output`, with slots [M, K] indexing the library module's experts directly:
+        grouped GEMMs (`grouped_experts.py`), a fixed number of kernels for any number of experts."""
         kind = self.container.kind
         if h.shape[0] == 0:
             return torch.zeros_like(h)
+        weights = weights.to(h.dtype)
         if kind == "experts":
-            out = self.library_experts(h, local_ids[:, None], weights[:, None].to(h.dtype))
-            return out.reshape(h.shape)
+            experts = self.library_experts
+            if hasattr(experts, "has_gate"):  # decorated by transformers: the library's own grouped backend
+                from transformers.integrations.moe import grouped_mm_experts_forward
+
+                return grouped_mm_experts_forward(experts, h, slots, weights).reshape(h.shape)
+            if type(experts).__name__ == "DbrxExperts":  # [E * ffn, D] slabs, looped over by the library
+                mlp, n = experts.mlp, self.num_slots
+                per = (n, mlp.w1.shape[0] // max(n, 1), mlp.w1.shape[1])
+                return gated_experts(h, ExpertGroups(slots, weights, n), mlp.w1.view(per), mlp.v1.view(per),
+                                     mlp.w2.view(per), mlp.activation_fn, down_transposed=True)
+            return experts(h, slots, weights).reshape(h.shape)  # an experts module the runtime does not know: its own loop
         if kind == "llama4":  # the library's experts take [E_local * m, D] inputs, weight folded in
-            n, rows = self.num_slots, torch.arange(h.shape[0], device=h.device)
-            inp = h.new_zeros(n, h.shape[0], h.shape[1])
-            inp[local_ids, rows] = h * weights[:, None].to(h.dtype)
-            return self.library_experts(inp.reshape(-1, h.shape[1])).view(n, h.shape[0], -1)[local_ids, rows]
+            rows, local_ids, w = _pairs(slots, weights)
+            x = h[rows]
+            n, pos = self.num_slots, torch.arange(x.shape[0], device=h.device)
+            inp = x.new_zeros(n, x.shape[0], x.shape[1])
+            inp[local_ids, pos] = x * w[:, None]
+            y = self.library_experts(inp.reshape(-1, x.shape[1])).view(n, x.shape[0], -1)[local_ids, pos]
+            return torch.zeros_like(h).index_add_(0, rows, y.to(h.dtype))
+        groups = ExpertGroups(slots, weights, self.num_slots)
         if kind == "jetmoe":
             block = self.block
-            order = torch.argsort(local_ids, stable=True)
-            sizes = torch.bincount(local_ids, minlength=self.num_slots).tolist()
-            hidden = block.input_linear(h[order], sizes)
+            hidden = grouped_linear(groups.gather(h), block.input_linear.weight, groups)
             a, b = hidden.chunk(2, dim=-1)
-            out = block.output_linear(block.activation(a) * b, sizes) * weights[order, None].to(h.dtype)
-            return torch.empty_like(out).index_copy_(0, order, out)
-        out = torch.zeros_like(h)  # tiny_moe: a ModuleList of local experts
-        for i in torch.unique(local_ids).tolist():
-            rows = (local_ids == i).nonzero().flatten()
-            out[rows] = self.block.experts[i](h[rows]) * weights[rows, None].to(h.dtype)
-        return out
+            return groups.combine(grouped_linear(block.activation(a) * b, block.output_linear.weight, groups))
+        # tiny_moe: a ModuleList of local experts (examples/tiny_moe/model.py: Expert, w_down(silu(w_gate x) * w_up x))
+        w = stacked_expert_weights(self.block.experts, ("w_gate", "w_up", "w_down"))
+        return gated_experts(h, groups, w["w_gate"], w["w_up"], w["w_down"], F.silu)
 
     # --- llama4 hooks ----------------------------------------------------------------------
     def _keep_scores(self, module, args, output):
@@ -275,10 +299,16 @@ class MoEAdapter:
         """The engine's routed sum for rows h [n, D] with the library's top-k ids and weights [n, k],
         handed over heaviest first: routers need not sort them (DeepSeek-V2/V3 and GLM-4.5 take
         `torch.topk(..., sorted=False)`), and slot 0 is the primary of the replica rule."""
-        if ids.shape[-1] > 1:
-            order = torch.from_numpy(heaviest_order(weights.detach().float().cpu().numpy()))
-            ids, weights = ids.gather(1, order.to(ids.device)), weights.gather(1, order.to(weights.device))
+        if ids.shape[-1] > 1:  # `expert_table.heaviest_order` on the device: stable, ties keep the router's order
+            weights, order = torch.sort(weights, dim=-1, descending=True, stable=True)
+            ids = ids.gather(1, order)
         return self.route_fn(self, h, ids, weights)
+
+
+def _pairs(slots: torch.Tensor, weights: torch.Tensor) -> tuple:
+    """(token row int64 [M * K], slot int64 [M * K], weight [M * K]) of rows [M, K], row by row."""
+    m, k = slots.shape
+    return torch.arange(m, device=slots.device).repeat_interleave(k), slots.reshape(-1), weights.reshape(-1)
 
 
 class _ExpertsSlot(nn.Module):

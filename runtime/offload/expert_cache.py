@@ -434,21 +434,26 @@ class ExpertCache:
         self._install_pending()
 
     def output(self, adapter, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """`adapter.local_expert_output` through the cache: h [M, D], local_ids [M] (index in
-        adapter.local), weights [M] -> weighted outputs [M, D], expert by expert in request order;
-        an expert the stepper computes on the host runs there on its host weights (`host_compute.py`)."""
+        """`adapter.local_expert_output` through the cache: token rows h [M, D], local_ids [M, K] (index in
+        adapter.local), weights [M, K] -> weighted sums [M, D], expert by expert in request order (the
+        (token, slot) pairs row by row); an expert the stepper computes on the host runs there on its
+        host weights (`host_compute.py`)."""
         out = torch.zeros_like(h)
-        experts = torch.tensor([adapter.local[i] for i in local_ids.tolist()], dtype=torch.int64)
+        m, k = local_ids.shape
+        token = torch.arange(m).repeat_interleave(k)
+        flat_w = weights.reshape(-1)
+        experts = torch.tensor([adapter.local[i] for i in local_ids.reshape(-1).tolist()], dtype=torch.int64)
         order = list(dict.fromkeys(experts.tolist()))
-        rows_of = [(experts == e).nonzero().flatten().to(h.device) for e in order]
-        for rows, request in zip(rows_of, self.begin_step(adapter.moe, order, [r.numel() for r in rows_of])):
+        pairs_of = [(experts == e).nonzero().flatten() for e in order]
+        for pairs, request in zip(pairs_of, self.begin_step(adapter.moe, order, [p.numel() for p in pairs_of])):
+            rows, w = token[pairs].to(h.device), flat_w[pairs.to(flat_w.device)]
             slot = self.make_resident(*request)
             if slot is None:
                 self.host_rows += rows.numel()
-                out[rows] = self.host.output(adapter, request[0], h[rows], weights[rows]).to(out.dtype)
+                out.index_add_(0, rows, self.host.output(adapter, request[0], h[rows], w).to(out.dtype))
                 continue
-            slots = torch.full((rows.numel(),), slot, dtype=torch.int64, device=h.device)
-            out[rows] = adapter.slot_output(h[rows], slots, weights[rows]).to(out.dtype)
+            slots = torch.full((rows.numel(), 1), slot, dtype=torch.int64, device=h.device)
+            out.index_add_(0, rows, adapter.slot_output(h[rows], slots, w[:, None]).to(out.dtype))
         self.end_step()
         return out
 
