@@ -16,15 +16,8 @@ from .counters import sum_counters
 
 
 def write_rank(out_dir, rank: int, engine, out: dict, mode: str) -> None:
-    keys, logits = engine.logits()
-    layers = engine.num_layers
-    trace = {layer: [] for layer in range(layers)}
-    for layer, k, ids, w in engine.trace:
-        trace[layer].append((k, ids, w))
-    routing = {}
-    for layer, parts in trace.items():
-        if parts:
-            routing[layer] = tuple(torch.cat(p) for p in zip(*parts))
+    keys, logits = engine.recorded_logits()
+    routing = engine.recorded_routing()
     cache = getattr(engine.model, "expert_cache", None)  # offloading: counters and request log
     extra = {"expert_cache": cache.record()} if cache is not None else {}
     torch.save({"mode": mode, "max_len": engine.max_len, "logit_keys": keys, "logits": logits,

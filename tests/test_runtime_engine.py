@@ -140,7 +140,7 @@ def test_single_rank_engine_reproduces_the_model_in_both_modes(tmp_path):
     model = load_small(small_model_dir(tmp_path))
     for mode in ("coherent", "standard"):
         prompts, out, engine = _single_rank_run(model, mode)
-        keys, logits = engine.logits()
+        keys, logits = engine.recorded_logits()
         by_key = {int(k): i for i, k in enumerate(keys.tolist())}
         for s, prompt in enumerate(prompts):
             gen, ref = _reference(model, prompt, 4)

@@ -29,7 +29,7 @@ def test_hf_model_through_the_engine_matches_transformers(tmp_path, kind):
     for mode in ("coherent", "standard"):
         engine = single_rank_engine(model, build_transformers(directory), "transformers", mode, 2)
         out = engine.generate(PROMPTS, 3)
-        keys, logits = engine.logits()
+        keys, logits = engine.recorded_logits()
         by_key = {int(k): i for i, k in enumerate(keys.tolist())}
         with torch.no_grad():
             for s, prompt in enumerate(PROMPTS):

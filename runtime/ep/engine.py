@@ -56,7 +56,7 @@ class Engine:
     """One rank's share of expert-parallel greedy generation over a RankModel."""
 
     def __init__(self, model, table, exchanger, counters, rank: int, world_size: int, mode: str, device,
-                 top_k: int, context: str = "auto"):
+                 top_k: int, context: str = "auto", record: bool = True):
         if mode not in (COHERENT, STANDARD):
             raise ValueError(f"mode must be '{COHERENT}' or '{STANDARD}', got {mode!r}")
         self.model, self.table, self.ex, self.counters = model, table, exchanger, counters
@@ -65,7 +65,8 @@ class Engine:
         self.local_experts = {(l, e) for l, e in table.experts_on(rank)}
         self.logit_keys, self.logit_rows = [], []
         self.trace = []  # (MoE layer, keys [n], expert ids [n, k], weights [n, k])
-        self.recording = True  # static runs keep every logit row and routing for results; a service keeps none
+        self.records = bool(record)  # static runs keep every logit row and routing for results; a service keeps none
+        self.hooks: list = []  # handles of install_hooks()
         self.capture = False
         # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
         self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
@@ -98,12 +99,7 @@ class Engine:
         if self.mode == COHERENT:
             contexts = self._sync_prompts(prompts, own)
         generated = {s: [] for s in own}
-        for a in self.model.adapters:
-            a.route_fn = self._route
-        hooks = self._install_hooks() if self.mode == COHERENT else []
-        speculation = getattr(self.model, "speculation", None)  # an expert cache's live speculation (issue 33)
-        if speculation is not None:  # installed after the engine's own block-output hook: it sees the corrected rows
-            hooks += speculation.install(self.real_rows)
+        self.install_hooks()
         batch = sorted(contexts)
         start = time.perf_counter()
         try:
@@ -139,8 +135,7 @@ class Engine:
                     if s in generated:
                         generated[s].append(t)
         finally:
-            for h in hooks:
-                h.remove()
+            self.remove_hooks()
         elapsed = time.perf_counter() - start
         return {"generated": {int(s): g for s, g in generated.items()}, "elapsed_s": elapsed,
                 "counters": self.counters.to_dict(),
@@ -206,8 +201,10 @@ class Engine:
         return merged
 
     # --- the routed computation (called by the library's MoE blocks) ------------------------
-    def _route(self, adapter, h, ids, weights):
-        """Routed sum [n, D] for the rows the library routed: ids/weights [n, k], heaviest first."""
+    def route(self, adapter, h, ids, weights):
+        """The routed-expert sum [n, D] of one MoE block (`adapter`) for the forward's rows h [n, D]
+        the library routed to ids/weights [n, k], heaviest first: this rank's experts run here, the
+        others' through the exchanges. `install_hooks` makes every MoE block call it."""
         if self.capture:
             raise Captured(ids.detach().cpu(), weights.detach())
         if h.shape[0] != self.keys.shape[0]:
@@ -255,8 +252,8 @@ class Engine:
             a_h, a_ids, a_w = h[self.dev_active], ids[self.dev_active], weights[self.dev_active]
         n, k = a_ids.shape
         self._count_local(adapter.layer, adapter.moe, n * k, n * k)
-        if self.recording:
-            self.trace.append((adapter.moe, self.keys[self.active], a_ids.cpu(), a_w.detach().float().cpu()))
+        if self.records:
+            self._record_routing(adapter.moe, self.keys[self.active], a_ids.cpu(), a_w)
         partial = adapter.local_expert_output(a_h, adapter.local_slots(a_ids), a_w).to(h.dtype)
         return partial if self.all_real else torch.zeros_like(h).index_copy(0, self.dev_active, partial)
 
@@ -267,8 +264,7 @@ class Engine:
         a_ids, a_w, a_h, keys = ids.cpu()[active], weights[dev_active], h[dev_active], self.keys[active]
         dest = self._destinations(adapter.moe, a_ids, np.full(active.numel(), self.rank))
         self._count_local(adapter.layer, adapter.moe, int((dest == self.rank).sum()), dest.numel())
-        if self.recording:
-            self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
+        self._record_routing(adapter.moe, keys, a_ids, a_w)
         (r_h, r_w, _, r_ids, r_dest), got_counts, sent = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
         partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
         # the partial sums go back to their sources in the order they came; they return in the order sent
@@ -283,8 +279,7 @@ class Engine:
         first = self.table.primary(adapter.moe, a_ids[:, 0].numpy(), np.full(active.numel(), -1))
         dest = self._destinations(adapter.moe, a_ids, first)
         primary = dest[:, 0] == self.rank
-        if self.recording:
-            self.trace.append((adapter.moe, self.keys[active][primary], a_ids[primary], a_w.detach().float().cpu()[primary]))
+        self._record_routing(adapter.moe, self.keys[active][primary], a_ids[primary], a_w[primary.to(a_w.device)])
         sel = (dest == self.rank).any(dim=1).nonzero().flatten()
         rows = active[sel]
         partial = self._serve(adapter, h[rows.to(h.device)], a_ids[sel], a_w[sel.to(h.device)], dest[sel])
@@ -336,8 +331,29 @@ class Engine:
         self.next_mine = mine
         return out
 
-    # --- coherent-mode hooks ---------------------------------------------------------------
-    def _install_hooks(self) -> list:
+    # --- hooks into the library's model ------------------------------------------------------
+    def install_hooks(self) -> None:
+        """Make the library's model run through this engine until `remove_hooks`: every MoE block's
+        routed experts go through `route`; coherent mode adds its context, norm-before-MoE and
+        block-output hooks; an expert cache's live speculation (issue 33) hooks in last, after the
+        block-output hook, so it sees the corrected rows. Installing twice is refused."""
+        if self.hooks:
+            raise RuntimeError("the engine's hooks are already installed")
+        for adapter in self.model.adapters:
+            adapter.route_fn = self.route
+        handles = self._coherent_hooks() if self.mode == COHERENT else []
+        speculation = getattr(self.model, "speculation", None)
+        if speculation is not None:
+            handles += speculation.install(self.real_rows)
+        self.hooks = handles
+
+    def remove_hooks(self) -> None:
+        """Undo `install_hooks`' forward hooks (the MoE blocks keep calling `route`, which only this engine sets)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def _coherent_hooks(self) -> list:
         m = self.model
         handles = []
         handles += ContextExchange(self, self.context_plan).install()  # hidden state or K/V, per block
@@ -366,8 +382,7 @@ class Engine:
                     self.capture = False
             dest = self._destinations(adapter.moe, ids, np.full(mine.numel(), self.rank))
             self._count_local(adapter.layer, adapter.moe, int((dest == self.rank).sum()), dest.numel())
-            if self.recording:
-                self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))
+            self._record_routing(adapter.moe, self.keys[mine], ids, w)
             (r_x, r_w, r_keys, r_ids, r_dest), _, _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
             rows = self._rows_of(r_keys)
             self.received = (rows, r_ids, r_w, r_dest)
@@ -399,9 +414,22 @@ class Engine:
             return (new,) + tuple(output[1:]) if isinstance(output, tuple) else new
         return hook
 
-    # --- results ---------------------------------------------------------------------------
-    def logits(self) -> tuple:
-        """(keys [T], logits [T, V]) of every token whose forward pass ended on this rank."""
+    # --- recording (static runs: results, verification, the cost model's checks) --------------
+    def _record_routing(self, moe: int, keys: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Keep the routing of the tokens current here at MoE layer `moe`: keys [n], ids/weights [n, k]."""
+        if self.records:
+            self.trace.append((moe, keys, ids, weights.detach().float().cpu()))
+
+    def recorded_logits(self) -> tuple:
+        """(keys [T], logits [T, V]) of every token whose forward pass ended on this rank (recording engines)."""
         if not self.logit_keys:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0)
         return torch.cat(self.logit_keys), torch.cat(self.logit_rows)
+
+    def recorded_routing(self) -> dict:
+        """{MoE layer: (keys [T], expert ids [T, k], weights [T, k])} of every token routed on this rank
+        (recording engines), each token once: at its current rank in coherent mode, its owner in standard."""
+        parts = {}
+        for moe, keys, ids, w in self.trace:
+            parts.setdefault(moe, []).append((keys, ids, w))
+        return {moe: tuple(torch.cat(p) for p in zip(*got)) for moe, got in sorted(parts.items())}

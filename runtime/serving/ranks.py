@@ -110,7 +110,7 @@ def serve_bundle(root: Path, front, mode: str | None = None, context: str = "aut
         control = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else None
     counters = Counters(model.num_layers)
     engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, modes[0], device,
-                    model.top_k, context)
+                    model.top_k, context, record=False)  # a service keeps no logits or routing
     worker = BatchWorker(engine, model.kind, control)
     if rank != 0:
         return _follow(worker, rank)

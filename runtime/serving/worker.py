@@ -34,14 +34,8 @@ class BatchWorker:
     def __init__(self, engine, kind: str, control_group=None):
         self.engine, self.kind, self.group = engine, kind, control_group
         self.rank, self.world, self.coherent = engine.rank, engine.world, engine.mode == COHERENT
-        engine.recording = False
         engine.max_len = KEY_STRIDE
-        for adapter in engine.model.adapters:
-            adapter.route_fn = engine._route
-        self.hooks = engine._install_hooks() if self.coherent else []
-        speculation = getattr(engine.model, "speculation", None)  # the speculative prefetcher's live routers
-        if speculation is not None:  # after the block-output hook, as in static runs: it sees the corrected rows
-            self.hooks += speculation.install(engine.real_rows)
+        engine.install_hooks()
         cache = getattr(engine.model, "expert_cache", None)
         if cache is not None:  # a service runs for days: keep the expert cache's request log bounded
             cache.keep_steps = EXPERT_LOG_STEPS
@@ -54,8 +48,7 @@ class BatchWorker:
         self.steps = 0
 
     def close(self) -> None:
-        for h in self.hooks:
-            h.remove()
+        self.engine.remove_hooks()
 
     def step(self, plan) -> dict:
         """Apply one STEP plan; {seq: new token} of every sequence this rank learned (rank 0: all)."""
