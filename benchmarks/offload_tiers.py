@@ -66,10 +66,12 @@ def main(argv=None) -> int:
     prompt_file = prompts(work / "prompts.txt", args.prompts)
     config = json.loads((MODEL / "config.json").read_text())
     keys = config["num_hidden_layers"] * config["num_local_experts"]
+    from moeplan.core.hardware import load_hardware
     from moeplan.passes.optimize.offload.rank_caches import runtime_expert_bytes
     from moeplan.passes.importers.hf_streaming import load_directory_meta
 
-    expert_bytes = runtime_expert_bytes(load_directory_meta(MODEL).ir)  # one float32 expert, as the host tier holds it
+    # one expert as the host tier holds it on the plans' profile (compile's default, cpu-gloo: float32)
+    expert_bytes = runtime_expert_bytes(load_directory_meta(MODEL).ir, load_hardware(None))
     rows = []
     for ranks in args.ranks:
         baseline = None

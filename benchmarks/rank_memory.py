@@ -6,7 +6,7 @@ For each model and rank count (1 node x R ranks, as one Kubernetes pod holds the
   /proc/PID/status once the service is ready (idle) and again after `--requests` streamed requests
   at concurrency `--concurrency` of `--prompt-tokens` + `--new-tokens` tokens (`ignore_eos`);
 * `moeplan run` it (one static batch of `--concurrency` prompts): each process's peak, polled.
-Per rank: its shard bytes S (as stored) and float32 bytes F (what the runtime holds), the measured
+Per rank: its shard bytes S (as stored) and held bytes F (what the runtime holds: float32 on CPU, runtime/precision.py), the measured
 peak resident set (VmHWM), and VmHWM - (S + F): what a rank holds beyond loading its weights
 (Python, torch, the process group, the library, the HTTP front on rank 0), which the manifests add
 per rank (`backends/kubernetes/pod_memory.py`: RANK_OVERHEAD_MIB, FRONT_OVERHEAD_MIB, AGENT_MIB).
@@ -89,11 +89,11 @@ def compile_bundle(model: Path, ranks: int, scratch: Path) -> Path:
 
 
 def rank_weight_bytes(bundle: Path, rank: int) -> tuple:
-    """(S, F): rank's tensor bytes as stored and as float32 (the codegen's own reading of the shard)."""
+    """(S, F): rank's tensor bytes as stored and as the runtime holds them (the codegen's own reading of the shard)."""
     from moeplan.backends.kubernetes.pod_memory import rank_weight_bytes as read
 
     plan = json.loads((bundle / "plan.json").read_text())
-    return read(bundle / plan["shards"][rank])[:2]
+    return read(bundle / plan["shards"][rank], plan["communication"]["capacity"]["weight_dtypes"])[:2]
 
 
 def requested_pod_mib(bundle: Path) -> int:

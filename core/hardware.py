@@ -50,6 +50,9 @@ _INTERCEPT = "collective_latency_base_s"
 _INTEGER = ("device_memory_bytes", "host_memory_bytes")
 # optional keys (absent = unknown): host compute on a miss; `moeplan calibrate` measures the first two
 HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s")
+# optional keys (absent = the default the field names): the device's weight precision, CUDA graphs' kernel cost
+DEVICE_FIGURES = ("graph_kernel_s",)
+PRECISIONS = ("fp8", "bf16", "fp32")  # runtime/precision.py's, named here: core imports nothing of the runtime
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,12 @@ class HardwareProfile:
     host_flops_per_s: float | None = None         # float32 matmul, all cores
     host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key
+    # optional: the narrowest weights the device computes at speed (`runtime/precision.py`: fp8 | bf16 |
+    # fp32); None: bf16 on GPUs, fp32 where the device is the host
+    weight_precision: str | None = None
+    # optional: one kernel inside a replayed CUDA graph (the runtime captures its decode steps on GPUs,
+    # `runtime/ep/decode_graphs.py`); None: no graphs, every kernel costs op_overhead_s
+    graph_kernel_s: float | None = None
 
     def collective_latency(self, world: int) -> float:
         """One all_to_all call among `world` ranks: base + per_peer x (world - 1)."""
@@ -92,6 +101,14 @@ class HardwareProfile:
         return bool(self.host_memory_bytes_per_s) and bool(self.host_flops_per_s)
 
     @property
+    def precision(self) -> str:
+        """The narrowest weights the device computes at speed (`weight_precision`, else bf16 on GPUs and
+        fp32 where the device is the host): what `runtime/precision.py` holds a model at."""
+        if self.weight_precision is not None:
+            return self.weight_precision
+        return "fp32" if self.device_is_host else "bf16"
+
+    @property
     def device_is_host(self) -> bool:
         """Whether a rank's "device" is the host itself (cpu-gloo, a calibration): its memory figure is the
         machine's, which the ranks on one node share."""
@@ -101,7 +118,7 @@ class HardwareProfile:
         out = asdict(self)
         if out["calibration"] is None:
             out.pop("calibration")
-        for key in HOST_FIGURES:  # optional: written only where known
+        for key in (*HOST_FIGURES, *DEVICE_FIGURES, "weight_precision"):  # optional: written only where known
             if out[key] is None:
                 out.pop(key)
         return out
@@ -220,7 +237,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile '{where}' must be a mapping of keys to values")
     figures = (*COST_FIGURES, *MEMORY_FIGURES, *TIERED)
-    known = {"name", "sources", "calibration", *figures, *HOST_FIGURES}
+    known = {"name", "sources", "calibration", "weight_precision", *figures, *HOST_FIGURES, *DEVICE_FIGURES}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"hardware profile '{where}' has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
@@ -229,7 +246,11 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
         raise UserError(f"hardware profile '{where}' is missing key(s) {missing} (write null for a figure it does not "
                         f"know, with a source saying why)")
     values = {k: _figure(where, k, data[k]) for k in (*COST_FIGURES, *MEMORY_FIGURES)}
-    values.update({k: _figure(where, k, data[k]) for k in HOST_FIGURES if k in data})  # optional keys
+    values.update({k: _figure(where, k, data[k]) for k in (*HOST_FIGURES, *DEVICE_FIGURES) if k in data})  # optional keys
+    precision = data.get("weight_precision")
+    if precision is not None and precision not in PRECISIONS:
+        raise UserError(f"hardware profile '{where}': 'weight_precision' must be one of {', '.join(PRECISIONS)} or absent, "
+                        f"got {precision!r}")
     for k in _INTEGER:
         values[k] = None if values[k] is None else int(values[k])
     base, per_peer = values["collective_latency_base_s"], values["collective_latency_per_peer_s"]
@@ -246,7 +267,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     if calibration is not None and not isinstance(calibration, dict):
         raise UserError(f"hardware profile '{where}': 'calibration' must be a mapping (date, machine, machine_key)")
     return HardwareProfile(name=str(data["name"]), sources=dict(data.get("sources") or {}), calibration=calibration,
-                           **values, **tiers)
+                           weight_precision=precision, **values, **tiers)
 
 
 def _figure(where: str, key: str, value):

@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
                                 read_reference_shard)
 from .ep.expert_table import ExpertTable
 from .model.library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
+from .precision import device_precision, held_dtypes, torch_dtype
 from .text_codec import TextCodec
 
 ARCHITECTURES = ("tiny_moe", "transformers")
@@ -109,28 +112,41 @@ def check_referenced_checkpoint(root: Path, plan: dict) -> None:
     checked_checkpoint_directory(root, plan, full=True)
 
 
-def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
-    """The tensors of `rank`'s weights, as float32 on device."""
-    return {k: v.float().to(device) for k, v in read_rank_tensors(root, plan, rank).items()}
+def weight_dtypes(root: Path, plan: dict, device) -> dict:
+    """{"dense", "experts"}: the dtypes this rank holds the bundle's weights at on `device`
+    (`precision.py`: the checkpoint's precision where the device computes at it). The checkpoint's
+    dtype is the plan's model description's, else its config's (`dtype`, `torch_dtype`)."""
+    ir = plan["model"].get("ir") or {}
+    stored = ir.get("dtype")
+    if stored is None:
+        config = read_json(root, plan["model"]["config"])
+        stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    device = torch.device(device)
+    dtypes = held_dtypes(stored, ir.get("quantization", ""), device.type == "cuda", device_precision(device))
+    if dtypes["experts"] != dtypes["dense"]:
+        raise BundleError(f"this runtime cannot hold the checkpoint's {ir.get('quantization')} experts as "
+                          f"{dtypes['experts']} yet; plan only, or run it on a device without FP8 (held as {dtypes['dense']})")
+    return dtypes
 
 
 def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     """(RankModel with this rank's experts, TextCodec) for a bundle."""
     arch = architecture(plan)
     offload = plan.get("communication", {}).get("expert_cache")  # issue 13: experts stay in the shard until used
-    weights = None if offload else load_rank_weights(root, plan, rank, "cpu")
+    dtype = torch_dtype(weight_dtypes(root, plan, device)["dense"])
+    weights = None if offload else read_rank_tensors(root, plan, rank)  # as stored; cast one by one as they load
     local: dict = {}
     for layer, expert in table.experts_on(rank):
         local.setdefault(layer, []).append(expert)
     config_path = root / plan["model"]["config"]
     config = json.loads(config_path.read_text())
     if arch == "tiny_moe":
-        model = build_tiny_moe(config_path, root / plan["model"]["source"])
+        model = build_tiny_moe(config_path, root / plan["model"]["source"]).to(dtype)
         max_positions, vocab, top_k = int(config["max_positions"]), int(config["vocab_size"]), int(config["top_k"])
         codec = TextCodec(None, vocab, native_bytes=True)
     else:
         check_library(plan)
-        model = build_transformers(config_path.parent, device="meta", buffers="cpu")
+        model = build_transformers(config_path.parent, device="meta", buffers="cpu", dtype=dtype)
         text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         max_positions, vocab = int(getattr(text, "max_position_embeddings", 1 << 30)), int(text.vocab_size)
         top_k = transformers_top_k(text)
@@ -144,6 +160,7 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     else:
         rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
     rank_model.top_k = top_k
+    rank_model.weight_dtype = str(dtype).replace("torch.", "")
     model.to(device)
     return rank_model, codec
 

@@ -129,7 +129,7 @@ def _cache_sections(trace, tmp_path, hw: str, *flags):
     return json.loads((bundle / "plan.json").read_text()), json.loads(off.read_text())
 
 
-@pytest.mark.parametrize("flags", [("--expert-cache", "6"), ("--gpu-memory", "1110000000")])
+@pytest.mark.parametrize("flags", [("--expert-cache", "6"), ("--gpu-memory", "1130000000")])
 def test_hardware_governs_every_prediction_of_a_compiled_plan_caches_included(trace, tmp_path, flags):
     """compile --hardware h100-sxm / cpu-gloo with an expert cache: the cost model, the caches (sized and
     priced exactly as the offload planner does on that profile) and the serving capacity all use it."""
@@ -138,9 +138,16 @@ def test_hardware_governs_every_prediction_of_a_compiled_plan_caches_included(tr
         profile = load_hardware(hw)
         cache, predicted = plan["communication"]["expert_cache"], plan["predicted"]["expert_cache"]
         assert plan["predicted"]["cost"]["hardware"] == hw
-        # the same clock (layer step, expert compute, copies) and the same memory budget as the offload planner's
+        # the same clock (layer step, expert compute, copies) and the same memory budget as the offload planner's,
+        # but the activations: those of the service's largest prefill step, as serving capacity reserves them
         assert cache["timing"] == offload["communication"]["timing"]
-        assert cache["memory"] == offload["communication"]["memory"]
+        planned, single = dict(cache["memory"]), dict(offload["communication"]["memory"])
+        assert planned.pop("activation_bytes") == plan["communication"]["capacity"]["activation_bytes"]
+        single.pop("activation_bytes")
+        if "--gpu-memory" in flags:
+            assert planned == single
+        else:  # --expert-cache N: the memory it takes follows from the activations
+            assert planned.pop("gpu_memory_bytes") > single.pop("gpu_memory_bytes") and planned == single
         assert predicted["hardware"] == hw == offload["communication"]["hardware"]["name"]
         # the host tier: the profile's host memory less 8 GiB, split between the node's two ranks
         assert cache["host"]["memory_bytes"] == (profile.host_memory_bytes - 8 * GIB) // 2

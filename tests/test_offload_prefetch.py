@@ -156,12 +156,13 @@ def test_a_prefetcher_copies_only_the_keys_it_may(fitted):
 def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_inputs, gpus, cache, prefetch, mode):
     """With a host tier of 4 experts per rank: prefetched and demand loads both split into host
     copies and disk reads exactly as the replay predicts."""
+    from moeplan.core.hardware import load_hardware
     from moeplan.passes.optimize.offload.rank_caches import runtime_expert_bytes
     from moeplan.passes.importers import load_model
 
     root, model_dir = offload_inputs
     bundle = root / f"bundle-{prefetch}-{gpus}"
-    host_memory = 4 * gpus * runtime_expert_bytes(load_model(str(model_dir)).ir)
+    host_memory = 4 * gpus * runtime_expert_bytes(load_model(str(model_dir)).ir, load_hardware(None))
     code, out = cli(["compile", str(model_dir), "--trace", str(root / "t.npz"), "--policy", "contiguous", "--mode", "standard",
                      "--gpus-per-node", str(gpus), "--expert-cache", str(cache), "--prefetch", prefetch,
                      "--host-memory", str(host_memory), "--out", str(bundle), "--quiet"])

@@ -11,8 +11,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.passes.cost.capacity import (MAX_SEQUENCES, RUNTIME_BYTES, model_positions,
-                                              runtime_kv_bytes_per_token, serving_capacity)
+from moeplan.core.hardware import load_hardware
+from moeplan.passes.cost.capacity import (MAX_SEQUENCES, held_weights, model_positions, runtime_kv_bytes_per_token,
+                                          serving_capacity)
 from moeplan.planner.cli import main
 from moeplan.passes.importers import load_model
 from runtime_fixtures import small_model_dir
@@ -33,8 +34,9 @@ def test_kv_bytes_per_token_follow_the_configs(loaded):
         else:
             head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
             per_layer = 2 * c["num_key_value_heads"] * head_dim
-        expected = c["num_hidden_layers"] * per_layer * RUNTIME_BYTES
-        assert runtime_kv_bytes_per_token(model.module.config, model.ir) == expected, name
+        for dtype, size in (("float32", 4), ("bfloat16", 2)):
+            expected = c["num_hidden_layers"] * per_layer * size
+            assert runtime_kv_bytes_per_token(model.module.config, model.ir, dtype) == expected, name
         assert model_positions(model.module.config) == c["max_position_embeddings"]
 
 
@@ -44,14 +46,15 @@ def test_kv_bytes_per_token_follow_the_configs(loaded):
 def test_what_the_capacity_admits_fits_the_memory_it_was_given(loaded, memory_gib, experts, mode):
     model = loaded["mixtral-8x7b"]
     memory = int(memory_gib * (1 << 30))
-    cap = serving_capacity(model.ir, model.module.config, experts, mode, memory, "test")
+    held = held_weights(model.ir, load_hardware("h100-sxm"))
+    cap = serving_capacity(model.ir, model.module.config, experts, mode, memory, "test", held)
     assert cap["fits"] == (cap["max_sequences"] > 0)
     free = min(memory - w - cap["activation_bytes"] - cap["reserve_bytes"] for w in cap["weight_bytes_per_rank"])
     if cap["fits"]:
         per_rank = -(-cap["max_sequences"] // (len(experts) if mode == "standard" else 1))
         assert per_rank * cap["max_context"] * cap["kv_bytes_per_token"] <= free  # every sequence at full context
         assert cap["max_context"] <= model_positions(model.module.config) and cap["max_sequences"] <= MAX_SEQUENCES
-        more = serving_capacity(model.ir, model.module.config, experts, mode, 2 * memory, "test")
+        more = serving_capacity(model.ir, model.module.config, experts, mode, 2 * memory, "test", held)
         assert more["max_sequences"] >= cap["max_sequences"] and more["max_context"] >= cap["max_context"]
     else:
         assert free < cap["kv_bytes_per_token"] * 1 or cap["max_context"] == 0
@@ -60,8 +63,9 @@ def test_what_the_capacity_admits_fits_the_memory_it_was_given(loaded, memory_gi
 def test_standard_mode_holds_more_sequences_than_coherent(loaded):
     model = loaded["qwen3-30b-a3b"]
     args = (model.ir, model.module.config, [64] * 4)
-    coherent = serving_capacity(*args, "coherent", 80 << 30, "test")
-    standard = serving_capacity(*args, "standard", 80 << 30, "test")
+    held = held_weights(model.ir, load_hardware("h100-sxm"))
+    coherent = serving_capacity(*args, "coherent", 80 << 30, "test", held)
+    standard = serving_capacity(*args, "standard", 80 << 30, "test", held)
     assert coherent["max_context"] == standard["max_context"] == 40960
     assert standard["max_sequences"] == min(MAX_SEQUENCES, 4 * coherent["max_sequences"]) > coherent["max_sequences"]
 
@@ -77,7 +81,8 @@ def test_compile_records_and_prints_the_capacity(tmp_path):
                                   "--policy", "contiguous", "--out", str(tmp_path / "b")])
     assert result.exit_code == 0, result.output
     cap = json.loads((tmp_path / "b" / "plan.json").read_text())["communication"]["capacity"]
-    assert cap["kv_bytes_per_token"] == 3 * 2 * 32 * RUNTIME_BYTES  # TinyMoE: layers x (K + V) x hidden x fp32
+    assert cap["kv_bytes_per_token"] == 3 * 2 * 32 * 4  # TinyMoE: layers x (K + V) x hidden x fp32 (a float32 checkpoint)
+    assert cap["weight_dtypes"] == {"dense": "float32", "experts": "float32"}
     assert cap["max_context"] == 64 and cap["fits"]
     line = next(l for l in result.output.splitlines() if l.startswith("serving capacity:"))
     assert f"{cap['max_sequences']} sequences of up to 64 tokens" in line

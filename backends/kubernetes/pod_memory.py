@@ -3,13 +3,14 @@
 A pod runs one node's ranks under torchrun (`launch.sh`). Per rank r (`rank_weight_bytes`):
 
     weights(r) = S(r) + F(r)      S: the shard's tensor bytes as stored (the read buffer),
-                                  F: the same tensors as float32 (`bundle_io.load_rank_weights`
-                                  reads, then `.float()`s; on a GPU node both exist on the host
-                                  until `model.to(device)`)
+                                  F: the same tensors as the runtime holds them (`runtime/precision.py:
+                                  held_bytes` at the plan's `capacity.weight_dtypes`: `bundle_io`
+                                  reads, then casts tensor by tensor; on a GPU node both exist on the
+                                  host until `model.to(device)`)
 
 With an expert cache (issue 13) a rank loads only its dense tensors that way and keeps its host
-tier of experts as float32 from the start; the cache itself is GPU memory, the other experts stay
-on the volume:
+tier of experts at the held dtype from the start; the cache itself is GPU memory, the other experts
+stay on the volume:
 
     weights(r) = S_dense(r) + F_dense(r) + tier(r) x runtime_expert_bytes
 
@@ -39,36 +40,47 @@ FRONT_OVERHEAD_MIB = 32   # rank 0's HTTP front beside its engine: uvicorn, star
 AGENT_MIB = 256           # torchrun's agent (it imports torch) and launch.sh
 
 
-def rank_weight_bytes(path: Path) -> tuple:
+def rank_weight_bytes(path: Path, dtypes: dict) -> tuple:
     """(S, F, expert S, expert F) of one rank's shard file or `--weights reference` index: its
-    tensors' bytes as stored and as float32, all of them and those of its experts alone."""
+    tensors' bytes as stored and as held at `dtypes` ({"dense", "experts"}: the plan's
+    `capacity.weight_dtypes`), all of them and those of its experts alone."""
     from moeplan.runtime.checkpoint_reader import DTYPES
+    from moeplan.runtime.precision import held_bytes
 
     path = Path(path)
     if path.name.endswith(".index.json"):
         tensors = [(name, t["dtype"], t["shape"]) for name, t in json.loads(path.read_text())["tensors"].items()]
-        sizes = [(name, math.prod(shape) * DTYPES[dtype].itemsize, math.prod(shape)) for name, dtype, shape in tensors]
+        sizes = [(name, dtype, math.prod(shape) * DTYPES[dtype].itemsize, math.prod(shape)) for name, dtype, shape in tensors]
     else:
         with open(path, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        sizes = [(name, t["data_offsets"][1] - t["data_offsets"][0], math.prod(t["shape"]))
+        sizes = [(name, t["dtype"], t["data_offsets"][1] - t["data_offsets"][0], math.prod(t["shape"]))
                  for name, t in header.items() if name != "__metadata__"]
-    stored, numel = sum(s for _, s, _ in sizes), sum(n for _, _, n in sizes)
-    expert = [(s, n) for name, s, n in sizes if ".experts." in name]
-    return stored, 4 * numel, sum(s for s, _ in expert), 4 * sum(n for _, n in expert)
+
+    def held(name, dtype, stored, numel):
+        torch_dtype = DTYPES[dtype]
+        if not torch_dtype.is_floating_point:
+            return stored
+        group = "experts" if ".experts." in name else "dense"
+        return held_bytes(numel, stored, str(torch_dtype).replace("torch.", ""), "", dtypes[group])
+
+    stored = sum(s for _, _, s, _ in sizes)
+    expert = [(s, held(name, d, s, n)) for name, d, s, n in sizes if ".experts." in name]
+    return (stored, int(sum(held(*entry) for entry in sizes)), sum(s for s, _ in expert), int(sum(h for _, h in expert)))
 
 
 def rank_host_bytes(bundle: Path, plan) -> list:
     """weights(r) for every rank of the plan (module docstring), bytes."""
     cache = plan.communication.expert_cache
+    dtypes = plan.communication.capacity["weight_dtypes"]
     out = []
     for rank, shard in enumerate(plan.shards):
-        stored, float32, expert_stored, expert_float32 = rank_weight_bytes(Path(bundle) / shard)
+        stored, held, expert_stored, expert_held = rank_weight_bytes(Path(bundle) / shard, dtypes)
         if not cache:
-            out.append(stored + float32)
+            out.append(stored + held)
             continue
         tier = int(cache["host"]["capacity"][rank])
-        out.append(stored - expert_stored + float32 - expert_float32 + tier * int(cache["runtime_expert_bytes"]))
+        out.append(stored - expert_stored + held - expert_held + tier * int(cache["runtime_expert_bytes"]))
     return out
 
 

@@ -1,15 +1,18 @@
 """Serving capacity: how many sequences, of what context, a deployment's ranks can hold at once.
 
 The runtime keeps on every rank the dense weights, the rank's experts (all it hosts, or an expert
-cache's C entries) and the library's KV cache, all float32 (the runtime's dtype; `RUNTIME_BYTES`).
-What device memory leaves after the weights, a fixed reserve (CUDA context, allocator slack) and
-the activations of the largest prefill step holds KV tokens:
+cache's C entries) and the library's KV cache, at the precision it holds them on the plan's
+hardware (`runtime/precision.py: model_weight_bytes`, the rule the ranks load by: the checkpoint's
+precision where the device computes at it; FP8 experts with their block scales on FP8 GPUs; the KV
+cache and activations at the dense weights' dtype). What device memory leaves after the weights, a
+fixed reserve (CUDA context, allocator slack) and the activations of the largest prefill step holds
+KV tokens:
 
     kv_tokens(rank) = (device memory - dense - experts(rank) - activations - reserve) // kv_bytes_per_token
 
-KV bytes per token: layers x KV heads x head dim x 2 (K and V) x 4 bytes, or for MLA
+KV bytes per token: layers x KV heads x head dim x 2 (K and V) x the held element size, or for MLA
 (DeepSeek-V2/V3, whose transformers cache keeps the compressed latent) the latent plus the rotated
-key (`offload.cache_plan.kv_bytes_per_token`, counted in the runtime's float32).
+key (`offload.cache_plan.kv_bytes_per_token`, counted at the held dtype).
 
 Continuous batching keeps a rank's sequences as rows of one cache whose width is the longest row
 (`runtime/serving/row_cache.py`), so B rows of up to `max_context` tokens take
@@ -24,19 +27,29 @@ do not fit, max_sequences is 0 and `fits` is false: the plan says so and the ser
 """
 from __future__ import annotations
 
-RUNTIME_BYTES = 4                 # the runtime holds weights and KV cache as float32
+from moeplan.passes.optimize.offload.cache_plan import ACT_BUFFERS
+
 RESERVE_BYTES = 1 << 30           # CUDA context and allocator slack, as the offload planner reserves
-ACTIVATION_BUFFERS = 8            # working copies of the widest activation (offload planner's ACT_BUFFERS)
+ACTIVATION_BUFFERS = ACT_BUFFERS  # working copies of the widest activation, as the expert caches count them
 MAX_PREFILL_TOKENS = 2048         # the most padded prompt tokens one step prefills (runtime/serving/scheduler.py: Limits)
 MAX_SEQUENCES = 256               # the most sequences one step batches
 
 
-def runtime_kv_bytes_per_token(config, ir) -> int:
-    """KV-cache bytes one token adds on a rank that holds its context, in the runtime's float32."""
+def held_weights(ir, profile) -> dict:
+    """What the ranks hold on `profile`'s device (`runtime/precision.py: model_weight_bytes`):
+    {"dense": bytes, "expert": bytes of one expert, "dtypes": {"dense", "experts"}}."""
+    from moeplan.runtime.precision import model_weight_bytes
+
+    return model_weight_bytes(ir, on_gpu=not profile.device_is_host, precision=profile.precision)
+
+
+def runtime_kv_bytes_per_token(config, ir, dtype: str) -> int:
+    """KV-cache bytes one token adds on a rank that holds its context, at the runtime's `dtype`."""
     from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.core.ir import dtype_bytes
+    from moeplan.runtime.precision import ITEMSIZE
 
-    return int(round(kv_bytes_per_token(config, ir) / dtype_bytes(ir.dtype))) * RUNTIME_BYTES
+    return int(round(kv_bytes_per_token(config, ir) / dtype_bytes(ir.dtype))) * ITEMSIZE[dtype]
 
 
 def model_positions(config) -> int | None:
@@ -52,17 +65,17 @@ def model_positions(config) -> int | None:
 
 
 def serving_capacity(ir, config, experts_per_rank: list, mode: str, device_memory_bytes: int,
-                     device_memory_source: str) -> dict:
+                     device_memory_source: str, held: dict) -> dict:
     """The plan's `communication.capacity` (module docstring). `experts_per_rank`: the (layer,
-    expert) entries each rank keeps resident (hosted experts, or its expert cache's capacity)."""
+    expert) entries each rank keeps resident (hosted experts, or its expert cache's capacity);
+    `held`: `held_weights` of the plan's profile."""
     from moeplan.core.ir import dtype_bytes
+    from moeplan.runtime.precision import ITEMSIZE
 
-    per_param = RUNTIME_BYTES / dtype_bytes(ir.dtype)
-    dense = int(round(ir.dense_params * RUNTIME_BYTES))
-    expert = int(round(ir.moe_stages[0].expert_param_bytes * per_param))
-    widest = max(s.activation_bytes_per_token for s in ir.stages) * per_param
+    dense, expert, dtype = held["dense"], held["expert"], held["dtypes"]["dense"]
+    widest = max(s.activation_bytes_per_token for s in ir.stages) / dtype_bytes(ir.dtype) * ITEMSIZE[dtype]
     activations = int(MAX_PREFILL_TOKENS * widest * ACTIVATION_BUFFERS)
-    kv = max(1, runtime_kv_bytes_per_token(config, ir))
+    kv = max(1, runtime_kv_bytes_per_token(config, ir, dtype))
     weights = [dense + n * expert for n in experts_per_rank]
     free = [int(device_memory_bytes) - w - activations - RESERVE_BYTES for w in weights]
     tokens = max(0, min(free) // kv)
@@ -77,7 +90,8 @@ def serving_capacity(ir, config, experts_per_rank: list, mode: str, device_memor
     return {"fits": sequences > 0, "max_sequences": int(sequences), "max_context": int(context),
             "kv_bytes_per_token": int(kv), "kv_tokens_per_rank": int(tokens),
             "device_memory_bytes": int(device_memory_bytes), "device_memory_source": device_memory_source,
-            "weight_bytes_per_rank": [int(w) for w in weights], "activation_bytes": activations,
+            "weight_bytes_per_rank": [int(w) for w in weights], "weight_dtypes": dict(held["dtypes"]),
+            "activation_bytes": activations,
             "reserve_bytes": RESERVE_BYTES, "model_positions": positions}
 
 

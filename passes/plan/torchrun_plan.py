@@ -62,7 +62,7 @@ def _plan(facts):
 
 def _with_capacity(plan: Plan, facts) -> Plan:
     """Issue 29: how many sequences of what context the ranks hold (passes/cost/capacity.py)."""
-    from moeplan.passes.cost.capacity import device_memory, serving_capacity
+    from moeplan.passes.cost.capacity import device_memory, held_weights, serving_capacity
     from moeplan.core.hardware import load_hardware
 
     loaded, cache = facts["model"], plan.communication.expert_cache
@@ -71,7 +71,8 @@ def _with_capacity(plan: Plan, facts) -> Plan:
     profile = load_hardware(facts["cost_options"]["hardware"])  # the plan's one profile
     capacity = serving_capacity(loaded.ir, config, resident, plan.communication.mode,
                                 *device_memory(facts["offload_options"], profile,
-                                               facts["placement"].topology.gpus_per_node))
+                                               facts["placement"].topology.gpus_per_node),
+                                held_weights(loaded.ir, profile))
     return dataclasses.replace(plan, communication={**plan.communication.to_json(), "capacity": capacity})
 
 

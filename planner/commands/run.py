@@ -16,7 +16,7 @@ from moeplan.core import progress
 from moeplan.core.errors import UserError
 from moeplan.planner.launch.open_bundle import open_bundle
 from moeplan.planner.pipeline.engine_targets import ENGINE_TARGETS
-from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
+from moeplan.planner.pipeline.run import run_modes
 
 
 @click.command("run", short_help="Launch a bundle locally and report; --verify checks it against the source model.")
@@ -87,8 +87,10 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
         click.echo(f"billed {report['billed_gb_s']:.3f} GB-s at the planned memory (${report['billed_usd']:.8f}) "
                    f"from {report['measured_seconds']:.2f} s measured in the handlers")
         if verify:
+            from moeplan.planner.launch.lambda_run import LOGIT_TOLERANCE as LAMBDA_LOGIT_TOLERANCE
+
             click.echo(f"verify {'PASS' if report['verified'] else 'FAIL'}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
-                       f"(<= {LOGIT_TOLERANCE:g}), tokens {'identical' if report['tokens_match'] else 'DIFFER'}")
+                       f"(<= {LAMBDA_LOGIT_TOLERANCE:g}), tokens {'identical' if report['tokens_match'] else 'DIFFER'}")
     if verify and not report["verified"]:
         sys.exit(1)
 
@@ -141,6 +143,7 @@ def _print(report: dict, verify: bool) -> None:
                    + (f", planned {t['planned'] * 1e3:.3f} ms/token on held-out tokens" if t["planned"] is not None else ""))
     if verify:
         verdict = "PASS" if report["verified"] else "FAIL"
-        click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {LOGIT_TOLERANCE:g}), "
+        click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {report['logit_tolerance']:g} "
+                   f"at {report['weight_dtype']}), "
                    f"tokens {'identical' if report['tokens_match'] else 'DIFFER'}"
                    + ("" if report["locality_matches_prediction"] else ", gpu_local_fraction differs from the prediction"))

@@ -2,9 +2,11 @@
 
 The reference is the model's own source file (`model/model.py`) with the weights reassembled
 from the shards; their hash must equal the plan's `weights_sha256` of the source state dict, so
-the reference is the source model and not merely the shards. The reference generates greedily
-with full recomputation, then one forward over prompt + generated tokens (all but the last)
-gives the logits of every position the runtime processed.
+the reference is the source model and not merely the shards. It runs at the precision the ranks
+held the weights at (`weight_dtype` in result.json: `runtime/precision.py`), so a bfloat16 run is
+compared with the source model in bfloat16. The reference generates greedily with full
+recomputation, then one forward over prompt + generated tokens (all but the last) gives the
+logits of every position the runtime processed.
 """
 from __future__ import annotations
 
@@ -23,18 +25,20 @@ class VerifyError(Exception):
     """The bundle cannot be verified (e.g. weights differ from the source model)."""
 
 
-def _transformers_reference(root: Path, plan: dict, state: dict):
-    """The transformers model named by the bundle's config, built by transformers, with `state`."""
+def _transformers_reference(root: Path, plan: dict, state: dict, dtype: torch.dtype):
+    """The transformers model named by the bundle's config, built by transformers at `dtype`, with `state`."""
     from moeplan.runtime.model.library_model import build_transformers
 
-    model = build_transformers(bundle_path(root, plan["model"]["config"]).parent)
-    result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    model = build_transformers(bundle_path(root, plan["model"]["config"]).parent, dtype=dtype)
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    result = model.load_state_dict({k: v.to(own[k].dtype) if k in own and v.is_floating_point() else v
+                                    for k, v in state.items()}, strict=False)
     if result.missing_keys or result.unexpected_keys:
         missing = [k for k in result.missing_keys if k != "lm_head.weight"]
         if missing or result.unexpected_keys:
             raise VerifyError(f"the shards do not fill the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
     model.tie_weights()
-    return _LogitsOnly(model.float().eval())
+    return _LogitsOnly(model.eval())
 
 
 class _LogitsOnly(torch.nn.Module):
@@ -45,11 +49,11 @@ class _LogitsOnly(torch.nn.Module):
         self.model = model
 
     def forward(self, ids):
-        return self.model(input_ids=ids, use_cache=False).logits
+        return self.model(input_ids=ids, use_cache=False).logits.float()
 
 
-def load_reference(root: Path, plan: dict):
-    """The source model rebuilt from the bundle: its source file, config and all shards."""
+def load_reference(root: Path, plan: dict, dtype: torch.dtype = torch.float32):
+    """The source model rebuilt from the bundle (its source file, config and all shards), at `dtype`."""
     from moeplan.runtime.bundle_io import read_rank_tensors
 
     state = {}
@@ -64,14 +68,14 @@ def load_reference(root: Path, plan: dict):
     expected = plan["model"].get("weights_sha256")
     if expected and state_dict_sha256(state) != expected:
         raise VerifyError("the shards' weights do not reassemble the source model (weights_sha256 differs); recompile the bundle")
-    return reference_model(root, plan, state)
+    return reference_model(root, plan, state, dtype)
 
 
-def reference_model(root: Path, plan: dict, state: dict):
-    """The source model of a bundle (torchrun or Lambda) with the library's state dict `state`."""
+def reference_model(root: Path, plan: dict, state: dict, dtype: torch.dtype = torch.float32):
+    """The source model of a bundle (torchrun or Lambda) with the library's state dict `state`, at `dtype`."""
     if plan["model"]["architecture"] == "transformers":
-        return _transformers_reference(root, plan, state)
-    return tiny_moe_reference(root, plan, state)
+        return _transformers_reference(root, plan, state, dtype)
+    return tiny_moe_reference(root, plan, state, dtype)
 
 
 def _model_files(root: Path, plan: dict) -> list:
@@ -79,8 +83,8 @@ def _model_files(root: Path, plan: dict) -> list:
     return sorted(str(p.relative_to(root)) for p in model_dir.iterdir() if p.is_file())
 
 
-def tiny_moe_reference(root: Path, plan: dict, state: dict):
-    """TinyMoE built from the model source file and config shipped in a bundle, with `state`."""
+def tiny_moe_reference(root: Path, plan: dict, state: dict, dtype: torch.dtype = torch.float32):
+    """TinyMoE built from the model source file and config shipped in a bundle, with `state`, at `dtype`."""
     source = bundle_path(root, plan["model"]["source"])  # never code from outside the bundle
     previous, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # no __pycache__ in the bundle
     try:
@@ -90,7 +94,18 @@ def tiny_moe_reference(root: Path, plan: dict, state: dict):
     config = json.loads(bundle_path(root, plan["model"]["config"]).read_text())
     model = module.TinyMoE(module.TinyMoEConfig.from_dict(config))
     model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model.eval()
+    return _FloatLogits(model.to(dtype).eval())
+
+
+class _FloatLogits(torch.nn.Module):
+    """TinyMoE at any dtype, its logits as float32."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).float()
 
 
 @torch.no_grad()
@@ -111,17 +126,18 @@ def compare(root: Path, plan: dict, out_dir: Path, new_tokens: int, cache: dict 
     """max |logit diff| over every processed position, and whether greedy tokens match."""
     torch.set_num_threads(1)
     cache = {} if cache is None else cache
-    if "model" not in cache:
-        cache["model"] = load_reference(root, plan)
-    model = cache["model"]
-    run = torch.load(out_dir / "logits.pt", weights_only=True)
     result = json.loads((out_dir / "result.json").read_text())
+    dtype = result.get("weight_dtype", "float32")
+    if ("model", dtype) not in cache:
+        cache[("model", dtype)] = load_reference(root, plan, getattr(torch, dtype))
+    model = cache[("model", dtype)]
+    run = torch.load(out_dir / "logits.pt", weights_only=True)
     prompts = result["prompt_ids"]
     keys, logits, max_len = run["keys"], run["logits"], run["max_len"]
     by_key = {int(k): i for i, k in enumerate(keys.tolist())}
     max_diff, tokens_match = 0.0, True
     for s, prompt in enumerate(prompts):
-        key = (tuple(prompt), new_tokens)
+        key = (tuple(prompt), new_tokens, dtype)
         if key not in cache:
             cache[key] = reference_generate(model, prompt, new_tokens)
         gen, ref_logits = cache[key]

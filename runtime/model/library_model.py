@@ -37,8 +37,9 @@ def transformers_config(config_dir: Path):
     return config
 
 
-def build_transformers(config_dir: Path, device: str = "cpu", buffers: str | None = None):
-    """The transformers causal LM named by the config (float32, eval); meta device builds no weights.
+def build_transformers(config_dir: Path, device: str = "cpu", buffers: str | None = None, dtype=torch.float32):
+    """The transformers causal LM named by the config (at `dtype`, eval: the library keeps the
+    parameters it must in float32, e.g. DeepSeek-V3's router); meta device builds no weights.
 
     `buffers="cpu"` with `device="meta"`: parameters on meta (a rank loads its own tensors into
     them with `assign=True`), buffers computed at construction (rotary frequencies) on the CPU.
@@ -50,7 +51,7 @@ def build_transformers(config_dir: Path, device: str = "cpu", buffers: str | Non
     config = transformers_config(config_dir)
     placing = _parameters_on_meta() if device == "meta" and buffers == "cpu" else torch.device(device)
     with placing, no_init_weights():
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._experts_implementation = "eager"
     return model.eval()
 
@@ -178,6 +179,11 @@ def _load_dense(model, dense: dict, containers: list, kind: str) -> tuple:
     expert_params = set()
     for c in containers:
         expert_params |= {f"{c.path}.{p}" for p, _ in c.params}
+    own = dict(model.named_parameters())
+    own.update(model.named_buffers())
+    for name, tensor in dense.items():  # each at the dtype the model holds it (`precision.py`; fp32-kept parameters)
+        if name in own and tensor.is_floating_point() and tensor.dtype != own[name].dtype:
+            dense[name] = tensor.to(own[name].dtype)
     result = model.load_state_dict(dense, strict=False, assign=True)
     missing = [k for k in result.missing_keys if k not in expert_params]
     if kind != "tiny_moe":

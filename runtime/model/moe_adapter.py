@@ -196,16 +196,17 @@ class MoEAdapter:
             kept = nn.ModuleList(experts[e] for e in self.local)
             for i, e in enumerate(self.local):
                 for p, t in kept[i].named_parameters():
-                    t.data = weights.pop(f"{c.path}.{e}.{p}")
+                    t.data = weights.pop(f"{c.path}.{e}.{p}").to(t.dtype)
             self.block.experts = kept
             return
         owner = _module(root, c.path)
         for p, shape in c.params:
-            if n:
-                stacked = torch.stack([weights.pop(f"{c.path}.{e}.{p}") for e in self.local])  # freed once stacked
+            dtype = owner.get_parameter(p).dtype  # as the library module was built (`precision.py`)
+            if n:  # each expert cast as it is stacked, then freed
+                stacked = torch.stack([weights.pop(f"{c.path}.{e}.{p}").to(dtype) for e in self.local])
             else:
                 per = shape[1:] if shape[0] == c.num_experts else (shape[0] // c.num_experts, *shape[1:])
-                stacked = torch.zeros(0, *per)
+                stacked = torch.zeros(0, *per, dtype=dtype)
             if shape[0] != c.num_experts:  # DBRX: [E * r, ...]
                 stacked = stacked.reshape(n * (shape[0] // c.num_experts), *shape[1:])
             self._set_param(owner, p, stacked)

@@ -21,7 +21,7 @@ library's own experts module computes, on weights the cache put in place.
   counts requests, hits, loads, prefetches and bytes moved and keeps the request log
   (`OnlineStream`), which `moeplan run --verify` replays through the simulator.
 * The store (`expert_store.py`: the copied shard, or the original checkpoint through the rank's
-  reference index) hands over one expert's float32 tensors per load, pinned on CUDA; the store
+  reference index) hands over one expert's tensors per load (at the rank's weight dtype), pinned on CUDA; the store
   counts bytes read from disk and served from host memory. CUDA copies run on a side stream after
   an event of the last compute that may read the slot, and the compute stream waits for them
   (that path cannot run on this CPU-only machine: written, never run).
@@ -179,19 +179,19 @@ def per_expert_shape(full_shape, num_experts: int) -> tuple:
 class ExpertPool:
     """C slots of expert weights on `device`, shared by every MoE layer (see module docstring)."""
 
-    def __init__(self, containers: list, template_block, capacity: int, device):
+    def __init__(self, containers: list, template_block, capacity: int, device, dtype=torch.float32):
         first = containers[0]
         self.kind, self.capacity, self.device = first.kind, int(capacity), torch.device(device)
         if self.kind == "tiny_moe":
             spec = sorted({p.split(".", 1)[1] for p, _ in first.params})
-            self.modules = nn.ModuleList(copy.deepcopy(template_block.experts[0]) for _ in range(self.capacity)).to(self.device)
+            self.modules = nn.ModuleList(copy.deepcopy(template_block.experts[0]) for _ in range(self.capacity)).to(self.device, dtype)
             self.params = tuple(spec)
         else:
             spec = tuple((p, per_expert_shape(full, first.num_experts)) for p, full in first.params)
             self.tensors = {}
             for (p, per), (_, full) in zip(spec, first.params):
                 shape = (self.capacity, *per) if full[0] == first.num_experts else (self.capacity * per[0], *per[1:])
-                self.tensors[p] = torch.zeros(shape, device=self.device)
+                self.tensors[p] = torch.zeros(shape, device=self.device, dtype=dtype)
             self.params = tuple(p for p, _ in spec)
         for c in containers[1:]:
             other = (sorted({p.split(".", 1)[1] for p, _ in c.params}) if self.kind == "tiny_moe"
@@ -536,10 +536,12 @@ def offloaded_rank_model(shard_path, model, arch: str, spec: dict, rank: int, lo
     containers = find_containers(layers, prefix)
     owner = expert_tensor_owner(containers)
     device = torch.device(device)
-    pool = ExpertPool(containers, model.get_submodule(containers[0].block), int(spec["capacity"][rank]), device)
+    dtype = model.get_parameter(f"{containers[0].path}.{containers[0].params[0][0]}").dtype  # as built (`precision.py`)
+    pool = ExpertPool(containers, model.get_submodule(containers[0].block), int(spec["capacity"][rank]), device, dtype)
     host = spec.get("host")  # plans without a host tier read every load from the files
     store, dense = open_rank_store(shard_path, owner, pinned=device.type == "cuda",
-                                   host_keys=host["resident"][rank] if host else (), checkpoint_dir=checkpoint_dir)
+                                   host_keys=host["resident"][rank] if host else (), checkpoint_dir=checkpoint_dir,
+                                   dtype=dtype)
     rank_model = RankModel(model, arch, None, {}, dense, max_positions)
     model.to(device)
     attach_expert_cache(rank_model, pool, store, spec, rank, local)

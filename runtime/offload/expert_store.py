@@ -3,13 +3,14 @@
 Why a separate interface: the cache (expert_cache.py) decides *which* expert to load and when;
 the store decides *where from*. Every store offers
 
-    load(layer, expert) -> {param: float32 tensor}   one expert's tensors (pinned on CUDA)
+    load(layer, expert) -> {param: tensor}   one expert's tensors at the rank's weight dtype (pinned on CUDA)
     counters() -> {"disk_loads", "disk_bytes", "host_loads", "host_bytes"}
     reset_counters()
 
 `disk_*` counts experts read from the backing files at that load, `host_*` experts served from a
 copy already in host memory. Bytes: disk = the expert's tensors in the dtype the bundle stores them
-in (what a read takes off disk), host = the float32 copy handed to the device.
+in (what a read takes off disk), host = the copy at the rank's weight dtype (`precision.py`) handed
+to the device.
 
 * `ShardStore`: the rank's copied safetensors shard (`--weights copy`), read with `safe_open`.
 * `ReferenceStore`: the original checkpoint through the rank's reference index (`--weights
@@ -17,7 +18,7 @@ in (what a read takes off disk), host = the float32 copy handed to the device.
   fused [E, ...] or DBRX [E * r, D] tensor via `get_slice`, or its own per-expert tensors.
 
 The host tier (`preload(keys)`): the plan's host-memory keys for this rank are read once when the
-rank starts and held as float32 (pinned on CUDA); every later load of them is a host load, every
+rank starts and held at the rank's weight dtype (pinned on CUDA); every later load of them is a host load, every
 load of any other key reads the files again. Preloaded rather than kept after the first read
 because that is the planner's model (`Timing.copy_s`: a host-tier expert never pays the NVMe
 read), so the simulator's disk/host split needs no first-touch state, and because the host memory
@@ -26,6 +27,8 @@ the middle of serving. The preload's reads are reported apart (`preloaded`), not
 Nothing here imports moeplan: bundles run without it.
 """
 from __future__ import annotations
+
+import torch
 
 
 COUNTERS = ("disk_loads", "disk_bytes", "host_loads", "host_bytes")
@@ -36,11 +39,12 @@ def tensor_bytes(tensors: dict) -> int:
 
 
 class ExpertStore:
-    """Base: counters and the float32 (pinned on CUDA) form of what `read` returns."""
+    """Base: counters and the held (`dtype`: the rank's weight dtype, `precision.py`; pinned on
+    CUDA) form of what `read` returns."""
 
-    def __init__(self, pinned: bool = False):
-        self.pinned = pinned
-        self.host = {}  # (layer, expert) -> {param: float32 tensor}: the host tier
+    def __init__(self, pinned: bool = False, dtype=torch.float32):
+        self.pinned, self.dtype = pinned, dtype
+        self.host = {}  # (layer, expert) -> {param: tensor at dtype}: the host tier
         self.preloaded = {"loads": 0, "bytes": 0}
         self.reset_counters()
 
@@ -49,7 +53,8 @@ class ExpertStore:
         raise NotImplementedError
 
     def dense(self) -> dict:
-        """{name: float32 CPU tensor} of the rank's tensors that are not per-expert (read once)."""
+        """{name: CPU tensor as stored} of the rank's tensors that are not per-expert (read once; the
+        model casts each to the dtype it holds it at)."""
         raise NotImplementedError
 
     def reset_counters(self) -> None:
@@ -61,12 +66,12 @@ class ExpertStore:
         self.disk_bytes += tensor_bytes(stored)
         out = {}
         for param, t in stored.items():
-            t = t.float()
+            t = t.to(self.dtype)
             out[param] = t.pin_memory() if self.pinned else t
         return out
 
     def load(self, layer: int, expert: int) -> dict:
-        """{param: float32 tensor} of one expert (pinned host memory when `pinned`): the host
+        """{param: tensor at the held dtype} of one expert (pinned host memory when `pinned`): the host
         tier's copy if it holds the expert, else read from the files."""
         held = self.host.get((layer, expert))
         if held is None:
@@ -76,7 +81,7 @@ class ExpertStore:
         return held
 
     def host_weights(self, layer: int, expert: int) -> dict:
-        """{param: float32 CPU tensor} of one expert for computing it on the host (host compute on
+        """{param: CPU tensor at the held dtype} of one expert for computing it on the host (host compute on
         a miss): the host tier's copy, which moves nowhere and is not counted, or a disk read,
         counted as one (the simulator's rule: a key outside the host tier is read for it)."""
         held = self.host.get((layer, expert))
@@ -100,11 +105,11 @@ class ExpertStore:
 class ShardStore(ExpertStore):
     """An expert's tensors by (MoE layer, expert), read from the rank's safetensors shard per load."""
 
-    def __init__(self, path, owner, pinned: bool = False):
+    def __init__(self, path, owner, pinned: bool = False, dtype=torch.float32):
         """`owner(name)` -> (MoE layer, expert, param) for per-expert tensor names, None for others."""
         from safetensors import safe_open
 
-        super().__init__(pinned)
+        super().__init__(pinned, dtype)
         self.file = safe_open(str(path), framework="pt")
         self.names_of = {}
         for name in self.file.keys():
@@ -117,20 +122,20 @@ class ShardStore(ExpertStore):
         return {param: self.file.get_tensor(name) for param, name in self.names_of[(layer, expert)]}
 
     def dense(self) -> dict:
-        return {name: self.file.get_tensor(name).float() for name in self.file.keys() if self.owner(name) is None}
+        return {name: self.file.get_tensor(name) for name in self.file.keys() if self.owner(name) is None}
 
 
 class ReferenceStore(ExpertStore):
     """An expert's tensors read from the original checkpoint by the rank's reference index
     (`shards/rank-N.index.json`: bundle tensor name -> recipe); the checkpoint's files stay open."""
 
-    def __init__(self, directory, index_path, owner, pinned: bool = False):
+    def __init__(self, directory, index_path, owner, pinned: bool = False, dtype=torch.float32):
         import json
         from pathlib import Path
 
         from ..checkpoint_reader import OpenFiles
 
-        super().__init__(pinned)
+        super().__init__(pinned, dtype)
         self.directory = Path(directory)
         self.recipes = json.loads(Path(index_path).read_text())["tensors"]
         self.owner, self.files = owner, OpenFiles(self.directory)
@@ -148,19 +153,20 @@ class ReferenceStore(ExpertStore):
     def dense(self) -> dict:
         from ..checkpoint_reader import read_recipe
 
-        return {name: read_recipe(self.directory, recipe).float() for name, recipe in sorted(self.recipes.items())
+        return {name: read_recipe(self.directory, recipe) for name, recipe in sorted(self.recipes.items())
                 if self.owner(name) is None}
 
 
-def open_rank_store(weights_path, owner, pinned: bool = False, host_keys=(), checkpoint_dir=None) -> tuple:
+def open_rank_store(weights_path, owner, pinned: bool = False, host_keys=(), checkpoint_dir=None,
+                    dtype=torch.float32) -> tuple:
     """(store, dense tensors) of one rank: its copied shard, or for a reference index
-    (`*.index.json`) the checkpoint in `checkpoint_dir`; the host tier `host_keys` preloaded."""
+    (`*.index.json`) the checkpoint in `checkpoint_dir`; the host tier `host_keys` preloaded at `dtype`."""
     if str(weights_path).endswith(".index.json"):
         if checkpoint_dir is None:
             raise ValueError(f"'{weights_path}' is a checkpoint index; the rank needs the checkpoint's directory")
-        store = ReferenceStore(checkpoint_dir, weights_path, owner, pinned)
+        store = ReferenceStore(checkpoint_dir, weights_path, owner, pinned, dtype)
     else:
-        store = ShardStore(weights_path, owner, pinned)
+        store = ShardStore(weights_path, owner, pinned, dtype)
     dense = store.dense()
     store.preload(host_keys)
     return store, dense

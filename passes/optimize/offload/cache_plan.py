@@ -80,16 +80,25 @@ def kv_bytes_per_token(config, ir) -> int:
     return int(layers * per * b)
 
 
-def memory_budget(ir, kv_per_token: int, req: OffloadRequest) -> dict:
-    """Bytes of each GPU memory use and the expert cache capacity in (layer, expert) entries."""
+def memory_budget(ir, kv_per_token: int, req: OffloadRequest, prefill_tokens: int | None = None) -> dict:
+    """Bytes of each GPU memory use and the expert cache capacity in (layer, expert) entries, at
+    the precision the runtime holds the model on the plan's hardware (`runtime/precision.py:
+    model_weight_bytes`, as serving capacity counts it); `kv_per_token` as `kv_bytes_per_token` gives it.
+    `prefill_tokens`: the most tokens one step prefills (the torchrun service's bound, which serving
+    capacity reserves activations for), else batch x prefill chunk."""
+    from moeplan.core.ir import dtype_bytes
+    from moeplan.runtime.precision import ITEMSIZE, model_weight_bytes
+
+    held = model_weight_bytes(ir, on_gpu=not req.hardware.device_is_host, precision=req.hardware.precision)
+    per_element = ITEMSIZE[held["dtypes"]["dense"]] / dtype_bytes(ir.dtype)  # KV and activations at the dense dtype
     moe = ir.moe_stages
-    expert_bytes = int(moe[0].expert_param_bytes)
+    expert_bytes = held["expert"]
     total_keys = sum(s.num_experts for s in moe)
-    routed = sum(s.num_experts * s.expert_param_bytes for s in moe)
-    dense = int(ir.total_param_bytes - routed)
-    kv = int(req.batch * req.max_length * kv_per_token)
-    widest = max(s.activation_bytes_per_token for s in ir.stages)
-    act = int(req.batch * min(req.prefill_chunk, req.max_length) * widest * ACT_BUFFERS)
+    dense = held["dense"]
+    kv = int(req.batch * req.max_length * round(kv_per_token * per_element))
+    widest = max(s.activation_bytes_per_token for s in ir.stages) * per_element
+    tokens = prefill_tokens if prefill_tokens is not None else req.batch * min(req.prefill_chunk, req.max_length)
+    act = int(tokens * widest * ACT_BUFFERS)
     out = {"dense_bytes": dense, "kv_cache_bytes": kv, "activation_bytes": act, "reserve_bytes": int(req.reserve_bytes),
            "expert_bytes": expert_bytes, "total_experts": total_keys}
     if req.expert_cache is not None:

@@ -19,7 +19,7 @@ restricted to them (stream.restrict). Per rank r:
   section is what it was before prefetch existed.
 * host tier: the machine's host memory for experts (--host-memory, else the profile's less a
   reserve) split evenly among its ranks; each rank holds its most popular keys that fit, as the
-  float32 copies the runtime keeps (`runtime_expert_bytes`), and reads the others from disk at
+  copies the runtime keeps (`runtime_expert_bytes`: at its held precision), and reads the others from disk at
   every load (tiers.py). Recorded per rank, with the held-out disk/host bytes per token.
 The runtime drives the simulator's stepper (runtime/offload/stepper.py): its hits, loads, prefetches, bytes and
 disk/host split must equal the simulator's replay of the same requests.
@@ -42,15 +42,17 @@ from moeplan.runtime.offload.stepper import TimedCache, pair_keys, rank_timing
 from moeplan.passes.optimize.offload.stream import build_stream, restrict
 from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_totals
 from moeplan.core.errors import UserError
+from moeplan.passes.cost.capacity import MAX_PREFILL_TOKENS
 
 RUNTIME_POLICIES = ONLINE_POLICIES  # what a bundle can run (Belady needs the future)
 
 
-def runtime_expert_bytes(ir) -> int:
-    """Bytes one expert load moves in the runtime, which holds weights as float32."""
-    from moeplan.core.ir import dtype_bytes
+def runtime_expert_bytes(ir, hardware) -> int:
+    """Bytes one expert load moves in the runtime: one expert as the ranks hold it on `hardware`
+    (`runtime/precision.py: model_weight_bytes`, as the cache's capacity counts it)."""
+    from moeplan.runtime.precision import model_weight_bytes
 
-    return int(round(ir.moe_stages[0].expert_param_bytes / dtype_bytes(ir.dtype))) * 4
+    return model_weight_bytes(ir, on_gpu=not hardware.device_is_host, precision=hardware.precision)["expert"]
 
 
 def rank_keys(hosts: np.ndarray) -> list:
@@ -124,7 +126,9 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     fit, val = trace.select(fit_rows), trace.select(val_rows)
     speculation = speculation_settings(fit)
     candidates = prefetch_candidates(eviction, prefetch, speculation)
-    budget = memory_budget(ir, kv_per_token, req)
+    # activations as serving capacity reserves them (passes/cost/capacity.py), so that the caches leave
+    # exactly the --batch x --max-length KV cache the service then finds
+    budget = memory_budget(ir, kv_per_token, req, prefill_tokens=MAX_PREFILL_TOKENS)
     masks = rank_keys(hosts)
     popularity = popularity_by_layer(fit)
     model = fit_next_use(build_stream(fit), popularity)
@@ -153,7 +157,7 @@ def plan_rank_caches(ir, trace, hosts: np.ndarray, req: OffloadRequest, kv_per_t
     best_demand = max(RUNTIME_POLICIES, key=lambda p: (total[p], -RUNTIME_POLICIES.index(p)))
     candidates = [(m, ev or best_demand) for m, ev in candidates]
     E = ir.moe_stages[0].num_experts
-    host_bytes, disk_bytes = runtime_expert_bytes(ir), int(ir.moe_stages[0].expert_param_bytes)
+    host_bytes, disk_bytes = runtime_expert_bytes(ir, req.hardware), int(ir.moe_stages[0].expert_param_bytes)
     host = host_tiers(masks, popularity, req, ranks_per_node, host_bytes)
     timed, loaded, timings_of, eamc = {}, {}, {}, None
     hosts = host_compute_options(req, ir.architecture) if prefetch != "none" or req.host_compute == "cheaper" else (False,)
