@@ -145,6 +145,17 @@ def _spec(op):
                     {"is_context": False, "batch_size": op.batch, "s": op.kv_len})
         return (A.ContextMLA(op.name, 1, op.heads, getattr(Q.KVCacheQuantMode, kv), Q.FMHAQuantMode.bfloat16),
                 {"is_context": True, "batch_size": op.batch, "s": op.new_tokens, "prefix": op.kv_len})
+    if isinstance(op, O.MlaModule):
+        kv = KV_QUANT.get(op.kv_dtype)
+        core = [p for p in op.parts if isinstance(p, O.MlaAttention)]
+        if kv is None or not core or (core[0].kv_lora_rank, core[0].rope_dim, core[0].nope_dim, core[0].v_dim) != MLA_MEASURED:
+            return None
+        # SGLang's wide-EP MLA as the database measured it: flashinfer, FP8 attention (what AIConfigurator assumes there)
+        make = A.WideEPGenerationMLA if op.phase == O.DECODE else A.WideEPContextMLA
+        spec = make(op.name, 1, op.tp, getattr(Q.KVCacheQuantMode, kv), Q.FMHAQuantMode.fp8_block, attn_backend="flashinfer")
+        if op.phase == O.DECODE:
+            return spec, {"is_context": False, "batch_size": op.batch, "s": op.kv_len}
+        return spec, {"is_context": True, "batch_size": op.batch, "s": op.new_tokens, "prefix": op.kv_len}
     if isinstance(op, O.MlaBmm):
         if (op.kv_lora_rank, op.nope_dim, op.v_dim) != (MLA_MEASURED[0], MLA_MEASURED[2], MLA_MEASURED[3]):
             return None

@@ -90,6 +90,27 @@ class MlaBmm:
 
 
 @dataclass(frozen=True)
+class MlaModule:
+    """SGLang's whole MLA block under large-scale EP (q_b, the absorbed BMMs or kv_b, the attention core,
+    o_proj) for one group of `batch` sequences, on 128 / `tp` heads, as its wide-EP path runs it;
+    `parts` are the same block as separate ops, priced one by one where the module was not measured."""
+
+    name: str
+    phase: str
+    batch: int
+    new_tokens: int
+    kv_len: int
+    tp: int
+    kv_dtype: str
+    parts: tuple
+    count: float = 1.0
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.new_tokens
+
+
+@dataclass(frozen=True)
 class LinearAttention:
     """Gated DeltaNet on this rank's value heads: a state update per token (decode) or a chunked scan."""
 

@@ -66,6 +66,10 @@ class Pricer:
         scale = got.seconds / edge_roof if edge_roof > 0 else 1.0
         return roof * scale, f"{self.roofline_source} x {self.tables.label} efficiency at its grid edge"
 
+    def _module_missing(self, op) -> bool:
+        """Whether the database has no time for this composite op (then its parts are priced)."""
+        return self.tables is None or self.tables.price(replace(op, count=1.0)) is None
+
     def step(self, ops) -> StepPrice:
         """The time of a list of ops run one after another (each `count` times)."""
         parts: dict = {}
@@ -84,6 +88,8 @@ class Pricer:
             for key, seconds in kept.items():
                 parts[key] = parts.get(key, 0.0) + seconds
             return max(a, b)
+        if isinstance(op, O.MlaModule) and self._module_missing(op):
+            return sum(self._add(part, parts, count * part.count) for part in op.parts)
         seconds, source = self.unit(replace(op, count=1.0))
         key = (op.name, source)
         parts[key] = parts.get(key, 0.0) + seconds * count

@@ -88,6 +88,8 @@ def price(op, profile, gpus_per_node: int = 8) -> float:
             flops = 2 * op.tokens * op.heads * span * (op.nope_dim + op.rope_dim + op.v_dim)
             nbytes = op.batch * (op.kv_len + op.new_tokens) * op.heads * (op.nope_dim + op.rope_dim + op.v_dim) * ACT
         return _kernel(profile, flops, nbytes)
+    if isinstance(op, O.MlaModule):
+        return sum(price(part, profile, gpus_per_node) * part.count for part in op.parts)
     if isinstance(op, O.MlaBmm):
         inner, outer = (op.nope_dim, op.kv_lora_rank) if op.pre else (op.kv_lora_rank, op.v_dim)
         flops = 2 * op.tokens * op.heads * inner * outer

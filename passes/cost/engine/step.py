@@ -52,27 +52,37 @@ def _attention(model: EngineModel, dep: Deployment, layer: int, phase: str, piec
         return out + [O.Gemm("linear_attention_out_gemm", t, h, vh * a.value_dim, quant)]
     if model.mla is not None:
         m, heads = model.mla, max(model.q_heads // tp, 1)
-        out = []
-        if m.q_lora_rank:
-            out += [O.Gemm("mla_q_a_kv_a_gemm", t, m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim, h, quant),
-                    O.Gemm("mla_q_b_gemm", t, heads * m.qk_head_dim, m.q_lora_rank, quant)]
-        else:
-            out += [O.Gemm("mla_kv_a_gemm", t, m.kv_lora_rank + m.qk_rope_head_dim, h, quant),
-                    O.Gemm("mla_q_gemm", t, heads * m.qk_head_dim, h, quant)]
-        core = [O.MlaAttention("attention", phase, b, n, c + (n if phase == O.DECODE else 0), heads, m.kv_lora_rank,
-                               m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, kv_dtype) for b, n, c in pieces]
-        if phase == O.DECODE:
-            out += [O.MlaBmm("mla_bmm_pre", t, heads, True, m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim, quant),
-                    *core,
-                    O.MlaBmm("mla_bmm_post", t, heads, False, m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim, quant)]
-        else:
-            out += [O.Gemm("mla_kv_b_gemm", t, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, quant), *core]
-        return out + [O.Gemm("o_proj_gemm", t, h, heads * m.v_head_dim, quant)]
+        if not m.q_lora_rank:  # a plain q projection (DeepSeek-V2-Lite) in place of q_a / q_b
+            return [O.Gemm("mla_kv_a_gemm", t, m.kv_lora_rank + m.qk_rope_head_dim, h, quant),
+                    O.Gemm("mla_q_gemm", t, heads * m.qk_head_dim, h, quant),
+                    *_mla_block(model, phase, pieces, heads, kv_dtype, quant)[1:]]
+        down = O.Gemm("mla_q_a_kv_a_gemm", t, m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim, h, quant)
+        if dep.moe_a2a == DEEPEP:  # the large-EP path: the block as one module per group of sequences
+            return [down] + [O.MlaModule("mla_block", phase, b, n, c + (n if phase == O.DECODE else 0), tp, kv_dtype,
+                                         tuple(_mla_block(model, phase, ((b, n, c),), heads, kv_dtype, quant)))
+                             for b, n, c in pieces]
+        return [down, *_mla_block(model, phase, pieces, heads, kv_dtype, quant)]
     q, kv, d = max(model.q_heads // tp, 1), math.ceil(model.kv_heads / tp), model.head_dim
     window = model.windows[layer]
     core = [O.Attention("attention", phase, b, n, c + (n if phase == O.DECODE else 0), q, kv, d, window, kv_dtype,
                         model.qk_norm) for b, n, c in pieces]
     return [O.Gemm("qkv_gemm", t, (q + 2 * kv) * d, h, quant), *core, O.Gemm("o_proj_gemm", t, h, q * d, quant)]
+
+
+def _mla_block(model: EngineModel, phase: str, pieces: tuple, heads: int, kv_dtype: str, quant: str) -> list:
+    """MLA after the down projections: q_b, then the absorbed BMMs around the latent attention (decode) or
+    kv_b and multi-head attention (prefill), then o_proj."""
+    m, h = model.mla, model.hidden
+    t = sum(b * n for b, n, _ in pieces)
+    core = [O.MlaAttention("attention", phase, b, n, c + (n if phase == O.DECODE else 0), heads, m.kv_lora_rank,
+                           m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, kv_dtype) for b, n, c in pieces]
+    out = [O.Gemm("mla_q_b_gemm", t, heads * m.qk_head_dim, m.q_lora_rank, quant)]
+    if phase == O.DECODE:
+        out += [O.MlaBmm("mla_bmm_pre", t, heads, True, m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim, quant), *core,
+                O.MlaBmm("mla_bmm_post", t, heads, False, m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim, quant)]
+    else:
+        out += [O.Gemm("mla_kv_b_gemm", t, heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, quant), *core]
+    return out + [O.Gemm("o_proj_gemm", t, h, heads * m.v_head_dim, quant)]
 
 
 def _mlp(name: str, tokens: int, hidden: int, inter: int, quant: str) -> list:
