@@ -151,7 +151,10 @@ class FusedMoe:
 @dataclass(frozen=True)
 class ExpertCompute:
     """The experts of one rank behind DeepEP (grouped GEMMs over the tokens dispatched to it); `tokens`
-    as for FusedMoe; `slots`: expert slots over all ranks (experts + redundant)."""
+    as for FusedMoe; `slots`: the expert slots the table is keyed by. Step composition keys it by the
+    experts alone: the wide-EP tables hold other slot counts only from other collections (at 16 H200s
+    one with 288 slots times faster than the 256-slot one at the same tokens), so replicas act through
+    the busiest rank's rows, and their extra weight reads are not priced."""
 
     name: str
     phase: str

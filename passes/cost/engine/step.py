@@ -105,7 +105,7 @@ def _moe(model: EngineModel, dep: Deployment, phase: str, t: int, moe_tokens: tu
         for x, weight in moe_tokens:
             out += [O.DeepEp("moe_dispatch", "dispatch", phase, t, h, model.top_k, model.num_experts, dep.moe_ep, dep.nodes, weight),
                     O.ExpertCompute("moe", phase, x, h, model.moe_inter, model.top_k, model.num_experts, dep.moe_ep,
-                                    model.num_experts + dep.redundant_experts, model.moe_quant, distribution, weight),
+                                    model.num_experts, model.moe_quant, distribution, weight),
                     O.DeepEp("moe_combine", "combine", phase, t, h, model.top_k, model.num_experts, dep.moe_ep, dep.nodes, weight)]
         return router + out + shared
     gather = lambda pre: O.MoeGather("moe_pre_exchange" if pre else "moe_post_exchange", t, h, model.top_k,
