@@ -78,4 +78,4 @@ class Deployment:
                 "attention_tp": self.attention_tp, "attention_dp": self.attention_dp, "moe_ep": self.moe_ep,
                 "moe_tp": self.moe_tp, "redundant_experts": self.redundant_experts, "moe_a2a": self.moe_a2a,
                 "max_running_requests": self.max_running_requests, "engine": self.engine,
-                "engine_version": DATABASE_VERSIONS[self.engine], "hardware": self.hardware}
+                "database_version": DATABASE_VERSIONS[self.engine], "hardware": self.hardware}

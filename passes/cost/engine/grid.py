@@ -124,14 +124,16 @@ class Grid:
             return op if top is None or ranks <= top[0] else None
         if isinstance(op, O.Collective) or isinstance(op, O.MoeGather):
             ranks = op.ranks if isinstance(op, O.Collective) else op.moe_tp * op.moe_ep
-            gpus = [row[0] for path in sorted(self._nccl_root().glob("*/nccl_perf.parquet"))
-                    for row in _read(path, ("num_gpus",))]
-            return op if not gpus or ranks <= max(gpus) else None
+            most = _nccl_max_gpus(self._nccl_root())
+            return op if most is None or ranks <= most else None
         return op
 
 
-def _read(path: Path, columns: tuple) -> list:
+@functools.cache
+def _nccl_max_gpus(root: Path) -> int | None:
+    """The most GPUs any NCCL table of the system measured (read once)."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=list(columns)).to_pydict()
-    return list(zip(*(table[c] for c in columns)))
+    counts = [n for path in sorted(root.glob("*/nccl_perf.parquet"))
+              for n in pq.read_table(path, columns=["num_gpus"]).column("num_gpus").to_pylist()]
+    return max(counts) if counts else None

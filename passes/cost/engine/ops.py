@@ -7,7 +7,7 @@ tables where they cover the op, the roofline otherwise.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DECODE, PREFILL = "decode", "prefill"
 
@@ -254,6 +254,4 @@ class Overlap:
 
 def scaled(op, count: float):
     """The op run `count` times as often."""
-    from dataclasses import replace
-
     return replace(op, count=op.count * count)
