@@ -110,7 +110,7 @@ def table2(args) -> list:
     from moeplan.passes.cost.engine.deployment import Deployment
     from moeplan.passes.cost.engine.model_shape import engine_model
     from moeplan.passes.cost.engine.pricing import Pricer
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     cases = (

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.runtime.ep.expert_table import ExpertTable
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import load_hardware
 from moeplan.passes.analysis.trace.format import make_trace
@@ -41,7 +41,7 @@ def step_seconds(m, dep, batch, context, pricer=None):
 
 
 def test_engine_shape_of_every_example_config_matches_the_imported_model():
-    from moeplan.planner.importers.resolve import load_model
+    from moeplan.passes.importers.resolve import load_model
 
     names = sorted(p.name for p in CONFIGS.glob("*.json"))
     assert len(names) == 17

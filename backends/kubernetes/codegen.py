@@ -107,7 +107,7 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
     if batch_job:
         configmap.append(("prompts.txt", DEFAULT_PROMPTS))
     launch = ["bash", "/bundle/launch.sh"]
-    capacity = plan.communication.get("capacity") or {}
+    capacity = plan.communication.capacity or {}
     head = {"name": names["head"], "head": True, "replicas": 1, "selector": {**selector, "moeplan.io/role": "head"},
             "resources": resources(node_mib[0]), "command": launch}
     workers = {"name": names["workers"], "head": False, "replicas": nodes - 1,
@@ -136,7 +136,7 @@ def context(bundle: Path, plan, image: str = DEFAULT_IMAGE, storage_class=None, 
         "grace_seconds": GRACE_SECONDS, "capacity": capacity,
         "configmap_data": sorted(configmap),
         "checkpoint": checkpoint, "checkpoint_mount": CHECKPOINT_MOUNT,
-        "expert_cache": bool(plan.communication.get("expert_cache")),
+        "expert_cache": bool(plan.communication.expert_cache),
     }
 
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.quantization import checkpoint_storage
+from moeplan.passes.importers.quantization import checkpoint_storage
 
 FULL, SLIDING, LINEAR = "full", "sliding", "linear"
 # bytes a stored weight element takes, per precision (scales included: FP8 blocks of 128 x 128 carry one

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.runtime.ep.expert_table import ExpertTable
 from moeplan.core.errors import UserError
 
 WINDOWS = 8
