@@ -24,7 +24,7 @@ from moeplan.passes.importers.quantization import checkpoint_storage
 
 FULL, SLIDING, LINEAR = "full", "sliding", "linear"
 # bytes a stored weight element takes, per precision (scales included: FP8 blocks of 128 x 128 carry one
-# float32 scale, MXFP4 one 8-bit scale per 32 values; planner/importers/quantization.py)
+# float32 scale, MXFP4 one 8-bit scale per 32 values; passes/importers/quantization.py)
 WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "fp8_block": 1.0 + 4 / (128 * 128),
                 "mxfp4": 4.25 / 8, "int4": 4.16 / 8, "int8": 1.0 + 2 / 128}
 KV_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
@@ -239,7 +239,7 @@ def _quant(config: dict, compute: str, name: str) -> tuple:
 def engine_model(config: dict, name: str = "") -> EngineModel:
     """The engine shape of a Hugging Face config.json as read from disk (a multimodal config's
     `text_config` is its text model). The raw file, not the imported module's config: the importer drops
-    `quantization_config` before transformers sees it (planner/importers/hf_config.py IGNORED_KEYS).
+    `quantization_config` before transformers sees it (passes/importers/hf_config.py IGNORED_KEYS).
 
     Refuses (one line) a config without MoE layers or attention heads."""
     outer = config

@@ -5,7 +5,7 @@ tokens under a named distribution (balanced, or a synthetic power law whose hott
 what sets the pace of a real deployment is the real routing under the real placement, replicas
 included. So for a step of B tokens (all attention replicas together) we take windows of B
 consecutive tokens of the trace, send every routed slot to a rank by the runtime's replica rule
-(`backends/runtime/expert_table.py: ExpertTable.choose`, each token at its home rank: token i of the
+(`runtime/ep/expert_table.py: ExpertTable.choose`, each token at its home rank: token i of the
 window on rank i mod W, as data-parallel attention spreads requests, and back home after every layer
 as standard EP combines), count each rank's rows per MoE layer, and turn the busiest rank's rows into
 the token count that would give a rank those rows under balanced routing:
