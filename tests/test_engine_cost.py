@@ -121,7 +121,7 @@ def test_bad_deployments_and_workloads_are_refused_in_one_line():
         Deployment("sglang", "h100-sxm", 1, 8, 2, 2, 8)
     with pytest.raises(UserError, match="multiple of the EP size"):
         Deployment("sglang", "h100-sxm", 1, 8, 8, 1, 8, redundant_experts=3)
-    with pytest.raises(UserError, match="RxP\\+G"):
+    with pytest.raises(UserError, match="REQUESTSxPROMPT\\+NEW"):
         serving.parse_workload("16x1024")
 
 

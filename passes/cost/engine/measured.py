@@ -42,8 +42,9 @@ class MeasuredPrice:
     tag: str        # the database's source tag
 
 
+@functools.cache
 def installed_version() -> str | None:
-    """The installed aiconfigurator-core's version, or None."""
+    """The installed aiconfigurator-core's version, or None (read once per process)."""
     try:
         return importlib.metadata.version(PACKAGE)
     except importlib.metadata.PackageNotFoundError:

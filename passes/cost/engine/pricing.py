@@ -47,6 +47,7 @@ class Pricer:
         database = deployment.database if use_measured else None
         self.tables = measured.tables(*database) if database else None
         self.roofline_source = roofline.label(profile)
+        self._units: dict = {}  # one price per op (all fields but `count`)
 
     def unit(self, op) -> tuple:
         """(seconds of one run, source) of a leaf op."""
@@ -90,7 +91,10 @@ class Pricer:
             return max(a, b)
         if isinstance(op, O.MlaModule) and self._module_missing(op):
             return sum(self._add(part, parts, count * part.count) for part in op.parts)
-        seconds, source = self.unit(replace(op, count=1.0))
+        key = tuple(v for k, v in vars(op).items() if k != "count") + (op.__class__,)
+        if key not in self._units:
+            self._units[key] = self.unit(replace(op, count=1.0))
+        seconds, source = self._units[key]
         key = (op.name, source)
         parts[key] = parts.get(key, 0.0) + seconds * count
         return seconds * count

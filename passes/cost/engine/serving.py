@@ -16,14 +16,12 @@ that each generate G tokens, over the whole deployment.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
-from moeplan.core.errors import UserError
 from moeplan.passes.cost.engine import memory as M
 from moeplan.passes.cost.engine.step import decode_ops, prefill_ops
+from moeplan.passes.cost.options import workload_figures
 
-WORKLOAD = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*\+\s*(\d+)\s*$")
 STRIDE = 32  # decode steps one price stands for
 
 
@@ -38,12 +36,9 @@ class Workload:
 
 
 def parse_workload(text: str) -> Workload:
-    """`RxP+G` (e.g. 512x4096+512) -> Workload; a one-line UserError otherwise."""
-    match = WORKLOAD.match(str(text))
-    if not match or min(int(g) for g in match.groups()) < 1:
-        raise UserError(f"--workload '{text}' is not RxP+G with R, P, G >= 1: R concurrent requests of P prompt tokens "
-                        f"that generate G tokens each, e.g. 64x1024+128")
-    return Workload(*(int(g) for g in match.groups()))
+    """`RxP+G` (e.g. 512x4096+512) -> Workload; a one-line UserError otherwise (the one grammar of
+    `--workload`, `passes/cost/options.py: workload_figures`)."""
+    return Workload(*workload_figures(text))
 
 
 def decode_points(prompt: int, new_tokens: int) -> list:
@@ -98,20 +93,21 @@ def ttft(model, dep, pricer, workload: Workload, chunk: int, load_of) -> tuple:
 
 
 def predict(model, dep, pricer, profile, workload: Workload, load_of) -> dict:
-    """The serving prediction (module docstring); `load_of(tokens)` gives the busiest rank's MoE load
-    (`rank_rows.RankLoad`) for a step of that many tokens over all replicas."""
+    """The serving prediction's figures (module docstring; `prediction.py: predict_serving` is the API);
+    `load_of(tokens)` gives the busiest rank's MoE load (`rank_rows.RankLoad`) for a step of that many
+    tokens over all replicas."""
     device = profile.device_memory_bytes
     limits = M.engine_limits(dep, device)
     running = workload.requests if dep.max_running_requests is None else min(workload.requests, dep.max_running_requests)
     load = load_of(running)
     per_token, middle = tpot(model, dep, pricer, running, workload.prompt, workload.new_tokens, load)
-    first, _ = ttft(model, dep, pricer, workload, limits["chunked_prefill_size"], load_of)
+    first, prefill = ttft(model, dep, pricer, workload, limits["chunked_prefill_size"], load_of)
     memory = M.memory_per_gpu(model, dep, device, running, workload.prompt + workload.new_tokens)
     return {
-        "workload": str(workload), "tpot_s": per_token, "ttft_s": first,
-        "output_tokens_per_s": running / per_token if per_token > 0 else 0.0,
-        "max_over_mean_load": load.max_over_mean, "running_requests": running,
-        "memory_per_gpu_bytes": memory["memory_per_gpu_bytes"], "fits": memory["fits"], "memory": memory,
-        "layout": dep.layout(), "engine_limits": limits,
-        "op_prices": middle.table() if middle is not None else [],
+        "workload": str(workload), "tpot_s": per_token, "ttft_s": first, "prefill_s": prefill,
+        "output_tokens_per_s": running / per_token if per_token > 0 else 0.0, "running_requests": running,
+        "max_over_mean_load": load.max_over_mean, "memory_per_gpu_bytes": memory["memory_per_gpu_bytes"],
+        "fits": memory["fits"], "memory": memory, "layout": dep.layout(), "engine_limits": limits,
+        "op_prices": tuple(middle.table()) if middle is not None else (),
+        "sources": middle.sources() if middle is not None else {},
     }

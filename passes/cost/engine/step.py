@@ -29,6 +29,8 @@ Then the final norm, the LM head ([rows, h] x [h, vocab / tp]) and its all-gathe
 from __future__ import annotations
 
 import math
+from collections import Counter
+from dataclasses import replace
 
 from moeplan.passes.cost.engine import ops as O
 from moeplan.passes.cost.engine.deployment import DEEPEP, Deployment
@@ -92,15 +94,17 @@ def _mlp(name: str, tokens: int, hidden: int, inter: int, quant: str) -> list:
             O.Gemm(f"{name}_down_gemm", tokens, hidden, inter, quant)]
 
 
-def _moe(model: EngineModel, dep: Deployment, phase: str, t: int, moe_tokens: tuple, distribution: str) -> list:
-    """One MoE layer after attention: `moe_tokens` ((tokens, weight), ...) give the slowest rank's load."""
+def _moe(model: EngineModel, dep: Deployment, phase: str, t: int, moe_tokens: tuple, distribution: str,
+         layers: int = 1) -> list:
+    """`layers` MoE layers after attention: `moe_tokens` ((tokens, weight), ...) give the slowest rank's load,
+    the weights summing to `layers` (the router and shared experts run once per layer)."""
     h, dp, world = model.hidden, dep.attention_dp, dep.gpus
     T = t * dp
     shared = []
     if dep.moe_a2a == DEEPEP:
-        router = [O.Gemm("router_gemm", t, model.num_experts, h, model.compute_dtype)]
+        router = [O.Gemm("router_gemm", t, model.num_experts, h, model.compute_dtype, float(layers))]
         if model.shared_inter:
-            shared = _mlp("shared", t, h, model.shared_inter, model.dense_quant)
+            shared = [O.scaled(op, layers) for op in _mlp("shared", t, h, model.shared_inter, model.dense_quant)]
         out = []
         for x, weight in moe_tokens:
             out += [O.DeepEp("moe_dispatch", "dispatch", phase, t, h, model.top_k, model.num_experts, dep.moe_ep, dep.nodes, weight),
@@ -121,7 +125,7 @@ def _moe(model: EngineModel, dep: Deployment, phase: str, t: int, moe_tokens: tu
             out.append(O.Overlap("moe_and_shared", routed, tuple(shared), weight))
         else:
             out += [O.scaled(op, weight) for op in routed]
-    return out + (shared if phase != O.DECODE else [])
+    return out + ([O.scaled(op, layers) for op in shared] if phase != O.DECODE else [])
 
 
 def _dense(model: EngineModel, dep: Deployment, t: int) -> list:
@@ -140,22 +144,32 @@ def _dense(model: EngineModel, dep: Deployment, t: int) -> list:
 def layer_ops(model: EngineModel, dep: Deployment, phase: str, pieces: tuple, moe_tokens: list,
               distribution: str = "balanced") -> list:
     """The decoder layers' ops for one replica's `pieces` ((sequences, new tokens, cached tokens) each);
-    `moe_tokens[i]`: ((tokens, weight), ...) of MoE layer i (in order) for its slowest rank."""
+    `moe_tokens[i]`: ((tokens, weight), ...) of MoE layer i (in order) for its slowest rank.
+
+    Layers run one after another, so the step is the sum of their ops: each op is built once and counted
+    (`count`) as often as layers run it: the attention block once per (kind, window), the MoE block's
+    routed part once per distinct busiest-rank load, weighted by how many layers (and windows) see it."""
     kv_dtype = dep.kv_cache_dtype or model.kv_dtype
     t = sum(b * n for b, n, _ in pieces)
-    out = []
-    moe_index = 0
+    out = [O.MemoryBound("add_norm", t, NORM_BYTES * model.hidden, 2.0 * model.num_layers)]
+    kinds = Counter((model.attention_kinds[layer], model.windows[layer]) for layer in range(model.num_layers))
+    first = {}
     for layer in range(model.num_layers):
-        out.append(O.MemoryBound("add_norm", t, NORM_BYTES * model.hidden))
-        out += _attention(model, dep, layer, phase, pieces, kv_dtype)
-        out.append(O.MemoryBound("add_norm", t, NORM_BYTES * model.hidden))
-        if model.moe_layers[layer]:
-            if dep.moe_a2a == DEEPEP and dep.attention_tp > 1:
-                out.append(O.AllReduce("attention_all_reduce", t, model.hidden, dep.attention_tp))
-            out += _moe(model, dep, phase, t, moe_tokens[moe_index], distribution)
-            moe_index += 1
-        else:
-            out += _dense(model, dep, t)
+        first.setdefault((model.attention_kinds[layer], model.windows[layer]), layer)
+    for key, layer in first.items():
+        out += [O.scaled(op, kinds[key]) for op in _attention(model, dep, layer, phase, pieces, kv_dtype)]
+    moe_layers = model.num_moe_layers
+    if moe_layers:
+        if dep.moe_a2a == DEEPEP and dep.attention_tp > 1:
+            out.append(O.AllReduce("attention_all_reduce", t, model.hidden, dep.attention_tp, float(moe_layers)))
+        loads = Counter()
+        for layer_tokens in moe_tokens[:moe_layers]:
+            for x, weight in layer_tokens:
+                loads[x] += weight
+        out += _moe(model, dep, phase, t, tuple(sorted(loads.items())), distribution, moe_layers)
+    dense_layers = model.num_layers - moe_layers
+    if dense_layers:
+        out += [O.scaled(op, dense_layers) for op in _dense(model, dep, t)]
     return out
 
 
@@ -174,14 +188,13 @@ def _ends(model: EngineModel, dep: Deployment, t: int, rows: int) -> list:
 
 def merged(ops: list) -> list:
     """The same ops with identical ones (all fields but `count`) combined into one with the summed count."""
-    totals, order = {}, []
+    totals, first = {}, {}
     for op in ops:
-        key = O.scaled(op, 1 / op.count) if op.count else op
+        key = tuple(v for k, v in vars(op).items() if k != "count") + (op.__class__,)
         if key not in totals:
-            totals[key] = 0.0
-            order.append(key)
+            totals[key], first[key] = 0.0, op
         totals[key] += op.count
-    return [O.scaled(key, totals[key]) for key in order]
+    return [op if totals[key] == op.count else replace(op, count=totals[key]) for key, op in first.items()]
 
 
 def decode_ops(model: EngineModel, dep: Deployment, batch: int, context: int, moe_tokens: list,
