@@ -3,8 +3,8 @@ bandwidth, whichever is longer, plus one kernel launch; collectives on the profi
 
 Used where the measured tables do not reach: aiconfigurator-core not installed, a GPU it has no
 tables for, a shape or precision it never measured. Figures come from the hardware profile
-(`core/hardware_data/*.yaml`: dense BF16 peak, HBM bandwidth, launch overhead, NVLink / InfiniBand
-bandwidth and latencies) and the FP8 peak (`FP8_PEAK_FLOPS`). Bytes count weights, activations in
+(`core/hardware_data/*.yaml`: dense BF16 peak, dense FP8 peak where the GPU has FP8 tensor cores, HBM
+bandwidth, launch overhead, NVLink / InfiniBand bandwidth and latencies). Bytes count weights, activations in
 and out (bf16) and KV reads, so attention grows with context.
 """
 from __future__ import annotations
@@ -12,10 +12,6 @@ from __future__ import annotations
 from moeplan.passes.cost.engine import ops as O
 from moeplan.passes.cost.engine.model_shape import KV_BYTES, WEIGHT_BYTES
 
-# Dense FP8 tensor-core peak per profile (FLOP/s). H100 SXM5 and H200 SXM: 3,958 TFLOP/s with sparsity
-# (NVIDIA H100 and H200 datasheets, "FP8 Tensor Core"), so 1,979 dense. A100 has no FP8 tensor cores:
-# FP8 weights there compute at the BF16 peak (the profile's flops_per_s), as do profiles not listed.
-FP8_PEAK_FLOPS = {"h100-sxm": 1978.9e12, "h200-sxm": 1978.9e12, "h100-pcie5": 1513e12}
 FP8_KINDS = ("fp8", "fp8_block")
 ACT = 2  # bytes of a bf16 activation element
 
@@ -27,7 +23,8 @@ def label(profile) -> str:
 
 def _peak(profile, quant: str) -> float:
     if quant in FP8_KINDS:
-        return FP8_PEAK_FLOPS.get(profile.name, profile.flops_per_s)
+        # the profile's FP8 peak; none (A100: no FP8 tensor cores; a profile that does not say): the BF16 peak
+        return profile.fp8_flops_per_s or profile.flops_per_s
     return profile.flops_per_s
 
 
