@@ -17,7 +17,8 @@ What each target writes (docs/formats.md has the meanings):
   tiers, timing, hardware, host_resident, policy_model, eamc.
 * `predicted`: torchrun and Kubernetes: gpu_local_fraction, node_local_fraction,
   max_over_mean_load, transitions, cross_gpu_transitions, cross_node_transitions,
-  inter_layer_top1_affinity, cost, expert_cache; sglang and trtllm: max_over_mean_load; lambda:
+  inter_layer_top1_affinity, cost, expert_cache; sglang and trtllm: max_over_mean_load, serving (with
+  --hardware / --workload: the engine's TPOT, TTFT, throughput, memory per GPU), warnings; lambda:
   cost_per_request_usd, latency_s, request_cost and the sizing's figures; offload: hit_ratio,
   seconds_per_token, belady_gap_points, policies, ...
 * `placement`: placement.json's document (version, policy, layers, topology, num_experts,
@@ -142,6 +143,8 @@ class Predicted(Section):
     prefetch: dict | None = None
     resident_at_layer_start: float | None = None
     validation_tokens: int | None = None
+    serving: dict | None = None               # engine targets: the serving prediction (passes/cost/engine/)
+    warnings: list | None = None              # engine targets: what the user should know (one line each)
 
 
 @dataclass(frozen=True, eq=False)

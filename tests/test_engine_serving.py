@@ -53,8 +53,8 @@ def test_a_prediction_from_a_deployment_a_workload_and_balanced_routing():
     doc = p.to_json()
     assert {"tpot_s", "ttft_s", "output_tokens_per_s", "memory_per_gpu_bytes", "fits", "workload", "layout",
             "price_sources", "op_prices"} <= set(doc)
-    assert doc["layout"]["attention_dp"] == 8 and set(doc["price_sources"]) == {"roofline h100-sxm"}
-    assert sum(r["seconds"] for r in doc["op_prices"]) == pytest.approx(sum(doc["price_sources"].values()))
+    assert doc["layout"]["attention_dp"] == 8 and [r["source"] for r in doc["price_sources"]] == ["roofline h100-sxm"]
+    assert sum(r["seconds"] for r in doc["op_prices"]) == pytest.approx(sum(r["seconds"] for r in doc["price_sources"]))
     json.dumps(doc)  # plain data
 
 
@@ -127,3 +127,92 @@ def test_the_step_is_the_sum_of_its_layers():
     mixed = low[:half] + high[half:]
     assert price(mixed) == pytest.approx((price(low) + price(high)) / 2)
     assert price(high) > price(low)
+
+
+# --- the engine targets' plans -----------------------------------------------------------------
+
+MIXTRAL = CONFIGS / "mixtral-8x7b.json"
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from moeplan.planner.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def mixtral_trace(tmp_path_factory):
+    from moeplan.passes.analysis.trace.format import save_trace
+
+    path = tmp_path_factory.mktemp("serving") / "mix.npz"
+    save_trace(skewed_trace(32, 8, 2, 400, seed=1), path)
+    return path
+
+
+def test_an_engine_plan_carries_the_serving_prediction_and_prints_it(mixtral_trace, tmp_path):
+    out = tmp_path / "plan.json"
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 8,
+                 "--redundant", 8, "--hardware", "a100-sxm", "--workload", "32x512+64", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "serving 32x512+64 on 8x a100-sxm (attention tp8, ep8): TPOT " in result.output
+    assert "100% roofline a100-sxm" in result.output
+    serving = json.loads(out.read_text())["predicted"]["serving"]
+    assert serving["workload"] == "32x512+64" and serving["hardware"] == "a100-sxm" and serving["routing"] == "trace"
+    assert serving["layout"]["moe_ep"] == 8 and serving["layout"]["redundant_experts"] == 8
+    assert serving["tpot_s"] > 0 and serving["ttft_s"] > 0 and serving["fits"] is True
+    assert serving["output_tokens_per_s"] == pytest.approx(32 / serving["tpot_s"], rel=1e-6)
+    as_json = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "trtllm", "--nodes", 1, "--gpus-per-node", 8,
+                  "--hardware", "a100-sxm", "--json", "--out", tmp_path / "t.json")
+    assert as_json.exit_code == 0, as_json.output
+    summary = json.loads(as_json.output.strip().splitlines()[-1])
+    assert summary["predicted"]["serving"]["workload"] == "64x1024+128"  # --hardware alone: the default engine workload
+    assert summary["predicted"]["serving"]["layout"]["engine"] == "trtllm"
+
+
+def test_without_hardware_or_workload_an_engine_plan_predicts_balance_only(mixtral_trace, tmp_path):
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 8,
+                 "--redundant", 8, "--quiet", "--out", tmp_path / "p.json")
+    assert result.exit_code == 0, result.output
+    assert set(json.loads((tmp_path / "p.json").read_text())["predicted"]) == {"max_over_mean_load"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workload", "8x64+8"], "--workload on --target sglang prices the engine on a GPU: give --hardware too"),
+    (["--hardware", "a100-sxm", "--workload", "8x64"], "--workload must look like REQUESTSxPROMPT+NEW"),
+    (["--hardware", "no-such-gpu"], "unknown hardware 'no-such-gpu'"),
+])
+def test_bad_serving_options_fail_in_one_line_before_any_pass(mixtral_trace, tmp_path, args, message):
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 8,
+                 "--out", tmp_path / "p.json", *args)
+    assert result.exit_code == 2 and result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+    assert message in result.output and not (tmp_path / "p.json").exists()
+
+
+def test_an_imbalanced_placement_without_replicas_warns_and_names_redundant(mixtral_trace, tmp_path):
+    out = tmp_path / "p.json"
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 4,
+                 "--policy", "contiguous", "--out", out)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())["predicted"]
+    assert plan["max_over_mean_load"] > 1.5
+    assert plan["warnings"] == [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert "--redundant 4" in plan["warnings"][0]
+    balanced = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 4,
+                   "--redundant", 4, "--out", tmp_path / "q.json")
+    assert balanced.exit_code == 0 and "warning:" not in balanced.output
+    assert "warnings" not in json.loads((tmp_path / "q.json").read_text())["predicted"]
+
+
+def test_diff_compares_serving_predictions_and_gates_on_tpot(mixtral_trace, tmp_path):
+    for name, workload in (("a", "16x512+64"), ("b", "64x512+64")):
+        result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 8,
+                     "--redundant", 8, "--hardware", "a100-sxm", "--workload", workload, "--quiet", "--out", tmp_path / f"{name}.json")
+        assert result.exit_code == 0, result.output
+    diff = cli("diff", tmp_path / "a.json", tmp_path / "b.json", "--json", "--fail-on", "tpot>+1%")
+    assert diff.exit_code == 1, diff.output  # 4x the requests: a slower decode step
+    doc = json.loads(diff.output)
+    moved = {f["name"]: f for f in doc["figures"]}
+    assert moved["tpot"]["ratio"] > 1 and moved["throughput"]["ratio"] > 1
+    assert {"name": "workload", "a": "16x512+64", "b": "64x512+64"} in doc["decisions"]

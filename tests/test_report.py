@@ -55,9 +55,9 @@ def plans(tmp_path_factory):
         "--redundant", 2, "--quiet", "--report", "--out", tmp / "k8s"])
     ok(["plan", TINY, "--trace", t, "--target", "lambda", "--slo", 5, "--cache-dir", tmp / "cache", "--out", tmp / "lambda.json"])
     ok(["plan", TINY, "--trace", t, "--target", "offload", "--expert-cache", 12, "--out", tmp / "offload.json"])
-    for engine in ("sglang", "trtllm"):
+    for engine, serving in (("sglang", ["--hardware", "h100-sxm", "--workload", "16x256+16"]), ("trtllm", [])):
         ok(["compile", MIXTRAL, "--trace", tmp / "mix.npz", "--target", engine, "--nodes", 1, "--gpus-per-node", 4,
-            "--redundant", 4, "--report", "--quiet", "--out", tmp / engine])
+            "--redundant", 4, *serving, "--report", "--quiet", "--out", tmp / engine])
     out = {"kubernetes": (tmp / "k8s" / "plan.json", tmp / "k8s" / "report.html")}
     for engine in ("sglang", "trtllm"):
         out[engine] = (tmp / engine / "plan.json", tmp / engine / "report.html")

@@ -55,7 +55,7 @@ class Flag:
 
 GROUPS = (  # (title, what the section is for), in the order `compile --help` prints them
     ("Topology and placement", "torchrun, kubernetes, sglang, trtllm"),
-    ("Cost model", "torchrun, kubernetes; --hardware also offload"),
+    ("Cost model", "torchrun, kubernetes; --hardware also offload; --hardware and --workload also sglang, trtllm"),
     ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload"),
     ("Bundle", "torchrun, kubernetes; --sign-key also lambda"),
     ("Kubernetes", "kubernetes; sglang with --kubernetes"),
@@ -95,12 +95,17 @@ FLAGS = (
     Flag("mode", "--mode", TORCHRUN, COST,
          "expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time",
          click.Choice(["auto", "coherent", "standard"]), "auto"),
-    Flag("hardware", "--hardware", TORCHRUN + ("offload",), COST,
+    Flag("hardware", "--hardware", TORCHRUN + ("offload",) + ENGINES, COST,
          f"hardware profile every prediction of the plan is priced with (cost model, expert caches, serving capacity, "
-         f"offloading), the same names on every target: {hardware_names()}, or a YAML file (e.g. written by 'moeplan "
-         f"calibrate --out FILE'); default {DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}", show_default=False),
-    Flag("workload", "--workload", TORCHRUN, COST,
-         "requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)", show_default=False),
+         f"offloading; sglang, trtllm: the GPU the engine runs on, for the serving prediction, from measured kernels on "
+         f"h100-sxm and h200-sxm with moeplan[gpu], the roofline elsewhere), the same names on every target: "
+         f"{hardware_names()}, or a YAML file (e.g. written by 'moeplan calibrate --out FILE'); default "
+         f"{DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}, sglang and trtllm: no serving prediction",
+         show_default=False),
+    Flag("workload", "--workload", TORCHRUN + ENGINES, COST,
+         "requests the cost model prices, REQUESTSxPROMPT+NEW: R concurrent requests of P prompt tokens generating N "
+         "each (default 8x32+8; sglang, trtllm: over the whole deployment, default 64x1024+128 with --hardware)",
+         show_default=False),
     Flag("gpu_memory", "--gpu-memory", EXPERT_CACHES, CACHES, "GPU memory for the model, bytes or e.g. 24GiB",
          show_default=False),
     Flag("expert_cache", "--expert-cache", EXPERT_CACHES, CACHES,

@@ -75,7 +75,8 @@ class ServingPrediction:
     """What a deployment does with a workload (units in the names: seconds, bytes, tokens per second).
 
     `op_prices`: the decode step at the middle context, op by op ({op, seconds, source}); `sources`:
-    seconds of that step per price source (measured table, roofline, roofline scaled at the grid edge)."""
+    seconds of that step per price source (measured table, roofline, roofline scaled at the grid edge;
+    plan.json `price_sources`: [{source, seconds}] by source)."""
 
     workload: str
     routing: str
@@ -105,7 +106,8 @@ class ServingPrediction:
                 "running_requests": self.running_requests, "max_over_mean_load": self.max_over_mean_load,
                 "memory_per_gpu_bytes": self.memory_per_gpu_bytes, "fits": self.fits, "memory": dict(self.memory),
                 "layout": dict(self.layout), "engine_limits": dict(self.engine_limits),
-                "price_sources": dict(sorted(self.sources.items())), "op_prices": [dict(r) for r in self.op_prices]}
+                "price_sources": [{"source": k, "seconds": v} for k, v in sorted(self.sources.items())],
+                "op_prices": [dict(r) for r in self.op_prices]}
 
 
 def predict_serving(model, deployment, workload, routing: Routing | None = None, profile=None,
