@@ -115,12 +115,15 @@ def test_a_step_longer_than_the_trace_sees_the_whole_trace_scaled(times, seed):
     assert load == rank_rows.rank_load(trace, table, 200 * times, whole=whole)
 
 
-def test_the_step_is_the_sum_of_its_layers():
+@pytest.mark.parametrize("name, dep", [
+    ("mixtral-8x7b.json", Deployment("sglang", "h100-sxm", 1, 8, 8, 1, 8)),  # all-gather / all-reduce within a node
+    ("deepseek-v3-fp8.json", Deployment("sglang", "h200-sxm", 2, 8, 1, 16, 16)),  # DeepEP across nodes, dense layers
+])
+def test_the_step_is_the_sum_of_its_layers(name, dep):
     """Half the MoE layers at one busiest-rank load and half at another price as the mean of the two uniform
     steps: every layer's ops are counted once, whatever the grouping of alike layers."""
-    m = model("mixtral-8x7b.json")
-    dep = Deployment("sglang", "h100-sxm", 1, 8, 8, 1, 8)
-    pricer = Pricer(dep, H100, use_measured=False)
+    m = model(name)
+    pricer = Pricer(dep, load_hardware(dep.hardware), use_measured=False)
     half = m.num_moe_layers // 2
     price = lambda loads: pricer.step(decode_ops(m, dep, 64, 512, loads)).seconds
     low, high = [((64, 1.0),)] * m.num_moe_layers, [((200, 1.0),)] * m.num_moe_layers
