@@ -52,7 +52,8 @@ def plans(tmp_path_factory):
     ok(["plan", TINY, "--trace", t, "--target", "torchrun", "--nodes", 1, "--gpus-per-node", 2, "--effort", 0.2,
         "--quiet", "--out", tmp / "torchrun.json"])
     ok(["compile", TINY, "--trace", t, "--target", "kubernetes", "--nodes", 2, "--gpus-per-node", 1, "--policy", "eplb",
-        "--redundant", 2, "--quiet", "--report", "--out", tmp / "k8s"])
+        "--redundant", 2, "--cpu-only", "--image", "registry.example/moe:1", "--quiet", "--report",
+        "--out", tmp / "k8s"])
     ok(["plan", TINY, "--trace", t, "--target", "lambda", "--slo", 5, "--cache-dir", tmp / "cache", "--out", tmp / "lambda.json"])
     ok(["plan", TINY, "--trace", t, "--target", "offload", "--expert-cache", 12, "--out", tmp / "offload.json"])
     for engine in ("sglang", "trtllm"):

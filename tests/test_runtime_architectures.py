@@ -113,7 +113,8 @@ def test_qwen3_moe_example_runs_text_through_its_tokenizer_via_the_cli(tmp_path)
     assert "byte" not in result.output  # read through tokenizer.json
     bundle = tmp_path / "bundle"
     result = runner.invoke(main, ["compile", str(example), "--trace", str(trace), "--target", "kubernetes", "--nodes", "1",
-                                  "--gpus-per-node", "2", "--time-limit", "5", "--out", str(bundle), "--quiet"])
+                                  "--gpus-per-node", "2", "--time-limit", "5", "--cpu-only", "--image", "registry.example/moe:1",
+                                  "--out", str(bundle), "--quiet"])
     assert result.exit_code == 0, result.output
     plan = json.loads((bundle / "plan.json").read_text())
     assert plan["model"]["architecture"] == "transformers"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import click
 
 from moeplan.core import cli_types as T
+from moeplan.core import kubernetes_syntax as K
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
@@ -130,9 +131,30 @@ FLAGS = (
          "ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)",
          click.Path(dir_okay=False), show_default=False, compile_only=True),
     Flag("image", "--image", ("kubernetes", "sglang"), KUBERNETES,
-         "container image of the rank pods (sglang: with --kubernetes)", T.NON_EMPTY_TEXT, show_default=False),
-    Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES, "storage class of the weights volume",
-         T.NON_EMPTY_TEXT, show_default=False),
+         "container image of the rank pods, REGISTRY/NAME:TAG (kubernetes: required; its README's docker build line "
+         "builds it from kubernetes/Dockerfile and you push it there; sglang: with --kubernetes)", K.IMAGE,
+         show_default=False),
+    Flag("cpu_only", "--cpu-only", ("kubernetes",), KUBERNETES,
+         "pods without GPUs (the plan priced on a CPU profile, cpu-gloo unless --hardware names another); without it "
+         "--hardware must name the GPU the pods run on", default=False, is_flag=True, show_default=False),
+    Flag("weights_from", "--weights-from", ("kubernetes",), KUBERNETES,
+         "how the bundle reaches the pods: 'image' (built into the image), an http(s) URL of the bundle's tar (each "
+         "pod's init container downloads it once onto its own volume; a presigned S3 or GCS URL works), or 'volume' "
+         "(one shared claim you fill; needs --storage-class)", K.WEIGHTS_SOURCE, "image"),
+    Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES,
+         "storage class of the weights volumes (--weights-from URL: the cluster's default unless given; volume: "
+         "required)", K.STORAGE_CLASS, show_default=False),
+    Flag("access_mode", "--access-mode", ("kubernetes",), KUBERNETES,
+         "access mode of the weights volumes (default: ReadWriteOnce per pod for a URL, ReadWriteMany for the shared "
+         "volume)", click.Choice(["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany"]), show_default=False),
+    Flag("node_selector", "--node-selector", ("kubernetes",), KUBERNETES,
+         "labels the pods' nodes must have, KEY=VALUE[,KEY=VALUE...] (e.g. nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3)",
+         K.NODE_SELECTOR, show_default=False),
+    Flag("tolerations", "--toleration", ("kubernetes",), KUBERNETES,
+         "taints the pods tolerate, KEY[=VALUE][:EFFECT][,...] as kubectl taint spells them (GPU pods always tolerate "
+         "nvidia.com/gpu:NoSchedule)", K.TOLERATIONS, show_default=False),
+    Flag("image_pull_secrets", "--image-pull-secret", ("kubernetes",), KUBERNETES,
+         "Secrets (docker-registry) the kubelet pulls the image with, NAME[,NAME...]", K.OBJECT_NAMES, show_default=False),
     Flag("batch_job", "--batch-job", ("kubernetes",), KUBERNETES,
          "write an indexed batch Job that generates for the prompts in its ConfigMap and exits, instead of the "
          "long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False, is_flag=True,
