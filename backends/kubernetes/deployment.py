@@ -26,14 +26,20 @@ def weights_mode(source: str) -> str:
     return source if source in ("image", "volume") else "url"
 
 
-def _check_hardware(values: dict) -> None:
+def _gpu_profiles() -> str:
     from moeplan.core.hardware import BUILTIN, load_hardware
 
-    gpus = ", ".join(n for n in BUILTIN if not load_hardware(n).device_is_host)
+    return ", ".join(n for n in BUILTIN if not load_hardware(n).device_is_host)
+
+
+def _check_hardware(values: dict) -> None:
+    """A GPU profile for GPU pods, a CPU profile (or none: cpu-gloo) for --cpu-only pods."""
+    from moeplan.core.hardware import load_hardware
+
     if values["hardware"] is None:
         if not values["cpu_only"]:
-            raise UserError(f"--target kubernetes needs --hardware NAME, the GPU its pods run on ({gpus}, or a YAML "
-                            f"profile), or --cpu-only for pods without GPUs (priced on cpu-gloo)")
+            raise UserError(f"--target kubernetes needs --hardware NAME, the GPU its pods run on ({_gpu_profiles()}, or "
+                            f"a YAML profile), or --cpu-only for pods without GPUs (priced on cpu-gloo)")
         return
     on_host = load_hardware(values["hardware"]).device_is_host
     if values["cpu_only"] and not on_host:
@@ -41,7 +47,7 @@ def _check_hardware(values: dict) -> None:
                         f"profile (cpu-gloo, this-machine or a 'moeplan calibrate' file) or drop --cpu-only")
     if not values["cpu_only"] and on_host:
         raise UserError(f"--hardware {values['hardware']} prices ranks on CPUs, but without --cpu-only the pods request "
-                        f"GPUs; give the GPU's profile ({gpus}) or add --cpu-only")
+                        f"GPUs; give the GPU's profile ({_gpu_profiles()}) or add --cpu-only")
 
 
 def _check_volume(values: dict, mode: str, nodes: int) -> str | None:

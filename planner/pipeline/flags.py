@@ -156,9 +156,9 @@ FLAGS = (
     Flag("image_pull_secrets", "--image-pull-secret", ("kubernetes",), KUBERNETES,
          "Secrets (docker-registry) the kubelet pulls the image with, NAME[,NAME...]", K.OBJECT_NAMES, show_default=False),
     Flag("batch_job", "--batch-job", ("kubernetes",), KUBERNETES,
-         "write an indexed batch Job that generates for the prompts in its ConfigMap and exits, instead of the "
-         "long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False, is_flag=True,
-         show_default=False),
+         "write an indexed batch Job that generates for the prompts of a ConfigMap you create (README) and exits, "
+         "instead of the long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False,
+         is_flag=True, show_default=False),
     Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
          "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
          default=False, is_flag=True, show_default=False),
