@@ -269,6 +269,19 @@ def test_following_the_image_readme_gives_a_pod_that_serves_and_writes_only_its_
     assert proc.returncode == 2 and "is not the plan this deployment was written for" in proc.stderr
 
 
+def test_the_bundle_is_readable_by_the_pods_user_whatever_the_umask(model, tmp_path):
+    """The image copies the bundle as it is on disk, and the pods run as user 10001, not its owner."""
+    previous = os.umask(0o077)
+    try:
+        result = run_compile(model, tmp_path / "b", "--cpu-only", "--image", IMAGE)
+    finally:
+        os.umask(previous)
+    assert result.exit_code == 0, result.output
+    for path in [tmp_path / "b", *(tmp_path / "b").rglob("*")]:
+        need = 0o755 if path.is_dir() else 0o644
+        assert path.stat().st_mode & need == need, (path, oct(path.stat().st_mode))
+
+
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass

@@ -259,4 +259,15 @@ def write_bundle(out, plan, weights, model_files: dict, checkpoint: dict | None 
     with atomic_path(Path(out), kind="bundle") as tmp:
         torchrun.write_files(tmp, plan, weights, model_files["files"])
         write_manifests(tmp, plan)
-        return write_manifest(tmp)
+        manifest = write_manifest(tmp)
+        readable_by_all(tmp)
+        return manifest
+
+
+def readable_by_all(root: Path) -> None:
+    """Directories 0755, files at least 0644, whatever the umask compile ran under: the pods' user
+    (USER_ID) reads the copy in the image, on the volume or from the tar (mkdtemp's 0700 and a
+    umask of 077 would leave it unreadable there)."""
+    for path in [root, *root.rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        os.chmod(path, mode | (0o755 if path.is_dir() else 0o644))
