@@ -1,13 +1,13 @@
 """Maps the design card's top-level folders into the single `moeplan` namespace.
 
 `api/` is the package `moeplan` itself (its `__init__.py` is the Python API: `moeplan.compile`,
-`moeplan.plan`, `moeplan.codegen`); `planner/`, `passes/`, `backends/` and `templates/` are its
-subpackages. pyproject's static `package-dir` cannot list subpackages found under a renamed root,
+`moeplan.plan`, `moeplan.codegen`); `core/`, `runtime/`, `planner/`, `passes/`, `backends/` and
+`templates/` are its subpackages, one layer each (docs/architecture.md). pyproject's static `package-dir` cannot list subpackages found under a renamed root,
 so the mapping is computed here; everything else lives in pyproject.toml.
 """
 from setuptools import find_namespace_packages, find_packages, setup
 
-ROOTS = ("core", "planner", "passes", "backends", "templates")
+ROOTS = ("core", "runtime", "planner", "passes", "backends", "templates")
 
 packages, package_dir = ["moeplan"], {"moeplan": "api"}
 for root in ROOTS:

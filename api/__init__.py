@@ -8,7 +8,7 @@ lists, so `moeplan.compile(...)` writes the same bytes as `moeplan compile ...`.
     import moeplan
 
     result = moeplan.plan("examples/tiny_moe", "trace.npz", target="torchrun", gpus_per_node=2)
-    result.plan.predicted["gpu_local_fraction"]
+    result.plan.predicted.gpu_local_fraction
     bundle = moeplan.compile("examples/tiny_moe", "trace.npz", out="bundle", gpus_per_node=2, policy="eplb")
     bundle.summary["files"]
 

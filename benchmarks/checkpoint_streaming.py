@@ -8,7 +8,7 @@ than one shard. Then, each as a real CLI subprocess whose peak RSS is
 
 * `compile --weights copy` and `compile --weights reference` (this branch: streamed);
 * the baseline measured in the same run: the import compile used before streaming
-  (`moeplan.planner.importers.load_model` on the directory: transformers' `from_pretrained`,
+  (`moeplan.passes.importers.load_model` on the directory: transformers' `from_pretrained`,
   which is what the previous compile held in memory while writing shards);
 * the floor: a process that only imports moeplan's CLI, torch and transformers;
 * `moeplan run` of each bundle at 2 ranks (no --verify, whose single-process reference holds the
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                    "config": {"layers": config.num_hidden_layers, "experts": config.num_experts, "hidden": config.hidden_size}}
         results["import_floor"] = peak([sys.executable, "-c", "import moeplan.planner.cli, torch, transformers"])
         results["materialised_import_baseline"] = peak(
-            [sys.executable, "-c", f"from moeplan.planner.importers import load_model; load_model({str(model_dir)!r})"])
+            [sys.executable, "-c", f"from moeplan.passes.importers import load_model; load_model({str(model_dir)!r})"])
         results["compile_copy"] = peak([exe, *compile_args, "--out", work / "copy"])
         results["compile_reference"] = peak([exe, *compile_args, "--out", work / "reference", "--weights", "reference"])
         results["bundle_bytes"] = {form: sum(p.stat().st_size for p in (work / form).rglob("*") if p.is_file())

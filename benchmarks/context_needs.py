@@ -5,7 +5,7 @@ A token's context (hidden state or K/V) at block b is needed by rank r if some t
 sequence at the same or a later position is current on r at block b, now or at any later step.
 Which rank a later token lands on is decided by its own routing at the MoE block before b, which
 is not known when this token's context is sent; this script counts, on a routing replayed with
-the runtime's replica rule (`backends/runtime/expert_table.py`), the share of the context rows
+the runtime's replica rule (`runtime/ep/expert_table.py`), the share of the context rows
 that a scheme knowing every future routing could skip: an upper bound on what "only to the ranks
 that need it" can save.
 
@@ -26,7 +26,7 @@ TOPOLOGIES = {2: (1, 2), 4: (2, 2), 8: (2, 4)}
 
 def needed_share(hosts: np.ndarray, gpus_per_node: int, moe_blocks: tuple, num_blocks: int, workload, routing: dict) -> float:
     """Share of coherent-mode context rows (token, block, other rank) some rank needs, with hindsight."""
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     table = ExpertTable(hosts, gpus_per_node)
     W = hosts.shape[2]
@@ -67,12 +67,12 @@ def main(argv=None) -> int:
 
     import tempfile
 
-    from moeplan.passes.analysis.cost_model import ModelShape, routing_from_trace
+    from moeplan.passes.cost.cost_model import ModelShape, routing_from_trace
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-    from moeplan.planner.importers import load_model
-    from moeplan.planner.pipeline.cost_passes import parse_workload
+    from moeplan.passes.importers import load_model
+    from moeplan.passes.cost.options import parse_workload
 
     loaded = load_model(args.model)
     shape = ModelShape.from_ir(loaded.ir)

@@ -9,7 +9,7 @@ EPLB (one redundant slot per GPU) + standard EP, and the planner's choice (`--po
 --mode auto` under the same profile), as predicted decode and overall tokens/s and ratios to
 contiguous + standard, beside ExFlow's reported 2.2x (MoE-16 on 8 A100s over DeepSpeed-MoE);
 coherent mode on the chosen placement with the hidden state as context row and with the
-runtime's own per-block choice (`backends/runtime/context_exchange.py`: K/V or the MLA latent
+runtime's own per-block choice (`runtime/ep/context_exchange.py`: K/V or the MLA latent
 where smaller).
 
 Assumptions (all of them; change with the flags):
@@ -61,21 +61,22 @@ EXFLOW_RATIO = 2.2
 def model_path(config, scratch: Path) -> str:
     """A config path as is; "kv_rows:NAME" built (seeded) under scratch."""
     if str(config).startswith("kv_rows:"):
-        from moeplan.planner.importers.resolve import import_file
+        from moeplan.passes.importers.resolve import import_file
 
         return str(import_file(KV_ROWS).build(str(config).split(":", 1)[1], scratch))
     return str(config)
 
 
 def scenario(name, config, nodes, per_node, hardware, workload_text, args, scratch: Path) -> dict:
-    from moeplan.passes.analysis.cost_model import ModelShape
+    from moeplan.passes.cost.cost_model import ModelShape
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.optimize.by_predicted_time import choose_placement, predict_modes
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.cost.by_predicted_time import choose_placement, predict_modes
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.core.hardware import load_hardware
-    from moeplan.planner.importers import load_model
-    from moeplan.planner.pipeline.cost_passes import context_plan_of, parse_workload, shape_with_context
+    from moeplan.passes.importers import load_model
+    from moeplan.passes.cost.context import context_plan_of, shape_with_context
+    from moeplan.passes.cost.options import parse_workload
 
     loaded = load_model(model_path(config, scratch))
     ir = loaded.ir

@@ -60,9 +60,9 @@ def main() -> None:
 
     import torch
 
-    from moeplan.backends.common.expert_slots import placement_slots
+    from moeplan.core.expert_slots import placement_slots
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     deepseek = sglang_eplb()

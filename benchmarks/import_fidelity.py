@@ -127,8 +127,8 @@ def trace_agreement(model, model_type: str, onnx_path) -> dict:
     import numpy as np
 
     from moeplan.passes.analysis.trace.record import record_trace
-    from moeplan.planner.importers import LoadedModel, load_model
-    from moeplan.planner.importers.torch_module import import_module
+    from moeplan.passes.importers import LoadedModel, load_model
+    from moeplan.passes.importers.torch_module import import_module
 
     ids = [np.asarray(TRACE_IDS)]
     loaded = LoadedModel(ir=import_module(model, name=model_type, config=model.config), module=model)
@@ -144,7 +144,7 @@ def transformers_count(data: dict) -> tuple:
     import transformers
     from transformers.initialization import no_init_weights
 
-    from moeplan.planner.importers.hf_config import _auto_class, make_config
+    from moeplan.passes.importers.hf_config import _auto_class, make_config
 
     config = make_config(data, "config")
     cls = getattr(transformers, (data.get("architectures") or [""])[0], None) or _auto_class(config)
@@ -155,7 +155,7 @@ def transformers_count(data: dict) -> tuple:
 
 
 def config_rows(only=None) -> list:
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     rows = []
     for path in sorted(CONFIGS.glob("*.json")):
@@ -185,8 +185,8 @@ def config_rows(only=None) -> list:
 
 def onnx_rows(only=None) -> list:
     from moeplan.core.errors import UserError
-    from moeplan.planner.importers.onnx_graph import import_onnx
-    from moeplan.planner.importers.torch_module import import_module
+    from moeplan.passes.importers.onnx_graph import import_onnx
+    from moeplan.passes.importers.torch_module import import_module
     from moeplan.planner.onnx_export import export_onnx
 
     rows = []

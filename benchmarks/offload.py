@@ -92,7 +92,7 @@ def trace_of(model: Path, name: str, corpus: str, tokens: int) -> Path:
 
 
 def switch_large_timing():
-    from moeplan.passes.optimize.offload.simulate import Timing
+    from moeplan.passes.optimize.offload.simulator import Timing
     from moeplan.core.hardware import load_hardware
 
     hw = load_hardware("a5000-pcie4")
@@ -106,13 +106,13 @@ def switch_large_timing():
 def run_case(model_dir: Path, plan_trace, held_stream, capacity: int, timing, hw) -> dict:
     from moeplan.passes.optimize.offload.evaluate import gap_to_belady, run_demand, run_prefetch
     from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, plan_offload
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     ir = load_model(str(model_dir)).ir
     body = plan_offload(ir, plan_trace, OffloadRequest(hardware=hw, expert_cache=capacity, max_sim_requests=20_000), kv_bytes_per_token(None, ir))
     E = ir.moe_stages[0].num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
-    from moeplan.backends.runtime.offload_next_use import NextUseModel
+    from moeplan.runtime.offload.next_use import NextUseModel
     import numpy as np
 
     model = NextUseModel.from_dict(body["communication"]["policy_model"])
@@ -160,7 +160,7 @@ def production_ir(name: str, trace):
     import hashlib
 
     from placement_deployment import CONFIGS, PRODUCTION
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     file, experts_key, layer_keys = PRODUCTION[SIDE_MODELS[name]]
     config = {**json.loads((CONFIGS / file).read_text()), experts_key: trace.num_experts,
@@ -174,7 +174,7 @@ def production_ir(name: str, trace):
 
 def run_scheme(stream, capacity, policy, timing, prefetcher, resident, causal=True) -> dict:
     """One held-out run: seconds per token, resident at layer start, bytes moved and host rows per token."""
-    from moeplan.backends.runtime.offload_stepper import TimedCache
+    from moeplan.runtime.offload.stepper import TimedCache
 
     cache = TimedCache(stream, capacity, policy, timing, prefetcher, resident)
     cache.causal = causal
@@ -215,11 +215,11 @@ def side_case(name: str, body: dict, stream, ir, hw, fraction: float, capacity: 
     """Every scheme on the held-out stream for one model, profile and cache size, from the plan `body`."""
     import numpy as np
 
-    from moeplan.backends.runtime.offload_next_use import NextUseModel
+    from moeplan.runtime.offload.next_use import NextUseModel
     from moeplan.passes.optimize.offload.cache_plan import timing_for
-    from moeplan.backends.runtime.offload_policies import make_policy
-    from moeplan.backends.runtime.offload_prefetch import make_prefetcher
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.runtime.offload.policies import make_policy
+    from moeplan.runtime.offload.prefetch import make_prefetcher
+    from moeplan.passes.optimize.offload.simulator import simulate_demand
 
     E = stream.num_experts
     resident = [l * E + e for l, e in body["placement"]["resident"]]
@@ -282,7 +282,7 @@ def side_by_side(args) -> int:
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     cases = []
     from speculation import model_dir
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     from moeplan.passes.optimize.offload.cache_plan import capped
 

@@ -34,8 +34,8 @@ NEVER = np.iinfo(np.int64).max // 4
 
 def lookahead_policy(model, window: int):
     """The moeplan policy with the next `window` tokens (and the current token's rest) known exactly."""
-    from moeplan.backends.runtime.offload_next_use import NextUseState
-    from moeplan.backends.runtime.offload_policies import Moeplan
+    from moeplan.runtime.offload.next_use import NextUseState
+    from moeplan.runtime.offload.policies import Moeplan
 
     class State(NextUseState):
         def __init__(self, m, stream):
@@ -83,10 +83,10 @@ def lookahead_policy(model, window: int):
 def main(argv=None) -> int:
     from moeplan.passes.analysis.activation import popularity_by_layer
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.backends.runtime.offload_next_use import fit_next_use
+    from moeplan.runtime.offload.next_use import fit_next_use
     from moeplan.passes.optimize.offload.cache_plan import popular_keys, split_by_sequence, tune_mix
-    from moeplan.backends.runtime.offload_policies import make_policy
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.runtime.offload.policies import make_policy
+    from moeplan.passes.optimize.offload.simulator import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

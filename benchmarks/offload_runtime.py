@@ -105,7 +105,7 @@ def modelled_demand_ms(demand: dict, prefetched: dict) -> float:
     import torch
 
     from moeplan.passes.optimize.offload.replay import rank_stepper
-    from moeplan.backends.runtime.offload_stepper import rank_timing
+    from moeplan.runtime.offload.stepper import rank_timing
     from moeplan.passes.optimize.offload.stream import stream_from_log
 
     spec = json.loads((demand["bundle"] / "plan.json").read_text())["communication"]["expert_cache"]

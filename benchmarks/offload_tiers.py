@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     prompt_file = prompts(work / "prompts.txt", args.prompts)
     config = json.loads((MODEL / "config.json").read_text())
     keys = config["num_hidden_layers"] * config["num_local_experts"]
-    from moeplan.passes.optimize.offload.ranks import runtime_expert_bytes
-    from moeplan.planner.importers.hf_streaming import load_directory_meta
+    from moeplan.passes.optimize.offload.rank_caches import runtime_expert_bytes
+    from moeplan.passes.importers.hf_streaming import load_directory_meta
 
     expert_bytes = runtime_expert_bytes(load_directory_meta(MODEL).ir)  # one float32 expert, as the host tier holds it
     rows = []

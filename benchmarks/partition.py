@@ -46,7 +46,7 @@ def per_stage_groups(units) -> list:
 def main(argv=None) -> int:
     from moeplan.passes.analysis.profile.operators import profile_model
     from moeplan.passes.optimize.serverless import partition as P
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.core.errors import UserError
     from moeplan.core.platforms import load_platform
 

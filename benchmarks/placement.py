@@ -110,7 +110,7 @@ def row_summary(row: dict) -> str:
 
 def run_case(case: Case, plan_trace, score_trace, time_limit: float, log, effort: float = 1.0) -> list:
     from moeplan.passes.optimize.placement.policies import PlacementRequest, evaluate_placement, plan_placement
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.core.errors import UserError
 
     topology = Topology(case.nodes, case.gpus_per_node)
@@ -200,7 +200,7 @@ def corpus_placements(case, plan_trace, time_limit: float, log, effort: float = 
 
     A row whose default cap (1.1 x mean) is infeasible (a hot expert alone exceeds it) is rerun
     at EPLB's max load + 5% per layer, for chain and ilp alike, and labelled so."""
-    from moeplan.passes.optimize.placement.contract import Placement, Topology
+    from moeplan.passes.optimize.placement.schema import Placement, Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from moeplan.core.errors import UserError
 

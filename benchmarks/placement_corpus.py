@@ -189,7 +189,7 @@ def train_hf_model(spec: TrainedModel, log=print):
 def trained_trace(spec: TrainedModel, directory: Path, log=print):
     """Train, save_pretrained into `directory`, and record the held-out text's routing with moeplan."""
     from moeplan.passes.analysis.trace.record import record_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     model = train_hf_model(spec, log)
     model.config.output_router_logits = False

@@ -2,7 +2,7 @@
 
 Why: `benchmarks/placement.py --corpus` compares placements by GPU-local fraction, the proxy the
 ILP optimises. A placement is better only if its deployment is faster. Here every row is priced
-by the cost model (`passes/analysis/cost_model.py`, the runtime's exchanges replayed exactly; its
+by the cost model (`passes/cost/cost_model.py`, the runtime's exchanges replayed exactly; its
 bytes equal the measured counters of real runs, tests/test_cost_model.py) in both modes, on the
 held-out half's routing, and the faster mode is reported beside EPLB+R in standard mode.
 
@@ -61,8 +61,8 @@ def deployment_config(case, trace) -> dict:
 
 def deployment_shape(config: dict, scratch: Path):
     """ModelShape of a config built on the meta device, with the runtime's context rows, bf16 on the wire."""
-    from moeplan.planner.importers import load_model
-    from moeplan.planner.pipeline.cost_passes import context_plan_of, shape_with_context
+    from moeplan.passes.importers import load_model
+    from moeplan.passes.cost.context import context_plan_of, shape_with_context
 
     text = json.dumps(config, sort_keys=True)
     path = scratch / f"{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
@@ -81,7 +81,7 @@ def profiles() -> dict:
 
 def price(placement, shape, workload, held_out, hardware) -> dict:
     """Both modes' prediction on the held-out routing, and the faster one (`by_predicted_time.choose_mode`)."""
-    from moeplan.passes.optimize.by_predicted_time import choose_mode, predict_modes
+    from moeplan.passes.cost.by_predicted_time import choose_mode, predict_modes
 
     modes = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, held_out.experts,
                           hardware)
@@ -96,7 +96,7 @@ def run_case(case, args, scratch: Path, log) -> list:
     from placement import corpus_placements, split_by_sequence
     from placement_corpus import load_case_trace
     from moeplan.passes.optimize.placement.policies import evaluate_placement
-    from moeplan.planner.pipeline.cost_passes import parse_workload
+    from moeplan.passes.cost.options import parse_workload
 
     plan_trace, held_out = split_by_sequence(load_case_trace(case, log))
     shape = deployment_shape(deployment_config(case, plan_trace), scratch)

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.optimize.placement.bounds.pairwise import dual_bound
     from moeplan.passes.optimize.placement.budget import WorkBudget
-    from moeplan.passes.optimize.placement.contract import Placement, Topology
+    from moeplan.passes.optimize.placement.schema import Placement, Topology
     from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
     from moeplan.passes.optimize.placement.algorithms.ilp import staged_placement
     from moeplan.passes.optimize.placement.policies import evaluate_placement

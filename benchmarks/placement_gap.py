@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def gap_row(case, plan_trace, effort: float, time_limit: float, log, redundant: int, pair_nodes: int = 0) -> dict:
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
     from research.relaxed_routing import colocation_cross, free_routing_cross
     from moeplan.core.errors import UserError

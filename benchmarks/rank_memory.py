@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 import serving as bench  # benchmarks/serving.py: prompts, the service, the load
-from moeplan.backends.torchrun.serve_launch import worker_pids as children  # a process's children, from /proc
+from moeplan.planner.launch.torchrun_serve import worker_pids as children  # a process's children, from /proc
 
 REPO = bench.REPO
 CLI = bench.CLI

@@ -8,7 +8,7 @@ plan (policy auto, mode auto, cpu-gloo profile), then run held-out prompts throu
 one launch; launches go round-robin over the bundles `--repeats` times and tokens/s is the median
 (the machine may be shared: ratios to the baseline are what to read, not absolute figures).
 
-Predictions, from the cost model (`passes/analysis/cost_model.py`):
+Predictions, from the cost model (`passes/cost/cost_model.py`):
 * `predicted_total_bytes_per_token`: on the routing the run recorded (must equal the measurement);
 * `prior_total_bytes_per_token`: before the run, routing sampled from the plan's trace;
 * `predicted_seconds_per_token`: on the run's routing, priced with the cpu-gloo profile; compare
@@ -22,7 +22,7 @@ Predictions, from the cost model (`passes/analysis/cost_model.py`):
 examples/hf_tiny/kv_rows.py (Qwen3-MoE with 8 query heads and 1 KV head, K + V = 16 elements
 against a hidden state of 64; DeepSeek-V3 with MLA, latent 16 + rotated key 8 = 24 against 64);
 models without a corpus use examples/tiny_moe's. Where coherent mode's context
-exchange sends K/V instead of the hidden state for some block (`backends/runtime/context_exchange.py`),
+exchange sends K/V instead of the hidden state for some block (`runtime/ep/context_exchange.py`),
 every coherent bundle is also run with `--context hidden`: rows carry `context` ("kv" or "hidden").
 
 With --json the last line is {"runs": [{"ranks", "placement", "mode", "bytes_per_token",
@@ -47,7 +47,7 @@ KV_ROWS = REPO / "examples" / "hf_tiny" / "kv_rows.py"  # --model gqa | mla: its
 
 
 def build_named_model(name: str, out: Path) -> Path:
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.passes.importers.resolve import import_file
 
     return import_file(KV_ROWS).build(name, out)
 
@@ -55,7 +55,7 @@ def build_named_model(name: str, out: Path) -> Path:
 def record(model: str, text_path: Path, max_tokens: int, out: Path) -> Path:
     from moeplan.passes.analysis.trace.record import record_trace
     from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     save_trace(record_trace(load_model(model), text_path.read_text(encoding="utf-8"), max_tokens=max_tokens), out)
     return out

@@ -25,8 +25,8 @@ overrides it. Our plan is sized for the mean predicted load of the test batches'
 
 Generation (issue 30): the deployed bundle generates a request's tokens in one Step Functions
 execution, reusing the prefix's K/V; the former way ran one execution per token over the whole
-sequence. Both are priced by the plan's request cost model (backends/runtime/
-lambda_request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
+sequence. Both are priced by the plan's request cost model (runtime/lambda_/
+request_cost.py, the figure each served response states) for a `--prompt-tokens` prompt and 8 and
 64 new tokens, per generated token, under the deployment's accounting (warm containers keep their
 weights and K/V) and the paper's (every invocation downloads its weights; K/V read from S3 every
 step). `--measure-local` also runs a compiled bundle both ways on the local cloud, each request
@@ -141,7 +141,7 @@ def main(argv=None):
     from moeplan.passes.optimize.serverless.sizing_pipeline import (SizingOptions, plan_serverless, predicted_loads,
                                                          real_batches, size_for, split_by_sequence)
     from moeplan.core.errors import UserError
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.core.platforms import load_platform
 
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
@@ -302,7 +302,7 @@ def lambda_plan(args, slo: float, out=None):
 
 def generation(args, slo: float, log) -> dict:
     """Per generated token: K/V reuse (one execution) vs recomputation (one execution per token)."""
-    from moeplan.backends.runtime.lambda_request_cost import request_cost
+    from moeplan.runtime.lambda_.request_cost import request_cost
 
     plan = lambda_plan(args, slo)
     spec, P = plan.predicted["request_cost"], args.prompt_tokens
@@ -334,7 +334,7 @@ def measure_local(args, slo: float, log) -> list:
     """A compiled bundle on the local cloud, both ways: measured billed GB-s and requests per token."""
     import tempfile
 
-    from moeplan.backends.lambda_.local_run import run_lambda_bundle
+    from moeplan.planner.launch.lambda_run import run_lambda_bundle
 
     text = Path(args.model, "corpus_heldout.txt")
     prompt = (text.read_text()[:args.prompt_tokens] if text.is_file() else "x" * args.prompt_tokens)

@@ -179,7 +179,9 @@ def free_port() -> int:
 
 def start_ours(bundle: Path, threads: int | None = None, stacks: Path | None = None) -> Server:
     cmd = CLI + ["serve", str(bundle), "--port", "0"] + (["--threads", str(threads)] if threads else [])
-    return Server(cmd, env={"MOEPLAN_PROFILE": str(stacks)} if stacks else None)
+    # rank 0 runs benchmarks/stack_sampler.py through the runtime's profiler hook (bundles ship no profiler)
+    hook = {"MOEPLAN_PROFILE": str(stacks), "MOEPLAN_PROFILER": str(Path(__file__).with_name("stack_sampler.py"))}
+    return Server(cmd, env=hook if stacks else None)
 
 
 def start_transformers(model: Path, continuous: bool) -> Server:

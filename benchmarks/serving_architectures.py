@@ -33,11 +33,11 @@ sys.path.insert(0, str(REPO / "tests"))  # runtime_fixtures: bundles written by 
 def serve_and_check(arch: str, mode: str, requests: int, scratch: Path) -> str:
     import transformers
 
-    from moeplan.backends.runtime.library_model import decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
-    from moeplan.backends.runtime.serving.contract import GenerationRequest, SamplingParams
-    from moeplan.backends.runtime.serving.ranks import serve_bundle
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.runtime.model.library_model import decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
+    from moeplan.runtime.serving.contract import GenerationRequest, SamplingParams
+    from moeplan.runtime.serving.ranks import serve_bundle
+    from moeplan.passes.importers.resolve import import_file
     from runtime_fixtures import contiguous_placement, write_hf_bundle
 
     model_dir = import_file(REPO / "examples" / "hf_tiny" / "architectures.py").build(arch, scratch / mode)
@@ -80,7 +80,7 @@ def serve_and_check(arch: str, mode: str, requests: int, scratch: Path) -> str:
 
 
 def main(argv=None) -> int:
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.passes.importers.resolve import import_file
 
     names = import_file(REPO / "examples" / "hf_tiny" / "architectures.py").ARCHITECTURES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -93,8 +93,8 @@ def closed_loop(client, prompts: list, concurrency: int, per_client: int, new_to
 def static_batch(bundle: Path, mode: str, prompts: list, new_tokens: int) -> float:
     """Output tokens/s of the bundle's static engine on `prompts` as one batch (after a warm-up)."""
     from runtime.counters import Counters
-    from runtime.engine import Engine
-    from runtime.exchange import Exchanger
+    from runtime.ep.engine import Engine
+    from runtime.ep.exchange import Exchanger
     from runtime.bundle_io import load_bundle
 
     _, table, _, model, _ = load_bundle(bundle, 0, 1, torch.device("cpu"), mode)

@@ -1,11 +1,11 @@
 """Where rank 0's time goes while the service is under load, from its own stack sampler.
 
 `moeplan serve` started with MOEPLAN_PROFILE=FILE makes rank 0 sample every thread's Python stack
-100 times a second and keep the cumulative counts in FILE (backends/runtime/serving/stack_sampler.py;
+100 times a second and keep the cumulative counts in FILE (benchmarks/stack_sampler.py;
 attaching profilers such as py-spy cannot read another process's memory on this project's sandboxed
 machines). `snapshot(FILE)` reads the counts; `shares(before, after)` gives the share of the window's
 non-idle samples per category, each stack counted once under the first category it touches, in
-this order: exchange (the expert-parallel collectives: runtime/exchange.py, context_exchange.py,
+this order: exchange (the expert-parallel collectives: runtime/ep/exchange.py, context_exchange.py,
 torch.distributed; a rank waiting for its peers counts here), attention (the library's attention
 modules and kernels), experts (the routed experts the runtime runs: moe_adapter.py), sampling
 (serving/sampler.py), other model compute (the rest of the library's forward: norms, routers,
@@ -25,10 +25,10 @@ from pathlib import Path
 
 ORDER = ("exchange", "attention", "experts", "sampling", "other model compute", "HTTP front", "engine Python", "other")
 FRONT = ("serving/http_server.py", "serving/openai_service.py", "serving/generation.py", "serving/text_stream.py",
-         "serving/api_", "serving/admission.py", "serving/prometheus.py", "uvicorn/", "starlette/", "asyncio/",
+         "serving/api_", "serving/prompt_check.py", "serving/prometheus.py", "uvicorn/", "starlette/", "asyncio/",
          "anyio/", "h11/", "json/")
-ENGINE = ("serving/engine_loop.py", "serving/engine_client.py", "serving/step_plan.py", "serving/worker.py",
-          "serving/row_cache.py", "serving/ranks.py", "runtime/engine.py", "runtime/counters.py", "runtime/expert_table.py")
+ENGINE = ("serving/engine_loop.py", "serving/scheduler.py", "serving/step_plan.py", "serving/worker.py",
+          "serving/row_cache.py", "serving/ranks.py", "runtime/ep/engine.py", "runtime/counters.py", "runtime/ep/expert_table.py")
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*):(?P<line>\d+)\)$")
 
 
@@ -65,7 +65,7 @@ def category(frames: list) -> str:
             continue
         path, func = m["file"], m["func"]
         owner = enclosing_class(path, int(m["line"])) or ""
-        if any(k in path for k in ("runtime/exchange.py", "context_exchange.py", "distributed_c10d.py")):
+        if any(k in path for k in ("runtime/ep/exchange.py", "context_exchange.py", "distributed_c10d.py")):
             found.add("exchange")
         elif "Attention" in owner or "attention" in func or "sdpa" in path or "attention" in Path(path).name:
             found.add("attention")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+
+from moeplan.core.plan_sections import SECTIONS, Communication, Placement, Predicted, Section
 
 PLAN_VERSION = 1
 
@@ -25,6 +27,7 @@ class Plan:
     * `placement`: the `placement.json` document (experts per device per MoE layer).
     * `communication`: how tokens move (mode, gating) - what the runtime is configured with.
     * `predicted`: the metrics the planner predicts for this plan.
+      These three are typed sections (`core/plan_sections.py`); given as dicts, they become sections.
     * `shards`: per-rank weight file names, rank order (filled in by torchrun codegen).
     * `inputs`: what the plan was computed from: `model` (the spec as given, which `moeplan
       codegen` reads the weights from), trace hash, options.
@@ -35,20 +38,31 @@ class Plan:
     target: str
     model: dict
     topology: dict
-    placement: dict
-    communication: dict
-    predicted: dict
+    placement: Placement
+    communication: Communication
+    predicted: Predicted
     shards: list = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
     deployment: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        for name, kind in SECTIONS.items():  # a section given as its JSON object (a malformed one stays as it is)
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, kind.from_json(value))
 
     @property
     def world_size(self) -> int:
         return int(self.topology["nodes"]) * int(self.topology["gpus_per_node"])
 
     def to_dict(self) -> dict:
-        return rounded(asdict(self))
+        return rounded({f.name: _plain(getattr(self, f.name)) for f in fields(self)})
+
+    def as_written(self) -> Plan:
+        """The plan as plan.json holds it (floats rounded by the plan's one rule), for what is shown
+        beside it (summaries, READMEs) to say exactly what the file says."""
+        return Plan.from_dict(self.to_dict())
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -68,6 +82,20 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
 
+def _plain(value):
+    """`value` as plain JSON-able containers: sections as their objects, other dataclasses as dicts
+    (what `dataclasses.asdict` gave before the sections were typed)."""
+    if isinstance(value, Section):
+        return _plain(value.to_json())
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
 SIGNIFICANT_DIGITS = 8
 
 
@@ -84,3 +112,11 @@ def rounded(value):
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):
         return rounded(value.item())
     return value
+
+
+def plan_reads_back(facts) -> None:
+    """Postcondition of every plan pass: plan.json reads back as the plan that wrote it (what
+    `moeplan codegen` and `simulate` will read is what was decided)."""
+    text = facts["plan"].to_json()
+    if Plan.from_json(text).to_json() != text:
+        raise ValueError("plan.json does not read back as the plan that wrote it")

@@ -146,3 +146,13 @@ def _number(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise UserError(f"platform key '{key}' must be a finite number, got {value!r}")
     return float(value)
+
+
+def time_limit_s(platform: dict, http_entry: str) -> float:
+    """How long a request may take end to end behind this HTTP entry of a Lambda deployment (`platform`:
+    the platform's dict): the synchronous EXPRESS execution's limit, and behind an API Gateway HTTP API its
+    integration timeout (backends/lambda_/front.py has the sources)."""
+    express = float(platform.get("express_max_duration_s", 300.0))
+    if http_entry == "http-api":
+        return min(express, float(platform.get("http_api_timeout_s", 30.0)))
+    return express

@@ -186,7 +186,7 @@ def trace_file_bytes(draw):
 
 
 def check_placement_file(path):
-    from moeplan.passes.optimize.placement.contract import load_placement
+    from moeplan.passes.optimize.placement.schema import load_placement
 
     return lambda output: load_placement(path)
 

@@ -49,7 +49,7 @@ def exported_model(tmp_path_factory) -> tuple:
     onnx_path = root / "tiny_small.onnx"
     directory = root / "tiny_small"
     if not onnx_path.is_file():
-        from moeplan.planner.importers import load_model
+        from moeplan.passes.importers import load_model
         from moeplan.planner.onnx_export import export_onnx
 
         directory = _model_dir(root)

@@ -134,12 +134,12 @@ def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
 def single_rank_engine(model, fresh_model, kind: str, mode: str, top_k: int, max_positions: int = 64):
     """A world-of-one Engine over `fresh_model` (a second instance of `model`'s class) holding every
     expert, with `model`'s weights cut as a bundle cuts them."""
-    from moeplan.backends.runtime.counters import Counters
-    from moeplan.backends.runtime.engine import Engine
-    from moeplan.backends.runtime.exchange import Exchanger
-    from moeplan.backends.runtime.expert_table import ExpertTable
-    from moeplan.backends.runtime.library_model import RankModel, decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers, split_expert_state
+    from moeplan.runtime.counters import Counters
+    from moeplan.runtime.ep.engine import Engine
+    from moeplan.runtime.ep.exchange import Exchanger
+    from moeplan.runtime.ep.expert_table import ExpertTable
+    from moeplan.runtime.model.library_model import RankModel, decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers, split_expert_state
 
     containers = find_containers(*reversed(decoder_layers(model)))
     weights = split_expert_state({k: v.detach() for k, v in model.state_dict().items()}, containers)

@@ -2,7 +2,7 @@
 (tests/test_serving_http.py). It is never shipped and never stands in for the real engine: every
 target of issue 29 is shown against the real engine under torchrun (tests/test_serve_e2e.py).
 
-It follows the EngineClient contract (backends/runtime/serving/contract.py) with a thread that
+It follows the EngineClient contract (runtime/serving/contract.py) with a thread that
 emits one token per request per `step_s`: token t of a request is (sum of its prompt ids + 7 t)
 mod vocab, so a test knows every answer in advance. `max_running` requests run at once, `max_waiting`
 more wait; beyond that submit raises Overloaded. `fail_after_s` makes it unhealthy, ending every
@@ -26,7 +26,7 @@ def stub_token(prompt_ids, t: int, vocab: int) -> int:
 class StubEngine:
     def __init__(self, vocab: int, max_context: int = 256, step_s: float = 0.01, max_running: int = 4,
                  max_waiting: int = 4, fail_after_s: float | None = None, model_name: str = "stub"):
-        from moeplan.backends.runtime.serving import contract as c
+        from moeplan.runtime.serving import contract as c
 
         self.c = c
         self.model_name, self.max_context, self.vocab = model_name, max_context, vocab
@@ -115,8 +115,8 @@ class StubEngine:
 
 
 def main(argv=None) -> int:
-    from moeplan.backends.runtime.serving.http_server import run_http
-    from moeplan.backends.runtime.serving.served_model import ServedModel
+    from moeplan.runtime.serving.http_server import run_http
+    from moeplan.runtime.serving.served_model import ServedModel
 
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")

@@ -191,7 +191,7 @@ def test_binary_platform_and_prompts_files(tmp_path, model, good_trace):
     blob.write_bytes(bytes(range(256)) * 4)
     _refused(["plan", model, "--trace", good_trace, "--target", "lambda", "--slo", 1, "--platform", blob, "--out", tmp_path / "p.json", "--quiet"],
              "not UTF-8")
-    from moeplan.backends.torchrun.launch import read_prompts
+    from moeplan.planner.launch.torchrun_launch import read_prompts
     from moeplan.core.errors import UserError
 
     with pytest.raises(UserError, match="not UTF-8"):

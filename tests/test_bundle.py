@@ -31,7 +31,7 @@ def _all_bytes(root):
 def test_bundle_has_the_documented_layout(tmp_path, model_dir):
     root = _bundle(tmp_path, model_dir)
     for rel in ("plan.json", "placement.json", "launch.sh", "README.md", "manifest.json", "model/config.json",
-                "model/model.py", "runtime/serve.py", "runtime/engine.py",
+                "model/model.py", "runtime/serve.py", "runtime/ep/engine.py",
                 "shards/rank-00000.safetensors", "shards/rank-00001.safetensors"):
         assert (root / rel).is_file(), rel
     assert os.access(root / "launch.sh", os.X_OK)
@@ -40,8 +40,10 @@ def test_bundle_has_the_documented_layout(tmp_path, model_dir):
     manifest = json.loads((root / "manifest.json").read_text())["files"]
     assert set(manifest) == set(_all_bytes(root)) - {"manifest.json"}
     assert all(sha256_file(root / rel) == digest for rel, digest in manifest.items())
+    # whole runtime subpackages: no expert caches in this plan, so no runtime/offload/; no Lambda code either
+    assert sorted(p.name for p in (root / "runtime").iterdir() if p.is_dir()) == ["ep", "model", "serving"]
     # the runtime is self-contained: it never imports moeplan
-    for f in (root / "runtime").glob("*.py"):
+    for f in (root / "runtime").rglob("*.py"):
         assert "moeplan" not in "".join(l for l in f.read_text().splitlines() if l.lstrip().startswith(("import", "from")))
 
 

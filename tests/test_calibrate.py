@@ -43,7 +43,7 @@ def _bundle_runs(tmp_path, model_dir, world: int) -> tuple:
 
 def _relative_errors(root, runs: dict, profile: dict) -> dict:
     """{mode: predicted / measured - 1} for the runs, priced with `profile` as `moeplan run` prices them."""
-    from moeplan.planner.pipeline.cost_passes import predict_run
+    from moeplan.passes.cost.run_check import predict_run
 
     p = profile_from_dict(profile, "x")
     return {m: predict_run(root, r["results"], m, p)["seconds_per_token"] / r["seconds_per_token"] - 1

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 
 from moeplan.planner.cli import main
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import random_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,8 +89,8 @@ def test_sharded_checkpoint_with_an_index_gives_the_same_shards(tmp_path):
 
 
 def test_a_rank_holds_dense_weights_and_only_its_experts(tmp_path):
-    from moeplan.backends.runtime.bundle_io import build_rank_model
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.bundle_io import build_rank_model
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     directory = tiny.build("qwen3_moe", tmp_path / "models")
     _compile(directory, _trace(tmp_path / "trace.npz", _moe_layers(directory)), tmp_path / "b")
@@ -174,8 +174,8 @@ def test_kubernetes_bundle_with_reference_weights_mounts_the_checkpoint_and_vali
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "llama4_text"])
 def test_the_meta_import_gives_the_ir_of_the_weighted_import(tmp_path, arch):
     """compile imports on meta: its plans must not depend on which importer ran."""
-    from moeplan.planner.importers import load_model
-    from moeplan.planner.importers.hf_streaming import load_directory_meta
+    from moeplan.passes.importers import load_model
+    from moeplan.passes.importers.hf_streaming import load_directory_meta
 
     directory = tiny.build(arch, tmp_path)
     weighted, meta = load_model(str(directory)), load_directory_meta(directory)

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.contract import placement_from_dict
+from moeplan.passes.optimize.placement.schema import placement_from_dict
 from moeplan.planner.commands.compile import compile_cmd
 import moeplan
 from moeplan.core.errors import UserError

@@ -14,10 +14,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from moeplan.backends.runtime.context_exchange import HIDDEN, KV, context_plan, kv_elements, model_context_plan
+from moeplan.runtime.ep.context_exchange import HIDDEN, KV, context_plan, kv_elements, model_context_plan
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.commands.compile import compile_cmd
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from moeplan.planner.pipeline.run import run_modes
 from runtime_fixtures import random_trace
 
@@ -106,7 +106,7 @@ def test_the_kv_hook_wraps_the_cache_under_the_keyword_the_library_passes():
     `past_key_values`: the hook swaps the exchanging proxy in under the same keyword."""
     from types import SimpleNamespace
 
-    from moeplan.backends.runtime.context_exchange import CACHE_KWARGS, ContextExchange
+    from moeplan.runtime.ep.context_exchange import CACHE_KWARGS, ContextExchange
 
     hook = ContextExchange(SimpleNamespace(replicated=False), [(KV, 16)])._kv_input(0)
     assert set(CACHE_KWARGS) == {"cache", "past_key_values"}

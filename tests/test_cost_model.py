@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.analysis.cost_model import COHERENT, STANDARD, ModelShape, Workload, predict, routing_from_trace
+from moeplan.passes.cost.cost_model import COHERENT, STANDARD, ModelShape, Workload, predict, routing_from_trace
 from moeplan.passes.analysis.trace.format import save_trace
-from moeplan.passes.optimize.by_predicted_time import choose_mode
+from moeplan.passes.cost.by_predicted_time import choose_mode
 from moeplan.planner.cli import main
 from moeplan.planner.commands.compile import compile_cmd
 from moeplan.core.errors import UserError
@@ -137,7 +137,7 @@ def test_compile_with_an_unknown_hardware_fails_with_one_line(tmp_path):
 
 @given(st.integers(1, 64), st.integers(1, 512), st.integers(1, 64))
 def test_workload_parses_requests_prompt_and_new_tokens(requests, prompt, new):
-    from moeplan.planner.pipeline.cost_passes import parse_workload
+    from moeplan.passes.cost.options import parse_workload
 
     w = parse_workload(f"{requests}x{prompt}+{new}")
     assert w.prompt_lengths == (prompt,) * requests and w.new_tokens == new
@@ -148,7 +148,7 @@ def test_workload_parses_requests_prompt_and_new_tokens(requests, prompt, new):
 
 @given(st.text(max_size=12))
 def test_a_malformed_workload_is_a_user_error(text):
-    from moeplan.planner.pipeline.cost_passes import parse_workload
+    from moeplan.passes.cost.options import parse_workload
 
     try:
         w = parse_workload(text)

@@ -20,10 +20,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from moeplan.backends.common.expert_slots import placement_slots
+from moeplan.core.expert_slots import placement_slots
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 from moeplan.planner.cli import main
 

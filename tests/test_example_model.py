@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from moeplan.passes.analysis.trace.record import record_trace
 from moeplan.passes.analysis.trace.stats import routing_stats
-from moeplan.planner.importers import load_model
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers import load_model
+from moeplan.passes.importers.resolve import import_file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 CHECKPOINT = EXAMPLE / "model.safetensors"

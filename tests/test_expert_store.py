@@ -20,12 +20,12 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.backends.runtime.expert_cache import expert_tensor_owner
-from moeplan.backends.runtime.checkpoint_reader import read_header
-from moeplan.backends.runtime.expert_store import ReferenceStore, ShardStore, open_rank_store
+from moeplan.runtime.offload.expert_cache import expert_tensor_owner
+from moeplan.runtime.checkpoint_reader import read_header
+from moeplan.runtime.offload.expert_store import ReferenceStore, ShardStore, open_rank_store
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import random_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,8 +105,8 @@ def test_host_tier_serves_preloaded_experts_and_counts_disk_and_host_bytes(tmp_p
 @given(st.integers(0, 10_000), st.integers(1, 10), st.sampled_from(["lru", "lfu", "lifo", "moe-infinity"]))
 def test_load_recorder_changes_nothing_and_records_every_load(seed, capacity, name):
     from synth_routing import synthesize_routed_tokens
-    from moeplan.backends.runtime.offload_policies import make_policy
-    from moeplan.passes.optimize.offload.simulate import simulate_demand
+    from moeplan.runtime.offload.policies import make_policy
+    from moeplan.passes.optimize.offload.simulator import simulate_demand
     from moeplan.passes.optimize.offload.stream import build_stream
     from moeplan.passes.optimize.offload.tiers import LoadRecorder, tier_split
 
@@ -200,7 +200,7 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     ranks = pod["containers"][0]
     assert {"name": "MOEPLAN_CHECKPOINT", "value": "/checkpoint"} in ranks["env"]
     assert {"name": "checkpoint", "mountPath": "/checkpoint", "readOnly": True} in ranks["volumeMounts"]
-    assert (out / "runtime" / "expert_store.py").is_file() and (out / "runtime" / "offload_policies.py").is_file()
+    assert (out / "runtime" / "offload" / "expert_store.py").is_file() and (out / "runtime" / "offload" / "policies.py").is_file()
     result = CliRunner().invoke(main, ["codegen", str(out / "plan.json"), "--out", str(tmp_path / "again")])
     assert result.exit_code == 0, result.output  # plan.json alone gives the same bundle, byte for byte
     files = lambda root: {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -162,7 +162,7 @@ def test_hardware_governs_every_prediction_of_a_compiled_plan_caches_included(tr
 
 def test_offload_timing_follows_the_profile_figures():
     from moeplan.passes.optimize.offload.cache_plan import hardware_record, timing_for
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     ir = load_model(TINY).ir
     for name in ("h100-sxm", "cpu-gloo", "rtx4090-pcie4"):
@@ -203,7 +203,7 @@ def test_this_machine_is_refused_until_calibrated_then_found_by_its_key(tmp_path
 def test_the_plan_records_the_calibration_and_run_prices_with_its_figures(trace, tmp_path, monkeypatch):
     """compile --hardware this-machine: plan.json names the file's hash, date and machine and keeps the
     figures, so `run` prices with them even where the calibration file is not; bytes repeat."""
-    from moeplan.planner.pipeline.cost_passes import plan_profile, profile_label
+    from moeplan.passes.cost.options import plan_profile, profile_label
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     _calibration_file(hardware.calibration_path(), op=1.234e-5)

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import load_model
-from moeplan.planner.importers.torch_module import import_module
+from moeplan.passes.importers import load_model
+from moeplan.passes.importers.torch_module import import_module
 
 CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -17,8 +17,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from moeplan.planner.cli import main
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import load_model
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers import load_model
+from moeplan.passes.importers.resolve import import_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -187,7 +187,7 @@ def test_full_size_totals_equal_transformers_count(stem):
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from moeplan.planner.importers.quantization import Quantization  # noqa: E402
+from moeplan.passes.importers.quantization import Quantization  # noqa: E402
 
 dims = st.integers(min_value=1, max_value=3000)
 

@@ -1,47 +1,45 @@
 """The layer rules of docs/architecture.md, checked on every import statement (top-level or inside functions).
 
-Layers, bottom up: the bundle runtime (imports nothing of moeplan), the core (IR, plan, errors,
-importers), analysis/optimisation passes (which may use the runtime's modules: the simulator runs the
-code bundles run), backends, the pipeline (pass lists, the target registry), the commands and the
-Python API (`api/`, the package `moeplan` itself; it does not go through the CLI).
+Each top-level folder is one layer (docs/architecture.md, "Layers"), bottom up:
+* `runtime/` (the code bundles ship) imports nothing of moeplan; `core/` (IR, plan, errors, hardware,
+  the pass manager, ...) imports only `core/`;
+* `passes/` (the algorithms and the `Pass` objects that run them) imports `core/`, `runtime/` and itself:
+  the simulator and the cost model run the very code bundles run;
+* `backends/` (code generation: one `write_bundle` per target and its codegen pass) imports `core/`,
+  `runtime/`, `templates/` and itself, never `passes/`;
+* `planner/` is the driver on top: the target registry and pass lists (`planner/pipeline/`), local
+  launchers (`planner/launch/`), the report, and the CLI (`planner/cli.py`, `planner/commands/`); only
+  the CLI imports the CLI;
+* `api/` (the package `moeplan` itself, the Python API) and `benchmarks/` use everything but the CLI.
 """
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# layer -> moeplan module prefixes it must not import
-FORBIDDEN = {
-    "runtime": ("moeplan",),
-    "core": ("moeplan.passes", "moeplan.backends", "moeplan.planner.pipeline", "moeplan.planner.commands",
-             "moeplan.planner.cli"),
-    "passes": ("moeplan.backends", "moeplan.planner.pipeline", "moeplan.planner.commands",
-               "moeplan.planner.cli"),
-    "backends": ("moeplan.passes", "moeplan.planner.pipeline", "moeplan.planner.commands",
-                 "moeplan.planner.cli"),
-    "pipeline": ("moeplan.planner.commands", "moeplan.planner.cli"),
-    "benchmarks": ("moeplan.planner.commands", "moeplan.planner.cli"),
-    "commands": (),
-    "api": ("moeplan.planner.commands", "moeplan.planner.cli"),
+EVERYTHING = ("moeplan.core", "moeplan.runtime", "moeplan.passes", "moeplan.backends", "moeplan.templates",
+              "moeplan.planner")
+CLI = ("moeplan.planner.commands", "moeplan.planner.cli")
+# layer -> (moeplan module prefixes it may import, exceptions inside them it must not)
+MAY_IMPORT = {
+    "runtime": ((), ()),
+    "core": (("moeplan.core",), ()),
+    "passes": (("moeplan.core", "moeplan.runtime", "moeplan.passes"), ()),
+    "backends": (("moeplan.core", "moeplan.runtime", "moeplan.templates", "moeplan.backends"), ()),
+    "driver": (EVERYTHING, CLI),
+    "cli": (EVERYTHING, ()),
+    "api": (("moeplan",), CLI),
+    "benchmarks": (("moeplan",), CLI),
 }
-# exceptions inside a forbidden prefix: passes run the very code bundles run (the replica rule,
-# `backends/runtime/expert_table.py`, and the expert cache's policy modules live once, in the runtime)
-ALLOWED = {"passes": ("moeplan.backends.runtime",)}
 
 
 def layer_of(rel: Path) -> str:
     parts = rel.parts
-    if parts[:2] == ("backends", "runtime"):
-        return "runtime"
-    if parts[0] == "api":
-        return "api"
-    if parts[0] in ("passes", "backends", "benchmarks"):
+    if parts[0] in ("runtime", "core", "passes", "backends", "api", "benchmarks"):
         return parts[0]
-    if parts[:2] in (("planner", "pipeline"),):
-        return "pipeline"
-    if parts[:2] == ("planner", "commands") or rel.as_posix() == "planner/cli.py":
-        return "commands"
-    return "core"
+    if parts[0] == "planner":
+        return "cli" if parts[:2] == ("planner", "commands") or rel.as_posix() == "planner/cli.py" else "driver"
+    raise ValueError(f"{rel} is in no layer")
 
 
 def imported_modules(path: Path) -> list:
@@ -57,19 +55,30 @@ def imported_modules(path: Path) -> list:
     return out
 
 
+LAYER_FOLDERS = ("api", "core", "runtime", "planner", "passes", "backends", "benchmarks")
+
+
 def sources():
-    for folder in ("api", "core", "planner", "passes", "backends", "benchmarks"):
+    for folder in LAYER_FOLDERS:
         yield from sorted((ROOT / folder).rglob("*.py"))
+
+
+def breaks_rule(layer: str, module: str) -> bool:
+    """Whether a module of `layer` importing `module` breaks the layer table."""
+    if not _under(module, "moeplan"):
+        return False
+    allowed, forbidden = MAY_IMPORT[layer]
+    return not any(_under(module, a) for a in allowed) or any(_under(module, f) for f in forbidden)
 
 
 def test_every_module_imports_only_from_the_layers_below_it():
     broken = []
     for path in sources():
         rel = path.relative_to(ROOT)
-        forbidden, allowed = FORBIDDEN[layer_of(rel)], ALLOWED.get(layer_of(rel), ())
+        layer = layer_of(rel)
         for line, module in imported_modules(path):
-            if any(_under(module, f) for f in forbidden) and not any(_under(module, a) for a in allowed):
-                broken.append(f"{rel}:{line} imports {module} ({layer_of(rel)} layer)")
+            if breaks_rule(layer, module):
+                broken.append(f"{rel}:{line} imports {module} ({layer} layer)")
     assert broken == []
 
 
@@ -77,10 +86,20 @@ def _under(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
 
+def test_passes_live_in_passes_and_backends_not_in_the_driver():
+    """The driver lists passes and runs them; it defines none (a `Pass` lives beside the algorithm it runs)."""
+    found = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        for line, module in imported_modules(path):
+            if module == "moeplan.core.pass_manager.Pass":
+                found.append(f"{path.relative_to(ROOT)}:{line}")
+    assert found == []
+
+
 def test_the_runtime_imports_only_modules_of_the_runtime_package():
-    """Relative imports in backends/runtime/ name modules that exist there: the runtime never relies
+    """Relative imports in runtime/ name modules that exist there: the runtime never relies
     on a file that only a bundle has (bundles copy these files verbatim, backends/common/files.py)."""
-    runtime = ROOT / "backends" / "runtime"
+    runtime = ROOT / "runtime"
     missing = []
     for path in sorted(runtime.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -100,9 +119,14 @@ def test_the_rule_checker_sees_imports_inside_functions(tmp_path):
     sample = tmp_path / "x.py"
     sample.write_text("def f():\n    from moeplan.planner.commands.run import run\n")
     assert (2, "moeplan.planner.commands.run") in imported_modules(sample)
-    assert layer_of(Path("backends/runtime/serve.py")) == "runtime"
-    assert layer_of(Path("planner/pipeline/torchrun.py")) == "pipeline"
-    assert layer_of(Path("planner/importers/resolve.py")) == "core"
+    assert layer_of(Path("runtime/serve.py")) == "runtime"
+    assert layer_of(Path("planner/pipeline/torchrun.py")) == "driver"
+    assert layer_of(Path("planner/commands/run.py")) == "cli"
+    assert layer_of(Path("passes/importers/resolve.py")) == "passes"
+    assert breaks_rule("core", "moeplan.runtime.ep.expert_table") and not breaks_rule("core", "moeplan.core.ir")
+    assert breaks_rule("backends", "moeplan.passes.importers") and not breaks_rule("backends", "moeplan.runtime.serve")
+    assert breaks_rule("driver", "moeplan.planner.cli") and not breaks_rule("cli", "moeplan.planner.pipeline.targets")
+    assert breaks_rule("runtime", "moeplan.core.errors") and not breaks_rule("runtime", "torch")
     assert module_name(Path("api/__init__.py")) == "moeplan"
     assert module_name(Path("api/compile.py")) == "moeplan.compile"
 
@@ -110,7 +134,7 @@ def test_the_rule_checker_sees_imports_inside_functions(tmp_path):
 # No module of the package takes part in an import cycle (module-level imports, package __init__
 # included). Imports inside functions are left out: they run later, so they cannot deadlock a
 # module's initialisation.
-PACKAGE_FOLDERS = ("api", "core", "planner", "passes", "backends")
+PACKAGE_FOLDERS = ("api", "core", "runtime", "planner", "passes", "backends")
 
 
 def module_name(rel: Path) -> str:

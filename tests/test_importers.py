@@ -9,9 +9,9 @@ import torch
 import torch.nn as nn
 
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import load_model
-from moeplan.planner.importers.stages import Param, build_model_ir, classify_parameter_groups
-from moeplan.planner.importers.torch_module import import_module, module_params
+from moeplan.passes.importers import load_model
+from moeplan.passes.importers.stages import Param, build_model_ir, classify_parameter_groups
+from moeplan.passes.importers.torch_module import import_module, module_params
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 sys.path.insert(0, str(EXAMPLE))

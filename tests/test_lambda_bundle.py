@@ -51,7 +51,7 @@ def test_template_lints_and_gives_each_function_only_its_own_weights(setup, tmp_
         {"Effect": "Allow", "Action": ["states:StartSyncExecution"], "Resource": {"Ref": "Pipeline"}}]}]
     assert front["FunctionUrlConfig"] == {"AuthType": "NONE", "InvokeMode": "BUFFERED"}
     assert res["Pipeline"]["Properties"]["Type"] == "EXPRESS"
-    assert "runtime.lambda_front.handler" in (out / "functions" / "front" / "Dockerfile").read_text()
+    assert "runtime.lambda_.front.handler" in (out / "functions" / "front" / "Dockerfile").read_text()
     assert "torch" not in (out / "functions" / "requirements-front.txt").read_text()
     slices = plan["placement"]["dense_slices"]
     replicas = sum(x["replicas"] for l in plan["placement"]["layers"] for x in l["experts"])
@@ -96,7 +96,7 @@ def test_template_lints_and_gives_each_function_only_its_own_weights(setup, tmp_
     methods = plan["communication"]["methods"]
     assert sum(s["Type"] == "Parallel" for s in states.values()) == sum(m != "direct" for m in methods)
     for kind in ("dense", "expert"):
-        assert f"runtime.lambda_handlers.{kind}_handler" in (out / "functions" / kind / "Dockerfile").read_text()
+        assert f"runtime.lambda_.handlers.{kind}_handler" in (out / "functions" / kind / "Dockerfile").read_text()
     readme = (out / "README.md").read_text()
     assert "sam build && sam deploy" in readme and "per month" in readme
 

@@ -1,8 +1,8 @@
-"""The generation loop's state in a Lambda bundle (runtime/lambda_decode.py): the rows of each step,
+"""The generation loop's state in a Lambda bundle (runtime/lambda_/decode.py): the rows of each step,
 stop tokens, max_tokens, and the end of the loop."""
 import torch
 
-from moeplan.backends.runtime import lambda_decode as decode
+from moeplan.runtime.lambda_ import decode
 
 
 def logits_picking(tokens: list, vocab: int = 16) -> torch.Tensor:

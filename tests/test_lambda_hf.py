@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from moeplan.planner.cli import main
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import EXAMPLE
 
 tiny = import_file(EXAMPLE.parent / "hf_tiny" / "architectures.py")

@@ -1,4 +1,4 @@
-"""The K/V a Lambda dense function keeps between invocations (runtime/lambda_kv.py): decoding with the
+"""The K/V a Lambda dense function keeps between invocations (runtime/lambda_/kv.py): decoding with the
 library's cache rebuilt from stored deltas gives the library's own logits, for full, sliding-window
 and linear (recurrent) attention, left-padded prompts of two lengths; the container store hits,
 fills what it lacks, and rebuilds. (Functions that hold only some blocks: test_lambda_verify.py,
@@ -6,11 +6,11 @@ test_lambda_hf.py, through whole bundles.)"""
 import pytest
 import torch
 
-from moeplan.backends.runtime import lambda_decode as decode
-from moeplan.backends.runtime import lambda_kv as kv
-from moeplan.backends.runtime import lambda_wire as wire
-from moeplan.backends.runtime.lambda_model import Batch
-from moeplan.planner.importers.resolve import import_file
+from moeplan.runtime.lambda_ import decode
+from moeplan.runtime.lambda_ import kv
+from moeplan.runtime.lambda_ import wire
+from moeplan.runtime.lambda_.model import Batch
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import EXAMPLE, load_small, small_model_dir
 
 tiny = import_file(EXAMPLE.parent / "hf_tiny" / "architectures.py")

@@ -54,7 +54,7 @@ def qwen(tmp_path_factory):
 
 
 def tiny_greedy(prompt: list, n: int) -> list:
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.passes.importers.resolve import import_file
 
     model = import_file(EXAMPLE / "model.py").load(EXAMPLE)
     ids = list(prompt)
@@ -83,8 +83,8 @@ def check_cost(bundle, headers, prompt_tokens: int) -> dict:
 
 def tiny_sampled(prompt: list, n: int, temperature: float, top_p: float, seed: int) -> list:
     """The torchrun service's seeded sampling (serving/sampler.py) on the source model's logits."""
-    from moeplan.backends.runtime.serving.sampler import Sampler
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.runtime.serving.sampler import Sampler
+    from moeplan.passes.importers.resolve import import_file
 
     model = import_file(EXAMPLE / "model.py").load(EXAMPLE)
     ids = list(prompt)

@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from moeplan.backends.lambda_.local_cloud import CloudError, LocalCloud
+from moeplan.planner.launch.lambda_cloud import CloudError, LocalCloud
 from synth_routing import synthesize_routed_tokens
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.cli import main
@@ -87,7 +87,7 @@ def test_a_tampered_lambda_bundle_is_refused_in_one_line(setup, tmp_path):
 def test_a_function_touching_keys_outside_its_iam_policy_fails_the_run(setup, tmp_path):
     import shutil
 
-    from moeplan.backends.runtime.lambda_state import initial_state
+    from moeplan.runtime.lambda_.state import initial_state
 
     out = tmp_path / "b"
     shutil.copytree(bundle(setup, "s3"), out)
@@ -133,7 +133,7 @@ def test_an_expert_cannot_read_another_experts_intermediates(setup, tmp_path):
     import torch
     import yaml
 
-    from moeplan.backends.runtime import lambda_wire as ops
+    from moeplan.runtime.lambda_ import wire as ops
 
     out = tmp_path / "b"
     shutil.copytree(bundle(setup, "s3"), out)

@@ -15,23 +15,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeplan.backends.runtime.expert_cache import per_expert_shape
-from moeplan.backends.torchrun.verify import compare
-from moeplan.planner.importers.resolve import import_file
+from moeplan.runtime.offload.expert_cache import per_expert_shape
+from moeplan.planner.launch.torchrun_verify import compare
+from moeplan.passes.importers.resolve import import_file
 from moeplan.backends.common.files import copy_runtime
-from moeplan.planner.pipeline.offload import cache_beside_simulation
+from moeplan.passes.optimize.offload.run_check import cache_beside_simulation
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 tiny = import_file(REPO / "examples" / "hf_tiny" / "architectures.py")
 NEW_TOKENS = 3
 CAPACITY = 3
-HOST_KINDS = ("experts", "tiny_moe")  # backends/runtime/host_compute.py
+HOST_KINDS = ("experts", "tiny_moe")  # runtime/offload/host_compute.py
 
 
 def _containers(model):
-    from moeplan.backends.runtime.library_model import decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
+    from moeplan.runtime.model.library_model import decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
 
     prefix, layers = decoder_layers(model)
     return find_containers(layers, prefix)
@@ -55,7 +55,7 @@ def with_expert_cache(bundle: Path, placement: dict, containers: list) -> None:
             "layer_ns": 50000.0, "expert_compute_ns": 100.0, "pcie_copy_ns": 10000.0, "nvme_copy_ns": 0.0,
             "expert_bytes": expert_bytes, "host_expert_ns": 7000.0, "host_row_ns": 100.0, "host_overhead_ns": 1000.0})
     (bundle / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
-    copy_runtime(bundle / "runtime", expert_cache=True)
+    copy_runtime(bundle / "runtime", "torchrun", expert_cache=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.backends.runtime.offload_policies import DEMAND_POLICIES, make_policy
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand, simulate_timed
+from moeplan.runtime.offload.policies import DEMAND_POLICIES, make_policy
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_demand, simulate_timed
 from moeplan.passes.optimize.offload.stream import build_stream
 
 
@@ -75,7 +75,7 @@ def test_lru_matches_definition(keys, capacity, n_res):
 @settings(max_examples=60, deadline=None)
 @given(keys=st.lists(st.integers(0, 5), min_size=2, max_size=40), capacity=st.integers(1, 5))
 def test_no_policy_beats_belady_and_timed_equals_demand(keys, capacity):
-    from moeplan.backends.runtime.offload_next_use import fit_next_use
+    from moeplan.runtime.offload.next_use import fit_next_use
     from moeplan.passes.analysis.activation import popularity_by_layer
 
     stream = stream_of(keys)

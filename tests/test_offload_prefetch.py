@@ -20,14 +20,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 from safetensors.torch import save_file
 
-from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
+from moeplan.runtime.offload.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer
 from synth_routing import synthesize_routed_tokens
-from moeplan.backends.runtime.offload_next_use import fit_next_use
-from moeplan.backends.runtime.offload_policies import make_policy
-from moeplan.backends.runtime.offload_prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
-from moeplan.backends.runtime.offload_stepper import TimedCache
+from moeplan.runtime.offload.next_use import fit_next_use
+from moeplan.runtime.offload.policies import make_policy
+from moeplan.runtime.offload.prefetch import make_prefetcher
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_timed
+from moeplan.runtime.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from test_offload_runtime import cli, offload_inputs  # noqa: F401 (the module's fixture: a small model and its trace)
 
@@ -156,8 +156,8 @@ def test_a_prefetcher_copies_only_the_keys_it_may(fitted):
 def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_inputs, gpus, cache, prefetch, mode):
     """With a host tier of 4 experts per rank: prefetched and demand loads both split into host
     copies and disk reads exactly as the replay predicts."""
-    from moeplan.passes.optimize.offload.ranks import runtime_expert_bytes
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.optimize.offload.rank_caches import runtime_expert_bytes
+    from moeplan.passes.importers import load_model
 
     root, model_dir = offload_inputs
     bundle = root / f"bundle-{prefetch}-{gpus}"
@@ -169,7 +169,7 @@ def test_bundle_with_prefetch_measures_what_the_simulator_predicts(offload_input
     spec = json.loads((bundle / "plan.json").read_text())["communication"]["expert_cache"]
     assert spec["prefetch"] == prefetch and spec["capacity"] == [cache] * gpus and "timing" in spec
     assert ("eamc" in spec) == (prefetch == "moe-infinity")
-    assert (bundle / "runtime" / "offload_stepper.py").is_file() and (bundle / "runtime" / "offload_prefetch.py").is_file()
+    assert (bundle / "runtime" / "offload" / "stepper.py").is_file() and (bundle / "runtime" / "offload" / "prefetch.py").is_file()
     code, out = cli(["run", str(bundle), "--verify", "--new-tokens", "6", "--mode", mode, "--prompts",
                      str(root / "prompts.txt"), "--json"])
     assert code == 0, out

@@ -18,13 +18,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from moeplan.backends.runtime.expert_cache import ExpertCache, ExpertPool, ShardStore
+from moeplan.runtime.offload.expert_cache import ExpertCache, ExpertPool, ShardStore
 from moeplan.passes.analysis.activation import popularity_by_layer
 from synth_routing import synthesize_routed_tokens
-from moeplan.backends.runtime.offload_next_use import fit_next_use
-from moeplan.backends.runtime.offload_policies import make_policy
-from moeplan.passes.optimize.offload.simulate import simulate_demand
-from moeplan.backends.runtime.offload_stepper import TimedCache
+from moeplan.runtime.offload.next_use import fit_next_use
+from moeplan.runtime.offload.policies import make_policy
+from moeplan.passes.optimize.offload.simulator import simulate_demand
+from moeplan.runtime.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.planner.cli import main
 from runtime_fixtures import small_model_dir
@@ -125,7 +125,7 @@ def test_bundle_with_an_expert_cache_measures_what_the_simulator_predicts(offloa
     plan = json.loads((bundle / "plan.json").read_text())
     spec = plan["communication"]["expert_cache"]
     assert spec["capacity"] == [5] and spec["eviction"] == eviction and len(spec["resident"][0]) == 5
-    assert (bundle / "runtime" / "offload_policies.py").is_file() and (bundle / "runtime" / "offload_next_use.py").is_file()
+    assert (bundle / "runtime" / "offload" / "policies.py").is_file() and (bundle / "runtime" / "offload" / "next_use.py").is_file()
     assert f"numpy=={np.__version__}" in (bundle / "requirements.txt").read_text().splitlines()
     mode = ["--mode", "standard"] if eviction == "moeplan" else []  # without --mode: the mode the plan chose
     code, out = cli(["run", str(bundle), "--verify", "--new-tokens", "6", *mode,
@@ -154,18 +154,23 @@ def test_cache_flags_without_a_cache_or_with_both_sizes_are_refused_in_one_line(
 
 def test_expert_cache_bundles_ship_the_simulators_own_policy_modules_verbatim(tmp_path):
     """The simulator imports its policy, next-use, prefetch, stepper and EAM modules from the
-    runtime package; bundles with expert caches ship those very files (no rewriting), others do not."""
-    from moeplan.backends.common.files import EXPERT_CACHE_MODULES, copy_runtime
-    from moeplan.passes.optimize.offload import ranks
+    runtime package; bundles with expert caches ship those very files (the whole runtime/offload/
+    subpackage, no rewriting), others do not ship the subpackage at all."""
+    from moeplan.backends.common.files import EXPERT_CACHE_SUBPACKAGE, copy_runtime
+    from moeplan.passes.optimize.offload import rank_caches as ranks
 
-    runtime = Path(__file__).resolve().parents[1] / "backends" / "runtime"
-    assert ranks.make_policy.__module__ == "moeplan.backends.runtime.offload_policies"
-    copy_runtime(tmp_path / "cache", expert_cache=True)
-    copy_runtime(tmp_path / "plain")
-    for name in EXPERT_CACHE_MODULES:
-        assert (tmp_path / "cache" / name).read_bytes() == (runtime / name).read_bytes()
-        assert not (tmp_path / "plain" / name).exists()
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(p.name for p in runtime.glob("*.py"))
+    runtime = Path(__file__).resolve().parents[1] / "runtime"
+    assert ranks.make_policy.__module__ == "moeplan.runtime.offload.policies"
+    copy_runtime(tmp_path / "cache", "torchrun", expert_cache=True)
+    copy_runtime(tmp_path / "plain", "torchrun")
+    offload = sorted(p.name for p in (runtime / EXPERT_CACHE_SUBPACKAGE).glob("*.py"))
+    assert {"policies.py", "next_use.py", "prefetch.py", "stepper.py", "eam_match.py"} <= set(offload)
+    for name in offload:
+        assert (tmp_path / "cache" / EXPERT_CACHE_SUBPACKAGE / name).read_bytes() == \
+            (runtime / EXPERT_CACHE_SUBPACKAGE / name).read_bytes()
+    assert not (tmp_path / "plain" / EXPERT_CACHE_SUBPACKAGE).exists()
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        [p.name for p in runtime.glob("*.py")] + ["ep", "model", "offload", "serving"])
 
 
 @pytest.mark.parametrize("cache_flags", [["--eviction", "lru"], ["--prefetch", "moe-infinity"]])

@@ -25,13 +25,13 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moeplan.backends.runtime.expert_cache import ExpertCache, ShardStore
+from moeplan.runtime.offload.expert_cache import ExpertCache, ShardStore
 from moeplan.passes.analysis.trace.format import make_trace
 from synth_routing import synthesize_routed_tokens
-from moeplan.backends.runtime.offload_policies import make_policy
-from moeplan.backends.runtime.offload_prefetch import make_prefetcher
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_timed
-from moeplan.backends.runtime.offload_stepper import TimedCache
+from moeplan.runtime.offload.policies import make_policy
+from moeplan.runtime.offload.prefetch import make_prefetcher
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_timed
+from moeplan.runtime.offload.stepper import TimedCache
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.passes.optimize.offload.tiers import LoadRecorder
 from test_offload_prefetch import EXPERT_BYTES, E, K, L, fitted, owner, pool_of, shard  # noqa: F401 (fixtures)
@@ -264,7 +264,7 @@ def forced_host_compute(model_dir, trace, bundle, gpus: int, prefetch: str) -> d
 
 def test_one_rank_speculates_live_what_the_recorder_does_and_computes_misses_on_the_host(speculated, tmp_path):
     from moeplan.passes.analysis.trace.record import record_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     root, model_dir = speculated
     spec = forced_host_compute(model_dir, root / "s.npz", tmp_path / "b1", 1, "speculative")

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
-from moeplan.planner.importers.onnx_gating import find_gates
-from moeplan.planner.importers.onnx_graph import import_onnx
-from moeplan.planner.importers.torch_module import import_module
+from moeplan.passes.importers.onnx_gating import find_gates
+from moeplan.passes.importers.onnx_graph import import_onnx
+from moeplan.passes.importers.torch_module import import_module
 from moeplan.planner.onnx_export import export_onnx
 
 V, D, E, F, K = 48, 16, 6, 8, 3

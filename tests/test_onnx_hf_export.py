@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 from click.testing import CliRunner
 
 from moeplan.planner.cli import main
-from moeplan.planner.importers import load_model
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers import load_model
+from moeplan.passes.importers.resolve import import_file
 
 ROOT = Path(__file__).resolve().parents[1]
 bench = import_file(ROOT / "benchmarks" / "import_fidelity.py")

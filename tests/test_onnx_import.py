@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from moeplan.planner.cli import main
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import load_model
-from moeplan.planner.importers.onnx_graph import import_onnx
+from moeplan.passes.importers import load_model
+from moeplan.passes.importers.onnx_graph import import_onnx
 from onnx_fixtures import SMALL, contrib_moe_model, dense_softmax_model, exported_model
 
 

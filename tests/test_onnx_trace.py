@@ -18,7 +18,7 @@ from onnx import numpy_helper
 from moeplan.passes.analysis.trace.record import record_trace
 from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import load_model
+from moeplan.passes.importers import load_model
 from onnx_fixtures import EXAMPLE, SMALL, contrib_moe_model, dense_softmax_model, exported_model
 
 TEXT = (Path(__file__).resolve().parents[1] / "core" / "ir.py").read_text()[:1500]

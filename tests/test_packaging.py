@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("api", "core", "planner", "passes", "backends", "templates", "setup.py", "pyproject.toml", "README.md")
+SOURCES = ("api", "core", "runtime", "planner", "passes", "backends", "templates", "setup.py", "pyproject.toml", "README.md")
 
 
 def test_the_wheel_holds_the_api_templates_and_runtime_and_imports(tmp_path):
@@ -21,7 +21,7 @@ def test_the_wheel_holds_the_api_templates_and_runtime_and_imports(tmp_path):
     wheel = next((tmp_path / "dist").glob("moeplan-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "moeplan/__init__.py" in names and "moeplan/planner/cli.py" in names
-    for path in sorted((ROOT / "templates").rglob("*.j2")) + sorted((ROOT / "backends" / "runtime").glob("*.py")):
+    for path in sorted((ROOT / "templates").rglob("*.j2")) + sorted((ROOT / "runtime").rglob("*.py")):
         assert "moeplan/" + path.relative_to(ROOT).as_posix() in names, path
 
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"),

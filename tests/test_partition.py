@@ -93,7 +93,7 @@ def test_benchmark_prints_the_table_as_json_for_a_profiled_model(tmp_path, capsy
 
     from runtime_fixtures import small_model_dir
 
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.passes.importers.resolve import import_file
 
     bench = import_file(Path(__file__).parent.parent / "benchmarks" / "partition.py")
     model = small_model_dir(tmp_path)
@@ -172,7 +172,7 @@ def test_hypad_on_the_example_model_is_no_cheaper_than_the_floor(tmp_path):
     from pathlib import Path
 
     from moeplan.passes.analysis.profile.operators import profile_model
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     loaded = load_model(str(Path(__file__).parent.parent / "examples" / "tiny_moe"))
     prof = profile_model(loaded.ir, loaded.module, budget_s=0, cache_dir=str(tmp_path), onnx_path=loaded.onnx_path)

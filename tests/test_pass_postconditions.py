@@ -99,18 +99,19 @@ def test_every_plan_pass_checks_its_plan_serialises_and_reads_back():
     made it, not later while a bundle is half written."""
     import numpy as np
 
-    from moeplan.planner.pipeline import common, engines, lambda_, offload, torchrun
-    from moeplan.core.plan import Plan
+    from moeplan.core.plan import Plan, plan_reads_back
+    from moeplan.planner.pipeline.targets import TARGETS
 
-    for module in (torchrun, lambda_, engines, offload):
-        assert module.PLAN.ensures is common.plan_reads_back, module.__name__
+    for target in TARGETS.values():
+        plans = [p for p in target.passes if p.name == "plan"]
+        assert len(plans) == 1 and plans[0].ensures is plan_reads_back, target.name
 
     def plan_with(predicted):
         return lambda f: {"plan": Plan(target="torchrun", model={}, topology={"nodes": 1, "gpus_per_node": 1},
                                        placement={}, communication={}, predicted=predicted)}
 
-    good = Pass("plan", (), ("plan",), plan_with({"gpu_local_fraction": 0.5}), ensures=common.plan_reads_back)
+    good = Pass("plan", (), ("plan",), plan_with({"gpu_local_fraction": 0.5}), ensures=plan_reads_back)
     assert chain(good).run({})["plan"].predicted == {"gpu_local_fraction": 0.5}
-    bad = Pass("plan", (), ("plan",), plan_with({"loads": np.arange(3)}), ensures=common.plan_reads_back)
+    bad = Pass("plan", (), ("plan",), plan_with({"loads": np.arange(3)}), ensures=plan_reads_back)
     with pytest.raises(PassError, match=r"^pass 'plan' \(as the first pass\) broke its postcondition: "):
         chain(bad).run({})

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-from moeplan.passes.optimize.placement.contract import Topology, validate_placement
+from moeplan.passes.optimize.placement.schema import Topology, validate_placement
 from moeplan.core.errors import UserError
 
 

@@ -9,7 +9,7 @@ from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, matching_bound
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.bounds.chain import best_columns, chain_bound_applies, chain_configuration_bound
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
 from test_placement_routed import layer_options, random_trace
 

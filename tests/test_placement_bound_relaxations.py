@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.bounds.pairwise import source_token_caps
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
 from test_placement_routed import random_trace
 

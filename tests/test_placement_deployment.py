@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-from moeplan.passes.optimize.by_predicted_time import TIE
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.cost.by_predicted_time import TIE
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-from moeplan.planner.importers.resolve import import_file
-from moeplan.planner.pipeline.cost_passes import parse_workload
+from moeplan.passes.importers.resolve import import_file
+from moeplan.passes.cost.options import parse_workload
 
 BENCH = Path(__file__).parent.parent / "benchmarks"
 

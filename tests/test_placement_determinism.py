@@ -10,7 +10,7 @@ import pytest
 
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.core.errors import UserError
 
 BURN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
 from moeplan.passes.optimize.placement.budget import WorkBudget
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
 from moeplan.passes.optimize.placement.local_search.gpu_sweeps import gpu_sweeps
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, load_scenarios

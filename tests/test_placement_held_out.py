@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.analysis.trace.format import make_trace
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.held_out import expected_max_loads, held_out_caps, load_scenarios
 from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts, layer_caps
 from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts

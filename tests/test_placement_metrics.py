@@ -4,7 +4,7 @@ import pytest
 
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.metrics import score_placement
-from moeplan.passes.optimize.placement.contract import Placement, Topology
+from moeplan.passes.optimize.placement.schema import Placement, Topology
 
 
 def hosts_of(layers, experts, devices):
@@ -82,7 +82,7 @@ def test_topk_counts_every_choice_from_the_heaviest_experts_device():
 
 
 def test_placement_json_round_trip_keeps_hosts():
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
     import json
     hosts = hosts_of([[[0, 1], [1, 2]], [[2], [0, 1]]], 3, 2)
     p = Placement.from_hosts("eplb", Topology(1, 2), hosts, {"gpu_local_fraction": 0.5})
@@ -94,7 +94,7 @@ def test_the_placement_contract_and_the_runtime_read_the_same_dispatch_rule():
     """`Placement.expert_table()` (the planner's) and the runtime's table built from placement.json agree copy for copy."""
     import json
 
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     hosts = np.zeros((2, 4, 4), dtype=bool)
     hosts[:, np.arange(4), np.arange(4)] = True

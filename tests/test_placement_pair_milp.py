@@ -67,7 +67,7 @@ def test_gap_benchmark_pair_columns_bracket_the_pairwise_optimum():
     from placement_gap import pair_milp_columns
     from moeplan.passes.analysis.affinity import transition_counts
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.optimize.placement.contract import Topology
+    from moeplan.passes.optimize.placement.schema import Topology
     from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
 
     trace = synthesize_trace(layers=4, experts=8, top_k=2, tokens=600, affinity=0.6, zipf=0.6, seed=5)

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.analysis.trace.format import make_trace
 from moeplan.passes.optimize.placement.bounds.pairwise import capped_transition_lower_bound, source_token_caps
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.algorithms.eplb import replica_counts
 from moeplan.passes.optimize.placement.algorithms.ilp_caps import initial_hosts, layer_caps
 from moeplan.passes.optimize.placement.metrics import score_placement
@@ -244,7 +244,7 @@ def test_latent_drift_generator_is_deterministic_and_has_affinity():
     """The corpus's second generator: same seed, same trace; successors follow their predecessors
     more than popularity alone would (drift 0.9 vs 0)."""
     from pathlib import Path
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.passes.importers.resolve import import_file
 
     corpus = import_file(Path(__file__).parent.parent / "benchmarks" / "placement_corpus.py")
     params = dict(layers=3, experts=16, top_k=2, tokens=3000, dim=8, temperature=3.0, zipf=0.5, seed=5)

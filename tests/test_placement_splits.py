@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from moeplan.passes.analysis.trace.format import Trace
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 
 BENCH = Path(__file__).parent.parent / "benchmarks"
 

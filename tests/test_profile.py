@@ -27,7 +27,7 @@ def small_model_dir(tmp_path) -> Path:
 
 
 def small_model(tmp_path):
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     torch.manual_seed(0)
     return load_model(str(small_model_dir(tmp_path)))

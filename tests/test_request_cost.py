@@ -1,11 +1,11 @@
-"""The request cost model the Lambda front functions run (backends/runtime/lambda_request_cost.py,
+"""The request cost model the Lambda front functions run (runtime/lambda_/request_cost.py,
 standard library only) agrees with the sizing cost model it mirrors (serverless/billing.py)."""
 import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.backends.runtime.lambda_request_cost import _expert_loads, _expert_u, _replica_seconds
+from moeplan.runtime.lambda_.request_cost import _expert_loads, _expert_u, _replica_seconds
 from moeplan.passes.optimize.serverless import billing as sc
 from moeplan.core.platforms import load_platform
 

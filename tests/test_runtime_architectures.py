@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeplan.backends.torchrun.verify import compare
+from moeplan.planner.launch.torchrun_verify import compare
 from moeplan.planner.pipeline.run import predicted_locality
-from moeplan.planner.importers.resolve import import_file
+from moeplan.passes.importers.resolve import import_file
 from runtime_fixtures import contiguous_placement, write_hf_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def served(tmp_path_factory):
     prompts = root / "prompts.txt"
     prompts.write_text(PROMPTS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "moeplan.backends.runtime.serve", "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
+           "-m", "moeplan.runtime.serve", "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
            "--mode", "coherent,standard", "--context", "kv", "--out", str(root / "out")]
     for bundle in bundles.values():
         cmd += ["--bundle", str(bundle)]
@@ -61,8 +61,8 @@ def _env():
 
 
 def _containers(model):
-    from moeplan.backends.runtime.library_model import decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
+    from moeplan.runtime.model.library_model import decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
 
     prefix, layers = decoder_layers(model)
     return find_containers(layers, prefix)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from moeplan.backends.runtime.counters import Counters, sum_counters
-from moeplan.backends.runtime.exchange import pack, unpack
-from moeplan.backends.runtime.expert_table import ExpertTable, heaviest_first
-from moeplan.backends.runtime.tiny_moe import encode, is_expert_tensor
+from moeplan.runtime.counters import Counters, sum_counters
+from moeplan.runtime.ep.exchange import pack, unpack
+from moeplan.runtime.ep.expert_table import ExpertTable, heaviest_first
+from tiny_moe_naming import encode, is_expert_tensor
 from runtime_fixtures import PROMPTS, load_small, single_rank_engine, small_model_dir
 
 
@@ -170,7 +170,7 @@ def test_counters_sum_across_ranks():
 
 
 def test_small_ints_pack_four_to_a_word():
-    from moeplan.backends.runtime.exchange import pack_small, unpack_small
+    from moeplan.runtime.ep.exchange import pack_small, unpack_small
 
     values = torch.tensor([[0, 15, 3, 1, 32767], [7, 0, 0, 2, 5]])
     words = pack_small(values)

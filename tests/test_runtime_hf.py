@@ -7,8 +7,8 @@ through the engine (both modes) the logits and greedy tokens must be transformer
 import pytest
 import torch
 
-from moeplan.backends.runtime.library_model import build_transformers, decoder_layers
-from moeplan.backends.runtime.moe_adapter import find_containers, join_expert_state, split_expert_state
+from moeplan.runtime.model.library_model import build_transformers, decoder_layers
+from moeplan.runtime.model.moe_adapter import find_containers, join_expert_state, split_expert_state
 from moeplan.planner.pipeline.run import run_modes
 from runtime_fixtures import contiguous_placement, hf_model_dir, single_rank_engine, write_hf_bundle
 

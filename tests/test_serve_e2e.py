@@ -37,12 +37,12 @@ def serve(bundle: Path, *flags) -> ServerProcess:
 
 
 def greedy_reference(bundle: Path, prompts: list, lengths: list) -> list:
-    """The source model's own greedy tokens, one request at a time (backends/torchrun/verify.py)."""
+    """The source model's own greedy tokens, one request at a time (planner/launch/torchrun_verify.py)."""
     import json
 
     import torch
 
-    from moeplan.backends.torchrun.verify import load_reference, reference_generate
+    from moeplan.planner.launch.torchrun_verify import load_reference, reference_generate
 
     torch.set_num_threads(1)
     model = load_reference(bundle, json.loads((bundle / "plan.json").read_text()))

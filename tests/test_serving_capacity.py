@@ -1,4 +1,4 @@
-"""Serving capacity as a plan decision (passes/optimize/capacity.py): KV bytes per token from the
+"""Serving capacity as a plan decision (passes/cost/capacity.py): KV bytes per token from the
 model's config, the sequences and context the ranks hold, recorded in plan.json and printed by
 `compile`; the runtime's limits come from it (tests/test_serving_units.py)."""
 from __future__ import annotations
@@ -11,10 +11,10 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.passes.optimize.capacity import (MAX_SEQUENCES, RUNTIME_BYTES, model_positions,
+from moeplan.passes.cost.capacity import (MAX_SEQUENCES, RUNTIME_BYTES, model_positions,
                                               runtime_kv_bytes_per_token, serving_capacity)
 from moeplan.planner.cli import main
-from moeplan.planner.importers import load_model
+from moeplan.passes.importers import load_model
 from runtime_fixtures import small_model_dir
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"

@@ -146,9 +146,9 @@ def test_transformers_models_serve_exactly(tmp_path, arch, mode, context):
     cache rows; gpt-oss, whose sliding-window layers (window 4) alternate with full ones."""
     import transformers
 
-    from moeplan.backends.runtime.library_model import decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
-    from moeplan.planner.importers.resolve import import_file
+    from moeplan.runtime.model.library_model import decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
+    from moeplan.passes.importers.resolve import import_file
 
     model_dir = import_file(HF_TINY).build(arch, tmp_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -223,10 +223,10 @@ def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_th
     """Under continuous batching the ranks speculate live and compute misses on the host; the
     simulator's replay of each rank's logged requests (the `run --verify` replay) gives exactly
     the counters the service measured."""
-    from moeplan.passes.optimize.offload.ranks import rank_keys
+    from moeplan.passes.optimize.offload.rank_caches import rank_keys
     from moeplan.passes.optimize.offload.replay import COMPARED, replay_rank_logs
     from moeplan.passes.optimize.offload.stream import stream_from_log
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
     root, model, spec = speculative_offload
     out = root / f"out-{mode}"

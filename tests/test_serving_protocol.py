@@ -13,15 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moeplan.backends.runtime.serving import admission
-from moeplan.backends.runtime.serving.api_errors import ApiError, from_engine
-from moeplan.backends.runtime.serving.api_request import CHAT, COMPLETIONS, parse_body, parse_request
-from moeplan.backends.runtime.serving.api_response import DONE, ResponseWriter, sse
-from moeplan.backends.runtime.serving.chat_prompt import FALLBACK, ChatFormat
-from moeplan.backends.runtime.serving.contract import Overloaded, RequestTooLong, Unavailable
-from moeplan.backends.runtime.serving.prometheus import ServingMetrics
-from moeplan.backends.runtime.serving.served_model import ServedModel
-from moeplan.backends.runtime.serving.text_stream import TextStream
+from moeplan.runtime.serving import prompt_check
+from moeplan.runtime.serving.api_errors import ApiError, from_engine
+from moeplan.runtime.serving.api_request import CHAT, COMPLETIONS, parse_body, parse_request
+from moeplan.runtime.serving.api_response import DONE, ResponseWriter, sse
+from moeplan.runtime.serving.chat_prompt import FALLBACK, ChatFormat
+from moeplan.runtime.serving.contract import Overloaded, RequestTooLong, Unavailable
+from moeplan.runtime.serving.prometheus import ServingMetrics
+from moeplan.runtime.serving.served_model import ServedModel
+from moeplan.runtime.serving.text_stream import TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny_moe"
@@ -50,8 +50,8 @@ def tiny():
 
 def _admit(endpoint, body, served, max_context=64):
     api = parse_request(endpoint, body)
-    ids = admission.prompt_ids(api, served)
-    return api, admission.generation_request(api, served, ids, "r1", max_context)
+    ids = prompt_check.prompt_ids(api, served)
+    return api, prompt_check.generation_request(api, served, ids, "r1", max_context)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

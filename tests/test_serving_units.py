@@ -14,15 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.backends.runtime.bundle_io import BundleError
-from moeplan.backends.runtime.serving.contract import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+from moeplan.runtime.bundle_io import BundleError
+from moeplan.runtime.serving.contract import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                                                        GenerationRequest, InvalidRequest, Overloaded, RequestTooLong,
                                                        SamplingParams, Unavailable)
-from moeplan.backends.runtime.serving.engine_client import Limits, ServingClient
-from moeplan.backends.runtime.serving.ranks import limits_for
-from moeplan.backends.runtime.serving.row_cache import RowCache
-from moeplan.backends.runtime.serving.sampler import Sampler, filtered_probs
-from moeplan.backends.runtime.serving.step_plan import HEARTBEAT, STEP, STOP, Admission, StepPlan
+from moeplan.runtime.serving.scheduler import Limits, Scheduler
+from moeplan.runtime.serving.ranks import limits_for
+from moeplan.runtime.serving.row_cache import RowCache
+from moeplan.runtime.serving.sampler import Sampler, filtered_probs
+from moeplan.runtime.serving.step_plan import HEARTBEAT, STEP, STOP, Admission, StepPlan
 
 
 # --- step plans ------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_rows_leave_and_join_keeping_every_remaining_token(lengths, joining, lea
 
 # --- rank 0's queue --------------------------------------------------------------------------------
 def client(max_sequences=2, max_waiting=1, world=1, coherent=True, context=32):
-    return ServingClient("m", Limits(context, max_sequences, max_waiting), vocab_size=50, world=world,
+    return Scheduler("m", Limits(context, max_sequences, max_waiting), vocab_size=50, world=world,
                          coherent=coherent, num_layers=2)
 
 
@@ -175,7 +175,7 @@ def test_tokens_become_events_in_order_and_finished_sequences_leave_next_step():
 
 
 def test_standard_mode_owners_balance_and_prefill_stays_within_its_budget():
-    c = ServingClient("m", Limits(4096, 8, 8, max_prefill_tokens=100), vocab_size=50, world=3, coherent=False,
+    c = Scheduler("m", Limits(4096, 8, 8, max_prefill_tokens=100), vocab_size=50, world=3, coherent=False,
                       num_layers=1)
     for i in range(6):
         c.submit(req(f"r{i}", prompt=(1,) * 30, n=4), lambda e: None)
@@ -241,7 +241,7 @@ def test_limits_come_from_the_plans_capacity_and_options_only_lower_them():
 @given(data=st.data(), nodes=st.integers(1, 2), gpus=st.integers(1, 4), experts=st.integers(2, 8),
        k=st.integers(1, 2), n=st.integers(0, 12))
 def test_every_slot_goes_to_a_rank_holding_its_expert_by_the_metrics_rule(data, nodes, gpus, experts, k, n):
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     world = nodes * gpus
     layers = []

@@ -1,4 +1,4 @@
-"""One reading of prompt text (issue 32): `backends/runtime/text_codec.py` for bundles, `moeplan run`'s
+"""One reading of prompt text (issue 32): `runtime/text_codec.py` for bundles, `moeplan run`'s
 prompt check and `moeplan trace`. Property tests for the parser; the special-token rule checked on a
 tokenizer with a BOS post-processor (a trace from a text routes the tokens a bundle serves for it)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplan.backends.runtime.text_codec import TextCodec, parse_ids, prompt_lines
-from moeplan.backends.torchrun.launch import read_prompts
+from moeplan.runtime.text_codec import TextCodec, parse_ids, prompt_lines
+from moeplan.planner.launch.torchrun_launch import read_prompts
 from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.passes.analysis.trace.record import encode_text as record_bytes
 from moeplan.planner.cli import main
@@ -109,7 +109,7 @@ def bos_model(tmp_path_factory):
 
 
 def runtime_codec(directory: Path) -> TextCodec:
-    """What a bundle's rank builds (backends/runtime/bundle_io.py) for a Hugging Face model."""
+    """What a bundle's rank builds (runtime/bundle_io.py) for a Hugging Face model."""
     vocab = json.loads((directory / "config.json").read_text())["vocab_size"]
     return TextCodec(directory / "tokenizer.json", vocab)
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from moeplan.passes.analysis.cost_model import COHERENT, STANDARD, ModelShape, Workload
+from moeplan.passes.cost.cost_model import COHERENT, STANDARD, ModelShape, Workload
 from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.passes.optimize.placement.policies import PlacementRequest
-from moeplan.passes.optimize.time_prices import TimePrices, choose_load_cap, device_loads, priced_objective, time_prices
+from moeplan.passes.cost.time_prices import TimePrices, choose_load_cap, device_loads, priced_objective, time_prices
 from moeplan.core.hardware import load_hardware
 
 SHAPE = ModelShape(hidden=128, top_k=2, num_blocks=4, moe_blocks=(0, 1, 2, 3), attention_flops=1e5, expert_flops=5e4,

@@ -15,8 +15,8 @@ from moeplan.passes.analysis.trace.record import batch_sequences, chunk_tokens, 
 from moeplan.passes.analysis.trace.format import load_trace
 from moeplan.planner.cli import main
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import LoadedModel, load_model
-from moeplan.planner.importers.torch_module import import_module
+from moeplan.passes.importers import LoadedModel, load_model
+from moeplan.passes.importers.torch_module import import_module
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny_moe"
 HELDOUT = (EXAMPLE / "corpus_heldout.txt").read_text(encoding="utf-8")

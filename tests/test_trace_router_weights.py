@@ -18,9 +18,9 @@ import torch
 
 pytest.importorskip("transformers")
 from moeplan.passes.analysis.trace.record import record_trace
-from moeplan.planner.importers import LoadedModel, load_model
-from moeplan.planner.importers.resolve import import_file
-from moeplan.planner.importers.torch_module import import_module
+from moeplan.passes.importers import LoadedModel, load_model
+from moeplan.passes.importers.resolve import import_file
+from moeplan.passes.importers.torch_module import import_module
 
 ROOT = Path(__file__).resolve().parents[1]
 bench = import_file(ROOT / "benchmarks" / "import_fidelity.py")

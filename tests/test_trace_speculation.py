@@ -16,7 +16,7 @@ from moeplan.passes.analysis.trace.format import load_trace, make_trace, save_tr
 from moeplan.passes.analysis.trace.record import record_trace
 from moeplan.passes.analysis.trace.speculate import speculation_recall
 from moeplan.core.errors import UserError
-from moeplan.planner.importers import load_model
+from moeplan.passes.importers import load_model
 
 TEXT = "def speculate(layer, hidden):\n    return router(norm(hidden))  # the next layer's guess\n" * 3
 

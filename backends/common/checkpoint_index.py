@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from moeplan.backends.common.tensor_entries import TensorEntry, expert_params, expert_shape, per_expert_rows
-from moeplan.backends.runtime.checkpoint_reader import (DTYPE_NAMES, DTYPES, file_sha256, header_sha256,
+from moeplan.runtime.checkpoint_reader import (DTYPE_NAMES, DTYPES, file_sha256, header_sha256,
                                                         read_header, read_recipe)
 from moeplan.core.errors import UserError
 

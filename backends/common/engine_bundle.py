@@ -1,24 +1,41 @@
-"""What the serving-engine targets (sglang, trtllm) share: the bundle's frame and the template context.
+"""What the serving-engine targets (sglang, trtllm) share: their codegen pass, the bundle's frame and the
+template context.
 
 Their outputs are small text files (no weights): the engine's placement file, a launch script,
-a README, plan.json and placement.json, and manifest.json over all of them.
+a README, plan.json and placement.json, and manifest.json over all of them. `moeplan codegen
+plan.json` rewrites them from the plan alone.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from moeplan.backends.common.expert_slots import placement_slots
+from moeplan.core.expert_slots import placement_slots
 from moeplan.backends.common.files import write_file
 from moeplan.backends.common.manifest import write_manifest
 from moeplan.core.atomic import atomic_path
+from moeplan.core.pass_manager import Pass
+
+
+def write_bundle(out, plan) -> dict:
+    """The engine's files for a plan (`backends/sglang/` or `backends/trtllm/`), written atomically at `out`."""
+    import importlib
+
+    return importlib.import_module(f"moeplan.backends.{plan.target}.codegen").write_bundle(out, plan)
+
+
+def _codegen(facts):
+    return {"manifest": write_bundle(facts["out"], facts["plan"])}
+
+
+CODEGEN = Pass("codegen", ("plan", "out"), ("manifest",), _codegen)
 
 
 def write_engine_bundle(out, plan, write_files) -> dict:
     """An engine target's bundle written atomically at `out`: `write_files(dir, plan, slots)` (the
     engine's own files; `slots`: [MoE layers][slots] logical expert ids), plan.json, placement.json
     and one manifest; returns the manifest."""
-    slots = placement_slots(plan.placement, int(plan.model["num_experts"]), int(plan.communication["redundant"]))
+    slots = placement_slots(plan.placement, int(plan.model["num_experts"]), int(plan.communication.redundant))
     with atomic_path(Path(out), kind="bundle") as tmp:
         tmp.mkdir(parents=True)
         write_files(tmp, plan, slots)
@@ -28,7 +45,7 @@ def write_engine_bundle(out, plan, write_files) -> dict:
 
 def write_plan_files(out: Path, plan) -> None:
     write_file(out / "plan.json", plan.to_json())
-    write_file(out / "placement.json", json.dumps(plan.placement, indent=1, sort_keys=True) + "\n")
+    write_file(out / "placement.json", json.dumps(plan.placement.to_json(), indent=1, sort_keys=True) + "\n")
 
 
 def engine_context(plan, slots: list) -> dict:
@@ -38,10 +55,10 @@ def engine_context(plan, slots: list) -> dict:
     return {
         "model_name": model["name"], "model_dir_hint": str(model["name"]).split("/")[-1] or "model",
         "plan_version": plan.version,
-        "nodes": int(topo["nodes"]), "gpus_per_node": int(topo["gpus_per_node"]), "ep_size": int(comm["ep_size"]),
-        "num_experts": int(model["num_experts"]), "redundant": int(comm["redundant"]),
-        "slots_per_rank": int(comm["slots_per_rank"]), "num_slots": len(slots[0]),
-        "num_hidden_layers": int(model["num_hidden_layers"]), "policy": plan.placement.get("policy", "unknown"),
-        "load": f"{float(plan.predicted['max_over_mean_load']):.3f}",
+        "nodes": int(topo["nodes"]), "gpus_per_node": int(topo["gpus_per_node"]), "ep_size": int(comm.ep_size),
+        "num_experts": int(model["num_experts"]), "redundant": int(comm.redundant),
+        "slots_per_rank": int(comm.slots_per_rank), "num_slots": len(slots[0]),
+        "num_hidden_layers": int(model["num_hidden_layers"]), "policy": plan.placement.policy or "unknown",
+        "load": f"{float(plan.predicted.max_over_mean_load):.3f}",
         "dense_layers": ", ".join(str(d) for d in dense) if dense else "none",
     }

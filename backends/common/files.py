@@ -1,8 +1,10 @@
 """Writing bundle files: fixed permissions (bytes must not depend on the umask) and the runtime copy.
 
-Runtime code reaches bundles by one mechanism: the modules of `backends/runtime/` are copied
-verbatim (they use relative imports only, so the same files run as `moeplan.backends.runtime` and
-as a bundle's `runtime` package). Which modules a bundle ships is declared here.
+Runtime code reaches bundles by one mechanism: the modules of `runtime/` (the package
+`moeplan.runtime`) are copied verbatim (they use relative imports only, so the same files run as
+`moeplan.runtime` and as a bundle's `runtime` package). A bundle ships the runtime's top-level
+modules and whole subpackages, named here per bundle kind; nothing development-only lives in the
+runtime.
 """
 from __future__ import annotations
 
@@ -10,18 +12,18 @@ import os
 from importlib import resources
 from pathlib import Path
 
-RUNTIME_PACKAGE = "moeplan.backends.runtime"
-# The expert cache's decisions (eviction, next-use model, prefetch, the timed stepper): the planner's
-# simulator imports these same modules, so a bundle's ranks decide as the simulation did; and what
-# only an expert cache runs (live speculation, host compute on a miss). Shipped only in bundles whose
-# plan has per-rank expert caches.
-EXPERT_CACHE_MODULES = ("host_compute.py", "offload_eam_match.py", "offload_next_use.py", "offload_policies.py",
-                        "offload_prefetch.py", "offload_stepper.py", "speculation.py")
-# The inference service (OpenAI-compatible HTTP on rank 0 over continuous batching; issue 29): shipped
-# in torchrun and Kubernetes bundles, whose ranks serve it (starlette and uvicorn are then
-# requirements), and in Lambda bundles, whose front function runs its framework-free API over
-# StartSyncExecution (runtime/lambda_front.py; issue 30).
-SERVING_PACKAGE = "serving"
+RUNTIME_PACKAGE = "moeplan.runtime"
+# The subpackages each kind of bundle ships, whole:
+# * torchrun (and Kubernetes, whose pods run the torchrun bundle): the library's model with the runtime's
+#   MoE blocks (model/), expert parallelism (ep/), and the inference service rank 0 runs with `--serve`
+#   (serving/; starlette and uvicorn are then requirements);
+# * lambda: the functions and the front (lambda_/), the model they build (model/, whose MoE adapter orders
+#   replicas by ep/expert_table.py) and the framework-free OpenAI API the front function runs (serving/).
+SUBPACKAGES = {"torchrun": ("ep", "model", "serving"), "lambda": ("ep", "lambda_", "model", "serving")}
+# The expert cache (offload/): its policies, next-use model, prefetchers and timed stepper are the very
+# modules the planner's simulator imports, so a bundle's ranks decide as the simulation did. Shipped only in
+# bundles whose plan has per-rank expert caches (runtime/bundle_io.py imports it only then).
+EXPERT_CACHE_SUBPACKAGE = "offload"
 
 
 def write_file(path: Path, data, executable: bool = False) -> None:
@@ -34,21 +36,20 @@ def write_file(path: Path, data, executable: bool = False) -> None:
     os.chmod(path, 0o755 if executable else 0o644)
 
 
-def runtime_modules(expert_cache: bool = False, serving: bool = False) -> list:
-    """Paths (relative to runtime/) of the runtime modules a bundle ships: every top-level module of
-    the runtime package, the expert-cache modules only with `expert_cache`, and with `serving` the
-    inference service's subpackage (`serving/*.py`: `launch.sh --serve`, `moeplan serve`)."""
+def runtime_modules(kind: str, expert_cache: bool = False) -> list:
+    """Paths (relative to runtime/) of the runtime modules a `kind` bundle ships (see SUBPACKAGES):
+    every top-level module of the runtime package and every module of its subpackages, with the
+    expert cache's subpackage only with `expert_cache`."""
     src = resources.files(RUNTIME_PACKAGE)
+    subpackages = SUBPACKAGES[kind] + ((EXPERT_CACHE_SUBPACKAGE,) if expert_cache else ())
     names = sorted(entry.name for entry in src.iterdir() if entry.name.endswith(".py"))
-    names = [n for n in names if expert_cache or n not in EXPERT_CACHE_MODULES]
-    if serving:
-        names += sorted(f"{SERVING_PACKAGE}/{entry.name}" for entry in src.joinpath(SERVING_PACKAGE).iterdir()
-                        if entry.name.endswith(".py"))
+    for sub in sorted(subpackages):
+        names += sorted(f"{sub}/{entry.name}" for entry in src.joinpath(sub).iterdir() if entry.name.endswith(".py"))
     return names
 
 
-def copy_runtime(dest: Path, expert_cache: bool = False, serving: bool = False) -> None:
+def copy_runtime(dest: Path, kind: str, expert_cache: bool = False) -> None:
     """Copy the runtime's python files (only those: no caches) into dest, verbatim."""
     src = resources.files(RUNTIME_PACKAGE)
-    for name in runtime_modules(expert_cache, serving):
+    for name in runtime_modules(kind, expert_cache):
         write_file(dest / name, src.joinpath(name).read_text())

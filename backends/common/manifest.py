@@ -17,7 +17,7 @@ _HEX = frozenset("0123456789abcdef")
 
 
 def sha256_file(path: Path) -> str:
-    from moeplan.backends.runtime.checkpoint_reader import file_sha256  # one block-wise file hash for both
+    from moeplan.runtime.checkpoint_reader import file_sha256  # one block-wise file hash for both
 
     return file_sha256(path)
 

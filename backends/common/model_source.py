@@ -9,6 +9,10 @@
   generation_config.json for the end-of-sequence ids), and the plan and the bundle's
   requirements.txt pin the transformers version it was compiled with.
 Both are rebuilt by `moeplan run --verify` from the bundle alone.
+
+`MODEL_FILES` is the pass that finds them (`model_spec` -> `model_files`: {"architecture": runtime
+family, "files": {bundle path: bytes}}; only codegen needs it, so `moeplan plan` never asks for it),
+and `needs_weights` the precondition of every codegen pass.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 from moeplan.core.errors import UserError
+from moeplan.core.library_pins import library_pins
+from moeplan.core.pass_manager import Pass
 
 SUPPORTED = ("tiny_moe",)
 TOKENIZER = "tokenizer.json"
@@ -65,8 +71,8 @@ def model_files(model_spec: str) -> tuple:
 
 def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
     """The runtime's view of where each MoE layer's experts live, from the bundle's model files."""
-    from moeplan.backends.runtime.library_model import ModelError, decoder_layers
-    from moeplan.backends.runtime.moe_adapter import find_containers
+    from moeplan.runtime.model.library_model import ModelError, decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
 
     try:
         prefix, layers = decoder_layers(bundle_model(arch, files, spec))
@@ -77,7 +83,7 @@ def expert_containers(arch: str, files: dict, spec: str | None = None) -> list:
 
 def bundle_model(arch: str, files: dict, spec: str | None = None):
     """The library's model built from a bundle's model files (transformers: on the meta device)."""
-    from moeplan.backends.runtime.library_model import build_tiny_moe
+    from moeplan.runtime.model.library_model import build_tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
         for rel, data in files.items():
@@ -92,7 +98,7 @@ def _build_meta(config_dir: Path, spec):
         import transformers  # noqa: F401
     except ImportError:
         raise UserError("Hugging Face models need transformers: pip install 'moeplan[hf]'") from None
-    from moeplan.backends.runtime.library_model import build_transformers
+    from moeplan.runtime.model.library_model import build_transformers
 
     try:
         return build_transformers(config_dir, device="meta")
@@ -101,19 +107,9 @@ def _build_meta(config_dir: Path, spec):
         raise UserError(f"cannot compile '{spec}' for torchrun: transformers cannot build its model ({first}); {_hint()}") from None
 
 
-def library_pins(arch: str) -> dict:
-    """The library versions a bundle of this architecture runs on (recorded in the plan)."""
-    if arch != "transformers":
-        return {}
-    import tokenizers
-    import transformers
-
-    return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-
-
 def requirements(arch: str) -> str:
     """requirements.txt of a torchrun bundle: what its runtime imports, with the model library
-    pinned: numpy for the replica rule (runtime/expert_table.py) and the expert cache's policy
+    pinned: numpy for the replica rule (runtime/ep/expert_table.py) and the expert cache's policy
     modules, and the HTTP server rank 0 runs with `--serve` (runtime/serving/http_server.py)."""
     import importlib.metadata
 
@@ -126,3 +122,18 @@ def requirements(arch: str) -> str:
     lines += [f"{name}=={importlib.metadata.version(name)}" for name in SERVER_PACKAGES]
     lines += [f"{name}=={version}" for name, version in sorted(library_pins(arch).items())]
     return "\n".join(lines) + "\n"
+
+
+def _model_files(facts):
+    arch, files = model_files(facts["model_spec"])
+    return {"model_files": {"architecture": arch, "files": files}}
+
+
+def needs_weights(facts) -> None:
+    """Precondition of codegen: a bundle ships weights, so a config-only (meta) model cannot compile."""
+    if facts["model"].module is None or not facts["model"].has_weights:
+        raise UserError(f"model '{facts['model_spec']}' has no weights to ship; compiling a bundle needs a runnable model "
+                        "('moeplan plan' plans it without weights)")
+
+
+MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _model_files)

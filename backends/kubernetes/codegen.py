@@ -190,7 +190,7 @@ def context(bundle: Path, plan) -> dict:
         scheduling["imagePullSecrets"] = [{"name": n} for n in deployment["image_pull_secrets"]]
     if not scheduling["tolerations"]:
         del scheduling["tolerations"]
-    capacity = plan.communication.get("capacity") or {}
+    capacity = plan.communication.capacity or {}
     launch = ["bash", "/bundle/launch.sh"]
     scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(SERVE_PORT), "prometheus.io/path": METRICS_PATH}
     head = {"name": names["head"], "head": True, "replicas": 1, "selector": {**selector, "moeplan.io/role": "head"},
@@ -223,7 +223,7 @@ def context(bundle: Path, plan) -> dict:
                    "readiness": (READINESS_PERIOD_S, READINESS_FAILURES)}, "probe_timeout_s": PROBE_TIMEOUT_S,
         "grace_seconds": GRACE_SECONDS, "capacity": capacity, "min_kubernetes": MIN_KUBERNETES_VERSION.rsplit(".", 1)[0],
         "checkpoint": checkpoint, "checkpoint_mount": CHECKPOINT_MOUNT, "volume_mount": VOLUME_MOUNT,
-        "expert_cache": bool(plan.communication.get("expert_cache")), "bundle_size": _size(bundle_bytes),
+        "expert_cache": bool(plan.communication.expert_cache), "bundle_size": _size(bundle_bytes),
     }
 
 

@@ -42,7 +42,7 @@ AGENT_MIB = 256           # torchrun's agent (it imports torch) and launch.sh
 def rank_weight_bytes(path: Path) -> tuple:
     """(S, F, expert S, expert F) of one rank's shard file or `--weights reference` index: its
     tensors' bytes as stored and as float32, all of them and those of its experts alone."""
-    from moeplan.backends.runtime.checkpoint_reader import DTYPES
+    from moeplan.runtime.checkpoint_reader import DTYPES
 
     path = Path(path)
     if path.name.endswith(".index.json"):
@@ -60,7 +60,7 @@ def rank_weight_bytes(path: Path) -> tuple:
 
 def rank_host_bytes(bundle: Path, plan) -> list:
     """weights(r) for every rank of the plan (module docstring), bytes."""
-    cache = plan.communication.get("expert_cache")
+    cache = plan.communication.expert_cache
     out = []
     for rank, shard in enumerate(plan.shards):
         stored, float32, expert_stored, expert_float32 = rank_weight_bytes(Path(bundle) / shard)

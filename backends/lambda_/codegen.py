@@ -7,6 +7,9 @@ requirements-front.txt, front.json and request_cost.json: `front.py`), weights/ 
 S3 keys: weights/dense/slice-NN/ and weights/experts/layer-LLL/expert-EEE/, each a
 weights.safetensors holding only that function's tensors, `layout.py`), model/ (the model files, for local verification), README.md, manifest.json.
 
+`MODEL_FILES` (the model files a Lambda bundle ships, once the runtime is known to cut the model into
+functions) and `CODEGEN` (this `write_bundle`) are the target's bundle passes.
+
 Functions: one per dense slice (`DenseNN`) and one per expert replica (`ExpertLlllEeeeRr`), each
 with the memory the plan chose, and the front (`Front`), which may only start the state machine. Least privilege: a function's role reads only its own weight
 prefix and reads/writes only `intermediates/`; a dense function that routes a direct-method
@@ -26,13 +29,15 @@ from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
-from moeplan.backends.runtime.moe_adapter import split_expert_state
+from moeplan.runtime.model.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, write_file
 from moeplan.backends.common.manifest import write_manifest
-from moeplan.backends.common.model_source import bundle_model
+from moeplan.backends.common import model_source
+from moeplan.backends.common.model_source import bundle_model, needs_weights
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
 from moeplan.core.atomic import atomic_path
 from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
 
 KINDS = ("dense", "expert")
 TIMEOUT_S = 900
@@ -192,19 +197,18 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     """
     out = Path(out)
     out.mkdir(parents=True)
-    plan_doc = plan.to_dict()
+    pl = plan.as_written()  # the plan as plan.json holds it: `moeplan codegen plan.json` sees the same values
     write_file(out / "plan.json", plan.to_json())
-    segment_of = plan_doc["placement"]["unit_segments"]
-    payload_limit = int(plan_doc["deployment"]["payload_limit_bytes"])
-    requests_per_second = float(plan_doc["deployment"]["requests_per_second"])
+    segment_of = pl.placement.unit_segments
+    payload_limit = int(pl.deployment["payload_limit_bytes"])
+    requests_per_second = float(pl.deployment["requests_per_second"])
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
-    pl = plan_doc
-    layers = pl["placement"]["layers"]
-    slices = pl["placement"]["dense_slices"]
+    layers = pl.placement.layers
+    slices = pl.placement.dense_slices
     num_layers = len(layers)
-    stages = pl["model"]["ir"]["stages"]
-    model = bundle_model(pl["model"]["architecture"], model_files)
+    stages = pl.model["ir"]["stages"]
+    model = bundle_model(pl.model["architecture"], model_files)
     layout = lay.with_routing(lay.Layout.of(model), model)
     state = split_expert_state(state, list(layout.containers))
     owner = lay.expert_tensor_owner(layout)
@@ -212,7 +216,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     layout = lay.with_tail(layout, dense_names, stages)
     covered = set()
     functions = []
-    runtime_mb = float(pl["inputs"]["facts"]["platform"].get("runtime_memory_mb", 0.0))
+    runtime_mb = float(pl.inputs["facts"]["platform"].get("runtime_memory_mb", 0.0))
     parts = dense_parts(slices, segment_of, num_layers, layers, payload_limit, layout, lay.unit_pieces(layout, stages))
     for k, s in enumerate(slices):
         tensors = {n: state[n] for p in parts[k] for n in lay.part_tensors(layout, dense_names, p["start"], p["stop"])}
@@ -258,12 +262,12 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                                        for x in layers[seg]["experts"] for r in range(int(x["replicas"]))]))
     machine = definition(steps)
     write_file(out / "statemachine.json", json.dumps(machine, indent=2, sort_keys=True) + "\n")
-    copy_runtime(out / "functions" / "runtime", serving=True)  # serving/: the OpenAI API the front function runs
+    copy_runtime(out / "functions" / "runtime", "lambda")  # with serving/: the OpenAI API the front function runs
     for rel, content in sorted(model_files.items()):  # the model the functions build, the text the front reads
         write_file(out / "functions" / rel, content)
-    write_file(out / "functions" / "requirements.txt", function_requirements(pl["model"]))
-    write_file(out / "functions" / "requirements-front.txt", front.requirements(pl["model"]))
-    rounded = json.loads(plan.to_json())["predicted"].get("request_cost")  # as plan.json holds it: simulate reads that
+    write_file(out / "functions" / "requirements.txt", function_requirements(pl.model))
+    write_file(out / "functions" / "requirements-front.txt", front.requirements(pl.model))
+    rounded = pl.predicted.request_cost  # as plan.json holds it: simulate reads that
     if rounded is None:
         raise UserError("the plan has no request cost model (predicted.request_cost), which the front function states "
                         "per response; regenerate it with this moeplan ('moeplan plan')")
@@ -274,17 +278,18 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     for kind in KINDS:
         write_file(out / "functions" / kind / "Dockerfile", env.get_template("Dockerfile.j2").render(kind=kind))
     write_file(out / "functions" / "front" / "Dockerfile", env.get_template("Dockerfile.front.j2").render())
-    predicted = pl["predicted"]
-    per_request = float(predicted.get("moe_cost_per_batch_usd", 0.0)) + float(predicted["dense_partition"]["cost_per_request_usd"])
+    predicted = pl.predicted
+    moe_cost = float(predicted.moe_cost_per_batch_usd if predicted.moe_cost_per_batch_usd is not None else 0.0)
+    per_request = moe_cost + float(predicted.dense_partition["cost_per_request_usd"])
     ctx = {
-        "model_name_json": to_yaml(str(pl["model"]["name"])), "description": "moeplan Lambda deployment of " + safe_text(str(pl["model"]["name"])),
+        "model_name_json": to_yaml(str(pl.model["name"])), "description": "moeplan Lambda deployment of " + safe_text(str(pl.model["name"])),
         "functions": [dict(f, spec_json=json.dumps(f["spec"], sort_keys=True, separators=(",", ":")),
                            suffix=function_suffix(f["id"])) for f in functions],
         "definition": machine, "timeout": TIMEOUT_S,
         "substitutions": {f["id"]: {"Fn::GetAtt": [f["id"], "Arn"]} for f in functions},
-        "layers": layers, "slices": slices, "batch_tokens": int(pl["communication"]["batch_tokens"]),
-        "cost_per_request": per_request, "moe_cost": float(predicted.get("moe_cost_per_batch_usd", 0.0)),
-        "dense_cost": float(predicted["dense_partition"]["cost_per_request_usd"]),
+        "layers": layers, "slices": slices, "batch_tokens": int(pl.communication.batch_tokens),
+        "cost_per_request": per_request, "moe_cost": moe_cost,
+        "dense_cost": float(predicted.dense_partition["cost_per_request_usd"]),
         "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
         "front": entry,
@@ -296,3 +301,28 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                             "fewer experts per direct layer (--methods s3,pipelined_s3) keep it smaller")
     write_file(out / "template.yaml", env.get_template("template.yaml.j2").render(**ctx))
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
+
+
+# --- the Lambda target's bundle passes ---------------------------------------------------------------
+
+def _lambda_model_files(facts):
+    """The model files a Lambda bundle ships, once the runtime is known to cut this model into functions."""
+    try:
+        arch, files = model_source.model_files(facts["model_spec"])
+    except UserError as exc:  # its messages name the torchrun target, whose models this one runs too
+        raise UserError(str(exc).replace("torchrun", "lambda")) from None
+    try:
+        lay.Layout.of(bundle_model(arch, files, facts["model_spec"]))
+    except lay.LayoutError as exc:
+        raise UserError(f"cannot compile '{facts['model_spec']}' for lambda: {exc}") from None
+    return {"model_files": {"architecture": arch, "files": files}}
+
+
+MODEL_FILES = Pass("runtime", ("model_spec",), ("model_files",), _lambda_model_files)
+
+
+def _codegen(facts):
+    return {"manifest": write_bundle(facts["out"], facts["plan"], facts["model"].module.state_dict(), facts["model_files"])}
+
+
+CODEGEN = Pass("codegen", ("plan", "model", "model_spec", "model_files", "out"), ("manifest",), _codegen, check=needs_weights)

@@ -1,6 +1,6 @@
 """The HTTP entry of a Lambda bundle: the front function's settings and image requirements.
 
-Why here: the front (runtime/lambda_front.py) answers the OpenAI API behind a Lambda Function URL
+Why here: the front (runtime/lambda_/front.py) answers the OpenAI API behind a Lambda Function URL
 (default) or an API Gateway HTTP API, and how long a request may run and how long a context may be
 are set by what stands in front of it:
 * time: an HTTP API waits at most 30 s for its integration ("Maximum integration timeout 30
@@ -12,11 +12,13 @@ are set by what stands in front of it:
 * context: the model's positions, the plan's batch size (what the functions' memory was sized
   for) and a Step Functions execution's 256 KB input, which holds the prompt's ids.
 `moeplan plan/compile` refuses a plan whose one-token request would already overrun the time limit
-(planner/pipeline/lambda_.py); the front refuses longer requests with a 400 naming what fits.
+(passes/optimize/serverless/passes.py); the front refuses longer requests with a 400 naming what fits.
 """
 from __future__ import annotations
 
 import json
+
+from moeplan.core.platforms import time_limit_s
 
 STATE_LIMIT_BYTES = 256 * 1024
 BYTES_PER_ID = 7            # "123456," in the execution's JSON input: vocabularies below a million
@@ -24,37 +26,29 @@ ENTRIES = ("function-url", "http-api")
 FRONT_TIMEOUT_MARGIN_S = 30  # the front outlives the execution it waits for, to answer its error
 
 
-def time_limit_s(platform: dict, http_entry: str) -> float:
-    """How long a request may take end to end behind this entry."""
-    express = float(platform.get("express_max_duration_s", 300.0))
-    if http_entry == "http-api":
-        return min(express, float(platform.get("http_api_timeout_s", 30.0)))
-    return express
-
-
-def max_context(plan: dict, model_files: dict) -> int:
+def max_context(plan, model_files: dict) -> int:
     """Prompt + new tokens one request may hold (see the module docstring)."""
     config = json.loads(model_files["model/config.json"])
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     positions = int(text.get("max_position_embeddings") or text.get("max_positions") or 1 << 30)
-    return min(positions, int(plan["communication"]["batch_tokens"]), STATE_LIMIT_BYTES // 2 // BYTES_PER_ID)
+    return min(positions, int(plan.communication.batch_tokens), STATE_LIMIT_BYTES // 2 // BYTES_PER_ID)
 
 
-def entry(plan: dict, model_files: dict) -> dict:
-    """The template's and README's settings of the front function."""
-    platform = plan["inputs"]["facts"]["platform"]
-    http_entry = plan["deployment"].get("http_entry", "function-url")
+def entry(plan, model_files: dict) -> dict:
+    """The template's and README's settings of the front function (`plan`: a Plan)."""
+    platform = plan.inputs["facts"]["platform"]
+    http_entry = plan.deployment.get("http_entry", "function-url")
     limit = time_limit_s(platform, http_entry)
     return {"kind": http_entry, "memory_mb": int(platform.get("front_function_memory_mb", 256)),
             "time_limit_s": limit, "timeout": int(limit) + (0 if http_entry == "http-api" else FRONT_TIMEOUT_MARGIN_S),
             "max_context": max_context(plan, model_files), "api_timeout_ms": int(limit * 1000),
-            "payload_limit_bytes": int(plan["deployment"]["payload_limit_bytes"])}
+            "payload_limit_bytes": int(plan.deployment["payload_limit_bytes"])}
 
 
-def settings(plan: dict, entry: dict) -> dict:
+def settings(plan, entry: dict) -> dict:
     """functions/front.json: what the front serves (the model's name exactly as clients send it, which
     may hold any character, so it stays out of the template), its context and time limit."""
-    return {"model_name": str(plan["model"]["name"]), "max_context": int(entry["max_context"]),
+    return {"model_name": str(plan.model["name"]), "max_context": int(entry["max_context"]),
             "time_limit_s": float(entry["time_limit_s"])}
 
 

@@ -1,6 +1,6 @@
 """Where a Lambda plan's dense units sit in the library's model, and which tensors each function ships.
 
-Why: the bundle's functions run the library's own model (`runtime/lambda_model.py`), which can
+Why: the bundle's functions run the library's own model (`runtime/lambda_/model.py`), which can
 start and stop only at decoder-block boundaries and at an MoE layer's experts. This file maps the
 planner's dense units (IR stages, each router after its layer's norm) onto those places:
 
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from moeplan.backends.runtime.lambda_model import attention_module
+from moeplan.runtime.lambda_.model import attention_module
 from moeplan.core.errors import UserError
-from moeplan.backends.runtime.library_model import ModelError, decoder_layers
-from moeplan.backends.runtime.moe_adapter import expert_owner, find_containers
+from moeplan.runtime.model.library_model import ModelError, decoder_layers
+from moeplan.runtime.model.moe_adapter import expert_owner, find_containers
 
 
 class LayoutError(UserError):
@@ -207,3 +207,35 @@ def group_bytes(layout: Layout, sizes: dict, pieces: dict, unit_names: tuple, se
                 (block == post and not n.startswith(f"{layout.prefix}.{block}.{layout.attention[block]}."))
         total += size if keep else 0
     return total
+
+
+def runtime_units(loaded, spec: str, units: list, group_units) -> list:
+    """The partition pass's units grouped where the Lambda runtime can cut (between decoder blocks of
+    the library's model) by `group_units` (passes/optimize/serverless/partition.py, which the pass
+    gives), each group's bytes those its function will ship; unchanged for models the runtime cannot
+    run (ONNX graphs: plan only)."""
+    if loaded.module is None:
+        return units
+    try:
+        layout = Layout.of(loaded.module)
+    except LayoutError:
+        return units
+    stages = loaded.ir.to_dict()["stages"]
+    layout, sizes = dense_tensor_bytes(with_routing(layout, _meta_model(loaded, spec)), loaded.module, stages)
+    pieces = unit_pieces(layout, stages)
+    if len(layout.moe_layers) != len(loaded.ir.moe_stages) or any(u not in pieces for x in units for u in x.names):
+        return units
+    return group_units(units, lambda name: pieces[name],
+                       lambda u, opens: group_bytes(layout, sizes, pieces, u.names, u.segment, opens))
+
+
+def _meta_model(loaded, spec: str):
+    """The model as the bundle's functions build it (transformers: on the meta device), so that
+    probing its blocks never copies real weights; the loaded module where no bundle could be made."""
+    from moeplan.backends.common.model_source import bundle_model, model_files
+
+    try:
+        arch, files = model_files(spec)
+        return bundle_model(arch, files, spec)
+    except UserError:
+        return loaded.module

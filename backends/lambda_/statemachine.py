@@ -11,7 +11,7 @@ Direct method: no state; the routing function invoked the replicas itself. Funct
 One execution is the whole generation: a dense task hands the execution's state to its function
 (`Payload.state`) and the function's answer becomes the next state (OutputPath `$.Payload`); after
 the function that computes the logits, a Choice loops back to the first state for the next token
-until the state says `done` (`runtime/lambda_decode.py`). The first step is the prompt's forward,
+until the state says `done` (`runtime/lambda_/decode.py`). The first step is the prompt's forward,
 every later one a single token per sequence attending to the K/V the functions kept.
 """
 from __future__ import annotations

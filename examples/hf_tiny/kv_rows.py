@@ -1,7 +1,7 @@
 """Tiny random-weight transformers MoE models whose K/V row is smaller than their hidden state.
 
 Coherent mode sends, per block, the smaller of the hidden state and what the library's KV cache
-stores (`backends/runtime/context_exchange.py`). These models make that difference visible:
+stores (`runtime/ep/context_exchange.py`). These models make that difference visible:
 * `gqa`: Qwen3-MoE, hidden 64, 8 query heads and 1 KV head of 8: K + V = 16 elements (4x smaller);
 * `mla`: DeepSeek-V3 with multi-head latent attention, hidden 64, kv_lora_rank 16 + rotated key 8
   = 24 elements (the cache holds the latent, not per-head K/V).

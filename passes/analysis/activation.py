@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplan.backends.runtime.offload_eam_match import eam_distance, nearest_entry, row_normalised  # noqa: F401 (re-exported)
+from moeplan.runtime.offload.eam_match import eam_distance, nearest_entry, row_normalised  # noqa: F401 (re-exported)
 from moeplan.passes.analysis.trace.format import Trace
 
 DEFAULT_CHUNK = 128

@@ -53,14 +53,14 @@ def measure_compute() -> dict:
     """One thread: matmul FLOP/s (256 x 256 x 256 float32), copy bandwidth, the runtime's replica choice."""
     import torch
 
-    from moeplan.backends.runtime.expert_table import ExpertTable
+    from moeplan.runtime.ep.expert_table import ExpertTable
 
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     mm = _median_per_call(lambda: a @ b, 30)
     big = torch.randn(1 << 22)
     copy = _median_per_call(lambda: big.clone(), 10)
-    # the runtime's replica choice (backends/runtime/expert_table.py) on 256 tokens x top-2 over 2 ranks
+    # the runtime's replica choice (runtime/ep/expert_table.py) on 256 tokens x top-2 over 2 ranks
     table = ExpertTable.from_placement({"topology": {"nodes": 1, "gpus_per_node": 2},
                                         "layers": [{"layer": 0, "devices": [list(range(0, 16, 2)), list(range(1, 16, 2))]},
                                                    {"layer": 1, "devices": [list(range(8)), list(range(8, 16))]}]})
@@ -162,7 +162,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     import tempfile
     from pathlib import Path
 
-    from moeplan.passes.analysis.cost_model import ATTN_OPS, MOE_OPS
+    from moeplan.passes.cost.cost_model import ATTN_OPS, MOE_OPS
     from moeplan.planner.commands.calibrate_engine import engine_label, fit_engine
     from moeplan.core.hardware import machine_facts, machine_key
 
@@ -224,7 +224,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                              f"to its measurement of a 1-rank torchrun bundle of {engine_model} (8 x 32 prompt tokens "
                              f"+ 8 new, both modes, median of 5 launches)",
             "attention_ops_per_sequence": "zero: the runtime runs one batched library forward per step "
-                                          "(backends/runtime/engine.py), no loop over sequences",
+                                          "(runtime/ep/engine.py), no loop over sequences",
             "python_slot_s": f"{measured}, the runtime's replica choice (ExpertTable.choose) on 256 tokens x top-2, per slot",
             "parallel_ranks": "os.sched_getaffinity (cores this process may use)",
             "collective_latency_base_s": f"moeplan calibrate on this machine ({cores} cores): the line through one "
@@ -247,7 +247,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
                                      f"converted to float32 (the rank's store); stored bytes per second",
             "memory_efficiency": "one: memory_bytes_per_s is measured, already effective",
             "layer_overhead_s": "derived: op_overhead_s x (ATTN_OPS + MOE_OPS), the framework calls of one decoder "
-                                "block in passes/analysis/cost_model.py",
+                                "block in passes/cost/cost_model.py",
             "copy_latency_s": f"{measured}, safetensors read of 16 float16 values (the fixed cost of one tensor read)",
             "host_memory_bytes_per_s": f"{measured}, all cores: one row through a 2048 x 768 SwiGLU expert (float32, "
                                        "18 MiB of weights), bytes / time",

@@ -2,7 +2,7 @@
 
 The engine model (a seeded Qwen3-MoE at the example model's size, or `--model`'s) is compiled into
 torchrun bundles at 1, 2 and 4 ranks (contiguous experts, standard mode); each is launched `runs`
-times by the launcher `moeplan run` uses (`backends/torchrun/launch.py`) on 8 prompts of 32 token
+times by the launcher `moeplan run` uses (`planner/launch/torchrun_launch.py`) on 8 prompts of 32 token
 ids and 8 new tokens. `op_overhead_s` (one framework call) is fitted on the 1-rank runs and the
 latency of one exchange call on the 2- and 4-rank runs, each as the least-squares value (relative
 errors, both modes) at which `run`'s own prediction (`predict_run`, the cost model on the routing
@@ -84,7 +84,7 @@ def _trace(directory: Path, scratch: Path) -> Path:
     import numpy as np
 
     from moeplan.passes.analysis.trace.format import make_trace, save_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     moe = load_model(str(directory)).ir.moe_stages
     E, k = int(moe[0].num_experts), int(moe[0].top_k)
@@ -110,7 +110,7 @@ def measure_bundle(root: Path, world: int, prompts: Path, scratch: Path, runs: i
     """`runs` launches of the bundle in both modes (one launch runs both, as `moeplan run --mode both`
     does): {mode: {"seconds_per_token": the median run's (1 / tokens_per_second of its result.json),
     "results": that run's results directory}}."""
-    from moeplan.backends.torchrun.launch import failure_reason, launch
+    from moeplan.planner.launch.torchrun_launch import failure_reason, launch
 
     done = {mode: [] for mode in MODES}
     for i in range(runs):
@@ -130,7 +130,7 @@ def fit(root: Path, runs: dict, profile_at) -> float:
     dict): least squares on the relative errors. Each prediction is linear in v (a_m + b_m v), so
     v = sum (b_m / y_m)(1 - a_m / y_m) / sum (b_m / y_m)^2, y_m the measured seconds per token."""
     from moeplan.core.hardware import profile_from_dict
-    from moeplan.planner.pipeline.cost_passes import predict_run
+    from moeplan.passes.cost.run_check import predict_run
 
     def predicted(mode: str, v: float) -> float:
         profile = profile_from_dict(profile_at(v), "calibration")

@@ -20,7 +20,7 @@ from moeplan.core.errors import UserError
 @click.option("--quiet", is_flag=True, help="No summary line.")
 def export_onnx_cmd(model, out, opset, quiet):
     """Export MODEL (a torch MoE model with weights) to ONNX with dynamic batch and sequence axes."""
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
     from moeplan.planner.onnx_export import export_onnx
 
     loaded = load_model(model)

@@ -128,7 +128,7 @@ def inspect(model, as_json, summary_only):
     Active parameters are printed two ways: without the input embedding (how model cards count
     them: a token looks up one row) and with it.
     """
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     loaded = load_model(model)
     summary = summarize(loaded.ir)

@@ -37,10 +37,10 @@ METRIC_ORDER = ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load
 def place(trace_path, nodes, gpus_per_node, out, evaluate, timings, as_json, **flags):
     """Place experts on GPUs from a routing trace (or --evaluate a placement on a trace)."""
     from moeplan.passes.analysis.trace.format import load_trace
-    from moeplan.passes.optimize.placement.contract import load_placement
+    from moeplan.passes.optimize.placement.schema import load_placement
     from moeplan.passes.optimize.placement.policies import evaluate_placement
     from moeplan.core.pass_manager import PassManager
-    from moeplan.planner.pipeline.placement import PASSES
+    from moeplan.planner.pipeline.place import PASSES
 
     options = pick(flags, PLACEMENT_FLAGS)
     if evaluate is not None:

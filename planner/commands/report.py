@@ -35,7 +35,7 @@ def read_plan_document(path: Path) -> tuple:
 
 
 def render(plan: dict, data: bytes, plan_path: Path, traces: list) -> str:
-    from moeplan.passes.optimize.by_predicted_time import TIE
+    from moeplan.passes.cost.by_predicted_time import TIE
     from moeplan.planner.commands.report_facts import report_facts, sort_traces
     from moeplan.planner.report.build import build_report
 

@@ -62,7 +62,7 @@ def report_facts(plan: dict, plan_path: Path, planning, held_out, tie: float) ->
 # ------------------------------------------------------------------------------------- placement
 
 def _placement_and_loads(plan: dict, trace):
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
     placement = placement_from_dict(plan["placement"])
     hosts = placement.hosts()  # bool [L, E, D]
@@ -273,9 +273,10 @@ def rescore(plan: dict, plan_path: Path, held_out) -> dict:
 
 def _cost_on(plan: dict, hosts, gpus_per_node: int, trace, notes: list):
     """The cost model's prediction for the plan's mode with routing sampled from `trace` instead."""
-    from moeplan.passes.analysis.cost_model import expected
+    from moeplan.passes.cost.cost_model import expected
     from moeplan.core.hardware import BUILTIN, load_hardware
-    from moeplan.planner.pipeline.cost_passes import parse_workload, shape_of_plan
+    from moeplan.passes.cost.context import shape_of_plan
+    from moeplan.passes.cost.options import parse_workload
 
     cost = plan["predicted"]["cost"]
     from moeplan.planner.report.summary import hardware_name

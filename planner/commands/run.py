@@ -1,21 +1,21 @@
 """`moeplan run DIR [--verify]`: launch a bundle locally and report (the flags and the printing only).
 
 torchrun bundles: `planner/pipeline/run.py` checks the bundle, launches its ranks
-(`backends/torchrun/launch.py`) and verifies them; Lambda bundles run their state machine locally
-(`backends/lambda_/local_run.py`).
+(`planner/launch/torchrun_launch.py`) and verifies them; Lambda bundles run their state machine locally
+(`planner/launch/lambda_run.py`).
 """
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
 from moeplan.core import cli_types as T
 from moeplan.core import progress
 from moeplan.core.errors import UserError
-from moeplan.planner.pipeline.engines import ENGINE_TARGETS
+from moeplan.planner.launch.open_bundle import open_bundle
+from moeplan.planner.pipeline.engine_targets import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
 
@@ -34,14 +34,7 @@ from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 @click.option("--json", "as_json", is_flag=True, help="print the report as one JSON object")
 def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout, trusted_key, as_json):
     """Launch BUNDLE locally (torchrun standalone, or a Lambda bundle's state machine) and report."""
-    if trusted_key is not None:
-        from moeplan.backends.common.signing import SigningError, verify_bundle_signature
-
-        try:
-            verify_bundle_signature(bundle, trusted_key)
-        except SigningError as exc:
-            raise UserError(str(exc)) from None
-    plan = _plan(bundle)
+    plan = open_bundle(bundle, trusted_key=trusted_key, check_files=False)  # the files: by the target's run below
     target = plan.get("target")
     if target == "lambda":
         return _run_lambda(bundle, verify, prompts_path, new_tokens, as_json)
@@ -50,7 +43,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
                         f"{'SGLang' if target == 'sglang' else 'TensorRT-LLM'}; docs/interop.md), not under 'moeplan run'")
     if target == "offload":
         raise UserError(f"'{bundle}' holds an offload plan, which has no bundle yet; 'moeplan simulate' replays it")
-    from moeplan.backends.runtime.bundle_io import run_modes as plan_modes
+    from moeplan.runtime.bundle_io import run_modes as plan_modes
 
     modes = ("coherent", "standard") if mode == "both" else tuple(plan_modes(plan, mode))
     with progress.silenced(as_json):
@@ -70,19 +63,10 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
         sys.exit(1)
 
 
-def _plan(bundle: str) -> dict:
-    """The bundle's plan.json as far as it reads ({} if not: the bundle check then says what is wrong)."""
-    try:
-        plan = json.loads((Path(bundle) / "plan.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return plan if isinstance(plan, dict) else {}
-
-
 def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
-    """Lambda bundles: the state machine runs locally (backends/lambda_/local_run.py)."""
-    from moeplan.backends.lambda_.local_run import run_lambda_bundle
-    from moeplan.backends.torchrun.launch import read_prompts
+    """Lambda bundles: the state machine runs locally (planner/launch/lambda_run.py)."""
+    from moeplan.planner.launch.lambda_run import run_lambda_bundle
+    from moeplan.planner.launch.torchrun_launch import read_prompts
 
     if new_tokens < 1:
         raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")

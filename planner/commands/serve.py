@@ -1,10 +1,10 @@
 """`moeplan serve BUNDLE`: run a bundle's inference service locally (the OpenAI-compatible HTTP API on
 rank 0 over continuous batching; docs/serving.md). A Lambda bundle is served by its own front
-function over the local cloud instead (`backends/lambda_/serve_local.py`, docs/serverless.md).
+function over the local cloud instead (`planner/launch/lambda_serve.py`, docs/serverless.md).
 
 The bundle is checked as `run` checks it (manifest, shards, world size, referenced checkpoint, and
-its signature with --trusted-key), then its ranks start under torchrun (`backends/torchrun/
-serve_launch.py`). stdout carries exactly one line, `serving on http://HOST:PORT`, once the service
+its signature with --trusted-key), then its ranks start under torchrun (`planner/launch/
+torchrun_serve.py`). stdout carries exactly one line, `serving on http://HOST:PORT`, once the service
 answers; everything the ranks print goes to stderr. SIGINT and SIGTERM are passed to the ranks,
 which stop admitting (503), finish the requests in flight and exit 0; a second one stops them at
 once. A service that fails (a rank died) exits non-zero with one `error:` line, so a supervisor
@@ -12,7 +12,6 @@ restarts it.
 """
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import sys
@@ -23,6 +22,7 @@ import click
 
 from moeplan.core import cli_types as T
 from moeplan.core.errors import UserError
+from moeplan.planner.launch.open_bundle import open_bundle
 
 READY = "serving on "
 
@@ -46,14 +46,14 @@ READY = "serving on "
               help="ed25519 public key (PEM): serve BUNDLE only if its manifest is signed by it (docs/security.md)")
 def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, threads, trusted_key):
     """Serve BUNDLE's model over an OpenAI-compatible HTTP API until SIGINT or SIGTERM."""
-    from moeplan.backends.torchrun.serve_launch import serve_command, start_service, stop_workers
+    from moeplan.planner.launch.torchrun_serve import serve_command, start_service, stop_workers
 
     root = Path(bundle)
-    if _target(root) == "lambda":
+    if open_bundle(root, check_files=False).get("target") == "lambda":
         return _serve_lambda(root, host, port, api_key, trusted_key,
                              {"--nproc": nproc, "--mode": mode, "--max-sequences": max_sequences,
                               "--max-waiting": max_waiting, "--threads": threads})
-    plan = _checked_plan(root, nproc, trusted_key)
+    plan = open_bundle(root, nproc, trusted_key)  # checked as `run` checks it
     world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
     _check_port(host, port)
     proc = start_service(root, serve_command(world, host, port, mode, max_sequences, max_waiting, threads), api_key)
@@ -90,7 +90,7 @@ def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, 
             proc.wait()
     if code == 0:
         return 0
-    from moeplan.backends.torchrun.launch import failure_reason
+    from moeplan.planner.launch.torchrun_launch import failure_reason
 
     reason = failure_reason("".join(stderr_lines))
     if not state["ready"] and not state["signals"]:
@@ -99,28 +99,15 @@ def serve(bundle, host, port, nproc, api_key, mode, max_sequences, max_waiting, 
     sys.exit(1)
 
 
-def _target(root: Path):
-    try:
-        return json.loads((root / "plan.json").read_text()).get("target")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def _serve_lambda(root: Path, host: str, port: int, api_key, trusted_key, rank_flags: dict) -> int:
-    """Lambda bundles: the front function and state machine on the local cloud (backends/lambda_/serve_local.py)."""
-    from moeplan.backends.lambda_.serve_local import serve_lambda
+    """Lambda bundles: the front function and state machine on the local cloud (planner/launch/lambda_serve.py)."""
+    from moeplan.planner.launch.lambda_serve import serve_lambda
 
     given = [flag for flag, value in rank_flags.items() if value is not None]
     if given:
         raise UserError(f"{', '.join(given)} apply to torchrun and kubernetes bundles; a Lambda bundle's functions "
                         "are sized by its plan")
-    if trusted_key is not None:
-        from moeplan.backends.common.signing import SigningError, verify_bundle_signature
-
-        try:
-            verify_bundle_signature(str(root), trusted_key)
-        except SigningError as exc:
-            raise UserError(str(exc)) from None
+    open_bundle(root, trusted_key=trusted_key, check_files=False)  # its functions' files: checked by serve_lambda
 
     def ready(url: str) -> None:
         click.echo(READY + url)
@@ -135,26 +122,6 @@ def _pump_stderr(proc, keep: list, forward: threading.Event) -> None:
         if forward.is_set():
             sys.stderr.write(line)
             sys.stderr.flush()
-
-
-def _checked_plan(root: Path, nproc, trusted_key) -> dict:
-    """The bundle's plan after the checks `run` makes (torchrun and kubernetes bundles)."""
-    from moeplan.backends.common.manifest import BundleCheckError, check_bundle
-    from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
-
-    if trusted_key is not None:
-        from moeplan.backends.common.signing import SigningError, verify_bundle_signature
-
-        try:
-            verify_bundle_signature(str(root), trusted_key)
-        except SigningError as exc:
-            raise UserError(str(exc)) from None
-    try:
-        plan = check_bundle(root, nproc)
-        check_referenced_checkpoint(root, plan)
-    except (BundleCheckError, BundleError) as exc:
-        raise UserError(str(exc)) from None
-    return plan
 
 
 def _check_port(host: str, port: int) -> None:

@@ -15,16 +15,17 @@ import click
 
 from moeplan.core import cli_types as T
 from moeplan.core.errors import UserError
+from moeplan.core.plan_sections import Predicted
 
 
 def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:
-    """One generation request priced by the plan's request cost model (backends/runtime/
-    lambda_request_cost.py, the code the bundle's front function runs on the same spec)."""
-    from moeplan.backends.runtime.lambda_request_cost import request_cost
+    """One generation request priced by the plan's request cost model (runtime/lambda_/
+    request_cost.py, the code the bundle's front function runs on the same spec)."""
+    from moeplan.runtime.lambda_.request_cost import request_cost
     from moeplan.planner.pipeline.lambda_ import read_plan
 
     plan = read_plan(plan_path)[0]
-    spec = plan.predicted.get("request_cost") if isinstance(plan.predicted, dict) else None
+    spec = plan.predicted.request_cost if isinstance(plan.predicted, Predicted) else None
     if not isinstance(spec, dict):
         raise UserError(f"plan file '{plan_path}' has no request cost model (predicted.request_cost); regenerate it with this moeplan")
     if prompt_tokens < 1:

@@ -26,8 +26,8 @@ def load_offload_plan(path) -> dict:
     """The offload plan's parts the simulator needs (capacity, residents, models, timing)."""
     import numpy as np
 
-    from moeplan.backends.runtime.offload_next_use import NextUseModel
-    from moeplan.passes.optimize.offload.simulate import Timing
+    from moeplan.runtime.offload.next_use import NextUseModel
+    from moeplan.passes.optimize.offload.simulator import Timing
 
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     try:

@@ -38,7 +38,7 @@ def read_text(path: Path) -> str:
 def token_id_lines(text: str):
     """Sequences of token ids if the non-empty lines of --data are `ids: 1 2 3` lines, else None
     (text); a file mixing both is refused (text would read the ids literally)."""
-    from moeplan.backends.runtime.text_codec import parse_ids, prompt_lines
+    from moeplan.runtime.text_codec import parse_ids, prompt_lines
 
     lines = prompt_lines(text)
     try:
@@ -55,11 +55,11 @@ def token_id_lines(text: str):
 
 
 def text_codec(model: str, vocab_size: int):
-    """The bundle runtime's TextCodec for MODEL (backends/runtime/text_codec.py): the directory's
+    """The bundle runtime's TextCodec for MODEL (runtime/text_codec.py): the directory's
     tokenizer.json, TinyMoE's bytes, or the stated byte fallback, so that a trace reads text as the
     bundle will. A directory whose tokenizer is not a tokenizer.json is refused: its bundle would
     serve that text as bytes, so a trace through another tokenizer would route other tokens."""
-    from moeplan.backends.runtime.text_codec import TextCodec
+    from moeplan.runtime.text_codec import TextCodec
 
     directory = Path(model)
     if directory.is_dir() and not (directory / "tokenizer.json").is_file() and \
@@ -101,7 +101,7 @@ def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_fr
     """Record MODEL's routing on the text in --data into a trace file (.npz)."""
     from moeplan.passes.analysis.trace.record import model_limits, record_trace
     from moeplan.passes.analysis.trace.format import save_trace
-    from moeplan.planner.importers import load_model
+    from moeplan.passes.importers import load_model
 
     text = read_text(data)
     loaded = load_model(model)

@@ -1,9 +1,9 @@
 """`moeplan run BUNDLE [--verify]` for torchrun bundles: launch, then check what the ranks report.
 
 The bundle is validated first (manifest hashes, shards, world size) so a tampered bundle stops
-with one line before any rank starts; `backends/torchrun/launch.py` starts the ranks. With
+with one line before any rank starts; `planner/launch/torchrun_launch.py` starts the ranks. With
 --verify the outputs are compared with the source model shipped in the bundle
-(`backends/torchrun/verify.py`: max |logit diff| <= 1e-4, identical greedy tokens), and in
+(`planner/launch/torchrun_verify.py`: max |logit diff| <= 1e-4, identical greedy tokens), and in
 coherent mode the measured gpu_local_fraction must equal the placement metric of
 `passes/optimize/placement/metrics.py` on the routing of the same tokens.
 """
@@ -13,9 +13,10 @@ import json
 import tempfile
 from pathlib import Path
 
-from moeplan.backends.torchrun.launch import failure_reason, launch, read_prompts
+from moeplan.planner.launch.torchrun_launch import failure_reason, launch, read_prompts
 from moeplan.core import progress
 from moeplan.core.errors import UserError
+from moeplan.planner.launch.open_bundle import open_bundle
 
 LOGIT_TOLERANCE = 1e-4
 
@@ -26,7 +27,7 @@ def predicted_locality(root: Path, out_dir: Path) -> float:
 
     from moeplan.passes.analysis.trace.format import make_trace
     from moeplan.passes.optimize.placement.metrics import score_placement
-    from moeplan.passes.optimize.placement.contract import placement_from_dict
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
     placement = placement_from_dict(json.loads((root / "placement.json").read_text()))
     routing = torch.load(out_dir / "routing.pt", weights_only=True)
@@ -44,16 +45,8 @@ def run_modes(bundle: str, nproc: int | None, prompts_path: str | None, new_toke
               results: str | None, timeout: float, context: str = "auto") -> dict:
     """One torchrun launch running every mode in turn on the same prompts; {mode: report}.
     `context`: coherent mode's context exchange (auto: hidden state or K/V per block; hidden)."""
-    from moeplan.backends.common.manifest import BundleCheckError, check_bundle
-
     root = Path(bundle)
-    from moeplan.backends.runtime.bundle_io import BundleError, check_referenced_checkpoint
-
-    try:
-        plan = check_bundle(root, nproc)
-        check_referenced_checkpoint(root, plan)  # --weights reference: the checkpoint is the compiled one
-    except (BundleCheckError, BundleError) as exc:
-        raise UserError(str(exc)) from None
+    plan = open_bundle(root, nproc)
     world = int(plan["topology"]["nodes"]) * int(plan["topology"]["gpus_per_node"])
     if new_tokens < 1:
         raise UserError(f"--new-tokens must be at least 1, got {new_tokens}")
@@ -96,15 +89,15 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
     }
-    from moeplan.planner.pipeline.cost_passes import measured_beside_predicted  # issue 12: the cost model, checked
+    from moeplan.passes.cost.run_check import measured_beside_predicted  # issue 12: the cost model, checked
 
     report.update(measured_beside_predicted(root, plan, out_dir, mode, summary, context))
     if plan["communication"].get("expert_cache"):  # issue 13: measured cache counters beside the simulator's
-        from moeplan.planner.pipeline.offload import cache_beside_simulation
+        from moeplan.passes.optimize.offload.run_check import cache_beside_simulation
 
         report.update(cache_beside_simulation(root, plan, out_dir, summary))
     if verify:
-        from moeplan.backends.torchrun.verify import VerifyError, compare
+        from moeplan.planner.launch.torchrun_verify import VerifyError, compare
 
         try:
             report.update(compare(root, plan, out_dir, new_tokens, reference_cache))

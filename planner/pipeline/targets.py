@@ -20,7 +20,7 @@ from collections.abc import Callable
 from moeplan.core import progress
 from moeplan.core.errors import UserError
 from moeplan.core.pass_manager import PassManager
-from moeplan.planner.pipeline import engines, flags, lambda_, offload, torchrun
+from moeplan.planner.pipeline import engine_targets, flags, lambda_, offload, torchrun
 
 DEFAULT_TARGET = "torchrun"
 
@@ -53,11 +53,11 @@ TARGETS = {t.name: t for t in (
     Target("lambda", "AWS Lambda (SAM) bundle: sized expert functions, partitioned dense stages (docs/serverless.md)",
            lambda_.PASSES, lambda m, t, o, v, g: lambda_.inputs(m, t, o, v), lambda_.summary, lambda_.describe),
     Target("sglang", "the placement file SGLang loads at startup, launch script (a config is enough; docs/interop.md)",
-           engines.PASSES, lambda m, t, o, v, g: engines.inputs("sglang", m, t, o, v, g), engines.summary,
-           engines.describe),
+           engine_targets.PASSES, lambda m, t, o, v, g: engine_targets.inputs("sglang", m, t, o, v, g), engine_targets.summary,
+           engine_targets.describe),
     Target("trtllm", "TensorRT-LLM's static MoE load balancer file, launch script (a config is enough)",
-           engines.PASSES, lambda m, t, o, v, g: engines.inputs("trtllm", m, t, o, v, g), engines.summary,
-           engines.describe),
+           engine_targets.PASSES, lambda m, t, o, v, g: engine_targets.inputs("trtllm", m, t, o, v, g), engine_targets.summary,
+           engine_targets.describe),
     Target("offload", "one GPU whose experts do not all fit: expert cache, residents, eviction, prefetch, tiers "
            "(plan only; docs/offload.md)", offload.PASSES, lambda m, t, o, v, g: offload.inputs(m, t, o, v),
            offload.summary, offload.describe, bundles=False),

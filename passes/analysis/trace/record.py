@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.runtime.ep.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.passes.analysis.trace.format import Trace, make_trace
 from moeplan.passes.analysis.trace.record_onnx import record_onnx_routing
@@ -55,7 +55,7 @@ def encode_text(text: str, vocab_size: int, tokenizer: Callable[[str], Sequence[
     if tokenizer is not None:
         ids = np.asarray(list(tokenizer(text)), dtype=np.int64)
     else:
-        from moeplan.backends.runtime.text_codec import TextCodec
+        from moeplan.runtime.text_codec import TextCodec
 
         if vocab_size < 256:
             raise UserError(

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.runtime.ep.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.attention_ids import attention_argmax_ids
 from moeplan.core.errors import UserError
-from moeplan.planner.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
-from moeplan.planner.importers.onnx_graph import load_onnx_model, moe_layer_gates
+from moeplan.passes.importers.onnx_gating import find_attention_softmaxes, find_gates, node_position
+from moeplan.passes.importers.onnx_graph import load_onnx_model, moe_layer_gates
 
 _CACHE_SIZE = 2
 _sessions: dict = {}

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.runtime.ep.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import SPECULATION_SOURCES as SOURCES
 from moeplan.core.errors import UserError
 

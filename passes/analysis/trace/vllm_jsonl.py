@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import heaviest_first
+from moeplan.runtime.ep.expert_table import heaviest_first
 from moeplan.passes.analysis.trace.format import INT32_MAX, VALUE_BOUNDS, Trace, make_trace
 from moeplan.core.errors import UserError
 

@@ -9,7 +9,7 @@ floor(left / expert_bytes) (layer, expert) entries. `expert_cache` N overrides t
 
 Decisions, all by simulation of the held-out part of the planning trace (its last
 `validation_fraction` of sequences; the rest fits the models):
-* the moeplan policy's frequency weight (backends/runtime/offload_next_use.py);
+* the moeplan policy's frequency weight (runtime/offload/next_use.py);
 * residents at start: the cache's worth of most popular (layer, expert) keys;
 * eviction: the online policy with the best held-out hit ratio (ties: moeplan first);
 * prefetch: none, MoE-Infinity's EAMC, ours, or (traces recorded with --speculate) the
@@ -31,9 +31,9 @@ import numpy as np
 from moeplan.passes.analysis.activation import build_eamc, popularity_by_layer, sequence_ids, stream_order
 from moeplan.passes.optimize.offload.evaluate import (PAIRED_EVICTION, gap_to_belady, parse_variant, run_demand,
                                                      run_variants, speculation_settings, variant_order)
-from moeplan.backends.runtime.offload_next_use import fit_next_use
-from moeplan.backends.runtime.offload_policies import make_policy
-from moeplan.passes.optimize.offload.simulate import Timing, simulate_demand
+from moeplan.runtime.offload.next_use import fit_next_use
+from moeplan.runtime.offload.policies import make_policy
+from moeplan.passes.optimize.offload.simulator import Timing, simulate_demand
 from moeplan.passes.optimize.offload.stream import build_stream
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import OFFLOAD_FIGURES, HardwareProfile
@@ -148,7 +148,7 @@ def timing_for(ir, hw: HardwareProfile, host_keys=None, host_compute: bool = Fal
 HOST_COMPUTE_RULES = ("never", "cheaper")
 
 
-# blocks whose experts the runtime cannot run one at a time on the host (backends/runtime/host_compute.py)
+# blocks whose experts the runtime cannot run one at a time on the host (runtime/offload/host_compute.py)
 NO_HOST_COMPUTE = ("Llama4", "JetMoe")
 
 

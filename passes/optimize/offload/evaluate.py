@@ -9,9 +9,9 @@ miss ("<mode>+host") where the profile has the host's rates.
 """
 from __future__ import annotations
 
-from moeplan.backends.runtime.offload_policies import DEMAND_POLICIES, make_policy
-from moeplan.backends.runtime.offload_prefetch import PREFETCHERS, make_prefetcher
-from moeplan.passes.optimize.offload.simulate import simulate_demand, simulate_timed
+from moeplan.runtime.offload.policies import DEMAND_POLICIES, make_policy
+from moeplan.runtime.offload.prefetch import PREFETCHERS, make_prefetcher
+from moeplan.passes.optimize.offload.simulator import simulate_demand, simulate_timed
 
 PREFETCH_MODES = PREFETCHERS
 PAIRED_EVICTION = {"none": "moeplan", "moe-infinity": "moe-infinity", "moeplan": "moeplan",

@@ -1,7 +1,7 @@
 """The simulator's replay of a bundle run's expert caches: what `moeplan run --verify` compares with
 the counters the ranks measured (issue 13).
 
-Each rank logged the requests it served (backends/runtime/expert_cache.OnlineStream). Replaying
+Each rank logged the requests it served (runtime/expert_cache.OnlineStream). Replaying
 that stream through the stepper with the plan's capacity, residents, eviction policy, prefetcher
 (restricted to the rank's experts) and timing must give exactly the rank's hits, loads,
 prefetches, prefetched keys that hit, requests resident at layer start and bytes moved: the
@@ -10,13 +10,13 @@ clock (the plan records no timing) and the replay is demand paging. The replay's
 and prefetch) are split into disk reads and host-tier copies by the plan's host tier (tiers.py);
 requests computed on the host (the plan's host_compute rule) are compared too, with the disk
 reads of those outside the host tier. A speculative prefetcher reads the speculation the rank
-logged (computed live with the model's own routers, backends/runtime/speculation.py).
+logged (computed live with the model's own routers, runtime/offload/speculation.py).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from moeplan.backends.runtime.offload_stepper import TimedCache, Timing, pair_keys, plan_stepper
+from moeplan.runtime.offload.stepper import TimedCache, Timing, pair_keys, plan_stepper
 from moeplan.passes.optimize.offload.tiers import TIER_COUNTERS, LoadRecorder, tier_totals
 
 COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "resident_at_layer_start", "bytes_moved",
@@ -26,7 +26,7 @@ COMPARED = ("requests", "hits", "loads", "prefetches", "prefetch_hits", "residen
 def rank_stepper(spec: dict, rank: int, allowed: np.ndarray, stream, timing: Timing | None = None,
                  wrap=lambda policy: policy) -> TimedCache:
     """A fresh stepper for `rank` of the plan's expert_cache section `spec` over `stream`, with the
-    rank's planned capacity and residents (`offload_stepper.plan_stepper`; `timing`: another clock)."""
+    rank's planned capacity and residents (`runtime/offload/stepper.py: plan_stepper`; `timing`: another clock)."""
     new = plan_stepper(spec, rank, allowed, stream.num_experts, timing, wrap)
     return new(stream, int(spec["capacity"][rank]), pair_keys(spec["resident"][rank], stream.num_experts))
 

@@ -175,7 +175,7 @@ def restrict(stream: Stream, key_mask: np.ndarray) -> Stream:
 
 
 def stream_from_log(log: dict) -> Stream:
-    """The stream a runtime expert cache recorded (backends/runtime/expert_cache.OnlineStream.to_record):
+    """The stream a runtime expert cache recorded (runtime/expert_cache.OnlineStream.to_record):
     its steps as served, so the simulator replays exactly the requests the run made."""
     arr = lambda name: np.asarray(log[name], dtype=np.int64).reshape(-1)
     keys, start = arr("keys"), arr("step_start")

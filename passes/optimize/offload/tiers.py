@@ -1,7 +1,7 @@
 """Which expert loads read disk and which copy from host memory: the simulator's tier split.
 
 Why: a rank holds its plan's host-tier keys in host memory from the start (the runtime preloads
-them, backends/runtime/expert_store.py) and reads every other key from disk at each load, which
+them, runtime/offload/expert_store.py) and reads every other key from disk at each load, which
 is the planner's timing model (`Timing.copy_s`: NVMe first only for keys outside `host_keys`).
 So the split of a run's loads follows from the loaded keys alone: a load of a host key is a host
 copy, any other load a disk read. `LoadRecorder` collects the loaded keys from a simulation

@@ -4,8 +4,8 @@ Start at `policies.plan_placement(trace, PlacementRequest(...))`: it checks the 
 algorithm the request names and scores the result with the placement metric.
 
     policies.py       the entry point: request -> algorithm -> scored `Placement`
-    contract.py       `Topology`, `Placement` and placement.json (read, validate, write); the dispatch
-                      rule over a placement is the runtime's: backends/runtime/expert_table.py
+    schema.py         `Topology`, `Placement` and placement.json (read, validate, write); the dispatch
+                      rule over a placement is the runtime's: runtime/ep/expert_table.py
     metrics.py        the placement metric (GPU/node-local transitions, max/mean load): tokens follow
                       the runtime's replica rule
     algorithms/       contiguous, eplb, ilp behind one enum (`algorithms/__init__.py`); the staged ILP is

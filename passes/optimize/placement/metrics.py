@@ -1,7 +1,7 @@
 """The placement metrics of ARCHITECTURE.md, computed by one vectorised function for everyone.
 
 - *Current device* after MoE layer l: the device of the token's highest-weight expert at l, by the
-  runtime's replica rule (`backends/runtime/expert_table.py: ExpertTable.primary`): for a
+  runtime's replica rule (`runtime/ep/expert_table.py: ExpertTable.primary`): for a
   replicated expert the replica on the previous current device if any, else the first replica
   on the same node as it, else the first listed (lowest device id). At layer 0 there is no
   previous device, so the first listed replica is taken. A token with no expert at a layer keeps
@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.runtime.ep.expert_table import ExpertTable
 from moeplan.passes.analysis.affinity import heaviest_choice
 from moeplan.passes.analysis.trace.format import Trace
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 from moeplan.core.errors import UserError
 
 

@@ -21,7 +21,7 @@ from moeplan.passes.optimize.milp import relative_gap
 from moeplan.passes.optimize.placement.algorithms import PlacementAlgorithm, algorithm_named, place_experts
 from moeplan.passes.optimize.placement.algorithms.ilp_caps import BALANCE_BASES
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT
-from moeplan.passes.optimize.placement.contract import Placement, Topology
+from moeplan.passes.optimize.placement.schema import Placement, Topology
 from moeplan.passes.optimize.placement.metrics import score_placement
 from moeplan.core.errors import UserError
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 
 
 def contiguous_placement(num_layers: int, num_experts: int, topology: Topology) -> np.ndarray:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.optimize.placement.contract import Topology
+from moeplan.passes.optimize.placement.schema import Topology
 
 
 def replica_counts(loads: np.ndarray, slots: int, max_replicas: int) -> np.ndarray:

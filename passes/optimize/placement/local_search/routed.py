@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moeplan.backends.runtime.expert_table import ExpertTable
+from moeplan.runtime.ep.expert_table import ExpertTable
 from moeplan.passes.analysis.affinity import heaviest_choice, transition_counts
 from moeplan.passes.optimize.placement.budget import WorkBudget
 from moeplan.passes.optimize.placement.local_search.layer_mip import CHAIN_NODE_LIMIT, layer_mip

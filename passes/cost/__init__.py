@@ -1,0 +1,8 @@
+"""The cost model and what prices with it (issue 38 item 7: one cost-model package).
+
+`cost_model.py`: bytes, messages and seconds per token of a placement under a mode, with the runtime's
+replica rule; `by_predicted_time.py`: the mode and the placement policy chosen by predicted time;
+`time_prices.py`: the ILP's load cap priced in the profile's seconds; `capacity.py`: the sequences
+and context the ranks hold (plan.json `communication.capacity`); `cost_pass.py`: the cost and
+placement passes of the torchrun and Kubernetes targets, and the prediction `moeplan run` checks.
+"""

@@ -1,0 +1,115 @@
+"""Decisions by predicted time: the communication mode and the placement policy a plan uses.
+
+Why: the placement objective (tokens that stay on their GPU) is a proxy; on the example model at
+4 CPU ranks the plan that wins on it (ilp + coherent) runs at 0.68x the tokens/s of contiguous +
+standard EP. Here every candidate is priced by the cost model (`passes/cost/cost_model.py`)
+under the chosen hardware profile, on the plan's trace and workload, and the fastest wins.
+
+* `--mode auto`: the mode with the lower predicted seconds per generated token; on a tie (within
+  `TIE`) standard EP, which moves no context traffic.
+* `--policy auto`: contiguous, eplb and ilp, each with and without replicas (one replica slot
+  per device). The ILP's load cap is chosen in the profile's time units (`time_prices.py`): a
+  remote slot and a slot of max-load excess each get a price in seconds from the profile and the
+  workload, and the cap with the lowest priced objective on the trace is kept, per mode (one
+  ILP candidate per distinct cap). Then the cost model prices every candidate in full.
+  Candidates that cannot be built for this topology (e.g. contiguous when experts do not divide
+  over devices) are skipped.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from moeplan.passes.cost.cost_model import COHERENT, STANDARD, expected
+from moeplan.core.errors import UserError
+
+MODES = (STANDARD, COHERENT)
+TIE = 0.01  # relative: a coherent win smaller than this is not worth its context traffic
+
+
+def predict_modes(hosts, gpus_per_node: int, shape, workload, trace_experts, profile, modes=MODES) -> dict:
+    """{mode: summary} for one placement, routing sampled from the trace."""
+    return {mode: expected(hosts, gpus_per_node, shape, mode, workload, trace_experts, profile) for mode in modes}
+
+
+def choose_mode(predictions: dict) -> str:
+    """The mode with the lower predicted seconds per token; standard unless coherent wins by > TIE."""
+    std, coh = predictions[STANDARD]["seconds_per_token"], predictions[COHERENT]["seconds_per_token"]
+    return COHERENT if coh < std * (1 - TIE) else STANDARD
+
+
+def candidates(request, num_experts: int) -> list:
+    """(label, PlacementRequest) for --policy auto, built from the user's request (time limit,
+    effort); the ILP's load cap is left to `ilp_candidates`."""
+    D = request.topology.devices
+    out = []
+    if num_experts % D == 0:
+        out.append(("contiguous", replace(request, policy="contiguous", redundant=0)))
+    for policy in ("eplb", "ilp"):
+        for redundant in (0, D):
+            if (num_experts + redundant) % D == 0:
+                out.append((f"{policy}" + (f"+{redundant}" if redundant else ""),
+                            replace(request, policy=policy, redundant=redundant)))
+    return out
+
+
+def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
+    """[(label@balance, request, placement)] of the ILP at the load cap each mode's time prices
+    choose (one per distinct cap), and the cap search's table."""
+    from moeplan.passes.cost.time_prices import choose_load_cap
+
+    try:
+        chosen, table = choose_load_cap(trace, req, prices)
+    except UserError:
+        try:  # no cap over the mean is feasible: caps relative to EPLB's best instead
+            req = replace(req, balance_base="eplb")
+            chosen, table = choose_load_cap(trace, req, prices)
+        except UserError:
+            return [], []
+    out, seen = [], set()
+    for _, (placement, balance) in sorted(chosen.items()):
+        if balance not in seen:
+            seen.add(balance)
+            out.append((f"{label}@balance{balance:g}", replace(req, balance=balance), placement))
+    return out, table
+
+
+def choose_placement(trace, request, shape, profile, workload, mode: str) -> tuple:
+    """Build every candidate, predict each under `mode` (or both for auto), keep the fastest.
+
+    Returns (placement, table): table rows {label, policy, redundant, balance, mode,
+    seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json; the
+    ILP rows carry `prices` and `cap_search` (time_prices.py)."""
+    from moeplan.passes.optimize.placement.policies import plan_placement
+    from moeplan.passes.cost.time_prices import time_prices
+
+    modes = MODES if mode == "auto" else (mode,)
+    topo = request.topology
+    prices = {m: time_prices(profile, shape, workload, topo.devices, topo.gpus_per_node, trace.num_experts, m) for m in modes}
+    built = []
+    for label, req in candidates(request, trace.num_experts):
+        if req.policy == "ilp":
+            found, table = ilp_candidates(trace, label, req, prices)
+            built += [(lab, r, p, {"prices": {m: v.to_dict() for m, v in prices.items()}, "cap_search": table})
+                      for lab, r, p in found]
+            continue
+        try:
+            built.append((label, req, plan_placement(trace, req), {}))
+        except UserError:
+            continue
+    rows, best = [], None
+    for label, req, placement, extra in built:
+        preds = predict_modes(placement.hosts(), req.topology.gpus_per_node, shape, workload, trace.experts, profile,
+                              MODES if mode == "auto" else (mode,))
+        chosen = choose_mode(preds) if mode == "auto" else mode
+        p = preds[chosen]
+        rows.append({"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
+                     "balance": req.balance if req.policy == "ilp" else None,
+                     "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
+                     "modes": preds, **extra})
+        if best is None or p["seconds_per_token"] < best[0] * (1 - TIE):
+            best = (p["seconds_per_token"], placement, label)
+    if best is None:
+        raise UserError("--policy auto found no placement policy that fits this topology; pick --policy and --redundant explicitly")
+    for row in rows:
+        row["chosen"] = row["label"] == best[2]
+    return best[1], rows

@@ -1,0 +1,54 @@
+"""Coherent mode's context rows as the cost model prices them: per decoder block, what the runtime
+sends per token (the hidden state or the cache's K/V; `runtime/ep/context_exchange.py` chooses),
+read off a model or a bundle, and the model's shape with them.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from moeplan.passes.cost.cost_model import ModelShape
+
+
+def context_plan_of(module, choice: str = "auto") -> list:
+    """[[hidden | kv, elements per token]] per decoder block: the runtime's own choice of coherent
+    mode's context row (`runtime/ep/context_exchange.py`), read off the model's modules
+    (meta device is enough); [] when the runtime cannot run the model."""
+    from moeplan.runtime.ep.context_exchange import model_context_plan
+    from moeplan.runtime.model.library_model import ModelError
+
+    if module is None:
+        return []
+    try:
+        return [[kind, int(n)] for kind, n in model_context_plan(module, choice)]
+    except (ModelError, StopIteration):
+        return []
+
+
+def shape_with_context(ir, context: list) -> ModelShape:
+    """The IR's shape with coherent mode's per-block context rows (when they cover every block)."""
+    shape = ModelShape.from_ir(ir)
+    if len(context) != shape.num_blocks:
+        return shape
+    return replace(shape, context_elements=tuple(n for _, n in context))
+
+
+def shape_of_plan(plan: dict, context: list | None = None) -> ModelShape:
+    return shape_with_context(_ir(plan), context or [])
+
+
+def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:
+    """The context plan a bundle's runtime follows: recorded by compile, else read off its model
+    (built on meta); with choice 'hidden' every block sends the hidden state."""
+    recorded = plan.get("predicted", {}).get("cost", {}).get("context") if choice == "auto" else None
+    if recorded is None and plan["model"].get("architecture") == "transformers":
+        from moeplan.runtime.model.library_model import build_transformers
+
+        recorded = context_plan_of(build_transformers((root / plan["model"]["config"]).parent, device="meta"), choice)
+    return recorded or []
+
+
+def _ir(plan: dict):
+    from moeplan.core.ir import ModelIR
+
+    return ModelIR.from_dict(plan["model"]["ir"])

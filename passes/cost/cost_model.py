@@ -1,0 +1,485 @@
+"""Cost model: what a torchrun plan moves and how long it takes, before it runs.
+
+Why: the placement objective (share of tokens that stay on their GPU) is a proxy. A plan that wins
+on it can lose on time (coherent mode's context traffic, more collective calls). This pass
+replays the runtime's exchanges (`runtime/ep/engine.py`, `exchange.py`, `expert_table.py`)
+on a routing of the served tokens and prices them with a hardware profile, so every decision
+(mode, policy, ILP balance) is taken by predicted seconds, and every prediction is one that
+`moeplan run --verify` measures.
+
+Traffic (exact, given the routing of the served tokens; summed over ranks like the runtime's
+counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the runtime's packing:
+* dispatch row = 4 (D + k + 2 (1 + ceil(2k / 4))) bytes (hidden, gate weights, key, packed ids
+  and destinations), one per (token, distinct destination rank other than its current rank);
+* combine row (standard) = 4 D, one per dispatch row (the partial output travels back);
+* merge row (coherent) = 4 (D + 2), one per (token, distinct destination rank other than its
+  primary rank): each non-primary rank sends its partial sum to the primary;
+* context row (coherent) = 4 (C + 2) per token and other rank, at every block after the first
+  MoE block, C per block as the runtime chooses (`runtime/ep/context_exchange.py`): the
+  normed hidden state (C = D, each rank projects K/V itself) or, where smaller, what the library's
+  KV cache stores (K + V = 2 x KV heads x head dim for GQA; latent + rotated key for MLA);
+* prompt sync (coherent, once) = 24 bytes per prompt token and other rank; token sync (coherent,
+  per step) = 16 bytes per sequence and other rank;
+* control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts);
+* messages = per rank and call, the number of other ranks it sends at least one row to.
+Replica choice is the runtime's own rule (`runtime/ep/expert_table.py`, run here as in the
+bundle), so with the run's own routing the bytes equal the measured counters.
+
+Time (per step, then per generated token = sum of steps / generated tokens):
+* compute, per block and rank r: c_r = ops_r x op_overhead + max(flops_r / flops_per_s,
+  weight bytes read_r / memory bandwidth) (decode on GPUs is weight-read bound), with
+  flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
+  the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
+  loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
+  expert invoked, MOE_OPS per MoE layer; coherent mode adds COHERENT_HOOK_OPS per block on every
+  rank, its hooks) + slots x python_slot_s (the replica choice, a Python loop);
+  the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
+  and ranks sharing too few cores (CPU) queue;
+* communication, per exchange call: 2 x collective latency(W) (counts, then rows) +
+  per message and tier: latency + bytes / bandwidth of the tier (same node / other node), the
+  slowest rank's sum, + the call's Python work (EXCHANGE_OPS + PEER_OPS[kind] x W ops, times
+  W / parallel_ranks when ranks outnumber cores).
+The constants come from a hardware profile (`core/hardware_data/*.yaml`, `moeplan calibrate`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeplan.runtime.ep.expert_table import ExpertTable
+
+COHERENT, STANDARD = "coherent", "standard"
+PHASES = ("dispatch", "combine", "merge", "context")
+STEP_PHASES = ("prompt_sync", "token_sync")
+TIMED_EXCHANGES = PHASES + ("token_sync",)  # prompt sync happens before the runtime's timer starts
+EXCHANGE_PARTS = ("call", "same_node", "other_node")
+FLOAT = 4
+# Torch calls (and Python lines around them) the engine makes, counted off engine.py, exchange.py
+# and tiny_moe.py: the attention of one block (norm 6, qkv 3, cache writes 8, output 2, ...) and
+# per sequence in it (mask, two einsums, softmax, gathers ~20); one expert call (norm, three
+# linears, SiLU, gathers, index_add ~19); the fixed part of an MoE layer (route 11, packing and
+# unpacking 28, trace and counters 9, shared experts 8, ...); the replica choice per slot
+# (priced apart: `python_slot_s`, a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
+# per peer in it by kind (select rows, unpack them).
+ATTN_OPS = 23
+EXPERT_CALL_OPS = 19
+MOE_OPS = 60
+EXCHANGE_OPS = 8
+PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
+MERGE_OPS_PER_ROW = 0.5
+HEAD_OPS = 6
+# Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
+# running the block's norm and router a second time up to the experts, the context hook at the
+# attention input and the block-output correction. Measured, not counted: the runtime engine on one
+# rank in coherent mode less standard mode, over the fitted op cost, per block and step: 35.6
+# (examples/tiny_moe) and 37.3 (examples/qwen3_moe), median of 7 interleaved runs each.
+COHERENT_HOOK_OPS = 36
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What traffic and compute depend on: sizes of one token's rows and FLOPs per block."""
+
+    hidden: int
+    top_k: int
+    num_blocks: int
+    moe_blocks: tuple            # block index of each MoE layer, in order
+    attention_flops: float       # per token per block (norm, projections, scores at a short context)
+    expert_flops: float          # per token per routed expert
+    dense_mlp_flops: float = 0.0  # per token per dense (non-MoE) block
+    head_flops: float = 0.0      # per token (final norm + LM head)
+    moe_dense_flops: float = 0.0  # per token per MoE block: router and shared experts (where the token is)
+    expert_bytes: float = 0.0    # weights one expert call reads
+    attention_bytes: float = 0.0  # weights one block's attention reads
+    element_bytes: int = FLOAT   # hidden-state element on the wire (the runtime sends float32)
+    context_elements: int | tuple = 0  # coherent context row per token: one int for every block, or one per
+                                 # block (the runtime's `context_exchange` plan); 0: the hidden state.
+                                 # K and V (2 x kv heads x head dim) or an MLA latent are smaller
+
+    @classmethod
+    def from_ir(cls, ir) -> ModelShape:
+        """From a ModelIR: blocks are the attention stages; MoE stages sit in the block they follow."""
+        blocks, moe_blocks, attn, attn_bytes, mlp, head = -1, [], [], [], [], 0.0
+        for s in ir.stages:
+            if s.is_moe:
+                moe_blocks.append(max(blocks, 0))
+            elif "attn" in s.kind or "attention" in s.kind:
+                blocks += 1
+                attn.append(s.flops_per_token)
+                attn_bytes.append(s.param_bytes)
+            elif s.kind in ("mlp", "dense_mlp", "ffn"):
+                mlp.append(s.flops_per_token)
+            elif s.kind in ("head", "lm_head", "norm_head"):
+                head += s.flops_per_token
+        moe = ir.moe_stages[0]
+        return cls(hidden=int(moe.hidden_size), top_k=int(moe.top_k), num_blocks=max(blocks + 1, len(moe_blocks)),
+                   moe_blocks=tuple(moe_blocks), attention_flops=float(np.mean(attn)) if attn else 0.0,
+                   expert_flops=float(moe.expert_flops_per_token),
+                   moe_dense_flops=float(max(moe.flops_per_token - moe.top_k * moe.expert_flops_per_token, 0)),
+                   dense_mlp_flops=float(np.mean(mlp)) if mlp else 0.0, head_flops=float(head),
+                   expert_bytes=float(moe.expert_param_bytes), attention_bytes=float(np.mean(attn_bytes)) if attn_bytes else 0.0)
+
+    @property
+    def dispatch_row_bytes(self) -> int:
+        return self.element_bytes * self.hidden + FLOAT * (self.top_k + 2 * (1 + math.ceil(2 * self.top_k / 4)))
+
+    @property
+    def combine_row_bytes(self) -> int:
+        return self.element_bytes * self.hidden
+
+    def context_elements_at(self, block: int) -> int:
+        """Elements per token of block `block`'s context row (the hidden state unless set)."""
+        c = self.context_elements
+        n = (c[block] if block < len(c) else 0) if isinstance(c, tuple) else c
+        return int(n or self.hidden)
+
+    def context_row_bytes_at(self, block: int) -> int:
+        """coherent context rows of one block: the hidden state (or its K/V) + one int64 key."""
+        return self.element_bytes * self.context_elements_at(block) + FLOAT * 2
+
+    @property
+    def keyed_row_bytes(self) -> int:
+        """merge and context rows: hidden + one int64 key (two float32s)."""
+        return self.element_bytes * self.hidden + FLOAT * 2
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests served together: prompt lengths and generated tokens per request (greedy)."""
+
+    prompt_lengths: tuple
+    new_tokens: int
+
+    def steps(self) -> list:
+        """[(seq, pos) in key order] per step: the prompts, then one token per request per step."""
+        first = [(s, p) for s, n in enumerate(self.prompt_lengths) for p in range(n)]
+        later = [[(s, n + j) for s, n in enumerate(self.prompt_lengths)] for j in range(self.new_tokens - 1)]
+        return [first] + later
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.prompt_lengths) * self.new_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(sum(self.prompt_lengths))
+
+
+@dataclass
+class Prediction:
+    """Counters in the runtime's layout (summed over ranks) plus time, for one plan and mode."""
+
+    mode: str
+    world: int
+    generated_tokens: int
+    layers: list                 # per block: {phase: {bytes, messages, control_bytes, control_messages}}
+    step: dict                   # {prompt_sync_bytes, ...}
+    tiers: dict = field(default_factory=lambda: {"same_node": 0, "other_node": 0})
+    step_seconds: list = field(default_factory=list)
+    compute_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    tokens_per_rank: list = field(default_factory=list)  # per MoE layer: expert rows per rank (summed over steps)
+    # comm_seconds split by exchange kind, then into the call's fixed part (collective latency and the
+    # call's Python work) and the slowest rank's messages per link tier; sums to comm_seconds
+    exchange_seconds: dict = field(default_factory=lambda: {k: dict.fromkeys(EXCHANGE_PARTS, 0.0) for k in TIMED_EXCHANGES})
+
+    @property
+    def all_to_all_bytes(self) -> int:
+        return sum(l[p]["bytes"] for l in self.layers for p in ("dispatch", "combine", "merge"))
+
+    @property
+    def total_bytes(self) -> int:
+        layer = sum(l[p][f] for l in self.layers for p in PHASES for f in ("bytes", "control_bytes"))
+        return layer + sum(v for k, v in self.step.items() if k.endswith("bytes"))
+
+    @property
+    def all_to_all_messages(self) -> int:
+        return sum(l[p]["messages"] for l in self.layers for p in ("dispatch", "combine", "merge"))
+
+    @property
+    def messages(self) -> int:
+        """Every data message: all-to-all, context and syncs (control messages apart)."""
+        return sum(l[p]["messages"] for l in self.layers for p in PHASES) + sum(
+            v for k, v in self.step.items() if k.endswith("_messages") and "control" not in k)
+
+    def bytes_by_kind(self) -> dict:
+        out = {p: sum(l[p]["bytes"] for l in self.layers) for p in PHASES}
+        out["sync"] = sum(v for k, v in self.step.items() if k.endswith("_bytes") and "control" not in k)
+        out["control"] = sum(l[p]["control_bytes"] for l in self.layers for p in PHASES) + sum(
+            v for k, v in self.step.items() if k.endswith("control_bytes"))
+        return out
+
+    def summary(self, prompt_tokens: int) -> dict:
+        """JSON-ready: bytes and messages per generated token by kind, seconds by phase."""
+        g = max(self.generated_tokens, 1)
+        decode = self.step_seconds[1:]
+        return {
+            "mode": self.mode,
+            "bytes_per_token": self.all_to_all_bytes / g,
+            "total_bytes_per_token": self.total_bytes / g,
+            "bytes_per_token_by_kind": {k: v / g for k, v in self.bytes_by_kind().items()},
+            "bytes_per_token_by_tier": {k: v / g for k, v in self.tiers.items()},
+            "messages_per_token": self.all_to_all_messages / g,
+            "all_messages_per_token": self.messages / g,
+            "seconds_per_token": sum(self.step_seconds) / g,
+            "seconds_per_prefill_token": (self.step_seconds[0] / prompt_tokens) if prompt_tokens and self.step_seconds else 0.0,
+            "seconds_per_decode_step": (sum(decode) / len(decode)) if decode else 0.0,
+            "compute_share": self.compute_seconds / max(self.compute_seconds + self.comm_seconds, 1e-30),
+            "compute_seconds_per_token": self.compute_seconds / g,
+            "exchange_seconds_per_token": {k: {part: v / g for part, v in parts.items()}
+                                           for k, parts in self.exchange_seconds.items()},
+        }
+
+
+class _Counter:
+    """Accumulates one exchange call's rows per (source, destination) into counters and time."""
+
+    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int):
+        self.pred, self.table, self.profile, self.world = pred, table, profile, world
+
+    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
+        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds."""
+        W = self.world
+        if W == 1:
+            return 0.0
+        off = rows.copy()
+        np.fill_diagonal(off, 0)
+        nbytes = int(off.sum()) * row_bytes
+        msgs = int((off > 0).sum())
+        ctrl_b, ctrl_m = 8 * (W - 1) * W, (W - 1) * W
+        if layer is None:
+            for f, v in (("bytes", nbytes), ("messages", msgs), ("control_bytes", ctrl_b), ("control_messages", ctrl_m)):
+                self.pred.step[f"{phase}_{f}"] += v
+        else:
+            entry = self.pred.layers[layer][phase]
+            entry["bytes"] += nbytes
+            entry["messages"] += msgs
+            entry["control_bytes"] += ctrl_b
+            entry["control_messages"] += ctrl_m
+        node = self.table.node_of
+        same = node[:, None] == node[None, :]
+        self.pred.tiers["same_node"] += int(off[same].sum()) * row_bytes
+        self.pred.tiers["other_node"] += int(off[~same].sum()) * row_bytes
+        if self.profile is None:
+            return 0.0
+        p = self.profile
+        per_rank = []
+        for s in range(W):
+            t = {"same_node": 0.0, "other_node": 0.0}
+            for d in range(W):
+                if off[s, d]:
+                    tier = "same_node" if same[s, d] else "other_node"
+                    t[tier] += p.message_latency_s[tier] + off[s, d] * row_bytes / p.bandwidth_bytes_per_s[tier]
+            per_rank.append(t)
+        slowest = max(per_rank, key=lambda t: t["same_node"] + t["other_node"])
+        ops = EXCHANGE_OPS + PEER_OPS[phase] * W + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
+        parts = {"call": 2 * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
+        if phase in self.pred.exchange_seconds:
+            for part, v in parts.items():
+                self.pred.exchange_seconds[phase][part] += v
+        return parts["call"] + slowest["same_node"] + slowest["other_node"]
+
+
+def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str, workload: Workload,
+            routing: dict, profile=None) -> Prediction:
+    """Replay one run: routing {(seq, pos): int [L, k] expert ids, heaviest first} for every token
+    the workload processes; hosts bool [L, E, W]. Returns counters (and time with a profile)."""
+    if mode not in (COHERENT, STANDARD):
+        raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
+    W = hosts.shape[2]
+    table = ExpertTable(hosts, gpus_per_node)
+    pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
+                      layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)
+                               for p in PHASES} for _ in range(shape.num_blocks)],
+                      step={f"{p}_{f}": 0 for p in STEP_PHASES for f in ("bytes", "messages", "control_bytes", "control_messages")},
+                      tokens_per_rank=[[0] * W for _ in shape.moe_blocks])
+    counter = _Counter(pred, table, profile, W)
+    moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
+    if mode == COHERENT:
+        own = np.zeros((W, W), dtype=np.int64)
+        for s, n in enumerate(workload.prompt_lengths):
+            own[s % W, :] += n
+        counter.exchange(own, 24, None, "prompt_sync")  # before the runtime's timer starts: bytes only
+    for step_tokens in workload.steps():
+        step_time = 0.0
+        keys = sorted(step_tokens)
+        if mode == STANDARD:
+            current = {t: t[0] % W for t in keys}
+        else:
+            current = None  # every rank holds every token until the first MoE layer
+        last_of = {}
+        for t in keys:
+            last_of[t[0]] = t
+        for block in range(shape.num_blocks):
+            compute = np.zeros(W)
+            # attention (and the dense parts) where the token is; coherent: K/V for every token on every rank
+            if current is None:
+                holders = dict.fromkeys(range(W), keys)
+            else:
+                holders = {r: [t for t in keys if current[t] == r] for r in range(W)}
+            if mode == COHERENT and current is not None:
+                counts = np.array([[len(holders[r])] * W for r in range(W)], dtype=np.int64)
+                step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes_at(block), block, "context"), comm=True)
+            if mode == COHERENT:
+                compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
+            for r in range(W):
+                seqs = len({s for s, _ in holders[r]})
+                if holders[r]:
+                    dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
+                    compute[r] += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs, len(holders[r]) * dense,
+                                        shape.attention_bytes)
+                if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
+                    compute[r] += _cost(profile, 2, (len(keys) - len(holders[r])) * shape.attention_flops / 3)
+            moe = moe_of.get(block)
+            if moe is None:
+                for r in range(W):
+                    compute[r] += _cost(profile, EXPERT_CALL_OPS, len(holders[r]) * shape.dense_mlp_flops)
+                step_time += _add(pred, _pace(profile, compute, W))
+                continue
+            rows_compute = np.zeros(W)
+            experts_called = [set() for _ in range(W)]
+            if current is None:  # coherent first MoE layer: replicated tokens, merge only
+                ids = _slot_ids(routing, keys, moe, shape.top_k)
+                first = table.primary(moe, ids[:, 0], np.full(len(keys), -1))
+                dest = table.choose(moe, ids, first)
+                merge = np.zeros((W, W), dtype=np.int64)
+                for e, d in zip(ids.tolist(), dest.tolist()):
+                    for ex, r in zip(e, d):
+                        rows_compute[r] += 1
+                        experts_called[r].add(ex)
+                    for r in set(d) - {d[0]}:
+                        merge[r, d[0]] += 1
+                for r in range(W):
+                    compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(keys) * shape.top_k)
+                step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
+                step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
+                current = {t: int(d) for t, d in zip(keys, dest[:, 0])}
+                continue
+            dispatch = np.zeros((W, W), dtype=np.int64)
+            merge = np.zeros((W, W), dtype=np.int64)
+            new_current = {}
+            for r in range(W):
+                mine = holders[r]
+                ids = _slot_ids(routing, mine, moe, shape.top_k)
+                dest = table.choose(moe, ids, np.full(len(mine), r))
+                compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(mine) * shape.top_k)
+                for t, e, d in zip(mine, ids.tolist(), dest.tolist()):
+                    for ex, dr in zip(e, d):
+                        rows_compute[dr] += 1
+                        experts_called[dr].add(ex)
+                    for dr in set(d):
+                        dispatch[r, dr] += 1
+                    if mode == COHERENT:
+                        for dr in set(d) - {d[0]}:
+                            merge[dr, d[0]] += 1
+                        new_current[t] = d[0]
+            step_time += _add(pred, counter.exchange(dispatch, shape.dispatch_row_bytes, block, "dispatch"), comm=True)
+            step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
+            if mode == STANDARD:
+                step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine"), comm=True)
+            else:
+                step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
+                current = new_current
+        # logits where the token ends; coherent: the AllGather of new tokens
+        ends = np.zeros(W)
+        for t in keys:
+            ends[t[0] % W if current is None else current[t]] += 1
+        step_time += _add(pred, _pace(profile, np.array([_cost(profile, HEAD_OPS, n * shape.head_flops) for n in ends]), W))
+        if mode == COHERENT:
+            new = np.zeros((W, W), dtype=np.int64)
+            for t in last_of.values():
+                new[current[t], :] += 1
+            step_time += _add(pred, counter.exchange(new, 16, None, "token_sync"), comm=True)
+        pred.step_seconds.append(step_time)
+    return pred
+
+
+def _slot_ids(routing: dict, tokens: list, moe: int, top_k: int) -> np.ndarray:
+    """int64 [n, k]: the expert ids of `tokens` at MoE layer `moe`, heaviest first."""
+    if not tokens:
+        return np.zeros((0, top_k), dtype=np.int64)
+    return np.array([routing[t][moe] for t in tokens], dtype=np.int64)
+
+
+def _add(pred: Prediction, seconds: float, comm: bool = False) -> float:
+    if comm:
+        pred.comm_seconds += seconds
+    else:
+        pred.compute_seconds += seconds
+    return seconds
+
+
+def _cost(profile, ops: float, flops: float, weight_bytes: float = 0.0) -> float:
+    """ops x op overhead + the larger of FLOPs / rate and weight bytes read / memory bandwidth."""
+    if profile is None:
+        return 0.0
+    return ops * profile.op_overhead_s + max(flops / profile.flops_per_s, weight_bytes / profile.memory_bytes_per_s)
+
+
+def profile_ops_per_sequence(profile) -> float:
+    return 0.0 if profile is None else profile.attention_ops_per_sequence
+
+
+def _slots(profile, slots: int) -> float:
+    return 0.0 if profile is None else slots * profile.python_slot_s
+
+
+def _oversubscribed(profile, world: int) -> float:
+    """Ranks per core when there are more ranks than cores (their Python work queues)."""
+    return max(1.0, world / profile.parallel_ranks)
+
+
+def _pace(profile, compute: np.ndarray, world: int) -> float:
+    """Slowest rank, or the ranks' total over the ranks that can compute at once (shared cores)."""
+    if profile is None:
+        return 0.0
+    return float(max(compute.max(), compute.sum() / max(1, min(world, profile.parallel_ranks))))
+
+
+def _moe_compute(profile, shape, compute, rows, experts_called, pred, moe, world) -> float:
+    for r in range(world):
+        pred.tokens_per_rank[moe][r] += int(rows[r])
+        compute[r] += _cost(profile, EXPERT_CALL_OPS * len(experts_called[r]), rows[r] * shape.expert_flops,
+                            len(experts_called[r]) * shape.expert_bytes)
+    return _pace(profile, compute, world)
+
+
+def routing_from_keys(keys: np.ndarray, experts: np.ndarray, max_len: int) -> dict:
+    """The runtime's routing.pt (keys [T] = seq x max_len + pos, experts [T, L, k]) -> {(seq, pos): [L, k]}."""
+    return {(int(k) // max_len, int(k) % max_len): experts[i] for i, k in enumerate(keys)}
+
+
+def routing_from_trace(experts: np.ndarray, workload: Workload, offset: int = 0) -> dict:
+    """Assign a trace's tokens (experts [T, L, k]) to the workload's tokens in order, cycling."""
+    out = {}
+    T = experts.shape[0]
+    i = offset
+    for step in workload.steps():
+        for t in step:
+            out[t] = experts[i % T]
+            i += 1
+    return out
+
+
+def expected(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str, workload: Workload,
+             trace_experts: np.ndarray, profile=None, samples: int = 4) -> dict:
+    """A priori prediction: the mean summary over `samples` disjoint stretches of a routing trace
+    assigned to the workload's tokens (the served tokens' routing is not known before the run)."""
+    per = sum(len(s) for s in workload.steps())
+    T = trace_experts.shape[0]
+    samples = max(1, min(samples, T // max(per, 1)))
+    runs = [predict(hosts, gpus_per_node, shape, mode, workload,
+                    routing_from_trace(trace_experts, workload, offset=i * per), profile).summary(workload.prompt_tokens)
+            for i in range(samples)]
+    return _mean(runs)
+
+
+def _mean(dicts: list):
+    first = dicts[0]
+    if isinstance(first, dict):
+        return {k: _mean([d[k] for d in dicts]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return float(sum(dicts) / len(dicts))
+    return first

@@ -1,0 +1,84 @@
+"""What a plan is priced with: the cost options (`--hardware`, `--workload`), checked before any pass
+runs, and the hardware profile a plan recorded, as a person reads it.
+
+* `default_cost_options`: {"hardware", "workload"} with the defaults filled in (facts `cost_options`).
+* `parse_workload("8x32+8")`: 8 requests of 32 prompt tokens, 8 generated tokens each.
+* `plan_profile`, `profile_label`, `describe_choice`: the profile and the choice a plan's
+  `predicted.cost` records, for summaries, `run` and the report.
+"""
+from __future__ import annotations
+
+import re
+
+from moeplan.core.errors import UserError
+from moeplan.passes.cost.cost_model import Workload
+
+DEFAULT_WORKLOAD = "8x32+8"
+
+
+def default_cost_options(given: dict | None, nodes: int | None = None) -> dict:
+    """{"hardware", "workload"} with the defaults filled in (the default profile is named in the plan);
+    both are checked here, before any pass runs (with `nodes`, also that the profile knows every
+    figure the cost model needs for that many nodes)."""
+    from moeplan.core.hardware import DEFAULT_HARDWARE
+
+    out = {"hardware": DEFAULT_HARDWARE, "workload": DEFAULT_WORKLOAD}
+    out.update({k: v for k, v in (given or {}).items() if v is not None})
+    cost_profile(out, nodes or 1)
+    parse_workload(out["workload"])
+    return out
+
+
+def cost_profile(cost_options: dict, nodes: int):
+    """The plan's LoadedProfile, refused in one line if it lacks a figure the cost model needs for
+    `nodes` nodes (a one-machine profile over two nodes)."""
+    from moeplan.core.hardware import cost_model_figures, load_profile
+
+    given = load_profile(cost_options["hardware"])
+    given.profile.require(cost_model_figures(nodes), f"the cost model of a plan over {nodes} node(s)")
+    return given
+
+
+def parse_workload(text: str) -> Workload:
+    """'RxP+G': R requests of P prompt tokens, G generated tokens each."""
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*\+\s*(\d+)\s*", text or "")
+    if not m or min(int(g) for g in m.groups()) < 1:
+        raise UserError(f"--workload must look like REQUESTSxPROMPT+NEW (e.g. {DEFAULT_WORKLOAD}), all at least 1; got {text!r}")
+    r, p, g = (int(x) for x in m.groups())
+    return Workload(prompt_lengths=(p,) * r, new_tokens=g)
+
+
+def plan_profile(cost: dict):
+    """The HardwareProfile a plan's `predicted.cost` was priced with (core/hardware.py)."""
+    from moeplan.core.hardware import profile_of_record
+
+    return profile_of_record(cost.get("hardware_profile"), cost.get("hardware"))
+
+
+def profile_label(cost: dict, detail: bool = False) -> str:
+    """The profile as a person reads it: 'cpu-gloo', or 'cpu-gloo (this-machine, calibrated DATE)';
+    `detail` adds the machine key and the file's hash."""
+    recorded = cost.get("hardware_profile")
+    if recorded is None:
+        return cost.get("hardware", "?")
+    calibration = recorded.get("calibration") or {}
+    where = recorded["given"]
+    if calibration:
+        where += f", calibrated {calibration.get('date', '?')}"
+        if detail:
+            where += f" on {calibration.get('machine_key', '?')}"
+    if detail:
+        where += f", sha256 {recorded['sha256'][:12]}"
+    return f"{cost.get('hardware', '?')} ({where})"
+
+
+def describe_choice(plan) -> str:
+    """One line: policy and mode chosen, predicted seconds per token under each mode, the profile
+    (`plan`: a Plan as plan.json holds it, `Plan.as_written`)."""
+    cost = plan.predicted.cost
+    modes = ", ".join(f"{m} {v['seconds_per_token'] * 1e3:.2f} ms/token {v['total_bytes_per_token']:.0f} B/token"
+                      for m, v in sorted(cost["modes"].items()))
+    note = (" (the default; pass --hardware for the machine the bundle will run on)"
+            if cost["hardware"] == "cpu-gloo" and "hardware_profile" not in cost else "")
+    return (f"placement {plan.placement.policy}, mode {cost['mode']} (requested {cost['mode_requested']}); "
+            f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}")

@@ -1,0 +1,149 @@
+"""The passes of the serving-engine targets (sglang, trtllm): a placement that a serving engine loads at startup.
+
+Passes: layers (which decoder layers are MoE, from the config) -> placement (with the engines'
+defaults) -> plan; the list (with import, trace and codegen, `backends/common/engine_bundle.py`) is
+`planner/pipeline/engine_targets.py`.
+
+What the plan optimises: SGLang and TensorRT-LLM run standard expert parallelism. Every token goes
+from its attention rank to the ranks of its experts and its outputs are combined back at that home
+rank, at every MoE layer. A token's route therefore does not depend on where its previous layer's
+experts ran, and inter-layer affinity buys nothing; what sets an MoE layer's time is its busiest
+rank. So the default policy is `eplb` (balance: max over mean rank load per layer, replicas
+sharing their expert's tokens evenly, as the engines' dynamic dispatch over replicas does), with
+DeepSeek's hierarchical variant when the config has expert groups (`n_group`). `ilp` is accepted
+for per-token traces; its affinity term then only chooses among layouts within its load cap.
+
+Facts read from the command: `model_spec`, `trace_path`, `topology`, `placement_options` (with
+`policy` / `expert_groups` None when not given on the command line), `target` {"name",
+"kubernetes", "image"}, `out`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from moeplan.core.errors import UserError
+from moeplan.core.pass_manager import Pass
+from moeplan.core.plan import Plan, plan_reads_back
+from moeplan.passes.analysis.trace.passes import trace_matches_model
+from moeplan.passes.optimize.placement.passes import placement_is_valid
+
+DEFAULT_POLICY = "eplb"
+ENGINE_DEFAULTED = ("policy", "expert_groups")  # placement flags whose engine default differs from torchrun's
+OBJECTIVE = ("balance under standard expert parallelism (tokens combine at their home rank every MoE layer): "
+             "max over mean rank load per MoE layer, replicas splitting their expert's tokens evenly")
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+SOLVE_METRICS = ("solve_seconds",)
+
+
+def read_config(model_spec: str) -> dict:
+    """The Hugging Face config of a config file or model directory."""
+    path = Path(model_spec)
+    config_path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read a Hugging Face config from '{model_spec}' ({exc.__class__.__name__}); the sglang and "
+                        f"trtllm targets need the model's config.json (e.g. examples/configs/deepseek-v3.json)") from None
+    if not isinstance(config, dict) or not isinstance(config.get("num_hidden_layers"), int):
+        raise UserError(f"'{config_path}' has no integer num_hidden_layers; the sglang and trtllm targets need a "
+                        f"Hugging Face decoder config")
+    return config
+
+
+def moe_layer_indices(ir, num_hidden_layers: int) -> list:
+    """Decoder-layer index of each MoE stage, from its module path (`model.layers.<i>.mlp`)."""
+    indices = []
+    for stage in ir.moe_stages:
+        match = LAYER_INDEX.search(f"{stage.name}.") or LAYER_INDEX.search(f"{stage.source}.")
+        if not match:
+            raise UserError(f"cannot tell which decoder layer MoE stage '{stage.name}' is; the sglang and trtllm "
+                            f"targets need a Hugging Face model whose MoE blocks sit in model.layers.<i>")
+        indices.append(int(match.group(1)))
+    if indices != sorted(set(indices)) or indices[-1] >= num_hidden_layers:
+        raise UserError(f"the model's MoE layers {indices[:6]}... do not fit its {num_hidden_layers} decoder layers")
+    return indices
+
+
+def _layers(facts):
+    config = read_config(facts["model_spec"])
+    ir = facts["model"].ir
+    return {"engine_model": {
+        "name": ir.name, "architecture": (config.get("architectures") or [ir.architecture])[0],
+        "model_type": config.get("model_type"), "num_hidden_layers": config["num_hidden_layers"],
+        "moe_layer_indices": moe_layer_indices(ir, config["num_hidden_layers"]), "moe_layers": len(ir.moe_stages),
+        "num_experts": ir.moe_stages[0].num_experts, "top_k": ir.moe_stages[0].top_k,
+        "expert_groups": int(config.get("n_group") or 0)}}
+
+
+def engine_placement_options(options: dict, engine_model: dict) -> dict:
+    """The command's placement flags with the engine defaults for those not given."""
+    options = dict(options)
+    if options.get("policy") is None:
+        options["policy"] = DEFAULT_POLICY
+    if options.get("expert_groups") is None:
+        options["expert_groups"] = engine_model["expert_groups"]
+    return options
+
+
+def with_model_experts(trace, num_experts: int):
+    """The trace with the model's expert count: experts it never routed to are placed too."""
+    from moeplan.passes.analysis.trace.format import make_trace
+
+    if trace.num_experts == num_experts:
+        return trace
+    loads = None
+    if trace.loads_only:
+        loads = np.zeros((trace.num_layers, num_experts), dtype=np.int64)
+        loads[:, :trace.num_experts] = trace.loads
+    return make_trace(trace.experts, trace.weights, num_experts=num_experts, token_ids=trace.token_ids,
+                      positions=trace.positions, sequence=trace.sequence, attention_ids=trace.attention_ids, loads=loads)
+
+
+def _placement(facts):
+    from moeplan.passes.optimize.placement.schema import Topology
+    from moeplan.passes.optimize.placement.policies import PlacementRequest, plan_placement
+
+    topo, engine_model = facts["topology"], facts["engine_model"]
+    options = engine_placement_options(facts["placement_options"], engine_model)
+    request = PlacementRequest(topology=Topology(topo["nodes"], topo["gpus_per_node"]), **options)
+    return {"placement": plan_placement(with_model_experts(facts["trace"], engine_model["num_experts"]), request)}
+
+
+def _plan(facts):
+    from moeplan.core.expert_slots import placement_slots
+
+    placement, trace, engine_model, target = facts["placement"], facts["trace"], facts["engine_model"], facts["target"]
+    doc = json.loads(placement.to_json())
+    for key in SOLVE_METRICS:
+        doc.get("metrics", {}).pop(key, None)
+    options = engine_placement_options(facts["placement_options"], engine_model)
+    redundant = int(options.get("redundant", 0))
+    try:  # every layer must fit the engine's slot layout
+        placement_slots(doc, engine_model["num_experts"], redundant)
+    except ValueError as exc:
+        raise UserError(f"the {options['policy']} placement cannot be written as {target['name']}'s slot lists ({exc}); "
+                        f"use --policy eplb") from None
+    ep_size = placement.topology.devices
+    plan = Plan(
+        target=target["name"], model={k: v for k, v in engine_model.items() if k != "expert_groups"},
+        topology={"nodes": placement.topology.nodes, "gpus_per_node": placement.topology.gpus_per_node},
+        placement=doc,
+        communication={"mode": "standard", "engine": target["name"], "ep_size": ep_size, "redundant": redundant,
+                       "slots_per_rank": (engine_model["num_experts"] + redundant) // ep_size, "objective": OBJECTIVE},
+        predicted={"max_over_mean_load": doc["metrics"]["max_over_mean_load"]},
+        inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
+                "trace_loads_only": trace.loads_only, "options": options},
+        deployment={k: v for k, v in target.items() if k != "name"},
+    )
+    return {"plan": plan}
+
+
+LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)
+PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
+                 _placement, check=trace_matches_model, ensures=placement_is_valid)
+PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target"),
+            ("plan",), _plan, ensures=plan_reads_back)

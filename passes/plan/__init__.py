@@ -1,0 +1,1 @@
+"""Plan passes that assemble one target's Plan from the facts the other passes decided."""

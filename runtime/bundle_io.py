@@ -1,0 +1,161 @@
+"""Reading a bundle from the runtime's side: plan, placement, model config and one rank's shard,
+and the rank's model built with the library's own code.
+
+A rank's weights are its shard (`shards/rank-N.safetensors`) or, for a bundle compiled with
+`--weights reference`, its index (`shards/rank-N.index.json`) into the original checkpoint, read
+tensor by tensor from the checkpoint directory ($MOEPLAN_CHECKPOINT, else the path in the plan)
+after checking the files' sizes and headers against the plan. A Hugging Face model is built on
+`meta` and receives only these tensors, so a rank holds dense weights + its own experts.
+
+Only the standard library, torch, safetensors (and transformers / tokenizers for Hugging Face
+models): the bundle is self-contained. The planner's validation (`moeplan run`) checks hashes
+before launching; the runtime re-checks what would make ranks disagree (world size, shard
+presence, library version) and fails with one line if the launch is wrong.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
+                                read_reference_shard)
+from .ep.expert_table import ExpertTable
+from .model.library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
+from .text_codec import TextCodec
+
+ARCHITECTURES = ("tiny_moe", "transformers")
+
+
+class BundleError(Exception):
+    """The bundle or its launch does not match: one line for the operator."""
+
+
+def bundle_root() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def read_json(root: Path, name: str) -> dict:
+    path = root / name
+    if not path.is_file():
+        raise BundleError(f"bundle file '{path}' is missing; re-run 'moeplan compile'")
+    return json.loads(path.read_text())
+
+
+def world_size_of(plan: dict) -> int:
+    topo = plan["topology"]
+    return int(topo["nodes"]) * int(topo["gpus_per_node"])
+
+
+def run_modes(plan: dict, requested: str | None = None) -> list:
+    """The expert-parallel modes a run serves: `requested` (comma-separated), else the mode the plan
+    decided (`communication.mode`). The one default of every way a bundle runs: `moeplan run`,
+    `moeplan serve`, launch.sh (with and without --serve), the Kubernetes pods."""
+    return (requested or plan.get("communication", {}).get("mode", "coherent")).split(",")
+
+
+def architecture(plan: dict) -> str:
+    name = plan["model"]["architecture"]
+    if name not in ARCHITECTURES:
+        raise BundleError(f"this runtime runs architectures {list(ARCHITECTURES)}, the plan names '{name}'; recompile the bundle")
+    return name
+
+
+def check_library(plan: dict) -> None:
+    """The transformers version the plan was compiled with must be the one installed."""
+    pinned = plan["model"].get("library", {}).get("transformers")
+    if not pinned:
+        return
+    import transformers
+
+    if transformers.__version__ != pinned:
+        raise BundleError(f"the bundle was compiled with transformers {pinned} but {transformers.__version__} is "
+                          f"installed; pip install -r requirements.txt (transformers=={pinned})")
+
+
+def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = False) -> dict:
+    """The tensors of `rank`'s shard or reference index, as stored (dense weights, gates, its experts)."""
+    path = root / plan["shards"][rank]
+    if not path.is_file():
+        raise BundleError(f"shard '{path}' for rank {rank} is missing; re-run 'moeplan compile'")
+    if not path.name.endswith(".index.json"):  # read as the checkpoint is: one tensor, one block at a time
+        return {name: read_part(path.parent, {"file": path.name, "tensor": name})
+                for name in sorted(read_header(path)) if name != "__metadata__"}
+    if not isinstance(plan["model"].get("checkpoint"), dict):
+        raise BundleError(f"shard '{path}' is a checkpoint index but plan.json names no checkpoint; recompile the bundle")
+    directory = checked_checkpoint_directory(root, plan, full=full_check)
+    try:
+        return read_reference_shard(directory, path)
+    except CheckpointError as exc:
+        raise BundleError(str(exc)) from None
+
+
+def checked_checkpoint_directory(root: Path, plan: dict, full: bool = False):
+    """For a `--weights reference` bundle, where the checkpoint is ($MOEPLAN_CHECKPOINT, else the
+    path in the plan) after checking every file's size and header against the plan, and with
+    `full` its sha256 (moeplan run does that once before the ranks start); None for a copy bundle."""
+    reference = plan["model"].get("checkpoint")
+    if not isinstance(reference, dict):
+        return None
+    try:
+        directory = checkpoint_directory(root, reference)
+        check_checkpoint(directory, reference, full=full)
+    except CheckpointError as exc:
+        raise BundleError(str(exc)) from None
+    return directory
+
+
+def check_referenced_checkpoint(root: Path, plan: dict) -> None:
+    """Before the ranks start: the referenced checkpoint's full sha256 is the compiled one."""
+    checked_checkpoint_directory(root, plan, full=True)
+
+
+def load_rank_weights(root: Path, plan: dict, rank: int, device) -> dict:
+    """The tensors of `rank`'s weights, as float32 on device."""
+    return {k: v.float().to(device) for k, v in read_rank_tensors(root, plan, rank).items()}
+
+
+def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
+    """(RankModel with this rank's experts, TextCodec) for a bundle."""
+    arch = architecture(plan)
+    offload = plan.get("communication", {}).get("expert_cache")  # issue 13: experts stay in the shard until used
+    weights = None if offload else load_rank_weights(root, plan, rank, "cpu")
+    local: dict = {}
+    for layer, expert in table.experts_on(rank):
+        local.setdefault(layer, []).append(expert)
+    config_path = root / plan["model"]["config"]
+    config = json.loads(config_path.read_text())
+    if arch == "tiny_moe":
+        model = build_tiny_moe(config_path, root / plan["model"]["source"])
+        max_positions, vocab, top_k = int(config["max_positions"]), int(config["vocab_size"]), int(config["top_k"])
+        codec = TextCodec(None, vocab, native_bytes=True)
+    else:
+        check_library(plan)
+        model = build_transformers(config_path.parent, device="meta", buffers="cpu")
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        max_positions, vocab = int(getattr(text, "max_position_embeddings", 1 << 30)), int(text.vocab_size)
+        top_k = transformers_top_k(text)
+        codec = TextCodec(config_path.parent / "tokenizer.json", vocab)
+    if offload:
+        from .offload.expert_cache import offloaded_rank_model
+
+        rank_model = offloaded_rank_model(root / plan["shards"][rank], model, arch, offload, rank,
+                                          {l: sorted(e) for l, e in local.items()}, max_positions, device,
+                                          checkpoint_dir=checked_checkpoint_directory(root, plan))
+    else:
+        rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
+    rank_model.top_k = top_k
+    model.to(device)
+    return rank_model, codec
+
+
+def load_bundle(root: Path, rank: int, world: int, device, mode: str | None) -> tuple:
+    """(plan, expert table, modes, RankModel, TextCodec) of one bundle for this rank; BundleError
+    when the launch does not fit the plan."""
+    plan = read_json(root, "plan.json")
+    if world != world_size_of(plan):
+        raise BundleError(f"launched with {world} ranks but the plan is for {world_size_of(plan)} "
+                          f"({plan['topology']['nodes']} nodes x {plan['topology']['gpus_per_node']})")
+    table = ExpertTable.from_placement(read_json(root, "placement.json"))
+    modes = run_modes(plan, mode)
+    model, codec = build_rank_model(root, plan, rank, table, device)
+    return plan, table, modes, model, codec

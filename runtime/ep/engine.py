@@ -1,0 +1,386 @@
+"""Greedy generation under expert parallelism, over the library's own model: context-coherent
+(ExFlow) or standard EP.
+
+The model is the library's (`library_model.RankModel`); the engine replaces only the routed-expert
+computation of each MoE block (`moe_adapter`) and, in coherent mode, watches three hook points.
+Requests are owned round-robin (request i by rank i % world). One library forward per step and
+rank (batched, left-padded, with the library's KV cache).
+
+* **standard EP**: a rank runs its own requests. At each MoE block the library routes; the adapter
+  sends each token's normed hidden state and gate weights to the ranks of its k experts
+  (`dispatch`), they run their local experts, and the weighted outputs come back (`combine`).
+  Shared experts, residuals and everything else stay the library's, on the owner. A rank with no
+  request runs a one-row dummy forward so that every rank joins every exchange.
+* **context-coherent EP**: every rank runs every request's forward, so every rank holds every
+  context in its own library cache; a token's hidden state is real only on its *current* rank,
+  the other ranks carry a placeholder row (zeros). Until the first MoE block all ranks compute
+  every token identically; there each rank serves its own experts' slots and the weighted outputs
+  meet on the rank of the token's highest-weight expert (`merge`), which becomes its current rank.
+  At later blocks:
+  - context (`context_exchange.py`): the current rank sends every rank what they need to fill
+    their library KV cache for its tokens, per block the smaller of the normed hidden state (put
+    in the placeholder rows at the attention input) and the K/V the cache stores (swapped in at
+    the cache's `update`: K + V for GQA, the latent + rotated key for MLA); the outputs of
+    placeholder rows are discarded;
+  - norm-before-MoE hook: the current rank learns the routing by running the library's own norm
+    and MoE block on its tokens up to the experts (stopped there, `moe_adapter.Captured`), then
+    sends the post-attention hidden state and gate weights to its experts' ranks (`dispatch`);
+    receivers put it in the row the library normalises;
+  - the adapter: each rank runs its local experts on what it received; outputs merge on the
+    primary rank (`merge`);
+  - block output hook: on the primary rank the library's output row is x + f(...) with the
+    placeholder residual; it is corrected to the received residual (out - placeholder + x),
+    and every row that is not current here is reset to zeros.
+  Costs: placeholder rows repeat the dense compute of other ranks' tokens (attention as ExFlow
+  needs for the KV cache; norms, routers and shared experts beyond that). Bytes are counted as
+  before: (world - 1) x (C + 2) x 4 per token per block in `context` (C = D, or the K/V elements),
+  the dispatch and merge rows.
+The final hidden state never returns to the owner: the current rank computes the logits and the
+greedy token, and the per-step AllGather of new tokens (`token_sync`) tells every rank.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .context_exchange import ContextExchange, context_plan, hidden_size
+from .exchange import pack, pack_small, unpack, unpack_small
+from ..model.moe_adapter import Captured
+
+COHERENT, STANDARD = "coherent", "standard"
+
+
+class Engine:
+    """One rank's share of expert-parallel greedy generation over a RankModel."""
+
+    def __init__(self, model, table, exchanger, counters, rank: int, world_size: int, mode: str, device,
+                 top_k: int, context: str = "auto"):
+        if mode not in (COHERENT, STANDARD):
+            raise ValueError(f"mode must be '{COHERENT}' or '{STANDARD}', got {mode!r}")
+        self.model, self.table, self.ex, self.counters = model, table, exchanger, counters
+        self.rank, self.world, self.mode, self.device, self.top_k = rank, world_size, mode, device, int(top_k)
+        self.num_layers = model.num_layers
+        self.local_experts = {(l, e) for l, e in table.experts_on(rank)}
+        self.logit_keys, self.logit_rows = [], []
+        self.trace = []  # (MoE layer, keys [n], expert ids [n, k], weights [n, k])
+        self.recording = True  # static runs keep every logit row and routing for results; a service keeps none
+        self.capture = False
+        # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
+        self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
+
+    # --- bookkeeping -----------------------------------------------------------------------
+    def owner(self, seq: int) -> int:
+        return seq % self.world
+
+    def key(self, seq, pos):
+        return seq * self.max_len + pos
+
+    def _to_all_others(self, rows: torch.Tensor) -> list:
+        return [rows[:0] if d == self.rank else rows for d in range(self.world)]
+
+    def _rows_of(self, keys: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([self.row_of[int(k)] for k in keys.tolist()], dtype=torch.int64)
+
+    # --- generation ------------------------------------------------------------------------
+    def generate(self, prompts: list, new_tokens: int) -> dict:
+        """Greedy-generate `new_tokens` tokens for every prompt; returns this rank's results."""
+        self.max_len = max(len(p) for p in prompts) + new_tokens
+        if self.max_len > self.model.max_positions:
+            raise ValueError(f"prompt + new tokens = {self.max_len} exceeds the model's {self.model.max_positions} positions")
+        own = [s for s in range(len(prompts)) if self.owner(s) == self.rank]
+        contexts = {s: list(prompts[s]) for s in own}
+        if self.mode == COHERENT:
+            contexts = self._sync_prompts(prompts, own)
+        generated = {s: [] for s in own}
+        for a in self.model.adapters:
+            a.route_fn = self._route
+        hooks = self._install_hooks() if self.mode == COHERENT else []
+        speculation = getattr(self.model, "speculation", None)  # an expert cache's live speculation (issue 33)
+        if speculation is not None:  # installed after the engine's own block-output hook: it sees the corrected rows
+            hooks += speculation.install(self.real_rows)
+        batch = sorted(contexts)
+        start = time.perf_counter()
+        try:
+            cache, key_mask = None, None
+            for step in range(new_tokens):
+                if not batch:  # standard mode, no request here: join the exchanges with a dummy row
+                    self._forward(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                                  torch.ones(1, 1, dtype=torch.bool), None, torch.full((1,), -1), {})
+                    continue
+                if step == 0:
+                    width = max(len(contexts[s]) for s in batch)
+                    ids = torch.zeros(len(batch), width, dtype=torch.int64)
+                    pos = torch.zeros(len(batch), width, dtype=torch.int64)
+                    key_mask = torch.zeros(len(batch), width, dtype=torch.bool)
+                    keys = torch.full((len(batch), width), -1, dtype=torch.int64)
+                    for b, s in enumerate(batch):
+                        n = len(contexts[s])
+                        ids[b, width - n:] = torch.tensor(contexts[s])
+                        pos[b, width - n:] = torch.arange(n)
+                        key_mask[b, width - n:] = True
+                        keys[b, width - n:] = self.key(s, torch.arange(n))
+                else:
+                    ids = torch.tensor([[contexts[s][-1]] for s in batch])
+                    pos = torch.tensor([[len(contexts[s]) - 1] for s in batch])
+                    key_mask = torch.cat([key_mask, torch.ones(len(batch), 1, dtype=torch.bool)], dim=1)
+                    keys = self.key(torch.tensor(batch)[:, None], pos)
+                last = {s: len(contexts[s]) - 1 for s in batch}
+                new, cache = self._forward(ids, pos, key_mask, cache, keys.flatten(), last)
+                if self.mode == COHERENT:
+                    new = self._sync_tokens(new)
+                for s, t in sorted(new.items()):
+                    contexts[s].append(t)
+                    if s in generated:
+                        generated[s].append(t)
+        finally:
+            for h in hooks:
+                h.remove()
+        elapsed = time.perf_counter() - start
+        return {"generated": {int(s): g for s, g in generated.items()}, "elapsed_s": elapsed,
+                "counters": self.counters.to_dict(),
+                "context": [[k, int(n)] for k, n in self.context_plan] if self.mode == COHERENT else []}
+
+    def forward_rows(self, ids, pos, key_mask, cache, keys):
+        """One library forward over rows `keys` [B * S] (-1: padding or a dummy row): (logits [B * S, V],
+        indices of the rows whose forward ended on this rank, the cache to pass next time)."""
+        dev = self.device
+        self.keys = keys
+        self.row_of = {int(k): i for i, k in enumerate(keys.tolist()) if k >= 0}
+        self.mine = keys >= 0
+        self.replicated = self.mode == COHERENT
+        with torch.no_grad():
+            logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
+        flat = logits.reshape(-1, logits.shape[-1])
+        return flat, (self.mine & (keys >= 0)).nonzero().flatten(), cache
+
+    def _forward(self, ids, pos, key_mask, cache, keys, last: dict):
+        """One library forward; records the logits of the rows current here; {seq: next token}."""
+        dev = self.device
+        flat, rows, cache = self.forward_rows(ids, pos, key_mask, cache, keys)
+        self.logit_keys.append(keys[rows])
+        self.logit_rows.append(flat[rows.to(dev)].detach().float().cpu())
+        new = {}
+        for r in rows.tolist():
+            s, p = divmod(int(keys[r]), self.max_len)
+            if p == last[s]:
+                new[s] = int(torch.argmax(flat[r]).item())
+        return new, cache
+
+    def real_rows(self) -> torch.Tensor:
+        """bool [n]: the forward's rows whose hidden state is real on this rank (own requests in
+        standard mode, the rows current here in coherent mode; never padding)."""
+        return (self.keys >= 0) & (self.mine if self.mode == COHERENT else True)
+
+    def _sync_prompts(self, prompts: list, own: list) -> dict:
+        """AllGather of the prompts: every rank learns every request's context from its owner."""
+        meta = torch.tensor([[s, p, t] for s in own for p, t in enumerate(prompts[s])], dtype=torch.int64).reshape(-1, 3)
+        rows = pack(torch.zeros(meta.shape[0], 0), meta)
+        contexts = {s: list(prompts[s]) for s in own}
+        for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "prompt_sync"):
+            _, m = unpack(got.cpu(), 0)
+            for s, p, t in m.tolist():
+                contexts.setdefault(s, []).append((p, t))
+        for s, entries in contexts.items():
+            if s not in own:
+                contexts[s] = [t for _, t in sorted(entries)]
+        return {s: contexts[s] for s in sorted(contexts)}
+
+    def _sync_tokens(self, new: dict) -> dict:
+        """AllGather of the tokens just generated on this rank."""
+        meta = torch.tensor(sorted(new.items()), dtype=torch.int64).reshape(-1, 2)
+        rows = pack(torch.zeros(meta.shape[0], 0), meta)
+        merged = dict(new)
+        for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "token_sync"):
+            _, m = unpack(got.cpu(), 0)
+            merged.update(dict(m.tolist()))
+        return merged
+
+    # --- the routed computation (called by the library's MoE blocks) ------------------------
+    def _route(self, adapter, h, ids, weights):
+        """Routed sum [n, D] for the rows the library routed: ids/weights [n, k], heaviest first."""
+        if self.capture:
+            raise Captured(ids.detach().cpu(), weights.detach())
+        if h.shape[0] != self.keys.shape[0]:
+            raise RuntimeError(f"MoE block saw {h.shape[0]} rows, the step has {self.keys.shape[0]}")
+        if self.mode == STANDARD:
+            return self._standard(adapter, h, ids.cpu(), weights)
+        if self.replicated:
+            return self._coherent_first(adapter, h, ids.cpu(), weights)
+        rows, r_ids, r_w, r_dest = self.received
+        partial = self._serve(adapter, h[rows.to(h.device)], r_ids, r_w, r_dest)
+        return self._merge_on_primary(adapter.layer, h, rows, partial, r_dest[:, 0])
+
+    def _destinations(self, moe: int, ids: torch.Tensor, current: np.ndarray) -> torch.Tensor:
+        """int64 [n, k]: the rank of every slot of expert ids [n, k] (CPU) of tokens current on ranks [n]
+        (the replica rule of `expert_table.py`)."""
+        return torch.from_numpy(self.table.choose(moe, ids.numpy(), current))
+
+    def _count_local(self, layer: int, moe: int, dest: torch.Tensor) -> None:
+        if moe >= 1:
+            lay = self.counters.layers[layer]
+            lay["local_slots"] += int((dest == self.rank).sum())
+            lay["slots"] += int(dest.numel())
+
+    def _dispatch(self, adapter, x, ids, weights, keys, dest):
+        """Send rows (x [n, D] with weights, keys, ids, dest) to the ranks of their slots; returns
+        what this rank received: (x [m, D], weights [m, k], keys [m], ids [m, k], dest [m, k], sources [m])
+        and the row indices sent to each rank."""
+        k, width = ids.shape[1], x.shape[1] + ids.shape[1]
+        rows = pack(torch.cat([x, weights.to(x.dtype)], dim=1), torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], 1))], 1))
+        sent_idx = [(dest == d).any(dim=1).nonzero().flatten() for d in range(self.world)]
+        got = self.ex.exchange([rows[i.to(rows.device)] for i in sent_idx], rows.shape[1], adapter.layer, "dispatch")
+        parts = [unpack(g, width) for g in got]
+        rx = torch.cat([p for p, _ in parts])
+        meta = torch.cat([m.cpu() for _, m in parts])
+        sources = torch.cat([torch.full((p.shape[0],), s, dtype=torch.int64) for s, (p, _) in enumerate(parts)])
+        slots = unpack_small(meta[:, 1:], 2 * k)
+        return (rx[:, : x.shape[1]], rx[:, x.shape[1]:], meta[:, 0], slots[:, :k], slots[:, k:], sources), sent_idx
+
+    def _standard(self, adapter, h, ids, weights):
+        active = (self.keys >= 0).nonzero().flatten()
+        dev_active = active.to(h.device)
+        a_ids, a_w, a_h, keys = ids[active], weights[dev_active], h[dev_active], self.keys[active]
+        dest = self._destinations(adapter.moe, a_ids, np.full(active.numel(), self.rank))
+        self._count_local(adapter.layer, adapter.moe, dest)
+        if self.recording:
+            self.trace.append((adapter.moe, keys, a_ids, a_w.detach().float().cpu()))
+        if self.world == 1:  # every slot is local: nothing to pack or exchange
+            partial = self._serve(adapter, a_h, a_ids, a_w, dest)
+            return torch.zeros_like(h).index_copy(0, dev_active, partial.to(h.dtype))
+        (r_h, r_w, _, r_ids, r_dest, sources), sent_idx = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
+        partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
+        back = [partial[(sources == d).nonzero().flatten().to(h.device)] for d in range(self.world)]
+        returned = self.ex.exchange(back, h.shape[1], adapter.layer, "combine")
+        out = torch.zeros_like(h)
+        for d in range(self.world):
+            if sent_idx[d].numel():
+                out = out.index_add(0, dev_active[sent_idx[d].to(h.device)], returned[d][:, : h.shape[1]].to(h.dtype))
+        return out
+
+    def _coherent_first(self, adapter, h, ids, weights):
+        """First MoE block in coherent mode: every rank holds every token, nothing is dispatched;
+        replica choices depend only on the token, so ranks agree without talking."""
+        active = (self.keys >= 0).nonzero().flatten()
+        dev_active = active.to(h.device)
+        a_ids, a_w = ids[active], weights[dev_active]
+        first = self.table.primary(adapter.moe, a_ids[:, 0].numpy(), np.full(active.numel(), -1))
+        dest = self._destinations(adapter.moe, a_ids, first)
+        primary = dest[:, 0] == self.rank
+        if self.recording:
+            self.trace.append((adapter.moe, self.keys[active][primary], a_ids[primary], a_w.detach().float().cpu()[primary]))
+        sel = (dest == self.rank).any(dim=1).nonzero().flatten()
+        rows = active[sel]
+        partial = self._serve(adapter, h[rows.to(h.device)], a_ids[sel], a_w[sel.to(h.device)], dest[sel])
+        return self._merge_on_primary(adapter.layer, h, rows, partial, dest[sel, 0], all_rows=active, all_primary=dest[:, 0])
+
+    def _serve(self, adapter, x, ids, w, dest):
+        """Sum over this rank's slots of weight x expert(x): [m, D] for rows x [m, D] (zero elsewhere)."""
+        out = torch.zeros_like(x)
+        rows, slots = (dest == self.rank).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return out
+        experts = ids[rows, slots]
+        for e in set(experts.tolist()):
+            if (adapter.moe, e) not in self.local_experts:
+                raise RuntimeError(f"rank {self.rank} received tokens for expert {e} of MoE layer {adapter.moe} it does not hold")
+        local = torch.tensor([adapter.local_index[e] for e in experts.tolist()], dtype=torch.int64, device=x.device)
+        dev_rows = rows.to(x.device)
+        y = adapter.local_expert_output(x[dev_rows], local, w[dev_rows, slots.to(x.device)])
+        return out.index_add(0, dev_rows, y.to(out.dtype))
+
+    def _merge_on_primary(self, layer, h, rows, partial, primary, all_rows=None, all_primary=None):
+        """Coherent combine: partial outputs of forward rows `rows` meet on their primary rank.
+        Returns the routed sum [n, D] (nonzero only on rows whose primary is this rank) and sets
+        the rows current here after this block."""
+        send = []
+        keys = self.keys[rows]
+        for d in range(self.world):
+            idx = ((primary == d) & (primary != self.rank)).nonzero().flatten()
+            send.append(pack(partial[idx.to(partial.device)], keys[idx][:, None]))
+        merged = self.ex.exchange(send, h.shape[1] + 2, layer, "merge")
+        out = torch.zeros_like(h)
+        here = (primary == self.rank).nonzero().flatten()
+        out[rows[here].to(h.device)] += partial[here.to(h.device)].to(h.dtype)
+        for g in merged:
+            if g.shape[0] == 0:
+                continue
+            p, m = unpack(g, h.shape[1])
+            out = out.index_add(0, self._rows_of(m[:, 0].cpu()).to(h.device), p.to(h.dtype))
+        all_rows = rows if all_rows is None else all_rows
+        all_primary = primary if all_primary is None else all_primary
+        mine = torch.zeros_like(self.mine)
+        mine[all_rows[all_primary == self.rank]] = True
+        self.next_mine = mine
+        return out
+
+    # --- coherent-mode hooks ---------------------------------------------------------------
+    def _install_hooks(self) -> list:
+        m = self.model
+        handles = []
+        handles += ContextExchange(self, self.context_plan).install()  # hidden state or K/V, per block
+        for layer in range(m.num_layers):
+            handles.append(m.layers[layer].register_forward_hook(self._block_output(layer)))
+        for adapter in m.adapters:
+            handles.append(m.ffn_norm[adapter.layer].register_forward_pre_hook(self._ffn_norm_input(adapter)))
+        return handles
+
+    def _ffn_norm_input(self, adapter):
+        def hook(module, args):
+            if self.replicated or self.capture:
+                return None
+            x = args[0]
+            flat = x.reshape(-1, x.shape[-1])
+            mine = self.mine.nonzero().flatten()
+            dev_mine = mine.to(flat.device)
+            ids, w = torch.zeros(0, self.top_k, dtype=torch.int64), flat.new_zeros(0, self.top_k)
+            if mine.numel():
+                self.capture = True
+                try:  # the library's own norm and MoE block route my tokens, stopped at the experts
+                    adapter.block(module(flat[dev_mine]).unsqueeze(0))
+                except Captured as c:
+                    ids, w = c.ids, c.weights
+                finally:
+                    self.capture = False
+            dest = self._destinations(adapter.moe, ids, np.full(mine.numel(), self.rank))
+            self._count_local(adapter.layer, adapter.moe, dest)
+            if self.recording:
+                self.trace.append((adapter.moe, self.keys[mine], ids, w.detach().float().cpu()))
+            (r_x, r_w, r_keys, r_ids, r_dest, _), _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
+            rows = self._rows_of(r_keys)
+            self.received = (rows, r_ids, r_w, r_dest)
+            dev_rows = rows.to(flat.device)
+            self.placeholder = flat[dev_rows].clone()
+            self.residual = r_x.to(flat.dtype)
+            new = flat.clone()
+            new[dev_rows] = self.residual
+            return (new.view(x.shape),) + tuple(args[1:])
+        return hook
+
+    def _block_output(self, layer: int):
+        def hook(module, args, output):
+            moe = self.model.moe_of.get(layer)
+            if self.replicated and moe is None:
+                return None
+            out = output[0] if isinstance(output, tuple) else output
+            flat = out.reshape(-1, out.shape[-1]).clone()
+            if moe is not None:
+                if not self.replicated:
+                    rows, _, _, r_dest = self.received
+                    here = (r_dest[:, 0] == self.rank).nonzero().flatten()
+                    r = rows[here].to(flat.device)
+                    flat[r] = self.residual[here.to(flat.device)] + (flat[r] - self.placeholder[here.to(flat.device)])
+                self.mine = self.next_mine
+                self.replicated = False
+            flat[(~self.mine).to(flat.device)] = 0
+            new = flat.view(out.shape)
+            return (new,) + tuple(output[1:]) if isinstance(output, tuple) else new
+        return hook
+
+    # --- results ---------------------------------------------------------------------------
+    def logits(self) -> tuple:
+        """(keys [T], logits [T, V]) of every token whose forward pass ended on this rank."""
+        if not self.logit_keys:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, 0)
+        return torch.cat(self.logit_keys), torch.cat(self.logit_rows)

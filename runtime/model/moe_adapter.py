@@ -1,0 +1,332 @@
+"""The one piece of a model the runtime replaces: each MoE block's routed-expert computation.
+
+Everything else (embeddings, attention, norms, rotary, routers with their grouped top-k, biases
+and scaling, shared experts, dense blocks, the head) is the library's own module, run as is.
+Where the library routes, the adapter takes over: the token rows, their top-k expert ids
+(heaviest first) and weights go to `route_fn(adapter, h [n, D], ids [n, k], weights [n, k])`,
+which returns the routed sum [n, D] (the engine's dispatch/compute/combine). The local part of
+that computation, `local_expert_output`, runs the library's own experts module on the subset of
+experts this rank holds.
+
+Block kinds (how the library hands over routing):
+* `experts`: a `...Experts` module called as `experts(h, top_k_index, top_k_weights)` (transformers
+  5: Mixtral, Qwen2/3-MoE, Qwen3-Next, OLMoE, DeepSeek-V2/V3, gpt-oss, GLM-4.5, Phi-3.5-MoE,
+  Granite-MoE, ERNIE-4.5, Hunyuan, DBRX); the adapter module replaces it.
+* `llama4`: `Llama4TextMoe` folds the sigmoid router scores into the experts' input (weights on the
+  input, not the output); the router's output is read by a hook, the experts module replaced.
+* `jetmoe`: `JetMoeMoE` routes and computes inline; its forward is replaced by one that calls its
+  own router, activation, expert linears and bias.
+* `tiny_moe`: moeplan's `MoELayer` (route() + a ModuleList of experts + shared experts).
+
+Expert tensors: a parameter of an experts container whose leading dimension is E (or E x r, as
+DBRX stores [E * ffn, D]) holds one slice per expert; bundles store the slices apart as
+`<container>.<e>.<param>` so that a rank's shard holds only its experts.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..ep.expert_table import heaviest_order
+
+
+class Captured(Exception):
+    """Raised through the library's forward to stop it once routing is known (capture mode)."""
+
+    def __init__(self, ids, weights):
+        super().__init__("routing captured")
+        self.ids, self.weights = ids, weights
+
+
+@dataclass(frozen=True)
+class ExpertContainer:
+    """Where one MoE layer's experts live in the model."""
+
+    layer: int        # decoder block index
+    moe: int          # MoE layer ordinal (placement and trace index)
+    block: str        # module path of the MoE block (its output is the feed-forward output)
+    path: str         # module path whose per-expert parameters are split
+    params: tuple     # (name relative to path, full shape) of each per-expert parameter
+    num_experts: int
+    kind: str
+
+
+def _kind(module) -> str | None:
+    name = type(module).__name__
+    if name == "MoELayer" and isinstance(getattr(module, "experts", None), nn.ModuleList):
+        return "tiny_moe"
+    if name == "JetMoeMoE":
+        return "jetmoe"
+    if name == "Llama4TextMoe":
+        return "llama4"
+    experts = getattr(module, "experts", None)
+    if isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList) and type(experts).__name__.endswith("Experts"):
+        return "experts"
+    return None
+
+
+def find_containers(layers, prefix: str) -> list:
+    """One ExpertContainer per MoE block of the decoder `layers` (module path `prefix`), in order."""
+    out = []
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            kind = _kind(module)
+            if kind is None:
+                continue
+            block = f"{prefix}.{index}.{name}"
+            if kind == "tiny_moe":
+                path, sub = f"{block}.experts", module.experts
+                params = tuple((f"{e}.{p}", tuple(t.shape)) for e, ex in enumerate(sub) for p, t in ex.named_parameters())
+                count = len(sub)
+            elif kind == "jetmoe":
+                path, count = block, module.input_linear.num_experts
+                params = tuple((p, tuple(t.shape)) for p, t in module.named_parameters() if p.split(".")[0] in ("input_linear", "output_linear"))
+            else:
+                path, count = f"{block}.experts", int(module.experts.num_experts)
+                params = tuple((p, tuple(t.shape)) for p, t in module.experts.named_parameters())
+            out.append(ExpertContainer(index, len(out), block, path, params, count, kind))
+            break
+    return out
+
+
+def _per_expert_view(tensor: torch.Tensor, count: int) -> torch.Tensor:
+    """[E, ...] or [E * r, ...] -> [E, ...] (a view)."""
+    if tensor.shape[0] == count:
+        return tensor
+    if tensor.shape[0] % count:
+        raise ValueError(f"expert tensor of shape {tuple(tensor.shape)} does not split into {count} experts")
+    return tensor.view(count, tensor.shape[0] // count, *tensor.shape[1:])
+
+
+def split_expert_state(state: dict, containers: list) -> dict:
+    """Library state dict -> bundle names: each per-expert tensor cut into `<path>.<e>.<param>`."""
+    out = dict(state)
+    for c in containers:
+        if c.kind == "tiny_moe":
+            continue  # TinyMoE already names experts one by one
+        for p, _ in c.params:
+            full = out.pop(f"{c.path}.{p}")
+            per = _per_expert_view(full, c.num_experts)
+            for e in range(c.num_experts):
+                out[f"{c.path}.{e}.{p}"] = per[e].contiguous()
+    return out
+
+
+def join_expert_state(state: dict, containers: list) -> dict:
+    """Inverse of `split_expert_state` (rebuilds the library's state dict)."""
+    out = dict(state)
+    for c in containers:
+        if c.kind == "tiny_moe":
+            continue
+        for p, shape in c.params:
+            parts = [out.pop(f"{c.path}.{e}.{p}") for e in range(c.num_experts)]
+            out[f"{c.path}.{p}"] = torch.stack(parts).reshape(shape)
+    return out
+
+
+def expert_owner(containers: list):
+    """name -> (MoE layer, expert) for bundle names of per-expert tensors, None for dense ones."""
+    owners = {}
+    for c in containers:
+        for p, _ in c.params:
+            if c.kind == "tiny_moe":
+                owners[f"{c.path}.{p}"] = (c.moe, int(p.split(".")[0]))
+            else:
+                for e in range(c.num_experts):
+                    owners[f"{c.path}.{e}.{p}"] = (c.moe, e)
+    return owners.get
+
+
+def _module(root, path: str):
+    return root.get_submodule(path)
+
+
+class MoEAdapter:
+    """Holds one MoE block's local experts and hands its routing to the engine (not a module:
+    the model keeps owning every parameter, so `model.to(device)` moves them all)."""
+
+    def __init__(self, root, container: ExpertContainer, local: list, weights: dict, route_fn):
+        self.container, self.layer, self.moe = container, container.layer, container.moe
+        self.local = list(local)                      # global expert ids held here, ascending
+        self.local_index = {e: i for i, e in enumerate(self.local)}
+        self.route_fn = route_fn
+        self.num_slots = len(self.local)  # expert slots of the library module (an expert cache's pool: C)
+        self.expert_cache = None
+        self.block = _module(root, container.block)
+        kind = container.kind
+        self._install_local_weights(root, weights)
+        if kind in ("experts", "llama4"):
+            self.block.experts = _ExpertsSlot(self, self.block.experts)
+            if kind == "llama4":
+                self._scores = None
+                self.block.router.register_forward_hook(self._keep_scores)
+                self.block.register_forward_pre_hook(self._keep_input)
+        elif kind == "jetmoe":
+            self.block.forward = types.MethodType(_jetmoe_forward, self.block)
+            self.block.__dict__["_moeplan_adapter"] = self
+        elif kind == "tiny_moe":
+            self.block.forward = types.MethodType(_tiny_moe_forward, self.block)
+            self.block.__dict__["_moeplan_adapter"] = self
+
+    # --- weights ---------------------------------------------------------------------------
+    def _install_local_weights(self, root, weights: dict) -> None:
+        c = self.container
+        n = len(self.local)
+        if c.kind == "tiny_moe":
+            experts = self.block.experts
+            kept = nn.ModuleList(experts[e] for e in self.local)
+            for i, e in enumerate(self.local):
+                for p, t in kept[i].named_parameters():
+                    t.data = weights.pop(f"{c.path}.{e}.{p}")
+            self.block.experts = kept
+            return
+        owner = _module(root, c.path)
+        for p, shape in c.params:
+            if n:
+                stacked = torch.stack([weights.pop(f"{c.path}.{e}.{p}") for e in self.local])  # freed once stacked
+            else:
+                per = shape[1:] if shape[0] == c.num_experts else (shape[0] // c.num_experts, *shape[1:])
+                stacked = torch.zeros(0, *per)
+            if shape[0] != c.num_experts:  # DBRX: [E * r, ...]
+                stacked = stacked.reshape(n * (shape[0] // c.num_experts), *shape[1:])
+            self._set_param(owner, p, stacked)
+        self._set_expert_count(owner, n)
+
+    @staticmethod
+    def _set_param(owner, p: str, tensor) -> None:
+        module_path, _, leaf = p.rpartition(".")
+        target = owner.get_submodule(module_path) if module_path else owner
+        setattr(target, leaf, nn.Parameter(tensor, requires_grad=False))
+
+    def _set_expert_count(self, owner, n: int) -> None:
+        if self.container.kind == "jetmoe":  # its router keeps counting all experts
+            self.block.input_linear.num_experts = self.block.output_linear.num_experts = n
+            return
+        for m in owner.modules():  # experts modules size their loops by num_experts
+            if hasattr(m, "num_experts"):
+                m.num_experts = n
+
+    def use_pool(self, root, pool, local: list, cache) -> None:
+        """Run this block's experts from an expert cache's pool (runtime/offload/expert_cache.py):
+        the library module's expert parameters become the pool's slots, shared by every MoE layer."""
+        self.local = list(local)
+        self.local_index = {e: i for i, e in enumerate(self.local)}
+        self.num_slots, self.expert_cache = pool.capacity, cache
+        if self.container.kind == "tiny_moe":
+            self.block.experts = pool.modules
+            return
+        owner = self.library_experts if self.container.kind in ("experts", "llama4") else _module(root, self.container.path)
+        for p in pool.params:
+            self._set_param(owner, p, pool.tensors[p])
+        self._set_expert_count(owner, pool.capacity)
+
+    @property
+    def library_experts(self):
+        """The library's experts module, holding this rank's experts only."""
+        return self.block.experts.library
+
+    # --- the local computation (an expert cache can wrap this one function) -----------------
+    def local_expert_output(self, h: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted outputs [M, D] of M (token, slot) rows: h [M, D] routed to local expert
+        index local_ids [M] (position in `self.local`) with gate weight weights [M]."""
+        if self.expert_cache is not None:  # offloading: the cache loads each expert into a slot first
+            return self.expert_cache.output(self, h, local_ids, weights)
+        return self.slot_output(h, local_ids, weights)
+
+    def slot_output(self, h: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As `local_expert_output`, with slots [M] indexing the library module's experts directly."""
+        local_ids = slots
+        kind = self.container.kind
+        if h.shape[0] == 0:
+            return torch.zeros_like(h)
+        if kind == "experts":
+            out = self.library_experts(h, local_ids[:, None], weights[:, None].to(h.dtype))
+            return out.reshape(h.shape)
+        if kind == "llama4":  # the library's experts take [E_local * m, D] inputs, weight folded in
+            n, rows = self.num_slots, torch.arange(h.shape[0], device=h.device)
+            inp = h.new_zeros(n, h.shape[0], h.shape[1])
+            inp[local_ids, rows] = h * weights[:, None].to(h.dtype)
+            return self.library_experts(inp.reshape(-1, h.shape[1])).view(n, h.shape[0], -1)[local_ids, rows]
+        if kind == "jetmoe":
+            block = self.block
+            order = torch.argsort(local_ids, stable=True)
+            sizes = torch.bincount(local_ids, minlength=self.num_slots).tolist()
+            hidden = block.input_linear(h[order], sizes)
+            a, b = hidden.chunk(2, dim=-1)
+            out = block.output_linear(block.activation(a) * b, sizes) * weights[order, None].to(h.dtype)
+            return torch.empty_like(out).index_copy_(0, order, out)
+        out = torch.zeros_like(h)  # tiny_moe: a ModuleList of local experts
+        for i in torch.unique(local_ids).tolist():
+            rows = (local_ids == i).nonzero().flatten()
+            out[rows] = self.block.experts[i](h[rows]) * weights[rows, None].to(h.dtype)
+        return out
+
+    # --- llama4 hooks ----------------------------------------------------------------------
+    def _keep_scores(self, module, args, output):
+        self._scores = output[0]
+
+    def _keep_input(self, module, args):
+        self._input = args[0].reshape(-1, args[0].shape[-1])
+
+    def routed(self, h, ids, weights):
+        """The engine's routed sum for rows h [n, D] with the library's top-k ids and weights [n, k],
+        handed over heaviest first: routers need not sort them (DeepSeek-V2/V3 and GLM-4.5 take
+        `torch.topk(..., sorted=False)`), and slot 0 is the primary of the replica rule."""
+        if ids.shape[-1] > 1:
+            order = torch.from_numpy(heaviest_order(weights.detach().float().cpu().numpy()))
+            ids, weights = ids.gather(1, order.to(ids.device)), weights.gather(1, order.to(weights.device))
+        return self.route_fn(self, h, ids, weights)
+
+
+class _ExpertsSlot(nn.Module):
+    """Stands where the library's experts module stood; calls the engine instead."""
+
+    def __init__(self, adapter: MoEAdapter, library: nn.Module):
+        super().__init__()
+        self.__dict__["adapter"] = adapter
+        self.library = library  # the library's experts module (local experts), still in the model
+
+    def forward(self, hidden_states, top_k_index=None, top_k_weights=None):
+        a = self.adapter
+        if a.container.kind == "llama4":
+            scores = a._scores  # [n, E], sigmoid of the top-k logits, 0 elsewhere
+            k = int(a.block.top_k)
+            weights, ids = torch.topk(scores, k, dim=-1)
+            routed = a.routed(a._input, ids, weights)
+            out = hidden_states.new_zeros(hidden_states.shape)
+            out[: routed.shape[0]] = routed  # the block sums the E chunks of [E * n, D]
+            return out
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        return a.routed(flat, top_k_index.reshape(flat.shape[0], -1), top_k_weights.reshape(flat.shape[0], -1)).reshape(shape)
+
+
+def _jetmoe_forward(self, layer_input):
+    """JetMoeMoE.forward with the routed computation handed to the engine (router, bias: the library's)."""
+    bsz, length, emb = layer_input.size()
+    flat = layer_input.reshape(-1, emb)
+    index_sorted, _, batch_gates, expert_size, _ = self.router(flat)
+    k = self.router.top_k
+    n = flat.shape[0]
+    expert_of = torch.repeat_interleave(torch.arange(len(expert_size), device=flat.device),
+                                        torch.tensor(expert_size, device=flat.device))
+    ids = torch.empty(n * k, dtype=torch.int64, device=flat.device)
+    gates = torch.empty(n * k, dtype=batch_gates.dtype, device=flat.device)
+    ids[index_sorted], gates[index_sorted] = expert_of, batch_gates
+    routed = self._moeplan_adapter.routed(flat, ids.view(n, k), gates.view(n, k))
+    return (routed + self.bias).view(bsz, length, emb)
+
+
+def _tiny_moe_forward(self, x):
+    """MoELayer.forward with the routed computation handed to the engine (router, shared: the module's)."""
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    _, ids, weights = self.route(flat)
+    ids, weights = self.routing((ids, weights))
+    out = self._moeplan_adapter.routed(flat, ids, weights)
+    for shared in self.shared_experts:
+        out = out + shared(flat)
+    return out.reshape(shape)
