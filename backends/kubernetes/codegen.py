@@ -48,7 +48,7 @@ import os
 import re
 from pathlib import Path
 
-from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.files import finish_bundle
 from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.kubernetes import pod_memory
 from moeplan.backends.kubernetes.deployment import tolerations, weights_mode
@@ -259,15 +259,4 @@ def write_bundle(out, plan, weights, model_files: dict, checkpoint: dict | None 
     with atomic_path(Path(out), kind="bundle") as tmp:
         torchrun.write_files(tmp, plan, weights, model_files["files"])
         write_manifests(tmp, plan)
-        manifest = write_manifest(tmp)
-        readable_by_all(tmp)
-        return manifest
-
-
-def readable_by_all(root: Path) -> None:
-    """Directories 0755, files at least 0644, whatever the umask compile ran under: the pods' user
-    (USER_ID) reads the copy in the image, on the volume or from the tar (mkdtemp's 0700 and a
-    umask of 077 would leave it unreadable there)."""
-    for path in [root, *root.rglob("*")]:
-        mode = path.stat().st_mode & 0o777
-        os.chmod(path, mode | (0o755 if path.is_dir() else 0o644))
+        return finish_bundle(tmp)  # modes fixed: the pods' user (USER_ID) reads the image's, volume's or tar's copy

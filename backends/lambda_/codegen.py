@@ -31,8 +31,7 @@ from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
 from moeplan.runtime.model.moe_adapter import split_expert_state
-from moeplan.backends.common.files import copy_runtime, write_file
-from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.files import copy_runtime, finish_bundle, write_file
 from moeplan.backends.common import model_source
 from moeplan.backends.common.model_source import bundle_model, needs_weights
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
@@ -195,7 +194,7 @@ def write_bundle(out, plan, state: dict, model_files: dict) -> dict:
                         "give the plan's model with --model or plan again")
     with atomic_path(Path(out), kind="bundle") as tmp:
         write_files(tmp, plan, state, model_files["files"])
-        return write_manifest(tmp)
+        return finish_bundle(tmp)
 
 
 def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
