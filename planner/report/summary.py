@@ -267,12 +267,12 @@ def lambda_api_call(plan: dict) -> list:
     from moeplan.runtime.lambda_.charges import CHARGE_LABELS
 
     shape = f"{call.get('prompt_tokens')} prompt + {call.get('new_tokens')} new tokens"
-    rows = [[f"cost per API call ({shape})", num(plan, "predicted.api_call.usd.total", unit="$", digits=8)]]
-    rows += [[f"  {label}", num(plan, f"predicted.api_call.usd.{key}", unit="$", digits=8)]
+    rows = [[f"cost per API call ({shape})", num(plan, "predicted.api_call.usd.total", unit="$")]]
+    rows += [[f"  {label}", num(plan, f"predicted.api_call.usd.{key}", unit="$")]
              for key, label in CHARGE_LABELS.items() if (call.get("usd") or {}).get(key)]
     rows += [["latency of that call", num(plan, "predicted.api_call.latency_s", unit="s")],
              [f"per month at {call.get('requests_per_second')} such calls per second",
-              num(plan, "predicted.api_call.monthly_usd", unit="$", digits=2)]]
+              num(plan, "predicted.api_call.monthly_usd", unit="$")]]
     return rows
 
 
