@@ -26,10 +26,10 @@ from pathlib import Path
 
 
 from moeplan.backends.common.templating import template_env, to_yaml
-from moeplan.runtime.lambda_.charges import CHARGE_LABELS
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
+from moeplan.runtime.lambda_.charges import CHARGE_LABELS
 from moeplan.runtime.model.moe_adapter import split_expert_state
 from moeplan.backends.common.files import copy_runtime, finish_bundle, write_file
 from moeplan.backends.common import model_source

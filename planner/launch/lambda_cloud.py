@@ -10,8 +10,9 @@ limit on requests and responses; an execution runs the template's own definition
 Functions come from template.yaml itself: memory, environment (Ref / Fn::Sub resolved for a stack
 named `local`; `Ref: Pipeline` is the local state machine's ARN, other parameters from `parameters`),
 module and handler from the Dockerfile CMD. Every invocation is recorded: function, measured
-seconds, planned memory, payload and storage bytes and requests (`bill` prices them as AWS would); every S3 key a function used is checked
-against the prefixes its IAM policy in the template allows.
+seconds, planned memory, payload and storage bytes and requests (`bill` prices them as AWS
+would); every S3 key a function used is checked against the prefixes its IAM policy in the
+template allows.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class Flag:
 GROUPS = (  # (title, what the section is for), in the order `compile --help` prints them
     ("Topology and placement", "torchrun, kubernetes, sglang, trtllm"),
     ("Cost model", "torchrun, kubernetes; --hardware also offload"),
-    ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload"),
+    ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload; --prompt-tokens also lambda"),
     ("Bundle", "torchrun, kubernetes; --sign-key also lambda"),
     ("Kubernetes", "kubernetes; sglang with --kubernetes"),
     ("Lambda", "lambda; --validation-fraction and --seed also offload and expert caches"),

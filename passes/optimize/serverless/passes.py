@@ -22,7 +22,7 @@ plan.json body (serverless version 1):
   `request_cost`: the spec the request cost model prices one generation from
   (`passes/optimize/serverless/request_spec.py`; the front function and `simulate --new-tokens`), and
   `api_call`: that model's price of the API call named at compile (--prompt-tokens, --new-tokens),
-  every charge in, and the monthly cost of such calls at --requests-per-second (`api_call`)
+  every charge in, and the monthly cost of such calls at --requests-per-second (`api_call` below)
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
 * `deployment`: payload limit, the request rate the README's monthly cost is stated for, and the
