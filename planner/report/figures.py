@@ -55,7 +55,8 @@ def headline(plan: dict) -> dict:
         out.update(seconds_per_token=at(plan, "predicted.seconds_per_token"), hit_ratio=at(plan, "predicted.hit_ratio"),
                    bytes_per_token=at(plan, "predicted.bytes_moved_per_token"))
     if target == "lambda":
-        out.update(cost=at(plan, "predicted.cost_per_request_usd"), latency=at(plan, "predicted.latency_s"),
+        # a lambda plan's cost and latency: of the API call it prices (predicted.api_call), not of the sized batch
+        out.update(cost=at(plan, "predicted.api_call.usd.total"), latency=at(plan, "predicted.api_call.latency_s"),
                    throughput=at(plan, "predicted.throughput_tokens_per_s"))
     if isinstance(at(plan, "predicted.serving"), dict):
         out.update(tpot=at(plan, "predicted.serving.tpot_s"), ttft=at(plan, "predicted.serving.ttft_s"),

@@ -304,8 +304,28 @@ def lambda_decisions(plan: dict) -> Table:
     ], "Decisions")
 
 
+def lambda_api_call(plan: dict) -> list:
+    """The API call the plan prices (--prompt-tokens, --new-tokens at compile), every charge in, and its month."""
+    call = at(plan, "predicted.api_call")
+    if not isinstance(call, dict):
+        return []
+    from moeplan.runtime.lambda_.charges import CHARGE_LABELS
+
+    shape = f"{call.get('prompt_tokens')} prompt + {call.get('new_tokens')} new tokens"
+    rows = [[f"cost per API call ({shape})", num(plan, "predicted.api_call.usd.total", unit="$")]]
+    rows += [[f"  {label}", num(plan, f"predicted.api_call.usd.{key}", unit="$")]
+             for key, label in CHARGE_LABELS.items() if (call.get("usd") or {}).get(key)]
+    rows += [["latency of that call", num(plan, "predicted.api_call.latency_s", unit="s")],
+             [f"per month at {call.get('requests_per_second')} such calls per second",
+              num(plan, "predicted.api_call.monthly_usd", unit="$")]]
+    return rows
+
+
 def lambda_predicted(plan: dict) -> list:
-    rows = [["cost per request", num(plan, "predicted.cost_per_request_usd", unit="$")],
+    batch = at(plan, "communication.batch_tokens")
+    rows = lambda_api_call(plan) + [
+            [f"cost per sized batch ({batch} tokens; Lambda duration and request fees: the sizing's objective)",
+             num(plan, "predicted.cost_per_request_usd", unit="$")],
             ["MoE cost per batch", num(plan, "predicted.moe_cost_per_batch_usd", unit="$")],
             ["dense cost per batch", num(plan, "predicted.dense_cost_per_batch_usd", unit="$")],
             ["latency per batch", num(plan, "predicted.latency_s", unit="s")],
