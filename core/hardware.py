@@ -50,8 +50,12 @@ _INTERCEPT = "collective_latency_base_s"
 _INTEGER = ("device_memory_bytes", "host_memory_bytes")
 # optional keys (absent = unknown): host compute on a miss; `moeplan calibrate` measures the first two
 HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s")
-# optional keys (absent = the default the field names): the device's weight precision, CUDA graphs' kernel cost
+# optional: the dense FP8 tensor-core peak, which engine pricing's roofline gives FP8 weights (a GPU without
+# FP8 tensor cores, or a profile that does not say, computes FP8 weights at flops_per_s)
+PRECISION_FIGURES = ("fp8_flops_per_s",)
+# optional keys (absent = the default the field names): CUDA graphs' kernel cost
 DEVICE_FIGURES = ("graph_kernel_s",)
+OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES + DEVICE_FIGURES
 PRECISIONS = ("fp8", "bf16", "fp32")  # runtime/precision.py's, named here: core imports nothing of the runtime
 
 
@@ -83,6 +87,7 @@ class HardwareProfile:
     host_memory_bytes_per_s: float | None = None  # weights read by all cores (a decode row is memory-bound)
     host_flops_per_s: float | None = None         # float32 matmul, all cores
     host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
+    fp8_flops_per_s: float | None = None          # dense FP8 matmul throughput of one rank (engine pricing)
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key
     # optional: the narrowest weights the device computes at speed (`runtime/precision.py`: fp8 | bf16 |
     # fp32); None: bf16 on GPUs, fp32 where the device is the host
@@ -118,7 +123,7 @@ class HardwareProfile:
         out = asdict(self)
         if out["calibration"] is None:
             out.pop("calibration")
-        for key in (*HOST_FIGURES, *DEVICE_FIGURES, "weight_precision"):  # optional: written only where known
+        for key in (*OPTIONAL_FIGURES, "weight_precision"):  # optional: written only where known
             if out[key] is None:
                 out.pop(key)
         return out
@@ -132,7 +137,7 @@ class HardwareProfile:
                 why = self.sources.get(head, "no source given")
                 raise UserError(f"hardware profile '{self.name}' does not know {key} ({why}), which {purpose} needs; "
                                 f"give --hardware FILE with it set (copy the profile's YAML from "
-                                f"moeplan/planner/hardware_data/ or write one with 'moeplan calibrate --out FILE')")
+                                f"moeplan/core/hardware_data/ or write one with 'moeplan calibrate --out FILE')")
         return self
 
 
@@ -237,7 +242,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile '{where}' must be a mapping of keys to values")
     figures = (*COST_FIGURES, *MEMORY_FIGURES, *TIERED)
-    known = {"name", "sources", "calibration", "weight_precision", *figures, *HOST_FIGURES, *DEVICE_FIGURES}
+    known = {"name", "sources", "calibration", "weight_precision", *figures, *OPTIONAL_FIGURES}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"hardware profile '{where}' has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
@@ -246,7 +251,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
         raise UserError(f"hardware profile '{where}' is missing key(s) {missing} (write null for a figure it does not "
                         f"know, with a source saying why)")
     values = {k: _figure(where, k, data[k]) for k in (*COST_FIGURES, *MEMORY_FIGURES)}
-    values.update({k: _figure(where, k, data[k]) for k in (*HOST_FIGURES, *DEVICE_FIGURES) if k in data})  # optional keys
+    values.update({k: _figure(where, k, data[k]) for k in OPTIONAL_FIGURES if k in data})  # optional keys
     precision = data.get("weight_precision")
     if precision is not None and precision not in PRECISIONS:
         raise UserError(f"hardware profile '{where}': 'weight_precision' must be one of {', '.join(PRECISIONS)} or absent, "
