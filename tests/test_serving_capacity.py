@@ -86,3 +86,54 @@ def test_compile_records_and_prints_the_capacity(tmp_path):
     assert cap["max_context"] == 64 and cap["fits"]
     line = next(l for l in result.output.splitlines() if l.startswith("serving capacity:"))
     assert f"{cap['max_sequences']} sequences of up to 64 tokens" in line
+
+
+def _config_model(name):
+    return load_model(str(CONFIGS / f"{name}.json"))
+
+
+def test_expert_cache_and_serving_capacity_agree_on_the_held_precision():
+    """Issue 39: --gpu-memory 24GiB on rtx4090-pcie4 for Qwen3-30B-A3B sized the cache at bf16 and then said
+    nothing fits at fp32. Both now count the weights as the ranks hold them (runtime/precision.py: bf16 there):
+    the cache the budget sizes leaves the service at least one sequence at the planned length."""
+    from moeplan.passes.cost.capacity import MAX_PREFILL_TOKENS
+    from moeplan.passes.optimize.offload.cache_plan import OffloadRequest, kv_bytes_per_token, memory_budget
+    from moeplan.passes.optimize.offload.rank_caches import runtime_expert_bytes
+
+    model, profile = _config_model("qwen3-30b-a3b"), load_hardware("rtx4090-pcie4")
+    gpu = 24 << 30
+    req = OffloadRequest(hardware=profile, gpu_memory_bytes=gpu)
+    budget = memory_budget(model.ir, kv_bytes_per_token(model.module.config, model.ir), req, prefill_tokens=MAX_PREFILL_TOKENS)
+    held = held_weights(model.ir, profile)
+    assert held["dtypes"] == {"dense": "bfloat16", "experts": "bfloat16"}  # a bf16 checkpoint stays bf16 on the GPU
+    assert budget["expert_bytes"] == held["expert"] == runtime_expert_bytes(model.ir, profile)
+    assert budget["dense_bytes"] == held["dense"]
+    assert budget["expert_bytes"] == model.ir.moe_stages[0].expert_param_bytes  # bf16 as stored: 2 bytes a weight
+    cap = serving_capacity(model.ir, model.module.config, [budget["capacity"]], "standard", gpu, "--gpu-memory", held)
+    assert 1000 < budget["capacity"] < 48 * 128 and cap["fits"]
+    assert cap["max_context"] >= req.max_length and cap["activation_bytes"] == budget["activation_bytes"]
+    assert cap["kv_bytes_per_token"] * req.max_length == budget["kv_cache_bytes"]  # the same KV, at bf16
+    # one more expert than the budget's capacity leaves less than the planned KV cache
+    over = serving_capacity(model.ir, model.module.config, [budget["capacity"] + 1], "standard", gpu, "--gpu-memory", held)
+    assert over["kv_tokens_per_rank"] < req.max_length
+
+
+@pytest.mark.parametrize("name, ranks, dtype", [("deepseek-v3-fp8", 64, "float8_e4m3fn"), ("mixtral-8x7b", 2, "bfloat16")])
+def test_full_size_models_fit_h100s_at_the_checkpoints_precision(name, ranks, dtype):
+    """DeepSeek-V3 (FP8 experts with their block scales) on 64 H100s and Mixtral-8x7B (bf16) on 2: every rank
+    holds the dense weights and its 1/ranks of the experts, as the runtime holds them on h100-sxm."""
+    model = _config_model(name)
+    profile = load_hardware("h100-sxm")
+    held = held_weights(model.ir, profile)
+    assert held["dtypes"]["experts"] == dtype
+    per_rank = sum(s.num_experts for s in model.ir.moe_stages) // ranks
+    cap = serving_capacity(model.ir, model.module.config, [per_rank] * ranks, "standard", profile.device_memory_bytes,
+                           "profile", held)
+    assert cap["fits"] and cap["max_sequences"] >= ranks, cap
+    assert max(cap["weight_bytes_per_rank"]) < profile.device_memory_bytes
+    # at float32 (the runtime before issue 39) neither fits
+    fp32 = held_weights(model.ir, load_hardware("cpu-gloo"))
+    assert fp32["dtypes"] == {"dense": "float32", "experts": "float32"}
+    old = serving_capacity(model.ir, model.module.config, [per_rank] * ranks, "standard", profile.device_memory_bytes,
+                           "profile", fp32)
+    assert not old["fits"]
