@@ -52,7 +52,8 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "bytes_per_token", "tokens_per_second", "messages_per_token", "total_bytes_per_token", "mode",
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
-            "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache")
+            "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache",
+            "weight_dtype", "logit_tolerance")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[modes[0]] if mode != "both" else {"modes": as_dicts}, sort_keys=True))

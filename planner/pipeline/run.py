@@ -95,6 +95,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "total_bytes_per_token": summary["total_bytes_per_token"],
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
+        "weight_dtype": summary.get("weight_dtype", "float32"),  # what the ranks held (runtime/precision.py)
     }
     from moeplan.passes.cost.run_check import measured_beside_predicted  # issue 12: the cost model, checked
 
@@ -113,7 +114,6 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         locality_ok = mode != "coherent" or abs(report["gpu_local_fraction"] - report["predicted_gpu_local_fraction"]) < 1e-9
         report["locality_matches_prediction"] = locality_ok
         cache = report.get("expert_cache", {"matches_simulation": True, "requests_match_routing": True})
-        report["weight_dtype"] = summary.get("weight_dtype", "float32")
         report["logit_tolerance"] = LOGIT_TOLERANCE[report["weight_dtype"]]
         report["verified"] = bool(report["tokens_match"] and report["max_abs_logit_diff"] <= report["logit_tolerance"] and locality_ok
                                   and cache["matches_simulation"] and cache["requests_match_routing"])
