@@ -53,9 +53,7 @@ HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s"
 # optional: the dense FP8 tensor-core peak, which engine pricing's roofline gives FP8 weights (a GPU without
 # FP8 tensor cores, or a profile that does not say, computes FP8 weights at flops_per_s)
 PRECISION_FIGURES = ("fp8_flops_per_s",)
-# optional keys (absent = the default the field names): CUDA graphs' kernel cost
-DEVICE_FIGURES = ("graph_kernel_s",)
-OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES + DEVICE_FIGURES
+OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES
 PRECISIONS = ("fp8", "bf16", "fp32")  # runtime/precision.py's, named here: core imports nothing of the runtime
 
 
@@ -92,9 +90,6 @@ class HardwareProfile:
     # optional: the narrowest weights the device computes at speed (`runtime/precision.py`: fp8 | bf16 |
     # fp32); None: bf16 on GPUs, fp32 where the device is the host
     weight_precision: str | None = None
-    # optional: one kernel inside a replayed CUDA graph (the runtime captures its decode steps on GPUs,
-    # `runtime/ep/decode_graphs.py`); None: no graphs, every kernel costs op_overhead_s
-    graph_kernel_s: float | None = None
 
     def collective_latency(self, world: int) -> float:
         """One all_to_all call among `world` ranks: base + per_peer x (world - 1)."""
