@@ -14,9 +14,10 @@ Weights stay at the checkpoint's precision where the device computes at it, neve
 | mxfp4 / int4 (dequantized) | bfloat16                             | bfloat16                             | float32                         |
 
 Dense weights of an fp8 checkpoint are held at bfloat16: they run in the library's own modules,
-which compute in bfloat16. Why CPUs without AMX hold float32: measured on the runtime's real step
-on an AVX2 CPU (docs/models.md, "Weight precision"), bfloat16 weights are as fast at batch 1 and
-1.2-1.9x slower at batch 16 and 64, as every bf16 matmul there converts its operands.
+which compute in bfloat16. Why CPUs without AMX hold float32: measured on the runtime's real step on this AVX2 CPU
+(benchmarks/weight_precision.py; docs/models.md, "Weight precision"), bfloat16 weights ran at 0.35x,
+0.87x and 0.43x of float32's tokens/s at batch 1, 16 and 64 (qwen3_moe_hd32, 1 rank), as every bf16
+matmul there converts its operands.
 
 A device's precision is `device_precision(torch.device)` in a rank and the hardware profile's
 `weight_precision` in the planner (`core/hardware.py`); MOEPLAN_WEIGHT_PRECISION overrides the
