@@ -15,6 +15,7 @@ import click
 from moeplan.core import cli_types as T
 from moeplan.core import kubernetes_syntax as K
 from moeplan.core.errors import UserError
+from moeplan.core.slo import SloType
 from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
 TORCHRUN = ("torchrun", "kubernetes")
@@ -58,12 +59,13 @@ class Flag:
 
 
 GROUPS = (  # (title, what the section is for), in the order `compile --help` prints them
-    ("Topology and placement", "torchrun, kubernetes, sglang, trtllm"),
+    ("Topology and placement", "torchrun, kubernetes, sglang, trtllm; --max-gpus sglang, trtllm with --slo"),
     ("Cost model", "torchrun, kubernetes; --hardware also offload; --hardware and --workload also sglang, trtllm"),
     ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload; --prompt-tokens also lambda"),
     ("Bundle", "torchrun, kubernetes; --sign-key also lambda"),
     ("Kubernetes", "kubernetes; sglang with --kubernetes"),
-    ("Lambda", "lambda; --validation-fraction and --seed also offload and expert caches"),
+    ("Lambda", "lambda; --slo also sglang, trtllm (the SLO search); --validation-fraction and --seed also offload and "
+               "expert caches"),
 )
 PLACEMENT, COST, CACHES, BUNDLE, KUBERNETES, LAMBDA = (g for g, _ in GROUPS)
 
@@ -172,8 +174,12 @@ FLAGS = (
     Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
          "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
          default=False, is_flag=True, show_default=False),
-    Flag("slo", "--slo", ("lambda",), LAMBDA, "end-to-end latency limit per batch, seconds (required)", T.POSITIVE_FLOAT,
-         show_default=False),
+    Flag("slo", "--slo", ("lambda",) + ENGINES, LAMBDA,
+         "latency objective (core/slo.py): lambda: the end-to-end latency limit per batch, SECONDS or latency=5s "
+         "(required); sglang, trtllm: tpot=35ms[,ttft=2s] with --hardware and no --nodes searches the GPU count and "
+         "layout for --workload (docs/slo_search.md)", SloType(), show_default=False),
+    Flag("max_gpus", "--max-gpus", ENGINES, PLACEMENT,
+         "sglang, trtllm with --slo: the most GPUs the search tries", T.POSITIVE_INT, 64),
     Flag("platform", "--platform", ("lambda",), LAMBDA, "YAML file overriding platform constants", show_default=False),
     Flag("batch_tokens", "--batch-tokens", ("lambda",), LAMBDA, "tokens per served batch", T.POSITIVE_INT, 10240),
     Flag("methods", "--methods", ("lambda",), LAMBDA, "allowed scatter-gather methods", default="pipelined_s3,s3,direct"),
