@@ -65,7 +65,7 @@ def test_the_choice_meets_the_slo_fits_and_nothing_on_fewer_gpus_does(tpot_ms, t
     assert result.prediction.tpot_s == p.tpot_s
     assert not any(meets(QWEN, c, slo)[0] for c in every_candidate(QWEN, "sglang", chosen.gpus, WORKLOAD))
     same_count = [p for p in result.screened if p.candidate.gpus == chosen.gpus and p.meets]
-    assert result.chosen.output_tokens_per_s_per_gpu >= max(p.output_tokens_per_s_per_gpu for p in same_count)
+    assert result.chosen.output_tokens_per_s_per_gpu >= max(p.output_tokens_per_s_per_gpu for p in same_count) * (1 - S.TIE)
 
 
 def test_memory_sets_the_floor_and_counts_below_it_are_not_priced():

@@ -224,6 +224,7 @@ def engine_predicted(plan: dict) -> list:
             ["of which the engine's reserve", num(plan, f"{base}.memory.reserved_bytes", 1 / 2**30, "GiB")],
             ["GPU memory", num(plan, f"{base}.memory.device_bytes", 1 / 2**30, "GiB")]]
     tables.append(Table(["serving figure", "predicted"], rows, "Serving prediction (passes/cost/engine/)"))
+    tables += slo_search_tables(plan)
     sources = serving.get("price_sources") or []
     tables.append(Table(["price source", "decode step time at the middle context"],
                         [[str(r.get("source")), num(plan, f"{base}.price_sources.{i}.seconds", MS, "ms")]
@@ -233,6 +234,34 @@ def engine_predicted(plan: dict) -> list:
                         [[str(r.get("op")), num(plan, f"{base}.op_prices.{i}.seconds", MS, "ms"), str(r.get("source"))]
                          for i, r in enumerate(ops)], "The decode step at the middle context, op by op"))
     return tables
+
+
+def slo_search_tables(plan: dict) -> list:
+    """The SLO search's choice, why it won, and its frontier (docs/slo_search.md), where it chose."""
+    search = at(plan, "predicted.slo_search")
+    if not isinstance(search, dict):
+        return []
+    base = "predicted.slo_search"
+    chosen = search.get("chosen") or {}
+    rows = [["objective", f"--slo {search.get('slo')} for --workload {search.get('workload')} on {search.get('hardware')}"],
+            ["chosen", _layout_text(chosen)],
+            ["why", str(search.get("why", ""))],
+            ["GPU counts priced", ", ".join(str(g) for g in search.get("gpu_counts_tried") or [])],
+            ["fewest GPUs that hold the model and the workload", num(plan, f"{base}.memory_floor_gpus")]]
+    frontier = [[_layout_text(p), num(plan, f"{base}.frontier.{i}.tpot_s", MS, "ms"),
+                 num(plan, f"{base}.frontier.{i}.ttft_s", unit="s"),
+                 num(plan, f"{base}.frontier.{i}.output_tokens_per_s_per_gpu"), str(p.get("routing")),
+                 "yes" if p.get("meets_slo") else "no"] for i, p in enumerate(search.get("frontier") or [])]
+    return [Table(["SLO search", "value"], rows, "SLO search (passes/cost/engine/slo_search.py)"),
+            Table(["deployment", "TPOT", "TTFT", "output tokens/s per GPU", "routing", "meets the SLO"], frontier,
+                  "Frontier: output tokens/s per GPU against TPOT (no priced deployment is better on both)")]
+
+
+def _layout_text(p: dict) -> str:
+    dp, tp = p.get("attention_dp") or 1, p.get("attention_tp")
+    attention = f"tp{tp}" if dp == 1 else f"tp{tp} x dp{dp}"
+    return (f"{p.get('gpus')} GPUs ({p.get('nodes')} x {p.get('gpus_per_node')}), attention {attention}, ep{p.get('moe_ep')}, "
+            f"{p.get('redundant_experts')} redundant, {p.get('max_running_requests')} running")
 
 
 # ---------------------------------------------------------------------------------------- offload

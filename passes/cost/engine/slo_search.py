@@ -20,9 +20,9 @@ How it stays fast (a DeepSeek-V3 search in well under the 5 minutes issue 38 all
    with every redundant-slot choice; the choice is made among those. If no finalist meets the SLO under
    its placement, the search goes on to the next count.
 
-The choice: the fewest GPUs whose finalist meets the SLO and fits; among them the highest output tokens
-per second per GPU; then fewer redundant slots, then attention TP before DP (a fixed order, so the
-same inputs give the same choice). Nothing meets it up to `max_gpus`: one line naming the closest.
+The choice (`choose`): the fewest GPUs whose finalist meets the SLO and fits; among them the highest
+output tokens per second per GPU, within 1 % counting as a tie that fewer redundant slots, then more
+running requests, then the layout's order (TP before DP) decide, so the same inputs give the same choice. Nothing meets it up to `max_gpus`: one line naming the closest.
 
 With fewer running requests than R, the requests beyond them wait: `ttft_s` of a candidate then adds
 the mean wait of the later waves, each wave a whole generation (new tokens x TPOT) plus its own prefill
@@ -43,6 +43,7 @@ DEFAULT_MAX_GPUS = 64
 FINALISTS = 3
 REDUNDANT_PER_RANK = (0, 1, 2)    # redundant slots per EP rank tried for finalists
 RUNNING_SHARES = (1, 2, 4)        # max running requests: R / share
+TIE = 0.01                        # tokens/s per GPU this close to the best count as a tie
 
 
 @dataclass(frozen=True, order=True)
@@ -302,15 +303,27 @@ def search(model, engine: str, hardware: str, profile, workload, slo, gpus_per_n
             continue
         final_here = _finalists(pricer, meeting, route, fixed, progress)
         final.extend(final_here)
-        winners = sorted((p for p in final_here if p.meets), key=Priced.rank_key)
+        winners = [p for p in final_here if p.meets]
         if winners:
-            chosen = winners[0]
+            chosen = choose(winners)
             stop_at = len(tried) + beyond
     if chosen is None:
         raise UserError(_refusal(slo, workload, hardware, max_gpus, screened + final, floor))
     result = SearchResult(slo, workload, engine, hardware, chosen, pricer.predictions[(chosen.candidate, chosen.routing)],
                           tuple(screened), tuple(final), floor, "", tuple(tried))
     return replace(result, why=_why(result))
+
+
+def choose(meeting: list) -> Priced:
+    """The best of the deployments that meet the SLO: the fewest GPUs; among them the most output tokens/s
+    per GPU, where those within TIE (the pricing's resolution) of the best count as equal and the fewer
+    redundant slots, then the more running requests, then the layout's order decide."""
+    fewest = min(p.candidate.gpus for p in meeting)
+    here = [p for p in meeting if p.candidate.gpus == fewest]
+    best = max(p.output_tokens_per_s_per_gpu for p in here)
+    near = [p for p in here if p.output_tokens_per_s_per_gpu >= best * (1 - TIE)]
+    return min(near, key=lambda p: (p.candidate.redundant_experts, -p.candidate.max_running_requests,
+                                    -p.output_tokens_per_s_per_gpu, p.candidate))
 
 
 def _finalists(pricer, meeting, route, fixed, progress) -> list:
@@ -354,9 +367,11 @@ def _why(result: SearchResult) -> str:
         parts.append(f"no deployment on fewer GPUs meets {slo} (closest: {best.text()})")
     same = sorted((p for p in result.finalists if p.candidate.gpus == c.gpus and p.meets), key=Priced.rank_key)
     runner = next((p for p in same if p.candidate != c), None)
-    parts.append(f"{c.gpus} GPUs is the fewest that meets {slo}")
+    parts.append(f"{c.gpus} GPU{'s' if c.gpus > 1 else ''} is the fewest that meets {slo}")
     if runner is not None:
-        parts.append(f"among those meeting it on {c.gpus} GPUs, {result.chosen.output_tokens_per_s_per_gpu:.0f} output "
-                     f"tokens/s per GPU against {runner.output_tokens_per_s_per_gpu:.0f} for the next ({runner.candidate.label()})")
+        tie = runner.output_tokens_per_s_per_gpu >= result.chosen.output_tokens_per_s_per_gpu * (1 - TIE)
+        parts.append(f"among those meeting it there, {result.chosen.output_tokens_per_s_per_gpu:.0f} output tokens/s "
+                     f"per GPU against {runner.output_tokens_per_s_per_gpu:.0f} for the next best ({runner.candidate.label()})"
+                     + (f": within {TIE:.0%}, a tie that fewer redundant slots, then more running requests, decide" if tie else ""))
     parts.append(f"priced under {'the real placement of the trace' if result.chosen.routing == 'trace' else 'balanced routing'}")
     return "; ".join(parts)
