@@ -7,24 +7,33 @@ steps (`vllm/config/parallel.py: EPLBConfig`, `vllm/distributed/eplb/policy/defa
 window follows noise, a long one remembers traffic that has moved on; a placement is worth
 keeping until the loads have drifted away from it. Both are measured on the trace:
 
-* the trace is cut into `BLOCKS` consecutive blocks (in sequence order, token order without
-  sequence ids, as `passes/optimize/placement/held_out.py` cuts it), each block's expert loads
-  float [L, E];
+* the trace is cut into `BLOCKS` consecutive blocks of whole sequences, in sequence-id order (the
+  order requests arrived in), or of tokens in trace order where it has no sequence ids (an engine
+  dump's order, which is already the engine's), as `passes/optimize/placement/held_out.py` cuts it;
+  each block's expert loads float [L, E]. Whole sequences, because an engine step mixes the tokens
+  of every running request: the drift it sees is that of the request mix, not the topic changes
+  inside one request;
 * window: for W in 1, 2, 4, ... blocks (up to half the trace), EPLB is run on the loads of blocks
   t-W .. t-1 and scored on block t (mean over MoE layers of max/mean EP-rank load, each expert's
-  load split evenly over its copies, as vLLM dispatches over replicas), averaged over every t the
-  trace allows; the window is the W of lowest held-out max/mean (ties: the longer);
-* interval: the same placements are scored a blocks later (a = 0, 1, ...); `drift[a]` is the mean
-  rise of max/mean over a = 0. The placement is kept while the rise stays within
-  `DRIFT_TOLERANCE` (one point of max/mean: about 1 % of the MoE layers' time), so the interval is
-  the first a whose rise exceeds it (the whole measured span when none does);
+  load split evenly over its copies, as vLLM dispatches over replicas), averaged over up to
+  `MAX_STARTS` ends t; the window is the W of lowest held-out max/mean (ties: the longer). When
+  that is the longest W tried, the trace cannot show where a longer window stops helping, and
+  vLLM's default window is kept where it is longer;
+* interval: the best window's placements are scored a = 0, 1, ... blocks later; `drift[a]` is the
+  mean rise of max/mean over a = 0, and the rise per block is its least-squares slope through the
+  origin (one number from every age, so that the noise of single blocks averages out). A placement
+  is kept until it has lost `DRIFT_TOLERANCE` (one point of max/mean: about 1 % of the MoE layers'
+  time): tolerance / slope blocks. When the slope is not positive, or that is longer than the ages
+  the trace measures, no drift was seen: the interval is the measured span, or vLLM's default
+  where that is longer;
 * blocks become engine steps at `tokens_per_step` tokens a step: every running request decodes one
   token per step, so a full batch of `max_running_requests` (vLLM's `max_num_seqs` per
   data-parallel engine times the engines where it is not set). Under a lighter load a step carries
   fewer tokens and the same number of steps spans fewer tokens than measured.
 
-Loads-only traces and traces too short to cut (fewer than `MIN_BLOCK_TOKENS` per block) have no
-order to measure: vLLM's own defaults are kept and the plan says why. For speed the measure runs
+Loads-only traces, and traces too short to cut (fewer than `BLOCKS` sequences, or fewer than
+`MIN_BLOCK_TOKENS` tokens a block), have no order to measure: vLLM's own defaults are kept and the
+plan says why. For speed the measure runs
 on at most `MAX_LAYERS` MoE layers, evenly spaced (drift is a property of the traffic, which
 every layer sees).
 """
@@ -48,15 +57,25 @@ VLLM_WINDOW_SIZE, VLLM_STEP_INTERVAL = 1000, 3000
 VLLM_DEFAULT_MAX_NUM_SEQS = 128
 
 
-def block_loads(trace, blocks: int = BLOCKS) -> np.ndarray | None:
-    """float [blocks, L, E]: expert loads of consecutive blocks (sequence order), or None when the trace
-    is loads-only or too short."""
-    if trace.loads_only or trace.num_tokens < blocks * MIN_BLOCK_TOKENS:
-        return None
-    order = np.arange(trace.num_tokens)
-    if trace.sequence is not None:
-        order = np.argsort(trace.sequence, kind="stable")
-    return np.stack([trace.expert_loads(rows).astype(np.float64) for rows in np.array_split(order, blocks)])
+def too_short(trace, blocks: int = BLOCKS) -> str | None:
+    """Why the trace cannot be cut into `blocks` blocks (module docstring), or None when it can."""
+    if trace.loads_only:
+        return "the trace holds loads only: no order to measure drift in"
+    if trace.num_tokens < blocks * MIN_BLOCK_TOKENS:
+        return f"the trace's {trace.num_tokens} tokens are fewer than {blocks} blocks of {MIN_BLOCK_TOKENS}"
+    if trace.sequence is not None and len(np.unique(trace.sequence)) < blocks:
+        return f"the trace's {len(np.unique(trace.sequence))} sequences are fewer than {blocks} blocks"
+    return None
+
+
+def block_loads(trace, blocks: int = BLOCKS) -> np.ndarray:
+    """float [blocks, L, E]: expert loads of consecutive blocks (whole sequences in id order, else tokens in
+    trace order) of a trace that `too_short` accepts."""
+    if trace.sequence is None:
+        parts = np.array_split(np.arange(trace.num_tokens), blocks)
+    else:
+        parts = [np.isin(trace.sequence, ids) for ids in np.array_split(np.unique(trace.sequence), blocks)]
+    return np.stack([trace.expert_loads(rows).astype(np.float64) for rows in parts])
 
 
 def max_over_mean(hosts: np.ndarray, loads: np.ndarray) -> float:
@@ -78,8 +97,9 @@ def _starts(first: int, last: int) -> list:
 def measure_drift(blocks: np.ndarray, topology: Topology, redundant: int, expert_groups: int) -> dict:
     """Held-out max/mean per window W (blocks) and the rise with age of the best window's placements.
 
-    blocks: float [B, L, E]. Returns {"windows": {W: max/mean}, "window_blocks", "drift": [rise at age a],
-    "interval_blocks"}."""
+    blocks: float [B, L, E]. Returns {"windows": {W: max/mean}, "window_blocks", "longest_window" (bool: the
+    best is the longest tried), "drift": [rise at age a], "rise_per_block", "interval_blocks" (float, or None
+    when no drift was seen within the "span_blocks" measured)}."""
     B, L, _ = blocks.shape
     layers = np.unique(np.linspace(0, L - 1, min(MAX_LAYERS, L)).round().astype(int))
     blocks = blocks[:, layers]
@@ -93,21 +113,19 @@ def measure_drift(blocks: np.ndarray, topology: Topology, redundant: int, expert
     windows = {}
     W = 1
     while W <= B // 2:
-        ends = _starts(W, B - 1)
-        windows[W] = float(np.mean([max_over_mean(hosts(W, t), blocks[t]) for t in ends]))
+        windows[W] = float(np.mean([max_over_mean(hosts(W, t), blocks[t]) for t in _starts(W, B - 1)]))
         W *= 2
     best = min(windows, key=lambda w: (round(windows[w], 6), -w))
-    ends = _starts(best, (B + best) // 2)  # every end leaves at least half the remaining blocks of ages
+    ends = _starts(best, (B + best) // 2)  # every end leaves at least a quarter of the trace's blocks of ages
     span = B - max(ends)
-    drift = []
-    for age in range(span):
-        fresh = [max_over_mean(hosts(best, t), blocks[t]) for t in ends]
-        aged = [max_over_mean(hosts(best, t), blocks[t + age]) for t in ends]
-        drift.append(float(np.mean(aged) - np.mean(fresh)))
-    beyond = [a for a, rise in enumerate(drift) if rise > DRIFT_TOLERANCE]
-    interval = beyond[0] if beyond else span
-    return {"windows": {str(w): v for w, v in windows.items()}, "window_blocks": best, "drift": drift,
-            "interval_blocks": max(1, interval)}
+    fresh = np.mean([max_over_mean(hosts(best, t), blocks[t]) for t in ends])
+    drift = [float(np.mean([max_over_mean(hosts(best, t), blocks[t + age]) for t in ends]) - fresh)
+             for age in range(span)]
+    ages = np.arange(span, dtype=np.float64)
+    slope = float(ages @ np.array(drift) / (ages @ ages)) if span > 1 else 0.0
+    interval = DRIFT_TOLERANCE / slope if slope > 0 and DRIFT_TOLERANCE / slope < span else None
+    return {"windows": {str(w): v for w, v in windows.items()}, "window_blocks": best, "longest_window": best == max(windows),
+            "drift": drift, "rise_per_block": slope, "interval_blocks": interval, "span_blocks": span}
 
 
 def tokens_per_step(max_running_requests: int | None, attention_dp: int) -> int:
@@ -126,17 +144,20 @@ def eplb_config(trace, topology: Topology, redundant: int, expert_groups: int, m
     """(vLLM's `--eplb-config` {window_size, step_interval, num_redundant_experts}, the measurement for
     plan.json `predicted.load_drift`)."""
     per_step = tokens_per_step(max_running_requests, attention_dp)
-    blocks = block_loads(trace)
-    if blocks is None:
-        why = ("the trace holds loads only: no order to measure drift in" if trace.loads_only else
-               f"the trace's {trace.num_tokens} tokens are fewer than {BLOCKS} blocks of {MIN_BLOCK_TOKENS}")
+    why = too_short(trace)
+    if why is not None:
         config = {"window_size": VLLM_WINDOW_SIZE, "step_interval": VLLM_STEP_INTERVAL,
                   "num_redundant_experts": int(redundant)}
         return config, {"measured": False, "reason": why + "; vLLM's default window and interval are kept"}
-    measure = measure_drift(blocks, topology, redundant, expert_groups)
+    measure = measure_drift(block_loads(trace), topology, redundant, expert_groups)
     block_tokens = trace.num_tokens / BLOCKS
-    config = {"window_size": _steps(measure["window_blocks"] * block_tokens, per_step),
-              "step_interval": _steps(measure["interval_blocks"] * block_tokens, per_step),
-              "num_redundant_experts": int(redundant)}
+    window = _steps(measure["window_blocks"] * block_tokens, per_step)
+    if measure["longest_window"]:
+        window = max(window, VLLM_WINDOW_SIZE)
+    if measure["interval_blocks"] is None:
+        interval = max(_steps(measure["span_blocks"] * block_tokens, per_step), VLLM_STEP_INTERVAL)
+    else:
+        interval = _steps(measure["interval_blocks"] * block_tokens, per_step)
+    config = {"window_size": window, "step_interval": interval, "num_redundant_experts": int(redundant)}
     return config, {"measured": True, "blocks": BLOCKS, "block_tokens": round(block_tokens, 3),
                     "tokens_per_step": per_step, "tolerance": DRIFT_TOLERANCE, **measure}

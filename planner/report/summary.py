@@ -63,7 +63,7 @@ def inputs_table(plan: dict) -> Table:
     rows.append(["trace sha256", str(at(plan, "inputs.trace_sha256") or "")])
     if at(plan, "inputs.trace_tokens") is not None:
         rows.append(["trace tokens", num(plan, "inputs.trace_tokens")])
-    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "trtllm"):
+    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "vllm", "trtllm"):
         rows.append(["topology", f"{at(plan, 'topology.nodes')} node(s) x {at(plan, 'topology.gpus_per_node')} GPU(s)"])
     if at(plan, "inputs.options"):
         rows.append(["options", _options_text(at(plan, "inputs.options"))])
@@ -176,13 +176,33 @@ def torchrun_predicted(plan: dict) -> list:
 
 def engine_decisions(plan: dict) -> Table:
     requested = at(plan, "inputs.options.policy")
-    return Table(["decision", "value", "reason"], [
+    rows = [
         ["placement policy", str(at(plan, "placement.policy")), f"--policy {requested}: balance is what sets an MoE "
          "layer's time under standard EP (docs/interop.md)"],
         ["redundant slots", num(plan, "communication.redundant"), "given with --redundant"],
         ["slots per rank", num(plan, "communication.slots_per_rank"), "(experts + redundant) / EP ranks"],
         ["objective", str(at(plan, "communication.objective")), "the engine runs standard expert parallelism"],
-    ], "Decisions")
+    ]
+    return Table(["decision", "value", "reason"], rows + engine_deployment_rows(plan), "Decisions")
+
+
+def engine_deployment_rows(plan: dict) -> list:
+    """The engine's layout (plan.json `deployment`, core/engine_layout.py), where the plan records one."""
+    if at(plan, "deployment.attention_dp") is None:
+        return []
+    by = f"chosen by {at(plan, 'deployment.chosen_by')}"
+    rows = [["attention tensor parallel", num(plan, "deployment.attention_tp"), by],
+            ["attention data parallel", num(plan, "deployment.attention_dp"),
+             f"{by} (--attention: tp inside one node, dp across nodes unless given)"],
+            ["MoE expert parallel", num(plan, "deployment.moe_ep"), "every GPU holds experts"],
+            ["token exchange", str(at(plan, "deployment.moe_a2a")), "deepep where expert parallelism spans nodes"],
+            ["max running requests", num(plan, "deployment.max_running_requests") if
+             at(plan, "deployment.max_running_requests") is not None else "engine's own",
+             "--max-running-requests, else --workload's requests"]]
+    if at(plan, "deployment.eplb") is not None:
+        rows += [[f"vLLM EPLB {key}", num(plan, f"deployment.eplb.{key}"), "from the trace's drift (docs/interop.md)"]
+                 for key in ("window_size", "step_interval")]
+    return rows
 
 
 def engine_predicted(plan: dict) -> list:
@@ -283,7 +303,7 @@ def summary_section(plan: dict, tie: float) -> Section:
     target = plan.get("target")
     if target in ("torchrun", "kubernetes"):
         blocks = [torchrun_decisions(plan, tie)] + torchrun_predicted(plan)
-    elif target in ("sglang", "trtllm"):
+    elif target in ("sglang", "vllm", "trtllm"):
         blocks = [engine_decisions(plan)] + engine_predicted(plan)
     elif target == "offload":
         blocks = [offload_decisions(plan)] + offload_predicted(plan)
