@@ -97,7 +97,7 @@ def _starts(first: int, last: int) -> list:
 def measure_drift(blocks: np.ndarray, topology: Topology, redundant: int, expert_groups: int) -> dict:
     """Held-out max/mean per window W (blocks) and the rise with age of the best window's placements.
 
-    blocks: float [B, L, E]. Returns {"windows": {W: max/mean}, "window_blocks", "longest_window" (bool: the
+    blocks: float [B, L, E]. Returns {"windows": [{"blocks": W, "max_over_mean"}, ...], "window_blocks", "longest_window" (bool: the
     best is the longest tried), "drift": [rise at age a], "rise_per_block", "interval_blocks" (float, or None
     when no drift was seen within the "span_blocks" measured)}."""
     B, L, _ = blocks.shape
@@ -124,7 +124,7 @@ def measure_drift(blocks: np.ndarray, topology: Topology, redundant: int, expert
     ages = np.arange(span, dtype=np.float64)
     slope = float(ages @ np.array(drift) / (ages @ ages)) if span > 1 else 0.0
     interval = DRIFT_TOLERANCE / slope if slope > 0 and DRIFT_TOLERANCE / slope < span else None
-    return {"windows": {str(w): v for w, v in windows.items()}, "window_blocks": best, "longest_window": best == max(windows),
+    return {"windows": [{"blocks": w, "max_over_mean": v} for w, v in windows.items()], "window_blocks": best, "longest_window": best == max(windows),
             "drift": drift, "rise_per_block": slope, "interval_blocks": interval, "span_blocks": span}
 
 

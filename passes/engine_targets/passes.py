@@ -117,14 +117,19 @@ def _placement(facts):
     return {"placement": plan_placement(with_model_experts(facts["trace"], engine_model["num_experts"]), request)}
 
 
+def flags_deployment(target: str, topology: dict, engine_options: dict, placement_options: dict) -> dict:
+    """The layout the flags ask for: every GPU in expert parallelism, attention by `--attention` (a layout the
+    engine cannot run is one UserError line, which the driver raises before any pass runs)."""
+    nodes, gpus_per_node = int(topology["nodes"]), int(topology["gpus_per_node"])
+    return engine_deployment(
+        target, nodes, gpus_per_node, attention_dp=attention_dp_for(engine_options["attention"], nodes, gpus_per_node),
+        moe_ep=nodes * gpus_per_node, redundant_experts=int(placement_options.get("redundant", 0)),
+        max_running_requests=engine_options["max_running_requests"], hardware=engine_options.get("hardware"))
+
+
 def _deployment(facts):
-    """The layout the flags ask for: every GPU in expert parallelism, attention by `--attention`."""
-    topo, options, target = facts["topology"], facts["engine_options"], facts["target"]
-    nodes, gpus_per_node = int(topo["nodes"]), int(topo["gpus_per_node"])
-    return {"engine_deployment": engine_deployment(
-        target["name"], nodes, gpus_per_node, attention_dp=attention_dp_for(options["attention"], nodes, gpus_per_node),
-        moe_ep=nodes * gpus_per_node, redundant_experts=int(facts["placement_options"].get("redundant", 0)),
-        max_running_requests=options["max_running_requests"], hardware=options.get("hardware"))}
+    return {"engine_deployment": flags_deployment(facts["target"]["name"], facts["topology"], facts["engine_options"],
+                                                  facts["placement_options"])}
 
 
 def _eplb_window(facts):

@@ -15,7 +15,7 @@ from moeplan.backends.common.engine_bundle import CODEGEN
 from moeplan.core.errors import UserError
 from moeplan.passes.analysis.trace.passes import TRACE
 from moeplan.passes.engine_targets.passes import (DEPLOYMENT, ENGINE_DEFAULTED, EPLB_WINDOW, LAYERS, PLACEMENT, PLAN,
-                                                  VLLM_PLAN)
+                                                  VLLM_PLAN, flags_deployment)
 from moeplan.passes.importers.passes import IMPORT
 
 ENGINE_TARGETS = ("sglang", "vllm", "trtllm")
@@ -68,9 +68,10 @@ def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dic
         spec.update(kubernetes=True, image=values["image"] or DEFAULT_IMAGE)
     engine = {"attention": values["attention"], "max_running_requests": max_running_requests(values),
               "hardware": None}
+    topology = {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]}
+    flags_deployment(target, topology, engine, placement)  # a layout the engine cannot run fails before any pass
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
-            "topology": {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]},
-            "placement_options": placement, "engine_options": engine, "target": spec}
+            "topology": topology, "placement_options": placement, "engine_options": engine, "target": spec}
 
 
 def summary(facts: dict) -> dict:
