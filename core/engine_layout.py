@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from moeplan.core.errors import UserError
 
-ENGINE_TARGETS = ("sglang", "vllm", "trtllm")
+ENGINE_TARGETS = ("sglang", "vllm", "trtllm")  # the targets that launch a serving engine, with this record
 ATTENTION_CHOICES = ("auto", "tp", "dp")
 MOE_A2A = ("allgather", "deepep")
 CHOSEN_BY = ("flags", "slo_search")

@@ -9,8 +9,9 @@ Followed: sglang 0.5.23, `python/sglang/srt/eplb/expert_location.py`
 --enable-dp-attention`, `--ep-size`) and `fields/schedule.py` (`--max-running-requests`, over all
 attention-DP ranks). The deployment is the plan's (`core/engine_layout.py`); `--ep-dispatch-algorithm
 dynamic` is the one SGLang accepts with `--moe-a2a-backend none` too (`arg_groups/parallel_hook.py:
-handle_eplb_and_dispatch`: static and lp pick a replica per rank, which needs an all-to-all). SGLang's map has a row for every decoder
-layer, dense ones included, and E + R columns; slot s lives on EP rank s // ((E + R) / ep_size).
+handle_eplb_and_dispatch`: static and lp pick a replica per rank, which needs an all-to-all).
+SGLang's map has a row for every decoder layer, dense ones included, and E + R columns; slot s
+lives on EP rank s // ((E + R) / ep_size).
 Every row must name every logical expert (SGLang builds each expert's replica list from it);
 dense layers get SGLang's own trivial row (slot s -> s mod E).
 """

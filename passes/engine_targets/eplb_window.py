@@ -33,9 +33,8 @@ keeping until the loads have drifted away from it. Both are measured on the trac
 
 Loads-only traces, and traces too short to cut (fewer than `BLOCKS` sequences, or fewer than
 `MIN_BLOCK_TOKENS` tokens a block), have no order to measure: vLLM's own defaults are kept and the
-plan says why. For speed the measure runs
-on at most `MAX_LAYERS` MoE layers, evenly spaced (drift is a property of the traffic, which
-every layer sees).
+plan says why. For speed the measure runs on at most `MAX_LAYERS` MoE layers, evenly spaced (drift
+is a property of the traffic, which every layer sees).
 """
 from __future__ import annotations
 
@@ -97,9 +96,9 @@ def _starts(first: int, last: int) -> list:
 def measure_drift(blocks: np.ndarray, topology: Topology, redundant: int, expert_groups: int) -> dict:
     """Held-out max/mean per window W (blocks) and the rise with age of the best window's placements.
 
-    blocks: float [B, L, E]. Returns {"windows": [{"blocks": W, "max_over_mean"}, ...], "window_blocks", "longest_window" (bool: the
-    best is the longest tried), "drift": [rise at age a], "rise_per_block", "interval_blocks" (float, or None
-    when no drift was seen within the "span_blocks" measured)}."""
+    blocks: float [B, L, E]. Returns {"windows": [{"blocks": W, "max_over_mean"}, ...], "window_blocks",
+    "longest_window" (bool: the best is the longest tried), "drift": [rise at age a], "rise_per_block",
+    "interval_blocks" (float, or None when no drift was seen within the "span_blocks" measured)}."""
     B, L, _ = blocks.shape
     layers = np.unique(np.linspace(0, L - 1, min(MAX_LAYERS, L)).round().astype(int))
     blocks = blocks[:, layers]
@@ -124,8 +123,9 @@ def measure_drift(blocks: np.ndarray, topology: Topology, redundant: int, expert
     ages = np.arange(span, dtype=np.float64)
     slope = float(ages @ np.array(drift) / (ages @ ages)) if span > 1 else 0.0
     interval = DRIFT_TOLERANCE / slope if slope > 0 and DRIFT_TOLERANCE / slope < span else None
-    return {"windows": [{"blocks": w, "max_over_mean": v} for w, v in windows.items()], "window_blocks": best, "longest_window": best == max(windows),
-            "drift": drift, "rise_per_block": slope, "interval_blocks": interval, "span_blocks": span}
+    return {"windows": [{"blocks": w, "max_over_mean": v} for w, v in windows.items()], "window_blocks": best,
+            "longest_window": best == max(windows), "drift": drift, "rise_per_block": slope,
+            "interval_blocks": interval, "span_blocks": span}
 
 
 def tokens_per_step(max_running_requests: int | None, attention_dp: int) -> int:

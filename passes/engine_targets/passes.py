@@ -6,7 +6,7 @@ is launched with: `core/engine_layout.py`, plan.json `deployment`) -> placement 
 defaults) -> [vllm: eplb_window, `eplb_window.py`] -> plan; the list (with import, trace and
 codegen, `backends/common/engine_bundle.py`) is `planner/pipeline/engine_targets.py`.
 
-What the plan optimises: SGLang and TensorRT-LLM run standard expert parallelism. Every token goes
+What the plan optimises: SGLang, vLLM and TensorRT-LLM run standard expert parallelism. Every token goes
 from its attention rank to the ranks of its experts and its outputs are combined back at that home
 rank, at every MoE layer. A token's route therefore does not depend on where its previous layer's
 experts ran, and inter-layer affinity buys nothing; what sets an MoE layer's time is its busiest

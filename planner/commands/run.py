@@ -13,9 +13,9 @@ import click
 
 from moeplan.core import cli_types as T
 from moeplan.core import progress
+from moeplan.core.engine_layout import ENGINE_TARGETS
 from moeplan.core.errors import UserError
 from moeplan.planner.launch.open_bundle import open_bundle
-from moeplan.planner.pipeline.engine_targets import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
 
 ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM", "trtllm": "TensorRT-LLM"}

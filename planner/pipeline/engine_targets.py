@@ -18,7 +18,6 @@ from moeplan.passes.engine_targets.passes import (DEPLOYMENT, ENGINE_DEFAULTED, 
                                                   VLLM_PLAN, flags_deployment)
 from moeplan.passes.importers.passes import IMPORT
 
-ENGINE_TARGETS = ("sglang", "vllm", "trtllm")
 VLLM_POLICIES = ("eplb", "contiguous")  # vLLM's EPLB on, or off (its linear placement)
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import click
 
 from moeplan.core import cli_types as T
+from moeplan.core.engine_layout import ENGINE_TARGETS
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
 TORCHRUN = ("torchrun", "kubernetes")
-ENGINES = ("sglang", "vllm", "trtllm")
+ENGINES = ENGINE_TARGETS
 PLACING = TORCHRUN + ENGINES
 EXPERT_CACHES = TORCHRUN + ("offload",)
 HELD_OUT = ("lambda",) + EXPERT_CACHES
