@@ -182,3 +182,15 @@ def test_a_mismatch_names_the_flag_the_engine_resolved_otherwise(check, bundles)
     want = check.expected(plan, "sglang", 0, bundle, Path("/m"))
     assert check.mismatches({**want, "attn_dp_size": 1}, want) == ["attn_dp_size: engine resolved 1, the plan says 16"]
     assert check.mismatches({"error": "SystemExit: 2"}, want) == ["the engine refused the arguments: SystemExit: 2"]
+
+
+def test_the_report_and_diff_show_the_deployment(bundles, tmp_path):
+    _, vllm_plan, vllm_bundle = bundles[0]["vllm qwen3 2x8 dp"]
+    result = run("report", vllm_bundle / "plan.json", "--trace", bundles[2], "--out", tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "r.html").read_text()
+    for text in ("attention data parallel", "max running requests", "vLLM EPLB window_size", "token exchange"):
+        assert text in page, text
+    linear = bundles[0]["vllm qwen3 2x8 linear"][2] / "plan.json"
+    result = run("diff", vllm_bundle / "plan.json", linear)
+    assert "deployment.eplb" in result.output and "deployment.max_running_requests" in result.output, result.output
