@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moeplan.backends.common.files import write_file
-from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.files import finish_bundle, write_file
 from moeplan.core.atomic import atomic_path
 from moeplan.core.engine_layout import per_attention_replica, plan_layout_problems
 from moeplan.core.errors import UserError
@@ -21,7 +20,8 @@ from moeplan.core.pass_manager import Pass
 
 
 def write_bundle(out, plan) -> dict:
-    """The engine's files for a plan (`backends/sglang/` or `backends/trtllm/`), written atomically at `out`."""
+    """The engine's files for a plan (`backends/sglang/`, `backends/vllm/` or `backends/trtllm/`), written atomically
+    at `out`."""
     import importlib
 
     return importlib.import_module(f"moeplan.backends.{plan.target}.codegen").write_bundle(out, plan)
@@ -47,7 +47,7 @@ def write_engine_bundle(out, plan, write_files) -> dict:
         tmp.mkdir(parents=True)
         write_files(tmp, plan, slots)
         write_plan_files(tmp, plan)
-        return write_manifest(tmp)
+        return finish_bundle(tmp)
 
 
 def write_plan_files(out: Path, plan) -> None:

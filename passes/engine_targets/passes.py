@@ -17,8 +17,14 @@ for per-token traces; its affinity term then only chooses among layouts within i
 
 Facts read from the command: `model_spec`, `trace_path`, `topology`, `placement_options` (with
 `policy` / `expert_groups` None when not given on the command line), `engine_options` {"attention",
-"max_running_requests", "hardware"}, `target` {"name", "kubernetes", "image"}, `out`. A search that
-chooses the deployment (the SLO search) writes `topology` and `engine_deployment` itself.
+"max_running_requests", "hardware"}, `target` {"name", "kubernetes", "image"}, `out`; the plan also
+takes the serving pass's `serving` (plan.json `predicted.serving`, `passes/cost/engine/serving_pass.py`,
+which prices the deployment record `engine_deployment`). A search that chooses the deployment (the SLO
+search) writes `topology` and `engine_deployment` itself.
+
+A placement whose max/mean rank load is over `IMBALANCE_WARNING` with no redundant slot gets a warning
+(one line on stderr and in plan.json `predicted.warnings`) naming `--redundant`: the engine's busiest
+rank sets every MoE layer's pace, and replicas of the hot experts are what brings it down.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ OBJECTIVE = ("balance under standard expert parallelism (tokens combine at their
              "max over mean rank load per MoE layer, replicas splitting their expert's tokens evenly")
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SOLVE_METRICS = ("solve_seconds",)
+IMBALANCE_WARNING = 1.5  # max/mean rank load above which a plan with no redundant slot warns
 
 
 def read_config(model_spec: str) -> dict:
@@ -146,6 +153,15 @@ def _eplb_window(facts):
     return {"eplb": {"config": config, "load_drift": measured}}
 
 
+def imbalance_warning(max_over_mean: float, redundant: int, ep_size: int) -> str | None:
+    """The warning of a placement that leaves its busiest rank far above the mean with no replicas."""
+    if redundant or max_over_mean <= IMBALANCE_WARNING:
+        return None
+    return (f"warning: the busiest EP rank gets {max_over_mean:.2f}x the mean rank load (mean over MoE layers) with 0 "
+            f"redundant slots, and it sets every MoE layer's pace; give --redundant {ep_size} (one replica slot per rank) "
+            f"or more so the hot experts get replicas")
+
+
 def _plan(facts):
     from moeplan.core.expert_slots import placement_slots
 
@@ -167,6 +183,14 @@ def _plan(facts):
         if options["policy"] == "eplb":
             deployment["eplb"] = facts["eplb"]["config"]
             predicted["load_drift"] = facts["eplb"]["load_drift"]
+    if facts["serving"] is not None:
+        predicted["serving"] = facts["serving"]
+    warning = imbalance_warning(doc["metrics"]["max_over_mean_load"], redundant, ep_size)
+    if warning is not None:
+        if "eplb" in facts and options["policy"] != "eplb":  # vLLM places replicas only with its EPLB
+            warning += " (vllm: with --policy eplb)"
+        predicted["warnings"] = [warning]
+        facts["progress"](warning)
     plan = Plan(
         target=target["name"], model={k: v for k, v in engine_model.items() if k != "expert_groups"},
         topology={"nodes": placement.topology.nodes, "gpus_per_node": placement.topology.gpus_per_node},
@@ -202,6 +226,6 @@ EPLB_WINDOW = Pass("eplb_window", ("trace", "topology", "engine_deployment", "en
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
                  _placement, check=trace_matches_model, ensures=placement_is_valid)
 PLAN_READS = ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target",
-              "engine_deployment")
+              "engine_deployment", "serving", "progress")
 PLAN = Pass("plan", PLAN_READS, ("plan",), _plan, ensures=_plan_ensures)
 VLLM_PLAN = Pass("plan", PLAN_READS + ("eplb",), ("plan",), _plan, ensures=_plan_ensures)

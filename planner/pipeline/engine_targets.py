@@ -2,18 +2,20 @@
 
 Passes: import (the config alone is enough: full-size models are built on the `meta` device) ->
 layers (which decoder layers are MoE, from the config) -> trace -> deployment (the layout from
---nodes, --gpus-per-node, --attention, --redundant, --max-running-requests) -> placement ->
-[vllm: eplb_window] -> plan (`passes/engine_targets/passes.py`) -> codegen
-(`backends/common/engine_bundle.py` with `backends/sglang/`, `backends/vllm/` or `backends/trtllm/`,
-written into a temporary directory renamed onto --out only when everything succeeded).
-`moeplan codegen plan.json` rewrites the files from the plan alone: they hold no weights. What the
-plan optimises: `passes/engine_targets/passes.py`.
+--nodes, --gpus-per-node, --attention, --redundant, --max-running-requests, --hardware) -> placement
+-> [vllm: eplb_window] -> serving (with `--hardware` / `--workload`: TPOT, TTFT, throughput and memory
+per GPU of that deployment, priced from measured kernels, `passes/cost/engine/serving_pass.py`) ->
+plan (`passes/engine_targets/passes.py`) -> codegen (`backends/common/engine_bundle.py` with
+`backends/sglang/`, `backends/vllm/` or `backends/trtllm/`, written into a temporary directory
+renamed onto --out only when everything succeeded). `moeplan codegen plan.json` rewrites the files
+from the plan alone: they hold no weights. What the plan optimises: `passes/engine_targets/passes.py`.
 """
 from __future__ import annotations
 
 from moeplan.backends.common.engine_bundle import CODEGEN
 from moeplan.core.errors import UserError
 from moeplan.passes.analysis.trace.passes import TRACE
+from moeplan.passes.cost.engine.serving_pass import SERVING, engine_profile, serving_options
 from moeplan.passes.engine_targets.passes import (DEPLOYMENT, ENGINE_DEFAULTED, EPLB_WINDOW, LAYERS, PLACEMENT, PLAN,
                                                   VLLM_PLAN, flags_deployment)
 from moeplan.passes.importers.passes import IMPORT
@@ -21,8 +23,8 @@ from moeplan.passes.importers.passes import IMPORT
 VLLM_POLICIES = ("eplb", "contiguous")  # vLLM's EPLB on, or off (its linear placement)
 
 
-PASSES = [IMPORT, LAYERS, TRACE, DEPLOYMENT, PLACEMENT, PLAN, CODEGEN]
-VLLM_PASSES = [IMPORT, LAYERS, TRACE, DEPLOYMENT, PLACEMENT, EPLB_WINDOW, VLLM_PLAN, CODEGEN]
+PASSES = [IMPORT, LAYERS, TRACE, DEPLOYMENT, PLACEMENT, SERVING, PLAN, CODEGEN]
+VLLM_PASSES = [IMPORT, LAYERS, TRACE, DEPLOYMENT, PLACEMENT, EPLB_WINDOW, SERVING, VLLM_PLAN, CODEGEN]
 
 
 def max_running_requests(values: dict) -> int | None:
@@ -65,12 +67,15 @@ def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dic
         from moeplan.backends.sglang.codegen import DEFAULT_IMAGE
 
         spec.update(kubernetes=True, image=values["image"] or DEFAULT_IMAGE)
+    serving = serving_options(values["hardware"], values["workload"], target, values["nodes"])
+    hardware = None if serving is None else engine_profile(serving["hardware"], values["nodes"], target).profile.name
     engine = {"attention": values["attention"], "max_running_requests": max_running_requests(values),
-              "hardware": None}
+              "hardware": hardware}
     topology = {"nodes": values["nodes"], "gpus_per_node": values["gpus_per_node"]}
     flags_deployment(target, topology, engine, placement)  # a layout the engine cannot run fails before any pass
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
-            "topology": topology, "placement_options": placement, "engine_options": engine, "target": spec}
+            "topology": topology, "placement_options": placement, "engine_options": engine, "target": spec,
+            "serving_options": serving}
 
 
 def summary(facts: dict) -> dict:
@@ -82,9 +87,32 @@ def summary(facts: dict) -> dict:
 
 
 def describe(summary: dict, facts: dict) -> str:
-    d = summary["deployment"]
+    predicted, d = summary["predicted"], summary["deployment"]
     running = d.get("max_running_requests")
-    return (f"{summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
+    text = (f"{summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
             f"{summary['redundant']} redundant slots); attention tp {d['attention_tp']} x dp {d['attention_dp']}, "
             f"{'engine-sized' if running is None else running} running requests, MoE {d['moe_a2a']}; predicted "
-            f"max/mean rank load {summary['predicted']['max_over_mean_load']:.3f}")
+            f"max/mean rank load {predicted['max_over_mean_load']:.3f}")
+    serving = predicted.get("serving")
+    if serving:
+        text += "\n" + serving_line(serving)
+    return text
+
+
+def serving_line(serving: dict) -> str:
+    """The serving prediction in one line, as compile and plan print it."""
+    layout = serving["layout"]
+    attention = f"dp{layout['attention_dp']}" if layout["attention_dp"] > 1 else f"tp{layout['attention_tp']}"
+    fits = "fits" if serving["fits"] else "does NOT fit"
+    return (f"serving {serving['workload']} on {layout['gpus']}x {serving['hardware']} (attention {attention}, "
+            f"ep{layout['moe_ep']}): TPOT {serving['tpot_s'] * 1e3:.2f} ms, TTFT {serving['ttft_s']:.3f} s, "
+            f"{serving['output_tokens_per_s']:.0f} output tokens/s ({serving['output_tokens_per_s_per_gpu']:.0f} per GPU), "
+            f"{serving['memory_per_gpu_bytes'] / 2**30:.1f} GiB per GPU ({fits} in "
+            f"{serving['memory']['device_bytes'] / 2**30:.0f} GiB); prices: {price_sources_text(serving)}")
+
+
+def price_sources_text(serving: dict) -> str:
+    """Share of the decode step's time per price source, largest first."""
+    sources = serving.get("price_sources") or []
+    total = sum(r["seconds"] for r in sources) or 1.0
+    return ", ".join(f"{r['seconds'] / total:.0%} {r['source']}" for r in sorted(sources, key=lambda r: -r["seconds"]))
