@@ -185,6 +185,8 @@ def _plan(facts):
             predicted["load_drift"] = facts["eplb"]["load_drift"]
     if facts["serving"] is not None:
         predicted["serving"] = facts["serving"]
+    if "slo_search" in facts:  # the SLO search chose the deployment: its choice, why and frontier
+        predicted["slo_search"] = facts["slo_search"]
     warning = imbalance_warning(doc["metrics"]["max_over_mean_load"], redundant, ep_size)
     if warning is not None:
         if "eplb" in facts and options["policy"] != "eplb":  # vLLM places replicas only with its EPLB
@@ -229,3 +231,5 @@ PLAN_READS = ("placement", "trace", "trace_sha256", "engine_model", "placement_o
               "engine_deployment", "serving", "progress")
 PLAN = Pass("plan", PLAN_READS, ("plan",), _plan, ensures=_plan_ensures)
 VLLM_PLAN = Pass("plan", PLAN_READS + ("eplb",), ("plan",), _plan, ensures=_plan_ensures)
+SLO_PLAN = Pass("plan", PLAN_READS + ("slo_search",), ("plan",), _plan, ensures=_plan_ensures)
+VLLM_SLO_PLAN = Pass("plan", PLAN_READS + ("eplb", "slo_search"), ("plan",), _plan, ensures=_plan_ensures)

@@ -17,7 +17,8 @@ from moeplan.core.errors import UserError
 from moeplan.passes.analysis.trace.passes import TRACE
 from moeplan.passes.cost.engine.serving_pass import SERVING, engine_profile, serving_options
 from moeplan.passes.engine_targets.passes import (DEPLOYMENT, ENGINE_DEFAULTED, EPLB_WINDOW, LAYERS, PLACEMENT, PLAN,
-                                                  VLLM_PLAN, flags_deployment)
+                                                  SLO_PLAN, VLLM_PLAN, VLLM_SLO_PLAN, flags_deployment)
+from moeplan.passes.engine_targets.slo_search_pass import SLO_SEARCH
 from moeplan.passes.importers.passes import IMPORT
 
 VLLM_POLICIES = ("eplb", "contiguous")  # vLLM's EPLB on, or off (its linear placement)
@@ -25,6 +26,18 @@ VLLM_POLICIES = ("eplb", "contiguous")  # vLLM's EPLB on, or off (its linear pla
 
 PASSES = [IMPORT, LAYERS, TRACE, DEPLOYMENT, PLACEMENT, SERVING, PLAN, CODEGEN]
 VLLM_PASSES = [IMPORT, LAYERS, TRACE, DEPLOYMENT, PLACEMENT, EPLB_WINDOW, SERVING, VLLM_PLAN, CODEGEN]
+# --slo without --nodes: the SLO search writes the topology and the deployment (slo_search_pass.py)
+SLO_PASSES = [IMPORT, LAYERS, TRACE, SLO_SEARCH, PLACEMENT, SERVING, SLO_PLAN, CODEGEN]
+VLLM_SLO_PASSES = [IMPORT, LAYERS, TRACE, SLO_SEARCH, PLACEMENT, EPLB_WINDOW, SERVING, VLLM_SLO_PLAN, CODEGEN]
+DEFAULT_GPUS_PER_NODE = 8  # an HGX / DGX board: what the SLO search fills before it adds nodes
+
+
+def passes_for(facts: dict) -> list:
+    """The pass list of an engine target's input facts: the SLO search's where --slo was given."""
+    vllm = facts["target"]["name"] == "vllm"
+    if "search_options" in facts:
+        return VLLM_SLO_PASSES if vllm else SLO_PASSES
+    return VLLM_PASSES if vllm else PASSES
 
 
 def max_running_requests(values: dict) -> int | None:
@@ -67,6 +80,11 @@ def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dic
         from moeplan.backends.sglang.codegen import DEFAULT_IMAGE
 
         spec.update(kubernetes=True, image=values["image"] or DEFAULT_IMAGE)
+    if values["slo"] is not None:
+        return slo_inputs(target, model, trace, out, values, given, placement, spec)
+    if "max_gpus" in given:
+        raise UserError(f"--max-gpus bounds the SLO search: give --slo tpot=...[,ttft=...] too (and no --nodes), or "
+                        f"drop --max-gpus and plan the {values['nodes']} x {values['gpus_per_node']} GPUs given")
     serving = serving_options(values["hardware"], values["workload"], target, values["nodes"])
     hardware = None if serving is None else engine_profile(serving["hardware"], values["nodes"], target).profile.name
     engine = {"attention": values["attention"], "max_running_requests": max_running_requests(values),
@@ -76,6 +94,30 @@ def inputs(target: str, model: str, trace: str, out, values: dict, given) -> dic
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
             "topology": topology, "placement_options": placement, "engine_options": engine, "target": spec,
             "serving_options": serving}
+
+
+def slo_inputs(target: str, model, trace, out, values: dict, given, placement: dict, spec: dict) -> dict:
+    """The facts of the SLO search's pass list (`passes_for`): the command fixes what it gives (--attention tp
+    or dp, --redundant, --max-running-requests, --gpus-per-node: the node's size) and the search chooses
+    the rest; --nodes is refused (the search chooses the GPU count, up to --max-gpus)."""
+    slo = values["slo"].for_engine(target)
+    if "nodes" in given:
+        raise UserError(f"--slo searches the GPU count and layout: drop --nodes (--max-gpus bounds the search, "
+                        f"--gpus-per-node sets the node size), or drop --slo to plan the {values['nodes']} nodes given")
+    if values["hardware"] is None:
+        raise UserError(f"--slo on --target {target} prices each deployment on a GPU: give --hardware (h100-sxm or "
+                        f"h200-sxm from measured kernels, other profiles by the roofline)")
+    gpus_per_node = values["gpus_per_node"] if "gpus_per_node" in given else DEFAULT_GPUS_PER_NODE
+    serving = serving_options(values["hardware"], values["workload"], target, max(values["max_gpus"] // gpus_per_node, 1))
+    no_replicas = target == "vllm" and placement.get("policy") == "contiguous"  # vLLM places replicas only with EPLB
+    fixed = {"attention": values["attention"],
+             "redundant_experts": values["redundant"] if "redundant" in given or no_replicas else None,
+             "max_running_requests": values["max_running_requests"]}
+    hardware = engine_profile(serving["hardware"], 1, target).profile.name
+    return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
+            "placement_flags": placement, "target": spec, "serving_options": {**serving, "hardware": hardware},
+            "search_options": {"slo": str(slo), "max_gpus": values["max_gpus"], "gpus_per_node": gpus_per_node,
+                               "fixed": fixed}}
 
 
 def summary(facts: dict) -> dict:
@@ -96,6 +138,10 @@ def describe(summary: dict, facts: dict) -> str:
     serving = predicted.get("serving")
     if serving:
         text += "\n" + serving_line(serving)
+    search = predicted.get("slo_search")
+    if search:
+        text += (f"\nSLO search ({len(search['screened'])} deployments screened, {len(search['finalists'])} placed and "
+                 f"priced under the trace): {search['why']}")
     return text
 
 
