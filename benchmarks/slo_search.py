@@ -41,7 +41,7 @@ def trace_of(spec):
 
 
 def load() -> str:
-    return "load average %.1f %.1f %.1f" % os.getloadavg()
+    return "load average {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
 
 
 def exhaustive(model, hardware, profile, workload, slo, max_gpus, use_measured, route) -> tuple:
@@ -53,9 +53,9 @@ def exhaustive(model, hardware, profile, workload, slo, max_gpus, use_measured, 
     from moeplan.passes.cost.engine import slo_search as S
 
     start, count, w = time.perf_counter(), 0, S.parse_workload(workload)
-    pricer = S._Pricer(model, "sglang", hardware, profile, w, slo, None, use_measured)
+    pricer = S.CandidatePricer(model, "sglang", hardware, profile, w, slo, None, use_measured)
     for gpus, nodes, gpn in S.gpu_counts(8, max_gpus):
-        for c in S._screen_candidates("sglang", gpus, nodes, gpn, w, False):
+        for c in S.screen_candidates("sglang", gpus, nodes, gpn, w, False, model.num_experts):
             for redundant in S.Fixed().redundant(c.moe_ep):
                 c = replace(c, redundant_experts=redundant)
                 if pricer.memory(c)["fits"]:

@@ -37,7 +37,7 @@ def every_candidate(model, engine, gpus_limit, workload):
     for gpus, nodes, gpn in S.gpu_counts(8, 64):
         if gpus >= gpus_limit:
             break
-        for c in S._screen_candidates(engine, gpus, nodes, gpn, S.parse_workload(workload), False):
+        for c in S.screen_candidates(engine, gpus, nodes, gpn, S.parse_workload(workload), False, model.num_experts):
             out.append(c)
     return out
 

@@ -4,7 +4,7 @@ objective, priced by the engine pricing's own predictor (`prediction.py: predict
 The space (one `Candidate` each): GPU count (1, 2, 4, ... up to a node, then whole nodes doubling up to
 `max_gpus`), attention tensor parallel or data parallel (the replica counts the engine can run:
 `attention_choices`), EP size (every GPU one EP rank unless `all_ep_sizes`: then also MoE tensor
-parallel inside each expert), redundant expert slots (0, or one or two per EP rank) and max running
+parallel inside each expert; an EP size that does not divide the experts is skipped), redundant expert slots (0, or one or two per EP rank) and max running
 requests (the workload's R, R/2, R/4: fewer decode at once, faster, the rest queue).
 
 How it stays fast (a DeepSeek-V3 search in well under the 5 minutes issue 38 allows):
@@ -229,9 +229,10 @@ class Fixed:
         return [self.redundant_experts] if self.redundant_experts % moe_ep == 0 else []
 
 
-def _screen_candidates(engine, gpus, nodes, gpn, workload, all_ep_sizes, fixed: Fixed = Fixed()) -> list:
-    """A GPU count's candidates for screening: with the fewest redundant slots allowed."""
-    eps = _powers_dividing(gpus) if all_ep_sizes else [gpus]
+def screen_candidates(engine, gpus, nodes, gpn, workload, all_ep_sizes, num_experts, fixed: Fixed = Fixed()) -> list:
+    """A GPU count's candidates for screening: with the fewest redundant slots allowed. An EP size must
+    divide the experts (the engines give every rank as many slots, and redundant slots come whole per rank)."""
+    eps = [ep for ep in (_powers_dividing(gpus) if all_ep_sizes else [gpus]) if num_experts % ep == 0]
     out = []
     for dp in fixed.attention_dps(engine, gpus, gpn):
         for ep in eps:
@@ -241,7 +242,7 @@ def _screen_candidates(engine, gpus, nodes, gpn, workload, all_ep_sizes, fixed: 
     return out
 
 
-class _Pricer:
+class CandidatePricer:
     """Prices candidates with `predict_serving` (the plan's own predictor) and memory alone first."""
 
     def __init__(self, model, engine, hardware, profile, workload, slo, kv_cache_dtype, use_measured):
@@ -280,12 +281,12 @@ def search(model, engine: str, hardware: str, profile, workload, slo, gpus_per_n
     if isinstance(workload, str):
         workload = parse_workload(workload)
     slo = slo.for_engine(engine)
-    pricer = _Pricer(model, engine, hardware, profile, workload, slo, kv_cache_dtype, use_measured)
+    pricer = CandidatePricer(model, engine, hardware, profile, workload, slo, kv_cache_dtype, use_measured)
     screened, final, tried, floor, chosen, stop_at = [], [], [], None, None, None
     for gpus, nodes, gpn in gpu_counts(gpus_per_node, max_gpus):
         if stop_at is not None and len(tried) >= stop_at:
             break
-        candidates = _screen_candidates(engine, gpus, nodes, gpn, workload, all_ep_sizes, fixed)
+        candidates = screen_candidates(engine, gpus, nodes, gpn, workload, all_ep_sizes, model.num_experts, fixed)
         fitting = [c for c in candidates if pricer.memory(c)["fits"]]
         if not fitting:
             if candidates:
