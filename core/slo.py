@@ -23,7 +23,8 @@ from moeplan.core.errors import UserError
 KEYS = ("tpot", "ttft", "latency")
 UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 EXAMPLE = "e.g. --slo tpot=35ms,ttft=2s (serving engines) or --slo 5 (lambda: seconds per batch)"
-_VALUE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us)?\s*$")
+_VALUE = re.compile(r"^\s*([+-]?(?:[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|nan|inf|infinity))\s*(s|ms|us)?\s*$",
+                    re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ def parse_seconds(text: str, term: str) -> float:
     if not match:
         raise UserError(f"--slo {_shown(term)} is not a duration: write a positive number with s, ms or us "
                         f"(no unit: seconds), {EXAMPLE}")
-    seconds = float(match.group(1)) * UNITS[match.group(2) or "s"]
+    seconds = float(match.group(1)) * UNITS[(match.group(2) or "s").lower()]
     if not (math.isfinite(seconds) and seconds > 0):
-        raise UserError(f"--slo {_shown(term)} must be a positive finite duration, {EXAMPLE}")
+        raise UserError(f"--slo must be a positive finite duration, got {_shown(term)!r}; {EXAMPLE}")
     return seconds
 
 

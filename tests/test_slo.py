@@ -48,8 +48,8 @@ def test_the_engine_and_lambda_forms():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("", "needs a value"), ("tpot", "not a duration"), ("tpot=", "not a duration"), ("tpot=-1ms", "not a duration"),
-    ("speed=3", "KEY=DURATION"), ("tpot=3ms,tpot=4ms", "twice"), ("nan", "not a duration"), ("1e999", "finite"),
+    ("", "needs a value"), ("tpot", "not a duration"), ("tpot=", "not a duration"), ("tpot=-1ms", "positive finite"),
+    ("speed=3", "KEY=DURATION"), ("tpot=3ms,tpot=4ms", "twice"), ("nan", "positive finite"), ("-1", "must be a positive"), ("1e999", "finite"),
     ("tpot=3h", "not a duration"), ("0", "positive"),
 ])
 def test_bad_strings_are_one_line(text, words):
