@@ -140,8 +140,10 @@ def describe(summary: dict, facts: dict) -> str:
         text += "\n" + serving_line(serving)
     search = predicted.get("slo_search")
     if search:
+        chosen = search["chosen"]
         text += (f"\nSLO search ({len(search['screened'])} deployments screened, {len(search['finalists'])} placed and "
-                 f"priced under the trace): {search['why']}")
+                 f"priced under the trace): TPOT {chosen['tpot_s'] * 1e3:.2f} ms, TTFT {chosen['ttft_s']:.3f} s counting "
+                 f"the requests queued behind the {chosen['max_running_requests']} running; {search['why']}")
     return text
 
 
