@@ -16,7 +16,6 @@ import math
 import re
 from dataclasses import dataclass
 
-
 from moeplan.core.cli_types import OneLineType
 from moeplan.core.errors import UserError
 

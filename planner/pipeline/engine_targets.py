@@ -113,9 +113,8 @@ def slo_inputs(target: str, model, trace, out, values: dict, given, placement: d
     fixed = {"attention": values["attention"],
              "redundant_experts": values["redundant"] if "redundant" in given or no_replicas else None,
              "max_running_requests": values["max_running_requests"]}
-    hardware = engine_profile(serving["hardware"], 1, target).profile.name
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
-            "placement_flags": placement, "target": spec, "serving_options": {**serving, "hardware": hardware},
+            "placement_flags": placement, "target": spec, "serving_options": serving,
             "search_options": {"slo": str(slo), "max_gpus": values["max_gpus"], "gpus_per_node": gpus_per_node,
                                "fixed": fixed}}
 

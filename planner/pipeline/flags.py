@@ -16,8 +16,8 @@ from moeplan.core import cli_types as T
 from moeplan.core import kubernetes_syntax as K
 from moeplan.core.engine_layout import ENGINE_TARGETS
 from moeplan.core.errors import UserError
-from moeplan.core.slo import SloType
 from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
+from moeplan.core.slo import SloType
 
 TORCHRUN = ("torchrun", "kubernetes")
 ENGINES = ENGINE_TARGETS
