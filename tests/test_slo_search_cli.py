@@ -76,3 +76,9 @@ def test_bad_slo_commands_are_one_line(tmp_path, args, words):
     assert result.exit_code == 2, result.output
     assert words in result.output and "Traceback" not in result.output
     assert not (tmp_path / "p.json").exists()
+
+
+def test_codegen_rewrites_the_searched_bundle_from_its_plan(compiled, tmp_path):
+    out, _ = compiled
+    assert run("codegen", out / "plan.json", "--out", tmp_path / "again", "--quiet").exit_code == 0
+    assert (tmp_path / "again" / "launch.sh").read_text() == (out / "launch.sh").read_text()

@@ -33,9 +33,9 @@ VLLM_SLO_PASSES = [IMPORT, LAYERS, TRACE, SLO_SEARCH, PLACEMENT, EPLB_WINDOW, SE
 DEFAULT_GPUS_PER_NODE = 8  # an HGX / DGX board: what the SLO search fills before it adds nodes
 
 
-def passes_for(facts: dict) -> list:
-    """The pass list of an engine target's input facts: the SLO search's where --slo was given."""
-    vllm = facts["target"]["name"] == "vllm"
+def passes_for(target: str, facts: dict) -> list:
+    """The pass list of engine target `target` for its input facts: the SLO search's where --slo was given."""
+    vllm = target == "vllm"
     if "search_options" in facts:
         return VLLM_SLO_PASSES if vllm else SLO_PASSES
     return VLLM_PASSES if vllm else PASSES
