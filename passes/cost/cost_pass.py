@@ -20,33 +20,38 @@ from moeplan.passes.optimize.placement import passes as place_passes
 
 def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None) -> dict:
     """What compile records under plan.json `predicted.cost` and the mode the bundle runs."""
-    from moeplan.passes.cost.by_predicted_time import choose_mode, predict_modes
+    from moeplan.passes.cost.by_predicted_time import MODES, choose_mode, predict_modes
 
     given = cost_profile(cost_options, placement.topology.nodes)
     profile = given.profile
     workload = parse_workload(cost_options["workload"])
     shape = shape_with_context(ir, context or [])
-    preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
+    alternatives = placement.metrics.get("auto_predictions", [])
+    # --policy auto priced the chosen placement already (under both modes unless --mode named one)
+    preds = next((row["modes"] for row in alternatives if row["chosen"] and set(row["modes"]) == set(MODES)), None)
+    if preds is None:
+        preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
     chosen = choose_mode(preds) if mode == "auto" else mode
+    stop = placement.metrics.get("auto_stop")
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
-                "mode": chosen, "modes": preds, "context": context or [],
-                "alternatives": placement.metrics.get("auto_predictions", []),
-                **given.plan_record(figures=True)},
+                "mode": chosen, "modes": preds, "context": context or [], "alternatives": alternatives,
+                **({"auto_stop": stop} if stop is not None else {}), **given.plan_record(figures=True)},
     }
 
 
 def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None):
-    """--policy auto: every candidate policy priced by the cost model; the fastest, with the table
-    of candidates under its metrics (`auto_candidates`)."""
+    """--policy auto: the candidate policies priced by the cost model; the fastest, with the table
+    of candidates under its metrics (`auto_candidates`) and where the search stopped (`auto_stop`)."""
     from moeplan.passes.cost.by_predicted_time import choose_placement
 
     profile = cost_profile(cost_options, request.topology.nodes).profile
-    placement, rows = choose_placement(trace, request, shape_with_context(ir, context or []), profile,
-                                       parse_workload(cost_options["workload"]), mode)
+    placement, rows, stop = choose_placement(trace, request, shape_with_context(ir, context or []), profile,
+                                             parse_workload(cost_options["workload"]), mode)
     placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
     placement.metrics["auto_predictions"] = rows
+    placement.metrics["auto_stop"] = stop
     return placement
 
 
