@@ -130,3 +130,21 @@ def test_the_early_stop_loses_at_most_the_models_error(hardware):
         for m in (STANDARD, COHERENT):  # the floor holds for the placement chosen too
             floor = expected_floor(request.topology.devices, shape, m, workload, trace.experts, profile)
             assert floor <= expected(choice.hosts(), 2, shape, m, workload, trace.experts, profile)["seconds_per_token"]
+
+
+def test_a_deferred_bound_is_the_bound_a_direct_solve_records():
+    """--policy auto leaves the ILP's bound to the placement it keeps: computed then, it is the same."""
+    from dataclasses import replace
+
+    from moeplan.passes.optimize.placement.policies import finish_placement, plan_placement
+
+    trace = _planted_trace(2)
+    request = PlacementRequest(topology=Topology(1, 2), effort=0.2, balance=0.2)
+    direct = plan_placement(trace, request)
+    later = plan_placement(trace, replace(request, bound=False))
+    assert "bound" not in later.metrics and "gap" not in later.metrics
+    finish_placement(later)
+    assert later.deferred_bound is None
+    assert ({k: v for k, v in later.metrics.items() if k != "solve_seconds"}
+            == {k: v for k, v in direct.metrics.items() if k != "solve_seconds"})
+    assert later.to_json() == direct.to_json()

@@ -67,6 +67,7 @@ def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
     choose (one per distinct cap), and the cap search's table."""
     from moeplan.passes.cost.time_prices import choose_load_cap
 
+    req = replace(req, bound=False)  # the bound of the one placement kept only (`choose_placement`)
     try:
         chosen, table = choose_load_cap(trace, req, prices)
     except UserError:
@@ -94,7 +95,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str, error:
     from moeplan.core import progress
     from moeplan.passes.cost.placement_floor import expected_floor
     from moeplan.passes.cost.time_prices import time_prices
-    from moeplan.passes.optimize.placement.policies import plan_placement
+    from moeplan.passes.optimize.placement.policies import finish_placement, plan_placement
 
     modes = MODES if mode == "auto" else (mode,)
     topo = request.topology
@@ -132,6 +133,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str, error:
         raise UserError("--policy auto found no placement policy that fits this topology; pick --policy and --redundant explicitly")
     for row in rows:
         row["chosen"] = row["label"] == best[2]
+    finish_placement(best[1])
     stop = {"error": error, "floor_seconds_per_token": floor, "best_seconds_per_token": best[0], "skipped": skipped}
     return best[1], rows, stop
 
