@@ -47,7 +47,7 @@ def load_case(name: str, tiny_trace: str | None):
     from moeplan.core.hardware import load_hardware
     from moeplan.passes.analysis.trace.format import load_trace
     from moeplan.passes.analysis.trace.synth_planted import synthesize_trace
-    from moeplan.passes.cost.context import context_plan_of, shape_with_context
+    from moeplan.passes.cost.context import attention_of, context_plan_of, shape_with_context
     from moeplan.passes.cost.options import parse_workload
     from moeplan.passes.importers import load_model
     from moeplan.passes.optimize.placement.policies import PlacementRequest
@@ -59,7 +59,7 @@ def load_case(name: str, tiny_trace: str | None):
         trace_from = Path(tiny_trace)
     trace = (synthesize_trace(**trace_from, tokens=20000, affinity=0.6, zipf=0.8, seed=0) if isinstance(trace_from, dict)
              else load_trace(str(trace_from)))
-    shape = shape_with_context(loaded.ir, context_plan_of(loaded.module))
+    shape = shape_with_context(loaded.ir, context_plan_of(loaded.module), attention_of(loaded.module, loaded.ir))
     return (trace, PlacementRequest(topology=Topology(nodes, per_node)), shape, load_hardware(hardware),
             parse_workload(workload), f"{nodes}x{per_node} {hardware}, workload {workload}")
 

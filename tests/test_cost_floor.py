@@ -1,12 +1,13 @@
 """`--policy auto`'s early stop (issue 38 item 5): the placement floor is a lower bound on every
-placement's predicted time, the stop never loses more than the model's error, the vectorised cost
-model replays each rank's own replica choice, and slots with no expert move nothing."""
+placement's predicted time (attention at context included), the stop never loses more than the model's
+error, the vectorised cost model replays each rank's own replica choice, and slots with no expert move nothing."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from moeplan.core.hardware import load_hardware
 from moeplan.passes.analysis.trace.format import Trace
+from moeplan.passes.cost.attention_context import AttentionContext
 from moeplan.passes.cost.by_predicted_time import MODEL_ERROR, TIE, choose_placement
 from moeplan.passes.cost.cost_model import COHERENT, STANDARD, ModelShape, Workload, expected, predict, routing_from_trace
 from moeplan.passes.cost.placement_floor import expected_floor, floor_seconds_per_token
@@ -49,7 +50,9 @@ def test_no_placement_is_predicted_below_the_floor(name, per_node, nodes, expert
                        attention_flops=float(10 ** rng.uniform(3, 10)), expert_flops=float(10 ** rng.uniform(3, 10)),
                        dense_mlp_flops=float(10 ** rng.uniform(3, 9)), head_flops=float(10 ** rng.uniform(3, 9)),
                        moe_dense_flops=float(10 ** rng.uniform(2, 8)), expert_bytes=float(10 ** rng.uniform(3, 9)),
-                       attention_bytes=float(10 ** rng.uniform(3, 9)))
+                       attention_bytes=float(10 ** rng.uniform(3, 9)),
+                       attention_context=AttentionContext(float(10 ** rng.uniform(1, 7)), float(10 ** rng.uniform(0, 6)))
+                       if rng.random() < 0.7 else None)
     workload = Workload(tuple(prompts), new)
     routing = _routing(rng, workload, layers, experts, k, none_share)
     hosts = _hosts(rng, layers, experts, world, density)

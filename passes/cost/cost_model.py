@@ -28,7 +28,9 @@ bundle), so with the run's own routing the bytes equal the measured counters.
 Time (per step, then per generated token = sum of steps / generated tokens):
 * compute, per block and rank r: c_r = ops_r x op_overhead + max(flops_r / flops_per_s,
   weight bytes read_r / memory bandwidth) (decode on GPUs is weight-read bound), with
-  flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
+  flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs (+ attention at context:
+  FLOPs per key x keys its tokens attend to, and the KV cache read, bytes per cached token x each
+  sequence's cache up to its last position on the rank, `attention_context.py`), and ops_r counting
   the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
   loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
   expert invoked, MOE_OPS per MoE layer; coherent mode adds COHERENT_HOOK_OPS per block on every
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moeplan.passes.cost.attention_context import AttentionContext, context_per_rank
 from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -97,6 +100,8 @@ class ModelShape:
     context_elements: int | tuple = 0  # coherent context row per token: one int for every block, or one per
                                  # block (the runtime's `context_exchange` plan); 0: the hidden state.
                                  # K and V (2 x kv heads x head dim) or an MLA latent are smaller
+    attention_context: AttentionContext | None = None  # per block: FLOPs per (query, key) and KV bytes per cached
+                                 # token (attention_context.py); None: attention priced at a short context only
 
     @classmethod
     def from_ir(cls, ir) -> ModelShape:
@@ -315,6 +320,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         keys = sorted(step_tokens)
         n = len(keys)
         seq = np.array([t[0] for t in keys], dtype=np.int64)  # [n], sorted
+        pos = np.array([t[1] for t in keys], dtype=np.int64)  # [n]
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)  # [n, L, k]
         # int [n]: the rank each token is current on; None: every rank holds every token (coherent mode,
         # until the first MoE layer)
@@ -329,8 +335,9 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             if mode == COHERENT:
                 compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
+            ctx_flops, ctx_bytes = attention_at_context(shape, current, seq, pos, W)
             compute += np.where(held > 0, _costs(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs,
-                                                 held * dense, shape.attention_bytes), 0.0)
+                                                 held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
             if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
                 compute += _costs(profile, 2, (n - held) * shape.attention_flops / 3)
             moe = moe_of.get(block)
@@ -379,6 +386,19 @@ def _held(current, seq: np.ndarray, world: int) -> tuple:
         return np.full(world, len(seq), dtype=np.int64), np.full(world, len(np.unique(seq)), dtype=np.int64)
     span = int(seq.max(initial=0)) + 1
     return np.bincount(current, minlength=world), np.bincount(np.unique(current * span + seq) // span, minlength=world)
+
+
+def attention_at_context(shape: ModelShape, current, seq: np.ndarray, pos: np.ndarray, world: int) -> tuple:
+    """(FLOPs, bytes) float [W] each rank's attention adds at context for a step's tokens (seq, pos int
+    [n]) current on it (`current` None: every rank runs every token's attention); (0.0, 0.0) where the
+    shape has no attention context."""
+    ctx = shape.attention_context
+    if ctx is None:
+        return 0.0, 0.0
+    if current is None:
+        flops, nbytes = context_per_rank(ctx, np.zeros_like(seq), seq, pos, 1)
+        return np.full(world, flops[0]), np.full(world, nbytes[0])
+    return context_per_rank(ctx, current, seq, pos, world)
 
 
 def _distinct_ranks(ids: np.ndarray, dest: np.ndarray) -> tuple:

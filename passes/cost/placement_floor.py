@@ -11,13 +11,14 @@ term that no placement changes and bounding the others from below:
 * exchanges: the call's fixed part (2 x collective latency + its Python work) is the same for every
   placement; the messages (latency + bytes per tier) are >= 0;
 * compute, per block: c_r = known_r + x_r, known_r the part every placement gives rank r (standard
-  mode: attention, dense MLPs and logits on the token's home rank; every mode: the MoE layer's
+  mode: attention (at context too), dense MLPs and logits on the token's home rank; every mode: the MoE layer's
   fixed ops), x_r >= 0 the rest, of which only the sum over ranks is bounded: the expert calls
   (every expert a step routes to is called on some rank, every slot computed on one:
   sum_r x_r >= U x (EXPERT_CALL_OPS x op cost) + max(N x expert FLOPs / FLOP/s, U x expert bytes / memory
   bandwidth), U distinct experts, N slots) and, in coherent mode after the first MoE layer (tokens
   sit on their primary ranks, which the placement sets), attention, K/V projection, replica choice
-  and logits, each as its total over the step's tokens;
+  and logits, each as its total over the step's tokens (attention at context: every key attended to,
+  and each sequence's cache read once, on one rank);
 * the block's pace max(max_r c_r, sum_r c_r / p) (p ranks compute at once) is then at least
   max(max_r known_r, (sum_r known_r + sum_r x_r) / p).
 Each of these is at most the term `predict` charges, so the floor is at most every placement's
@@ -30,7 +31,8 @@ import numpy as np
 
 from moeplan.passes.cost.cost_model import (ATTN_OPS, COHERENT, COHERENT_HOOK_OPS, EXCHANGE_OPS, EXPERT_CALL_OPS, HEAD_OPS,
                                             MOE_OPS, PEER_OPS, STANDARD, ModelShape, Workload, _cost, _costs, _held,
-                                            _oversubscribed, _slot_ids, _slots, profile_ops_per_sequence, routing_samples)
+                                            _oversubscribed, _slot_ids, _slots, attention_at_context,
+                                            profile_ops_per_sequence, routing_samples)
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -54,6 +56,8 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         keys = sorted(step_tokens)
         n = len(keys)
         seq = np.array([t[0] for t in keys], dtype=np.int64)
+        pos = np.array([t[1] for t in keys], dtype=np.int64)
+        one_rank = attention_at_context(shape, np.zeros_like(seq), seq, pos, 1)  # every key, each cache read once
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)
         requests = len(np.unique(seq))
         placed = False  # coherent mode: tokens sit where the placement put them (after the first MoE layer)
@@ -65,14 +69,16 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             if mode == COHERENT:
                 known += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             if mode == COHERENT and placed:
-                spread += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * requests, n * dense,
-                                shape.attention_bytes)
+                spread += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * requests,
+                                n * dense + float(np.sum(one_rank[0])), shape.attention_bytes + float(np.sum(one_rank[1])))
                 known += _cost(profile, 2, 0.0)
                 spread += _cost(profile, 0, (W - 1) * n * shape.attention_flops / 3)
             else:
-                held, seqs = _held(seq % W if mode == STANDARD else None, seq, W)
+                where = seq % W if mode == STANDARD else None
+                held, seqs = _held(where, seq, W)
+                ctx_flops, ctx_bytes = attention_at_context(shape, where, seq, pos, W)
                 known += np.where(held > 0, _costs(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs,
-                                                   held * dense, shape.attention_bytes), 0.0)
+                                                   held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
             moe = moe_of.get(block)
             if moe is None:
                 if mode == COHERENT and placed:
