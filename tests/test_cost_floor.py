@@ -151,3 +151,14 @@ def test_a_deferred_bound_is_the_bound_a_direct_solve_records():
     assert ({k: v for k, v in later.metrics.items() if k != "solve_seconds"}
             == {k: v for k, v in direct.metrics.items() if k != "solve_seconds"})
     assert later.to_json() == direct.to_json()
+
+
+def test_compile_states_the_stop_its_error_and_where_the_error_comes_from():
+    from moeplan.passes.cost.options import _stop_note
+
+    stop = {"error": MODEL_ERROR, "floor_seconds_per_token": 0.0546, "best_seconds_per_token": 0.0573,
+            "skipped": ["eplb", "ilp+64"]}
+    note = _stop_note({"auto_stop": stop})
+    assert "54.60 ms/token" in note and "(10 %" not in note and "(10%" in note
+    assert "docs/cost_model.md 'How close the demo comes'" in note and note.endswith("not tried: eplb, ilp+64")
+    assert _stop_note({"auto_stop": {**stop, "skipped": []}}) == "" and _stop_note({}) == ""
