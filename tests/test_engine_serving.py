@@ -219,3 +219,49 @@ def test_diff_compares_serving_predictions_and_gates_on_tpot(mixtral_trace, tmp_
     moved = {f["name"]: f for f in doc["figures"]}
     assert moved["tpot"]["ratio"] > 1 and moved["throughput"]["ratio"] > 1
     assert {"name": "workload", "a": "16x512+64", "b": "64x512+64"} in doc["decisions"]
+
+
+LAYOUT_KEYS = ("attention_tp", "attention_dp", "moe_ep", "moe_tp", "redundant_experts", "max_running_requests",
+               "moe_a2a")
+
+
+@pytest.mark.parametrize("target, args", [
+    ("sglang", ["--attention", "dp"]),
+    ("sglang", ["--attention", "tp", "--max-running-requests", 24]),
+    ("vllm", ["--attention", "dp"]),
+    ("trtllm", []),
+])
+def test_the_deployment_priced_is_the_plan_s_deployment_record(mixtral_trace, tmp_path, target, args):
+    """The serving pass prices plan.json's `deployment` (what the bundle launches), not a layout of its own."""
+    out = tmp_path / "p.json"
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", target, "--nodes", 2, "--gpus-per-node", 4,
+                 "--redundant", 8, "--hardware", "a100-sxm", "--workload", "32x512+64", *args, "--quiet", "--out", out)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    layout, deployment = plan["predicted"]["serving"]["layout"], plan["deployment"]
+    assert {k: layout[k] for k in LAYOUT_KEYS} == {k: deployment[k] for k in LAYOUT_KEYS}
+    assert deployment["hardware"] == layout["hardware"] == "a100-sxm" and layout["engine"] == target
+    assert deployment["attention_dp"] == (1 if "tp" in args else 8)
+    assert deployment["max_running_requests"] == (24 if 24 in args else 32)  # --workload's requests by default
+    assert plan["predicted"]["serving"]["running_requests"] == deployment["max_running_requests"]
+
+
+def test_attention_layout_changes_the_priced_step(mixtral_trace, tmp_path):
+    tpot = {}
+    for attention in ("tp", "dp"):
+        out = tmp_path / f"{attention}.json"
+        result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 8,
+                     "--redundant", 8, "--hardware", "a100-sxm", "--workload", "64x512+64", "--attention", attention,
+                     "--quiet", "--out", out)
+        assert result.exit_code == 0, result.output
+        tpot[attention] = json.loads(out.read_text())["predicted"]["serving"]["tpot_s"]
+    assert tpot["tp"] != tpot["dp"]
+
+
+def test_vllm_without_its_eplb_is_told_to_turn_it_on_for_replicas(mixtral_trace, tmp_path):
+    out = tmp_path / "p.json"
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "vllm", "--nodes", 1, "--gpus-per-node", 4,
+                 "--policy", "contiguous", "--out", out)
+    assert result.exit_code == 0, result.output
+    warning = json.loads(out.read_text())["predicted"]["warnings"][0]
+    assert "--redundant 4" in warning and warning.endswith("(vllm: with --policy eplb)")

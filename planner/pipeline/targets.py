@@ -55,6 +55,10 @@ TARGETS = {t.name: t for t in (
     Target("sglang", "the placement file SGLang loads at startup, launch script (a config is enough; docs/interop.md)",
            engine_targets.PASSES, lambda m, t, o, v, g: engine_targets.inputs("sglang", m, t, o, v, g), engine_targets.summary,
            engine_targets.describe),
+    Target("vllm", "vllm serve with expert parallelism and its EPLB sized from the trace's drift, launch script (vLLM "
+           "loads no placement file; a config is enough; docs/interop.md)",
+           engine_targets.VLLM_PASSES, lambda m, t, o, v, g: engine_targets.inputs("vllm", m, t, o, v, g),
+           engine_targets.summary, engine_targets.describe),
     Target("trtllm", "TensorRT-LLM's static MoE load balancer file, launch script (a config is enough)",
            engine_targets.PASSES, lambda m, t, o, v, g: engine_targets.inputs("trtllm", m, t, o, v, g), engine_targets.summary,
            engine_targets.describe),

@@ -63,7 +63,7 @@ def inputs_table(plan: dict) -> Table:
     rows.append(["trace sha256", str(at(plan, "inputs.trace_sha256") or "")])
     if at(plan, "inputs.trace_tokens") is not None:
         rows.append(["trace tokens", num(plan, "inputs.trace_tokens")])
-    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "trtllm"):
+    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "vllm", "trtllm"):
         rows.append(["topology", f"{at(plan, 'topology.nodes')} node(s) x {at(plan, 'topology.gpus_per_node')} GPU(s)"])
     if at(plan, "inputs.options"):
         rows.append(["options", _options_text(at(plan, "inputs.options"))])
@@ -194,6 +194,7 @@ def engine_decisions(plan: dict) -> Table:
         ["slots per rank", num(plan, "communication.slots_per_rank"), "(experts + redundant) / EP ranks"],
         ["objective", str(at(plan, "communication.objective")), "the engine runs standard expert parallelism"],
     ]
+    rows += engine_deployment_rows(plan)
     layout = at(plan, "predicted.serving.layout")
     if isinstance(layout, dict):
         attention = (f"data parallel, {layout.get('attention_dp')} replicas of tp {layout.get('attention_tp')}"
@@ -201,10 +202,29 @@ def engine_decisions(plan: dict) -> Table:
         rows.append(["deployment priced", f"{layout.get('gpus')} GPUs ({layout.get('nodes')} x {layout.get('gpus_per_node')}), "
                      f"attention {attention}, MoE ep {layout.get('moe_ep')} x tp {layout.get('moe_tp')}, tokens to experts by "
                      f"{layout.get('moe_a2a')}, {layout.get('engine')} kernels of its database version "
-                     f"{layout.get('database_version')}", "what the target's launch script runs (docs/engine_pricing.md)"])
+                     f"{layout.get('database_version')}", "the deployment above, as the launch script runs it (docs/engine_pricing.md)"])
     for i, warning in enumerate(at(plan, "predicted.warnings") or []):
         rows.append([f"warning {i + 1}", str(warning), "predicted.warnings"])
     return Table(["decision", "value", "reason"], rows, "Decisions")
+
+
+def engine_deployment_rows(plan: dict) -> list:
+    """The engine's layout (plan.json `deployment`, core/engine_layout.py), where the plan records one."""
+    if at(plan, "deployment.attention_dp") is None:
+        return []
+    by = f"chosen by {at(plan, 'deployment.chosen_by')}"
+    rows = [["attention tensor parallel", num(plan, "deployment.attention_tp"), by],
+            ["attention data parallel", num(plan, "deployment.attention_dp"),
+             f"{by} (--attention: tp inside one node, dp across nodes unless given)"],
+            ["MoE expert parallel", num(plan, "deployment.moe_ep"), "every GPU holds experts"],
+            ["token exchange", str(at(plan, "deployment.moe_a2a")), "deepep where expert parallelism spans nodes"],
+            ["max running requests", num(plan, "deployment.max_running_requests") if
+             at(plan, "deployment.max_running_requests") is not None else "engine's own",
+             "--max-running-requests, else --workload's requests"]]
+    if at(plan, "deployment.eplb") is not None:
+        rows += [[f"vLLM EPLB {key}", num(plan, f"deployment.eplb.{key}"), "from the trace's drift (docs/interop.md)"]
+                 for key in ("window_size", "step_interval")]
+    return rows
 
 
 def engine_predicted(plan: dict) -> list:
@@ -354,7 +374,7 @@ def summary_section(plan: dict, tie: float) -> Section:
     target = plan.get("target")
     if target in ("torchrun", "kubernetes"):
         blocks = [torchrun_decisions(plan, tie)] + torchrun_predicted(plan)
-    elif target in ("sglang", "trtllm"):
+    elif target in ("sglang", "vllm", "trtllm"):
         blocks = [engine_decisions(plan)] + engine_predicted(plan)
     elif target == "offload":
         blocks = [offload_decisions(plan)] + offload_predicted(plan)
