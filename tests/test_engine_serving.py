@@ -265,3 +265,30 @@ def test_vllm_without_its_eplb_is_told_to_turn_it_on_for_replicas(mixtral_trace,
     assert result.exit_code == 0, result.output
     warning = json.loads(out.read_text())["predicted"]["warnings"][0]
     assert "--redundant 4" in warning and warning.endswith("(vllm: with --policy eplb)")
+
+
+def test_a_deployment_prices_the_all_to_all_its_record_chose():
+    """`Deployment.a2a` (the record's moe_a2a) overrides the node rule, and the step priced follows it."""
+    m = model("qwen3-30b-a3b.json")
+    ruled, chosen = Deployment("sglang", "h100-sxm", 1, 8, 1, 8, 8), Deployment("sglang", "h100-sxm", 1, 8, 1, 8, 8, a2a="deepep")
+    assert ruled.moe_a2a == "allgather" and chosen.moe_a2a == chosen.layout()["moe_a2a"] == "deepep"
+    a = predict_serving(m, ruled, "64x1024+128", use_measured=False)
+    b = predict_serving(m, chosen, "64x1024+128", use_measured=False)
+    assert a.tpot_s != b.tpot_s
+    with pytest.raises(UserError, match="moe_a2a 'nvlink' is not one of allgather, deepep"):
+        Deployment("sglang", "h100-sxm", 1, 8, 1, 8, 8, a2a="nvlink")
+
+
+@pytest.mark.parametrize("target", ["sglang", "vllm", "trtllm"])
+def test_the_bundle_readme_states_the_serving_prediction_of_its_deployment(mixtral_trace, tmp_path, target):
+    out = tmp_path / "bundle"
+    result = cli("compile", MIXTRAL, "--trace", mixtral_trace, "--target", target, "--nodes", 1, "--gpus-per-node", 4,
+                 "--redundant", 4, "--hardware", "a100-sxm", "--workload", "16x256+32", "--out", out)
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("serving 16x256+32 on 4x a100-sxm"))
+    readme = (out / "README.md").read_text()
+    assert "## Predicted serving" in readme and line in readme.replace("\n", " ")
+    plain = cli("compile", MIXTRAL, "--trace", mixtral_trace, "--target", target, "--nodes", 1, "--gpus-per-node", 4,
+                "--redundant", 4, "--out", tmp_path / "plain")
+    assert plain.exit_code == 0, plain.output
+    assert "Predicted serving" not in (tmp_path / "plain" / "README.md").read_text()

@@ -14,6 +14,7 @@ from pathlib import Path
 from moeplan.backends.common.files import finish_bundle, write_file
 from moeplan.core.atomic import atomic_path
 from moeplan.core.engine_layout import per_attention_replica, plan_layout_problems
+from moeplan.core.engine_serving_text import serving_line
 from moeplan.core.errors import UserError
 from moeplan.core.expert_slots import placement_slots
 from moeplan.core.pass_manager import Pass
@@ -60,6 +61,7 @@ def engine_context(plan, slots: list) -> dict:
     topo, comm, model, deployment = plan.topology, plan.communication, plan.model, plan.deployment
     dense = sorted(set(range(int(model["num_hidden_layers"]))) - set(model["moe_layer_indices"]))
     running = deployment.max_running_requests
+    serving = plan.predicted.to_json().get("serving")
     return {
         "gpus": plan.world_size, "attention_tp": int(deployment.attention_tp),
         "attention_dp": int(deployment.attention_dp), "moe_ep": int(deployment.moe_ep), "moe_tp": int(deployment.moe_tp),
@@ -72,5 +74,6 @@ def engine_context(plan, slots: list) -> dict:
         "slots_per_rank": int(comm.slots_per_rank), "num_slots": len(slots[0]),
         "num_hidden_layers": int(model["num_hidden_layers"]), "policy": plan.placement.policy or "unknown",
         "load": f"{float(plan.predicted.max_over_mean_load):.3f}",
+        "serving": serving_line(serving) if serving else None,
         "dense_layers": ", ".join(str(d) for d in dense) if dense else "none",
     }

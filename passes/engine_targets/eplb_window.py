@@ -31,6 +31,11 @@ keeping until the loads have drifted away from it. Both are measured on the trac
   data-parallel engine times the engines where it is not set). Under a lighter load a step carries
   fewer tokens and the same number of steps spans fewer tokens than measured.
 
+A block that mixes fewer requests than one engine step (fewer sequences, or tokens without sequence ids,
+than `tokens_per_step`) varies more than the engine's steps do, and that noise reads as drift: the
+measurement then carries a `caveat` saying so (plan.json `predicted.load_drift.caveat`, the bundle's
+README); the config is still the measured one.
+
 Loads-only traces, and traces too short to cut (fewer than `BLOCKS` sequences, or fewer than
 `MIN_BLOCK_TOKENS` tokens a block), have no order to measure: vLLM's own defaults are kept and the
 plan says why. For speed the measure runs on at most `MAX_LAYERS` MoE layers, evenly spaced (drift
@@ -159,5 +164,24 @@ def eplb_config(trace, topology: Topology, redundant: int, expert_groups: int, m
     else:
         interval = _steps(measure["interval_blocks"] * block_tokens, per_step)
     config = {"window_size": window, "step_interval": interval, "num_redundant_experts": int(redundant)}
-    return config, {"measured": True, "blocks": BLOCKS, "block_tokens": round(block_tokens, 3),
-                    "tokens_per_step": per_step, "tolerance": DRIFT_TOLERANCE, **measure}
+    measured = {"measured": True, "blocks": BLOCKS, "block_tokens": round(block_tokens, 3), "tokens_per_step": per_step,
+                "tolerance": DRIFT_TOLERANCE, **measure}
+    caveat = small_block_caveat(trace, block_tokens, per_step)
+    if caveat is not None:
+        measured["caveat"] = caveat
+    return config, measured
+
+
+def small_block_caveat(trace, block_tokens: float, per_step: int) -> str | None:
+    """Why the measure may overstate the drift, or None: a block that mixes fewer requests (fewer tokens,
+    for a trace without sequence ids) than one engine step does varies more from block to block than the
+    engine's steps do, and that noise reads as drift (a shorter window and interval than the engine needs)."""
+    if trace.sequence is not None:
+        mixed, unit = len(np.unique(trace.sequence)) / BLOCKS, "sequences"
+    else:
+        mixed, unit = block_tokens, "tokens"
+    if mixed >= per_step:
+        return None
+    return (f"each block holds {mixed:.3g} {unit}, fewer than the {per_step} requests one engine step mixes: block-to-block "
+            f"noise reads as drift, so the window and interval may be shorter than the engine needs; a trace of at "
+            f"least {BLOCKS * per_step} {unit} measures at the engine's scale")
