@@ -115,8 +115,14 @@ def _policy_reason(plan: dict, tie: float) -> str:
     if others:
         best = others[0]
         text += f"; fastest other {best['label']} at {fmt(best['seconds_per_token'], MS)} ms/token ({best['mode']})"
-    return text + (f"; candidates are tried in order and a later one wins only when more than {tie:.0%} faster "
-                   "than the best so far")
+    text += (f"; candidates are tried in order and a later one wins only when more than {tie:.0%} faster "
+             "than the best so far")
+    stop = at(plan, "predicted.cost.auto_stop") or {}
+    if stop.get("skipped"):
+        text += (f"; not tried: {', '.join(stop['skipped'])}, as no placement is predicted below "
+                 f"{fmt(stop['floor_seconds_per_token'], MS)} ms/token, within the cost model's error "
+                 f"({stop['error']:.0%}) of the best")
+    return text
 
 
 def _mode_reason(plan: dict, tie: float) -> str:
