@@ -43,8 +43,9 @@ def held_weights(ir, profile) -> dict:
     return model_weight_bytes(ir, on_gpu=not profile.device_is_host, precision=profile.precision)
 
 
-def runtime_kv_bytes_per_token(config, ir, dtype: str) -> int:
-    """KV-cache bytes one token adds on a rank that holds its context, at the runtime's `dtype`."""
+def runtime_kv_bytes_per_token(config, ir, dtype: str = "float32") -> int:
+    """KV-cache bytes one token adds on a rank that holds its context, at the runtime's `dtype`
+    (`held_weights(...)["dtypes"]["dense"]`; the cost model's attention at context still prices float32)."""
     from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.core.ir import dtype_bytes
     from moeplan.runtime.precision import ITEMSIZE
