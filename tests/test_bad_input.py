@@ -186,6 +186,20 @@ def test_corrupt_config_in_compile_and_a_checkpointless_model(tmp_path, model, g
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("target", ["torchrun", "lambda", "sglang"])  # kubernetes reads the model as torchrun does
+def test_a_missing_model_is_reported_missing_for_every_target(tmp_path, good_trace, target):
+    """Issue 40: not 'cannot compile ... for torchrun' (which reads as 'unsupported') but 'not found'."""
+    extra = ["--slo", 3] if target == "lambda" else []
+    code, output = _cli(["compile", tmp_path / "no-such-model", "--trace", good_trace, "--target", target, *extra,
+                         "--out", tmp_path / "b", "--quiet"])
+    assert code == 2 and output.startswith("error: ") and output.count("\n") == 1, output
+    assert "no-such-model' not found: no such file or directory" in output and "cannot compile" not in output, output
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "empty").mkdir()
+    _refused(["compile", tmp_path / "empty", "--trace", good_trace, "--target", "torchrun", "--out", tmp_path / "b",
+              "--quiet"], "has no config.json")
+
+
 def test_binary_platform_and_prompts_files(tmp_path, model, good_trace):
     blob = tmp_path / "blob.bin"
     blob.write_bytes(bytes(range(256)) * 4)
