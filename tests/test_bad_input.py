@@ -226,3 +226,20 @@ def test_click_usage_errors_are_one_line():
     _refused(["place", "--nodes", "abc"], "--nodes must be a whole number")
     _refused(["compile"], "MODEL")
     _refused(["trace", "synth", "--no-such-flag"], "--no-such-flag")
+
+
+def test_policy_auto_names_why_no_candidate_fits_and_its_advice_works(tmp_path, model, good_trace):
+    """Issue 40: --policy auto said "found no placement policy that fits" where --policy eplb names the
+    cause; now auto names it too (experts over devices), and the flags it suggests plan."""
+    import re
+
+    experts = json.loads((model / "config.json").read_text())["num_experts"]
+    devices = next(d for d in range(3, 9) if experts % d)
+    out = _refused(["plan", model, "--trace", good_trace, "--gpus-per-node", devices, "--policy", "auto",
+                    "--out", tmp_path / "p.json", "--quiet"],
+                   f"{experts} experts per layer do not divide evenly over {devices} devices")
+    redundant = int(re.search(r"--redundant (\d+)", out).group(1))
+    assert (experts + redundant) % devices == 0
+    code, output = _cli(["plan", model, "--trace", good_trace, "--gpus-per-node", devices, "--policy", "eplb",
+                         "--redundant", redundant, "--out", tmp_path / "p.json", "--quiet"])
+    assert code == 0, output

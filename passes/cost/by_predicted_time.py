@@ -73,11 +73,27 @@ def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
     return out, table
 
 
+def no_candidate_reason(request, num_experts: int, failures: list) -> str:
+    """Why --policy auto built no candidate, as --policy eplb would say it, and the flags that fit."""
+    topo = request.topology
+    D = topo.devices
+    fit = (-num_experts) % D or D
+    if failures:
+        why = "; ".join(failures)
+    else:
+        why = (f"{num_experts} experts per layer do not divide evenly over {D} devices ({topo.nodes} nodes x "
+               f"{topo.gpus_per_node} GPUs), with none or {D} redundant slots (the slot counts auto tries)")
+    return (f"--policy auto found no placement that fits this topology: {why}; give --policy eplb (or ilp) with "
+            f"--redundant {fit} ({num_experts} + {fit} slots per layer over {D} devices), or a device count that divides "
+            f"{num_experts}")
+
+
 def choose_placement(trace, request, shape, profile, workload, mode: str) -> tuple:
     """Build every candidate, predict each under `mode` (or both for auto), keep the fastest.
 
     Returns (placement, table): table rows {label, policy, redundant, balance, mode,
-    seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json; the
+    seconds_per_token, total_bytes_per_token, max_over_mean_load (on the trace), modes: {mode: full
+    prediction}} for plan.json; the
     ILP rows carry `prices` and `cap_search` (time_prices.py)."""
     from moeplan.passes.optimize.placement.policies import plan_placement
     from moeplan.passes.cost.time_prices import time_prices
@@ -85,7 +101,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
     modes = MODES if mode == "auto" else (mode,)
     topo = request.topology
     prices = {m: time_prices(profile, shape, workload, topo.devices, topo.gpus_per_node, trace.num_experts, m) for m in modes}
-    built = []
+    built, failures = [], []
     for label, req in candidates(request, trace.num_experts):
         if req.policy == "ilp":
             found, table = ilp_candidates(trace, label, req, prices)
@@ -94,8 +110,8 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
             continue
         try:
             built.append((label, req, plan_placement(trace, req), {}))
-        except UserError:
-            continue
+        except UserError as exc:
+            failures.append(f"{label}: {exc}")
     rows, best = [], None
     for label, req, placement, extra in built:
         preds = predict_modes(placement.hosts(), req.topology.gpus_per_node, shape, workload, trace.experts, profile,
@@ -105,11 +121,11 @@ def choose_placement(trace, request, shape, profile, workload, mode: str) -> tup
         rows.append({"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
                      "balance": req.balance if req.policy == "ilp" else None,
                      "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
-                     "modes": preds, **extra})
+                     "max_over_mean_load": placement.metrics.get("max_over_mean_load"), "modes": preds, **extra})
         if best is None or p["seconds_per_token"] < best[0] * (1 - TIE):
             best = (p["seconds_per_token"], placement, label)
     if best is None:
-        raise UserError("--policy auto found no placement policy that fits this topology; pick --policy and --redundant explicitly")
+        raise UserError(no_candidate_reason(request, trace.num_experts, failures))
     for row in rows:
         row["chosen"] = row["label"] == best[2]
     return best[1], rows
