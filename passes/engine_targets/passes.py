@@ -115,6 +115,7 @@ def _placement(facts):
 
 def _plan(facts):
     from moeplan.core.expert_slots import placement_slots
+    from moeplan.passes.analysis.trace_summary import trace_summary
 
     placement, trace, engine_model, target = facts["placement"], facts["trace"], facts["engine_model"], facts["target"]
     doc = json.loads(placement.to_json())
@@ -136,7 +137,8 @@ def _plan(facts):
                        "slots_per_rank": (engine_model["num_experts"] + redundant) // ep_size, "objective": OBJECTIVE},
         predicted={"max_over_mean_load": doc["metrics"]["max_over_mean_load"]},
         inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
-                "trace_loads_only": trace.loads_only, "options": options},
+                "trace_loads_only": trace.loads_only, "options": options,
+                "trace_summary": trace_summary(trace, placement.hosts())},
         deployment={k: v for k, v in target.items() if k != "name"},
     )
     return {"plan": plan}

@@ -4,7 +4,8 @@ Figures are every number under `predicted` by dotted path (lists of numbers, e.g
 affinity, by index; large tables such as cap searches are left out), plus headline aliases that
 mean the same thing for every target, so one `--fail-on` works across targets:
 `seconds_per_token`, `bytes_per_token`, `cost`, `latency`, `throughput`, `hit_ratio`,
-`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`.
+`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`, and a serving prediction's
+(`predicted.serving`) `tpot`, `ttft`, `output_tokens_per_s`, `memory_per_gpu`.
 """
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import json
 from moeplan.planner.report.summary import at, hardware_name
 
 ALIASES = ("seconds_per_token", "bytes_per_token", "cost", "latency", "throughput", "hit_ratio", "max_over_mean_load",
-           "gpu_local_fraction", "node_local_fraction")
+           "gpu_local_fraction", "node_local_fraction", "tpot", "ttft", "output_tokens_per_s", "memory_per_gpu")
+# a serving prediction's figures (predicted.serving, engine targets) under their aliases
+SERVING_ALIASES = {"tpot": "tpot_s", "ttft": "ttft_s", "output_tokens_per_s": "output_tokens_per_s",
+                   "memory_per_gpu": "memory_per_gpu_bytes"}
 # left out: large tables, and a lambda plan's `request_cost`, the request cost model's inputs (per-part
 # seconds on a token grid, shares, platform prices), not figures ('moeplan simulate --new-tokens' prices it)
 SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition", "request_cost")
@@ -39,25 +43,47 @@ def _numbers(node, prefix: str, out: dict) -> None:
                 _numbers(v, f"{prefix}.{i}", out)
 
 
-def headline(plan: dict) -> dict:
-    """The aliases: one meaning across targets (absent where a target has no such figure)."""
+def alias_paths(plan: dict) -> dict:
+    """{alias: the plan.json path it reads} for the aliases this plan has (one meaning across targets)."""
     out = {}
     target = plan.get("target")
     cost = at(plan, "predicted.cost")
     if isinstance(cost, dict) and cost.get("mode") in cost.get("modes", {}):
-        chosen = cost["modes"][cost["mode"]]
-        out.update(seconds_per_token=chosen.get("seconds_per_token"), bytes_per_token=chosen.get("total_bytes_per_token"))
+        base = f"predicted.cost.modes.{cost['mode']}"
+        out.update(seconds_per_token=f"{base}.seconds_per_token", bytes_per_token=f"{base}.total_bytes_per_token")
     if target == "offload":
-        out.update(seconds_per_token=at(plan, "predicted.seconds_per_token"), hit_ratio=at(plan, "predicted.hit_ratio"),
-                   bytes_per_token=at(plan, "predicted.bytes_moved_per_token"))
+        out.update(seconds_per_token="predicted.seconds_per_token", hit_ratio="predicted.hit_ratio",
+                   bytes_per_token="predicted.bytes_moved_per_token")
     if target == "lambda":
-        out.update(cost=at(plan, "predicted.cost_per_request_usd"), latency=at(plan, "predicted.latency_s"),
-                   throughput=at(plan, "predicted.throughput_tokens_per_s"))
+        out.update(cost="predicted.cost_per_request_usd", latency="predicted.latency_s",
+                   throughput="predicted.throughput_tokens_per_s")
     if isinstance(at(plan, "predicted.expert_cache"), dict):
-        out["hit_ratio"] = at(plan, "predicted.expert_cache.hit_ratio")
+        out["hit_ratio"] = "predicted.expert_cache.hit_ratio"
     for key in ("max_over_mean_load", "gpu_local_fraction", "node_local_fraction"):
-        out[key] = at(plan, f"predicted.{key}")
-    return {k: v for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out[key] = f"predicted.{key}"
+    for alias, key in SERVING_ALIASES.items():
+        out[alias] = f"predicted.serving.{key}"
+    return {k: p for k, p in out.items() if isinstance(at(plan, p), (int, float)) and not isinstance(at(plan, p), bool)}
+
+
+def headline(plan: dict) -> dict:
+    """The aliases: one meaning across targets (absent where a target has no such figure)."""
+    return {k: at(plan, p) for k, p in alias_paths(plan).items()}
+
+
+def basis(plan: dict) -> str:
+    """What the plan's figures are for, in a few words: 'workload 8x32+8 on cpu-gloo, planning trace
+    (4,000 tokens)'; each part only where the plan records it (a target without a workload has none)."""
+    parts = []
+    workload = at(plan, "predicted.cost.workload") or at(plan, "predicted.serving.workload")
+    if workload:
+        parts.append(f"workload {workload}")
+    hw = hardware_name(plan) or at(plan, "topology.hardware")
+    if hw:
+        parts.append(f"on {hw}")
+    tokens = at(plan, "inputs.trace_tokens")
+    parts.append("planning trace" + (f" ({tokens:,} tokens)" if isinstance(tokens, int) else ""))
+    return " ".join(parts[:-1]) + (", " if len(parts) > 1 else "") + parts[-1]
 
 
 def figures(plan: dict) -> dict:
