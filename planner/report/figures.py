@@ -4,8 +4,8 @@ Figures are every number under `predicted` by dotted path (lists of numbers, e.g
 affinity, by index; large tables such as cap searches are left out), plus headline aliases that
 mean the same thing for every target, so one `--fail-on` works across targets:
 `seconds_per_token`, `bytes_per_token`, `cost`, `latency`, `throughput`, `hit_ratio`,
-`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`, and a serving prediction's
-(`predicted.serving`) `tpot`, `ttft`, `output_tokens_per_s`, `memory_per_gpu`.
+`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`. `alias_paths` names the path
+each alias reads, so that `moeplan diff` lists a figure once.
 """
 from __future__ import annotations
 
@@ -15,10 +15,7 @@ import json
 from moeplan.planner.report.summary import at, hardware_name
 
 ALIASES = ("seconds_per_token", "bytes_per_token", "cost", "latency", "throughput", "hit_ratio", "max_over_mean_load",
-           "gpu_local_fraction", "node_local_fraction", "tpot", "ttft", "output_tokens_per_s", "memory_per_gpu")
-# a serving prediction's figures (predicted.serving, engine targets) under their aliases
-SERVING_ALIASES = {"tpot": "tpot_s", "ttft": "ttft_s", "output_tokens_per_s": "output_tokens_per_s",
-                   "memory_per_gpu": "memory_per_gpu_bytes"}
+           "gpu_local_fraction", "node_local_fraction")
 # left out: large tables, and a lambda plan's `request_cost`, the request cost model's inputs (per-part
 # seconds on a token grid, shares, platform prices), not figures ('moeplan simulate --new-tokens' prices it)
 SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition", "request_cost")
@@ -61,8 +58,6 @@ def alias_paths(plan: dict) -> dict:
         out["hit_ratio"] = "predicted.expert_cache.hit_ratio"
     for key in ("max_over_mean_load", "gpu_local_fraction", "node_local_fraction"):
         out[key] = f"predicted.{key}"
-    for alias, key in SERVING_ALIASES.items():
-        out[alias] = f"predicted.serving.{key}"
     return {k: p for k, p in out.items() if isinstance(at(plan, p), (int, float)) and not isinstance(at(plan, p), bool)}
 
 

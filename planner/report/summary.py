@@ -274,52 +274,8 @@ def engine_decisions(plan: dict) -> Table:
 
 
 def engine_predicted(plan: dict) -> list:
-    tables = [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
-                    "Predicted (planning trace)")]
-    serving = serving_table(plan)
-    return tables + ([serving] if serving is not None else [])
-
-
-def _unit(key: str) -> tuple:
-    """(scale, unit) a figure's name implies: *_s seconds (shown in ms), *_bytes (GiB), *_per_s rates."""
-    if key.endswith("_per_s"):
-        return 1.0, "/s"
-    if key.endswith("_s"):
-        return MS, "ms"
-    if key.endswith("_bytes"):
-        return 2.0 ** -30, "GiB"
-    return 1.0, ""
-
-
-def serving_table(plan: dict, path: str = "predicted.serving") -> Table | None:
-    """A serving prediction (`predicted.serving`: TPOT, TTFT, output tokens/s, memory per GPU, fits, the
-    workload and layout it is for, whatever else it records) as rows, each number naming its path;
-    None where the plan has none. Generic over its keys: the engine targets' pricing owns them."""
-    serving = at(plan, path)
-    if not isinstance(serving, dict) or not serving:
-        return None
-    rows = []
-
-    def walk(node, prefix: str):
-        for key in sorted(node):
-            value, where = node[key], f"{prefix}.{key}"
-            label = where[len(path) + 1:].replace("_", " ")
-            if isinstance(value, dict):
-                walk(value, where)
-            elif isinstance(value, bool):
-                rows.append([label, "yes" if value else "NO"])
-            elif isinstance(value, (int, float)):
-                scale, unit = _unit(key)
-                rows.append([label, Num(value, where, scale, unit=unit)])
-            elif isinstance(value, list) and len(value) <= 16:
-                rows.append([label, ", ".join(map(str, value))])
-            elif not isinstance(value, list):
-                rows.append([label, str(value)])
-
-    walk(serving, path)
-    workload = serving.get("workload")
-    return Table(["serving figure", "predicted"], rows,
-                 "Serving prediction" + (f" for workload {workload}" if workload else "") + f" (plan.json {path})")
+    return [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
+                  "Predicted")]
 
 
 # ---------------------------------------------------------------------------------------- offload
