@@ -21,7 +21,7 @@ DEMO := build/demo
 # download); installed with apt where missing when run as root (CI runs as root).
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-all venv clean
 
 venv: $(STAMP)
 
@@ -34,7 +34,13 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"
 	touch $(STAMP)
 
+# `make test`: ruff, then every test but those marked slow (long end-to-end runs whose paths faster tests
+# also cover; tests/conftest.py). `make test-all`: ruff, then every test (CI runs it: .ci/run).
 test: $(STAMP)
+	$(BIN)/ruff check .
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m "not slow"
+
+test-all: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 

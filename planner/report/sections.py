@@ -183,8 +183,10 @@ def capacity_section(plan: dict) -> Section:
         if key in cap:
             rows.append([label, ("yes" if cap[key] else "no") if scale is None else Num(cap[key], f"{path}.{key}", scale, unit=unit)])
     rows.append(["device memory from", str(cap.get("device_memory_source", ""))])
-    for i, w in enumerate(cap.get("weight_bytes_per_rank") or []):
-        rows.append([f"weights on rank {i}", Num(w, f"{path}.weight_bytes_per_rank.{i}", 2.0 ** -30, unit="GiB")])
+    weights = cap.get("weight_bytes_per_rank") or []
+    if weights:  # the heaviest and lightest rank (a 64-rank plan's every rank would be 64 rows)
+        for label, i in (("weights on the heaviest rank", int(np.argmax(weights))), ("weights on the lightest rank", int(np.argmin(weights)))):
+            rows.append([f"{label} ({i})", Num(weights[i], f"{path}.weight_bytes_per_rank.{i}", 2.0 ** -30, unit="GiB")])
     blocks = [Table(["capacity", "value"], rows, f"plan.json {path}")]
     if cap.get("fits") is False:
         heaviest = max(cap.get("weight_bytes_per_rank") or [0])
