@@ -225,3 +225,19 @@ def test_diff_compares_serving_predictions_and_gates_on_tpot(mixtral_trace, tmp_
     figure_rows = [line.split()[0] for line in text[text.index(next(x for x in text if x.startswith("figure "))) + 1:]]
     assert {"tpot", "ttft", "throughput", "memory_per_gpu"} <= set(figure_rows) and len(figure_rows) == len(set(figure_rows))
     assert not any("predicted.serving" in line for line in text), text
+
+
+def test_the_report_names_the_serving_workload_and_says_does_not_fit_in_red(mixtral_trace, tmp_path):
+    """Issue 40: a figure names the workload it is for; a deployment whose GPUs cannot hold it says so in red."""
+    import html
+
+    out = tmp_path / "plan.json"  # Mixtral-8x7B's 93 GB of bf16 weights on one 80 GB A100
+    assert cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 1,
+               "--hardware", "a100-sxm", "--workload", "8x512+64", "--quiet", "--out", out).exit_code == 0
+    assert json.loads(out.read_text())["predicted"]["serving"]["fits"] is False
+    result = cli("report", out, "--out", tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    page = html.unescape((tmp_path / "r.html").read_text())
+    assert "Serving prediction for workload 8x512+64 on a100-sxm, routing from the planning trace" in page
+    assert '<p class="note bad">Does not fit: ' in page and "workload 8x512+64" in page.split('<p class="note bad">')[1]
+    assert "memory per GPU (does not fit in the GPU's memory)" in page

@@ -291,12 +291,17 @@ def engine_decisions(plan: dict) -> Table:
 
 def engine_predicted(plan: dict) -> list:
     tables = [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
-                    "Predicted")]
+                    "Predicted (planning trace)")]
     serving = at(plan, "predicted.serving")
     if not isinstance(serving, dict):
         return tables
     base = "predicted.serving"
     fits = "fits" if serving.get("fits") else "does not fit"
+    if serving.get("fits") is False:  # issue 40: a plan that does not fit says so, in red, before its figures
+        tables.append(Note(f"Does not fit: {fmt(serving.get('memory_per_gpu_bytes'), 2.0 ** -30)} GiB per GPU (weights, KV "
+                           f"cache of workload {serving.get('workload')}, the engine's reserve) against the "
+                           f"{fmt(at(plan, f'{base}.memory.device_bytes'), 2.0 ** -30)} GiB of a {serving.get('hardware')}: "
+                           "the engine would not start. Give more GPUs, fewer requests or shorter contexts.", tone="bad"))
     rows = [["workload (requests x prompt + new tokens, over the deployment)", str(serving.get("workload", ""))],
             ["hardware", str(serving.get("hardware", ""))],
             ["running requests (decode batch)", num(plan, f"{base}.running_requests")],
@@ -311,7 +316,9 @@ def engine_predicted(plan: dict) -> list:
             ["of which KV cache at prompt + new tokens", num(plan, f"{base}.memory.kv_bytes", 1 / 2**30, "GiB")],
             ["of which the engine's reserve", num(plan, f"{base}.memory.reserved_bytes", 1 / 2**30, "GiB")],
             ["GPU memory", num(plan, f"{base}.memory.device_bytes", 1 / 2**30, "GiB")]]
-    tables.append(Table(["serving figure", "predicted"], rows, "Serving prediction (passes/cost/engine/)"))
+    tables.append(Table(["serving figure", "predicted"], rows, f"Serving prediction for workload {serving.get('workload')} "
+                        f"on {serving.get('hardware')}, " + ("routing from the planning trace" if serving.get("routing") == "trace"
+                        else f"routing {serving.get('routing')}") + " (passes/cost/engine/)"))
     sources = serving.get("price_sources") or []
     tables.append(Table(["price source", "decode step time at the middle context"],
                         [[str(r.get("source")), num(plan, f"{base}.price_sources.{i}.seconds", MS, "ms")]
