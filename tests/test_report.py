@@ -382,7 +382,7 @@ def test_diff_is_compact_each_figure_once_changed_first(plans, tmp_path):
     # a plan against the bundle compiled from it: nothing differs (the bundle's weights hash is not a change)
     plan = tmp_path / "k8s-plan.json"
     ok(["plan", TINY, "--trace", plans["trace"], "--target", "kubernetes", "--nodes", 2, "--gpus-per-node", 1, "--policy", "eplb",
-        "--redundant", 2, "--quiet", "--out", plan])
+        "--redundant", 2, "--cpu-only", "--image", "registry.example/moe:1", "--quiet", "--out", plan])
     out = ok(["diff", plan, plans["tmp"] / "k8s"])
     assert "no decision or predicted figure differs" in out and "weights_sha256" in out.splitlines()[-1], out
     assert "recorded by one plan only (not compared): B: weights_sha256" in out
