@@ -15,7 +15,7 @@ from runtime_fixtures import contiguous_placement, hf_model_dir, single_rank_eng
 PROMPTS = [[5, 9, 11, 3, 40, 2], [7, 7, 1], [60, 12, 33, 33, 8]]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
 def test_hf_model_through_the_engine_matches_transformers(tmp_path, kind):
     torch.set_num_threads(1)
     directory, model = hf_model_dir(tmp_path, kind)
