@@ -140,7 +140,7 @@ def test_a_killed_rank_ends_requests_with_errors_and_the_service_exits(small):
     assert code != 0 and seconds < 60, output[-2000:]
 
 
-@pytest.mark.parametrize("arch, mode, context", [("qwen2_moe", "coherent", "kv"), ("gpt_oss", "standard", "auto")])
+@pytest.mark.parametrize("arch, mode, context", [("qwen2_moe", "coherent", "kv"), pytest.param("gpt_oss", "standard", "auto", marks=pytest.mark.slow)])
 def test_transformers_models_serve_exactly(tmp_path, arch, mode, context):
     """Qwen2-MoE (shared experts, a dense block) with coherent mode's K/V exchange through the moved
     cache rows; gpt-oss, whose sliding-window layers (window 4) alternate with full ones."""
@@ -187,7 +187,7 @@ def offloaded(tmp_path_factory):
     return root, load_small(model_dir)
 
 
-@pytest.mark.parametrize("mode", ["coherent", "standard"])
+@pytest.mark.parametrize("mode", ["coherent", pytest.param("standard", marks=pytest.mark.slow)])
 def test_an_offloaded_bundle_with_prefetch_serves_exactly(offloaded, mode):
     root, model = offloaded
     code, _, output = launch(root / "bundle", root / f"out-{mode}", "exact", mode=mode, max_sequences=16,
@@ -218,7 +218,7 @@ def speculative_offload(tmp_path_factory):
     return root, load_small(model_dir), spec
 
 
-@pytest.mark.parametrize("mode", ["coherent", "standard"])
+@pytest.mark.parametrize("mode", ["coherent", pytest.param("standard", marks=pytest.mark.slow)])
 def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_the_simulator(speculative_offload, mode):
     """Under continuous batching the ranks speculate live and compute misses on the host; the
     simulator's replay of each rank's logged requests (the `run --verify` replay) gives exactly
