@@ -6,6 +6,7 @@ in real headless Chromium (Debian's, driven by playwright: one browser launch fo
 where no console error may appear, every figure must render with a non-zero size and every
 number of the summary must equal plan.json. Screenshots go to the test's tmp dir.
 """
+import copy
 import json
 import math
 import os
@@ -254,6 +255,8 @@ def test_a_marginal_choice_and_one_worse_on_balance_are_explained(plans, tmp_pat
     cost = plan["predicted"]["cost"]
     mode = cost["mode"]
     chosen = next(a for a in cost["alternatives"] if a["chosen"])
+    if all(a["chosen"] for a in cost["alternatives"]):  # --policy auto stopped early: a second candidate, made from the first
+        cost["alternatives"].append({**copy.deepcopy(chosen), "label": "eplb+2", "policy": "eplb", "chosen": False})
     other = next(a for a in cost["alternatives"] if not a["chosen"])
     for a in cost["alternatives"]:
         a["max_over_mean_load"] = 1.31 if a is chosen else 1.03 if a is other else 1.5
