@@ -10,7 +10,7 @@ Functions' 256 KB:
 """
 from __future__ import annotations
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+from ..serving.contract import FINISH_LENGTH, FINISH_STOP  # noqa: F401  (the service's finish reasons)
 
 
 def initial_state(request: str, prompts: list, gen: dict) -> dict:
