@@ -23,7 +23,7 @@ import torch
 from ..serving.row_cache import left_pad_mask
 from ..serving.sampler import Sampler
 from ..serving.stop_rule import token_outcome
-from .state import FINISH_LENGTH, FINISH_STOP, initial_state  # noqa: F401  (re-exported)
+from .state import initial_state  # noqa: F401  (re-exported)
 
 
 def step_rows(doc: dict) -> dict:

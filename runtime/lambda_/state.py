@@ -10,8 +10,6 @@ Functions' 256 KB:
 """
 from __future__ import annotations
 
-from ..serving.contract import FINISH_LENGTH, FINISH_STOP  # noqa: F401  (the service's finish reasons)
-
 
 def initial_state(request: str, prompts: list, gen: dict) -> dict:
     """The execution's input for prompts (lists of ids) and generation settings."""
