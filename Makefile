@@ -16,6 +16,8 @@ TRANSFORMERS_PIN := transformers==5.24.0
 # SGLang's own EPLB and expert-location code, run by tests/test_engine_sglang_code.py; installed
 # without dependencies (nothing imports the package; no CUDA pull). Its wheel is cp311/manylinux only.
 SGLANG_PIN := sglang==0.5.23
+# The engine targets' measured kernel tables (pyproject's `gpu` extra, pinned there): its wheel is cp311 abi3
+# manylinux x86_64 only, so elsewhere the tests that need it skip and the roofline fallback is tested alone.
 DEMO := build/demo
 # Headless Chromium for tests/test_report_browser.py: Debian's package, driven by playwright (no browser
 # download); installed with apt where missing when run as root (CI runs as root).
@@ -31,6 +33,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 		|| echo "note: no $(CHROMIUM); install Debian's chromium (as root: apt-get install chromium) for tests/test_report_browser.py"
 	$(BIN)/python -m pip install --quiet "$(TORCH_PIN)" "$(HIGHS_PIN)" "$(TRANSFORMERS_PIN)"
 	$(BIN)/python -m pip install --quiet -e ".[hf,test]"
+	$(BIN)/python -m pip install --quiet -e ".[gpu]" || echo "note: no aiconfigurator-core wheel here; engine ops are priced by the roofline and tests/test_engine_cost.py skips its measured cases"
 	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"
 	touch $(STAMP)
 

@@ -38,6 +38,7 @@ DATA = "\n".join([
     "moeplan compiles a plan into a bundle that runs and verifies itself.",
 ]) + "\n"
 PROMPTS = "hello experts\nids: 5 9 11 3 40 2\nplace me well\n"
+K8S = ("--cpu-only", "--image", "registry.example/moe:1")  # CPU pods: the bundle runs here
 COLUMNS = ("trace", "torchrun-2", "torchrun-4", "kubernetes", "lambda")
 
 
@@ -90,7 +91,8 @@ def check_architecture(arch: str, work: Path, ranks=(2, 4), kubernetes: bool = T
             continue
         bundle = root / f"bundle-{column}"
         code, out = cli(["compile", model, "--trace", root / "trace.npz", "--target", target, "--nodes", 1,
-                         "--gpus-per-node", n, "--time-limit", 5, "--balance", 4, "--redundant", n, "--out", bundle, "--quiet"])
+                         "--gpus-per-node", n, "--time-limit", 5, "--balance", 4, "--redundant", n, "--out", bundle, "--quiet",
+                         *(K8S if target == "kubernetes" else ())])
         row[column] = verified_run(bundle, n, root / "prompts.txt") if code == 0 else \
             {"ok": False, "diff": None, "reason": "compile: " + _reason(out)}
     if lambda_:

@@ -84,7 +84,8 @@ def compile_bundle(model: Path, ranks: int, scratch: Path) -> Path:
     out = scratch / f"bundle-{model.name}-{ranks}"
     if not out.is_dir():
         bench._run(CLI + ["compile", str(model), "--trace", str(trace), "--target", "kubernetes", "--nodes", "1",
-                          "--gpus-per-node", str(ranks), "--policy", "contiguous", "--out", str(out)])
+                          "--gpus-per-node", str(ranks), "--policy", "contiguous", "--cpu-only", "--image",
+                          "registry.example/moe:1", "--out", str(out)])
     return out
 
 

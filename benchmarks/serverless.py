@@ -31,8 +31,9 @@ request_cost.py, the figure each served response states) for a `--prompt-tokens`
 weights and K/V) and the paper's (every invocation downloads its weights; K/V read from S3 every
 step). `--measure-local` also runs a compiled bundle both ways on the local cloud, each request
 measured the second time it runs (warm containers, as the deployment's accounting assumes; billed
-GB-s from the handlers' measured seconds on this machine; no front function or Step Functions
-charges).
+GB-s from the handlers' measured seconds on this machine; dollars with the Lambda request fees, the
+functions' S3 requests and the EXPRESS executions' measured lengths, by the one billing rule of
+runtime/lambda_/charges.py; no front function).
 
 `--json` prints one JSON object on the last line with cost_reduction_vs_lambdaml,
 throughput_change_vs_lambdaml, cost_over_oracle, cost_reduction_vs_cpu_cluster,
@@ -341,16 +342,13 @@ def measure_local(args, slo: float, log) -> list:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = Path(tmp) / "bundle"
-        plan = lambda_plan(args, slo, out=bundle)
-        p = plan.inputs["facts"]["platform"]
+        lambda_plan(args, slo, out=bundle)
         for n in args.new_tokens:
             row = {"new_tokens": n}
             for mode in ("recompute", "kv"):
                 log(f"local cloud: {n} tokens, {mode}")
                 r = run_lambda_bundle(str(bundle), [prompt], n, verify=False, recompute=mode == "recompute", warm=True)
-                req = r["storage_requests"]
-                usd = (r["billed_gb_s"] * p["price_per_gb_s"] + r["invocations"] * p["price_per_request"]
-                       + (req["functions_put"]) * p["s3_put_price"] + req["functions_get"] * p["s3_get_price"])
+                req, usd = r["storage_requests"], r["billed_usd"]  # Lambda, S3 requests, EXPRESS executions
                 row[mode] = {"billed_gb_s_per_token": r["billed_gb_s"] / n, "invocations_per_token": r["invocations"] / n,
                              "s3_requests_per_token": (req["functions_put"] + req["functions_get"]) / n,
                              "usd_per_token": usd / n, "wall_s": r["wall_s"], "texts": r["texts"]}

@@ -50,6 +50,10 @@ _INTERCEPT = "collective_latency_base_s"
 _INTEGER = ("device_memory_bytes", "host_memory_bytes")
 # optional keys (absent = unknown): host compute on a miss; `moeplan calibrate` measures the first two
 HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s")
+# optional: the dense FP8 tensor-core peak, which engine pricing's roofline gives FP8 weights (a GPU without
+# FP8 tensor cores, or a profile that does not say, computes FP8 weights at flops_per_s)
+PRECISION_FIGURES = ("fp8_flops_per_s",)
+OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,7 @@ class HardwareProfile:
     host_memory_bytes_per_s: float | None = None  # weights read by all cores (a decode row is memory-bound)
     host_flops_per_s: float | None = None         # float32 matmul, all cores
     host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
+    fp8_flops_per_s: float | None = None          # dense FP8 matmul throughput of one rank (engine pricing)
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key
 
     def collective_latency(self, world: int) -> float:
@@ -101,7 +106,7 @@ class HardwareProfile:
         out = asdict(self)
         if out["calibration"] is None:
             out.pop("calibration")
-        for key in HOST_FIGURES:  # optional: written only where known
+        for key in OPTIONAL_FIGURES:  # optional: written only where known
             if out[key] is None:
                 out.pop(key)
         return out
@@ -115,7 +120,7 @@ class HardwareProfile:
                 why = self.sources.get(head, "no source given")
                 raise UserError(f"hardware profile '{self.name}' does not know {key} ({why}), which {purpose} needs; "
                                 f"give --hardware FILE with it set (copy the profile's YAML from "
-                                f"moeplan/planner/hardware_data/ or write one with 'moeplan calibrate --out FILE')")
+                                f"moeplan/core/hardware_data/ or write one with 'moeplan calibrate --out FILE')")
         return self
 
 
@@ -220,7 +225,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise UserError(f"hardware profile '{where}' must be a mapping of keys to values")
     figures = (*COST_FIGURES, *MEMORY_FIGURES, *TIERED)
-    known = {"name", "sources", "calibration", *figures, *HOST_FIGURES}
+    known = {"name", "sources", "calibration", *figures, *OPTIONAL_FIGURES}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UserError(f"hardware profile '{where}' has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}")
@@ -229,7 +234,7 @@ def profile_from_dict(data, where: str) -> HardwareProfile:
         raise UserError(f"hardware profile '{where}' is missing key(s) {missing} (write null for a figure it does not "
                         f"know, with a source saying why)")
     values = {k: _figure(where, k, data[k]) for k in (*COST_FIGURES, *MEMORY_FIGURES)}
-    values.update({k: _figure(where, k, data[k]) for k in HOST_FIGURES if k in data})  # optional keys
+    values.update({k: _figure(where, k, data[k]) for k in OPTIONAL_FIGURES if k in data})  # optional keys
     for k in _INTEGER:
         values[k] = None if values[k] is None else int(values[k])
     base, per_peer = values["collective_latency_base_s"], values["collective_latency_per_peer_s"]

@@ -17,8 +17,10 @@ What each target writes (docs/formats.md has the meanings):
   tiers, timing, hardware, host_resident, policy_model, eamc.
 * `predicted`: torchrun and Kubernetes: gpu_local_fraction, node_local_fraction,
   max_over_mean_load, transitions, cross_gpu_transitions, cross_node_transitions,
-  inter_layer_top1_affinity, cost, expert_cache; sglang and trtllm: max_over_mean_load; lambda:
-  cost_per_request_usd, latency_s, request_cost and the sizing's figures; offload: hit_ratio,
+  inter_layer_top1_affinity, cost, expert_cache; sglang and trtllm: max_over_mean_load, serving (with
+  --hardware / --workload: the engine's TPOT, TTFT, throughput, memory per GPU), warnings; lambda:
+  cost_per_request_usd (per sized batch), latency_s, request_cost, api_call and the sizing's figures;
+  offload: hit_ratio,
   seconds_per_token, belady_gap_points, policies, ...
 * `placement`: placement.json's document (version, policy, layers, topology, num_experts,
   metrics) for torchrun, Kubernetes and the engine targets; lambda: version, policy, layers,
@@ -126,6 +128,7 @@ class Predicted(Section):
     throughput_tokens_per_s: float | None = None
     batch_tokens: int | None = None
     request_cost: dict | None = None          # the request cost model's spec (runtime/lambda_/request_cost.py)
+    api_call: dict | None = None              # its price of the API call named at compile, and the month of them
     dense_partition: dict | None = None
     validation: dict | None = None
     predictor_error: dict | None = None
@@ -142,6 +145,8 @@ class Predicted(Section):
     prefetch: dict | None = None
     resident_at_layer_start: float | None = None
     validation_tokens: int | None = None
+    serving: dict | None = None               # engine targets: the serving prediction (passes/cost/engine/)
+    warnings: list | None = None              # engine targets: what the user should know (one line each)
 
 
 @dataclass(frozen=True, eq=False)

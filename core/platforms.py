@@ -56,17 +56,6 @@ class Platform:
         """vCPU share of a function with this much memory (proportional, capped)."""
         return min(memory_mb / self.mb_per_vcpu, self.max_vcpus)
 
-    def billed_seconds(self, seconds: float) -> float:
-        """Duration as billed: rounded up to the billing granularity."""
-        g = self.billing_granularity_s
-        if g <= 0:
-            return seconds
-        return math.ceil(seconds / g - 1e-9) * g
-
-    def invocation_cost(self, memory_mb: float, seconds: float) -> float:
-        """Dollars for one invocation of `seconds` at `memory_mb` (duration + request fee)."""
-        return self.billed_seconds(seconds) * memory_mb / 1024.0 * self.price_per_gb_s + self.price_per_request
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["memory_options_mb"] = list(self.memory_options_mb)

@@ -157,7 +157,7 @@ def test_kubernetes_bundle_with_reference_weights_mounts_the_checkpoint_and_vali
     directory = tiny.build("qwen3_moe", tmp_path / "models")
     out = tmp_path / "bundle"
     _compile(directory, _trace(tmp_path / "trace.npz", _moe_layers(directory)), out, "--target", "kubernetes",
-             "--weights", "reference")
+             "--weights", "reference", "--cpu-only", "--image", "registry.example/moe:1")
     docs = {p.name: list(yaml.safe_load_all(p.read_text())) for p in sorted((out / "kubernetes").glob("*.yaml"))}
     for name, items in docs.items():
         assert len(items) == 1, name

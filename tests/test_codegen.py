@@ -11,7 +11,8 @@ from runtime_fixtures import small_model_dir
 
 TARGET_FLAGS = {
     "torchrun": ["--nodes", "1", "--gpus-per-node", "2", "--policy", "eplb", "--redundant", "2"],
-    "kubernetes": ["--nodes", "2", "--gpus-per-node", "1", "--policy", "contiguous", "--image", "registry/x:1"],
+    "kubernetes": ["--nodes", "2", "--gpus-per-node", "1", "--policy", "contiguous", "--image", "registry/x:1",
+                   "--cpu-only"],
     "lambda": ["--slo", "60", "--batch-tokens", "512", "--cache-dir", "CACHE"],
 }
 

@@ -100,6 +100,18 @@ def test_sglang_kubernetes_manifests_validate(sglang_out):
     assert stateful["spec"]["replicas"] == 4
     container = stateful["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    # the ConfigMap is what the pods run: mounted at /plan, where the container's command starts launch.sh
+    volumes = {v["name"]: v for v in stateful["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/plan"]]["configMap"]["name"] == config["metadata"]["name"]
+    assert container["command"] == ["bash", "/plan/launch.sh"] and set(config["data"]) == {"launch.sh",
+                                                                                            "init_expert_location.json"}
+    # the README says what the manifests need of the cluster: the version, the claim's access mode, the security stance
+    claim = volumes[mounts["/weights"]]["persistentVolumeClaim"]["claimName"]
+    readme = (out / "README.md").read_text()
+    assert "1.28 or later" in readme and f"PersistentVolumeClaim named `{claim}`" in readme
+    assert "`ReadOnlyMany` or `ReadWriteMany`" in readme and "without a restricting\nsecurityContext" in readme
+    assert "securityContext" not in json.dumps(stateful)  # as the README says
 
 
 def test_trtllm_load_balancer_follows_moe_load_balancer_config_rules(traces, tmp_path):

@@ -188,7 +188,7 @@ def test_kubernetes_bundle_with_reference_weights_and_an_expert_cache_validates(
     directory = tiny.build("dbrx", tmp_path / "models")
     out = tmp_path / "bundle"
     plan = _compile(directory, out, 2, "--target", "kubernetes", "--weights", "reference", "--expert-cache", "3",
-                    "--host-memory", "0")
+                    "--host-memory", "0", "--cpu-only", "--image", "registry.example/moe:1")
     assert plan["communication"]["expert_cache"]["host"]["capacity"] == [0, 0]  # every load reads the checkpoint
     predicted = plan["predicted"]["expert_cache"]
     assert predicted["host_bytes_per_token"] == 0 < predicted["disk_bytes_per_token"]

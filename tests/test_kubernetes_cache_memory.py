@@ -20,6 +20,7 @@ from moeplan.backends.kubernetes.pod_memory import AGENT_MIB, FRONT_OVERHEAD_MIB
 from moeplan.backends.kubernetes.pod_memory import rank_host_bytes
 from moeplan.core.plan import Plan
 
+K8S = ("--cpu-only", "--image", "registry.example/moe:1")  # CPU pods: what this machine runs
 OVERHEADS_MIB = 2 * RANK_OVERHEAD_MIB + AGENT_MIB + FRONT_OVERHEAD_MIB  # 2 ranks on node 0 of the service
 
 
@@ -45,9 +46,9 @@ def _host_bytes(out: Path) -> list:
 def test_cached_pods_request_dense_weights_and_host_tier_not_every_expert(tmp_path):
     directory = tiny.build("mixtral", tmp_path / "models")
     shards = [tmp_path / "none" / "shards" / f"rank-{r:05d}.safetensors" for r in (0, 1)]
-    plain = _compile(directory, tmp_path / "plain", 2, "--target", "kubernetes")
-    none = _compile(directory, tmp_path / "none", 2, "--target", "kubernetes", "--expert-cache", "2", "--host-memory", "0")
-    full = _compile(directory, tmp_path / "full", 2, "--target", "kubernetes", "--expert-cache", "2", "--host-memory", "1GiB")
+    plain = _compile(directory, tmp_path / "plain", 2, "--target", "kubernetes", *K8S)
+    none = _compile(directory, tmp_path / "none", 2, "--target", "kubernetes", "--expert-cache", "2", "--host-memory", "0", *K8S)
+    full = _compile(directory, tmp_path / "full", 2, "--target", "kubernetes", "--expert-cache", "2", "--host-memory", "1GiB", *K8S)
     assert plain["communication"].get("expert_cache") is None
     dense = sum(_tensor_bytes(s, experts=False) for s in shards)
     assert sum(_host_bytes(tmp_path / "none")) == dense

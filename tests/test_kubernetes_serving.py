@@ -20,13 +20,14 @@ import yaml
 from click.testing import CliRunner
 
 from moeplan.backends.kubernetes import pod_memory
-from moeplan.backends.kubernetes.codegen import KUBERNETES_VERSION, SERVE_PORT
+from moeplan.backends.kubernetes.codegen import KUBERNETES_VERSION, METRICS_PATH, MIN_KUBERNETES_VERSION, SERVE_PORT
 from moeplan.passes.analysis.trace.format import save_trace
 from moeplan.planner.commands.compile import compile_cmd
 from runtime_fixtures import SMALL, random_trace, small_model_dir
 from serving_helpers import ServerProcess, raw
 
 MIB = 1 << 20
+CPU = ("--cpu-only", "--image", "registry.example/moe:1")  # CPU pods: their commands run on this machine
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def compile_bundle(model, out: Path, nodes: int, gpus: int, *extra) -> dict:
     directory, trace = model
     result = CliRunner().invoke(compile_cmd, [str(directory), "--trace", str(trace), "--target", "kubernetes", "--nodes",
                                               str(nodes), "--gpus-per-node", str(gpus), "--policy", "contiguous", "--out",
-                                              str(out), "--quiet", *extra])
+                                              str(out), "--quiet", *extra, *(() if "--hardware" in extra else CPU)])
     assert result.exit_code == 0, result.output
     return {p.name: list(yaml.safe_load_all(p.read_text())) for p in sorted((out / "kubernetes").glob("*.yaml"))}
 
@@ -68,10 +69,11 @@ def test_the_service_manifests_validate_strict(two_nodes):
     kinds = []
     for name, items in docs.items():
         assert len(items) == 1, name
-        kubernetes_validate.validate(items[0], KUBERNETES_VERSION, strict=True)
+        for version in (MIN_KUBERNETES_VERSION, KUBERNETES_VERSION):
+            kubernetes_validate.validate(items[0], version, strict=True)
         kinds.append(items[0]["kind"])
-    assert sorted(kinds) == ["ConfigMap", "PersistentVolumeClaim", "PodDisruptionBudget", "Service", "Service",
-                             "StatefulSet", "StatefulSet"]
+    # --weights-from image (the default): no claim, and no ConfigMap (the bundle in the image holds the plan)
+    assert sorted(kinds) == ["PodDisruptionBudget", "Service", "Service", "StatefulSet", "StatefulSet"]
     assert "job.yaml" not in docs
 
 
@@ -93,6 +95,7 @@ def test_probes_ask_health_on_the_port_rank_0_serves(two_nodes):
     assert live["periodSeconds"] * live["failureThreshold"] > 30
     worker = one(docs, "StatefulSet", "worker")["spec"]["template"]["spec"]["containers"][0]
     assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe"} & set(worker)  # workers serve no HTTP
+    assert "prometheus.io/scrape" not in one(docs, "StatefulSet", "worker")["spec"]["template"]["metadata"]["annotations"]
     assert worker["args"] == args
 
 
@@ -172,37 +175,57 @@ def test_pod_memory_covers_each_ranks_weights_twice_over_and_the_measured_overhe
     assert pod_memory.AGENT_MIB >= measured["agent"]
 
 
-def test_the_image_installs_exactly_the_bundles_pinned_requirements(two_nodes):
+def _instructions(dockerfile: Path) -> dict:
+    """{instruction: [its arguments, in order]} of a Dockerfile (no line continuations in ours)."""
+    by_kind = {}
+    for line in dockerfile.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            kind, rest = line.split(None, 1)
+            by_kind.setdefault(kind, []).append(rest)
+    return by_kind
+
+
+def _hadolint(dockerfile: Path) -> None:
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    lint = subprocess.run([hadolint, "--no-color", str(dockerfile)], capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_the_image_installs_exactly_the_bundles_pinned_requirements(two_nodes, model, tmp_path):
     out, _ = two_nodes
     pins = (out / "requirements.txt").read_text()
-    assert (out / "kubernetes" / "requirements.txt").read_text() == pins  # the build context's copy
     import torch
 
     lines = pins.split()
     assert f"torch=={torch.__version__.split('+')[0]}" in lines and all("==" in line for line in lines)
-    instructions = [l.split(None, 1) for l in (out / "kubernetes" / "Dockerfile").read_text().splitlines()
-                    if l.strip() and not l.startswith("#")]
-    by_kind = {}
-    for kind, rest in instructions:
-        by_kind.setdefault(kind, []).append(rest)
+    # --weights-from image: the build context is the bundle, so it copies the bundle's own requirements.txt
+    by_kind = _instructions(out / "kubernetes" / "Dockerfile")
     assert by_kind["FROM"] == ["python:3.11-slim-bookworm"] and "torch" not in by_kind["FROM"][0]
-    (copied,) = by_kind["COPY"]
-    source, target = copied.split()
-    assert source == "requirements.txt"
+    assert by_kind["COPY"] == ["requirements.txt /opt/moeplan/requirements.txt", ". /bundle"]
     installs = [r for r in by_kind["RUN"] if "pip" in r]
-    assert installs == [f"pip install --no-cache-dir -r {target}"]  # that file, and nothing else
-    files = json.loads((out / "manifest.json").read_text())["files"]
-    assert "kubernetes/requirements.txt" in files and "kubernetes/Dockerfile" in files
-    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
-    lint = subprocess.run([hadolint, "--no-color", str(out / "kubernetes" / "Dockerfile")], capture_output=True, text=True)
-    assert lint.returncode == 0, lint.stdout + lint.stderr
+    # that file, and nothing else; --cpu-only pods take torch's CPU wheel of the same version
+    assert installs == ["pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu "
+                        "-r /opt/moeplan/requirements.txt"]
+    assert by_kind["USER"] == ["10001:10001"] and not (out / "kubernetes" / "requirements.txt").exists()
+    assert "kubernetes/Dockerfile" in json.loads((out / "manifest.json").read_text())["files"]
+    _hadolint(out / "kubernetes" / "Dockerfile")
+    # a GPU image fetching its weights: kubernetes/ is the context, with a copy of the pins; torch from PyPI (CUDA)
+    gpu = tmp_path / "gpu"
+    compile_bundle(model, gpu, 1, 1, "--hardware", "h100-sxm", "--image", "registry.example/moe:1",
+                   "--weights-from", "https://models.example/b.tar")
+    assert (gpu / "kubernetes" / "requirements.txt").read_text() == pins
+    by_kind = _instructions(gpu / "kubernetes" / "Dockerfile")
+    assert by_kind["COPY"] == ["requirements.txt /opt/moeplan/requirements.txt"]  # no weights in this image
+    assert [r for r in by_kind["RUN"] if "pip" in r] == ["pip install --no-cache-dir -r /opt/moeplan/requirements.txt"]
+    assert "kubernetes/requirements.txt" in json.loads((gpu / "manifest.json").read_text())["files"]
+    _hadolint(gpu / "kubernetes" / "Dockerfile")
 
 
 def test_the_readme_instructions_name_the_real_objects(two_nodes):
     out, docs = two_nodes
     readme = (out / "kubernetes" / "README.md").read_text()
     rows = re.findall(r"^\| `([^`]+)` \| (.+?) `([^`]+)`.* \|", readme, flags=re.M)
-    kinds = {"ConfigMap": "ConfigMap", "PersistentVolumeClaim": "PersistentVolumeClaim", "headless Service": "Service",
+    kinds = {"PersistentVolumeClaim": "PersistentVolumeClaim", "headless Service": "Service",
              "ClusterIP Service": "Service", "StatefulSet": "StatefulSet", "PodDisruptionBudget": "PodDisruptionBudget"}
     assert {f for f, _, _ in rows} == set(docs)  # every manifest, and only those, is listed
     for file, kind, name in rows:
@@ -217,11 +240,11 @@ def test_the_readme_instructions_name_the_real_objects(two_nodes):
     env = {e["name"]: e for e in head["spec"]["template"]["spec"]["containers"][0]["env"]}
     secret = env["MOEPLAN_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert f"kubectl create secret generic {secret['name']} --from-literal={secret['key']}=KEY" in readme
-    claim = next(v for v in head["spec"]["template"]["spec"]["volumes"] if v["name"] == "bundle")
-    assert f'"claimName":"{claim["persistentVolumeClaim"]["claimName"]}"' in readme
-    # `docker build ... kubernetes/`: that folder holds the Dockerfile and every file it copies
-    assert "docker build -t <registry>/moeplan-torchrun kubernetes/" in readme
-    assert {"Dockerfile", "requirements.txt"} <= {p.name for p in (out / "kubernetes").iterdir()}
+    # the image the manifests name is the one the README builds and pushes; no step edits a file
+    image = head["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert f"docker build -f kubernetes/Dockerfile -t {image} .\ndocker push {image}\n" in readme
+    assert "edit" not in readme.lower().replace("never edited", "").replace("is ever edited", "")
+    assert "Kubernetes 1.28 or later" in readme
     # the memory figures it states are the pods'
     stated = [int(m) for m in re.search(r"([0-9 /]+) MiB for nodes", readme).group(1).split("/")]
     memory = lambda role: int(one(docs, "StatefulSet", role)["spec"]["template"]["spec"]["containers"][0]["resources"]
@@ -231,12 +254,13 @@ def test_the_readme_instructions_name_the_real_objects(two_nodes):
 
 def test_the_batch_job_flag_gives_the_indexed_job_and_is_recorded(model, tmp_path):
     docs = compile_bundle(model, tmp_path / "job", 2, 2, "--batch-job")
-    assert set(docs) == {"configmap.yaml", "pvc.yaml", "service.yaml", "job.yaml"}
+    assert set(docs) == {"service.yaml", "job.yaml"}
     job = docs["job.yaml"][0]
     assert job["kind"] == "Job" and job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 2
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert "--serve" not in container["args"] and "--prompts" in container["args"]
-    assert "prompts.txt" in docs["configmap.yaml"][0]["data"]
+    assert {"name": "prompts", "configMap": {"name": f"{job['metadata']['name']}-prompts"}} in \
+        job["spec"]["template"]["spec"]["volumes"]
     assert json.loads((tmp_path / "job" / "plan.json").read_text())["deployment"]["batch_job"] is True
     from moeplan.planner.cli import main  # the recorded choice: plan.json alone writes the same Job
 
@@ -244,14 +268,14 @@ def test_the_batch_job_flag_gives_the_indexed_job_and_is_recorded(model, tmp_pat
     assert result.exit_code == 0, result.output
     files = lambda root: {p.name: p.read_bytes() for p in sorted((root / "kubernetes").iterdir())}
     assert files(tmp_path / "again") == files(tmp_path / "job")
-    served = compile_bundle(model, tmp_path / "svc", 1, 1)
+    compile_bundle(model, tmp_path / "svc", 1, 1)
     assert "batch_job" not in json.loads((tmp_path / "svc" / "plan.json").read_text())["deployment"]
-    assert "prompts.txt" not in served["configmap.yaml"][0]["data"]
 
 
 def test_the_head_pods_command_serves_health_on_the_probed_port_and_drains(model, tmp_path):
     """The head container's command and args, run here (1 node x 1 rank): GET the startup probe's
-    path on its port once the service is up, then SIGTERM (what the kubelet sends) exits 0."""
+    path on its port once the service is up and the path the Prometheus annotations name, then
+    SIGTERM (what the kubelet sends) exits 0."""
     out = tmp_path / "b"
     docs = compile_bundle(model, out, 1, 1)
     container = docs["statefulset.yaml"][0]["spec"]["template"]["spec"]["containers"][0]
@@ -272,6 +296,12 @@ def test_the_head_pods_command_serves_health_on_the_probed_port_and_drains(model
         assert probe["port"] == "http" and server.host_port[1] == http
         status, _, _ = raw(server, "GET", probe["path"])
         assert status == 200
+        # Prometheus finds /metrics where the pod's scrape annotations say: the served port, no API key needed
+        scrape = docs["statefulset.yaml"][0]["spec"]["template"]["metadata"]["annotations"]
+        assert scrape["prometheus.io/scrape"] == "true" and scrape["prometheus.io/path"] == METRICS_PATH
+        assert int(scrape["prometheus.io/port"]) == next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+        status, headers, body = raw(server, "GET", scrape["prometheus.io/path"])
+        assert status == 200 and headers["content-type"].startswith("text/plain") and "# TYPE moeplan_" in body
         server.signal(signal.SIGTERM)
         assert server.wait(60) == 0, server.output()
     finally:

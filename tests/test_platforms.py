@@ -16,14 +16,6 @@ def test_defaults_are_the_documented_lambda_values():
     assert p.max_replicas == 8
 
 
-def test_billing_rounds_up_to_the_millisecond_and_prices_gb_seconds():
-    p = load_platform()
-    assert p.billed_seconds(0.1231) == pytest.approx(0.124)
-    assert p.billed_seconds(0.124) == pytest.approx(0.124)
-    cost = p.invocation_cost(1024, 0.5)
-    assert cost == pytest.approx(0.5 * 1.0 * 0.0000166667 + 0.0000002)
-
-
 def test_yaml_overrides_only_the_given_keys(tmp_path):
     f = tmp_path / "mine.yaml"
     f.write_text("memory_options_mb: [512, 256, 1024]\nmax_replicas: 4\n")

@@ -52,12 +52,13 @@ def plans(tmp_path_factory):
     ok(["plan", TINY, "--trace", t, "--target", "torchrun", "--nodes", 1, "--gpus-per-node", 2, "--effort", 0.2,
         "--quiet", "--out", tmp / "torchrun.json"])
     ok(["compile", TINY, "--trace", t, "--target", "kubernetes", "--nodes", 2, "--gpus-per-node", 1, "--policy", "eplb",
-        "--redundant", 2, "--quiet", "--report", "--out", tmp / "k8s"])
+        "--redundant", 2, "--cpu-only", "--image", "registry.example/moe:1", "--quiet", "--report",
+        "--out", tmp / "k8s"])
     ok(["plan", TINY, "--trace", t, "--target", "lambda", "--slo", 5, "--cache-dir", tmp / "cache", "--out", tmp / "lambda.json"])
     ok(["plan", TINY, "--trace", t, "--target", "offload", "--expert-cache", 12, "--out", tmp / "offload.json"])
-    for engine in ("sglang", "trtllm"):
+    for engine, serving in (("sglang", ["--hardware", "h100-sxm", "--workload", "16x256+16"]), ("trtllm", [])):
         ok(["compile", MIXTRAL, "--trace", tmp / "mix.npz", "--target", engine, "--nodes", 1, "--gpus-per-node", 4,
-            "--redundant", 4, "--report", "--quiet", "--out", tmp / engine])
+            "--redundant", 4, *serving, "--report", "--quiet", "--out", tmp / engine])
     out = {"kubernetes": (tmp / "k8s" / "plan.json", tmp / "k8s" / "report.html")}
     for engine in ("sglang", "trtllm"):
         out[engine] = (tmp / engine / "plan.json", tmp / engine / "report.html")
@@ -231,8 +232,8 @@ def test_diff_fail_on_exit_codes_for_each_figure(plans, tmp_path):
         (tr, f"predicted.cost.modes.{mode}.total_bytes_per_token", 0.5, "bytes_per_token<-40%", "bytes_per_token>+0%"),
         (tr, "predicted.max_over_mean_load", 1.1, "max_over_mean_load>+0.05", "max_over_mean_load>+0.2"),
         (tr, "predicted.gpu_local_fraction", 0.5, "gpu_local_fraction<-0.1", "gpu_local_fraction>+0%"),
-        (plans["pages"]["lambda"][0], "predicted.cost_per_request_usd", 1.000001, "cost>+0%", "cost<-0%"),
-        (plans["pages"]["lambda"][0], "predicted.latency_s", 1.5, "latency>+20%", "latency>+60%"),
+        (plans["pages"]["lambda"][0], "predicted.api_call.usd.total", 1.000001, "cost>+0%", "cost<-0%"),
+        (plans["pages"]["lambda"][0], "predicted.api_call.latency_s", 1.5, "latency>+20%", "latency>+60%"),
         (plans["pages"]["offload"][0], "predicted.hit_ratio", 0.5, "hit_ratio<-0.01", "hit_ratio>+0%"),
         (plans["pages"]["sglang"][0], "predicted.max_over_mean_load", 1.03, "max_over_mean_load>+2%", "max_over_mean_load>=+4%"),
     ]

@@ -113,15 +113,17 @@ def test_qwen3_moe_example_runs_text_through_its_tokenizer_via_the_cli(tmp_path)
     assert "byte" not in result.output  # read through tokenizer.json
     bundle = tmp_path / "bundle"
     result = runner.invoke(main, ["compile", str(example), "--trace", str(trace), "--target", "kubernetes", "--nodes", "1",
-                                  "--gpus-per-node", "2", "--time-limit", "5", "--out", str(bundle), "--quiet"])
+                                  "--gpus-per-node", "2", "--time-limit", "5", "--cpu-only", "--image", "registry.example/moe:1",
+                                  "--out", str(bundle), "--quiet"])
     assert result.exit_code == 0, result.output
     plan = json.loads((bundle / "plan.json").read_text())
     assert plan["model"]["architecture"] == "transformers"
     assert plan["model"]["library"]["transformers"] == transformers.__version__
     assert (bundle / "model" / "tokenizer.json").read_bytes() == (example / "tokenizer.json").read_bytes()
     # the image installs exactly the bundle's requirements, which pin the library the plan was compiled with
-    assert f"transformers=={transformers.__version__}" in (bundle / "kubernetes" / "requirements.txt").read_text()
-    assert "pip install --no-cache-dir -r /opt/moeplan/requirements.txt" in (bundle / "kubernetes" / "Dockerfile").read_text()
+    assert f"transformers=={transformers.__version__}" in (bundle / "requirements.txt").read_text()
+    dockerfile = (bundle / "kubernetes" / "Dockerfile").read_text()  # its build context is the bundle (--weights-from image)
+    assert "COPY requirements.txt /opt/moeplan/requirements.txt" in dockerfile and "-r /opt/moeplan/requirements.txt" in dockerfile
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The module\nids: 5 6 7 8\n")
     result = runner.invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "4", "--mode", "both",

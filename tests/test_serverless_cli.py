@@ -144,5 +144,53 @@ def test_a_plan_slower_than_the_http_entry_waits_is_refused_in_one_line(setup):
                             "--out", str(tmp / "slow.json"), "--quiet"])
     assert code == 2 and out.count("\n") == 1 and "30 s" in out and "function-url" in out, out
     assert not (tmp / "slow.json").exists()
-    code, out = run(base + ["--slo", "600", "--platform", str(slow), "--out", str(tmp / "slow.json")])
+    code, out = run(base + ["--slo", "600", "--platform", str(slow), "--out", str(tmp / "slow.json"),
+                            "--prompt-tokens", "1", "--new-tokens", "1"])
     assert code == 0, out  # the Function URL entry waits for the EXPRESS execution's 5 minutes
+
+
+def test_the_plan_prices_the_api_call_the_user_names_as_simulate_does(setup):
+    """--prompt-tokens / --new-tokens name the API call whose cost the plan states with every charge
+    (Lambda duration and requests, S3 requests, the EXPRESS execution), the same figure `simulate`
+    prices for that call; without them the call is 32 prompt + 8 new tokens."""
+    tmp, base = setup
+    code, out = run(base + ["--slo", "30", "--prompt-tokens", "5", "--new-tokens", "3", "--requests-per-second", "0.5",
+                            "--out", str(tmp / "call.json"), "--json"])
+    assert code == 0, out
+    summary = json.loads(out.strip().splitlines()[-1])
+    call = json.loads((tmp / "call.json").read_text())["predicted"]["api_call"]
+    assert summary["api_call"] == call and (call["prompt_tokens"], call["new_tokens"]) == (5, 3)
+    code, sim = run(["simulate", str(tmp / "call.json"), "--prompt-tokens", "5", "--new-tokens", "3", "--json"])
+    sim = json.loads(sim.strip().splitlines()[-1])
+    assert call["usd"]["total"] == pytest.approx(sim["predicted_cost_usd"], rel=1e-7)
+    assert call["usd"] == pytest.approx(sim["detail"]["usd"], rel=1e-7) and call["usd"]["s3_requests"] > 0
+    assert call["monthly_usd"] == pytest.approx(call["usd"]["total"] * 0.5 * 2_592_000, rel=1e-7)
+    # the batch the sizing minimises is not an API call, and is named as a batch
+    assert summary["cost_per_batch_usd"] == json.loads((tmp / "call.json").read_text())["predicted"]["cost_per_request_usd"]
+    code, out = run(base + ["--slo", "30", "--out", str(tmp / "default_call.json")])
+    assert code == 0, out
+    default = json.loads((tmp / "default_call.json").read_text())["predicted"]["api_call"]
+    assert (default["prompt_tokens"], default["new_tokens"]) == (32, 8)
+    assert f"predicted ${default['usd']['total']:.8f} per API call of 32 prompt + 8 new tokens" in out
+    assert "sized for batches of 1000 tokens" in out
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--prompt-tokens", "0"], "--prompt-tokens and --new-tokens name the API call"),
+    (["--new-tokens", "0"], "--new-tokens"),
+])
+def test_a_bad_api_call_is_one_line_exit_2(setup, extra, words):
+    tmp, base = setup
+    code, out = run(base + ["--slo", "30", "--out", str(tmp / "never.json"), "--quiet"] + extra)
+    assert code == 2 and out.count("\n") == 1 and words in out, out
+    assert not (tmp / "never.json").exists()
+
+
+def test_an_api_call_longer_than_the_http_entry_waits_is_refused_in_one_line(setup):
+    tmp, base = setup
+    slow = tmp / "slower_start.yaml"
+    slow.write_text("warm_start_s: 1\n")
+    code, out = run(base + ["--slo", "600", "--platform", str(slow), "--http-entry", "http-api", "--new-tokens", "200",
+                            "--out", str(tmp / "long_call.json"), "--quiet"])
+    assert code == 2 and out.count("\n") == 1 and "200 new tokens" in out and "--new-tokens" in out, out
+    assert not (tmp / "long_call.json").exists()

@@ -55,7 +55,8 @@ def _cli_value(flag):
               "prefetch": "none", "weights": "reference", "size_for": "max", "methods": "s3", "gpu_memory": "1GiB",
               "host_memory": "1GiB", "hardware": "cpu-gloo", "workload": "1x1+1", "image": "x", "storage_class": "x",
               "platform": "p.yaml", "bo_storage": "sqlite:///x.db", "cache_dir": "cache", "sign_key": "k.pem",
-              "validation_fraction": "0.5", "http_entry": "http-api"}
+              "validation_fraction": "0.5", "http_entry": "http-api", "weights_from": "volume",
+              "node_selector": "pool=gpu", "tolerations": "gpu:NoSchedule", "image_pull_secrets": "regcred"}
     choices = getattr(flag.type, "choices", None)  # a choice flag added later needs no entry above
     return [sample.get(flag.name, str(choices[0]) if choices else "3")]
 

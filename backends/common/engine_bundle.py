@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 from moeplan.core.expert_slots import placement_slots
-from moeplan.backends.common.files import write_file
-from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.files import finish_bundle, write_file
 from moeplan.core.atomic import atomic_path
 from moeplan.core.pass_manager import Pass
 
@@ -40,7 +39,7 @@ def write_engine_bundle(out, plan, write_files) -> dict:
         tmp.mkdir(parents=True)
         write_files(tmp, plan, slots)
         write_plan_files(tmp, plan)
-        return write_manifest(tmp)
+        return finish_bundle(tmp)
 
 
 def write_plan_files(out: Path, plan) -> None:

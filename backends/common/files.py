@@ -1,4 +1,4 @@
-"""Writing bundle files: fixed permissions (bytes must not depend on the umask) and the runtime copy.
+"""Writing bundle files: fixed permissions (modes, like bytes, must not depend on the umask) and the runtime copy.
 
 Runtime code reaches bundles by one mechanism: the modules of `runtime/` (the package
 `moeplan.runtime`) are copied verbatim (they use relative imports only, so the same files run as
@@ -34,6 +34,27 @@ def write_file(path: Path, data, executable: bool = False) -> None:
     else:
         path.write_text(data)
     os.chmod(path, 0o755 if executable else 0o644)
+
+
+def fixed_modes(root: Path) -> None:
+    """Directories 0755, files 0644 (0755 where executable), whatever the umask compile ran under and
+    mkdtemp's 0700 for the bundle's own directory: a bundle is built into images, copied to volumes and
+    run by other users (the Kubernetes pods' user, a shared filesystem's ranks), and its modes, like its
+    bytes, depend only on the inputs."""
+    for path in [root, *root.rglob("*")]:
+        if path.is_dir():
+            os.chmod(path, 0o755)
+        else:
+            os.chmod(path, 0o755 if path.stat().st_mode & 0o100 else 0o644)
+
+
+def finish_bundle(root: Path) -> dict:
+    """The last step of every bundle writer: the manifest, then the fixed modes; returns the manifest."""
+    from moeplan.backends.common.manifest import write_manifest
+
+    manifest = write_manifest(root)
+    fixed_modes(root)
+    return manifest
 
 
 def runtime_modules(kind: str, expert_cache: bool = False) -> list:

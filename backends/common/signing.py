@@ -10,6 +10,7 @@ manifest.json -sigfile manifest.sig` checks it without moeplan. Uses the `crypto
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from moeplan.backends.common.manifest import MANIFEST, SIGNATURE
@@ -71,6 +72,7 @@ def sign_bundle(root, private_key) -> Path:
     signature = private_key.sign((root / MANIFEST).read_bytes())
     path = root / SIGNATURE
     path.write_bytes(signature)
+    os.chmod(path, 0o644)  # as every bundle file (files.py: fixed_modes)
     return path
 
 

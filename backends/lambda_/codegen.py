@@ -29,9 +29,9 @@ from moeplan.backends.common.templating import template_env, to_yaml
 from moeplan.backends.lambda_.statemachine import definition
 from moeplan.backends.lambda_ import front
 from moeplan.backends.lambda_ import layout as lay
+from moeplan.runtime.lambda_.charges import CHARGE_LABELS
 from moeplan.runtime.model.moe_adapter import split_expert_state
-from moeplan.backends.common.files import copy_runtime, write_file
-from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.files import copy_runtime, finish_bundle, write_file
 from moeplan.backends.common import model_source
 from moeplan.backends.common.model_source import bundle_model, needs_weights
 from moeplan.backends.common.shards import state_dict_sha256, write_shard
@@ -41,7 +41,6 @@ from moeplan.core.pass_manager import Pass
 
 KINDS = ("dense", "expert")
 TIMEOUT_S = 900
-SECONDS_PER_MONTH = 30 * 24 * 3600
 
 
 def dense_id(k: int) -> str:
@@ -130,6 +129,15 @@ def expert_intermediates(layer: int, replica_tag: str, method: str) -> dict:
             "writes": [f"intermediates/*/layer-{layer:03d}/{replica_tag}.out"]}
 
 
+def charge_rows(call: dict) -> list:
+    """(what, dollars) per charge of the priced API call, for the README's table (charges of $0 left out)."""
+    what = {"lambda_duration": f"{call['lambda_gb_s']:.3f} GB-s: the front function waiting, every dense and expert invocation",
+            "lambda_requests": f"{call['lambda_invocations']:.1f} invocations",
+            "s3_requests": f"{call['s3_puts']:.1f} PUTs, {call['s3_gets']:.1f} GETs: states, expert rows, K/V",
+            "express": f"{call['executions']} EXPRESS execution", "http": "one HTTP API request"}
+    return [(f"{label} ({what[key]})", call["usd"][key]) for key, label in CHARGE_LABELS.items() if call["usd"].get(key)]
+
+
 def kv_budget_bytes(memory_mb: int, runtime_mb: float, weight_bytes: int) -> int:
     """Memory a dense function may give to the K/V it keeps between invocations: half of what
     the runtime and its weights leave (the other half is the step's activations)."""
@@ -186,7 +194,7 @@ def write_bundle(out, plan, state: dict, model_files: dict) -> dict:
                         "give the plan's model with --model or plan again")
     with atomic_path(Path(out), kind="bundle") as tmp:
         write_files(tmp, plan, state, model_files["files"])
-        return write_manifest(tmp)
+        return finish_bundle(tmp)
 
 
 def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
@@ -201,7 +209,6 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     write_file(out / "plan.json", plan.to_json())
     segment_of = pl.placement.unit_segments
     payload_limit = int(pl.deployment["payload_limit_bytes"])
-    requests_per_second = float(pl.deployment["requests_per_second"])
     for rel, content in sorted(model_files.items()):
         write_file(out / rel, content)
     layers = pl.placement.layers
@@ -273,6 +280,14 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
                         "per response; regenerate it with this moeplan ('moeplan plan')")
     write_file(out / "functions" / "request_cost.json", json.dumps(rounded, indent=1, sort_keys=True) + "\n")
     entry = front.entry(pl, model_files)
+    call = pl.predicted.api_call
+    if call is None:
+        raise UserError("the plan prices no API call (predicted.api_call), which the README states; regenerate it with "
+                        "this moeplan ('moeplan plan')")
+    if call["prompt_tokens"] + call["new_tokens"] > entry["max_context"]:
+        raise UserError(f"the API call the plan prices ({call['prompt_tokens']} prompt + {call['new_tokens']} new tokens) "
+                        f"is longer than the {entry['max_context']} tokens this deployment's front accepts; plan again "
+                        "with smaller --prompt-tokens / --new-tokens")
     write_file(out / "functions" / "front.json", json.dumps(front.settings(pl, entry), indent=1, sort_keys=True) + "\n")
     env = template_env("lambda")
     for kind in KINDS:
@@ -280,7 +295,7 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
     write_file(out / "functions" / "front" / "Dockerfile", env.get_template("Dockerfile.front.j2").render())
     predicted = pl.predicted
     moe_cost = float(predicted.moe_cost_per_batch_usd if predicted.moe_cost_per_batch_usd is not None else 0.0)
-    per_request = moe_cost + float(predicted.dense_partition["cost_per_request_usd"])
+    per_batch = moe_cost + float(predicted.dense_partition["cost_per_request_usd"])
     ctx = {
         "model_name_json": to_yaml(str(pl.model["name"])), "description": "moeplan Lambda deployment of " + safe_text(str(pl.model["name"])),
         "functions": [dict(f, spec_json=json.dumps(f["spec"], sort_keys=True, separators=(",", ":")),
@@ -288,9 +303,9 @@ def write_files(out: Path, plan, state: dict, model_files: dict) -> None:
         "definition": machine, "timeout": TIMEOUT_S,
         "substitutions": {f["id"]: {"Fn::GetAtt": [f["id"], "Arn"]} for f in functions},
         "layers": layers, "slices": slices, "batch_tokens": int(pl.communication.batch_tokens),
-        "cost_per_request": per_request, "moe_cost": moe_cost,
+        "cost_per_batch": per_batch, "moe_cost": moe_cost,
         "dense_cost": float(predicted.dense_partition["cost_per_request_usd"]),
-        "rps": requests_per_second, "monthly": per_request * requests_per_second * SECONDS_PER_MONTH,
+        "call": call, "charges": charge_rows(call),
         "num_dense": len(slices), "num_experts": sum(1 for f in functions if f["kind"] == "expert"),
         "front": entry,
     }

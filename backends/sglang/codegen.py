@@ -45,7 +45,7 @@ def expert_location_json(rows: list) -> str:
 def _kubernetes_context(plan, ctx: dict, files: dict, image: str) -> dict:
     name = slug(str(plan.model["name"]))
     names = {"configmap": f"{name}-placement", "headless": f"{name}-nodes", "http": f"{name}-http",
-             "statefulset": name, "weights": f"{name}-weights"}
+             "statefulset": name, "weights": ctx["weights_claim"]}
     selector = {"moeplan.io/deployment": name}
     labels = {"app.kubernetes.io/managed-by": "moeplan", "app.kubernetes.io/name": name}
     gpn = ctx["gpus_per_node"]
@@ -66,7 +66,9 @@ def write_files(out: Path, plan, slots: list) -> None:
     """The SGLang files of `plan` into `out`, from its [MoE layers][slots] lists."""
     kubernetes = bool(plan.deployment.get("kubernetes"))
     env = template_env("sglang")
-    ctx = {**engine_context(plan, slots), "sglang_version": SGLANG_VERSION, "kubernetes": kubernetes}
+    image = plan.deployment.get("image") or DEFAULT_IMAGE
+    ctx = {**engine_context(plan, slots), "sglang_version": SGLANG_VERSION, "kubernetes": kubernetes, "image": image,
+           "weights_claim": f"{slug(str(plan.model['name']))}-weights"}
     files = {
         "init_expert_location.json": expert_location_json(physical_to_logical_map(plan, slots)),
         "launch.sh": env.get_template("launch.sh.j2").render(**ctx),
@@ -75,6 +77,6 @@ def write_files(out: Path, plan, slots: list) -> None:
     write_file(out / "launch.sh", files["launch.sh"], executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))
     if kubernetes:
-        kctx = _kubernetes_context(plan, ctx, files, plan.deployment.get("image") or DEFAULT_IMAGE)
+        kctx = _kubernetes_context(plan, ctx, files, image)
         for name in KUBERNETES_FILES:
             write_file(out / "kubernetes" / name, env.get_template(f"{name}.j2").render(**kctx))

@@ -27,8 +27,7 @@ from pathlib import Path
 from moeplan.backends.common.templating import template_env
 from moeplan.backends.common.model_source import expert_containers, needs_weights, requirements
 from moeplan.runtime.model.moe_adapter import expert_owner
-from moeplan.backends.common.files import copy_runtime, write_file
-from moeplan.backends.common.manifest import write_manifest
+from moeplan.backends.common.files import copy_runtime, finish_bundle, write_file
 from moeplan.backends.common.shards import entries_sha256, holders, shard_name, write_rank_shards, write_reference_indexes
 from moeplan.backends.common.tensor_entries import entries_from_state
 from moeplan.core.atomic import atomic_path
@@ -74,7 +73,7 @@ def write_bundle(out, plan, weights, model_files: dict, checkpoint: dict | None 
     plan = bundle_plan(plan, model_files, checkpoint)
     with atomic_path(Path(out), kind="bundle") as tmp:
         write_files(tmp, plan, weights, model_files["files"])
-        return write_manifest(tmp)
+        return finish_bundle(tmp)
 
 
 def write_files(out: Path, plan, weights, model_files: dict):

@@ -39,12 +39,18 @@ def cost_profile(cost_options: dict, nodes: int):
     return given
 
 
-def parse_workload(text: str) -> Workload:
-    """'RxP+G': R requests of P prompt tokens, G generated tokens each."""
-    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*\+\s*(\d+)\s*", text or "")
+def workload_figures(text: str) -> tuple:
+    """'RxP+G' -> (R, P, G): R requests of P prompt tokens, G generated tokens each (every target's
+    `--workload`); a one-line UserError otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*\+\s*(\d+)\s*", text if isinstance(text, str) else "")
     if not m or min(int(g) for g in m.groups()) < 1:
         raise UserError(f"--workload must look like REQUESTSxPROMPT+NEW (e.g. {DEFAULT_WORKLOAD}), all at least 1; got {text!r}")
-    r, p, g = (int(x) for x in m.groups())
+    return tuple(int(x) for x in m.groups())
+
+
+def parse_workload(text: str) -> Workload:
+    """'RxP+G' as the torchrun cost model's Workload (R prompts of P tokens, G generated tokens each)."""
+    r, p, g = workload_figures(text)
     return Workload(prompt_lengths=(p,) * r, new_tokens=g)
 
 

@@ -15,7 +15,12 @@ for per-token traces; its affinity term then only chooses among layouts within i
 
 Facts read from the command: `model_spec`, `trace_path`, `topology`, `placement_options` (with
 `policy` / `expert_groups` None when not given on the command line), `target` {"name",
-"kubernetes", "image"}, `out`.
+"kubernetes", "image"}, `out`; the plan also takes the serving pass's `serving` (plan.json
+`predicted.serving`, `passes/cost/engine/serving_pass.py`).
+
+A placement whose max/mean rank load is over `IMBALANCE_WARNING` with no redundant slot gets a warning
+(one line on stderr and in plan.json `predicted.warnings`) naming `--redundant`: the engine's busiest
+rank sets every MoE layer's pace, and replicas of the hot experts are what brings it down.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ OBJECTIVE = ("balance under standard expert parallelism (tokens combine at their
              "max over mean rank load per MoE layer, replicas splitting their expert's tokens evenly")
 LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 SOLVE_METRICS = ("solve_seconds",)
+IMBALANCE_WARNING = 1.5  # max/mean rank load above which a plan with no redundant slot warns
 
 
 def read_config(model_spec: str) -> dict:
@@ -113,6 +119,15 @@ def _placement(facts):
     return {"placement": plan_placement(with_model_experts(facts["trace"], engine_model["num_experts"]), request)}
 
 
+def imbalance_warning(max_over_mean: float, redundant: int, ep_size: int) -> str | None:
+    """The warning of a placement that leaves its busiest rank far above the mean with no replicas."""
+    if redundant or max_over_mean <= IMBALANCE_WARNING:
+        return None
+    return (f"warning: the busiest EP rank gets {max_over_mean:.2f}x the mean rank load (mean over MoE layers) with 0 "
+            f"redundant slots, and it sets every MoE layer's pace; give --redundant {ep_size} (one replica slot per rank) "
+            f"or more so the hot experts get replicas")
+
+
 def _plan(facts):
     from moeplan.core.expert_slots import placement_slots
 
@@ -128,13 +143,20 @@ def _plan(facts):
         raise UserError(f"the {options['policy']} placement cannot be written as {target['name']}'s slot lists ({exc}); "
                         f"use --policy eplb") from None
     ep_size = placement.topology.devices
+    predicted = {"max_over_mean_load": doc["metrics"]["max_over_mean_load"]}
+    if facts["serving"] is not None:
+        predicted["serving"] = facts["serving"]
+    warning = imbalance_warning(doc["metrics"]["max_over_mean_load"], redundant, ep_size)
+    if warning is not None:
+        predicted["warnings"] = [warning]
+        facts["progress"](warning)
     plan = Plan(
         target=target["name"], model={k: v for k, v in engine_model.items() if k != "expert_groups"},
         topology={"nodes": placement.topology.nodes, "gpus_per_node": placement.topology.gpus_per_node},
         placement=doc,
         communication={"mode": "standard", "engine": target["name"], "ep_size": ep_size, "redundant": redundant,
                        "slots_per_rank": (engine_model["num_experts"] + redundant) // ep_size, "objective": OBJECTIVE},
-        predicted={"max_over_mean_load": doc["metrics"]["max_over_mean_load"]},
+        predicted=predicted,
         inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
                 "trace_loads_only": trace.loads_only, "options": options},
         deployment={k: v for k, v in target.items() if k != "name"},
@@ -145,5 +167,6 @@ def _plan(facts):
 LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
                  _placement, check=trace_matches_model, ensures=placement_is_valid)
-PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target"),
+PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target",
+                    "serving", "progress"),
             ("plan",), _plan, ensures=plan_reads_back)

@@ -179,6 +179,7 @@ def lambda_figures(plan_path: Path) -> dict:
     stage of one batch (dense functions, MoE layers) its latency and billed cost."""
     from moeplan.passes.optimize.serverless import billing as sc
     from moeplan.passes.optimize.serverless.sizing import layer_cost_latency
+    from moeplan.runtime.lambda_.charges import invocation_usd
     from moeplan.planner.pipeline.lambda_ import read_plan
 
     _, facts, layers, batch_tokens = read_plan(plan_path)
@@ -196,7 +197,8 @@ def lambda_figures(plan_path: Path) -> dict:
     dense = sc.dense_times(facts, batch_tokens)
 
     def dense_cost(seconds):
-        return p.billed_seconds(seconds) * p.dense_function_memory_mb / 1024 * p.price_per_gb_s + p.price_per_request
+        return invocation_usd(seconds, p.dense_function_memory_mb, p.billing_granularity_s, p.price_per_gb_s,
+                              p.price_per_request)
 
     stages = [{"stage": "head (embedding)", "latency_s": dense["head"], "cost_usd": dense_cost(dense["head"])}]
     for l, dec in enumerate(layers):

@@ -84,8 +84,11 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
                    f"{report['state_transitions']} state transitions; storage {sb['total']} bytes "
                    f"(functions get {sb['functions_get']} / put {sb['functions_put']}), payloads {report['payload_bytes']} bytes "
                    f"(largest {report['max_payload_bytes']} <= {report['payload_limit_bytes']})")
-        click.echo(f"billed {report['billed_gb_s']:.3f} GB-s at the planned memory (${report['billed_usd']:.8f}) "
-                   f"from {report['measured_seconds']:.2f} s measured in the handlers")
+        usd, req = report["billed_usd_by_charge"], report["storage_requests"]
+        click.echo(f"billed {report['billed_gb_s']:.3f} GB-s at the planned memory from {report['measured_seconds']:.2f} s "
+                   f"measured in the handlers: ${usd['total']:.8f} with the request fees, the functions' "
+                   f"{req['functions_put']} S3 PUTs and {req['functions_get']} GETs (${usd['s3_requests']:.8f}) and the "
+                   f"EXPRESS execution(s) (${usd['express']:.8f})")
         if verify:
             click.echo(f"verify {'PASS' if report['verified'] else 'FAIL'}: max |logit diff| {report['max_abs_logit_diff']:.2e} "
                        f"(<= {LOGIT_TOLERANCE:g}), tokens {'identical' if report['tokens_match'] else 'DIFFER'}")

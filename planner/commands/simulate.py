@@ -21,6 +21,7 @@ from moeplan.core.plan_sections import Predicted
 def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: bool) -> None:
     """One generation request priced by the plan's request cost model (runtime/lambda_/
     request_cost.py, the code the bundle's front function runs on the same spec)."""
+    from moeplan.runtime.lambda_.charges import breakdown_text
     from moeplan.runtime.lambda_.request_cost import request_cost
     from moeplan.planner.pipeline.lambda_ import read_plan
 
@@ -47,9 +48,7 @@ def _simulate_request(plan_path, prompt_tokens: int, new_tokens: int, as_json: b
     click.echo(f"one request, {prompt_tokens} prompt + {new_tokens} new tokens, one execution reusing the prefix's K/V:")
     click.echo(f"  billed {cost['lambda_gb_s']:.6f} GB-s of Lambda ({cost['front_gb_s']:.6f} of them the front function "
                f"waiting), {cost['lambda_invocations']:.1f} invocations, {cost['s3_puts']:.1f} S3 PUTs, {cost['s3_gets']:.1f} GETs")
-    click.echo(f"  ${u['total']:.8f}: duration ${u['lambda_duration']:.8f}, Lambda requests ${u['lambda_requests']:.8f}, "
-               f"S3 requests ${u['s3_requests']:.8f}, Step Functions ${u['express']:.8f}, API ${u['http']:.8f}; "
-               f"latency {cost['latency_s']:.2f} s")
+    click.echo(f"  ${u['total']:.8f}: {breakdown_text(u)}; latency {cost['latency_s']:.2f} s")
     click.echo(f"  recomputing the prefix for every token instead: ${old['usd']['total']:.8f} "
                f"({old['usd']['total'] / u['total']:.2f}x), {old['lambda_gb_s']:.6f} GB-s")
 

@@ -10,8 +10,9 @@ limit on requests and responses; an execution runs the template's own definition
 Functions come from template.yaml itself: memory, environment (Ref / Fn::Sub resolved for a stack
 named `local`; `Ref: Pipeline` is the local state machine's ARN, other parameters from `parameters`),
 module and handler from the Dockerfile CMD. Every invocation is recorded: function, measured
-seconds, planned memory, payload and storage bytes; every S3 key a function used is checked
-against the prefixes its IAM policy in the template allows.
+seconds, planned memory, payload and storage bytes and requests (`bill` prices them as AWS
+would); every S3 key a function used is checked against the prefixes its IAM policy in the
+template allows.
 """
 from __future__ import annotations
 
@@ -247,6 +248,25 @@ class LocalCloud:
         with self.lock:
             self.executions.append((name, reply["status"], time.perf_counter() - start, machine.transitions))
         return reply
+
+    def bill(self, prices: dict, execution_seconds=None, http_requests: int = 0) -> dict:
+        """What AWS would charge for the work recorded since `invocations` was last cleared, by the one
+        billing rule (runtime/lambda_/charges.py): every invocation's measured seconds at its planned
+        memory, the functions' S3 requests (not the client's uploads and reads), and the executions
+        (`execution_seconds`: their measured lengths; default: the StartSyncExecution calls recorded).
+        `prices`: the platform's keys (plan.json's inputs.facts.platform)."""
+        from moeplan.runtime.lambda_.charges import billed_gb_seconds, charges_usd, express_gb_seconds
+
+        with self.lock:
+            inv = list(self.invocations)
+            seconds = [e[2] for e in self.executions] if execution_seconds is None else list(execution_seconds)
+        gb_s = sum(billed_gb_seconds(i.seconds, i.memory_mb, float(prices["billing_granularity_s"])) for i in inv)
+        puts, gets = sum(i.io.get("puts", 0) for i in inv), sum(i.io.get("gets", 0) for i in inv)
+        express_gb_s = express_gb_seconds(seconds, prices)
+        usd = charges_usd(prices, gb_s=gb_s, invocations=len(inv), s3_puts=puts, s3_gets=gets, executions=len(seconds),
+                          express_gb_s=express_gb_s, http_requests=http_requests)
+        return {"lambda_gb_s": gb_s, "lambda_invocations": len(inv), "s3_puts": puts, "s3_gets": gets,
+                "executions": len(seconds), "express_gb_s": express_gb_s, "usd": usd}
 
     def close(self) -> None:
         try:

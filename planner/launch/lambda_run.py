@@ -9,12 +9,13 @@ with the source model's, and the greedy tokens too. `recompute=True` runs the fo
 kept to measure what it cost: one execution per token, each the forward of the whole sequence.
 Measured: invocations, bytes through storage (handlers and client), bytes in payloads, and
 billed GB-s = sum over invocations of the handler's measured seconds, rounded up to the billing
-granularity, x the function's planned memory. First invocations include loading the weights.
+granularity, x the function's planned memory; billed dollars add the request fees, the functions'
+S3 requests and the EXPRESS executions (`LocalCloud.bill`, the one billing rule of
+runtime/lambda_/charges.py). First invocations include loading the weights.
 """
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -102,11 +103,14 @@ def _codec(root: Path, plan: dict):
             int(getattr(text, "max_position_embeddings", 1 << 30)))
 
 
-def _execute(machine: Machine, request: str, prompts: list, max_tokens: int, keep_logits: bool) -> dict:
-    """One execution of the state machine: the generation of max_tokens greedy tokens per prompt."""
+def _execute(machine: Machine, request: str, prompts: list, max_tokens: int, keep_logits: bool, seconds: list) -> dict:
+    """One execution of the state machine: the generation of max_tokens greedy tokens per prompt;
+    its measured length is appended to `seconds` (what an EXPRESS execution bills)."""
     gen = {"max_tokens": int(max_tokens), "temperature": 0.0, "stop_token_ids": [], "keep_logits": bool(keep_logits)}
+    start = time.perf_counter()
     try:
         out = machine.run(decode.initial_state(request, prompts, gen))
+        seconds.append(time.perf_counter() - start)
     except (CloudError, ASLError) as exc:
         raise UserError(f"the state machine failed on request {request}: {exc}") from None
     if not out.get("done"):
@@ -137,13 +141,15 @@ def _logits(cloud: LocalCloud, seqs: list, generated: list, units: int, recomput
     return out
 
 
-def _generate(machine: Machine, prefix: str, seqs: list, new_tokens: int, keep_logits: bool, recompute: bool) -> list:
+def _generate(machine: Machine, prefix: str, seqs: list, new_tokens: int, keep_logits: bool, recompute: bool,
+              seconds: list) -> list:
     """Generated tokens per prompt: one execution (K/V reuse), or one per token (recompute)."""
     if not recompute:
-        return _execute(machine, prefix + "verify", seqs, new_tokens, keep_logits)["tokens"]
+        return _execute(machine, prefix + "verify", seqs, new_tokens, keep_logits, seconds)["tokens"]
     generated = [[] for _ in seqs]
     for t in range(new_tokens):
-        out = _execute(machine, f"{prefix}recompute-{t:03d}", [s + g for s, g in zip(seqs, generated)], 1, keep_logits)
+        out = _execute(machine, f"{prefix}recompute-{t:03d}", [s + g for s, g in zip(seqs, generated)], 1, keep_logits,
+                       seconds)
         for g, tok in zip(generated, out["tokens"]):
             g.extend(tok)
     return generated
@@ -175,14 +181,14 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool,
             cloud.invocations.clear()
             start = time.perf_counter()
             machine = Machine(cloud.definition, cloud.subs, cloud.invoke)
-            generated = _generate(machine, attempt, seqs, new_tokens, verify, recompute)
+            seconds = []
+            generated = _generate(machine, attempt, seqs, new_tokens, verify, recompute, seconds)
         logits = _logits(cloud, seqs, generated, units, recompute) if verify else None
         wall = time.perf_counter() - start
     finally:
         cloud.close()
     inv = cloud.invocations
-    g = float(platform["billing_granularity_s"])
-    billed = sum((math.ceil(i.seconds / g - 1e-9) * g if g > 0 else i.seconds) * i.memory_mb / 1024.0 for i in inv)
+    bill = cloud.bill(platform, seconds)
     io = Counter()
     for i in inv:
         io.update(i.io)
@@ -201,8 +207,7 @@ def run_lambda_bundle(bundle: str, prompts: list, new_tokens: int, verify: bool,
         "payload_bytes": sum(i.request_bytes + i.response_bytes for i in inv),
         "max_payload_bytes": max((max(i.request_bytes, i.response_bytes) for i in inv), default=0),
         "payload_limit_bytes": int(platform["payload_limit_bytes"]),
-        "billed_gb_s": billed,
-        "billed_usd": billed * float(platform["price_per_gb_s"]) + len(inv) * float(platform["price_per_request"]),
+        "billed_gb_s": bill["lambda_gb_s"], "billed_usd": bill["usd"]["total"], "billed_usd_by_charge": bill["usd"],
         "measured_seconds": sum(i.seconds for i in inv), "wall_s": wall,
         "state_transitions_per_token": machine.transitions / new_tokens,
     }

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import click
 
 from moeplan.core import cli_types as T
+from moeplan.core import kubernetes_syntax as K
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
 
@@ -21,6 +22,9 @@ ENGINES = ("sglang", "trtllm")
 PLACING = TORCHRUN + ENGINES
 EXPERT_CACHES = TORCHRUN + ("offload",)
 HELD_OUT = ("lambda",) + EXPERT_CACHES
+# the API call a Lambda plan's cost is stated for unless --prompt-tokens / --new-tokens name another:
+# the request of the torchrun targets' default --workload (8x32+8), so both targets price one shape
+DEFAULT_PROMPT_TOKENS, DEFAULT_NEW_TOKENS = 32, 8
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,8 @@ class Flag:
 
 GROUPS = (  # (title, what the section is for), in the order `compile --help` prints them
     ("Topology and placement", "torchrun, kubernetes, sglang, trtllm"),
-    ("Cost model", "torchrun, kubernetes; --hardware also offload"),
-    ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload"),
+    ("Cost model", "torchrun, kubernetes; --hardware also offload; --hardware and --workload also sglang, trtllm"),
+    ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload; --prompt-tokens also lambda"),
     ("Bundle", "torchrun, kubernetes; --sign-key also lambda"),
     ("Kubernetes", "kubernetes; sglang with --kubernetes"),
     ("Lambda", "lambda; --validation-fraction and --seed also offload and expert caches"),
@@ -95,12 +99,17 @@ FLAGS = (
     Flag("mode", "--mode", TORCHRUN, COST,
          "expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time",
          click.Choice(["auto", "coherent", "standard"]), "auto"),
-    Flag("hardware", "--hardware", TORCHRUN + ("offload",), COST,
+    Flag("hardware", "--hardware", TORCHRUN + ("offload",) + ENGINES, COST,
          f"hardware profile every prediction of the plan is priced with (cost model, expert caches, serving capacity, "
-         f"offloading), the same names on every target: {hardware_names()}, or a YAML file (e.g. written by 'moeplan "
-         f"calibrate --out FILE'); default {DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}", show_default=False),
-    Flag("workload", "--workload", TORCHRUN, COST,
-         "requests the cost model prices, REQUESTSxPROMPT+NEW (default 8x32+8)", show_default=False),
+         f"offloading; sglang, trtllm: the GPU the engine runs on, for the serving prediction, from measured kernels on "
+         f"h100-sxm and h200-sxm with moeplan[gpu], the roofline elsewhere), the same names on every target: "
+         f"{hardware_names()}, or a YAML file (e.g. written by 'moeplan calibrate --out FILE'); default "
+         f"{DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}, sglang and trtllm: no serving prediction",
+         show_default=False),
+    Flag("workload", "--workload", TORCHRUN + ENGINES, COST,
+         "requests the cost model prices, REQUESTSxPROMPT+NEW: R concurrent requests of P prompt tokens generating N "
+         "each (default 8x32+8; sglang, trtllm: over the whole deployment, default 64x1024+128 with --hardware)",
+         show_default=False),
     Flag("gpu_memory", "--gpu-memory", EXPERT_CACHES, CACHES, "GPU memory for the model, bytes or e.g. 24GiB",
          show_default=False),
     Flag("expert_cache", "--expert-cache", EXPERT_CACHES, CACHES,
@@ -110,8 +119,10 @@ FLAGS = (
          "read from disk on every load (default: the hardware profile's host memory less 8 GiB)", show_default=False),
     Flag("batch", "--batch", EXPERT_CACHES, CACHES, "sequences served at once (KV cache sizing)", int, 1),
     Flag("max_length", "--max-length", EXPERT_CACHES, CACHES, "tokens per sequence (KV cache sizing)", int, 4096),
-    Flag("prompt_tokens", "--prompt-tokens", EXPERT_CACHES, CACHES, "first P tokens of a sequence are one prefill step",
-         int, 0),
+    Flag("prompt_tokens", "--prompt-tokens", EXPERT_CACHES + ("lambda",), CACHES,
+         "expert caches: the first P tokens of a sequence are one prefill step (default 0); lambda: the prompt of the "
+         f"API call whose cost compile, the README and the report state (default {DEFAULT_PROMPT_TOKENS})", int,
+         show_default=False),
     Flag("eviction", "--eviction", TORCHRUN, CACHES,
          "the ranks' eviction policy (default: the best on held-out sequences; --target offload compares them all)",
          click.Choice(["moeplan", "lru", "lfu", "lifo", "moe-infinity"]), show_default=False),
@@ -130,13 +141,34 @@ FLAGS = (
          "ed25519 private key (PEM) to sign the bundle's manifest with (docs/security.md)",
          click.Path(dir_okay=False), show_default=False, compile_only=True),
     Flag("image", "--image", ("kubernetes", "sglang"), KUBERNETES,
-         "container image of the rank pods (sglang: with --kubernetes)", T.NON_EMPTY_TEXT, show_default=False),
-    Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES, "storage class of the weights volume",
-         T.NON_EMPTY_TEXT, show_default=False),
-    Flag("batch_job", "--batch-job", ("kubernetes",), KUBERNETES,
-         "write an indexed batch Job that generates for the prompts in its ConfigMap and exits, instead of the "
-         "long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False, is_flag=True,
+         "container image of the rank pods, REGISTRY/NAME:TAG (kubernetes: required; its README's docker build line "
+         "builds it from kubernetes/Dockerfile and you push it there; sglang: with --kubernetes)", K.IMAGE,
          show_default=False),
+    Flag("cpu_only", "--cpu-only", ("kubernetes",), KUBERNETES,
+         "pods without GPUs (the plan priced on a CPU profile, cpu-gloo unless --hardware names another); without it "
+         "--hardware must name the GPU the pods run on", default=False, is_flag=True, show_default=False),
+    Flag("weights_from", "--weights-from", ("kubernetes",), KUBERNETES,
+         "how the bundle reaches the pods: 'image' (built into the image), an http(s) URL of the bundle's tar (each "
+         "pod's init container downloads it once onto its own volume; a presigned S3 or GCS URL works), or 'volume' "
+         "(one shared claim you fill; needs --storage-class)", K.WEIGHTS_SOURCE, "image"),
+    Flag("storage_class", "--storage-class", ("kubernetes",), KUBERNETES,
+         "storage class of the weights volumes (--weights-from URL: the cluster's default unless given; volume: "
+         "required)", K.STORAGE_CLASS, show_default=False),
+    Flag("access_mode", "--access-mode", ("kubernetes",), KUBERNETES,
+         "access mode of the weights volumes (default: ReadWriteOnce per pod for a URL, ReadWriteMany for the shared "
+         "volume)", click.Choice(["ReadWriteOnce", "ReadWriteMany", "ReadOnlyMany"]), show_default=False),
+    Flag("node_selector", "--node-selector", ("kubernetes",), KUBERNETES,
+         "labels the pods' nodes must have, KEY=VALUE[,KEY=VALUE...] (e.g. nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3)",
+         K.NODE_SELECTOR, show_default=False),
+    Flag("tolerations", "--toleration", ("kubernetes",), KUBERNETES,
+         "taints the pods tolerate, KEY[=VALUE][:EFFECT][,...] as kubectl taint spells them (GPU pods always tolerate "
+         "nvidia.com/gpu:NoSchedule)", K.TOLERATIONS, show_default=False),
+    Flag("image_pull_secrets", "--image-pull-secret", ("kubernetes",), KUBERNETES,
+         "Secrets (docker-registry) the kubelet pulls the image with, NAME[,NAME...]", K.OBJECT_NAMES, show_default=False),
+    Flag("batch_job", "--batch-job", ("kubernetes",), KUBERNETES,
+         "write an indexed batch Job that generates for the prompts of a ConfigMap you create (README) and exits, "
+         "instead of the long-running service (StatefulSets serving the OpenAI API; docs/serving.md)", default=False,
+         is_flag=True, show_default=False),
     Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
          "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
          default=False, is_flag=True, show_default=False),
@@ -162,8 +194,12 @@ FLAGS = (
     Flag("no_cache", "--no-cache", ("lambda",), LAMBDA, "profile again and do not write the cache", default=False,
          is_flag=True, show_default=False),
     Flag("seed", "--seed", HELD_OUT, LAMBDA, "random seed (of the held-out split, profiling and BO)", T.SEED, 0),
+    Flag("new_tokens", "--new-tokens", ("lambda",), LAMBDA,
+         "tokens generated by the API call whose cost compile, the README and the report state (its prompt: "
+         f"--prompt-tokens, default {DEFAULT_PROMPT_TOKENS}); the monthly cost is for such calls", T.POSITIVE_INT,
+         DEFAULT_NEW_TOKENS),
     Flag("requests_per_second", "--requests-per-second", ("lambda",), LAMBDA,
-         "request rate the README's monthly cost is stated for", T.POSITIVE_FLOAT, 1.0),
+         "rate of those API calls the README's monthly cost is stated for", T.POSITIVE_FLOAT, 1.0),
     Flag("http_entry", "--http-entry", ("lambda",), LAMBDA,
          "what serves the OpenAI API: a Lambda Function URL or an API Gateway HTTP API (30 s limit) in front of the "
          "front function", click.Choice(["function-url", "http-api"]), "function-url"),
@@ -175,8 +211,8 @@ PLACEMENT_FLAGS = ("policy", "redundant", "balance", "balance_base", "held_out_b
 # on/off flags added after plans recorded their options: left out while off, so older plans keep their bytes
 RECORDED_ONLY_WHEN_ON = ("held_out_balance",)
 SERVERLESS_FLAGS = ("slo", "platform", "batch_tokens", "methods", "validation_fraction", "size_for", "bo_iterations",
-                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "requests_per_second",
-                    "http_entry")
+                    "bo_q", "bo_storage", "profile_budget", "cache_dir", "no_cache", "seed", "prompt_tokens", "new_tokens",
+                    "requests_per_second", "http_entry")
 OFFLOAD_FLAGS = ("gpu_memory", "expert_cache", "host_memory", "batch", "max_length", "prompt_tokens", "eviction",
                  "prefetch", "host_compute")
 

@@ -32,9 +32,11 @@ PASSES = [MODEL_FILES, PLATFORM, IMPORT, TRACE, PROFILE, FACTS, SIZING, PARTITIO
 
 def inputs(model: str, trace: str, out, values: dict) -> dict:
     """The facts the lambda pass list starts from; flag mistakes stop here, before any pass runs."""
-    from moeplan.planner.pipeline.flags import SERVERLESS_FLAGS, pick
+    from moeplan.planner.pipeline.flags import DEFAULT_PROMPT_TOKENS, SERVERLESS_FLAGS, pick
 
     serverless = dict(pick(values, SERVERLESS_FLAGS), time_limit=values["time_limit"], solver=values["solver"])
+    if serverless["prompt_tokens"] is None:
+        serverless["prompt_tokens"] = DEFAULT_PROMPT_TOKENS
     check_options({"serverless_options": serverless})
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),
             "serverless_options": serverless}
@@ -48,11 +50,22 @@ def summary(facts: dict) -> dict:
         result["bo_iterations"] = facts["sizing"].bo["iterations"] if facts["sizing"].bo else 0
     p = plan.predicted
     result.update(functions=plan.topology["functions"], dense_slices=len(plan.placement.dense_slices),
-                  methods=plan.communication.methods, cost_per_request_usd=p.cost_per_request_usd,
+                  methods=plan.communication.methods, api_call=p.api_call, batch_tokens=plan.communication.batch_tokens,
+                  cost_per_batch_usd=p.cost_per_request_usd,
                   moe_cost_per_batch_usd=p.moe_cost_per_batch_usd, latency_s=p.latency_s,
                   throughput_tokens_per_s=p.throughput_tokens_per_s, algorithm=p.algorithm,
                   predictor_error=p.predictor_error)
     return result
+
+
+def api_call_line(call: dict) -> str:
+    """The API call a Lambda plan's cost is stated for, priced with every charge, and its month."""
+    from moeplan.runtime.lambda_.charges import breakdown_text
+
+    u = call["usd"]
+    return (f"predicted ${u['total']:.8f} per API call of {call['prompt_tokens']} prompt + {call['new_tokens']} new tokens "
+            f"({breakdown_text(u)}; {call['latency_s']:.2f} s); ${call['monthly_usd']:.2f} per month at "
+            f"{call['requests_per_second']:g} such calls per second")
 
 
 def layer_lines(layers) -> list:
@@ -74,7 +87,9 @@ def layer_lines(layers) -> list:
 def describe(summary: dict, facts: dict) -> str:
     """What a lambda plan (with its sizing table) or bundle holds."""
     lines = [f"{summary['functions']} functions ({summary['dense_slices']} dense slices), methods "
-             f"{', '.join(summary['methods'])}; predicted ${summary['cost_per_request_usd']:.8f} per request"]
+             f"{', '.join(summary['methods'])}", api_call_line(summary["api_call"]),
+             f"sized for batches of {summary['batch_tokens']} tokens: ${summary['cost_per_batch_usd']:.8f} per batch "
+             "(Lambda duration and request fees of the MoE and dense functions: the sizing's objective)"]
     if "manifest" not in facts:  # the plan alone: how it was sized
         timings = summary["passes"]
         lines += layer_lines(facts["sizing"].result.layers)

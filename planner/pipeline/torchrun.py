@@ -9,8 +9,9 @@ and `backends/torchrun/codegen.py` (the bundle, written into a temporary directo
 --out only when everything succeeded).
 
 Facts read from the command (`inputs`): `topology` {"nodes", "gpus_per_node"}, `placement_options`
-(policy flags), `mode` (auto | coherent | standard), `target` {"name", and for kubernetes "image",
-"storage_class" and "batch_job": true for `--batch-job`; "weights": "reference" for `--weights reference`}, `cost_options`,
+(policy flags), `mode` (auto | coherent | standard), `target` {"name", for kubernetes what
+`backends/kubernetes/deployment.py` records (image, weights source, hardware kind, scheduling); "weights":
+"reference" for `--weights reference`}, `cost_options`,
 `offload_options` (None without an expert cache), `out`.
 """
 from __future__ import annotations
@@ -36,12 +37,10 @@ def inputs(target: str, model: str, trace: str, out, values: dict) -> dict:
     from moeplan.planner.pipeline.flags import PLACEMENT_FLAGS, pick
 
     spec = {"name": target}
-    if target == "kubernetes":
-        from moeplan.backends.kubernetes.codegen import DEFAULT_IMAGE
+    if target == "kubernetes":  # the hardware, image and weights' way to the pods, checked before planning
+        from moeplan.backends.kubernetes.deployment import deployment
 
-        spec.update(image=values["image"] or DEFAULT_IMAGE, storage_class=values["storage_class"])
-        if values["batch_job"]:  # recorded only when on: the default (the service) keeps earlier plans' bytes
-            spec["batch_job"] = True
+        spec.update(deployment(values))
     if values["weights"] == "reference":  # recorded in the plan's deployment; codegen writes checkpoint indexes
         spec["weights"] = "reference"
     return {"model_spec": str(model), "trace_path": str(trace), "out": None if out is None else str(out),

@@ -4,7 +4,8 @@ Figures are every number under `predicted` by dotted path (lists of numbers, e.g
 affinity, by index; large tables such as cap searches are left out), plus headline aliases that
 mean the same thing for every target, so one `--fail-on` works across targets:
 `seconds_per_token`, `bytes_per_token`, `cost`, `latency`, `throughput`, `hit_ratio`,
-`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`.
+`max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`; the engine targets' serving
+prediction adds `tpot`, `ttft`, `memory_per_gpu` (and `throughput`: output tokens per second).
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import json
 from moeplan.planner.report.summary import at, hardware_name
 
 ALIASES = ("seconds_per_token", "bytes_per_token", "cost", "latency", "throughput", "hit_ratio", "max_over_mean_load",
-           "gpu_local_fraction", "node_local_fraction")
+           "gpu_local_fraction", "node_local_fraction", "tpot", "ttft", "memory_per_gpu")
 # left out: large tables, and a lambda plan's `request_cost`, the request cost model's inputs (per-part
-# seconds on a token grid, shares, platform prices), not figures ('moeplan simulate --new-tokens' prices it)
-SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition", "request_cost")
+# seconds on a token grid, shares, platform prices), not figures ('moeplan simulate --new-tokens' prices it);
+# an engine plan's serving `op_prices` (its per-op table; `price_sources` sums it) and `layout` (a decision)
+SKIP = ("cap_search", "prices", "profile", "solves", "bo_history", "context", "dense_partition", "request_cost",
+        "op_prices", "layout")
 MAX_LIST = 64
 
 
@@ -31,9 +34,10 @@ def _numbers(node, prefix: str, out: dict) -> None:
             if key not in SKIP:
                 _numbers(node[key], f"{prefix}.{key}" if prefix else str(key), out)
     elif isinstance(node, list) and len(node) <= MAX_LIST:
-        if all(isinstance(v, dict) and "label" in v for v in node):  # candidates: by label, not position
+        name = next((k for k in ("label", "source") if all(isinstance(v, dict) and k in v for v in node)), None)
+        if node and name:  # candidates by label, price sources by source: not by position
             for v in node:
-                _numbers({k: x for k, x in v.items() if k not in ("modes",)}, f"{prefix}[{v['label']}]", out)
+                _numbers({k: x for k, x in v.items() if k not in ("modes",)}, f"{prefix}[{v[name]}]", out)
         else:
             for i, v in enumerate(node):
                 _numbers(v, f"{prefix}.{i}", out)
@@ -51,8 +55,13 @@ def headline(plan: dict) -> dict:
         out.update(seconds_per_token=at(plan, "predicted.seconds_per_token"), hit_ratio=at(plan, "predicted.hit_ratio"),
                    bytes_per_token=at(plan, "predicted.bytes_moved_per_token"))
     if target == "lambda":
-        out.update(cost=at(plan, "predicted.cost_per_request_usd"), latency=at(plan, "predicted.latency_s"),
+        # a lambda plan's cost and latency: of the API call it prices (predicted.api_call), not of the sized batch
+        out.update(cost=at(plan, "predicted.api_call.usd.total"), latency=at(plan, "predicted.api_call.latency_s"),
                    throughput=at(plan, "predicted.throughput_tokens_per_s"))
+    if isinstance(at(plan, "predicted.serving"), dict):
+        out.update(tpot=at(plan, "predicted.serving.tpot_s"), ttft=at(plan, "predicted.serving.ttft_s"),
+                   throughput=at(plan, "predicted.serving.output_tokens_per_s"),
+                   memory_per_gpu=at(plan, "predicted.serving.memory_per_gpu_bytes"))
     if isinstance(at(plan, "predicted.expert_cache"), dict):
         out["hit_ratio"] = at(plan, "predicted.expert_cache.hit_ratio")
     for key in ("max_over_mean_load", "gpu_local_fraction", "node_local_fraction"):
@@ -105,4 +114,14 @@ def decisions(plan: dict) -> dict:
         out["expert_cache"] = f"{cache.get('capacity')} entries, {cache.get('eviction')}, prefetch {cache.get('prefetch')}"
     if plan.get("target") in ("sglang", "trtllm"):
         out["redundant"] = at(plan, "communication.redundant")
+    serving = at(plan, "predicted.serving")
+    if isinstance(serving, dict):
+        layout = serving.get("layout") or {}
+        out["hardware"] = serving.get("hardware")
+        out["workload"] = serving.get("workload")
+        out["serving.layout"] = (f"{layout.get('gpus')} GPUs, attention tp{layout.get('attention_tp')} x "
+                                 f"dp{layout.get('attention_dp')}, moe ep{layout.get('moe_ep')} x tp{layout.get('moe_tp')}, "
+                                 f"redundant {layout.get('redundant_experts')}, max running "
+                                 f"{layout.get('max_running_requests')}, {layout.get('moe_a2a')}")
+        out["serving.fits"] = serving.get("fits")
     return {k: ("" if v is None else str(v)) for k, v in out.items() if v is not None}

@@ -82,6 +82,11 @@ def inputs_table(plan: dict) -> Table:
                 rows.append([f"{key}", _options_text(value) if isinstance(value, dict) else
                              (num(plan, f"predicted.cost.{key}") if isinstance(value, (int, float)) and not isinstance(value, bool)
                               else str(value))])
+    serving = at(plan, "predicted.serving")
+    if isinstance(serving, dict):
+        rows.append(["hardware profile (serving prediction)", str(serving.get("hardware", ""))])
+        rows += profile_rows(serving.get("hardware_profile"))
+        rows.append(["workload (requests x prompt + new tokens)", str(serving.get("workload", ""))])
     if plan.get("target") == "offload":
         rows.append(["hardware profile (predictions)", str(at(plan, "topology.hardware") or "")])
         rows += profile_rows(at(plan, "inputs.hardware_profile"))
@@ -176,18 +181,58 @@ def torchrun_predicted(plan: dict) -> list:
 
 def engine_decisions(plan: dict) -> Table:
     requested = at(plan, "inputs.options.policy")
-    return Table(["decision", "value", "reason"], [
+    rows = [
         ["placement policy", str(at(plan, "placement.policy")), f"--policy {requested}: balance is what sets an MoE "
          "layer's time under standard EP (docs/interop.md)"],
         ["redundant slots", num(plan, "communication.redundant"), "given with --redundant"],
         ["slots per rank", num(plan, "communication.slots_per_rank"), "(experts + redundant) / EP ranks"],
         ["objective", str(at(plan, "communication.objective")), "the engine runs standard expert parallelism"],
-    ], "Decisions")
+    ]
+    layout = at(plan, "predicted.serving.layout")
+    if isinstance(layout, dict):
+        attention = (f"data parallel, {layout.get('attention_dp')} replicas of tp {layout.get('attention_tp')}"
+                     if (layout.get("attention_dp") or 1) > 1 else f"tensor parallel over {layout.get('attention_tp')} GPUs")
+        rows.append(["deployment priced", f"{layout.get('gpus')} GPUs ({layout.get('nodes')} x {layout.get('gpus_per_node')}), "
+                     f"attention {attention}, MoE ep {layout.get('moe_ep')} x tp {layout.get('moe_tp')}, tokens to experts by "
+                     f"{layout.get('moe_a2a')}, {layout.get('engine')} kernels of its database version "
+                     f"{layout.get('database_version')}", "what the target's launch script runs (docs/engine_pricing.md)"])
+    for i, warning in enumerate(at(plan, "predicted.warnings") or []):
+        rows.append([f"warning {i + 1}", str(warning), "predicted.warnings"])
+    return Table(["decision", "value", "reason"], rows, "Decisions")
 
 
 def engine_predicted(plan: dict) -> list:
-    return [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
-                  "Predicted")]
+    tables = [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
+                    "Predicted")]
+    serving = at(plan, "predicted.serving")
+    if not isinstance(serving, dict):
+        return tables
+    base = "predicted.serving"
+    fits = "fits" if serving.get("fits") else "does not fit"
+    rows = [["workload (requests x prompt + new tokens, over the deployment)", str(serving.get("workload", ""))],
+            ["hardware", str(serving.get("hardware", ""))],
+            ["running requests (decode batch)", num(plan, f"{base}.running_requests")],
+            ["TPOT (mean decode step)", num(plan, f"{base}.tpot_s", MS, "ms")],
+            ["TTFT (mean over requests)", num(plan, f"{base}.ttft_s", unit="s")],
+            ["prefill of every request", num(plan, f"{base}.prefill_s", unit="s")],
+            ["output tokens per second", num(plan, f"{base}.output_tokens_per_s")],
+            ["output tokens per second per GPU", num(plan, f"{base}.output_tokens_per_s_per_gpu")],
+            ["busiest over mean EP rank rows (decode batch, trace windows)", num(plan, f"{base}.max_over_mean_load")],
+            [f"memory per GPU ({fits} in the GPU's memory)", num(plan, f"{base}.memory_per_gpu_bytes", 1 / 2**30, "GiB")],
+            ["of which weights", num(plan, f"{base}.memory.weights_bytes", 1 / 2**30, "GiB")],
+            ["of which KV cache at prompt + new tokens", num(plan, f"{base}.memory.kv_bytes", 1 / 2**30, "GiB")],
+            ["of which the engine's reserve", num(plan, f"{base}.memory.reserved_bytes", 1 / 2**30, "GiB")],
+            ["GPU memory", num(plan, f"{base}.memory.device_bytes", 1 / 2**30, "GiB")]]
+    tables.append(Table(["serving figure", "predicted"], rows, "Serving prediction (passes/cost/engine/)"))
+    sources = serving.get("price_sources") or []
+    tables.append(Table(["price source", "decode step time at the middle context"],
+                        [[str(r.get("source")), num(plan, f"{base}.price_sources.{i}.seconds", MS, "ms")]
+                         for i, r in enumerate(sources)], "Where the prices come from"))
+    ops = serving.get("op_prices") or []
+    tables.append(Table(["op", "time per decode step", "source"],
+                        [[str(r.get("op")), num(plan, f"{base}.op_prices.{i}.seconds", MS, "ms"), str(r.get("source"))]
+                         for i, r in enumerate(ops)], "The decode step at the middle context, op by op"))
+    return tables
 
 
 # ---------------------------------------------------------------------------------------- offload
@@ -259,8 +304,28 @@ def lambda_decisions(plan: dict) -> Table:
     ], "Decisions")
 
 
+def lambda_api_call(plan: dict) -> list:
+    """The API call the plan prices (--prompt-tokens, --new-tokens at compile), every charge in, and its month."""
+    call = at(plan, "predicted.api_call")
+    if not isinstance(call, dict):
+        return []
+    from moeplan.runtime.lambda_.charges import CHARGE_LABELS
+
+    shape = f"{call.get('prompt_tokens')} prompt + {call.get('new_tokens')} new tokens"
+    rows = [[f"cost per API call ({shape})", num(plan, "predicted.api_call.usd.total", unit="$")]]
+    rows += [[f"  {label}", num(plan, f"predicted.api_call.usd.{key}", unit="$")]
+             for key, label in CHARGE_LABELS.items() if (call.get("usd") or {}).get(key)]
+    rows += [["latency of that call", num(plan, "predicted.api_call.latency_s", unit="s")],
+             [f"per month at {call.get('requests_per_second')} such calls per second",
+              num(plan, "predicted.api_call.monthly_usd", unit="$")]]
+    return rows
+
+
 def lambda_predicted(plan: dict) -> list:
-    rows = [["cost per request", num(plan, "predicted.cost_per_request_usd", unit="$")],
+    batch = at(plan, "communication.batch_tokens")
+    rows = lambda_api_call(plan) + [
+            [f"cost per sized batch ({batch} tokens; Lambda duration and request fees: the sizing's objective)",
+             num(plan, "predicted.cost_per_request_usd", unit="$")],
             ["MoE cost per batch", num(plan, "predicted.moe_cost_per_batch_usd", unit="$")],
             ["dense cost per batch", num(plan, "predicted.dense_cost_per_batch_usd", unit="$")],
             ["latency per batch", num(plan, "predicted.latency_s", unit="s")],

@@ -16,7 +16,8 @@ execution. A request the state machine fails is a 503.
 Cost: every generation answer carries the billed GB-s, request charges and dollars the plan's cost
 model predicts for it (`request_cost.py`, the module `moeplan simulate` runs, on the spec in
 request_cost.json: `moeplan simulate plan.json --prompt-tokens P --new-tokens N` prints the same),
-in `X-Moeplan-*` headers and summed in /metrics (per container on AWS; one process locally).
+in `X-Moeplan-*` headers (the dollars by charge, Lambda duration and requests, S3 requests, the
+EXPRESS execution and the HTTP API's fee, in X-Moeplan-Cost-Breakdown-Usd) and summed in /metrics (per container on AWS; one process locally).
 Streaming answers arrive whole (the execution returns all tokens at once; BUFFERED invoke mode).
 Environment: MOEPLAN_STATE_MACHINE (ARN), MOEPLAN_API_KEY (empty: no key); front.json beside the
 runtime: model_name, max_context, time_limit_s. No torch: the image is small.
@@ -43,6 +44,7 @@ RUNTIME = Path(__file__).resolve().parents[1]  # the runtime package (this file 
 STATE_LIMIT_BYTES = 256 * 1024  # a Step Functions execution's input and state
 COST_HEADERS = ("x-moeplan-billed-gb-seconds", "x-moeplan-request-charges-usd", "x-moeplan-predicted-cost-usd",
                 "x-moeplan-forward-steps", "x-moeplan-prompt-tokens")
+BREAKDOWN_HEADER = "x-moeplan-cost-breakdown-usd"  # charge=dollars; ... (charges.py's names), the total's parts
 _SERVICE = {}
 
 
@@ -151,7 +153,9 @@ class LambdaEngine:
             return {}
         values = (cost["lambda_gb_s"], cost["request_charges_usd"], cost["usd"]["total"], cost["new_tokens"],
                   cost["prompt_tokens"])
-        return {name: repr(v) if isinstance(v, float) else str(v) for name, v in zip(COST_HEADERS, values)}
+        out = {name: repr(v) if isinstance(v, float) else str(v) for name, v in zip(COST_HEADERS, values)}
+        out[BREAKDOWN_HEADER] = "; ".join(f"{k}={v!r}" for k, v in cost["usd"].items() if k != "total")
+        return out
 
     def cost_metrics(self, labels: dict) -> str:
         out = []

@@ -22,7 +22,7 @@ download unless `weights_per_invocation`). Expected loads: expert i gets d = T k
 T-token step (s_i its planned share), is invoked with probability p = 1 - (1 - k s_i)^T, then
 with d / p rows over min(replicas, ceil(d / p)) replicas. `cold_kv`: every decode step of a
 part that keeps K/V reads all earlier deltas (one GET each) instead of finding them in memory.
-Latency: the parts' and the S3-method layers' times in sequence (Step Functions' own transition
+Dollars by the one billing rule (charges.py). Latency: the parts' and the S3-method layers' times in sequence (Step Functions' own transition
 time is not modelled); it bills the front function (which waits for the synchronous execution)
 and the EXPRESS execution (per 100 ms, 64 MB chunks). Attention's context-dependent work in decode
 steps is not in the profile and not modelled.
@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import math
 
+from .charges import billed_gb_seconds, charges_usd, express_gb_seconds, request_charges_usd
+
 SPEC_VERSION = 1
-
-
-def _billed(seconds: float, granularity: float) -> float:
-    return math.ceil(seconds / granularity - 1e-9) * granularity if granularity > 0 else seconds
 
 
 def _interp_per_token(grid: list, values: list, tokens: float) -> float:
@@ -101,7 +99,7 @@ class _Bill:
         self.p, self.gb_s, self.invocations, self.puts, self.gets = p, 0.0, 0.0, 0.0, 0.0
 
     def invoke(self, seconds: float, memory_mb: float, times: float = 1.0) -> None:
-        self.gb_s += times * _billed(seconds, self.p["billing_granularity_s"]) * memory_mb / 1024.0
+        self.gb_s += times * billed_gb_seconds(seconds, memory_mb, self.p["billing_granularity_s"])
         self.invocations += times
 
 
@@ -184,16 +182,12 @@ def request_cost(spec: dict, prompt_tokens: int, new_tokens: int, sequences: int
     front = spec["front"]
     functions_gb_s = bill.gb_s
     bill.invoke(front["seconds"] + latency, front["memory_mb"])
-    express_gb_s = sum(_billed(t, p["express_billing_granularity_s"]) for t in executions) * p["express_memory_mb"] / 1024.0
+    express_gb_s = express_gb_seconds(executions, p)
     executions = len(executions)
-    usd = {"lambda_duration": bill.gb_s * p["price_per_gb_s"],
-           "lambda_requests": bill.invocations * p["price_per_request"],
-           "s3_requests": bill.puts * p["s3_put_price"] + bill.gets * p["s3_get_price"],
-           "express": executions * p["express_request_price"] + express_gb_s * p["express_price_per_gb_s"],
-           "http": spec.get("http_request_price", 0.0)}
-    usd["total"] = sum(usd.values())
+    usd = charges_usd({**p, "http_request_price": spec.get("http_request_price", 0.0)}, gb_s=bill.gb_s,
+                      invocations=bill.invocations, s3_puts=bill.puts, s3_gets=bill.gets, executions=executions,
+                      express_gb_s=express_gb_s, http_requests=1)
     return {"mode": mode, "prompt_tokens": P, "new_tokens": n, "sequences": B, "executions": executions,
-            "lambda_gb_s": bill.gb_s, "front_gb_s": bill.gb_s - functions_gb_s, "lambda_invocations": bill.invocations, "s3_puts": bill.puts, "s3_gets": bill.gets,
-            "express_gb_s": express_gb_s, "latency_s": latency, "usd": usd,
-            "request_charges_usd": usd["lambda_requests"] + usd["s3_requests"] + executions * p["express_request_price"]
-            + usd["http"]}
+            "lambda_gb_s": bill.gb_s, "front_gb_s": bill.gb_s - functions_gb_s, "lambda_invocations": bill.invocations,
+            "s3_puts": bill.puts, "s3_gets": bill.gets, "express_gb_s": express_gb_s, "latency_s": latency, "usd": usd,
+            "request_charges_usd": request_charges_usd(usd, executions, p)}

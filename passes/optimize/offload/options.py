@@ -41,15 +41,16 @@ def offload_options(values: dict, target: str = "offload"):
     for name, value in (("--batch", values["batch"]), ("--max-length", values["max_length"])):
         if value < 1:
             raise UserError(f"{name} must be at least 1, got {value}")
-    if values["prompt_tokens"] < 0:
-        raise UserError(f"--prompt-tokens must be 0 or more, got {values['prompt_tokens']}")
+    prompt_tokens = 0 if values["prompt_tokens"] is None else values["prompt_tokens"]  # (lambda's default differs)
+    if prompt_tokens < 0:
+        raise UserError(f"--prompt-tokens must be 0 or more, got {prompt_tokens}")
     if not 0 < values["validation_fraction"] < 1:
         raise UserError(f"--validation-fraction must be between 0 and 1, got {values['validation_fraction']}")
     options = {"gpu_memory_bytes": parse_bytes(gpu_memory) if gpu_memory is not None else None,
                "expert_cache": expert_cache, "hardware": values["hardware"] if target == "offload" else None,
                "batch": values["batch"],
                "host_memory_bytes": parse_bytes(values["host_memory"], "--host-memory") if values["host_memory"] is not None else None,
-               "max_length": values["max_length"], "prompt_tokens": values["prompt_tokens"],
+               "max_length": values["max_length"], "prompt_tokens": prompt_tokens,
                "validation_fraction": values["validation_fraction"], "seed": values["seed"]}
     if target != "offload":  # the bundle's policy and prefetcher; --target offload compares them all
         options.update(eviction=values["eviction"], prefetch=prefetch)

@@ -13,8 +13,8 @@ Inference in Serverless Computing") is ambiguous or wrong:
   request r D_in and the response r D_o fit the payload limit (the paper's form is inverted);
 * layer latency, S3 methods: max(max_i t_rep_i, T_load) + t_S3 with t_S3 = T_dl + sum_i d_i D_o / B_s
   (the next layer downloads every output); direct: max_i (r_i D_in/B_f + t_rep_i) + T_load;
-* cost of an expert = g x (billed duration x GB x price + request fee); experts with no token
-  are not invoked (s = 0) and cost nothing;
+* cost of an expert = g x (billed duration x GB x price + request fee), by the one billing rule
+  (runtime/lambda_/charges.py); experts with no token are not invoked (s = 0) and cost nothing;
 * memory fit: runtime + P + M_fixed + r (M_token + D_in + D_o) <= memory option.
 `U(n)` is the per-token compute time at the function's vCPU share for a batch of n tokens,
 interpolated from the profile's grid.
@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from moeplan.core.platforms import Platform, platform_from_dict
+from moeplan.runtime.lambda_.charges import invocation_usd
 
 PIPELINED_S3, S3, DIRECT = 1, 2, 3
 METHOD_NAMES = {PIPELINED_S3: "pipelined_s3", S3: "s3", DIRECT: "direct"}
@@ -175,11 +176,10 @@ def payload_ok(p: Platform, layer: LayerFacts, r) -> np.ndarray:
 
 
 def expert_cost(p: Platform, mem_mb, replicas, t_rep):
-    """Dollars for all replicas of an expert (billed duration x GB x price + request fees)."""
-    t = np.asarray(t_rep, dtype=float)
-    g = p.billing_granularity_s
-    billed = np.ceil(t / g - 1e-9) * g if g > 0 else t
-    return np.asarray(replicas) * (billed * np.asarray(mem_mb) / 1024.0 * p.price_per_gb_s + p.price_per_request)
+    """Dollars for all replicas of an expert (billed duration x GB x price + request fees: charges.py)."""
+    one = invocation_usd(np.asarray(t_rep, dtype=float), np.asarray(mem_mb), p.billing_granularity_s, p.price_per_gb_s,
+                         p.price_per_request)
+    return np.asarray(replicas) * one
 
 
 def dense_times(facts: ServerlessFacts, tokens: float) -> dict:

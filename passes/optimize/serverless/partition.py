@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from moeplan.core.errors import UserError
+from moeplan.runtime.lambda_.charges import MB_PER_GB, billed_gb_seconds, lambda_usd
 from moeplan.core.platforms import Platform
 
 MB = 1024 * 1024
@@ -181,9 +182,9 @@ class CostModel:
         """(dollars, billed GB-s, invocations) for all shards of a slice."""
         gb_s, n = 0.0, 0
         for t in self.invocations(s):
-            gb_s += s.eta * self.p.billed_seconds(t) * s.memory_mb / 1024.0
+            gb_s += s.eta * billed_gb_seconds(t, s.memory_mb, self.p.billing_granularity_s)
             n += s.eta
-        return gb_s * self.p.price_per_gb_s + n * self.p.price_per_request, gb_s, n
+        return lambda_usd(gb_s, n, self.p.price_per_gb_s, self.p.price_per_request), gb_s, n
 
     def latency(self, slices: list) -> float:
         """End-to-end seconds of the dense part: the slices run one after another in each segment."""
@@ -356,7 +357,7 @@ def compute_floor(units: list, platform: Platform, tokens: int) -> float:
         base = platform.runtime_memory_mb + u.param_bytes / MB
         mb_s += min(s * tokens * max(base, t * platform.mb_per_vcpu) for s, t in zip(u.s_per_token, u.threads))
     segments = len({u.segment for u in units})
-    return mb_s / 1024.0 * platform.price_per_gb_s + segments * platform.price_per_request
+    return lambda_usd(mb_s / MB_PER_GB, segments, platform.price_per_gb_s, platform.price_per_request)
 
 
 def fine_memory_options(platform: Platform, low: int = 128, high: int = 10240) -> list:

@@ -20,7 +20,9 @@ plan.json body (serverless version 1):
 * `predicted`: cost (per batch: MoE layers, dense functions; per request with the partition),
   latency, throughput, validation batches, predictor errors, solver reports, profile, BO, and
   `request_cost`: the spec the request cost model prices one generation from
-  (`passes/optimize/serverless/request_spec.py`; the front function and `simulate --new-tokens`)
+  (`passes/optimize/serverless/request_spec.py`; the front function and `simulate --new-tokens`), and
+  `api_call`: that model's price of the API call named at compile (--prompt-tokens, --new-tokens),
+  every charge in, and the monthly cost of such calls at --requests-per-second (`api_call` below)
 * `inputs`: model spec, trace hash, SLO, options, and `facts` (platform + profiled timings): all
   `moeplan simulate` needs, so it never re-profiles.
 * `deployment`: payload limit, the request rate the README's monthly cost is stated for, and the
@@ -40,6 +42,7 @@ from moeplan.core.plan import Plan, plan_reads_back
 from moeplan.core.platforms import time_limit_s
 
 SERVERLESS_VERSION = 1
+SECONDS_PER_MONTH = 30 * 24 * 3600
 
 
 def methods_from_text(text: str) -> tuple:
@@ -66,6 +69,9 @@ def check_options(facts) -> None:
         raise UserError(f"--validation-fraction must be between 0 and 1, got {o['validation_fraction']}")
     if not o["requests_per_second"] > 0:
         raise UserError(f"--requests-per-second must be positive, got {o['requests_per_second']}")
+    if o["prompt_tokens"] < 1 or o["new_tokens"] < 1:
+        raise UserError(f"--prompt-tokens and --new-tokens name the API call whose cost is stated and must be at least 1, "
+                        f"got {o['prompt_tokens']} and {o['new_tokens']}")
     methods_from_text(o["methods"])
 
 
@@ -173,19 +179,39 @@ def _plan(facts):
               "bo_iterations": o["bo_iterations"], "bo_q": o["bo_q"], "seed": o["seed"],
               "profile_hash": facts["profile"].model_hash, "facts": sfacts.to_dict(),
               "profile": facts["profile"].to_dict()}  # the measurements behind every decision (issue 17)
+    spec = _request_spec(loaded, sfacts, layers, part, grid_units, o["http_entry"])
     plan = Plan(
         target="lambda", model=model,
         topology={"kind": "serverless", "platform": sfacts.platform.name, "functions": functions},
         placement=placement,
         communication={"serverless_version": SERVERLESS_VERSION, "batch_tokens": int(o["batch_tokens"]),
                        "methods": [sc.METHOD_NAMES[d.method] for d in layers]},
-        predicted=dict(_predicted(outcome, part, facts["profile"], sfacts, o),
-                       request_cost=_request_spec(loaded, sfacts, layers, part, grid_units, o["http_entry"])),
+        predicted=dict(_predicted(outcome, part, facts["profile"], sfacts, o), request_cost=spec,
+                       api_call=api_call(spec, o, time_limit_s(sfacts.platform.to_dict(), o["http_entry"]))),
         inputs=inputs,
         deployment={"payload_limit_bytes": int(facts["platform"].payload_limit_bytes),
                     "requests_per_second": o["requests_per_second"], "http_entry": o["http_entry"]},
     )
     return {"plan": plan}
+
+
+def api_call(spec: dict, o: dict, limit_s: float) -> dict:
+    """What the API call the user named (--prompt-tokens, --new-tokens: a request that runs to its
+    max_tokens) costs, every charge in (the front function, each function's duration and request fee,
+    S3 requests, the EXPRESS execution, the HTTP API's fee), and the month of such calls at
+    --requests-per-second; refused when the deployment's HTTP entry would not wait for it."""
+    from moeplan.runtime.lambda_.request_cost import request_cost
+
+    P, N, rate = int(o["prompt_tokens"]), int(o["new_tokens"]), float(o["requests_per_second"])
+    cost = request_cost(spec, P, N)
+    if cost["latency_s"] > limit_s:
+        raise UserError(f"an API call of {P} prompt + {N} new tokens is predicted to take {cost['latency_s']:.1f} s, over "
+                        f"the {limit_s:g} s this deployment's HTTP entry waits; name a shorter call with --new-tokens "
+                        "or --prompt-tokens")
+    return {"prompt_tokens": P, "new_tokens": N, "usd": cost["usd"], "latency_s": cost["latency_s"],
+            "lambda_gb_s": cost["lambda_gb_s"], "lambda_invocations": cost["lambda_invocations"],
+            "s3_puts": cost["s3_puts"], "s3_gets": cost["s3_gets"], "executions": cost["executions"],
+            "requests_per_second": rate, "monthly_usd": cost["usd"]["total"] * rate * SECONDS_PER_MONTH}
 
 
 def _request_spec(loaded, sfacts, layers, part, grid_units: dict, http_entry: str) -> dict:

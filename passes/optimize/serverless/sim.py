@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.passes.optimize.serverless import billing as sc
+from moeplan.runtime.lambda_.charges import billed_gb_seconds, lambda_usd
 
 
 @dataclass
@@ -82,6 +83,6 @@ def simulate(facts: sc.ServerlessFacts, layers, loads, batch_tokens: int) -> Sim
     dense_seconds = fixed["head"] + fixed["tail"] + sum(sc.head_time(p, l.dense_param_bytes) + t
                                                         for l, t in zip(facts.layers, fixed["non_moe"]))
     invocations = len(facts.layers) + 2
-    dense_cost = (p.billed_seconds(dense_seconds) * p.dense_function_memory_mb / 1024 * p.price_per_gb_s
-                  + invocations * p.price_per_request)
+    dense_cost = lambda_usd(billed_gb_seconds(dense_seconds, p.dense_function_memory_mb, p.billing_granularity_s),
+                            invocations, p.price_per_gb_s, p.price_per_request)
     return SimResult(moe_cost, dense_cost, latency, int(batch_tokens), lat_rows, cost_rows, overflows)
