@@ -91,7 +91,7 @@ def closed_loop(client, prompts: list, concurrency: int, per_client: int, new_to
 
 
 def static_batch(bundle: Path, mode: str, prompts: list, new_tokens: int) -> float:
-    """Output tokens/s of the bundle's static engine on `prompts` as one batch (after a warm-up)."""
+    """Output tokens/s of `moeplan run`'s static batch (the same worker) on `prompts` as one batch (after a warm-up)."""
     from runtime.counters import Counters
     from runtime.ep.engine import Engine
     from runtime.ep.exchange import Exchanger

@@ -8,8 +8,8 @@ A step, on every rank and in the same order:
 2. decode: if any sequence was running before this step (anywhere), one forward of one new token
    per row; prefill: if the plan admits sequences, one forward of their prompts (left-padded) into
    a fresh cache, whose rows then join the running ones. In standard mode a rank runs only the
-   sequences it owns and joins a forward it has no row in with a one-row dummy, as the static
-   engine does, so every rank takes part in every exchange; in coherent mode every rank runs every
+   sequences it owns and joins a forward it has no row in with a one-row dummy, so every rank
+   takes part in every exchange; in coherent mode every rank runs every
    sequence (the engine's context exchange keeps every rank's cache whole);
 3. the rank holding a token's last hidden state samples it (`sampler.py`) and the new tokens are
    shared (`token_sync`): with every rank in coherent mode (each feeds every sequence), with rank 0
