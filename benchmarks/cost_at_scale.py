@@ -103,7 +103,7 @@ def scenario(name, config, nodes, per_node, hardware, workload_text, args, scrat
     rows = [priced("contiguous + standard", plan_placement(trace, replace(base, policy="contiguous")), "standard",
                    "contiguous", 0),
             priced("eplb + standard", plan_placement(trace, replace(base, policy="eplb", redundant=D)), "standard", "eplb", D)]
-    chosen, table = choose_placement(trace, base, shape, profile, workload, "auto")
+    chosen, table, _ = choose_placement(trace, base, shape, profile, workload, "auto")
     mode = next(r["mode"] for r in table if r["chosen"])
     redundant = int(chosen.metrics.get("redundant", 0))
     rows.append(priced("planner's choice", chosen, mode, chosen.policy, redundant))

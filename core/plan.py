@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
-from moeplan.core.plan_sections import SECTIONS, Communication, Placement, Predicted, Section
+from moeplan.core.plan_sections import SECTIONS, Communication, Deployment, Placement, Predicted, Section
 
 PLAN_VERSION = 1
 
@@ -27,12 +27,15 @@ class Plan:
     * `placement`: the `placement.json` document (experts per device per MoE layer).
     * `communication`: how tokens move (mode, gating) - what the runtime is configured with.
     * `predicted`: the metrics the planner predicts for this plan.
-      These three are typed sections (`core/plan_sections.py`); given as dicts, they become sections.
+      These three and `deployment` are typed sections (`core/plan_sections.py`); given as dicts,
+      they become sections.
     * `shards`: per-rank weight file names, rank order (filled in by torchrun codegen).
     * `inputs`: what the plan was computed from: `model` (the spec as given, which `moeplan
       codegen` reads the weights from), trace hash, options.
-    * `deployment`: target settings that are not decisions but shape the bundle (Kubernetes image
-      and storage class; Lambda payload limit and the request rate its README prices).
+    * `deployment`: how the bundle is deployed: the engine targets' parallel layout (attention TP
+      or DP, EP size, redundant experts, max running requests: `core/engine_layout.py`), and target
+      settings that shape the bundle (Kubernetes image and storage class; Lambda payload limit and
+      the request rate its README prices).
     """
 
     target: str
@@ -43,7 +46,7 @@ class Plan:
     predicted: Predicted
     shards: list = field(default_factory=list)
     inputs: dict = field(default_factory=dict)
-    deployment: dict = field(default_factory=dict)
+    deployment: Deployment = field(default_factory=Deployment)
     version: int = PLAN_VERSION
 
     def __post_init__(self):

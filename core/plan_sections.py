@@ -1,4 +1,4 @@
-"""Typed sections of a Plan: `communication`, `predicted` and `placement` (plan.json bytes unchanged).
+"""Typed sections of a Plan: `communication`, `predicted`, `placement` and `deployment` (plan.json bytes unchanged).
 
 Each section is a frozen dataclass whose fields are the keys the targets write (a field a target
 does not write reads None); `from_json(dict)` and `to_json() -> dict` convert to and from the
@@ -25,6 +25,12 @@ What each target writes (docs/formats.md has the meanings):
 * `placement`: placement.json's document (version, policy, layers, topology, num_experts,
   metrics) for torchrun, Kubernetes and the engine targets; lambda: version, policy, layers,
   dense_slices, unit_segments; offload: version, policy, resident.
+* `deployment`: how the bundle is deployed. The engine targets (sglang, vllm, trtllm): the engine's
+  parallel layout (attention_tp, attention_dp, moe_ep, moe_tp, redundant_experts,
+  max_running_requests, moe_a2a, hardware, chosen_by; vllm: eplb), which `core/engine_layout.py`
+  builds and checks against `topology` and `communication`, and sglang's kubernetes, image;
+  torchrun: weights; Kubernetes: image, storage_class, batch_job; lambda: payload_limit_bytes,
+  requests_per_second, http_entry.
 """
 from __future__ import annotations
 
@@ -115,6 +121,7 @@ class Predicted(Section):
     gpu_local_fraction: float | None = None
     node_local_fraction: float | None = None
     max_over_mean_load: float | None = None
+    load_drift: dict | None = None           # vllm: expert loads across windows of the trace, what sized --eplb-config
     transitions: Any = None
     cross_gpu_transitions: Any = None
     cross_node_transitions: Any = None
@@ -164,4 +171,30 @@ class Placement(Section):
     resident: list | None = None             # offload
 
 
-SECTIONS = {"communication": Communication, "predicted": Predicted, "placement": Placement}
+@dataclass(frozen=True, eq=False)
+class Deployment(Section):
+    """How the bundle is deployed. For the engine targets, the layout the engine is launched with (a
+    decision: the flags' or the SLO search's; `core/engine_layout.py` builds it and checks it against
+    `topology` and `communication`); for every target, settings that shape the bundle."""
+
+    attention_tp: int | None = None         # engine targets: GPUs per attention replica (tensor parallel)
+    attention_dp: int | None = None         # attention replicas (data parallel); attention_tp x attention_dp = GPUs
+    moe_ep: int | None = None               # expert-parallel ranks (= communication.ep_size)
+    moe_tp: int | None = None               # tensor parallelism inside each expert; moe_ep x moe_tp = GPUs
+    redundant_experts: int | None = None    # replica slots per MoE layer over all EP ranks (= communication.redundant)
+    max_running_requests: int | None = None  # requests decoding at once over the whole deployment; None: the engine's
+    moe_a2a: str | None = None              # how tokens reach their experts: allgather | deepep
+    hardware: str | None = None             # the hardware profile the deployment was planned for, or None
+    chosen_by: str | None = None            # flags | slo_search
+    eplb: dict | None = None                # vllm: the --eplb-config (window_size, step_interval, num_redundant_experts)
+    kubernetes: bool | None = None          # sglang: kubernetes/ manifests written too
+    image: str | None = None                # Kubernetes, sglang --kubernetes: the pods' image
+    storage_class: str | None = None        # Kubernetes
+    batch_job: bool | None = None
+    weights: str | None = None              # torchrun: reference (absent: copy)
+    payload_limit_bytes: int | None = None  # lambda
+    requests_per_second: float | None = None
+    http_entry: str | None = None
+
+
+SECTIONS = {"communication": Communication, "predicted": Predicted, "placement": Placement, "deployment": Deployment}

@@ -60,7 +60,7 @@ def test_other_targets_and_the_option_list(inputs, tmp_path):
     model, trace = inputs
     offload = moeplan.plan(model, trace, target="offload", expert_cache=20)
     assert offload.plan.target == "offload" and offload.summary["expert_cache"] == 20
-    assert set(moeplan.targets()) == {"torchrun", "kubernetes", "lambda", "sglang", "trtllm", "offload"}
+    assert set(moeplan.targets()) == {"torchrun", "kubernetes", "lambda", "sglang", "vllm", "trtllm", "offload"}
     assert moeplan.options("lambda")["batch_tokens"] == 10240 and "slo" not in moeplan.options("torchrun")
 
 

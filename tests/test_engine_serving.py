@@ -219,3 +219,76 @@ def test_diff_compares_serving_predictions_and_gates_on_tpot(mixtral_trace, tmp_
     moved = {f["name"]: f for f in doc["figures"]}
     assert moved["tpot"]["ratio"] > 1 and moved["throughput"]["ratio"] > 1
     assert {"name": "workload", "a": "16x512+64", "b": "64x512+64"} in doc["decisions"]
+
+
+LAYOUT_KEYS = ("attention_tp", "attention_dp", "moe_ep", "moe_tp", "redundant_experts", "max_running_requests",
+               "moe_a2a")
+
+
+@pytest.mark.parametrize("target, args", [
+    ("sglang", ["--attention", "dp"]),
+    ("sglang", ["--attention", "tp", "--max-running-requests", 24]),
+    ("vllm", ["--attention", "dp"]),
+    ("trtllm", []),
+])
+def test_the_deployment_priced_is_the_plan_s_deployment_record(mixtral_trace, tmp_path, target, args):
+    """The serving pass prices plan.json's `deployment` (what the bundle launches), not a layout of its own."""
+    out = tmp_path / "p.json"
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", target, "--nodes", 2, "--gpus-per-node", 4,
+                 "--redundant", 8, "--hardware", "a100-sxm", "--workload", "32x512+64", *args, "--quiet", "--out", out)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(out.read_text())
+    layout, deployment = plan["predicted"]["serving"]["layout"], plan["deployment"]
+    assert {k: layout[k] for k in LAYOUT_KEYS} == {k: deployment[k] for k in LAYOUT_KEYS}
+    assert deployment["hardware"] == layout["hardware"] == "a100-sxm" and layout["engine"] == target
+    assert deployment["attention_dp"] == (1 if "tp" in args else 8)
+    assert deployment["max_running_requests"] == (24 if 24 in args else 32)  # --workload's requests by default
+    assert plan["predicted"]["serving"]["running_requests"] == deployment["max_running_requests"]
+
+
+def test_attention_layout_changes_the_priced_step(mixtral_trace, tmp_path):
+    tpot = {}
+    for attention in ("tp", "dp"):
+        out = tmp_path / f"{attention}.json"
+        result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 8,
+                     "--redundant", 8, "--hardware", "a100-sxm", "--workload", "64x512+64", "--attention", attention,
+                     "--quiet", "--out", out)
+        assert result.exit_code == 0, result.output
+        tpot[attention] = json.loads(out.read_text())["predicted"]["serving"]["tpot_s"]
+    assert tpot["tp"] != tpot["dp"]
+
+
+def test_vllm_without_its_eplb_is_told_to_turn_it_on_for_replicas(mixtral_trace, tmp_path):
+    out = tmp_path / "p.json"
+    result = cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "vllm", "--nodes", 1, "--gpus-per-node", 4,
+                 "--policy", "contiguous", "--out", out)
+    assert result.exit_code == 0, result.output
+    warning = json.loads(out.read_text())["predicted"]["warnings"][0]
+    assert "--redundant 4" in warning and warning.endswith("(vllm: with --policy eplb)")
+
+
+def test_a_deployment_prices_the_all_to_all_its_record_chose():
+    """`Deployment.a2a` (the record's moe_a2a) overrides the node rule, and the step priced follows it."""
+    m = model("qwen3-30b-a3b.json")
+    ruled, chosen = Deployment("sglang", "h100-sxm", 1, 8, 1, 8, 8), Deployment("sglang", "h100-sxm", 1, 8, 1, 8, 8, a2a="deepep")
+    assert ruled.moe_a2a == "allgather" and chosen.moe_a2a == chosen.layout()["moe_a2a"] == "deepep"
+    a = predict_serving(m, ruled, "64x1024+128", use_measured=False)
+    b = predict_serving(m, chosen, "64x1024+128", use_measured=False)
+    assert a.tpot_s != b.tpot_s
+    with pytest.raises(UserError, match="moe_a2a 'nvlink' is not one of allgather, deepep"):
+        Deployment("sglang", "h100-sxm", 1, 8, 1, 8, 8, a2a="nvlink")
+
+
+@pytest.mark.parametrize("target", ["sglang", "vllm", "trtllm"])
+def test_the_bundle_readme_states_the_serving_prediction_of_its_deployment(mixtral_trace, tmp_path, target):
+    out = tmp_path / "bundle"
+    result = cli("compile", MIXTRAL, "--trace", mixtral_trace, "--target", target, "--nodes", 1, "--gpus-per-node", 4,
+                 "--redundant", 4, "--hardware", "a100-sxm", "--workload", "16x256+32", "--out", out)
+    assert result.exit_code == 0, result.output
+    line = next(x for x in result.output.splitlines() if x.startswith("serving 16x256+32 on 4x a100-sxm"))
+    readme = (out / "README.md").read_text()
+    assert "## Predicted serving" in readme and line in readme.replace("\n", " ")
+    plain = cli("compile", MIXTRAL, "--trace", mixtral_trace, "--target", target, "--nodes", 1, "--gpus-per-node", 4,
+                "--redundant", 4, "--out", tmp_path / "plain")
+    assert plain.exit_code == 0, plain.output
+    assert "Predicted serving" not in (tmp_path / "plain" / "README.md").read_text()

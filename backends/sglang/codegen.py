@@ -4,8 +4,14 @@ Followed: sglang 0.5.23, `python/sglang/srt/eplb/expert_location.py`
 (`compute_initial_expert_location_metadata`: a `.json` path is read and every key is passed to
 `ExpertLocationMetadata.init_by_mapping`, so the file holds `physical_to_logical_map` only) and
 `python/sglang/srt/arg_groups/fields/exec_.py` (`--ep-num-redundant-experts`,
-`--ep-dispatch-algorithm`, `--init-expert-location`). SGLang's map has a row for every decoder
-layer, dense ones included, and E + R columns; slot s lives on EP rank s // ((E + R) / ep_size).
+`--ep-dispatch-algorithm`, `--init-expert-location`, `--moe-a2a-backend`), `fields/parallel.py`
+(`--tp-size` every GPU, `--attn-dp-size`: the current spelling of the deprecated `--dp-size N
+--enable-dp-attention`, `--ep-size`) and `fields/schedule.py` (`--max-running-requests`, over all
+attention-DP ranks). The deployment is the plan's (`core/engine_layout.py`); `--ep-dispatch-algorithm
+dynamic` is the one SGLang accepts with `--moe-a2a-backend none` too (`arg_groups/parallel_hook.py:
+handle_eplb_and_dispatch`: static and lp pick a replica per rank, which needs an all-to-all).
+SGLang's map has a row for every decoder layer, dense ones included, and E + R columns; slot s
+lives on EP rank s // ((E + R) / ep_size).
 Every row must name every logical expert (SGLang builds each expert's replica list from it);
 dense layers get SGLang's own trivial row (slot s -> s mod E).
 """
@@ -24,6 +30,8 @@ DEFAULT_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
 HTTP_PORT = 30000
 DIST_PORT = 5000
 KUBERNETES_FILES = ("configmap.yaml", "service.yaml", "statefulset.yaml")
+# the deployment's moe_a2a -> SGLang --moe-a2a-backend ("none": the MoE input made whole on every rank)
+MOE_A2A_BACKEND = {"allgather": "none", "deepep": "deepep"}
 
 
 def physical_to_logical_map(plan, slots: list) -> list:
@@ -69,6 +77,7 @@ def write_files(out: Path, plan, slots: list) -> None:
     image = plan.deployment.get("image") or DEFAULT_IMAGE
     ctx = {**engine_context(plan, slots), "sglang_version": SGLANG_VERSION, "kubernetes": kubernetes, "image": image,
            "weights_claim": f"{slug(str(plan.model['name']))}-weights"}
+    ctx["sglang_a2a"] = MOE_A2A_BACKEND[ctx["moe_a2a"]]
     files = {
         "init_expert_location.json": expert_location_json(physical_to_logical_map(plan, slots)),
         "launch.sh": env.get_template("launch.sh.j2").render(**ctx),

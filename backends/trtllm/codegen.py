@@ -7,7 +7,10 @@ Followed: TensorRT-LLM `tensorrt_llm/llmapi/llm_args.py` (NVIDIA/TensorRT-LLM at
 MoE module's `layer_idx`; `MoeConfig.load_balancer` takes that config, a dict or a YAML path) and
 `examples/wide_ep/ep_load_balancer/README.md` (layer keys are the MoE modules' decoder-layer
 indices, 3..60 for DeepSeek-V3; every successive num_slots / ep_size slots belong to one rank;
-the MoE modules also require every expert 0..E-1 to appear and num_slots >= E).
+the MoE modules also require every expert 0..E-1 to appear and num_slots >= E). The deployment
+(`core/engine_layout.py`): `enable_attention_dp` runs attention data parallel on every rank (or
+tensor parallel over all of them), and `trtllm-serve --max_batch_size` is per rank under attention
+DP, so it gets the plan's running requests per attention replica.
 """
 from __future__ import annotations
 
@@ -44,10 +47,12 @@ def load_balancer_yaml(config: dict) -> str:
     return "\n".join(_yaml_lines(config, "")) + "\n"
 
 
-def extra_llm_api_options_yaml(config: dict) -> str:
-    """`--extra_llm_api_options`: attention DP + WIDEEP MoE with the load balancer inlined."""
+def extra_llm_api_options_yaml(config: dict, attention_dp: bool) -> str:
+    """`--extra_llm_api_options`: attention DP on every rank or none (the deployment's) + WIDEEP MoE with the load
+    balancer inlined."""
     head = ["# TensorRT-LLM LLM API options written by moeplan: standard expert parallelism with a static placement.",
-            "enable_attention_dp: true", "moe_config:", f"  backend: {MOE_BACKEND}", "  load_balancer:"]
+            f"enable_attention_dp: {'true' if attention_dp else 'false'}", "moe_config:", f"  backend: {MOE_BACKEND}",
+            "  load_balancer:"]
     return "\n".join(head + _yaml_lines(config, "    ")) + "\n"
 
 
@@ -62,6 +67,6 @@ def write_files(out: Path, plan, slots: list) -> None:
     ctx = engine_context(plan, slots)
     config = load_balancer_config(plan, slots)
     write_file(out / "moe_load_balancer.yaml", load_balancer_yaml(config))
-    write_file(out / "extra_llm_api_options.yaml", extra_llm_api_options_yaml(config))
+    write_file(out / "extra_llm_api_options.yaml", extra_llm_api_options_yaml(config, ctx["attention_dp"] > 1))
     write_file(out / "launch.sh", env.get_template("launch.sh.j2").render(**ctx), executable=True)
     write_file(out / "README.md", env.get_template("README.md.j2").render(**ctx))

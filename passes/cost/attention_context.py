@@ -13,13 +13,16 @@ context (`ModelShape.attention_flops`: projections and norms). What it leaves ou
   K and V of the KV heads, or MLA's latent and rotary key, in float32).
 
 `context_cost(ctx, tokens)` gives a rank's extra (FLOPs, bytes) for the (sequence, position) tokens its
-attention runs in one step, to be added to the block's attention compute as FLOPs and bytes read.
+attention runs in one step, `context_per_rank` every rank's at once; `cost_model.predict` adds them to
+each block's attention compute as FLOPs and bytes read (`ModelShape.attention_context`).
 Sliding windows are not modelled here (every layer attends to the whole context: an upper bound on
 models with windowed layers); linear-attention layers have no cache to read but are priced the same.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,20 @@ def runtime_attention_context(config, ir) -> AttentionContext:
 def context_cost(ctx: AttentionContext, tokens) -> tuple:
     """(FLOPs, bytes read) one block's attention adds at context for `tokens` [(sequence, position)]
     run on one rank in one step (module docstring)."""
-    keys, last = 0, {}
-    for seq, pos in tokens:
-        keys += pos + 1
-        last[seq] = max(last.get(seq, -1), pos)
-    cached = sum(p + 1 for p in last.values())
+    seq = np.array([s for s, _ in tokens], dtype=np.int64)
+    pos = np.array([p for _, p in tokens], dtype=np.int64)
+    flops, nbytes = context_per_rank(ctx, np.zeros_like(seq), seq, pos, 1)
+    return float(flops[0]), float(nbytes[0])
+
+
+def context_per_rank(ctx: AttentionContext, rank: np.ndarray, seq: np.ndarray, pos: np.ndarray, world: int) -> tuple:
+    """(FLOPs, bytes read) float [W] that one block's attention adds at context on each rank, for a step's
+    tokens: token i of sequence seq[i] at position pos[i] (0-based) runs its attention on rank rank[i]
+    (int [n] each). FLOPs: pos + 1 keys per token; bytes: per (rank, sequence), the cache up to the last
+    position of that sequence's tokens on that rank, read once."""
+    keys = np.bincount(rank, weights=pos + 1.0, minlength=world)
+    span = int(seq.max(initial=0)) + 1
+    last = np.full(world * span, -1, dtype=np.int64)
+    np.maximum.at(last, rank * span + seq, pos)
+    cached = (last + 1).reshape(world, span).sum(axis=1)
     return ctx.flops_per_key * keys, ctx.kv_bytes_per_key * cached

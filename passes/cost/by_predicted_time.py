@@ -14,6 +14,11 @@ under the chosen hardware profile, on the plan's trace and workload, and the fas
   ILP candidate per distinct cap). Then the cost model prices every candidate in full.
   Candidates that cannot be built for this topology (e.g. contiguous when experts do not divide
   over devices) are skipped.
+* Early stop: candidates are tried cheapest first (contiguous, EPLB, then the ILP's, whose solves
+  take minutes at DeepSeek-V3 scale). Before each, the best price so far is set against the floor
+  no placement can be predicted below (`placement_floor.py`); once the floor is within
+  `MODEL_ERROR` of the best, no candidate left can win by more than the model can tell apart, and
+  the rest are skipped (plan.json `predicted.cost.auto_stop` names them, the floor and the error).
 """
 from __future__ import annotations
 
@@ -24,6 +29,11 @@ from moeplan.core.errors import UserError
 
 MODES = (STANDARD, COHERENT)
 TIE = 0.01  # relative: a coherent win smaller than this is not worth its context traffic
+# The cost model's error, relative: a candidate that cannot beat the best so far by more than this is not
+# tried. From docs/cost_model.md, "How close the demo comes": on the machine it was calibrated on, the
+# demo's predictions fell within -7.2 % .. +14.7 % of `moeplan run`'s measurement, and a single run's
+# noise on 2 cores is about +-10 %; a win below 10 % is one no measurement could confirm.
+MODEL_ERROR = 0.10
 
 
 def predict_modes(hosts, gpus_per_node: int, shape, workload, trace_experts, profile, modes=MODES) -> dict:
@@ -57,6 +67,7 @@ def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
     choose (one per distinct cap), and the cap search's table."""
     from moeplan.passes.cost.time_prices import choose_load_cap
 
+    req = replace(req, bound=False)  # the bound of the one placement kept only (`choose_placement`)
     try:
         chosen, table = choose_load_cap(trace, req, prices)
     except UserError:
@@ -73,43 +84,67 @@ def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
     return out, table
 
 
-def choose_placement(trace, request, shape, profile, workload, mode: str) -> tuple:
-    """Build every candidate, predict each under `mode` (or both for auto), keep the fastest.
+def choose_placement(trace, request, shape, profile, workload, mode: str, error: float | None = MODEL_ERROR) -> tuple:
+    """Build the candidates cheapest first, predict each under `mode` (or both for auto), keep the
+    fastest; stop once no candidate left can beat it by more than `error` (None: try them all).
 
-    Returns (placement, table): table rows {label, policy, redundant, balance, mode,
-    seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json; the
-    ILP rows carry `prices` and `cap_search` (time_prices.py)."""
-    from moeplan.passes.optimize.placement.policies import plan_placement
+    Returns (placement, table, stop): table rows {label, policy, redundant, balance, mode,
+    seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json (the
+    ILP rows carry `prices` and `cap_search`, time_prices.py); stop {error, floor_seconds_per_token,
+    best_seconds_per_token, skipped: [labels]} (module docstring)."""
+    from moeplan.core import progress
+    from moeplan.passes.cost.placement_floor import expected_floor
     from moeplan.passes.cost.time_prices import time_prices
+    from moeplan.passes.optimize.placement.policies import finish_placement, plan_placement
 
     modes = MODES if mode == "auto" else (mode,)
     topo = request.topology
-    prices = {m: time_prices(profile, shape, workload, topo.devices, topo.gpus_per_node, trace.num_experts, m) for m in modes}
-    built = []
-    for label, req in candidates(request, trace.num_experts):
-        if req.policy == "ilp":
-            found, table = ilp_candidates(trace, label, req, prices)
-            built += [(lab, r, p, {"prices": {m: v.to_dict() for m, v in prices.items()}, "cap_search": table})
-                      for lab, r, p in found]
-            continue
-        try:
-            built.append((label, req, plan_placement(trace, req), {}))
-        except UserError:
-            continue
-    rows, best = [], None
-    for label, req, placement, extra in built:
-        preds = predict_modes(placement.hosts(), req.topology.gpus_per_node, shape, workload, trace.experts, profile,
-                              MODES if mode == "auto" else (mode,))
-        chosen = choose_mode(preds) if mode == "auto" else mode
-        p = preds[chosen]
-        rows.append({"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
-                     "balance": req.balance if req.policy == "ilp" else None,
-                     "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
-                     "modes": preds, **extra})
-        if best is None or p["seconds_per_token"] < best[0] * (1 - TIE):
-            best = (p["seconds_per_token"], placement, label)
+    floor = min(expected_floor(topo.devices, shape, m, workload, trace.experts, profile) for m in modes)
+    prices = None
+    rows, best, skipped = [], None, []
+    todo = candidates(request, trace.num_experts)
+    with progress.step("placement candidates (--policy auto)", total=len(todo)) as advance:
+        for label, req in todo:
+            if best is not None and error is not None and floor >= best[0] * (1 - max(error, TIE)):
+                skipped.append(label)
+                advance(description=f"placement candidates: {label} cannot win by more than {error:.0%}, skipped")
+                continue
+            advance(0, description=f"placement candidates: building {label}")
+            if req.policy == "ilp":
+                if prices is None:
+                    prices = {m: time_prices(profile, shape, workload, topo.devices, topo.gpus_per_node, trace.num_experts, m)
+                              for m in modes}
+                found, table = ilp_candidates(trace, label, req, prices)
+                built = [(lab, r, p, {"prices": {m: v.to_dict() for m, v in prices.items()}, "cap_search": table})
+                         for lab, r, p in found]
+            else:
+                try:
+                    built = [(label, req, plan_placement(trace, req), {})]
+                except UserError:
+                    built = []
+            advance(0, description=f"placement candidates: pricing {label}")
+            for lab, r, placement, extra in built:
+                row = _priced_row(lab, r, placement, extra, shape, workload, trace, profile, mode)
+                rows.append(row)
+                if best is None or row["seconds_per_token"] < best[0] * (1 - TIE):
+                    best = (row["seconds_per_token"], placement, lab)
+            advance()
     if best is None:
         raise UserError("--policy auto found no placement policy that fits this topology; pick --policy and --redundant explicitly")
     for row in rows:
         row["chosen"] = row["label"] == best[2]
-    return best[1], rows
+    finish_placement(best[1])
+    stop = {"error": error, "floor_seconds_per_token": floor, "best_seconds_per_token": best[0], "skipped": skipped}
+    return best[1], rows, stop
+
+
+def _priced_row(label, req, placement, extra, shape, workload, trace, profile, mode: str) -> dict:
+    """One candidate's row of the table: its prediction under `mode` (both for auto) and the mode chosen."""
+    preds = predict_modes(placement.hosts(), req.topology.gpus_per_node, shape, workload, trace.experts, profile,
+                          MODES if mode == "auto" else (mode,))
+    chosen = choose_mode(preds) if mode == "auto" else mode
+    p = preds[chosen]
+    return {"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
+            "balance": req.balance if req.policy == "ilp" else None,
+            "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
+            "modes": preds, **extra}

@@ -1,12 +1,14 @@
 """Coherent mode's context rows as the cost model prices them: per decoder block, what the runtime
 sends per token (the hidden state or the cache's K/V; `runtime/ep/context_exchange.py` chooses),
-read off a model or a bundle, and the model's shape with them.
+read off a model or a bundle, and the model's shape with them and with its attention at context
+(`attention_context.py`; recorded in plan.json `predicted.cost.attention_context`).
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
+from moeplan.passes.cost.attention_context import AttentionContext, runtime_attention_context
 from moeplan.passes.cost.cost_model import ModelShape
 
 
@@ -25,16 +27,30 @@ def context_plan_of(module, choice: str = "auto") -> list:
         return []
 
 
-def shape_with_context(ir, context: list) -> ModelShape:
-    """The IR's shape with coherent mode's per-block context rows (when they cover every block)."""
-    shape = ModelShape.from_ir(ir)
+def shape_with_context(ir, context: list, attention: AttentionContext | None = None) -> ModelShape:
+    """The IR's shape with coherent mode's per-block context rows (when they cover every block) and
+    its attention at context (None: priced at a short context)."""
+    shape = replace(ModelShape.from_ir(ir), attention_context=attention)
     if len(context) != shape.num_blocks:
         return shape
     return replace(shape, context_elements=tuple(n for _, n in context))
 
 
+def attention_of(module, ir) -> AttentionContext:
+    """The model's attention at context as the runtime runs it, from its library config (none: the IR's)."""
+    return runtime_attention_context(getattr(module, "config", None) if module is not None else None, ir)
+
+
+def attention_record(attention: AttentionContext | None) -> dict:
+    """plan.json `predicted.cost.attention_context`: what the cost model priced attention at context with."""
+    return {} if attention is None else {"flops_per_key": attention.flops_per_key, "kv_bytes_per_key": attention.kv_bytes_per_key}
+
+
 def shape_of_plan(plan: dict, context: list | None = None) -> ModelShape:
-    return shape_with_context(_ir(plan), context or [])
+    """The shape a plan was priced with: its context rows and its recorded attention at context (plans
+    written before it was recorded: a short context, as they were priced)."""
+    recorded = plan.get("predicted", {}).get("cost", {}).get("attention_context")
+    return shape_with_context(_ir(plan), context or [], AttentionContext(**recorded) if recorded else None)
 
 
 def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:

@@ -28,7 +28,9 @@ bundle), so with the run's own routing the bytes equal the measured counters.
 Time (per step, then per generated token = sum of steps / generated tokens):
 * compute, per block and rank r: c_r = ops_r x op_overhead + max(flops_r / flops_per_s,
   weight bytes read_r / memory bandwidth) (decode on GPUs is weight-read bound), with
-  flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs, and ops_r counting
+  flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs (+ attention at context:
+  FLOPs per key x keys its tokens attend to, and the KV cache read, bytes per cached token x each
+  sequence's cache up to its last position on the rank, `attention_context.py`), and ops_r counting
   the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
   loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
   expert invoked, MOE_OPS per MoE layer; coherent mode adds COHERENT_HOOK_OPS per block on every
@@ -48,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moeplan.passes.cost.attention_context import AttentionContext, context_per_rank
 from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -97,6 +100,8 @@ class ModelShape:
     context_elements: int | tuple = 0  # coherent context row per token: one int for every block, or one per
                                  # block (the runtime's `context_exchange` plan); 0: the hidden state.
                                  # K and V (2 x kv heads x head dim) or an MLA latent are smaller
+    attention_context: AttentionContext | None = None  # per block: FLOPs per (query, key) and KV bytes per cached
+                                 # token (attention_context.py); None: attention priced at a short context only
 
     @classmethod
     def from_ir(cls, ir) -> ModelShape:
@@ -238,6 +243,8 @@ class _Counter:
 
     def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int):
         self.pred, self.table, self.profile, self.world = pred, table, profile, world
+        node = table.node_of
+        self.same = node[:, None] == node[None, :]  # bool [W, W]: both ranks on one node
 
     def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
         """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds."""
@@ -258,22 +265,24 @@ class _Counter:
             entry["messages"] += msgs
             entry["control_bytes"] += ctrl_b
             entry["control_messages"] += ctrl_m
-        node = self.table.node_of
-        same = node[:, None] == node[None, :]
+        same = self.same
         self.pred.tiers["same_node"] += int(off[same].sum()) * row_bytes
         self.pred.tiers["other_node"] += int(off[~same].sum()) * row_bytes
         if self.profile is None:
             return 0.0
         p = self.profile
-        per_rank = []
-        for s in range(W):
-            t = {"same_node": 0.0, "other_node": 0.0}
-            for d in range(W):
-                if off[s, d]:
-                    tier = "same_node" if same[s, d] else "other_node"
-                    t[tier] += p.message_latency_s[tier] + off[s, d] * row_bytes / p.bandwidth_bytes_per_s[tier]
-            per_rank.append(t)
-        slowest = max(per_rank, key=lambda t: t["same_node"] + t["other_node"])
+        # per sending rank and tier: its messages' latency + bytes / bandwidth, summed over destinations
+        # in rank order (a running sum: the same figures as a loop over destinations)
+        per_rank = {}
+        for tier, mask in (("same_node", same), ("other_node", ~same)):
+            sent = mask & (off > 0)
+            if not sent.any():  # a tier no message takes (its figures may be unknown: one node)
+                per_rank[tier] = np.zeros(W)
+                continue
+            terms = np.where(sent, p.message_latency_s[tier] + off * row_bytes / p.bandwidth_bytes_per_s[tier], 0.0)
+            per_rank[tier] = np.cumsum(terms, axis=1)[:, -1]
+        s = int(np.argmax(per_rank["same_node"] + per_rank["other_node"]))  # the slowest rank (the first on a tie)
+        slowest = {tier: float(per_rank[tier][s]) for tier in ("same_node", "other_node")}
         ops = EXCHANGE_OPS + PEER_OPS[phase] * W + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
         parts = {"call": 2 * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
         if phase in self.pred.exchange_seconds:
@@ -285,7 +294,11 @@ class _Counter:
 def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str, workload: Workload,
             routing: dict, profile=None) -> Prediction:
     """Replay one run: routing {(seq, pos): int [L, k] expert ids, heaviest first} for every token
-    the workload processes; hosts bool [L, E, W]. Returns counters (and time with a profile)."""
+    the workload processes; hosts bool [L, E, W]. Returns counters (and time with a profile).
+
+    Vectorised over a step's tokens (numpy); per rank the figures are those of the runtime's own
+    loop: each rank chooses the replicas of the tokens current on it, in key order
+    (`ExpertTable.choose_per_rank`)."""
     if mode not in (COHERENT, STANDARD):
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = hosts.shape[2]
@@ -305,102 +318,113 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     for step_tokens in workload.steps():
         step_time = 0.0
         keys = sorted(step_tokens)
-        if mode == STANDARD:
-            current = {t: t[0] % W for t in keys}
-        else:
-            current = None  # every rank holds every token until the first MoE layer
-        last_of = {}
-        for t in keys:
-            last_of[t[0]] = t
+        n = len(keys)
+        seq = np.array([t[0] for t in keys], dtype=np.int64)  # [n], sorted
+        pos = np.array([t[1] for t in keys], dtype=np.int64)  # [n]
+        slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)  # [n, L, k]
+        # int [n]: the rank each token is current on; None: every rank holds every token (coherent mode,
+        # until the first MoE layer)
+        current = seq % W if mode == STANDARD else None
         for block in range(shape.num_blocks):
             compute = np.zeros(W)
             # attention (and the dense parts) where the token is; coherent: K/V for every token on every rank
-            if current is None:
-                holders = dict.fromkeys(range(W), keys)
-            else:
-                holders = {r: [t for t in keys if current[t] == r] for r in range(W)}
+            held, seqs = _held(current, seq, W)
             if mode == COHERENT and current is not None:
-                counts = np.array([[len(holders[r])] * W for r in range(W)], dtype=np.int64)
+                counts = np.repeat(held[:, None], W, axis=1)
                 step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes_at(block), block, "context"), comm=True)
             if mode == COHERENT:
                 compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
-            for r in range(W):
-                seqs = len({s for s, _ in holders[r]})
-                if holders[r]:
-                    dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
-                    compute[r] += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs, len(holders[r]) * dense,
-                                        shape.attention_bytes)
-                if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
-                    compute[r] += _cost(profile, 2, (len(keys) - len(holders[r])) * shape.attention_flops / 3)
+            dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
+            ctx_flops, ctx_bytes = attention_at_context(shape, current, seq, pos, W)
+            compute += np.where(held > 0, _costs(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs,
+                                                 held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
+            if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
+                compute += _costs(profile, 2, (n - held) * shape.attention_flops / 3)
             moe = moe_of.get(block)
             if moe is None:
-                for r in range(W):
-                    compute[r] += _cost(profile, EXPERT_CALL_OPS, len(holders[r]) * shape.dense_mlp_flops)
+                compute += _costs(profile, EXPERT_CALL_OPS, held * shape.dense_mlp_flops)
                 step_time += _add(pred, _pace(profile, compute, W))
                 continue
-            rows_compute = np.zeros(W)
-            experts_called = [set() for _ in range(W)]
+            ids = slot_ids[:, moe, :]
             if current is None:  # coherent first MoE layer: replicated tokens, merge only
-                ids = _slot_ids(routing, keys, moe, shape.top_k)
-                first = table.primary(moe, ids[:, 0], np.full(len(keys), -1))
-                dest = table.choose(moe, ids, first)
-                merge = np.zeros((W, W), dtype=np.int64)
-                for e, d in zip(ids.tolist(), dest.tolist()):
-                    for ex, r in zip(e, d):
-                        rows_compute[r] += 1
-                        experts_called[r].add(ex)
-                    for r in set(d) - {d[0]}:
-                        merge[r, d[0]] += 1
-                for r in range(W):
-                    compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(keys) * shape.top_k)
-                step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
-                step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
-                current = {t: int(d) for t, d in zip(keys, dest[:, 0])}
+                # the primary: the heaviest expert's first copy (no expert: the token stays on its home rank)
+                primary = np.where(ids[:, 0] >= 0, table.primary(moe, ids[:, 0], np.full(n, -1)), seq % W)
+                dest = table.choose(moe, ids, primary)
+                dest[:, 0] = primary
+                compute += _cost(profile, MOE_OPS, 0.0) + _slots(profile, n * shape.top_k)
+                step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W))
+                step_time += _add(pred, counter.exchange(_merge_rows(ids, dest, W), shape.keyed_row_bytes, block, "merge"),
+                                  comm=True)
+                current = dest[:, 0].copy()
                 continue
-            dispatch = np.zeros((W, W), dtype=np.int64)
-            merge = np.zeros((W, W), dtype=np.int64)
-            new_current = {}
-            for r in range(W):
-                mine = holders[r]
-                ids = _slot_ids(routing, mine, moe, shape.top_k)
-                dest = table.choose(moe, ids, np.full(len(mine), r))
-                compute[r] += _cost(profile, MOE_OPS, 0.0) + _slots(profile, len(mine) * shape.top_k)
-                for t, e, d in zip(mine, ids.tolist(), dest.tolist()):
-                    for ex, dr in zip(e, d):
-                        rows_compute[dr] += 1
-                        experts_called[dr].add(ex)
-                    for dr in set(d):
-                        dispatch[r, dr] += 1
-                    if mode == COHERENT:
-                        for dr in set(d) - {d[0]}:
-                            merge[dr, d[0]] += 1
-                        new_current[t] = d[0]
+            dest = table.choose_per_rank(moe, ids, current)
+            compute += _cost(profile, MOE_OPS, 0.0) + _slots(profile, held * shape.top_k)
+            ranks, first = _distinct_ranks(ids, dest)
+            dispatch = np.bincount((current[:, None] * W + ranks)[first], minlength=W * W).reshape(W, W)
             step_time += _add(pred, counter.exchange(dispatch, shape.dispatch_row_bytes, block, "dispatch"), comm=True)
-            step_time += _add(pred, _moe_compute(profile, shape, compute, rows_compute, experts_called, pred, moe, W))
+            step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W))
             if mode == STANDARD:
                 step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine"), comm=True)
             else:
-                step_time += _add(pred, counter.exchange(merge, shape.keyed_row_bytes, block, "merge"), comm=True)
-                current = new_current
+                step_time += _add(pred, counter.exchange(_merge_rows(ids, dest, W), shape.keyed_row_bytes, block, "merge"),
+                                  comm=True)
+                current = dest[:, 0].copy()
         # logits where the token ends; coherent: the AllGather of new tokens
-        ends = np.zeros(W)
-        for t in keys:
-            ends[t[0] % W if current is None else current[t]] += 1
-        step_time += _add(pred, _pace(profile, np.array([_cost(profile, HEAD_OPS, n * shape.head_flops) for n in ends]), W))
+        ends = np.bincount(seq % W if current is None else current, minlength=W).astype(float)
+        step_time += _add(pred, _pace(profile, _costs(profile, HEAD_OPS, ends * shape.head_flops), W))
         if mode == COHERENT:
-            new = np.zeros((W, W), dtype=np.int64)
-            for t in last_of.values():
-                new[current[t], :] += 1
+            last = np.r_[seq[1:] != seq[:-1], True]  # each request's last token in the step
+            new = np.repeat(np.bincount(current[last], minlength=W)[:, None], W, axis=1)
             step_time += _add(pred, counter.exchange(new, 16, None, "token_sync"), comm=True)
         pred.step_seconds.append(step_time)
     return pred
 
 
-def _slot_ids(routing: dict, tokens: list, moe: int, top_k: int) -> np.ndarray:
-    """int64 [n, k]: the expert ids of `tokens` at MoE layer `moe`, heaviest first."""
+def _held(current, seq: np.ndarray, world: int) -> tuple:
+    """(tokens, requests) int [W] each rank holds: all of them on every rank where `current` is None."""
+    if current is None:
+        return np.full(world, len(seq), dtype=np.int64), np.full(world, len(np.unique(seq)), dtype=np.int64)
+    span = int(seq.max(initial=0)) + 1
+    return np.bincount(current, minlength=world), np.bincount(np.unique(current * span + seq) // span, minlength=world)
+
+
+def attention_at_context(shape: ModelShape, current, seq: np.ndarray, pos: np.ndarray, world: int) -> tuple:
+    """(FLOPs, bytes) float [W] each rank's attention adds at context for a step's tokens (seq, pos int
+    [n]) current on it (`current` None: every rank runs every token's attention); (0.0, 0.0) where the
+    shape has no attention context."""
+    ctx = shape.attention_context
+    if ctx is None:
+        return 0.0, 0.0
+    if current is None:
+        flops, nbytes = context_per_rank(ctx, np.zeros_like(seq), seq, pos, 1)
+        return np.full(world, flops[0]), np.full(world, nbytes[0])
+    return context_per_rank(ctx, current, seq, pos, world)
+
+
+def _distinct_ranks(ids: np.ndarray, dest: np.ndarray) -> tuple:
+    """(ranks int [n, k], each row sorted; bool [n, k], the first of each rank in its row): the
+    distinct ranks each token's slots go to (slots with no expert, id -1, go nowhere)."""
+    world = int(dest.max(initial=0)) + 1
+    ranks = np.sort(np.where(ids >= 0, dest, world), axis=1)
+    first = ranks < world
+    first[:, 1:] &= ranks[:, 1:] != ranks[:, :-1]
+    return ranks, first
+
+
+def _merge_rows(ids: np.ndarray, dest: np.ndarray, world: int) -> np.ndarray:
+    """int [W, W]: coherent merge rows, one per token and distinct rank of its slots other than its
+    primary (dest[:, 0]), sent from that rank to the primary."""
+    ranks, first = _distinct_ranks(ids, dest)
+    primary = np.broadcast_to(dest[:, :1], ranks.shape)
+    keep = first & (ranks != primary)
+    return np.bincount((ranks * world + primary)[keep], minlength=world * world).reshape(world, world)
+
+
+def _slot_ids(routing: dict, tokens: list, moe_layers: int, top_k: int) -> np.ndarray:
+    """int64 [n, L, k]: the expert ids of `tokens` at every MoE layer, heaviest first."""
     if not tokens:
-        return np.zeros((0, top_k), dtype=np.int64)
-    return np.array([routing[t][moe] for t in tokens], dtype=np.int64)
+        return np.zeros((0, moe_layers, top_k), dtype=np.int64)
+    return np.array([routing[t] for t in tokens], dtype=np.int64)
 
 
 def _add(pred: Prediction, seconds: float, comm: bool = False) -> float:
@@ -416,6 +440,14 @@ def _cost(profile, ops: float, flops: float, weight_bytes: float = 0.0) -> float
     if profile is None:
         return 0.0
     return ops * profile.op_overhead_s + max(flops / profile.flops_per_s, weight_bytes / profile.memory_bytes_per_s)
+
+
+def _costs(profile, ops, flops, weight_bytes=0.0):
+    """`_cost` of every rank at once: float [W] from ops, FLOPs and weight bytes (float [W] or one
+    for all); 0.0 without a profile."""
+    if profile is None:
+        return 0.0
+    return ops * profile.op_overhead_s + np.maximum(flops / profile.flops_per_s, weight_bytes / profile.memory_bytes_per_s)
 
 
 def profile_ops_per_sequence(profile) -> float:
@@ -438,11 +470,16 @@ def _pace(profile, compute: np.ndarray, world: int) -> float:
     return float(max(compute.max(), compute.sum() / max(1, min(world, profile.parallel_ranks))))
 
 
-def _moe_compute(profile, shape, compute, rows, experts_called, pred, moe, world) -> float:
+def _moe_compute(profile, shape, compute, ids, dest, pred, moe, world) -> float:
+    """Each rank's expert work, added to compute float [W]: the slots sent to it (dest int [n, k]) and
+    the distinct experts it calls for them (ids int [n, k]); returns the layer's pace."""
+    valid = ids >= 0  # -1: no expert, no row
+    rows = np.bincount(dest[valid], minlength=world)
+    span = int(ids.max(initial=0)) + 1
+    called = np.bincount(np.unique(dest[valid] * span + ids[valid]) // span, minlength=world)
     for r in range(world):
         pred.tokens_per_rank[moe][r] += int(rows[r])
-        compute[r] += _cost(profile, EXPERT_CALL_OPS * len(experts_called[r]), rows[r] * shape.expert_flops,
-                            len(experts_called[r]) * shape.expert_bytes)
+    compute += _costs(profile, EXPERT_CALL_OPS * called, rows * shape.expert_flops, called * shape.expert_bytes)
     return _pace(profile, compute, world)
 
 
@@ -467,13 +504,18 @@ def expected(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str
              trace_experts: np.ndarray, profile=None, samples: int = 4) -> dict:
     """A priori prediction: the mean summary over `samples` disjoint stretches of a routing trace
     assigned to the workload's tokens (the served tokens' routing is not known before the run)."""
+    runs = [predict(hosts, gpus_per_node, shape, mode, workload, routing, profile).summary(workload.prompt_tokens)
+            for routing in routing_samples(workload, trace_experts, samples)]
+    return _mean(runs)
+
+
+def routing_samples(workload: Workload, trace_experts: np.ndarray, samples: int = 4) -> list:
+    """Up to `samples` routings of the workload's tokens from disjoint stretches of a trace (experts
+    [T, L, k]), at least one: what `expected` averages over."""
     per = sum(len(s) for s in workload.steps())
     T = trace_experts.shape[0]
     samples = max(1, min(samples, T // max(per, 1)))
-    runs = [predict(hosts, gpus_per_node, shape, mode, workload,
-                    routing_from_trace(trace_experts, workload, offset=i * per), profile).summary(workload.prompt_tokens)
-            for i in range(samples)]
-    return _mean(runs)
+    return [routing_from_trace(trace_experts, workload, offset=i * per) for i in range(samples)]
 
 
 def _mean(dicts: list):

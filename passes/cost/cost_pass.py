@@ -13,40 +13,49 @@ import dataclasses
 
 from moeplan.core.pass_manager import Pass
 from moeplan.passes.analysis.trace.passes import trace_matches_model
-from moeplan.passes.cost.context import context_plan_of, shape_with_context
+from moeplan.passes.cost.context import attention_of, attention_record, context_plan_of, shape_with_context
 from moeplan.passes.cost.options import cost_profile, default_cost_options, parse_workload
 from moeplan.passes.optimize.placement import passes as place_passes
 
 
-def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None) -> dict:
-    """What compile records under plan.json `predicted.cost` and the mode the bundle runs."""
-    from moeplan.passes.cost.by_predicted_time import choose_mode, predict_modes
+def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None,
+              attention=None) -> dict:
+    """What compile records under plan.json `predicted.cost` and the mode the bundle runs (`attention`:
+    the model's attention at context, `attention_context.py`)."""
+    from moeplan.passes.cost.by_predicted_time import MODES, choose_mode, predict_modes
 
     given = cost_profile(cost_options, placement.topology.nodes)
     profile = given.profile
     workload = parse_workload(cost_options["workload"])
-    shape = shape_with_context(ir, context or [])
-    preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
+    shape = shape_with_context(ir, context or [], attention)
+    alternatives = placement.metrics.get("auto_predictions", [])
+    # --policy auto priced the chosen placement already (under both modes unless --mode named one)
+    preds = next((row["modes"] for row in alternatives if row["chosen"] and set(row["modes"]) == set(MODES)), None)
+    if preds is None:
+        preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
     chosen = choose_mode(preds) if mode == "auto" else mode
+    stop = placement.metrics.get("auto_stop")
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
-                "mode": chosen, "modes": preds, "context": context or [],
-                "alternatives": placement.metrics.get("auto_predictions", []),
+                "mode": chosen, "modes": preds, "context": context or [], "alternatives": alternatives,
+                **({"auto_stop": stop} if stop is not None else {}),
+                **({"attention_context": attention_record(attention)} if attention is not None else {}),
                 **given.plan_record(figures=True)},
     }
 
 
-def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None):
-    """--policy auto: every candidate policy priced by the cost model; the fastest, with the table
-    of candidates under its metrics (`auto_candidates`)."""
+def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None, attention=None):
+    """--policy auto: the candidate policies priced by the cost model; the fastest, with the table
+    of candidates under its metrics (`auto_candidates`) and where the search stopped (`auto_stop`)."""
     from moeplan.passes.cost.by_predicted_time import choose_placement
 
     profile = cost_profile(cost_options, request.topology.nodes).profile
-    placement, rows = choose_placement(trace, request, shape_with_context(ir, context or []), profile,
-                                       parse_workload(cost_options["workload"]), mode)
+    placement, rows, stop = choose_placement(trace, request, shape_with_context(ir, context or [], attention), profile,
+                                             parse_workload(cost_options["workload"]), mode)
     placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
     placement.metrics["auto_predictions"] = rows
+    placement.metrics["auto_stop"] = stop
     return placement
 
 
@@ -61,14 +70,17 @@ def placement_or_auto(facts):
     topo = facts["topology"]
     request = PlacementRequest(topology=Topology(topo["nodes"], topo["gpus_per_node"]),
                                **{k: v for k, v in options.items() if k != "policy"})
-    return {"placement": auto_placement(facts["model"].ir, facts["trace"], request, facts["mode"],
+    model = facts["model"]
+    return {"placement": auto_placement(model.ir, facts["trace"], request, facts["mode"],
                                         default_cost_options(facts.get("cost_options")),
-                                        context_plan_of(facts["model"].module))}
+                                        context_plan_of(model.module), attention_of(model.module, model.ir))}
 
 
 def _cost(facts):
-    return {"cost": cost_fact(facts["model"].ir, facts["trace"], facts["placement"], facts["mode"],
-                              default_cost_options(facts.get("cost_options")), context_plan_of(facts["model"].module))}
+    model = facts["model"]
+    return {"cost": cost_fact(model.ir, facts["trace"], facts["placement"], facts["mode"],
+                              default_cost_options(facts.get("cost_options")), context_plan_of(model.module),
+                              attention_of(model.module, model.ir))}
 
 
 COST = Pass("cost", ("model", "trace", "placement", "mode", "cost_options"), ("cost",), _cost)

@@ -87,4 +87,15 @@ def describe_choice(plan) -> str:
     note = (" (the default; pass --hardware for the machine the bundle will run on)"
             if cost["hardware"] == "cpu-gloo" and "hardware_profile" not in cost else "")
     return (f"placement {plan.placement.policy}, mode {cost['mode']} (requested {cost['mode_requested']}); "
-            f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}")
+            f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}{_stop_note(cost)}")
+
+
+def _stop_note(cost: dict) -> str:
+    """--policy auto's early stop, when it skipped candidates: what it skipped and the error it used, with
+    where that error comes from (`by_predicted_time.MODEL_ERROR`)."""
+    stop = cost.get("auto_stop") or {}
+    if not stop.get("skipped"):
+        return ""
+    return (f"; --policy auto stopped early: no placement is predicted below {stop['floor_seconds_per_token'] * 1e3:.2f} "
+            f"ms/token, within the cost model's error ({stop['error']:.0%}: its measured accuracy against `moeplan run`, "
+            f"docs/cost_model.md 'How close the demo comes') of the best so far; not tried: {', '.join(stop['skipped'])}")

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from moeplan.core import progress
 from moeplan.passes.cost.cost_model import COHERENT, EXPERT_CALL_OPS, STANDARD
 
 CAP_LADDER = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
@@ -132,26 +133,30 @@ def choose_load_cap(trace, request, prices: dict, ladder=CAP_LADDER) -> tuple:
 
     best, rows, previous = {}, [], None
     worse = dict.fromkeys(prices, 0)
-    for balance in ladder:
-        try:
-            placement = plan_placement(trace, replace(request, policy="ilp", balance=balance))
-        except UserError:  # a cap no placement meets (an expert heavier than the cap): try looser
-            continue
-        hosts = placement.hosts()
-        if previous is not None and np.array_equal(hosts, previous):
-            break
-        previous = hosts
-        row = {"balance": balance}
-        for mode, p in prices.items():
-            row[mode] = priced_objective(trace, hosts, request.topology, p, mode)
-            j = row[mode]["objective_s"]
-            if mode not in best or j < best[mode][0]:
-                best[mode], worse[mode] = (j, placement, balance), 0
-            else:
-                worse[mode] += 1
-        rows.append(row)
-        if all(w >= 2 for w in worse.values()):
-            break
+    with progress.step(f"ilp load caps, {request.redundant} redundant slot(s)", total=len(ladder)) as advance:
+        for balance in ladder:
+            advance(0, description=f"ilp load caps, {request.redundant} redundant slot(s): balance {balance:g}")
+            try:
+                placement = plan_placement(trace, replace(request, policy="ilp", balance=balance))
+            except UserError:  # a cap no placement meets (an expert heavier than the cap): try looser
+                advance()
+                continue
+            advance()
+            hosts = placement.hosts()
+            if previous is not None and np.array_equal(hosts, previous):
+                break
+            previous = hosts
+            row = {"balance": balance}
+            for mode, p in prices.items():
+                row[mode] = priced_objective(trace, hosts, request.topology, p, mode)
+                j = row[mode]["objective_s"]
+                if mode not in best or j < best[mode][0]:
+                    best[mode], worse[mode] = (j, placement, balance), 0
+                else:
+                    worse[mode] += 1
+            rows.append(row)
+            if all(w >= 2 for w in worse.values()):
+                break
     if not best:
         raise UserError("no load cap on the ladder gives a feasible ILP placement; add --redundant slots")
     for row in rows:

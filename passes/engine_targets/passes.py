@@ -1,10 +1,12 @@
-"""The passes of the serving-engine targets (sglang, trtllm): a placement that a serving engine loads at startup.
+"""The passes of the serving-engine targets (sglang, vllm, trtllm): the engine's deployment and the
+placement it loads at startup (vllm: the placement its EPLB is expected to reach).
 
-Passes: layers (which decoder layers are MoE, from the config) -> placement (with the engines'
-defaults) -> plan; the list (with import, trace and codegen, `backends/common/engine_bundle.py`) is
-`planner/pipeline/engine_targets.py`.
+Passes: layers (which decoder layers are MoE, from the config) -> deployment (the layout the engine
+is launched with: `core/engine_layout.py`, plan.json `deployment`) -> placement (with the engines'
+defaults) -> [vllm: eplb_window, `eplb_window.py`] -> plan; the list (with import, trace and
+codegen, `backends/common/engine_bundle.py`) is `planner/pipeline/engine_targets.py`.
 
-What the plan optimises: SGLang and TensorRT-LLM run standard expert parallelism. Every token goes
+What the plan optimises: SGLang, vLLM and TensorRT-LLM run standard expert parallelism. Every token goes
 from its attention rank to the ranks of its experts and its outputs are combined back at that home
 rank, at every MoE layer. A token's route therefore does not depend on where its previous layer's
 experts ran, and inter-layer affinity buys nothing; what sets an MoE layer's time is its busiest
@@ -14,9 +16,11 @@ DeepSeek's hierarchical variant when the config has expert groups (`n_group`). `
 for per-token traces; its affinity term then only chooses among layouts within its load cap.
 
 Facts read from the command: `model_spec`, `trace_path`, `topology`, `placement_options` (with
-`policy` / `expert_groups` None when not given on the command line), `target` {"name",
-"kubernetes", "image"}, `out`; the plan also takes the serving pass's `serving` (plan.json
-`predicted.serving`, `passes/cost/engine/serving_pass.py`).
+`policy` / `expert_groups` None when not given on the command line), `engine_options` {"attention",
+"max_running_requests", "hardware"}, `target` {"name", "kubernetes", "image"}, `out`; the plan also
+takes the serving pass's `serving` (plan.json `predicted.serving`, `passes/cost/engine/serving_pass.py`,
+which prices the deployment record `engine_deployment`). A search that chooses the deployment (the SLO
+search) writes `topology` and `engine_deployment` itself.
 
 A placement whose max/mean rank load is over `IMBALANCE_WARNING` with no redundant slot gets a warning
 (one line on stderr and in plan.json `predicted.warnings`) naming `--redundant`: the engine's busiest
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeplan.core.engine_layout import attention_dp_for, engine_deployment, plan_layout_problems
 from moeplan.core.errors import UserError
 from moeplan.core.pass_manager import Pass
 from moeplan.core.plan import Plan, plan_reads_back
@@ -52,10 +57,10 @@ def read_config(model_spec: str) -> dict:
     try:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read a Hugging Face config from '{model_spec}' ({exc.__class__.__name__}); the sglang and "
-                        f"trtllm targets need the model's config.json (e.g. examples/configs/deepseek-v3.json)") from None
+        raise UserError(f"cannot read a Hugging Face config from '{model_spec}' ({exc.__class__.__name__}); the sglang, "
+                        f"vllm and trtllm targets need the model's config.json (e.g. examples/configs/deepseek-v3.json)") from None
     if not isinstance(config, dict) or not isinstance(config.get("num_hidden_layers"), int):
-        raise UserError(f"'{config_path}' has no integer num_hidden_layers; the sglang and trtllm targets need a "
+        raise UserError(f"'{config_path}' has no integer num_hidden_layers; the sglang, vllm and trtllm targets need a "
                         f"Hugging Face decoder config")
     return config
 
@@ -66,8 +71,8 @@ def moe_layer_indices(ir, num_hidden_layers: int) -> list:
     for stage in ir.moe_stages:
         match = LAYER_INDEX.search(f"{stage.name}.") or LAYER_INDEX.search(f"{stage.source}.")
         if not match:
-            raise UserError(f"cannot tell which decoder layer MoE stage '{stage.name}' is; the sglang and trtllm "
-                            f"targets need a Hugging Face model whose MoE blocks sit in model.layers.<i>")
+            raise UserError(f"cannot tell which decoder layer MoE stage '{stage.name}' is; the sglang, vllm and "
+                            f"trtllm targets need a Hugging Face model whose MoE blocks sit in model.layers.<i>")
         indices.append(int(match.group(1)))
     if indices != sorted(set(indices)) or indices[-1] >= num_hidden_layers:
         raise UserError(f"the model's MoE layers {indices[:6]}... do not fit its {num_hidden_layers} decoder layers")
@@ -119,6 +124,35 @@ def _placement(facts):
     return {"placement": plan_placement(with_model_experts(facts["trace"], engine_model["num_experts"]), request)}
 
 
+def flags_deployment(target: str, topology: dict, engine_options: dict, placement_options: dict) -> dict:
+    """The layout the flags ask for: every GPU in expert parallelism, attention by `--attention` (a layout the
+    engine cannot run is one UserError line, which the driver raises before any pass runs)."""
+    nodes, gpus_per_node = int(topology["nodes"]), int(topology["gpus_per_node"])
+    return engine_deployment(
+        target, nodes, gpus_per_node, attention_dp=attention_dp_for(engine_options["attention"], nodes, gpus_per_node),
+        moe_ep=nodes * gpus_per_node, redundant_experts=int(placement_options.get("redundant", 0)),
+        max_running_requests=engine_options["max_running_requests"], hardware=engine_options.get("hardware"))
+
+
+def _deployment(facts):
+    return {"engine_deployment": flags_deployment(facts["target"]["name"], facts["topology"], facts["engine_options"],
+                                                  facts["placement_options"])}
+
+
+def _eplb_window(facts):
+    """vLLM's --eplb-config from the trace's drift (`eplb_window.py`)."""
+    from moeplan.passes.engine_targets.eplb_window import eplb_config
+    from moeplan.passes.optimize.placement.schema import Topology
+
+    topo, deployment, engine_model = facts["topology"], facts["engine_deployment"], facts["engine_model"]
+    options = engine_placement_options(facts["placement_options"], engine_model)
+    config, measured = eplb_config(with_model_experts(facts["trace"], engine_model["num_experts"]),
+                                   Topology(topo["nodes"], topo["gpus_per_node"]), deployment["redundant_experts"],
+                                   int(options["expert_groups"]), deployment["max_running_requests"],
+                                   deployment["attention_dp"])
+    return {"eplb": {"config": config, "load_drift": measured}}
+
+
 def imbalance_warning(max_over_mean: float, redundant: int, ep_size: int) -> str | None:
     """The warning of a placement that leaves its busiest rank far above the mean with no replicas."""
     if redundant or max_over_mean <= IMBALANCE_WARNING:
@@ -143,11 +177,20 @@ def _plan(facts):
         raise UserError(f"the {options['policy']} placement cannot be written as {target['name']}'s slot lists ({exc}); "
                         f"use --policy eplb") from None
     ep_size = placement.topology.devices
+    deployment = {**facts["engine_deployment"], **{k: v for k, v in target.items() if k != "name"}}
     predicted = {"max_over_mean_load": doc["metrics"]["max_over_mean_load"]}
+    if "eplb" in facts:  # vllm: its EPLB on (--policy eplb) or off (contiguous: vLLM's linear placement)
+        if options["policy"] == "eplb":
+            deployment["eplb"] = facts["eplb"]["config"]
+            predicted["load_drift"] = facts["eplb"]["load_drift"]
     if facts["serving"] is not None:
         predicted["serving"] = facts["serving"]
+    if "slo_search" in facts:  # the SLO search chose the deployment: its choice, why and frontier
+        predicted["slo_search"] = facts["slo_search"]
     warning = imbalance_warning(doc["metrics"]["max_over_mean_load"], redundant, ep_size)
     if warning is not None:
+        if "eplb" in facts and options["policy"] != "eplb":  # vLLM places replicas only with its EPLB
+            warning += " (vllm: with --policy eplb)"
         predicted["warnings"] = [warning]
         facts["progress"](warning)
     plan = Plan(
@@ -159,14 +202,34 @@ def _plan(facts):
         predicted=predicted,
         inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
                 "trace_loads_only": trace.loads_only, "options": options},
-        deployment={k: v for k, v in target.items() if k != "name"},
+        deployment=deployment,
     )
     return {"plan": plan}
 
 
+def deployment_fits_plan(facts) -> None:
+    """Postcondition of the engine plan pass: the deployment record agrees with the plan's topology and
+    placement (`core/engine_layout.py`)."""
+    problems = plan_layout_problems(facts["plan"])
+    if problems:
+        raise ValueError(problems[0])
+
+
+def _plan_ensures(facts) -> None:
+    plan_reads_back(facts)
+    deployment_fits_plan(facts)
+
+
 LAYERS = Pass("layers", ("model", "model_spec"), ("engine_model",), _layers)
+DEPLOYMENT = Pass("deployment", ("topology", "engine_options", "placement_options", "target"), ("engine_deployment",),
+                  _deployment)
+EPLB_WINDOW = Pass("eplb_window", ("trace", "topology", "engine_deployment", "engine_model", "placement_options"),
+                   ("eplb",), _eplb_window)
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
                  _placement, check=trace_matches_model, ensures=placement_is_valid)
-PLAN = Pass("plan", ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target",
-                    "serving", "progress"),
-            ("plan",), _plan, ensures=plan_reads_back)
+PLAN_READS = ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target",
+              "engine_deployment", "serving", "progress")
+PLAN = Pass("plan", PLAN_READS, ("plan",), _plan, ensures=_plan_ensures)
+VLLM_PLAN = Pass("plan", PLAN_READS + ("eplb",), ("plan",), _plan, ensures=_plan_ensures)
+SLO_PLAN = Pass("plan", PLAN_READS + ("slo_search",), ("plan",), _plan, ensures=_plan_ensures)
+VLLM_SLO_PLAN = Pass("plan", PLAN_READS + ("eplb", "slo_search"), ("plan",), _plan, ensures=_plan_ensures)

@@ -37,6 +37,7 @@ def _plan(facts):
     score = score_placement(trace, placement.hosts(), placement.topology).as_dict()
     placement_doc = json.loads(placement.to_json())  # without run-dependent metrics (solve time)
     placement_doc.get("metrics", {}).pop("auto_predictions", None)  # recorded under predicted.cost.alternatives
+    placement_doc.get("metrics", {}).pop("auto_stop", None)  # and predicted.cost.auto_stop
     target = facts["target"]
     model = {"name": ir.name, "architecture": facts["model_files"]["architecture"],
              "library": library_pins(facts["model_files"]["architecture"]),

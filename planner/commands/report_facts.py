@@ -14,7 +14,7 @@ import numpy as np
 
 from moeplan.core.errors import UserError
 
-PLACED_TARGETS = ("torchrun", "kubernetes", "sglang", "trtllm")
+PLACED_TARGETS = ("torchrun", "kubernetes", "sglang", "vllm", "trtllm")
 CURVE_POINTS = 8
 
 

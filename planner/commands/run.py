@@ -13,10 +13,12 @@ import click
 
 from moeplan.core import cli_types as T
 from moeplan.core import progress
+from moeplan.core.engine_layout import ENGINE_TARGETS
 from moeplan.core.errors import UserError
 from moeplan.planner.launch.open_bundle import open_bundle
-from moeplan.planner.pipeline.engine_targets import ENGINE_TARGETS
 from moeplan.planner.pipeline.run import LOGIT_TOLERANCE, run_modes
+
+ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM", "trtllm": "TensorRT-LLM"}
 
 
 @click.command("run", short_help="Launch a bundle locally and report; --verify checks it against the source model.")
@@ -40,7 +42,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
         return _run_lambda(bundle, verify, prompts_path, new_tokens, as_json)
     if target in ENGINE_TARGETS:
         raise UserError(f"'{bundle}' is a {target} bundle: engine bundles run in their engine (its launch.sh starts "
-                        f"{'SGLang' if target == 'sglang' else 'TensorRT-LLM'}; docs/interop.md), not under 'moeplan run'")
+                        f"{ENGINE_NAMES.get(target, target)}; docs/interop.md), not under 'moeplan run'")
     if target == "offload":
         raise UserError(f"'{bundle}' holds an offload plan, which has no bundle yet; 'moeplan simulate' replays it")
     from moeplan.runtime.bundle_io import run_modes as plan_modes

@@ -14,11 +14,13 @@ import click
 
 from moeplan.core import cli_types as T
 from moeplan.core import kubernetes_syntax as K
+from moeplan.core.engine_layout import ENGINE_TARGETS
 from moeplan.core.errors import UserError
 from moeplan.core.hardware import DEFAULT_HARDWARE, DEFAULT_OFFLOAD_HARDWARE, hardware_names
+from moeplan.core.slo import SloType
 
 TORCHRUN = ("torchrun", "kubernetes")
-ENGINES = ("sglang", "trtllm")
+ENGINES = ENGINE_TARGETS
 PLACING = TORCHRUN + ENGINES
 EXPERT_CACHES = TORCHRUN + ("offload",)
 HELD_OUT = ("lambda",) + EXPERT_CACHES
@@ -58,21 +60,24 @@ class Flag:
 
 
 GROUPS = (  # (title, what the section is for), in the order `compile --help` prints them
-    ("Topology and placement", "torchrun, kubernetes, sglang, trtllm"),
-    ("Cost model", "torchrun, kubernetes; --hardware also offload; --hardware and --workload also sglang, trtllm"),
+    ("Topology and placement", "torchrun, kubernetes, sglang, vllm, trtllm"),
+    ("Engine deployment", "sglang, vllm, trtllm: the layout the engine is launched with; --max-gpus with --slo"),
+    ("Cost model", "torchrun, kubernetes; --hardware also offload; --hardware and --workload also sglang, vllm, trtllm"),
     ("Expert caches", "torchrun and kubernetes with --gpu-memory/--expert-cache; offload; --prompt-tokens also lambda"),
     ("Bundle", "torchrun, kubernetes; --sign-key also lambda"),
     ("Kubernetes", "kubernetes; sglang with --kubernetes"),
-    ("Lambda", "lambda; --validation-fraction and --seed also offload and expert caches"),
+    ("Lambda", "lambda; --slo also sglang, vllm, trtllm (the SLO search); --validation-fraction and --seed also offload and "
+               "expert caches"),
 )
-PLACEMENT, COST, CACHES, BUNDLE, KUBERNETES, LAMBDA = (g for g, _ in GROUPS)
+PLACEMENT, ENGINE, COST, CACHES, BUNDLE, KUBERNETES, LAMBDA = (g for g, _ in GROUPS)
 
 FLAGS = (
     Flag("nodes", "--nodes", PLACING, PLACEMENT, "server nodes", T.POSITIVE_INT, 1),
     Flag("gpus_per_node", "--gpus-per-node", PLACING, PLACEMENT, "GPUs per node", T.POSITIVE_INT, 1),
     Flag("policy", "--policy", PLACING, PLACEMENT,
          "placement policy; auto: the fastest by the cost model's predicted time (sglang, trtllm: eplb unless given; "
-         "docs/interop.md)", click.Choice(["auto", "ilp", "eplb", "contiguous"]), "auto"),
+         "vllm: eplb = vLLM's EPLB on, contiguous = off; docs/interop.md)", click.Choice(["auto", "ilp", "eplb", "contiguous"]),
+         "auto"),
     Flag("redundant", "--redundant", PLACING, PLACEMENT,
          "redundant expert slots per layer (replicas); eplb gives them to the highest load per replica, ilp may move "
          "them between experts", T.NON_NEGATIVE_INT, 0),
@@ -96,19 +101,26 @@ FLAGS = (
     Flag("time_limit", "--time-limit", PLACING + ("lambda",), PLACEMENT,
          "safety net per solve, seconds; an ilp solve it stops is marked stopped_by=time_limit (not reproducible)",
          T.POSITIVE_FLOAT, 300.0),
+    Flag("attention", "--attention", ENGINES, ENGINE,
+         "attention tensor parallel over all GPUs (tp) or data parallel, one replica per GPU (dp); auto: tp inside one "
+         "node, dp across nodes", click.Choice(["auto", "tp", "dp"]), "auto"),
+    Flag("max_running_requests", "--max-running-requests", ENGINES, ENGINE,
+         "requests decoding at once over the whole deployment (sglang --max-running-requests; vllm --max-num-seqs and "
+         "trtllm max_batch_size per attention replica); default: --workload's requests where given, else the engine's "
+         "own", T.POSITIVE_INT, show_default=False),
     Flag("mode", "--mode", TORCHRUN, COST,
          "expert-parallel mode the bundle runs by default; auto: the faster by the cost model's predicted time",
          click.Choice(["auto", "coherent", "standard"]), "auto"),
     Flag("hardware", "--hardware", TORCHRUN + ("offload",) + ENGINES, COST,
          f"hardware profile every prediction of the plan is priced with (cost model, expert caches, serving capacity, "
-         f"offloading; sglang, trtllm: the GPU the engine runs on, for the serving prediction, from measured kernels on "
+         f"offloading; sglang, vllm, trtllm: the GPU the engine runs on, for the serving prediction, from measured kernels on "
          f"h100-sxm and h200-sxm with moeplan[gpu], the roofline elsewhere), the same names on every target: "
          f"{hardware_names()}, or a YAML file (e.g. written by 'moeplan calibrate --out FILE'); default "
-         f"{DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}, sglang and trtllm: no serving prediction",
+         f"{DEFAULT_HARDWARE}, offload: {DEFAULT_OFFLOAD_HARDWARE}, engine targets: no serving prediction",
          show_default=False),
     Flag("workload", "--workload", TORCHRUN + ENGINES, COST,
          "requests the cost model prices, REQUESTSxPROMPT+NEW: R concurrent requests of P prompt tokens generating N "
-         "each (default 8x32+8; sglang, trtllm: over the whole deployment, default 64x1024+128 with --hardware)",
+         "each (default 8x32+8; sglang, vllm, trtllm: over the whole deployment, default 64x1024+128 with --hardware)",
          show_default=False),
     Flag("gpu_memory", "--gpu-memory", EXPERT_CACHES, CACHES, "GPU memory for the model, bytes or e.g. 24GiB",
          show_default=False),
@@ -172,8 +184,12 @@ FLAGS = (
     Flag("kubernetes", "--kubernetes", ("sglang",), KUBERNETES,
          "sglang: also write kubernetes/ manifests (the torchrun bundle with manifests is --target kubernetes)",
          default=False, is_flag=True, show_default=False),
-    Flag("slo", "--slo", ("lambda",), LAMBDA, "end-to-end latency limit per batch, seconds (required)", T.POSITIVE_FLOAT,
-         show_default=False),
+    Flag("slo", "--slo", ("lambda",) + ENGINES, LAMBDA,
+         "latency objective (core/slo.py): lambda: the end-to-end latency limit per batch, SECONDS or latency=5s "
+         "(required); sglang, vllm, trtllm: tpot=35ms[,ttft=2s] with --hardware and without --nodes searches the GPU "
+         "count and layout for --workload (docs/slo_search.md)", SloType(), show_default=False),
+    Flag("max_gpus", "--max-gpus", ENGINES, ENGINE, "with --slo: the most GPUs the SLO search tries", T.POSITIVE_INT,
+         64),
     Flag("platform", "--platform", ("lambda",), LAMBDA, "YAML file overriding platform constants", show_default=False),
     Flag("batch_tokens", "--batch-tokens", ("lambda",), LAMBDA, "tokens per served batch", T.POSITIVE_INT, 10240),
     Flag("methods", "--methods", ("lambda",), LAMBDA, "allowed scatter-gather methods", default="pipelined_s3,s3,direct"),

@@ -35,6 +35,8 @@ def inputs(model: str, trace: str, out, values: dict) -> dict:
     from moeplan.planner.pipeline.flags import DEFAULT_PROMPT_TOKENS, SERVERLESS_FLAGS, pick
 
     serverless = dict(pick(values, SERVERLESS_FLAGS), time_limit=values["time_limit"], solver=values["solver"])
+    if serverless["slo"] is not None:  # the grammar of every target's --slo (core/slo.py); lambda's is seconds
+        serverless["slo"] = serverless["slo"].for_lambda()
     if serverless["prompt_tokens"] is None:
         serverless["prompt_tokens"] = DEFAULT_PROMPT_TOKENS
     check_options({"serverless_options": serverless})

@@ -36,6 +36,10 @@ class Target:
     summary: Callable  # facts -> the --json summary's target fields
     describe: Callable  # (summary, facts) -> what the plan or bundle holds, in lines
     bundles: bool = True  # False: plans only (no codegen yet)
+    passes_for: Callable | None = None  # input facts -> the pass list, where the inputs choose another (--slo)
+
+    def pass_list(self, facts: dict) -> list:
+        return self.passes if self.passes_for is None else self.passes_for(facts)
 
     @property
     def flags(self) -> tuple:
@@ -54,10 +58,14 @@ TARGETS = {t.name: t for t in (
            lambda_.PASSES, lambda m, t, o, v, g: lambda_.inputs(m, t, o, v), lambda_.summary, lambda_.describe),
     Target("sglang", "the placement file SGLang loads at startup, launch script (a config is enough; docs/interop.md)",
            engine_targets.PASSES, lambda m, t, o, v, g: engine_targets.inputs("sglang", m, t, o, v, g), engine_targets.summary,
-           engine_targets.describe),
+           engine_targets.describe, passes_for=lambda f: engine_targets.passes_for("sglang", f)),
+    Target("vllm", "vllm serve with expert parallelism and its EPLB sized from the trace's drift, launch script (vLLM "
+           "loads no placement file; a config is enough; docs/interop.md)",
+           engine_targets.VLLM_PASSES, lambda m, t, o, v, g: engine_targets.inputs("vllm", m, t, o, v, g),
+           engine_targets.summary, engine_targets.describe, passes_for=lambda f: engine_targets.passes_for("vllm", f)),
     Target("trtllm", "TensorRT-LLM's static MoE load balancer file, launch script (a config is enough)",
            engine_targets.PASSES, lambda m, t, o, v, g: engine_targets.inputs("trtllm", m, t, o, v, g), engine_targets.summary,
-           engine_targets.describe),
+           engine_targets.describe, passes_for=lambda f: engine_targets.passes_for("trtllm", f)),
     Target("offload", "one GPU whose experts do not all fit: expert cache, residents, eviction, prefetch, tiers "
            "(plan only; docs/offload.md)", offload.PASSES, lambda m, t, o, v, g: offload.inputs(m, t, o, v),
            offload.summary, offload.describe, bundles=False),
@@ -106,7 +114,7 @@ def target_of(name: str, bundle: bool = False) -> Target:
 
 def _run(target: Target, facts: dict, want, quiet: bool) -> tuple:
     say = (lambda msg: None) if quiet else (lambda msg: progress.say(msg))
-    manager = PassManager(target.passes, quiet=quiet)
+    manager = PassManager(target.pass_list(facts), quiet=quiet)
     with progress.silenced(quiet):
         facts = manager.run({**facts, "progress": say}, want=want)
     return facts, manager.timings()

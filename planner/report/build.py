@@ -15,7 +15,7 @@ def build_report(plan: dict, plan_bytes: bytes, facts: dict) -> str:
     rescored = s.rescored_section(facts)
     if rescored is not None:
         sections.append(rescored)
-    if target in ("torchrun", "kubernetes", "sglang", "trtllm"):
+    if target in ("torchrun", "kubernetes", "sglang", "vllm", "trtllm"):
         sections.append(Section("placement", "Placement", [s.placement_map(plan, facts), s.layer_balance(plan, facts)]))
     if target in ("torchrun", "kubernetes"):
         sections.append(Section("time", "Time per token", s.time_breakdown(plan)))

@@ -112,8 +112,13 @@ def decisions(plan: dict) -> dict:
     cache = at(plan, "communication.expert_cache")
     if isinstance(cache, dict):
         out["expert_cache"] = f"{cache.get('capacity')} entries, {cache.get('eviction')}, prefetch {cache.get('prefetch')}"
-    if plan.get("target") in ("sglang", "trtllm"):
+    if plan.get("target") in ("sglang", "vllm", "trtllm"):
         out["redundant"] = at(plan, "communication.redundant")
+        for key in ("attention_tp", "attention_dp", "moe_ep", "max_running_requests", "moe_a2a"):
+            out[f"deployment.{key}"] = at(plan, f"deployment.{key}")
+        eplb = at(plan, "deployment.eplb")
+        if isinstance(eplb, dict):
+            out["deployment.eplb"] = ", ".join(f"{k}={v}" for k, v in sorted(eplb.items()))
     serving = at(plan, "predicted.serving")
     if isinstance(serving, dict):
         layout = serving.get("layout") or {}

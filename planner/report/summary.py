@@ -63,7 +63,7 @@ def inputs_table(plan: dict) -> Table:
     rows.append(["trace sha256", str(at(plan, "inputs.trace_sha256") or "")])
     if at(plan, "inputs.trace_tokens") is not None:
         rows.append(["trace tokens", num(plan, "inputs.trace_tokens")])
-    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "trtllm"):
+    if plan.get("target") in ("torchrun", "kubernetes", "sglang", "vllm", "trtllm"):
         rows.append(["topology", f"{at(plan, 'topology.nodes')} node(s) x {at(plan, 'topology.gpus_per_node')} GPU(s)"])
     if at(plan, "inputs.options"):
         rows.append(["options", _options_text(at(plan, "inputs.options"))])
@@ -115,8 +115,14 @@ def _policy_reason(plan: dict, tie: float) -> str:
     if others:
         best = others[0]
         text += f"; fastest other {best['label']} at {fmt(best['seconds_per_token'], MS)} ms/token ({best['mode']})"
-    return text + (f"; candidates are tried in order and a later one wins only when more than {tie:.0%} faster "
-                   "than the best so far")
+    text += (f"; candidates are tried in order and a later one wins only when more than {tie:.0%} faster "
+             "than the best so far")
+    stop = at(plan, "predicted.cost.auto_stop") or {}
+    if stop.get("skipped"):
+        text += (f"; not tried: {', '.join(stop['skipped'])}, as no placement is predicted below "
+                 f"{fmt(stop['floor_seconds_per_token'], MS)} ms/token, within the cost model's error "
+                 f"({stop['error']:.0%}) of the best")
+    return text
 
 
 def _mode_reason(plan: dict, tie: float) -> str:
@@ -188,6 +194,7 @@ def engine_decisions(plan: dict) -> Table:
         ["slots per rank", num(plan, "communication.slots_per_rank"), "(experts + redundant) / EP ranks"],
         ["objective", str(at(plan, "communication.objective")), "the engine runs standard expert parallelism"],
     ]
+    rows += engine_deployment_rows(plan)
     layout = at(plan, "predicted.serving.layout")
     if isinstance(layout, dict):
         attention = (f"data parallel, {layout.get('attention_dp')} replicas of tp {layout.get('attention_tp')}"
@@ -195,10 +202,29 @@ def engine_decisions(plan: dict) -> Table:
         rows.append(["deployment priced", f"{layout.get('gpus')} GPUs ({layout.get('nodes')} x {layout.get('gpus_per_node')}), "
                      f"attention {attention}, MoE ep {layout.get('moe_ep')} x tp {layout.get('moe_tp')}, tokens to experts by "
                      f"{layout.get('moe_a2a')}, {layout.get('engine')} kernels of its database version "
-                     f"{layout.get('database_version')}", "what the target's launch script runs (docs/engine_pricing.md)"])
+                     f"{layout.get('database_version')}", "the deployment above, as the launch script runs it (docs/engine_pricing.md)"])
     for i, warning in enumerate(at(plan, "predicted.warnings") or []):
         rows.append([f"warning {i + 1}", str(warning), "predicted.warnings"])
     return Table(["decision", "value", "reason"], rows, "Decisions")
+
+
+def engine_deployment_rows(plan: dict) -> list:
+    """The engine's layout (plan.json `deployment`, core/engine_layout.py), where the plan records one."""
+    if at(plan, "deployment.attention_dp") is None:
+        return []
+    by = f"chosen by {at(plan, 'deployment.chosen_by')}"
+    rows = [["attention tensor parallel", num(plan, "deployment.attention_tp"), by],
+            ["attention data parallel", num(plan, "deployment.attention_dp"),
+             f"{by} (--attention: tp inside one node, dp across nodes unless given)"],
+            ["MoE expert parallel", num(plan, "deployment.moe_ep"), "every GPU holds experts"],
+            ["token exchange", str(at(plan, "deployment.moe_a2a")), "deepep where expert parallelism spans nodes"],
+            ["max running requests", num(plan, "deployment.max_running_requests") if
+             at(plan, "deployment.max_running_requests") is not None else "engine's own",
+             "--max-running-requests, else --workload's requests"]]
+    if at(plan, "deployment.eplb") is not None:
+        rows += [[f"vLLM EPLB {key}", num(plan, f"deployment.eplb.{key}"), "from the trace's drift (docs/interop.md)"]
+                 for key in ("window_size", "step_interval")]
+    return rows
 
 
 def engine_predicted(plan: dict) -> list:
@@ -224,6 +250,7 @@ def engine_predicted(plan: dict) -> list:
             ["of which the engine's reserve", num(plan, f"{base}.memory.reserved_bytes", 1 / 2**30, "GiB")],
             ["GPU memory", num(plan, f"{base}.memory.device_bytes", 1 / 2**30, "GiB")]]
     tables.append(Table(["serving figure", "predicted"], rows, "Serving prediction (passes/cost/engine/)"))
+    tables += slo_search_tables(plan)
     sources = serving.get("price_sources") or []
     tables.append(Table(["price source", "decode step time at the middle context"],
                         [[str(r.get("source")), num(plan, f"{base}.price_sources.{i}.seconds", MS, "ms")]
@@ -233,6 +260,34 @@ def engine_predicted(plan: dict) -> list:
                         [[str(r.get("op")), num(plan, f"{base}.op_prices.{i}.seconds", MS, "ms"), str(r.get("source"))]
                          for i, r in enumerate(ops)], "The decode step at the middle context, op by op"))
     return tables
+
+
+def slo_search_tables(plan: dict) -> list:
+    """The SLO search's choice, why it won, and its frontier (docs/slo_search.md), where it chose."""
+    search = at(plan, "predicted.slo_search")
+    if not isinstance(search, dict):
+        return []
+    base = "predicted.slo_search"
+    chosen = search.get("chosen") or {}
+    rows = [["objective", f"--slo {search.get('slo')} for --workload {search.get('workload')} on {search.get('hardware')}"],
+            ["chosen", _layout_text(chosen)],
+            ["why", str(search.get("why", ""))],
+            ["GPU counts priced", ", ".join(str(g) for g in search.get("gpu_counts_tried") or [])],
+            ["fewest GPUs that hold the model and the workload", num(plan, f"{base}.memory_floor_gpus")]]
+    frontier = [[_layout_text(p), num(plan, f"{base}.frontier.{i}.tpot_s", MS, "ms"),
+                 num(plan, f"{base}.frontier.{i}.ttft_s", unit="s"),
+                 num(plan, f"{base}.frontier.{i}.output_tokens_per_s_per_gpu"), str(p.get("routing")),
+                 "yes" if p.get("meets_slo") else "no"] for i, p in enumerate(search.get("frontier") or [])]
+    return [Table(["SLO search", "value"], rows, "SLO search (passes/cost/engine/slo_search.py)"),
+            Table(["deployment", "TPOT", "TTFT", "output tokens/s per GPU", "routing", "meets the SLO"], frontier,
+                  "Frontier: output tokens/s per GPU against TPOT (no priced deployment is better on both)")]
+
+
+def _layout_text(p: dict) -> str:
+    dp, tp = p.get("attention_dp") or 1, p.get("attention_tp")
+    attention = f"tp{tp}" if dp == 1 else f"tp{tp} x dp{dp}"
+    return (f"{p.get('gpus')} GPUs ({p.get('nodes')} x {p.get('gpus_per_node')}), attention {attention}, ep{p.get('moe_ep')}, "
+            f"{p.get('redundant_experts')} redundant, {p.get('max_running_requests')} running")
 
 
 # ---------------------------------------------------------------------------------------- offload
@@ -348,7 +403,7 @@ def summary_section(plan: dict, tie: float) -> Section:
     target = plan.get("target")
     if target in ("torchrun", "kubernetes"):
         blocks = [torchrun_decisions(plan, tie)] + torchrun_predicted(plan)
-    elif target in ("sglang", "trtllm"):
+    elif target in ("sglang", "vllm", "trtllm"):
         blocks = [engine_decisions(plan)] + engine_predicted(plan)
     elif target == "offload":
         blocks = [offload_decisions(plan)] + offload_predicted(plan)

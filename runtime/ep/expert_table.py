@@ -103,6 +103,15 @@ class ExpertTable:
     def choose(self, layer: int, experts: np.ndarray, current: np.ndarray) -> np.ndarray:
         """int64 [n, k]: the rank each slot goes to, for expert ids [n, k] (heaviest first) of tokens
         current on ranks [n], in the order the caller holds them (the rotation follows that order)."""
+        return self._choose(layer, experts, current, per_rank=False)
+
+    def choose_per_rank(self, layer: int, experts: np.ndarray, current: np.ndarray) -> np.ndarray:
+        """`choose` as every rank calls it on its own tokens (those current on it, in the order given),
+        all ranks in one call: the rotation over copies restarts on each rank. The cost model replays
+        a step's ranks with it."""
+        return self._choose(layer, experts, current, per_rank=True)
+
+    def _choose(self, layer: int, experts: np.ndarray, current: np.ndarray, per_rank: bool) -> np.ndarray:
         experts = np.asarray(experts, dtype=np.int64)
         current = np.asarray(current, dtype=np.int64)
         n, k = experts.shape
@@ -119,7 +128,7 @@ class ExpertTable:
         node = self.node_of[cur]
         on_node = node_count[layer][e, node]
         pool = np.where(on_node > 0, on_node, count[layer][e])
-        index = _turns(e, ~local) % pool
+        index = _turns(e + cur * self.hosts.shape[1] if per_rank else e, ~local) % pool
         pick = np.where(on_node > 0, node_copies[layer][e, node, np.minimum(index, node_copies.shape[3] - 1)],
                         copies[layer][e, index])
         out[:, 1:] = np.where(local, cur, pick).reshape(n, k - 1)

@@ -26,7 +26,8 @@ ALLGATHER, DEEPEP = "allgather", "deepep"
 @dataclass(frozen=True)
 class Deployment:
     """One engine deployment. `redundant_experts`: extra expert slots over all EP ranks (EPLB replicas);
-    `kv_cache_dtype`: None = the model's compute dtype (the engines' "auto")."""
+    `kv_cache_dtype`: None = the model's compute dtype (the engines' "auto"); `a2a`: the MoE all-to-all
+    as the plan's deployment record chose it (allgather or deepep; None = `moe_a2a`'s rule)."""
 
     engine: str
     hardware: str
@@ -39,6 +40,7 @@ class Deployment:
     redundant_experts: int = 0
     max_running_requests: int | None = None
     kv_cache_dtype: str | None = None
+    a2a: str | None = None
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -52,6 +54,8 @@ class Deployment:
         if self.moe_ep * self.moe_tp != self.gpus:
             raise UserError(f"MoE ep {self.moe_ep} x tp {self.moe_tp} must equal the {self.gpus} GPUs "
                             f"({self.nodes} nodes x {self.gpus_per_node})")
+        if self.a2a not in (None, ALLGATHER, DEEPEP):
+            raise UserError(f"deployment moe_a2a {self.a2a!r} is not one of {ALLGATHER}, {DEEPEP}")
         if self.redundant_experts < 0 or (self.redundant_experts and self.redundant_experts % self.moe_ep):
             raise UserError(f"redundant experts {self.redundant_experts} must be a multiple of the EP size {self.moe_ep} "
                             f"(every rank holds as many slots)")
@@ -62,7 +66,10 @@ class Deployment:
 
     @property
     def moe_a2a(self) -> str:
-        """How tokens reach their experts: DeepEP where expert parallelism spans nodes, else all-gather."""
+        """How tokens reach their experts: as chosen, else DeepEP where expert parallelism spans nodes,
+        else all-gather (`core/engine_layout.py: moe_a2a_for`, the same rule)."""
+        if self.a2a is not None:
+            return self.a2a
         return DEEPEP if self.moe_ep > self.gpus_per_node else ALLGATHER
 
     @property

@@ -4,14 +4,13 @@
 Facts read: `serving_options` (None: no `--hardware`/`--workload` given, no prediction; else
 {"hardware", "workload"}), `model_spec` (its config.json gives the engine's model shape),
 `engine_model` (the layers pass's summary: the model's name), `trace` and `placement` (the busiest
-rank's rows under the placement), `placement_options` (redundant slots), `topology`, `target` (the
-engine; the deployment flags where given: `attention_dp` for data-parallel attention,
-`max_running_requests`, `kv_cache_dtype`). Fact written: `serving`, the prediction as plan.json holds it
-(None without options).
+rank's rows under the placement), `topology`, `target` (the engine's name; `kv_cache_dtype` where
+given), `engine_deployment` (the deployment record, plan.json `deployment`: attention tp/dp, MoE
+ep/tp, redundant experts, max running requests, MoE all-to-all; `core/engine_layout.py`). Fact
+written: `serving`, the prediction as plan.json holds it (None without options).
 
-The deployment is the one the target's launch script runs: every GPU of the topology one EP rank
-(`--ep-size` = GPUs), attention tensor parallel over all of them (`--tp` = GPUs) unless data-parallel
-attention is asked for (`--enable-dp-attention --dp-size D`: D replicas of tp GPUs / D).
+The deployment priced is the record the target's bundle launches (`backends/sglang`, `backends/vllm`,
+`backends/trtllm` read the same record), whoever chose it (the flags' deployment pass or a search).
 """
 from __future__ import annotations
 
@@ -57,16 +56,13 @@ def engine_profile(hardware: str, nodes: int, target: str):
     return given
 
 
-def deployment_of(target: dict, topology: dict, redundant: int, hardware: str) -> Deployment:
-    """The deployment the target's launch script runs (module docstring)."""
-    gpus = topology["nodes"] * topology["gpus_per_node"]
-    dp = int(target.get("attention_dp") or 1)
-    if gpus % dp:
-        raise UserError(f"data-parallel attention over {dp} replicas needs a GPU count it divides; the topology has "
-                        f"{gpus} GPUs")
-    return Deployment(target["name"], hardware, topology["nodes"], topology["gpus_per_node"], gpus // dp, dp, gpus,
-                      redundant_experts=redundant, max_running_requests=target.get("max_running_requests"),
-                      kv_cache_dtype=target.get("kv_cache_dtype"))
+def deployment_of(target: dict, topology: dict, record: dict, hardware: str) -> Deployment:
+    """The deployment the target's bundle launches: the plan's deployment record on `hardware`."""
+    return Deployment(target["name"], hardware, topology["nodes"], topology["gpus_per_node"], record["attention_tp"],
+                      record["attention_dp"], record["moe_ep"], record["moe_tp"],
+                      redundant_experts=record["redundant_experts"],
+                      max_running_requests=record["max_running_requests"], kv_cache_dtype=target.get("kv_cache_dtype"),
+                      a2a=record["moe_a2a"])
 
 
 def _serving(facts):
@@ -76,8 +72,7 @@ def _serving(facts):
     topology = facts["topology"]
     given = engine_profile(options["hardware"], topology["nodes"], facts["target"]["name"])
     model = engine_model(read_config(facts["model_spec"]), facts["engine_model"]["name"])
-    redundant = int(facts["placement_options"].get("redundant") or 0)
-    dep = deployment_of(facts["target"], topology, redundant, given.profile.name)
+    dep = deployment_of(facts["target"], topology, facts["engine_deployment"], given.profile.name)
     prediction = predict_serving(model, dep, options["workload"], Routing.placed(facts["trace"], facts["placement"]),
                                  profile=given.profile)
     doc = {"hardware": given.profile.name, **prediction.to_json(), **given.plan_record(figures=True)}
@@ -85,5 +80,5 @@ def _serving(facts):
     return {"serving": doc}
 
 
-SERVING = Pass("serving", ("serving_options", "model_spec", "engine_model", "trace", "placement", "placement_options",
-                           "topology", "target"), ("serving",), _serving)
+SERVING = Pass("serving", ("serving_options", "model_spec", "engine_model", "trace", "placement", "topology", "target",
+                           "engine_deployment"), ("serving",), _serving)

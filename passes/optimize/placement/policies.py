@@ -16,9 +16,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from moeplan.core import progress
 from moeplan.passes.analysis.trace.format import Trace
 from moeplan.passes.optimize.milp import relative_gap
 from moeplan.passes.optimize.placement.algorithms import PlacementAlgorithm, algorithm_named, place_experts
+from moeplan.passes.optimize.placement.algorithms.ilp import time_limit_note
 from moeplan.passes.optimize.placement.algorithms.ilp_caps import BALANCE_BASES
 from moeplan.passes.optimize.placement.budget import DEFAULT_EFFORT
 from moeplan.passes.optimize.placement.schema import Placement, Topology
@@ -41,6 +43,7 @@ class PlacementRequest:
     effort: float = DEFAULT_EFFORT  # ilp: work multiplier (sweeps, moves, B&B nodes, LP size)
     held_out_caps: bool = True  # ilp: lower caps where loads would rise more on unseen traffic than EPLB's (`held_out.py`)
     held_out_balance: bool = False  # ilp: `balance` bounds the expected held-out max load, not the planning trace's
+    bound: bool = True  # ilp: compute the lower bound and gap now; False: `finish_placement` computes them if kept
 
 
 def check_request(trace: Trace, request: PlacementRequest) -> None:
@@ -99,17 +102,42 @@ def plan_placement(trace: Trace, request: PlacementRequest) -> Placement:
         "redundant": request.redundant,
     }
     metrics = without_unknown_locality(metrics, trace)
+    deferred = None
     if algorithm is PlacementAlgorithm.ILP:
         objective = float(score.cross_gpu_transitions)
-        bound = min(extra.pop("bound"), objective)
-        metrics.update(objective=objective, bound=bound, gap=relative_gap(objective, bound),
-                       solve_seconds=time.perf_counter() - start, **extra)
+        deferred = extra.pop("deferred_bound", None)
+        if deferred is None:
+            bound = min(extra.pop("bound"), objective)
+            metrics.update(objective=objective, bound=bound, gap=relative_gap(objective, bound),
+                           solve_seconds=time.perf_counter() - start, **extra)
+        else:
+            metrics.update(objective=objective, solve_seconds=time.perf_counter() - start, **extra)
         metrics["balance"] = request.balance
         metrics["balance_base"] = request.balance_base
         metrics["effort"] = request.effort
         if request.held_out_balance:
             metrics["held_out_balance"] = True
-    return Placement.from_hosts(request.policy, topology, hosts, metrics)
+    placement = Placement.from_hosts(request.policy, topology, hosts, metrics)
+    placement.deferred_bound = deferred
+    return placement
+
+
+def finish_placement(placement: Placement) -> Placement:
+    """Compute what `plan_placement` left for later (an ILP's bound and gap, `PlacementRequest.bound`)."""
+    deferred = getattr(placement, "deferred_bound", None)
+    if deferred is None:
+        return placement
+    budget = deferred.budget()
+    with progress.step(f"ilp, balance {placement.metrics.get('balance', 0):g}: lower bound of the placement kept"):
+        bound, method = deferred.compute(budget)
+    metrics = placement.metrics
+    bound = min(bound, metrics["objective"])
+    metrics.update(bound=bound, bound_method=method, gap=relative_gap(metrics["objective"], bound))
+    if budget.timed_out and metrics.get("stopped_by") != "time_limit":
+        metrics["stopped_by"] = "time_limit"
+        metrics["notes"] = list(metrics.get("notes", [])) + [time_limit_note(deferred.time_limit, deferred.effort)]
+    placement.deferred_bound = None
+    return placement
 
 
 def evaluate_placement(placement: Placement, trace: Trace) -> dict:

@@ -57,6 +57,8 @@ class Placement:
     layers: list  # layers[l][d] = sorted list of expert ids on device d
     num_experts: int
     metrics: dict = field(default_factory=dict)
+    # work `policies.plan_placement` left for later (an ILP's bound: `policies.finish_placement`); never written
+    deferred_bound: object = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_hosts(cls, policy: str, topology: Topology, hosts: np.ndarray, metrics=None) -> Placement:

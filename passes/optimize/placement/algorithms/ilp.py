@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moeplan.core import progress
 from moeplan.passes.analysis.affinity import transition_counts
 from moeplan.passes.optimize.placement.algorithms.ilp_caps import eplb_replicas_and_caps, initial_hosts, least_max_load
 from moeplan.passes.optimize.placement.algorithms.ilp_stages import (MAX_SWEEPS, REPLICA_MIP_VARIABLES, LayerProblem,
@@ -61,31 +62,71 @@ from moeplan.passes.optimize.placement.metrics import max_gpu_loads, over_cap_la
 def ilp_placement(trace, loads: np.ndarray, request, start: float) -> tuple:
     """(bool [L, E, D] hosts, extra metrics: bound, bound_method, sweeps, stopped_by, notes) of the staged ILP for a
     `policies.PlacementRequest`, with the bound of `bounds/pairwise.py` over the whole search space; `start`: the
-    solve's time.perf_counter() origin (the safety deadline counts from it)."""
+    solve's time.perf_counter() origin (the safety deadline counts from it). With `request.bound` False the bound
+    is left for later: extra holds a `DeferredBound` under "deferred_bound" instead."""
     topology = request.topology
     D = topology.devices
     counts = transition_counts(trace, "current")
     budget = WorkBudget(request.effort, deadline=start + 0.95 * request.time_limit)
-    solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
-                                request.solver, budget,
-                                None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node, counts),
-                                load_scenarios(trace) if request.held_out_caps else None, request.held_out_balance)
-    slots = (trace.num_experts + request.redundant) // D
-    # the bound covers every placement the planner could have returned, so it assumes the search space's most
-    # copies of an expert, not the fewer the returned placement may use
-    max_copies = max(solution.max_copies, int(solution.replicas.max()))
-    bound, method = capped_transition_lower_bound(counts, loads, solution.caps, D, slots, max_copies, budget=budget,
-                                                  token_caps=source_token_caps(trace, slots))
-    extra = {"bound": bound, "bound_method": method, "sweeps": solution.sweeps,
-             "stopped_by": "time_limit" if budget.timed_out else "work"}
-    notes = list(solution.notes)
-    if budget.timed_out:
-        notes.append(f"--time-limit {request.time_limit:g} s stopped the solve before its work budget "
-                     f"(--effort {request.effort:g}) was spent: this placement depends on machine speed and load "
-                     f"and may not be reproducible; raise --time-limit (or lower --effort) for a deterministic result")
+    what = f"ilp, balance {request.balance:g}, {request.redundant} redundant slot(s)"
+    with progress.step(f"{what}: staged solve") as advance:
+        solution = staged_placement(counts, loads, topology, request.redundant, request.balance, request.balance_base,
+                                    request.solver, budget,
+                                    None if trace.loads_only else RoutedTrace.from_trace(trace, topology.gpus_per_node, counts),
+                                    load_scenarios(trace) if request.held_out_caps else None, request.held_out_balance)
+        slots = (trace.num_experts + request.redundant) // D
+        # the bound covers every placement the planner could have returned, so it assumes the search space's most
+        # copies of an expert, not the fewer the returned placement may use
+        max_copies = max(solution.max_copies, int(solution.replicas.max()))
+        deferred = DeferredBound(counts, loads, solution.caps, D, slots, max_copies, source_token_caps(trace, slots),
+                                 request.effort, request.time_limit)
+        extra = {}
+        if request.bound:
+            advance(0, description=f"{what}: lower bound")
+            extra["bound"], extra["bound_method"] = deferred.compute(budget)
+        else:
+            extra["deferred_bound"] = deferred
+    extra["sweeps"] = solution.sweeps
+    extra["stopped_by"] = "time_limit" if budget.timed_out else "work"
+    notes = list(solution.notes) + ([time_limit_note(request.time_limit, request.effort)] if budget.timed_out else [])
     if notes:
         extra["notes"] = notes
     return solution.hosts, extra
+
+
+def time_limit_note(time_limit: float, effort: float) -> str:
+    return (f"--time-limit {time_limit:g} s stopped the solve before its work budget "
+            f"(--effort {effort:g}) was spent: this placement depends on machine speed and load "
+            f"and may not be reproducible; raise --time-limit (or lower --effort) for a deterministic result")
+
+
+@dataclass
+class DeferredBound:
+    """The ILP's lower bound (`bounds/pairwise.py`), computed once its placement is kept: --policy auto solves
+    the ILP at several load caps and keeps at most one, and the bound can cost more than the solve (the
+    whole-column bound at 16 experts over 4 GPUs: minutes). The same inputs and work budget give the same
+    bound whenever it runs."""
+
+    counts: np.ndarray  # float [L-1, E, E]
+    loads: np.ndarray  # float [L, E]
+    caps: np.ndarray  # float [L]
+    devices: int
+    slots: int
+    max_copies: int
+    token_caps: np.ndarray  # float [L-1, E]
+    effort: float
+    time_limit: float
+
+    def budget(self) -> WorkBudget:
+        """A work budget of the solve's effort, its safety deadline counted from now."""
+        import time
+
+        return WorkBudget(self.effort, deadline=time.perf_counter() + 0.95 * self.time_limit)
+
+    def compute(self, budget: WorkBudget) -> tuple:
+        """(bound, bound_method) within `budget`."""
+        return capped_transition_lower_bound(self.counts, self.loads, self.caps, self.devices, self.slots,
+                                             self.max_copies, budget=budget, token_caps=self.token_caps)
 
 
 @dataclass

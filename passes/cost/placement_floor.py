@@ -1,0 +1,136 @@
+"""The least time any placement can be predicted to take: what lets `--policy auto` stop early.
+
+Why: `--policy auto` builds and prices placement candidates, cheapest first; the ILP's take
+minutes at DeepSeek-V3 scale and on the planning trace they often land within 1-2 % of
+contiguous or EPLB, below what the cost model can tell apart. A candidate can only win by more
+than the model's error if the floor below is lower than the best price so far by more than that
+error; once it is not, no candidate left is worth its solve (`by_predicted_time.choose_placement`).
+
+The floor replays the cost model (`cost_model.predict`) on the same routing samples, keeping each
+term that no placement changes and bounding the others from below:
+* exchanges: the call's fixed part (2 x collective latency + its Python work) is the same for every
+  placement; the messages (latency + bytes per tier) are >= 0;
+* compute, per block: c_r = known_r + x_r, known_r the part every placement gives rank r (standard
+  mode: attention (at context too), dense MLPs and logits on the token's home rank; every mode: the MoE layer's
+  fixed ops), x_r >= 0 the rest, of which only the sum over ranks is bounded: the expert calls
+  (every expert a step routes to is called on some rank, every slot computed on one:
+  sum_r x_r >= U x (EXPERT_CALL_OPS x op cost) + max(N x expert FLOPs / FLOP/s, U x expert bytes / memory
+  bandwidth), U distinct experts, N slots) and, in coherent mode after the first MoE layer (tokens
+  sit on their primary ranks, which the placement sets), attention, K/V projection, replica choice
+  and logits, each as its total over the step's tokens (attention at context: every key attended to,
+  and each sequence's cache read once, on one rank);
+* the block's pace max(max_r c_r, sum_r c_r / p) (p ranks compute at once) is then at least
+  max(max_r known_r, (sum_r known_r + sum_r x_r) / p).
+Each of these is at most the term `predict` charges, so the floor is at most every placement's
+prediction (tests/test_cost_floor.py checks it on random placements). It is placement-free: one
+figure per mode for a topology, whatever the policy or redundant slots.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moeplan.passes.cost.cost_model import (ATTN_OPS, COHERENT, COHERENT_HOOK_OPS, EXCHANGE_OPS, EXPERT_CALL_OPS, HEAD_OPS,
+                                            MOE_OPS, PEER_OPS, STANDARD, ModelShape, Workload, _cost, _costs, _held,
+                                            _oversubscribed, _slot_ids, _slots, attention_at_context,
+                                            profile_ops_per_sequence, routing_samples)
+
+
+def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
+                   samples: int = 4) -> float:
+    """Seconds per generated token no placement over `world` ranks is predicted below under `mode`:
+    the mean floor over the routing samples `cost_model.expected` prices."""
+    floors = [floor_seconds_per_token(world, shape, mode, workload, routing, profile)
+              for routing in routing_samples(workload, trace_experts, samples)]
+    return float(sum(floors) / len(floors))
+
+
+def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: Workload, routing: dict,
+                            profile) -> float:
+    """The floor (module docstring) for one routing {(seq, pos): int [L, k]} of the workload's tokens."""
+    if mode not in (COHERENT, STANDARD):
+        raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
+    W = world
+    moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
+    total = 0.0
+    for step_tokens in workload.steps():
+        keys = sorted(step_tokens)
+        n = len(keys)
+        seq = np.array([t[0] for t in keys], dtype=np.int64)
+        pos = np.array([t[1] for t in keys], dtype=np.int64)
+        one_rank = attention_at_context(shape, np.zeros_like(seq), seq, pos, 1)  # every key, each cache read once
+        slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)
+        requests = len(np.unique(seq))
+        placed = False  # coherent mode: tokens sit where the placement put them (after the first MoE layer)
+        for block in range(shape.num_blocks):
+            dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
+            known, spread = np.zeros(W), 0.0
+            if mode == COHERENT and placed:
+                total += _call(profile, W, "context")
+            if mode == COHERENT:
+                known += _cost(profile, COHERENT_HOOK_OPS, 0.0)
+            if mode == COHERENT and placed:
+                spread += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * requests,
+                                n * dense + float(np.sum(one_rank[0])), shape.attention_bytes + float(np.sum(one_rank[1])))
+                known += _cost(profile, 2, 0.0)
+                spread += _cost(profile, 0, (W - 1) * n * shape.attention_flops / 3)
+            else:
+                where = seq % W if mode == STANDARD else None
+                held, seqs = _held(where, seq, W)
+                ctx_flops, ctx_bytes = attention_at_context(shape, where, seq, pos, W)
+                known += np.where(held > 0, _costs(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs,
+                                                   held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
+            moe = moe_of.get(block)
+            if moe is None:
+                if mode == COHERENT and placed:
+                    known += _cost(profile, EXPERT_CALL_OPS, 0.0)
+                    spread += _cost(profile, 0, n * shape.dense_mlp_flops)
+                else:
+                    known += _costs(profile, EXPERT_CALL_OPS, held * shape.dense_mlp_flops)
+                total += _pace_floor(profile, known, spread, W)
+                continue
+            ids = slot_ids[:, moe, :]
+            known += _cost(profile, MOE_OPS, 0.0)
+            if mode == STANDARD:
+                known += _slots(profile, held * shape.top_k)
+            elif not placed:
+                known += _slots(profile, n * shape.top_k)
+            else:
+                spread += _slots(profile, n * shape.top_k)
+            spread += _experts_floor(profile, shape, ids)
+            total += _pace_floor(profile, known, spread, W)
+            if mode == STANDARD:
+                total += _call(profile, W, "dispatch") + _call(profile, W, "combine")
+            else:
+                total += (_call(profile, W, "dispatch") if placed else 0.0) + _call(profile, W, "merge")
+                placed = True
+        if mode == COHERENT and placed:
+            known = np.full(W, _cost(profile, HEAD_OPS, 0.0))
+            total += _pace_floor(profile, known, _cost(profile, 0, n * shape.head_flops), W)
+            total += _call(profile, W, "token_sync")
+        else:
+            ends = np.bincount(seq % W, minlength=W).astype(float)
+            total += _pace_floor(profile, _costs(profile, HEAD_OPS, ends * shape.head_flops), 0.0, W)
+    return total / max(workload.generated_tokens, 1)
+
+
+def _experts_floor(profile, shape: ModelShape, ids: np.ndarray) -> float:
+    """Least expert work summed over ranks for slots ids int [n, k] (-1: none): every distinct expert
+    called once, every slot computed once."""
+    valid = ids[ids >= 0]
+    called = len(np.unique(valid))
+    return (EXPERT_CALL_OPS * called * profile.op_overhead_s
+            + max(len(valid) * shape.expert_flops / profile.flops_per_s, called * shape.expert_bytes / profile.memory_bytes_per_s))
+
+
+def _pace_floor(profile, known: np.ndarray, spread: float, world: int) -> float:
+    """Least pace of a block whose ranks compute known float [W] plus, between them, at least `spread`."""
+    ranks = max(1, min(world, profile.parallel_ranks))
+    return float(max(known.max(), (known.sum() + spread) / ranks))
+
+
+def _call(profile, world: int, phase: str) -> float:
+    """The fixed part of one exchange call (`cost_model._Counter.exchange`'s `call`, less merge's per-row work)."""
+    if world == 1:
+        return 0.0
+    ops = EXCHANGE_OPS + PEER_OPS[phase] * world
+    return 2 * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
