@@ -23,7 +23,7 @@ DEMO := build/demo
 # download); installed with apt where missing when run as root (CI runs as root).
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-slow test-all venv clean
 
 venv: $(STAMP)
 
@@ -37,7 +37,17 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/python -m pip install --quiet --no-deps "$(SGLANG_PIN)" || echo "note: no $(SGLANG_PIN) wheel here; tests/test_engine_sglang_code.py will skip"
 	touch $(STAMP)
 
+# `make test`: ruff, then every test but those marked slow (long end-to-end runs whose paths a test in
+# `make test` also covers: README, Tests); under 10 minutes on a 2-core machine. `make test-slow`: the slow
+# tier alone. `make test-all`: ruff, then every test. CI (.ci/run) runs `make test`, then `make test-slow`.
 test: $(STAMP)
+	$(BIN)/ruff check .
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m "not slow"
+
+test-slow: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m slow
+
+test-all: $(STAMP)
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests
 

@@ -11,8 +11,8 @@ bytes and exactly `--new-tokens` greedy tokens (`ignore_eos`). Figures per level
 
 Baselines, measured in the same run:
 * the same engine at concurrency 1 (ratio `over_c1`: what continuous batching buys);
-* the static batch: the bundle's `Engine.generate` on C prompts at once (today's `moeplan run`,
-  in-process: ratio `over_static`, output tokens/s).
+* the static batch: the bundle's `static_batch.run_batch` on C prompts at once (`moeplan run`'s
+  loop, in-process: ratio `over_static`, output tokens/s).
 
     python benchmarks/serving_engine.py [--model DIR] [--mode standard|coherent] [--concurrency 1 4 16]
         [--prompt-tokens 32] [--new-tokens 32] [--requests-per-client 3] [--json]
@@ -91,11 +91,13 @@ def closed_loop(client, prompts: list, concurrency: int, per_client: int, new_to
 
 
 def static_batch(bundle: Path, mode: str, prompts: list, new_tokens: int) -> float:
-    """Output tokens/s of the bundle's static engine on `prompts` as one batch (after a warm-up)."""
+    """Output tokens/s of `moeplan run`'s static batch (the same worker) on `prompts` as one batch (after a warm-up)."""
     from runtime.counters import Counters
     from runtime.ep.engine import Engine
     from runtime.ep.exchange import Exchanger
     from runtime.bundle_io import load_bundle
+    from runtime.serving.static_batch import run_batch
+    from runtime.serving.worker import BatchWorker
 
     _, table, _, model, _ = load_bundle(bundle, 0, 1, torch.device("cpu"), mode)
     best = 0.0
@@ -103,9 +105,12 @@ def static_batch(bundle: Path, mode: str, prompts: list, new_tokens: int) -> flo
         counters = Counters(model.num_layers)
         engine = Engine(model, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode,
                         torch.device("cpu"), model.top_k)
-        start = time.perf_counter()
-        engine.generate([list(p) for p in prompts], new_tokens)
-        best = max(best, len(prompts) * new_tokens / (time.perf_counter() - start))
+        worker = BatchWorker(engine, model.kind, tokens_to_rank0=False)
+        try:
+            elapsed = run_batch(worker, [list(p) for p in prompts], new_tokens)["elapsed_s"]
+        finally:
+            worker.close()
+        best = max(best, len(prompts) * new_tokens / elapsed)
     return best
 
 

@@ -17,7 +17,6 @@ No result cache: planning passes are either cheap or keep their own content-keye
 """
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -115,8 +114,9 @@ def needed_passes(passes: list, want, available) -> list:
 class PassManager:
     """Runs a pass list over a dictionary of facts; `records` holds the last run's timings.
 
-    Progress: a line per pass on `stream` (stderr) unless `quiet`; on a terminal, the running pass
-    is shown live with its elapsed time (`core/progress.py`) in place of its start line.
+    Progress: on a terminal (stderr), the running pass live with its elapsed time and a line per
+    finished pass (`core/progress.py`); nothing when stderr is not a terminal or with `quiet`;
+    every line, start and end, on `stream` when one is given.
     """
 
     passes: list
@@ -126,7 +126,7 @@ class PassManager:
 
     def _say(self, text: str) -> None:
         if not self.quiet:
-            progress.say(text, self.stream or sys.stderr)
+            progress.say(text, self.stream)
 
     def run(self, facts: dict, want: tuple | None = None) -> dict:
         facts = dict(facts)

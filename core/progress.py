@@ -4,7 +4,9 @@ A pass of the pass manager, the shards codegen writes, trace recording, `run --v
 the ranks: each runs inside `step(description, total)`, which shows a live line (spinner, elapsed
 time, and a bar when the total is known) while a terminal watches, and nothing otherwise, so logs,
 pipes and `--json` output stay as they were. `--json` and `--quiet` turn it off (`silenced`).
-Lines printed while a step is live go above it (`say`). Uses rich.
+Progress lines (`say`: a pass done, a solver's iteration) follow the same rule: above the live
+step on a terminal, nothing when stderr is piped or redirected (the README's promise; `--json`
+reports every pass's seconds). Uses rich.
 """
 from __future__ import annotations
 
@@ -100,9 +102,15 @@ def step(description: str, total: int | None = None, show: bool | None = None):
 
 
 def say(text: str, stream=None) -> None:
-    """Print a line on `stream` (stderr), above the live progress when there is one."""
+    """A progress line: on `stream` when one is given, else on stderr only where progress is shown
+    (`enabled()`: a terminal), above the live step when there is one."""
+    if stream is not None and stream is not sys.stderr:
+        print(text, file=stream, flush=True)
+        return
+    if not enabled():
+        return
     live = _state["live"]
-    if live is not None and (stream is None or stream is sys.stderr):
+    if live is not None:
         live.console.print(text, highlight=False, markup=False)
     else:
-        print(text, file=stream or sys.stderr, flush=True)
+        print(text, file=sys.stderr, flush=True)

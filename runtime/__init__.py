@@ -8,8 +8,8 @@ subpackages (backends/common/files.py):
 * top level, in every bundle: the rank entry (`serve.py`), reading a bundle (`bundle_io.py`,
   `checkpoint_reader.py`), prompt text (`text_codec.py`), counters and results;
 * `model/`: the library's model with its MoE blocks replaced; `ep/`: expert parallelism (the
-  engine, the exchanges, the replica rule); `serving/`: the inference service; torchrun and
-  Kubernetes bundles ship these three;
+  engine, the exchanges, the replica rule); `serving/`: the inference service and its batch worker,
+  the one generation loop (static runs too); torchrun and Kubernetes bundles ship these three;
 * `offload/`: per-rank expert caches, only in bundles whose plan has them;
 * `lambda_/`: the Lambda functions and front, in Lambda bundles (with `model/`, `ep/`, `serving/`).
 

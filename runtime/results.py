@@ -16,12 +16,14 @@ from .counters import sum_counters
 
 
 def write_rank(out_dir, rank: int, engine, out: dict, mode: str) -> None:
+    """`rank-<r>.pt`: a recording engine's logits and routing beside `static_batch.run_batch`'s results
+    `out` (its max_len is the keys' stride: key = sequence x max_len + position)."""
     keys, logits = engine.recorded_logits()
     routing = engine.recorded_routing()
     cache = getattr(engine.model, "expert_cache", None)  # offloading: counters and request log
     extra = {"expert_cache": cache.record()} if cache is not None else {}
-    torch.save({"mode": mode, "max_len": engine.max_len, "logit_keys": keys, "logits": logits,
-                "routing": routing, "weight_dtype": getattr(engine.model, "weight_dtype", "float32"), **extra, **out},
+    torch.save({"mode": mode, "logit_keys": keys, "logits": logits, "routing": routing,
+                "weight_dtype": getattr(engine.model, "weight_dtype", "float32"), **extra, **out},
                Path(out_dir) / f"rank-{rank}.pt")
 
 

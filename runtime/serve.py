@@ -3,8 +3,9 @@
 serves HTTP, every rank runs the continuous-batching engine until SIGTERM or SIGINT).
 
 Each rank loads its shard, joins the process group (nccl on GPUs, gloo on CPU), generates
-greedily with the chosen expert-parallel mode(s) and writes `rank-<r>.pt` (its logits, routing
-and counters) to <out>/<mode>/; rank 0 then merges them into `result.json` and prints the text.
+greedily with the chosen expert-parallel mode(s), the prompts as one batch through the service's
+batch worker (`serving/static_batch.py`), and writes `rank-<r>.pt` (its logits, routing and
+counters) to <out>/<mode>/; rank 0 then merges them into `result.json` and prints the text.
 `--bundle DIR` (repeatable) serves other bundles of the same world size in the same launch, one
 after another, each into <out>/<bundle name>/<mode>/ (one process start for many models).
 """
@@ -23,6 +24,8 @@ from .bundle_io import BundleError, bundle_root, load_bundle
 from .counters import Counters
 from .ep.engine import Engine
 from .ep.exchange import Exchanger
+from .serving.static_batch import check_fits, run_batch
+from .serving.worker import BatchWorker
 from .text_codec import prompt_lines
 
 
@@ -80,6 +83,7 @@ def main(argv=None) -> int:
         for root in roots:  # every bundle loads before any rank joins the group: launch errors stay one line
             plan, table, modes, model, codec = load_bundle(root, rank, world, device, args.mode)
             prompts = [codec.encode(line) for line in prompt_lines(Path(args.prompts).read_text(encoding="utf-8"))]
+            check_fits(prompts, args.new_tokens, model.max_positions)
             out = Path(args.out) / root.name if len(roots) > 1 else Path(args.out)
             loaded.append((model, codec, table, modes, prompts, out))
     except (BundleError, ValueError, OSError) as exc:
@@ -107,9 +111,13 @@ def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, ra
     if getattr(model, "expert_cache", None) is not None:  # offloading: each mode starts from the planned residents
         model.expert_cache.restart()
     engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device,
-                    model.top_k, context)
+                    model.top_k, context)  # recording: logits and routing for results
+    worker = BatchWorker(engine, model.kind, tokens_to_rank0=False)
     dist.barrier()
-    generated = engine.generate(prompts, new_tokens)
+    try:
+        generated = run_batch(worker, prompts, new_tokens)
+    finally:
+        worker.close()
     os.makedirs(out_dir, exist_ok=True)
     results.write_rank(out_dir, rank, engine, generated, mode)
     dist.barrier()

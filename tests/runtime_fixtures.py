@@ -131,7 +131,8 @@ def write_hf_bundle(out: Path, model_dir: Path, model, placement: dict) -> Path:
     return out
 
 
-def single_rank_engine(model, fresh_model, kind: str, mode: str, top_k: int, max_positions: int = 64):
+def single_rank_engine(model, fresh_model, kind: str, mode: str, top_k: int, max_positions: int = 64,
+                       record: bool = True):
     """A world-of-one Engine over `fresh_model` (a second instance of `model`'s class) holding every
     expert, with `model`'s weights cut as a bundle cuts them."""
     from moeplan.runtime.counters import Counters
@@ -149,4 +150,16 @@ def single_rank_engine(model, fresh_model, kind: str, mode: str, top_k: int, max
                            max_positions)
     counters = Counters(rank_model.num_layers)
     return Engine(rank_model, table, Exchanger(0, 1, counters, torch.device("cpu")), counters, 0, 1, mode,
-                  torch.device("cpu"), top_k)
+                  torch.device("cpu"), top_k, record=record)
+
+
+def static_run(engine, prompts: list, new_tokens: int) -> dict:
+    """`run_batch` of the prompts through a batch worker over `engine` (world of one), as `moeplan run` runs them."""
+    from moeplan.runtime.serving.static_batch import run_batch
+    from moeplan.runtime.serving.worker import BatchWorker
+
+    worker = BatchWorker(engine, engine.model.kind, tokens_to_rank0=False)
+    try:
+        return run_batch(worker, prompts, new_tokens)
+    finally:
+        worker.close()

@@ -74,3 +74,22 @@ def test_inputs_are_never_replaced_and_out_is_checked_first(inputs, tmp_path):
     with pytest.raises(moeplan.UserError, match="is a file that is not a moeplan plan"):
         moeplan.plan(model, trace, out=tmp_path / "notes.txt", gpus_per_node=2)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_describe_without_out_and_errors_in_keywords(inputs):
+    """Issue 40: describe() of a plan kept in memory said 'wrote None'; errors named CLI flags."""
+    model, trace = inputs
+    outcome = moeplan.plan(model, trace, gpus_per_node=2, policy="eplb")
+    assert outcome.summary["out"] is None
+    assert outcome.describe().startswith("torchrun plan (not written): 2 ranks") and "None" not in outcome.describe()
+    cases = [(dict(target="lambda", gpus_per_node=2), "gpus_per_node= does not apply to target='lambda'"),
+             (dict(gpus_per_node=0), "gpus_per_node must be a positive integer"),
+             (dict(gpus_per_node=2, slo=3), "slo= does not apply to target='torchrun'; it applies to target 'lambda'"),
+             (dict(gpus_per_node=3, policy="auto"), "give policy='eplb' (or ilp) with redundant=")]
+    for options, needle in cases:
+        with pytest.raises(moeplan.UserError) as info:
+            moeplan.plan(model, trace, **options)
+        assert needle in str(info.value), str(info.value)
+        assert "--" not in str(info.value), str(info.value)
+    assert moeplan.keyword_text("record one with 'moeplan trace M --data T --out t.npz'; or pass --held-out-balance") \
+        == "record one with 'moeplan trace M --data T --out t.npz'; or pass held_out_balance=True"

@@ -18,6 +18,7 @@ def loaded(name: str):
     return model.module.config, model.ir
 
 
+@pytest.mark.slow
 def test_gqa_and_mla_attention_at_context_from_real_configs():
     qwen = runtime_attention_context(*loaded("qwen3-30b-a3b.json"))  # 32 q heads, 4 KV heads of 128
     assert qwen.flops_per_key == 2 * 32 * (128 + 128)

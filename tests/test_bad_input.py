@@ -186,6 +186,20 @@ def test_corrupt_config_in_compile_and_a_checkpointless_model(tmp_path, model, g
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("target", ["torchrun", "lambda", "sglang"])  # kubernetes reads the model as torchrun does
+def test_a_missing_model_is_reported_missing_for_every_target(tmp_path, good_trace, target):
+    """Issue 40: not 'cannot compile ... for torchrun' (which reads as 'unsupported') but 'not found'."""
+    extra = ["--slo", 3] if target == "lambda" else []
+    code, output = _cli(["compile", tmp_path / "no-such-model", "--trace", good_trace, "--target", target, *extra,
+                         "--out", tmp_path / "b", "--quiet"])
+    assert code == 2 and output.startswith("error: ") and output.count("\n") == 1, output
+    assert "no-such-model' not found: no such file or directory" in output and "cannot compile" not in output, output
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "empty").mkdir()
+    _refused(["compile", tmp_path / "empty", "--trace", good_trace, "--target", "torchrun", "--out", tmp_path / "b",
+              "--quiet"], "has no config.json")
+
+
 def test_binary_platform_and_prompts_files(tmp_path, model, good_trace):
     blob = tmp_path / "blob.bin"
     blob.write_bytes(bytes(range(256)) * 4)
@@ -212,3 +226,20 @@ def test_click_usage_errors_are_one_line():
     _refused(["place", "--nodes", "abc"], "--nodes must be a whole number")
     _refused(["compile"], "MODEL")
     _refused(["trace", "synth", "--no-such-flag"], "--no-such-flag")
+
+
+def test_policy_auto_names_why_no_candidate_fits_and_its_advice_works(tmp_path, model, good_trace):
+    """Issue 40: --policy auto said "found no placement policy that fits" where --policy eplb names the
+    cause; now auto names it too (experts over devices), and the flags it suggests plan."""
+    import re
+
+    experts = json.loads((model / "config.json").read_text())["num_experts"]
+    devices = next(d for d in range(3, 9) if experts % d)
+    out = _refused(["plan", model, "--trace", good_trace, "--gpus-per-node", devices, "--policy", "auto",
+                    "--out", tmp_path / "p.json", "--quiet"],
+                   f"{experts} experts per layer do not divide evenly over {devices} devices")
+    redundant = int(re.search(r"--redundant (\d+)", out).group(1))
+    assert (experts + redundant) % devices == 0
+    code, output = _cli(["plan", model, "--trace", good_trace, "--gpus-per-node", devices, "--policy", "eplb",
+                         "--redundant", redundant, "--out", tmp_path / "p.json", "--quiet"])
+    assert code == 0, output

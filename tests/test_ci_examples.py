@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CI = ROOT / "examples" / "ci"
 BIN = Path(sys.executable).parent
@@ -38,6 +40,7 @@ def _git(repo: Path, *args):
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
 
+@pytest.mark.slow
 def test_the_ci_step_reproduces_the_committed_plan_and_fails_on_a_regression(tmp_path):
     """Run moeplan-ci.sh against a base branch whose committed plan is better than what the step
     compiles (max/mean load lowered by 5%): the job must fail, after writing the bundle, its report,

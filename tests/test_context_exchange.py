@@ -76,6 +76,7 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # the module's torchrun runs; test_serving_engine's qwen2_moe coherent kv run keeps the path
 @pytest.mark.parametrize("name, elements", [("gqa", 16), ("mla", 24)])
 def test_coherent_runs_send_kv_exactly_and_as_predicted(runs, name, elements):
     plan, reports = runs[name]
@@ -90,6 +91,7 @@ def test_coherent_runs_send_kv_exactly_and_as_predicted(runs, name, elements):
     assert context[0] == 0 and context[1] > 0 and context[1] % (4 * (elements + 2)) == 0
 
 
+@pytest.mark.slow  # the module's torchrun runs; test_serving_engine's qwen2_moe coherent kv run keeps the path
 def test_the_kv_rows_shrink_the_context_exactly_against_the_hidden_state(runs):
     _, reports = runs["gqa"]
     kv, hidden = reports["auto"]["coherent"], reports[HIDDEN]["coherent"]

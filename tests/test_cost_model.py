@@ -1,8 +1,10 @@
 """Cost model (issue 12): its byte accounting against a real 2-rank run, its formulas, profiles
 and the decisions compile takes by predicted time."""
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,8 +32,9 @@ def two_rank_run(tmp_path_factory):
     bundle = root / "bundle"
     result = CliRunner().invoke(compile_cmd, [str(model_dir), "--trace", str(root / "trace.npz"), "--nodes", "1",
                                               "--gpus-per-node", "2", "--policy", "eplb", "--redundant", "2",
-                                              "--out", str(bundle), "--quiet"])
+                                              "--out", str(bundle)])
     assert result.exit_code == 0, result.output
+    (root / "compile.out").write_text(result.output)  # what compile prints (progress: none, no terminal)
     prompts = root / "prompts.txt"
     prompts.write_text("hello world\nabc\nmixture of experts\n")
     proc = subprocess.run([sys.executable, "-m", "moeplan.planner.cli", "run", str(bundle), "--nproc", "2",
@@ -39,6 +42,31 @@ def two_rank_run(tmp_path_factory):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])["modes"], json.loads((bundle / "plan.json").read_text())
+
+
+def test_every_time_figure_names_its_workload_and_routing(two_rank_run, capsys):
+    """Issue 40: compile printed 'standard 6.16 ms/token' and run 'predicted 10.58 ms/token' for the same bundle,
+    unexplained: different workloads and routings. Each now names what it is for, and run shows both."""
+    from moeplan.planner.commands import run as run_command
+
+    reports, plan = two_rank_run
+    cost = plan["predicted"]["cost"]
+    for mode, r in reports.items():
+        assert re.fullmatch(r"3x\(\d+\.\.\d+\)\+3", r["workload"]), r["workload"]  # this run's 3 prompts and 3 new tokens
+        assert r["plan_workload"] == cost["workload"] == "8x32+8"
+        assert r["plan_seconds_per_token"] == cost["modes"][mode]["seconds_per_token"]
+        assert r["plan_total_bytes_per_token"] == cost["modes"][mode]["total_bytes_per_token"]
+        assert r["plan_gpu_local_fraction"] == plan["predicted"]["gpu_local_fraction"]
+        run_command._print({**r, "texts": []}, verify=False)
+        printed = capsys.readouterr().out
+        assert f"predicted for this run ({r['workload']}: its own prompts, routed as this run routed them)" in printed
+        assert (f"the plan's figure, for another workload: {cost['modes'][mode]['seconds_per_token'] * 1e3:.2f} ms/token"
+                in printed and "for 8x32+8 (8 requests of 32 prompt tokens, 8 new tokens each) on the planning trace" in printed)
+        assert f"the plan's {plan['predicted']['gpu_local_fraction']:.4f} is on the planning trace" in printed
+    compiled = (Path(plan["inputs"]["model"]).parent / "compile.out").read_text()
+    assert f"on the planning trace ({plan['inputs']['trace_tokens']:,} tokens): gpu_local_fraction" in compiled
+    assert "predicted for workload 8x32+8 (8 requests of 32 prompt tokens, 8 new tokens each; routing sampled from the " \
+           "planning trace)" in compiled
 
 
 @pytest.mark.parametrize("mode", [STANDARD, COHERENT])

@@ -216,9 +216,31 @@ def test_diff_compares_serving_predictions_and_gates_on_tpot(mixtral_trace, tmp_
     diff = cli("diff", tmp_path / "a.json", tmp_path / "b.json", "--json", "--fail-on", "tpot>+1%")
     assert diff.exit_code == 1, diff.output  # 4x the requests: a slower decode step
     doc = json.loads(diff.output)
-    moved = {f["name"]: f for f in doc["figures"]}
-    assert moved["tpot"]["ratio"] > 1 and moved["throughput"]["ratio"] > 1
+    moved = {f["name"]: f for f in doc["headline"]}  # the aliases, each once (the paths they read are not listed again)
+    assert moved["tpot"]["changed"] and moved["tpot"]["ratio"] > 1 and moved["throughput"]["ratio"] > 1
     assert {"name": "workload", "a": "16x512+64", "b": "64x512+64"} in doc["decisions"]
+    text = cli("diff", tmp_path / "a.json", tmp_path / "b.json").output.splitlines()
+    # compact (issue 40): what each side's figures are for first, then each serving figure once, under its alias
+    assert "workload 16x512+64 on a100-sxm" in text[0] and "workload 64x512+64 on a100-sxm" in text[0], text[0]
+    figure_rows = [line.split()[0] for line in text[text.index(next(x for x in text if x.startswith("figure "))) + 1:]]
+    assert {"tpot", "ttft", "throughput", "memory_per_gpu"} <= set(figure_rows) and len(figure_rows) == len(set(figure_rows))
+    assert not any("predicted.serving" in line for line in text), text
+
+
+def test_the_report_names_the_serving_workload_and_says_does_not_fit_in_red(mixtral_trace, tmp_path):
+    """Issue 40: a figure names the workload it is for; a deployment whose GPUs cannot hold it says so in red."""
+    import html
+
+    out = tmp_path / "plan.json"  # Mixtral-8x7B's 93 GB of bf16 weights on one 80 GB A100
+    assert cli("plan", MIXTRAL, "--trace", mixtral_trace, "--target", "sglang", "--nodes", 1, "--gpus-per-node", 1,
+               "--hardware", "a100-sxm", "--workload", "8x512+64", "--quiet", "--out", out).exit_code == 0
+    assert json.loads(out.read_text())["predicted"]["serving"]["fits"] is False
+    result = cli("report", out, "--out", tmp_path / "r.html")
+    assert result.exit_code == 0, result.output
+    page = html.unescape((tmp_path / "r.html").read_text())
+    assert "Serving prediction for workload 8x512+64 on a100-sxm, routing from the planning trace" in page
+    assert '<p class="note bad">Does not fit: ' in page and "workload 8x512+64" in page.split('<p class="note bad">')[1]
+    assert "memory per GPU (does not fit in the GPU's memory)" in page
 
 
 LAYOUT_KEYS = ("attention_tp", "attention_dp", "moe_ep", "moe_tp", "redundant_experts", "max_running_requests",

@@ -101,3 +101,34 @@ def test_saved_weights_load_back_as_fp32_and_if_missing_skips(tmp_path, restore_
     assert "not retraining" in capsys.readouterr().out
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_what_the_demo_and_readme_say_about_the_example_model_is_true(trained, tmp_path):
+    """Issue 40: the demo's reply is noise and nothing said why; the demo (examples/serve_demo.py) and the
+    README now say what the example model is. Its numbers: parameters, steps and held-out loss."""
+    import re
+
+    from moeplan.core.plan import Plan
+
+    demo = import_file(EXAMPLE.parent / "serve_demo.py")
+    readme = (EXAMPLE.parents[1] / "README.md").read_text(encoding="utf-8")
+    for text in (demo.EXAMPLE_MODEL, " ".join(readme.split())):
+        millions = float(re.search(r"([\d.]+) M parameters", text).group(1))
+        assert millions == round(trained.ir.total_params / 1e6, 1)
+        assert f"trained for {_import('train').DEFAULTS['steps']} steps" in text
+    loss = float(re.search(r"held-out loss \(about ([\d.]+) nats per byte\)", " ".join(readme.split())).group(1))
+    data = (EXAMPLE / "corpus_heldout.txt").read_bytes()[: 64 * 128 + 1]
+    ids = torch.tensor(list(data))
+    with torch.no_grad():
+        logits = trained.module(ids[:-1].view(64, 128))
+    assert abs(F.cross_entropy(logits.reshape(-1, 256), ids[1:]).item() - loss) < 0.1
+    # the demo's own line, read from a bundle's plan.json
+    from moeplan.passes.analysis.trace.format import save_trace
+    from moeplan.planner.pipeline import flags, targets
+
+    save_trace(record_trace(trained, (EXAMPLE / "corpus_heldout.txt").read_text()[:600], seq_len=64), tmp_path / "t.npz")
+    outcome = targets.plan_target("torchrun", str(EXAMPLE), str(tmp_path / "t.npz"), tmp_path / "plan.json",
+                                  flags.resolve({"gpus_per_node": 2, "policy": "eplb"}, compile_only=False), {"gpus_per_node", "policy"},
+                                  quiet=True)
+    assert isinstance(outcome.plan, Plan)
+    assert demo.about(tmp_path) == f"model: {demo.EXAMPLE_MODEL}"

@@ -71,7 +71,7 @@ def recorded_call(bundle: Path) -> tuple:
         cloud.close()
 
 
-@pytest.mark.parametrize("methods", ["s3", "direct"])
+@pytest.mark.parametrize("methods", [pytest.param("s3", marks=pytest.mark.slow), "direct"])
 def test_the_stated_cost_of_a_call_counts_what_the_local_cloud_recorded(bundles, methods):
     bundle, output = bundles[methods]
     headers, recorded, plan = recorded_call(bundle)

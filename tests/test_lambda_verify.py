@@ -45,7 +45,7 @@ def verified(setup, methods: str, n: int) -> dict:
     return VERIFIED[methods, n]
 
 
-@pytest.mark.parametrize("methods, n", [("direct", 2), ("s3", 3), ("pipelined_s3", 1)])
+@pytest.mark.parametrize("methods, n", [("direct", 2), pytest.param("s3", 3, marks=pytest.mark.slow), ("pipelined_s3", 1)])
 def test_each_scatter_gather_method_verifies_against_the_source_model(setup, methods, n):
     out = bundle(setup, methods)
     assert set(json.loads((out / "plan.json").read_text())["communication"]["methods"]) == {methods}

@@ -88,6 +88,7 @@ def served(tmp_path_factory):
     return bundles, root / "out"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny.ARCHITECTURES)
 def test_architecture_runs_offloaded_and_measures_the_simulated_hits(served, arch):
     bundles, out = served

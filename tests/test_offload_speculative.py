@@ -295,6 +295,7 @@ def test_one_rank_speculates_live_what_the_recorder_does_and_computes_misses_on_
     assert compared > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_expert_parallel_speculate_and_compute_on_the_host_in_both_modes(speculated, tmp_path):
     root, model_dir = speculated
     forced_host_compute(model_dir, root / "s.npz", tmp_path / "b2", 2, "speculative")
@@ -353,6 +354,7 @@ def test_calibrate_measures_the_hosts_expert_rates_into_keys_profiles_accept():
     assert hw.host_compute and hw.host_memory_bytes_per_s > hw.host_to_device_bytes_per_s  # DRAM reads beat PCIe
 
 
+@pytest.mark.slow
 def test_offload_plan_records_the_speculation_and_simulate_runs_the_speculative_prefetcher(speculated, tmp_path):
     root, model_dir = speculated
     code, out = cli(["plan", str(model_dir), "--trace", str(root / "s.npz"), "--target", "offload", "--expert-cache", "6",

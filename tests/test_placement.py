@@ -62,6 +62,7 @@ def test_policy_invariants(problem, policy):
         assert m["bound"] <= m["objective"] + 1e-6 and 0.0 <= m["gap"] <= 1.0
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 1000), st.sampled_from([0.1, 0.3]), st.sampled_from([0, 4]))
 def test_ilp_respects_the_balance_cap_when_feasible(seed, balance, redundant):

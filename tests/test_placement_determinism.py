@@ -27,6 +27,7 @@ def solve(trace, **options):
     return plan_placement(trace, request)
 
 
+@pytest.mark.slow
 def test_same_bytes_on_an_idle_and_a_busy_machine(planted):
     start = time.perf_counter()
     idle = solve(planted)

@@ -69,12 +69,24 @@ def test_a_terminal_gets_no_progress_with_json(inputs, tmp_path):
     assert terminal.strip() == "" and json.loads(stdout.strip().splitlines()[-1])["target"] == "torchrun"
 
 
-def test_no_terminal_no_progress_display(inputs, tmp_path):
+def test_no_terminal_nothing_added_on_stderr(inputs, tmp_path):
+    """The README: piped (stderr not a terminal), nothing is added; stdout is the result alone."""
     root, model = inputs
     proc = subprocess.run(compile_args(root, model, tmp_path / "b"), capture_output=True, text=True,
                           env=dict(os.environ, TERM="xterm", OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert ESCAPE not in proc.stderr and "\r" not in proc.stderr
-    assert lines and all(PLAIN_LINE.match(line) for line in lines), lines
-    assert len(lines) == 18  # a start and an end line for each of the 9 passes, as before
+    assert proc.stderr == ""
+    assert proc.stdout.startswith("wrote ") and not any(PLAIN_LINE.match(line) for line in proc.stdout.splitlines())
+
+
+def test_a_given_stream_gets_every_pass_line():
+    """A PassManager given a stream (a log) writes a start and an end line per pass there, terminal or not."""
+    import io
+
+    from moeplan.core.pass_manager import Pass, PassManager
+
+    log = io.StringIO()
+    PassManager([Pass("a", (), ("x",), lambda f: {"x": 1}), Pass("b", ("x",), ("y",), lambda f: {"y": 2})],
+                stream=log).run({})
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 4 and all(PLAIN_LINE.match(line) for line in lines), lines

@@ -6,6 +6,7 @@ in real headless Chromium (Debian's, driven by playwright: one browser launch fo
 where no console error may appear, every figure must render with a non-zero size and every
 number of the summary must equal plan.json. Screenshots go to the test's tmp dir.
 """
+import copy
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from moeplan.planner.report.summary import at
 
 TINY = "examples/tiny_moe"
 MIXTRAL = "examples/configs/mixtral-8x7b.json"
+DEEPSEEK = "examples/configs/deepseek-v3.json"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -59,12 +61,25 @@ def plans(tmp_path_factory):
     for engine, serving in (("sglang", ["--hardware", "h100-sxm", "--workload", "16x256+16"]), ("trtllm", [])):
         ok(["compile", MIXTRAL, "--trace", tmp / "mix.npz", "--target", engine, "--nodes", 1, "--gpus-per-node", 4,
             "--redundant", 4, *serving, "--report", "--quiet", "--out", tmp / engine])
+    # issue 40: a torchrun plan whose ranks cannot hold their weights (a profile with 1 GB per device), a
+    # DeepSeek-V3-scale placement (58 MoE layers x 256 experts), and the kubernetes bundle's report drawn
+    # from the bundle alone (no --trace: the plan's trace summary)
+    small = tmp / "small-device.yaml"
+    small.write_text(Path("core/hardware_data/cpu-gloo.yaml").read_text().replace("name: cpu-gloo", "name: small-device")
+                     .replace("device_memory_bytes: 25276502016", "device_memory_bytes: 1000000000"))
+    ok(["plan", TINY, "--trace", t, "--nodes", 1, "--gpus-per-node", 2, "--policy", "eplb", "--hardware", small,
+        "--quiet", "--out", tmp / "nofit.json"])
+    ok(["trace", "synth", "--layers", 58, "--experts", 256, "--k", 8, "--tokens", 600, "--seed", 3, "--out", tmp / "ds.npz"])
+    ok(["plan", DEEPSEEK, "--trace", tmp / "ds.npz", "--target", "sglang", "--nodes", 2, "--gpus-per-node", 8,
+        "--redundant", 16, "--quiet", "--out", tmp / "deepseek.json"])
     out = {"kubernetes": (tmp / "k8s" / "plan.json", tmp / "k8s" / "report.html")}
     for engine in ("sglang", "trtllm"):
         out[engine] = (tmp / engine / "plan.json", tmp / engine / "report.html")
-    for name, traces in (("torchrun", [t, h]), ("lambda", [t]), ("offload", [t])):
+    for name, traces in (("torchrun", [t, h]), ("lambda", [t]), ("offload", [t]), ("nofit", []), ("deepseek", [])):
         ok(["report", tmp / f"{name}.json", *[x for tr in traces for x in ("--trace", tr)], "--out", tmp / f"{name}.html"])
         out[name] = (tmp / f"{name}.json", tmp / f"{name}.html")
+    ok(["report", tmp / "k8s", "--out", tmp / "k8s-alone.html"])
+    out["bundle-alone"] = (tmp / "k8s" / "plan.json", tmp / "k8s-alone.html")
     return {"pages": out, "trace": t, "held_out": h, "tmp": tmp}
 
 
@@ -81,7 +96,19 @@ def _check_page(page, url: str, plan: dict, shot: Path) -> dict:
                 rows: f.querySelectorAll('table tbody tr').length}; })""")
     numbers = page.eval_on_selector_all("#summary .num", """els => els.map(e => ({path: e.dataset.path || null,
         value: e.dataset.value, scale: e.dataset.scale, text: e.textContent}))""")
-    return {"errors": errors, "figures": figures, "numbers": numbers}
+    # every pair of texts drawn in one figure whose boxes overlap by more than a sliver (issue 40: 58-layer charts)
+    overlaps = page.eval_on_selector_all("svg.figure", """svgs => svgs.map(svg => {
+        const boxes = Array.from(svg.querySelectorAll('text')).map(t => [t.textContent.trim(), t.getBoundingClientRect()])
+            .filter(([s, r]) => s && r.width > 0 && r.height > 0);
+        const hits = [];
+        for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+            const [a, r] = boxes[i], [b, q] = boxes[j];
+            const w = Math.min(r.right, q.right) - Math.max(r.left, q.left), h = Math.min(r.bottom, q.bottom) - Math.max(r.top, q.top);
+            if (w > 1.5 && h > 1.5) hits.push(a + ' / ' + b);
+        }
+        return {id: svg.dataset.figure, texts: boxes.length, hits: hits.slice(0, 5), count: hits.length}; })""")
+    bad = page.eval_on_selector_all(".note.bad", "els => els.map(e => [e.textContent, getComputedStyle(e).color])")
+    return {"errors": errors, "figures": figures, "numbers": numbers, "overlaps": overlaps, "bad": bad}
 
 
 EXPECTED_FIGURES = {
@@ -89,6 +116,8 @@ EXPECTED_FIGURES = {
     "kubernetes": {"placement-map", "layer-balance", "time-by-kind", "time-by-tier", "affinity"},
     "sglang": {"placement-map", "layer-balance"}, "trtllm": {"placement-map", "layer-balance"},
     "offload": {"cache-curve", "tiers"}, "lambda": {"functions", "stages"},
+    "nofit": {"placement-map", "time-by-kind", "time-by-tier"}, "deepseek": {"placement-map", "layer-balance"},
+    "bundle-alone": {"placement-map", "layer-balance", "time-by-kind", "time-by-tier", "affinity"},
 }
 
 
@@ -124,7 +153,13 @@ def test_every_target_s_report_renders_in_chromium_and_its_summary_equals_plan_j
             assert value == at(plan, n["path"]), (name, n)
             assert n["text"].startswith(fmt(value, float(n["scale"]))), (name, n)
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
-    assert {"torchrun", "kubernetes", "lambda", "offload", "sglang", "trtllm"} == set(seen)
+        for figure in got["overlaps"]:  # no two labels, ticks or cell texts drawn over each other
+            assert figure["count"] == 0, (name, figure)
+    assert {"torchrun", "kubernetes", "lambda", "offload", "sglang", "trtllm", "nofit", "deepseek", "bundle-alone"} == set(seen)
+    assert max(f["texts"] for f in seen["deepseek"]["overlaps"]) > 40  # the 58-layer charts were measured, not empty
+    (text, colour), = seen["nofit"]["bad"]  # the plan that does not fit says so, in red
+    assert text.startswith("Does not fit") and colour == "rgb(176, 0, 32)", (text, colour)
+    assert seen["torchrun"]["bad"] == []
 
 
 def test_summary_states_the_reasons_the_plan_records(plans):
@@ -142,7 +177,10 @@ def test_summary_states_the_reasons_the_plan_records(plans):
     if stop["skipped"]:
         assert f"not tried: {', '.join(stop['skipped'])}" in page and f"({stop['error']:.0%})" in page
     assert "Predicted beside re-scored on held-out traffic" in page  # torchrun's page had a held-out trace
-    assert "Serving capacity" in page
+    capacity = plan["communication"]["capacity"]
+    assert "Serving capacity" in page and "records no serving capacity" not in page  # issue 40: it looked elsewhere
+    assert f'data-path="communication.capacity.max_sequences" data-value="{capacity["max_sequences"]}"' in page
+    assert f"for {cost['workload']}" in page and f"workload {cost['workload']} (" in page  # time figures name their workload
 
 
 def test_time_breakdown_by_exchange_and_tier_sums_to_the_predicted_time(plans):
@@ -168,7 +206,7 @@ def test_compile_report_is_in_the_manifest_and_the_bundle_still_verifies(plans):
 
 def test_report_recomputations_reproduce_the_plan(plans):
     """The figures the report recomputes agree with what the planner recorded."""
-    from moeplan.planner.commands.report_facts import cache_curve, lambda_figures, placement_facts, sort_traces
+    from moeplan.planner.commands.report_facts import cache_curve, lambda_figures, placement_facts, sort_traces, trace_loads
 
     off_path = plans["pages"]["offload"][0]
     off = json.loads(off_path.read_text())
@@ -185,10 +223,86 @@ def test_report_recomputations_reproduce_the_plan(plans):
                         lam["predicted"]["moe_cost_per_batch_usd"], rel_tol=1e-6)
     tr = json.loads(plans["pages"]["torchrun"][0].read_text())
     planning, _ = sort_traces(tr, [plans["trace"]])
-    facts = placement_facts(tr, planning[1], with_affinity=True)
+    facts = placement_facts(tr, *trace_loads(tr, planning[1], with_affinity=True))
     ours = facts["layer_balance"]["series"]["this plan"]
     assert math.isclose(sum(ours) / len(ours), tr["predicted"]["max_over_mean_load"], rel_tol=1e-6)
     assert facts["affinity"]["crossing"] <= facts["affinity"]["transitions"]
+
+
+def test_the_bundle_alone_gives_the_planning_trace_s_figures(plans):
+    """Issue 40: `moeplan report BUNDLE` without --trace drew no load chart and no affinity; the plan now keeps
+    the planning trace's summary, from which the report computes the same numbers as from the trace itself."""
+    from moeplan.planner.commands.report_facts import report_facts, sort_traces
+
+    plan_path = plans["pages"]["kubernetes"][0]
+    plan = json.loads(plan_path.read_text())
+    summary = plan["inputs"]["trace_summary"]
+    assert len(summary["expert_loads"]) == plan["model"]["moe_layers"]  # one line of E loads per MoE layer
+    planning, _ = sort_traces(plan, [plans["trace"]])
+    with_trace = report_facts(plan, plan_path, planning, None, 0.01)
+    alone = report_facts(plan, plan_path, None, None, 0.01)
+    for key in ("device_load", "layer_balance", "affinity"):
+        assert alone[key] == with_trace[key], key
+    assert alone["trace_role_text"] != with_trace["trace_role_text"]  # each page says where its numbers come from
+    page = plans["pages"]["bundle-alone"][1].read_text()
+    assert "plan.json&#x27;s trace summary" in page and "needs a routing trace" not in page and "pass --trace" not in page
+
+
+def test_a_marginal_choice_and_one_worse_on_balance_are_explained(plans, tmp_path):
+    """Issue 40: candidates within the model's error are called marginal; a chosen plan with max/mean load 1.31
+    that beat a better balanced candidate says it won on predicted time, naming the term that decides."""
+    plan = json.loads(plans["pages"]["torchrun"][0].read_text())
+    cost = plan["predicted"]["cost"]
+    mode = cost["mode"]
+    chosen = next(a for a in cost["alternatives"] if a["chosen"])
+    if all(a["chosen"] for a in cost["alternatives"]):  # --policy auto stopped early: a second candidate, made from the first
+        cost["alternatives"].append({**copy.deepcopy(chosen), "label": "eplb+2", "policy": "eplb", "chosen": False})
+    other = next(a for a in cost["alternatives"] if not a["chosen"])
+    for a in cost["alternatives"]:
+        a["max_over_mean_load"] = 1.31 if a is chosen else 1.03 if a is other else 1.5
+    base = chosen["modes"][mode]
+    for a in cost["alternatives"]:  # every other candidate 3 % slower, the better balanced one through its dispatch term
+        if a is not chosen:
+            a["seconds_per_token"] = a["modes"][mode]["seconds_per_token"] = base["seconds_per_token"] * 1.03
+    other["modes"][mode]["compute_seconds_per_token"] = base["compute_seconds_per_token"] * 0.98
+    extra = base["seconds_per_token"] * 0.03 + base["compute_seconds_per_token"] * 0.02
+    other["modes"][mode]["exchange_seconds_per_token"] = {k: dict(v) for k, v in base["exchange_seconds_per_token"].items()}
+    other["modes"][mode]["exchange_seconds_per_token"]["dispatch"]["call"] += extra
+    (tmp_path / "p.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    ok(["report", tmp_path / "p.json", "--out", tmp_path / "p.html"])
+    import html
+
+    page = html.unescape((tmp_path / "p.html").read_text())
+    assert "Marginal choice" in page and "within 6% of the chosen one" in page
+    assert (f"{chosen['label']} (max/mean load 1.31) was chosen over the better balanced {other['label']} (1.03) because "
+            "the choice is by predicted time, not balance") in page
+    assert f"{other['label']}'s balance saves" in page and "ms/token of compute" in page and "dispatch decides" in page
+    for a in cost["alternatives"]:  # 30 % apart: no longer marginal
+        if a is not chosen:
+            a["seconds_per_token"] = a["modes"][mode]["seconds_per_token"] = base["seconds_per_token"] * 1.3
+    (tmp_path / "p.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n")
+    ok(["report", tmp_path / "p.json", "--out", tmp_path / "p.html"])
+    assert "Marginal choice" not in (tmp_path / "p.html").read_text()
+
+
+def test_report_refuses_a_bundle_that_fails_its_manifest_and_diff_one_whose_plan_does(plans, tmp_path):
+    """Issue 40: `moeplan report` accepted a bundle whose shard failed its hash (exit 0)."""
+    import shutil
+
+    bundle = tmp_path / "k8s"
+    shutil.copytree(plans["tmp"] / "k8s", bundle)
+    shard = json.loads((bundle / "plan.json").read_text())["shards"][0]
+    data = bytearray((bundle / shard).read_bytes())
+    data[-1] ^= 1
+    (bundle / shard).write_bytes(bytes(data))
+    code, out = run(["report", bundle, "--out", tmp_path / "r.html"])
+    assert code == 2 and out.startswith("error: ") and len(out.strip().splitlines()) == 1, out
+    assert shard in out and "sha256" in out and not (tmp_path / "r.html").exists()
+    ok(["diff", plans["tmp"] / "k8s", bundle])  # diff reads plan.json alone, which is intact
+    plan = (bundle / "plan.json").read_text()
+    (bundle / "plan.json").write_text(plan.replace('"mode": "', '"mode": "x', 1))
+    code, out = run(["diff", plans["tmp"] / "k8s", bundle])
+    assert code == 2 and "plan.json" in out and "sha256" in out and len(out.strip().splitlines()) == 1, out
 
 
 def test_report_and_diff_are_byte_deterministic(plans, tmp_path):
@@ -254,9 +368,38 @@ def test_diff_fail_on_exit_codes_for_each_figure(plans, tmp_path):
     assert code == 0 and "placement.policy" in out and "B / A" in out
 
 
+def test_diff_is_compact_each_figure_once_changed_first(plans, tmp_path):
+    """Issue 40: diff printed 35-80 lines with every figure twice, and a bundle against its own plan
+    reported `weights_sha256 ... -> -` as a change."""
+    tr, k8s = plans["pages"]["torchrun"][0], plans["pages"]["kubernetes"][0]
+    out = ok(["diff", tr, k8s])
+    lines = out.strip().splitlines()
+    assert len(lines) <= 20, out
+    figure_rows = [l.split()[0] for l in lines[lines.index(next(l for l in lines if l.startswith("figure "))) + 1:]
+                   if l and not l.startswith(("unchanged", "recorded", "fail-on")) and not l[0].isdigit()]
+    assert figure_rows and len(figure_rows) == len(set(figure_rows)), out  # each figure once
+    assert not any(r.startswith("predicted.") for r in figure_rows), out  # the aliases stand for their paths
+    assert "placement (layout digest)" in out and "MoE layers moved" in out and "placement.layer." not in out
+    assert out.startswith("figures for ") and "workload 8x32+8" in out
+    assert "other predicted number(s) changed (--all lists them" in out
+    every = ok(["diff", tr, k8s, "--all"]).strip().splitlines()
+    rows = [l.split()[0] for l in every if l.startswith("predicted.")]
+    assert len(rows) == len(set(rows)) > 0
+    as_json = json.loads(ok(["diff", tr, k8s, "--json"]))
+    assert [r["changed"] for r in as_json["headline"]] == sorted((r["changed"] for r in as_json["headline"]), reverse=True)
+    # a plan against the bundle compiled from it: nothing differs (the bundle's weights hash is not a change)
+    plan = tmp_path / "k8s-plan.json"
+    ok(["plan", TINY, "--trace", plans["trace"], "--target", "kubernetes", "--nodes", 2, "--gpus-per-node", 1, "--policy", "eplb",
+        "--redundant", 2, "--cpu-only", "--image", "registry.example/moe:1", "--quiet", "--out", plan])
+    out = ok(["diff", plan, plans["tmp"] / "k8s"])
+    assert "no decision or predicted figure differs" in out and "weights_sha256" in out.splitlines()[-1], out
+    assert "recorded by one plan only (not compared): B: weights_sha256" in out
+
+
 def test_diff_bad_expression_is_one_line_and_exit_2(plans):
     tr = plans["pages"]["torchrun"][0]
-    for expr in ("seconds_per_token>>5%", "", "seconds_per_token", "speed>+5%", "seconds_per_token>+5%,", "x<y"):
+    for expr in ("seconds_per_token>>5%", "", "seconds_per_token", "speed>+5%", "seconds_per_token>+5%,", "x<y",
+                 "seconds_per_token>5", "bytes_per_token>+2ms", "gpu_local_fraction<-1KB"):
         code, out = run(["diff", tr, tr, "--fail-on", expr])
         assert code == 2 and out.startswith("error: ") and len(out.strip().splitlines()) == 1, (expr, out)
     code, out = run(["diff", tr, tr, "--fail-on", "cost>+0%"])  # an alias these plans lack: noted, not an error

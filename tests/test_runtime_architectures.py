@@ -68,6 +68,7 @@ def _containers(model):
     return find_containers(layers, prefix)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", tiny.ARCHITECTURES)
 def test_architecture_runs_exactly_at_two_ranks_in_both_modes(served, arch):
     bundles, out, _ = served
@@ -90,6 +91,7 @@ def test_architecture_runs_exactly_at_two_ranks_in_both_modes(served, arch):
         assert layer["context_bytes"] % (4 * (elements + 2)) == 0, (layer, elements)
 
 
+@pytest.mark.slow
 def test_text_prompts_fall_back_to_bytes_and_say_so(served):
     _, out, stdout = served
     assert "byte fallback" in stdout
@@ -134,6 +136,7 @@ def test_qwen3_moe_example_runs_text_through_its_tokenizer_via_the_cli(tmp_path)
         assert report["verified"] and report["prompt_encoding"] == "tokenizer.json"
 
 
+@pytest.mark.slow
 def test_deepseek_v2_greedy_unsorted_top_k_verifies_through_the_cli(tmp_path):
     """Issue 32: DeepSeek-V2 with greedy top-4 (`torch.topk(..., sorted=False)`), the first layer dense, two
     shared experts. Coherent mode's measured locality missed the prediction (0.5164 vs 0.4967) because the

@@ -13,7 +13,7 @@ from moeplan.runtime.counters import Counters, sum_counters
 from moeplan.runtime.ep.exchange import pack, unpack
 from moeplan.runtime.ep.expert_table import ExpertTable, heaviest_first
 from tiny_moe_naming import encode, is_expert_tensor
-from runtime_fixtures import PROMPTS, load_small, single_rank_engine, small_model_dir
+from runtime_fixtures import PROMPTS, load_small, single_rank_engine, small_model_dir, static_run
 
 
 def _table(devices_per_layer, nodes=1, gpus=None):
@@ -121,7 +121,7 @@ def _single_rank_run(model, mode, new_tokens=4):
     fresh = type(model)(model.config).eval()  # TinyMoE's own module, as a bundle builds it
     engine = single_rank_engine(model, fresh, "tiny_moe", mode, model.config.top_k, model.config.max_positions)
     prompts = [encode(p) for p in PROMPTS]
-    out = engine.generate(prompts, new_tokens)
+    out = static_run(engine, prompts, new_tokens)
     return prompts, out, engine
 
 
@@ -145,7 +145,7 @@ def test_single_rank_engine_reproduces_the_model_in_both_modes(tmp_path):
         for s, prompt in enumerate(prompts):
             gen, ref = _reference(model, prompt, 4)
             assert out["generated"][s] == gen
-            rows = torch.stack([logits[by_key[s * engine.max_len + p]] for p in range(ref.shape[0])])
+            rows = torch.stack([logits[by_key[s * out["max_len"] + p]] for p in range(ref.shape[0])])
             assert (rows - ref).abs().max().item() <= 1e-4
         layers = out["counters"]["layers"]
         assert all(l[p]["bytes"] == 0 for l in layers for p in ("dispatch", "combine", "merge", "context"))

@@ -207,6 +207,7 @@ def test_sigterm_drains_and_exits_zero(tiny):
     assert server.stdout == [f"serving on {server.url}\n"]  # exactly one line on stdout
 
 
+@pytest.mark.slow
 def test_standard_mode_transformers_model(qwen):
     bundle, server = qwen
     prompts, lengths = prompts_of(384)
@@ -221,6 +222,7 @@ def test_standard_mode_transformers_model(qwen):
     assert r.choices[0].message.content == tokenizer.decode(r.choices[0].token_ids)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_requests_with_an_error_and_the_service_exits(qwen):
     _, server = qwen
     c = client(server)

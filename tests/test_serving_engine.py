@@ -6,7 +6,8 @@ lengths, arriving and leaving at different steps, equal the source model's own s
 greedy generation token for token (the model's own forward over the whole sequence, as `moeplan run
 --verify` checks: TinyMoE, and transformers' Qwen2-MoE and gpt-oss with its sliding-window layers), in
 both communication modes; a seeded request samples the same alone and in a
-crowd; cancel, stop ids, ignore_eos, the bounded queue and drain; an idle service's CPU time
+crowd; `moeplan run` of the same prompts (one batch through the same worker) gives the service's
+tokens; cancel, stop ids, ignore_eos, the bounded queue and drain; an idle service's CPU time
 (from /proc of every rank); a rank killed mid-generation ends every request with an error, not a hang.
 """
 from __future__ import annotations
@@ -78,6 +79,28 @@ def test_concurrent_greedy_requests_equal_the_model_alone(served):
     assert len({len(r["prompt"]) for r in result["greedy"].values()}) >= 10  # lengths differ
 
 
+def test_moeplan_run_of_the_same_prompts_gives_the_services_tokens(served, small, tmp_path):
+    """One generation loop: `moeplan run` hands its prompts to the same batch worker as one batch
+    (2 ranks: request i at rank i % 2, coherent mode's prompt sync), so each prompt's tokens are the
+    service's for it, up to the request's max_tokens (the run generates the longest for every prompt)."""
+    mode, _, result = served
+    greedy = list(result["greedy"].values())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join("ids: " + " ".join(map(str, r["prompt"])) + "\n" for r in greedy))
+    new_tokens = max(r["max_tokens"] for r in greedy)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "moeplan.planner.cli", "run", str(small[2][mode]), "--nproc", "2",
+                           "--prompts", str(prompts), "--new-tokens", str(new_tokens), "--mode", mode,
+                           "--results", str(tmp_path / "results"), "--json"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = json.loads((tmp_path / "results" / mode / "result.json").read_text())
+    assert run["prompt_ids"] == [r["prompt"] for r in greedy]
+    for r, generated in zip(greedy, run["generated"]):
+        assert len(generated) == new_tokens
+        assert generated[:r["max_tokens"]] == r["tokens"], (mode, r["prompt"])
+
+
 def test_a_seeded_request_samples_the_same_alone_and_in_a_crowd(served):
     _, _, result = served
     seeded = result["seeded"]
@@ -140,7 +163,7 @@ def test_a_killed_rank_ends_requests_with_errors_and_the_service_exits(small):
     assert code != 0 and seconds < 60, output[-2000:]
 
 
-@pytest.mark.parametrize("arch, mode, context", [("qwen2_moe", "coherent", "kv"), ("gpt_oss", "standard", "auto")])
+@pytest.mark.parametrize("arch, mode, context", [("qwen2_moe", "coherent", "kv"), pytest.param("gpt_oss", "standard", "auto", marks=pytest.mark.slow)])
 def test_transformers_models_serve_exactly(tmp_path, arch, mode, context):
     """Qwen2-MoE (shared experts, a dense block) with coherent mode's K/V exchange through the moved
     cache rows; gpt-oss, whose sliding-window layers (window 4) alternate with full ones."""
@@ -187,7 +210,7 @@ def offloaded(tmp_path_factory):
     return root, load_small(model_dir)
 
 
-@pytest.mark.parametrize("mode", ["coherent", "standard"])
+@pytest.mark.parametrize("mode", ["coherent", pytest.param("standard", marks=pytest.mark.slow)])
 def test_an_offloaded_bundle_with_prefetch_serves_exactly(offloaded, mode):
     root, model = offloaded
     code, _, output = launch(root / "bundle", root / f"out-{mode}", "exact", mode=mode, max_sequences=16,
@@ -218,7 +241,7 @@ def speculative_offload(tmp_path_factory):
     return root, load_small(model_dir), spec
 
 
-@pytest.mark.parametrize("mode", ["coherent", "standard"])
+@pytest.mark.parametrize("mode", ["coherent", pytest.param("standard", marks=pytest.mark.slow)])
 def test_a_speculative_bundle_with_host_compute_serves_exactly_and_decides_as_the_simulator(speculative_offload, mode):
     """Under continuous batching the ranks speculate live and compute misses on the host; the
     simulator's replay of each rank's logged requests (the `run --verify` replay) gives exactly

@@ -77,16 +77,17 @@ def test_a_flag_given_for_a_target_it_does_not_apply_to_is_refused_in_one_line(t
     assert not any(tmp_path.iterdir())
 
 
-def test_the_api_refuses_the_same_flags_with_the_same_line(tmp_path):
-    with pytest.raises(moeplan.UserError, match="--slo does not apply to --target torchrun; it applies to --target lambda"):
+def test_the_api_refuses_the_same_flags_in_its_own_keywords(tmp_path):
+    """The command's refusals, each naming the API's keyword where the command names its flag (issue 40)."""
+    with pytest.raises(moeplan.UserError, match="slo= does not apply to target='torchrun'; it applies to target 'lambda'"):
         moeplan.plan("model", "t.npz", slo=3)
-    with pytest.raises(moeplan.UserError, match="--nodes must be a positive integer"):
+    with pytest.raises(moeplan.UserError, match="^nodes must be a positive integer"):
         moeplan.plan("model", "t.npz", nodes=0)
     with pytest.raises(moeplan.UserError, match="unknown option 'gpus'"):
         moeplan.plan("model", "t.npz", gpus=2)
     with pytest.raises(moeplan.UserError, match="unknown option 'sign_key'"):  # as `plan --sign-key`: compile only
         moeplan.plan("model", "t.npz", sign_key="k.pem")
-    with pytest.raises(moeplan.UserError, match="--target offload plans only"):
+    with pytest.raises(moeplan.UserError, match="target='offload' plans only"):
         moeplan.compile("model", "t.npz", tmp_path / "b", target="offload", expert_cache=3)
 
 

@@ -207,3 +207,34 @@ def test_missing_model_fails_in_one_line(tmp_path):
                                        "--out", str(tmp_path / "t.npz")])
     assert result.exit_code == 2 and result.output.startswith("error: ")
     assert not (tmp_path / "t.npz").exists()
+
+
+def test_the_readme_s_trace_command_reads_traffic_as_the_readme_says(tmp_path, monkeypatch):
+    """Issue 40: the README said traffic.txt is "one prompt per line"; 40 lines gave 10 sequences. The README
+    now says it is one text cut into --seq-len windows, and names --one-per-line for a prompt log: its own
+    command, run here on 40 lines, gives what it says."""
+    import re
+    import shlex
+
+    readme = (EXAMPLE.parents[1] / "README.md").read_text(encoding="utf-8")
+    line = next(l for l in readme.splitlines() if l.startswith("moeplan trace examples/qwen3_moe --data traffic.txt"))
+    assert "one text, cut into windows" in line and "--one-per-line" in readme and "one prompt per line)" not in readme
+    args = shlex.split(line.split("#")[0])[1:]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(EXAMPLE.parents[1] / "examples")
+    (tmp_path / "traffic.txt").write_text("".join(f"question {i}: what does the import statement do?\n" for i in range(40)))
+
+    def sequences(extra):
+        result = CliRunner().invoke(main, args + extra)
+        assert result.exit_code == 0, result.output
+        trace = load_trace(tmp_path / "trace.npz")
+        assert f"in {int(trace.sequence.max()) + 1} sequence(s)" in result.output
+        return trace
+
+    windows = sequences([])
+    seq_len = int(re.search(r"windows of `--seq-len` tokens \(default: the model's positions, at most (\d+)\)", readme).group(1))
+    assert int(windows.sequence.max()) + 1 == math.ceil(windows.num_tokens / seq_len) < 40
+    assert int(windows.positions.max()) == seq_len - 1  # every position a window reaches
+    per_line = sequences(["--one-per-line"])
+    assert int(per_line.sequence.max()) + 1 == 40 and int(per_line.positions.max()) < seq_len
+    assert np.all(per_line.positions[per_line.sequence != np.roll(per_line.sequence, 1)] == 0)  # each from position 0

@@ -101,6 +101,7 @@ def corrected_scores_at(model, input_ids, layer_ids) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_onnx_trace_of_deepseek_v3_records_normalised_scaled_uncorrected_weights(tmp_path):
     from moeplan.planner.onnx_export import export_onnx
 

@@ -39,8 +39,14 @@ def _hint() -> str:
 
 def model_files(model_spec: str) -> tuple:
     """(architecture, {bundle path: bytes}) for a model spec, or a UserError saying what runs."""
-    path = Path(model_spec)
+    path = Path(model_spec).expanduser()
+    if not path.exists():  # missing, not unsupported: say so before naming what runs
+        raise UserError(f"model '{model_spec}' not found: no such file or directory; give the model's directory "
+                        "(config.json and its weights)")
     config_path = path / "config.json" if path.is_dir() else path
+    if path.is_dir() and not config_path.is_file():
+        raise UserError(f"model directory '{model_spec}' has no config.json; give the model's directory (config.json "
+                        "and its weights)")
     if not config_path.is_file() or config_path.suffix != ".json":  # a directory, or a config file alone
         raise UserError(f"cannot compile '{model_spec}' for torchrun; {_hint()}")
     try:

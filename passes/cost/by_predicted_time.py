@@ -84,12 +84,28 @@ def ilp_candidates(trace, label: str, req, prices: dict) -> tuple:
     return out, table
 
 
+def no_candidate_reason(request, num_experts: int, failures: list) -> str:
+    """Why --policy auto built no candidate, as --policy eplb would say it, and the flags that fit."""
+    topo = request.topology
+    D = topo.devices
+    fit = (-num_experts) % D or D
+    if failures:
+        why = "; ".join(failures)
+    else:
+        why = (f"{num_experts} experts per layer do not divide evenly over {D} devices ({topo.nodes} nodes x "
+               f"{topo.gpus_per_node} GPUs), with none or {D} redundant slots (the slot counts auto tries)")
+    return (f"--policy auto found no placement that fits this topology: {why}; give --policy eplb (or ilp) with "
+            f"--redundant {fit} ({num_experts} + {fit} slots per layer over {D} devices), or a device count that divides "
+            f"{num_experts}")
+
+
 def choose_placement(trace, request, shape, profile, workload, mode: str, error: float | None = MODEL_ERROR) -> tuple:
     """Build the candidates cheapest first, predict each under `mode` (or both for auto), keep the
     fastest; stop once no candidate left can beat it by more than `error` (None: try them all).
 
     Returns (placement, table, stop): table rows {label, policy, redundant, balance, mode,
-    seconds_per_token, total_bytes_per_token, modes: {mode: full prediction}} for plan.json (the
+    seconds_per_token, total_bytes_per_token, max_over_mean_load (on the trace), modes: {mode: full prediction}}
+    for plan.json (the
     ILP rows carry `prices` and `cap_search`, time_prices.py); stop {error, floor_seconds_per_token,
     best_seconds_per_token, skipped: [labels]} (module docstring)."""
     from moeplan.core import progress
@@ -101,7 +117,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str, error:
     topo = request.topology
     floor = min(expected_floor(topo.devices, shape, m, workload, trace.experts, profile) for m in modes)
     prices = None
-    rows, best, skipped = [], None, []
+    rows, best, skipped, failures = [], None, [], []
     todo = candidates(request, trace.num_experts)
     with progress.step("placement candidates (--policy auto)", total=len(todo)) as advance:
         for label, req in todo:
@@ -120,7 +136,8 @@ def choose_placement(trace, request, shape, profile, workload, mode: str, error:
             else:
                 try:
                     built = [(label, req, plan_placement(trace, req), {})]
-                except UserError:
+                except UserError as exc:
+                    failures.append(f"{label}: {exc}")
                     built = []
             advance(0, description=f"placement candidates: pricing {label}")
             for lab, r, placement, extra in built:
@@ -130,7 +147,7 @@ def choose_placement(trace, request, shape, profile, workload, mode: str, error:
                     best = (row["seconds_per_token"], placement, lab)
             advance()
     if best is None:
-        raise UserError("--policy auto found no placement policy that fits this topology; pick --policy and --redundant explicitly")
+        raise UserError(no_candidate_reason(request, trace.num_experts, failures))
     for row in rows:
         row["chosen"] = row["label"] == best[2]
     finish_placement(best[1])
@@ -147,4 +164,4 @@ def _priced_row(label, req, placement, extra, shape, workload, trace, profile, m
     return {"label": label, "policy": req.policy, "redundant": req.redundant, "mode": chosen,
             "balance": req.balance if req.policy == "ilp" else None,
             "seconds_per_token": p["seconds_per_token"], "total_bytes_per_token": p["total_bytes_per_token"],
-            "modes": preds, **extra}
+            "max_over_mean_load": placement.metrics.get("max_over_mean_load"), "modes": preds, **extra}

@@ -3,6 +3,8 @@ runs, and the hardware profile a plan recorded, as a person reads it.
 
 * `default_cost_options`: {"hardware", "workload"} with the defaults filled in (facts `cost_options`).
 * `parse_workload("8x32+8")`: 8 requests of 32 prompt tokens, 8 generated tokens each.
+* `workload_label`, `workload_words`: a workload as '8x32+8' and in words; every time figure
+  names the workload it is for (compile, run, report, diff).
 * `plan_profile`, `profile_label`, `describe_choice`: the profile and the choice a plan's
   `predicted.cost` records, for summaries, `run` and the report.
 """
@@ -54,6 +56,23 @@ def parse_workload(text: str) -> Workload:
     return Workload(prompt_lengths=(p,) * r, new_tokens=g)
 
 
+def workload_label(workload: Workload) -> str:
+    """The workload as `--workload` writes it ('8x32+8'); prompts of several lengths as '4x(12..20)+8'."""
+    lengths = workload.prompt_lengths
+    low, high = min(lengths, default=0), max(lengths, default=0)
+    prompt = str(low) if low == high else f"({low}..{high})"
+    return f"{len(lengths)}x{prompt}+{workload.new_tokens}"
+
+
+def workload_words(label: str) -> str:
+    """'8x32+8' as a person reads it: '8 requests of 32 prompt tokens, 8 new tokens each'."""
+    m = re.fullmatch(r"(\d+)x(\(?[\d.]+\)?)\+(\d+)", label or "")
+    if not m:
+        return str(label)
+    r, p, g = m.groups()
+    return f"{r} request{'s' if r != '1' else ''} of {p.strip('()')} prompt tokens, {g} new token{'s' if g != '1' else ''} each"
+
+
 def plan_profile(cost: dict):
     """The HardwareProfile a plan's `predicted.cost` was priced with (core/hardware.py)."""
     from moeplan.core.hardware import profile_of_record
@@ -87,7 +106,8 @@ def describe_choice(plan) -> str:
     note = (" (the default; pass --hardware for the machine the bundle will run on)"
             if cost["hardware"] == "cpu-gloo" and "hardware_profile" not in cost else "")
     return (f"placement {plan.placement.policy}, mode {cost['mode']} (requested {cost['mode_requested']}); "
-            f"predicted {modes}; hardware profile {profile_label(cost, detail=True)}{note}{_stop_note(cost)}")
+            f"predicted for workload {cost['workload']} ({workload_words(cost['workload'])}; routing sampled from the "
+            f"planning trace): {modes}; hardware profile {profile_label(cost, detail=True)}{note}{_stop_note(cost)}")
 
 
 def _stop_note(cost: dict) -> str:

@@ -1,6 +1,8 @@
 """`moeplan run`'s check of a finished run against the cost model: the prediction for the tokens the
 run actually routed (its routing.pt and prompts), whose bytes must equal the run's counters
-exactly, reported beside the measured seconds per token.
+exactly, reported beside the measured seconds per token, and beside the plan's own figure for the
+same mode, which is for another workload (`predicted.cost.workload`) on the planning trace's routing:
+each figure names its workload (`workload`, `plan_workload`).
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 from moeplan.passes.cost.context import bundle_context_plan, shape_of_plan
 from moeplan.passes.cost.cost_model import Workload, predict, routing_from_keys
-from moeplan.passes.cost.options import plan_profile, profile_label
+from moeplan.passes.cost.options import plan_profile, profile_label, workload_label
 
 
 def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str = "auto") -> dict:
@@ -29,7 +31,8 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
     served = routing_from_keys(routing["keys"].numpy(), routing["experts"].numpy(), int(routing["max_len"]))
     shape = shape_of_plan(plan, bundle_context_plan(root, plan, context))
     pred = predict(placement.hosts(), placement.topology.gpus_per_node, shape, mode, workload, served, profile)
-    return pred.summary(workload.prompt_tokens) | {"context": [shape.context_elements_at(b) for b in range(shape.num_blocks)]}
+    return pred.summary(workload.prompt_tokens) | {"context": [shape.context_elements_at(b) for b in range(shape.num_blocks)],
+                                                   "workload": workload_label(workload)}
 
 
 def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, summary: dict,
@@ -43,7 +46,12 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
     pred = predict_run(root, out_dir, mode, profile, context)
     tps = summary["tokens_per_second"]
     used = [int(n) for _, n in summary.get("context", [])]
+    planned = (cost.get("modes") or {}).get(mode) or {}
     return {
+        # what each prediction is for: this run's prompts and routing, beside the plan's workload and trace
+        "workload": pred["workload"], "plan_workload": cost.get("workload"),
+        "plan_seconds_per_token": planned.get("seconds_per_token"),
+        "plan_total_bytes_per_token": planned.get("total_bytes_per_token"),
         "predicted_bytes_per_token": pred["bytes_per_token"],
         "predicted_total_bytes_per_token": pred["total_bytes_per_token"],
         "predicted_messages_per_token": pred["messages_per_token"],

@@ -164,6 +164,7 @@ def imbalance_warning(max_over_mean: float, redundant: int, ep_size: int) -> str
 
 def _plan(facts):
     from moeplan.core.expert_slots import placement_slots
+    from moeplan.passes.analysis.trace_summary import trace_summary
 
     placement, trace, engine_model, target = facts["placement"], facts["trace"], facts["engine_model"], facts["target"]
     doc = json.loads(placement.to_json())
@@ -191,8 +192,7 @@ def _plan(facts):
     if warning is not None:
         if "eplb" in facts and options["policy"] != "eplb":  # vLLM places replicas only with its EPLB
             warning += " (vllm: with --policy eplb)"
-        predicted["warnings"] = [warning]
-        facts["progress"](warning)
+        predicted["warnings"] = [warning]  # printed with the plan's summary (planner/pipeline/engine_targets.py)
     plan = Plan(
         target=target["name"], model={k: v for k, v in engine_model.items() if k != "expert_groups"},
         topology={"nodes": placement.topology.nodes, "gpus_per_node": placement.topology.gpus_per_node},
@@ -201,7 +201,8 @@ def _plan(facts):
                        "slots_per_rank": (engine_model["num_experts"] + redundant) // ep_size, "objective": OBJECTIVE},
         predicted=predicted,
         inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
-                "trace_loads_only": trace.loads_only, "options": options},
+                "trace_loads_only": trace.loads_only, "options": options,
+                "trace_summary": trace_summary(trace, placement.hosts())},
         deployment=deployment,
     )
     return {"plan": plan}
@@ -228,7 +229,7 @@ EPLB_WINDOW = Pass("eplb_window", ("trace", "topology", "engine_deployment", "en
 PLACEMENT = Pass("placement", ("trace", "topology", "placement_options", "engine_model", "model"), ("placement",),
                  _placement, check=trace_matches_model, ensures=placement_is_valid)
 PLAN_READS = ("placement", "trace", "trace_sha256", "engine_model", "placement_options", "model_spec", "target",
-              "engine_deployment", "serving", "progress")
+              "engine_deployment", "serving")
 PLAN = Pass("plan", PLAN_READS, ("plan",), _plan, ensures=_plan_ensures)
 VLLM_PLAN = Pass("plan", PLAN_READS + ("eplb",), ("plan",), _plan, ensures=_plan_ensures)
 SLO_PLAN = Pass("plan", PLAN_READS + ("slo_search",), ("plan",), _plan, ensures=_plan_ensures)

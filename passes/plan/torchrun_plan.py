@@ -2,7 +2,8 @@
 
 The plan records the placement (`passes/optimize/placement/`), the communication mode and its
 predicted cost (`passes/cost/`), the expert caches (`passes/optimize/offload/`), the serving
-capacity (`passes/cost/capacity.py`) and the Kubernetes settings, and nothing of the bundle's
+capacity (`passes/cost/capacity.py`), the Kubernetes settings and the planning trace's loads and
+affinity (`passes/analysis/trace_summary.py`, for the report), and nothing of the bundle's
 layout: the codegen pass (`backends/torchrun/codegen.py`) adds that (shard names, model file
 paths) when it writes the bundle.
 """
@@ -30,6 +31,7 @@ def communication(mode: str, moe_layers: int) -> dict:
 
 
 def _plan(facts):
+    from moeplan.passes.analysis.trace_summary import trace_summary
     from moeplan.passes.optimize.placement.metrics import score_placement
 
     loaded, trace, placement = facts["model"], facts["trace"], facts["placement"]
@@ -51,7 +53,7 @@ def _plan(facts):
         predicted={**score, "inter_layer_top1_affinity": [float(a) for a in facts["affinity"]],
                    "cost": facts["cost"]["doc"]},
         inputs={"model": facts["model_spec"], "trace_sha256": facts["trace_sha256"], "trace_tokens": trace.num_tokens,
-                "options": facts["placement_options"]},
+                "options": facts["placement_options"], "trace_summary": trace_summary(trace, placement.hosts())},
         deployment={k: v for k, v in target.items() if k != "name"},
     )
     if facts["expert_cache"] is not None:  # issue 13: each rank caches among its experts (passes/optimize/offload/)

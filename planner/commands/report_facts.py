@@ -41,15 +41,27 @@ def role_text(planning, held_out) -> str:
     return f"held-out trace {Path(held_out[0]).name}, not the planning trace"
 
 
+SUMMARY_ROLE = "planning trace, as plan.json's trace summary keeps it"
+
+
 def report_facts(plan: dict, plan_path: Path, planning, held_out, tie: float) -> dict:
-    """Everything the sections draw beyond plan.json itself."""
+    """Everything the sections draw beyond plan.json itself. Without a trace, a placed target's loads
+    and affinity come from the planning trace's summary the plan keeps (`inputs.trace_summary`)."""
     facts = {"tie": tie}
     source = planning or held_out
     if source is not None:
         facts["trace_role_text"] = role_text(planning, held_out)
     target = plan.get("target")
+    with_affinity = target in ("torchrun", "kubernetes")
     if target in PLACED_TARGETS and source is not None:
-        facts.update(placement_facts(plan, source[1], with_affinity=target in ("torchrun", "kubernetes")))
+        facts.update(placement_facts(plan, *trace_loads(plan, source[1], with_affinity)))
+    elif target in PLACED_TARGETS and isinstance(plan.get("inputs", {}).get("trace_summary"), dict):
+        from moeplan.passes.analysis.trace_summary import summary_loads
+
+        summary = plan["inputs"]["trace_summary"]
+        facts["trace_role_text"] = SUMMARY_ROLE
+        facts.update(placement_facts(plan, summary_loads(summary, _placed_experts(plan)),
+                                     summary.get("affinity") if with_affinity else None))
     if target == "offload" and source is not None:
         facts["cache_curve"] = cache_curve(plan, plan_path, source[1], is_planning=planning is not None)
     if target == "lambda":
@@ -60,6 +72,12 @@ def report_facts(plan: dict, plan_path: Path, planning, held_out, tie: float) ->
 
 
 # ------------------------------------------------------------------------------------- placement
+
+def _placed_experts(plan: dict) -> int:
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
+
+    return placement_from_dict(plan["placement"]).num_experts
+
 
 def _placement_and_loads(plan: dict, trace):
     from moeplan.passes.optimize.placement.schema import placement_from_dict
@@ -75,6 +93,15 @@ def _placement_and_loads(plan: dict, trace):
     return placement, hosts, loads
 
 
+def trace_loads(plan: dict, trace, with_affinity: bool) -> tuple:
+    """(loads [L, E], the heaviest crossing pair's affinity summary or None) of `trace` under the plan's
+    placement: what the plan's trace summary keeps, computed from a trace given to the report."""
+    from moeplan.passes.analysis.trace_summary import heaviest_crossing_pair
+
+    _, hosts, loads = _placement_and_loads(plan, trace)
+    return loads, heaviest_crossing_pair(trace, hosts) if with_affinity else None
+
+
 def device_loads(hosts: np.ndarray, loads: np.ndarray) -> np.ndarray:
     """float [L, D]: each GPU's token-expert assignments, a replicated expert's split evenly over
     its copies (the placement metric's load, passes/optimize/placement/metrics.py)."""
@@ -87,13 +114,19 @@ def max_over_mean(hosts: np.ndarray, loads: np.ndarray) -> list:
     return [float(m / a) if a > 0 else 1.0 for m, a in zip(per.max(axis=1), mean)]
 
 
-def placement_facts(plan: dict, trace, with_affinity: bool) -> dict:
-    """Device loads, per-layer balance beside contiguous and EPLB, and the heaviest pair's affinity."""
+def placement_facts(plan: dict, loads: np.ndarray, affinity: dict | None) -> dict:
+    """Device loads, per-layer balance beside contiguous and EPLB on the same loads (float [L, E]), and
+    the heaviest crossing pair's affinity (`passes/analysis/trace_summary.py`) where given."""
     from moeplan.passes.optimize.placement.algorithms.eplb import eplb_placement
     from moeplan.passes.optimize.placement.algorithms.contiguous import contiguous_placement
+    from moeplan.passes.optimize.placement.schema import placement_from_dict
 
-    placement, hosts, loads = _placement_and_loads(plan, trace)
+    placement = placement_from_dict(plan["placement"])
+    hosts = placement.hosts()
     L, E, D = hosts.shape
+    if loads.shape != (L, E):
+        raise UserError(f"the trace's loads are {loads.shape[0]} MoE layers x {loads.shape[1]} experts but the plan places "
+                        f"{L} x {E}; give a trace of the planned model")
     topology = placement.topology
     per = device_loads(hosts, loads)
     mean = per.mean(axis=1, keepdims=True)
@@ -104,27 +137,9 @@ def placement_facts(plan: dict, trace, with_affinity: bool) -> dict:
               f"EPLB ({redundant} redundant)": max_over_mean(eplb_placement(loads, topology, redundant, groups), loads)}
     out = {"device_load": np.where(mean > 0, per / np.where(mean > 0, mean, 1), 0.0).tolist(),
            "layer_balance": {"layers": [layer["layer"] for layer in plan["placement"]["layers"]], "series": series}}
-    if with_affinity and not trace.loads_only and L > 1:
-        out["affinity"] = heaviest_pair(trace, hosts)
+    if affinity is not None:
+        out["affinity"] = affinity
     return out
-
-
-def heaviest_pair(trace, hosts: np.ndarray) -> dict:
-    """The layer pair with the most transitions (token's heaviest expert -> each next choice) between
-    experts that share no GPU, and its conditional probabilities P(b | a), float [E, E]."""
-    from moeplan.passes.analysis.affinity import transition_counts
-
-    counts = transition_counts(trace, "current")  # [L-1, E_t, E_t]
-    Et = counts.shape[1]
-    crossing = []
-    for l in range(len(counts)):
-        colocated = (hosts[l, :Et].astype(np.int64) @ hosts[l + 1, :Et].T.astype(np.int64)) > 0
-        crossing.append(float(counts[l][~colocated].sum()))
-    l = int(np.argmax(crossing))
-    rows = counts[l].sum(axis=1, keepdims=True)
-    prob = np.divide(counts[l], rows, out=np.zeros_like(counts[l]), where=rows > 0)
-    return {"layers": [l, l + 1], "probability": prob.tolist(), "crossing": int(round(crossing[l])),
-            "transitions": int(round(counts[l].sum())), "row_tokens": rows[:, 0].round().astype(int).tolist()}
 
 
 # --------------------------------------------------------------------------------------- offload

@@ -15,6 +15,7 @@ from moeplan.core import cli_types as T
 from moeplan.core import progress
 from moeplan.core.engine_layout import ENGINE_TARGETS
 from moeplan.core.errors import UserError
+from moeplan.passes.cost.options import workload_words
 from moeplan.planner.launch.open_bundle import open_bundle
 from moeplan.planner.pipeline.run import run_modes
 
@@ -55,6 +56,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "world_size", "locality_matches_prediction", "predicted_bytes_per_token", "predicted_total_bytes_per_token",
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
             "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache",
+            "workload", "plan_workload", "plan_seconds_per_token", "plan_total_bytes_per_token", "plan_gpu_local_fraction",
             "weight_dtype", "logit_tolerance")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
@@ -122,15 +124,23 @@ def _print(report: dict, verify: bool) -> None:
     click.echo(f"  all-to-all bytes per generated token {report['bytes_per_token']:.0f} "
                f"({report['messages_per_token']:.2f} messages); all traffic {report['total_bytes_per_token']:.0f}")
     if "predicted_total_bytes_per_token" in report:
-        click.echo(f"  predicted: all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
+        click.echo(f"  predicted for this run ({report['workload']}: its own prompts, routed as this run routed them): "
+                   f"all traffic {report['predicted_total_bytes_per_token']:.0f} B/token, "
                    f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
                    f"(measured {report['seconds_per_token'] * 1e3:.2f}{_loads(report)})")
+        if report.get("plan_seconds_per_token") is not None:
+            click.echo(f"  the plan's figure, for another workload: {report['plan_seconds_per_token'] * 1e3:.2f} ms/token, "
+                       f"{report['plan_total_bytes_per_token']:.0f} B/token in {report['mode']} mode for "
+                       f"{report['plan_workload']} ({workload_words(report['plan_workload'])}) on the planning trace's routing")
+    plan_text = ("" if report.get("plan_gpu_local_fraction") is None else
+                 f"; the plan's {report['plan_gpu_local_fraction']:.4f} is on the planning trace")
     if report["mode"] == "coherent":
-        click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, "
-                   f"predicted {report['predicted_gpu_local_fraction']:.4f}")
+        click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f}, predicted for this run's routing "
+                   f"{report['predicted_gpu_local_fraction']:.4f}{plan_text}")
     else:
         click.echo(f"  gpu_local_fraction measured {report['gpu_local_fraction']:.4f} (slots on the home rank; "
-                   f"the planner's {report['predicted_gpu_local_fraction']:.4f} is for coherent mode)")
+                   f"the placement metric on this run's routing, {report['predicted_gpu_local_fraction']:.4f}, is for coherent "
+                   f"mode{plan_text})")
     if "expert_cache" in report:  # issue 13: offloaded experts
         c = report["expert_cache"]
         m, p = c["measured"], c["simulated"]

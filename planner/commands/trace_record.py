@@ -96,9 +96,18 @@ def _tracing_progress(shown: bool):
                    "layer l's hidden state (torch models; docs/offload.md).")
 @click.option("--speculate-from", type=click.Choice(SPECULATION_SOURCES), default=SPECULATION_SOURCES[0],
               show_default=True, help="Which hidden state of layer l feeds the later routers (with --speculate).")
+@click.option("--one-per-line", is_flag=True,
+              help="Each non-empty line of --data is one prompt, traced as its own sequence from position 0 (cut at "
+                   "--seq-len), as a service sees separate requests. Default: the file is one text, cut into "
+                   "windows of --seq-len tokens.")
 @click.option("--quiet", is_flag=True, help="No progress bar and no summary line.")
-def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_from, quiet):
-    """Record MODEL's routing on the text in --data into a trace file (.npz)."""
+def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_from, one_per_line, quiet):
+    """Record MODEL's routing on the text in --data into a trace file (.npz).
+
+    The text is read as one document and cut into windows of --seq-len tokens (a corpus like the
+    traffic you serve: tokens at every position a served context reaches); with --one-per-line each
+    non-empty line is a prompt of its own. Lines of 'ids: 1 2 3' are token ids, one sequence each.
+    """
     from moeplan.passes.analysis.trace.record import model_limits, record_trace
     from moeplan.passes.analysis.trace.format import save_trace
     from moeplan.passes.importers import load_model
@@ -111,13 +120,18 @@ def record(model, data, out, max_tokens, batch, seq_len, speculate, speculate_fr
         vocab_size, _, _ = model_limits(loaded)
         codec = text_codec(model, vocab_size if vocab_size else 1 << 62)
     byte_fallback = codec is not None and codec.source.startswith("byte fallback")
+    if ids is None and one_per_line:  # each prompt its own sequence, encoded as the bundle's runtime encodes it
+        from moeplan.runtime.text_codec import prompt_lines
+
+        ids = [_encoder(codec)(line) for line in prompt_lines(text)]
     with _tracing_progress(not quiet) as update:
         trace = record_trace(loaded, text if ids is None else ids, max_tokens=max_tokens, batch=batch, seq_len=seq_len,
                              tokenizer=None if codec is None else _encoder(codec), progress=update,
                              speculate=speculate or 0, speculate_from=speculate_from)
     save_trace(trace, out)
     if not quiet:
-        click.echo(f"wrote {out}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers, "
+        sequences = int(trace.sequence.max()) + 1 if trace.sequence is not None and trace.num_tokens else 0
+        click.echo(f"wrote {out}: {trace.num_tokens} tokens x {trace.num_layers} MoE layers in {sequences} sequence(s), "
                    f"top-{trace.top_k} of {trace.num_experts} experts"
                    + (f", speculation {speculate} layers ahead from the {speculate_from}" if speculate else "")
                    + ("" if trace.attention_ids is not None else " (no attention ids: the model exposes no attention probabilities)"))

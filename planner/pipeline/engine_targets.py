@@ -134,7 +134,7 @@ def describe(summary: dict, facts: dict) -> str:
     text = (f"{summary['target']} placement for {summary['world_size']} EP ranks ({summary['policy']}, "
             f"{summary['redundant']} redundant slots); attention tp {d['attention_tp']} x dp {d['attention_dp']}, "
             f"{'engine-sized' if running is None else running} running requests, MoE {d['moe_a2a']}; predicted "
-            f"max/mean rank load {predicted['max_over_mean_load']:.3f}")
+            f"max/mean rank load {predicted['max_over_mean_load']:.3f} on the planning trace")
     serving = predicted.get("serving")
     if serving:
         text += "\n" + serving_line(serving)
@@ -144,4 +144,5 @@ def describe(summary: dict, facts: dict) -> str:
         text += (f"\nSLO search ({len(search['screened'])} deployments screened, {len(search['finalists'])} placed and "
                  f"priced under the trace): TPOT {chosen['tpot_s'] * 1e3:.2f} ms, TTFT {chosen['ttft_s']:.3f} s counting "
                  f"the requests queued behind the {chosen['max_running_requests']} running; {search['why']}")
-    return text
+    # a warning is no progress line: it is printed wherever the summary is, terminal or not
+    return "\n".join([text, *predicted.get("warnings", [])])

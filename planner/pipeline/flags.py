@@ -254,10 +254,14 @@ def resolve(given: dict, compile_only: bool = True) -> dict:
     return values
 
 
-def refuse_inapplicable(target: str, given) -> None:
-    """One line naming the first given flag that does not apply to `target`, and the targets it applies to."""
+def refuse_inapplicable(target: str, given, keywords: bool = False) -> None:
+    """One line naming the first given flag that does not apply to `target`, and the targets it applies to
+    (`keywords`: as the Python API names them, `slo=` and `target=`)."""
     for f in FLAGS:
         if f.name in given and target not in f.targets:
+            if keywords:
+                raise UserError(f"{f.name}= does not apply to target={target!r}; it applies to target "
+                                f"{', '.join(map(repr, f.targets))}: drop it or choose one of those targets")
             raise UserError(f"{f.option} does not apply to --target {target}; it applies to --target "
                             f"{', '.join(f.targets)}: drop it or choose one of those targets")
 

@@ -89,7 +89,8 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
     report = {
         "mode": mode, "world_size": world, "texts": summary["texts"],
         "gpu_local_fraction": summary["gpu_local_fraction"],
-        "predicted_gpu_local_fraction": predicted_locality(root, out_dir),
+        "predicted_gpu_local_fraction": predicted_locality(root, out_dir),  # the placement metric on this run's routing
+        "plan_gpu_local_fraction": plan.get("predicted", {}).get("gpu_local_fraction"),  # ... and on the planning trace
         "bytes_per_token": summary["bytes_per_token"],
         "messages_per_token": summary["messages_per_token"],
         "total_bytes_per_token": summary["total_bytes_per_token"],

@@ -89,13 +89,16 @@ class Outcome:
 
     def describe(self) -> str:
         s = self.summary
-        what = f"wrote {s['out']}" + (f" ({s['files']} files)" if "files" in s else "")
+        if s["out"] is None:  # a plan kept in memory (the Python API without out=)
+            what = f"{self.target} plan (not written)"
+        else:
+            what = f"wrote {s['out']}" + (f" ({s['files']} files)" if "files" in s else "")
         return f"{what}: {TARGETS[self.target].describe(s, self.facts)}"
 
 
 def _outcome(target: Target, facts: dict, out, timings: list) -> Outcome:
     """The outcome with its summary: what every target reports, then the target's own fields."""
-    summary = {"out": str(out), "target": target.name, "passes": timings,
+    summary = {"out": None if out is None else str(out), "target": target.name, "passes": timings,
                "seconds": round(sum(t["seconds"] for t in timings), 3)}
     if "manifest" in facts:
         summary["files"] = len(facts["manifest"]["files"])

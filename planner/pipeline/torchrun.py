@@ -60,7 +60,8 @@ def summary(facts: dict) -> dict:
     result = dict(world_size=plan.world_size, policy=plan.placement.policy, mode=comm.mode,
                   predicted={"gpu_local_fraction": predicted.gpu_local_fraction,
                              "node_local_fraction": predicted.node_local_fraction,
-                             "max_over_mean_load": predicted.max_over_mean_load})
+                             "max_over_mean_load": predicted.max_over_mean_load,
+                             "routing": "planning trace", "trace_tokens": plan.inputs.get("trace_tokens")})
     cache = comm.expert_cache
     if cache:  # issue 13: per-rank expert caches
         result["expert_cache"] = {"capacity": cache["capacity"], "eviction": cache["eviction"], "prefetch": cache["prefetch"],
@@ -72,7 +73,7 @@ def summary(facts: dict) -> dict:
         chosen = cost["modes"][cost["mode"]]
         result.update(hardware=cost["hardware"], choice=describe_choice(plan))
         result["predicted"].update(seconds_per_token=chosen["seconds_per_token"],
-                                   total_bytes_per_token=chosen["total_bytes_per_token"])
+                                   total_bytes_per_token=chosen["total_bytes_per_token"], workload=cost["workload"])
     return result
 
 
@@ -80,7 +81,8 @@ def describe(summary: dict, facts: dict) -> str:
     """What a plan or bundle holds, in one line (and the cost model's choice, the expert caches,
     the serving capacity)."""
     p = summary["predicted"]
-    lines = [f"{summary['world_size']} ranks; predicted gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
+    tokens = f" ({p['trace_tokens']:,} tokens)" if p.get("trace_tokens") is not None else ""
+    lines = [f"{summary['world_size']} ranks; on the planning trace{tokens}: gpu_local_fraction {p['gpu_local_fraction']:.3f}, "
              f"node_local_fraction {p['node_local_fraction']:.3f}, max/mean load {p['max_over_mean_load']:.3f}"]
     if "choice" in summary:
         lines.append(summary["choice"])

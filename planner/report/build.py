@@ -20,9 +20,7 @@ def build_report(plan: dict, plan_bytes: bytes, facts: dict) -> str:
     if target in ("torchrun", "kubernetes"):
         sections.append(Section("time", "Time per token", s.time_breakdown(plan)))
         sections.append(Section("affinity", "Affinity", [s.affinity_heatmap(plan, facts)]))
-        capacity = s.capacity_section(plan)
-        sections.append(capacity or Section("capacity", "Serving capacity", [s.Note(
-            "This plan records no serving capacity (maximum concurrent sequences and context length).")]))
+        sections.append(s.capacity_section(plan))
     if target == "offload":
         sections += s.offload_sections(plan, facts)
     if target == "lambda":

@@ -12,6 +12,19 @@ import re
 
 import numpy as np
 
+# Labels that fit without overlapping (docs/report.md; tests/test_report.py measures them in Chromium):
+# the axes are about 5.8 in = 418 pt wide, a rotated 8 pt label needs about 11 pt, an upright one 26.
+MAX_ROTATED_LABELS = 36
+MAX_TICKS = 16
+# Cell text (6-7 pt, up to "+12" or "3 7* 12") fits cells of at least 13 x 8 pt: at most this many rows x columns.
+MAX_ANNOTATED_ROWS, MAX_ANNOTATED_COLS = 48, 32
+
+
+def tick_step(count: int, most: int) -> int:
+    """Every how many categories a tick label is drawn so that at most `most` are."""
+    return max(1, -(-count // most))
+
+
 PALETTE = ("#4269d0", "#efb118", "#ff725c", "#6cc5b0", "#3ca951", "#ff8ab7", "#a463f2", "#97bbf5", "#9c6b4e", "#9498a0")
 WIDTH_IN = 7.2
 
@@ -62,7 +75,8 @@ def grouped_bars(figure_id: str, categories: list, series: dict, ylabel: str, re
         values = [v for vs in series.values() for v in vs if v is not None] + [reference]
         low, high = min(values), max(values)
         ax.set_ylim(max(0.0, low - 0.15 * (high - low + 1e-9)), high + 0.1 * (high - low + 1e-9))
-    ax.set_xticks(x, [str(c) for c in categories], rotation=0 if len(categories) <= 16 else 90)
+    step = tick_step(len(categories), MAX_ROTATED_LABELS)
+    ax.set_xticks(x[::step], [str(c) for c in categories][::step], rotation=0 if len(categories) <= 16 else 90)
     ax.set_ylabel(ylabel, fontsize=8)
     ax.legend(fontsize=7, frameon=False, ncols=min(n + (reference is not None), 4), loc="upper left", bbox_to_anchor=(0, 1.18))
     return to_svg(fig, figure_id)
@@ -92,11 +106,14 @@ def heatmap(figure_id: str, matrix: np.ndarray, xlabel: str, ylabel: str, colorb
     """A [rows, cols] matrix as coloured cells (rows top to bottom); optional text per cell."""
     matrix = np.asarray(matrix, dtype=float)
     rows, cols = matrix.shape
-    fig, (ax,) = _figure(min(1.2 + 0.28 * rows, 7.0) if annotations else min(1.4 + 0.12 * rows, 6.5))
+    annotated = annotations is not None and rows <= MAX_ANNOTATED_ROWS and cols <= MAX_ANNOTATED_COLS
+    fig, (ax,) = _figure(min(1.2 + 0.28 * rows, 7.0) if annotated else min(1.4 + 0.12 * rows, 6.5))
     image = ax.imshow(matrix, aspect="auto", cmap="viridis", interpolation="nearest")
     cbar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     cbar.set_label(colorbar, fontsize=8)
     cbar.ax.tick_params(labelsize=7)
+    if annotations is not None and (rows > MAX_ANNOTATED_ROWS or cols > MAX_ANNOTATED_COLS):
+        annotations = None  # cells too small for text: the figure's table has the numbers
     if annotations is not None:
         top = np.nanmax(matrix) if matrix.size else 0.0
         low = np.nanmin(matrix) if matrix.size else 0.0
@@ -108,10 +125,10 @@ def heatmap(figure_id: str, matrix: np.ndarray, xlabel: str, ylabel: str, colorb
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
     if xticks is not None:
-        step = max(1, len(xticks) // 16)
+        step = tick_step(len(xticks), MAX_TICKS)
         ax.set_xticks(range(0, len(xticks), step), [str(t) for t in xticks[::step]])
     if yticks is not None:
-        step = max(1, len(yticks) // 16)
+        step = tick_step(len(yticks), MAX_TICKS)
         ax.set_yticks(range(0, len(yticks), step), [str(t) for t in yticks[::step]])
     ax.spines[["left", "bottom"]].set_visible(False)
     return to_svg(fig, figure_id)

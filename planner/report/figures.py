@@ -6,6 +6,7 @@ mean the same thing for every target, so one `--fail-on` works across targets:
 `seconds_per_token`, `bytes_per_token`, `cost`, `latency`, `throughput`, `hit_ratio`,
 `max_over_mean_load`, `gpu_local_fraction`, `node_local_fraction`; the engine targets' serving
 prediction adds `tpot`, `ttft`, `memory_per_gpu` (and `throughput`: output tokens per second).
+`alias_paths` names the path each alias reads, so that `moeplan diff` lists a figure once.
 """
 from __future__ import annotations
 
@@ -43,30 +44,50 @@ def _numbers(node, prefix: str, out: dict) -> None:
                 _numbers(v, f"{prefix}.{i}", out)
 
 
-def headline(plan: dict) -> dict:
-    """The aliases: one meaning across targets (absent where a target has no such figure)."""
+def alias_paths(plan: dict) -> dict:
+    """{alias: the plan.json path it reads} for the aliases this plan has (one meaning across targets)."""
     out = {}
     target = plan.get("target")
     cost = at(plan, "predicted.cost")
     if isinstance(cost, dict) and cost.get("mode") in cost.get("modes", {}):
-        chosen = cost["modes"][cost["mode"]]
-        out.update(seconds_per_token=chosen.get("seconds_per_token"), bytes_per_token=chosen.get("total_bytes_per_token"))
+        base = f"predicted.cost.modes.{cost['mode']}"
+        out.update(seconds_per_token=f"{base}.seconds_per_token", bytes_per_token=f"{base}.total_bytes_per_token")
     if target == "offload":
-        out.update(seconds_per_token=at(plan, "predicted.seconds_per_token"), hit_ratio=at(plan, "predicted.hit_ratio"),
-                   bytes_per_token=at(plan, "predicted.bytes_moved_per_token"))
+        out.update(seconds_per_token="predicted.seconds_per_token", hit_ratio="predicted.hit_ratio",
+                   bytes_per_token="predicted.bytes_moved_per_token")
     if target == "lambda":
         # a lambda plan's cost and latency: of the API call it prices (predicted.api_call), not of the sized batch
-        out.update(cost=at(plan, "predicted.api_call.usd.total"), latency=at(plan, "predicted.api_call.latency_s"),
-                   throughput=at(plan, "predicted.throughput_tokens_per_s"))
+        out.update(cost="predicted.api_call.usd.total", latency="predicted.api_call.latency_s",
+                   throughput="predicted.throughput_tokens_per_s")
     if isinstance(at(plan, "predicted.serving"), dict):
-        out.update(tpot=at(plan, "predicted.serving.tpot_s"), ttft=at(plan, "predicted.serving.ttft_s"),
-                   throughput=at(plan, "predicted.serving.output_tokens_per_s"),
-                   memory_per_gpu=at(plan, "predicted.serving.memory_per_gpu_bytes"))
+        out.update(tpot="predicted.serving.tpot_s", ttft="predicted.serving.ttft_s",
+                   throughput="predicted.serving.output_tokens_per_s",
+                   memory_per_gpu="predicted.serving.memory_per_gpu_bytes")
     if isinstance(at(plan, "predicted.expert_cache"), dict):
-        out["hit_ratio"] = at(plan, "predicted.expert_cache.hit_ratio")
+        out["hit_ratio"] = "predicted.expert_cache.hit_ratio"
     for key in ("max_over_mean_load", "gpu_local_fraction", "node_local_fraction"):
-        out[key] = at(plan, f"predicted.{key}")
-    return {k: v for k, v in out.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        out[key] = f"predicted.{key}"
+    return {k: p for k, p in out.items() if isinstance(at(plan, p), (int, float)) and not isinstance(at(plan, p), bool)}
+
+
+def headline(plan: dict) -> dict:
+    """The aliases: one meaning across targets (absent where a target has no such figure)."""
+    return {k: at(plan, p) for k, p in alias_paths(plan).items()}
+
+
+def basis(plan: dict) -> str:
+    """What the plan's figures are for, in a few words: 'workload 8x32+8 on cpu-gloo, planning trace
+    (4,000 tokens)'; each part only where the plan records it (a target without a workload has none)."""
+    parts = []
+    workload = at(plan, "predicted.cost.workload") or at(plan, "predicted.serving.workload")
+    if workload:
+        parts.append(f"workload {workload}")
+    hw = hardware_name(plan) or at(plan, "predicted.serving.hardware") or at(plan, "topology.hardware")
+    if hw:
+        parts.append(f"on {hw}")
+    tokens = at(plan, "inputs.trace_tokens")
+    parts.append("planning trace" + (f" ({tokens:,} tokens)" if isinstance(tokens, int) else ""))
+    return " ".join(parts[:-1]) + (", " if len(parts) > 1 else "") + parts[-1]
 
 
 def figures(plan: dict) -> dict:

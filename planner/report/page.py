@@ -53,7 +53,10 @@ class Section:
 
 @dataclass(frozen=True)
 class Note:
+    """A sentence in place of (or beside) a figure; `tone` "bad" draws it in red (a plan that does not fit)."""
+
     text: str
+    tone: str = ""
 
 
 def fmt(value, scale: float = 1.0, digits: int = 4) -> str:
@@ -112,7 +115,7 @@ def section_html(s: Section) -> str:
         elif isinstance(block, Table):
             parts.append(table_html(block, "summary" if s.section_id == "summary" else "numbers"))
         else:
-            parts.append(f'<p class="note">{html.escape(block.text)}</p>')
+            parts.append(f'<p class="note{" " + block.tone if block.tone else ""}">{html.escape(block.text)}</p>')
     parts.append("</section>")
     return "".join(parts)
 
@@ -127,6 +130,7 @@ th,td{border:1px solid #ddd;padding:.2em .5em;text-align:left;vertical-align:top
 td .num{font-variant-numeric:tabular-nums;white-space:nowrap}figure{margin:1em 0 2em}
 figure svg.figure{max-width:100%;height:auto;display:block}figcaption{font-size:.9em;color:#333;margin:.3em 0}
 details summary{cursor:pointer;font-size:.85em;color:#555}.note{color:#555;font-size:.9em;font-style:italic}
+.note.bad{color:#b00020;font-weight:600;font-style:normal}.note.warn{color:#8a5a00;font-style:normal}
 """
 
 

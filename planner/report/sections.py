@@ -53,7 +53,12 @@ def placement_map(plan: dict, facts: dict) -> Figure:
         matrix, colour = np.array([[counts[l][d] for d in range(D)] for l in range(len(layers))], dtype=float), "replicated experts hosted"
     svg = charts.heatmap("placement-map", matrix, "GPU (rank)", "MoE layer", colour, annotations=notes,
                          xticks=list(range(D)), yticks=[layer["layer"] for layer in layers])
-    marks = "experts written in each cell, * marking a replicated expert" if small else "+n: replicated experts the GPU hosts"
+    if len(layers) > charts.MAX_ANNOTATED_ROWS or D > charts.MAX_ANNOTATED_COLS:
+        marks = "too many cells to write in; the table below has each GPU's experts and replicas"
+    elif small:
+        marks = "experts written in each cell, * marking a replicated expert"
+    else:
+        marks = "+n: replicated experts the GPU hosts"
     caption = (f"Where every expert runs: {len(layers)} MoE layers x {D} GPUs, {marks}. "
                + (f"Colour: the GPU's share of the layer's token-expert assignments over the layer mean ({trace_note(facts)}), "
                   "a replicated expert's load split evenly over its copies."
@@ -134,45 +139,64 @@ def time_breakdown(plan: dict) -> list:
 # --------------------------------------------------------------------------------- affinity
 
 def affinity_heatmap(plan: dict, facts: dict) -> Figure | Note:
+    from moeplan.passes.analysis.trace_summary import affinity_probabilities
+
     aff = facts.get("affinity")
     if not aff:
-        return Note("The affinity heatmap needs a routing trace with per-token routing: pass --trace.")
-    m = np.asarray(aff["probability"])
+        return Note("The affinity heatmap needs per-token routing: this plan keeps no affinity summary of its planning "
+                    "trace (a loads-only trace, one MoE layer, or a plan made before plans kept it); pass --trace.")
+    m = affinity_probabilities(aff)
     l0, l1 = aff["layers"]
+    sources, targets = aff["experts_from"], aff["experts_to"]
     svg = charts.heatmap("affinity", m, f"expert at layer {l1}", f"expert at layer {l0}", "P(next expert | current)",
-                         xticks=list(range(m.shape[1])), yticks=list(range(m.shape[0])))
+                         xticks=targets, yticks=sources)
+    shown = "" if min(len(sources), len(targets)) >= aff["num_experts"] else \
+        f" Shown: the {len(sources)} busiest source and {len(targets)} busiest destination experts of {aff['num_experts']}."
     caption = (f"Inter-layer affinity of the heaviest layer pair, {l0} -> {l1}: the pair with the most transitions between "
                f"experts that share no GPU under this plan ({aff['crossing']:,} of {aff['transitions']:,}; {trace_note(facts)}). "
-               "Row a: where tokens whose heaviest expert is a at the first layer go next.")
-    top = np.argsort(-m, axis=1)[:, 0]
-    rows = [[a, int(top[a]), Num(float(m[a, top[a]])), Num(int(aff["row_tokens"][a]))] for a in range(m.shape[0])]
+               f"Row a: where tokens whose heaviest expert is a at the first layer go next.{shown}")
+    top = np.argmax(m, axis=1) if m.size else np.zeros(0, dtype=int)
+    rows = [[a, int(targets[top[i]]), Num(float(m[i, top[i]])), Num(int(aff["row_tokens"][i]))] for i, a in enumerate(sources)]
     return Figure("affinity", f"Affinity, layers {l0} -> {l1}", caption, svg,
                   Table(["expert", "most likely next", "probability", "transitions from it"], rows))
 
 
 # ------------------------------------------------------------------------------------ capacity
 
-def capacity_section(plan: dict) -> Section | None:
-    """The serving capacity decision (issue 29) wherever the plan records it."""
-    for path in ("capacity", "predicted.capacity", "deployment.capacity"):
-        value = at(plan, path)
-        if isinstance(value, dict) and value:
-            rows = []
+CAPACITY_ROWS = (("fits", "fits in device memory", None, ""), ("max_sequences", "concurrent sequences", 1.0, ""),
+                 ("max_context", "context length (tokens)", 1.0, ""), ("kv_tokens_per_rank", "KV tokens per rank", 1.0, ""),
+                 ("kv_bytes_per_token", "KV bytes per token", 1.0, "B"), ("device_memory_bytes", "device memory per rank", 2.0 ** -30, "GiB"),
+                 ("activation_bytes", "activations", 2.0 ** -30, "GiB"), ("reserve_bytes", "reserve", 2.0 ** -30, "GiB"),
+                 ("model_positions", "the model's positions", 1.0, ""))
 
-            def walk(node, prefix):
-                for key in sorted(node):
-                    v = node[key]
-                    if isinstance(v, dict):
-                        walk(v, f"{prefix}.{key}")
-                    elif isinstance(v, (int, float)) and not isinstance(v, bool):
-                        rows.append([f"{prefix}.{key}"[len(path) + 1:], Num(v, f"{prefix}.{key}")])  # noqa: B023 (called within this iteration)
-                    else:
-                        rows.append([f"{prefix}.{key}"[len(path) + 1:], str(v)])  # noqa: B023 (called within this iteration)
-            walk(value, path)
-            return Section("capacity", "Serving capacity", [Table(["decision", "value"], rows, f"plan.json {path}")],
-                           "What the plan holds at once: concurrent sequences and context length (KV cache against "
-                           "device memory less weights and expert cache).")
-    return None
+
+def capacity_section(plan: dict) -> Section:
+    """The serving capacity decision (plan.json `communication.capacity`, passes/cost/capacity.py):
+    concurrent sequences and context, or "does not fit" (in red) where a rank's weights leave no KV cache."""
+    path = "communication.capacity"
+    cap = at(plan, path)
+    if not isinstance(cap, dict) or not cap:
+        return Section("capacity", "Serving capacity", [Note(
+            "This plan records no serving capacity (plan.json communication.capacity): recompile it with this moeplan.")])
+    rows = []
+    for key, label, scale, unit in CAPACITY_ROWS:
+        if key in cap:
+            rows.append([label, ("yes" if cap[key] else "no") if scale is None else Num(cap[key], f"{path}.{key}", scale, unit=unit)])
+    rows.append(["device memory from", str(cap.get("device_memory_source", ""))])
+    weights = cap.get("weight_bytes_per_rank") or []
+    if weights:  # the heaviest and lightest rank (a 64-rank plan's every rank would be 64 rows)
+        for label, i in (("weights on the heaviest rank", int(np.argmax(weights))), ("weights on the lightest rank", int(np.argmin(weights)))):
+            rows.append([f"{label} ({i})", Num(weights[i], f"{path}.weight_bytes_per_rank.{i}", 2.0 ** -30, unit="GiB")])
+    blocks = [Table(["capacity", "value"], rows, f"plan.json {path}")]
+    if cap.get("fits") is False:
+        heaviest = max(cap.get("weight_bytes_per_rank") or [0])
+        blocks.insert(0, Note(f"Does not fit: {fmt(cap.get('device_memory_bytes'), 2.0 ** -30)} GiB of device memory per rank "
+                              f"({cap.get('device_memory_source', '')}) cannot hold a rank's weights ({fmt(heaviest, 2.0 ** -30)} GiB), "
+                              "the activations and reserve, and a KV cache: the service refuses to start. Give more device "
+                              "memory (--gpu-memory, --hardware) or more ranks.", tone="bad"))
+    return Section("capacity", "Serving capacity", blocks,
+                   "What the plan holds at once: concurrent sequences and context length (KV cache against device memory "
+                   "less weights, activations, reserve and expert cache).")
 
 
 # ------------------------------------------------------------------------------------- offload

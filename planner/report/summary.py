@@ -3,7 +3,8 @@ reason the plan's own figures give for it, and the predicted figures beside the 
 planner priced. Every number is a `Num` naming its plan.json path (page.py)."""
 from __future__ import annotations
 
-from moeplan.planner.report.page import Num, Section, Table, fmt
+from moeplan.passes.cost.model_error import MARGINAL
+from moeplan.planner.report.page import Note, Num, Section, Table, fmt
 
 MS = 1e3
 
@@ -102,6 +103,17 @@ def inputs_table(plan: dict) -> Table:
 
 # ------------------------------------------------------------------------------------- torchrun
 
+def workload_note(plan: dict) -> str:
+    """'workload 8x32+8 (8 requests of 32 prompt tokens, 8 new tokens each), routing sampled from the
+    planning trace': what every predicted time of the plan is for."""
+    from moeplan.passes.cost.options import workload_words
+
+    workload = at(plan, "predicted.cost.workload")
+    if workload is None:
+        return "the plan's workload"
+    return f"workload {workload} ({workload_words(workload)}), routing sampled from the planning trace"
+
+
 def _policy_reason(plan: dict, tie: float) -> str:
     alts = at(plan, "predicted.cost.alternatives") or []
     requested = at(plan, "inputs.options.policy")
@@ -110,11 +122,13 @@ def _policy_reason(plan: dict, tie: float) -> str:
     hw = hardware_name(plan)
     chosen = next((a for a in alts if a.get("chosen")), alts[0])
     others = sorted((a for a in alts if not a.get("chosen")), key=lambda a: a["seconds_per_token"])
-    text = (f"auto priced {len(alts)} candidates on {hw}: {chosen['label']} at {fmt(chosen['seconds_per_token'], MS)} ms/token "
-            f"({chosen['mode']})")
+    text = (f"auto priced {len(alts)} candidates on {hw} for {at(plan, 'predicted.cost.workload')}: {chosen['label']} at "
+            f"{fmt(chosen['seconds_per_token'], MS)} ms/token ({chosen['mode']})")
     if others:
         best = others[0]
         text += f"; fastest other {best['label']} at {fmt(best['seconds_per_token'], MS)} ms/token ({best['mode']})"
+    if marginal(plan):
+        text += f"; marginal: every candidate is within {MARGINAL:.0%} of it, the cost model's error"
     text += (f"; candidates are tried in order and a later one wins only when more than {tie:.0%} faster "
              "than the best so far")
     stop = at(plan, "predicted.cost.auto_stop") or {}
@@ -122,6 +136,60 @@ def _policy_reason(plan: dict, tie: float) -> str:
         text += (f"; not tried: {', '.join(stop['skipped'])}, as no placement is predicted below "
                  f"{fmt(stop['floor_seconds_per_token'], MS)} ms/token, within the cost model's error "
                  f"({stop['error']:.0%}) of the best")
+    return text
+
+
+def marginal(plan: dict) -> bool:
+    """--policy auto's candidates all predicted within the model's error of the chosen one (passes/cost/model_error.py)."""
+    from moeplan.passes.cost.model_error import within_error
+
+    alts = at(plan, "predicted.cost.alternatives") or []
+    chosen = next((a for a in alts if a.get("chosen")), None)
+    return len(alts) > 1 and chosen is not None and within_error([a["seconds_per_token"] for a in alts], chosen["seconds_per_token"])
+
+
+TERMS = ("compute", "dispatch", "combine", "merge", "context", "token_sync")
+
+
+def _terms(prediction: dict) -> dict:
+    """{term: seconds per token}: compute, and each exchange kind summed over its tiers (call, same node, other node)."""
+    out = {"compute": prediction.get("compute_seconds_per_token") or 0.0}
+    for kind, tiers in (prediction.get("exchange_seconds_per_token") or {}).items():
+        out[kind] = sum(v for v in tiers.values() if isinstance(v, (int, float)))
+    return out
+
+
+def balance_explanation(plan: dict, tie: float) -> str | None:
+    """Why the chosen candidate won although another is better balanced (lower max/mean load), in the
+    terms of the predicted time: which term the better balance saves and which term costs it more."""
+    alts = at(plan, "predicted.cost.alternatives") or []
+    chosen = next((a for a in alts if a.get("chosen")), None)
+    rated = [a for a in alts if isinstance(a.get("max_over_mean_load"), (int, float))]
+    if chosen is None or chosen not in rated:
+        return None
+    best = min(rated, key=lambda a: (a["max_over_mean_load"], a["seconds_per_token"]))
+    if best is chosen or best["max_over_mean_load"] > chosen["max_over_mean_load"] - 0.05:
+        return None
+    mode = chosen["mode"]
+    ours, theirs = _terms(chosen["modes"][mode]), _terms((best.get("modes") or {}).get(mode) or {})
+    delta = {k: theirs.get(k, 0.0) - ours.get(k, 0.0) for k in TERMS if k in ours or k in theirs}
+    worst = max(delta, key=lambda k: delta[k])
+    saved = min(delta, key=lambda k: delta[k])
+    spt = lambda a: fmt((a.get("modes") or {}).get(mode, {}).get("seconds_per_token", a["seconds_per_token"]), MS)
+    text = (f"{chosen['label']} (max/mean load {fmt(chosen['max_over_mean_load'])}) was chosen over the better balanced "
+            f"{best['label']} ({fmt(best['max_over_mean_load'])}) because the choice is by predicted time, not balance: "
+            f"{spt(chosen)} against {spt(best)} ms/token in {mode} mode ({workload_note(plan)}, on {hardware_name(plan)}). ")
+    if delta[saved] < 0:
+        text += f"{best['label']}'s balance saves {fmt(-delta[saved], MS)} ms/token of {saved}"
+    else:
+        text += f"{best['label']}'s balance saves no predicted time (the slowest rank's {saved} does not drop)"
+    if delta[worst] > 0:
+        text += f", and it pays {fmt(delta[worst], MS)} ms/token more in {worst}: {worst} decides."
+    else:
+        text += "."
+    if best["seconds_per_token"] < chosen["seconds_per_token"]:
+        text += (f" It is faster, but by less than the {tie:.0%} a later candidate must win by, and the order tries "
+                 f"{chosen['label']} first.")
     return text
 
 
@@ -153,6 +221,22 @@ def torchrun_decisions(plan: dict, tie: float) -> Table:
     return Table(["decision", "value", "reason"], rows, "Decisions")
 
 
+def choice_notes(plan: dict, tie: float) -> list:
+    """Notes beside the decisions: a marginal --policy auto choice, a choice that looks wrong on balance."""
+    notes = []
+    alts = at(plan, "predicted.cost.alternatives") or []
+    if marginal(plan):
+        spread = [a["seconds_per_token"] for a in alts]
+        notes.append(Note(f"Marginal choice: the {len(alts)} candidates' predicted times span {fmt(min(spread), MS)} to "
+                          f"{fmt(max(spread), MS)} ms/token, all within {MARGINAL:.0%} of the chosen one, which is within the "
+                          "cost model's error (docs/cost_model.md): on this prediction they are a toss-up, and a measurement "
+                          "(moeplan run) decides better than the plan.", tone="warn"))
+    why = balance_explanation(plan, tie)
+    if why:
+        notes.append(Note(why))
+    return notes
+
+
 def torchrun_predicted(plan: dict) -> list:
     tables = [Table(["placement metric (planning trace)", "predicted"],
                     [[k, num(plan, f"predicted.{k}")] for k in ("gpu_local_fraction", "node_local_fraction", "max_over_mean_load")
@@ -167,15 +251,19 @@ def torchrun_predicted(plan: dict) -> list:
                          num(plan, f"{base}.bytes_per_token_by_tier.other_node", unit="B"),
                          num(plan, f"{base}.all_messages_per_token"), num(plan, f"{base}.compute_share")])
         tables.append(Table(["mode", "time per token", "bytes per token", "of which across nodes", "messages per token",
-                             "compute share"], rows, "The chosen placement under both modes"))
+                             "compute share"], rows, f"The chosen placement under both modes ({workload_note(plan)})"))
     alts = at(plan, "predicted.cost.alternatives") or []
     if alts:
         rows = [[str(a["label"]) + (" (chosen)" if a.get("chosen") else ""), str(a["mode"]),
                  num(plan, f"predicted.cost.alternatives.{i}.seconds_per_token", MS, "ms"),
                  num(plan, f"predicted.cost.alternatives.{i}.total_bytes_per_token", unit="B")]
                 for i, a in enumerate(alts)]
-        tables.append(Table(["candidate", "its mode", "time per token", "bytes per token"], rows,
-                            "Predicted beside the alternatives priced (--policy auto)"))
+        balance = any("max_over_mean_load" in a for a in alts)
+        if balance:
+            for i, (row, a) in enumerate(zip(rows, alts)):
+                row.append(num(plan, f"predicted.cost.alternatives.{i}.max_over_mean_load") if "max_over_mean_load" in a else "")
+        tables.append(Table(["candidate", "its mode", "time per token", "bytes per token"] + (["max / mean load"] if balance else []),
+                            rows, f"Predicted beside the alternatives priced (--policy auto; {workload_note(plan)})"))
     cache = at(plan, "predicted.expert_cache")
     if isinstance(cache, dict) and "hit_ratio" in cache:
         tables.append(Table(["expert cache", "predicted"], [["hit ratio", num(plan, "predicted.expert_cache.hit_ratio")]],
@@ -229,12 +317,17 @@ def engine_deployment_rows(plan: dict) -> list:
 
 def engine_predicted(plan: dict) -> list:
     tables = [Table(["figure", "predicted"], [["max / mean rank load (mean over layers)", num(plan, "predicted.max_over_mean_load")]],
-                    "Predicted")]
+                    "Predicted (planning trace)")]
     serving = at(plan, "predicted.serving")
     if not isinstance(serving, dict):
         return tables
     base = "predicted.serving"
     fits = "fits" if serving.get("fits") else "does not fit"
+    if serving.get("fits") is False:  # issue 40: a plan that does not fit says so, in red, before its figures
+        tables.append(Note(f"Does not fit: {fmt(serving.get('memory_per_gpu_bytes'), 2.0 ** -30)} GiB per GPU (weights, KV "
+                           f"cache of workload {serving.get('workload')}, the engine's reserve) against the "
+                           f"{fmt(at(plan, f'{base}.memory.device_bytes'), 2.0 ** -30)} GiB of a {serving.get('hardware')}: "
+                           "the engine would not start. Give more GPUs, fewer requests or shorter contexts.", tone="bad"))
     rows = [["workload (requests x prompt + new tokens, over the deployment)", str(serving.get("workload", ""))],
             ["hardware", str(serving.get("hardware", ""))],
             ["running requests (decode batch)", num(plan, f"{base}.running_requests")],
@@ -249,7 +342,9 @@ def engine_predicted(plan: dict) -> list:
             ["of which KV cache at prompt + new tokens", num(plan, f"{base}.memory.kv_bytes", 1 / 2**30, "GiB")],
             ["of which the engine's reserve", num(plan, f"{base}.memory.reserved_bytes", 1 / 2**30, "GiB")],
             ["GPU memory", num(plan, f"{base}.memory.device_bytes", 1 / 2**30, "GiB")]]
-    tables.append(Table(["serving figure", "predicted"], rows, "Serving prediction (passes/cost/engine/)"))
+    tables.append(Table(["serving figure", "predicted"], rows, f"Serving prediction for workload {serving.get('workload')} "
+                        f"on {serving.get('hardware')}, " + ("routing from the planning trace" if serving.get("routing") == "trace"
+                        else f"routing {serving.get('routing')}") + " (passes/cost/engine/)"))
     tables += slo_search_tables(plan)
     sources = serving.get("price_sources") or []
     tables.append(Table(["price source", "decode step time at the middle context"],
@@ -402,7 +497,7 @@ def lambda_predicted(plan: dict) -> list:
 def summary_section(plan: dict, tie: float) -> Section:
     target = plan.get("target")
     if target in ("torchrun", "kubernetes"):
-        blocks = [torchrun_decisions(plan, tie)] + torchrun_predicted(plan)
+        blocks = [torchrun_decisions(plan, tie)] + choice_notes(plan, tie) + torchrun_predicted(plan)
     elif target in ("sglang", "vllm", "trtllm"):
         blocks = [engine_decisions(plan)] + engine_predicted(plan)
     elif target == "offload":

@@ -1,10 +1,13 @@
-"""Greedy generation under expert parallelism, over the library's own model: context-coherent
-(ExFlow) or standard EP.
+"""One rank's expert-parallel forward over the library's own model: context-coherent (ExFlow) or
+standard EP.
 
 The model is the library's (`library_model.RankModel`); the engine replaces only the routed-expert
-computation of each MoE block (`moe_adapter`) and, in coherent mode, watches three hook points.
-Requests are owned round-robin (request i by rank i % world). One library forward per step and
-rank (batched, left-padded, with the library's KV cache).
+computation of each MoE block (`moe_adapter`) and, in coherent mode, watches three hook points. The
+generation loop is not here: the batch worker (`serving/worker.py`) runs every forward, for the
+service and for static runs alike (`serving/static_batch.py`), through the public interface:
+`install_hooks`/`remove_hooks`, `forward_rows` (one library forward over keyed rows, batched and
+left-padded, with the library's KV cache), `route` (what every MoE block calls), `real_rows`, and
+for recording engines `recorded_logits`/`recorded_routing`. A sequence is owned by one rank.
 
 * **standard EP**: a rank runs its own requests. At each MoE block the library routes; the adapter
   sends each token's normed hidden state and gate weights to the ranks of its k experts
@@ -35,12 +38,10 @@ rank (batched, left-padded, with the library's KV cache).
   needs for the KV cache; norms, routers and shared experts beyond that). Bytes are counted as
   before: (world - 1) x (C + 2) x 4 per token per block in `context` (C = D, or the K/V elements),
   the dispatch and merge rows.
-The final hidden state never returns to the owner: the current rank computes the logits and the
-greedy token, and the per-step AllGather of new tokens (`token_sync`) tells every rank.
+The final hidden state never returns to the owner: the current rank computes the logits and
+samples the token, and the worker's per-step AllGather of new tokens (`token_sync`) tells every rank.
 """
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ COHERENT, STANDARD = "coherent", "standard"
 
 
 class Engine:
-    """One rank's share of expert-parallel greedy generation over a RankModel."""
+    """One rank's share of expert-parallel forwards over a RankModel (see module docstring)."""
 
     def __init__(self, model, table, exchanger, counters, rank: int, world_size: int, mode: str, device,
                  top_k: int, context: str = "auto", record: bool = True):
@@ -71,13 +72,7 @@ class Engine:
         # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
         self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
 
-    # --- bookkeeping -----------------------------------------------------------------------
-    def owner(self, seq: int) -> int:
-        return seq % self.world
-
-    def key(self, seq, pos):
-        return seq * self.max_len + pos
-
+    # --- one forward ---------------------------------------------------------------------------
     def _to_all_others(self, rows: torch.Tensor) -> list:
         return [rows[:0] if d == self.rank else rows for d in range(self.world)]
 
@@ -88,62 +83,12 @@ class Engine:
         ordered, rows = self._key_index
         return rows[torch.searchsorted(ordered, keys.contiguous())]
 
-    # --- generation ------------------------------------------------------------------------
-    def generate(self, prompts: list, new_tokens: int) -> dict:
-        """Greedy-generate `new_tokens` tokens for every prompt; returns this rank's results."""
-        self.max_len = max(len(p) for p in prompts) + new_tokens
-        if self.max_len > self.model.max_positions:
-            raise ValueError(f"prompt + new tokens = {self.max_len} exceeds the model's {self.model.max_positions} positions")
-        own = [s for s in range(len(prompts)) if self.owner(s) == self.rank]
-        contexts = {s: list(prompts[s]) for s in own}
-        if self.mode == COHERENT:
-            contexts = self._sync_prompts(prompts, own)
-        generated = {s: [] for s in own}
-        self.install_hooks()
-        batch = sorted(contexts)
-        start = time.perf_counter()
-        try:
-            cache, key_mask = None, None
-            for step in range(new_tokens):
-                if not batch:  # standard mode, no request here: join the exchanges with a dummy row
-                    self._forward(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
-                                  torch.ones(1, 1, dtype=torch.bool), None, torch.full((1,), -1), {})
-                    continue
-                if step == 0:
-                    width = max(len(contexts[s]) for s in batch)
-                    ids = torch.zeros(len(batch), width, dtype=torch.int64)
-                    pos = torch.zeros(len(batch), width, dtype=torch.int64)
-                    key_mask = torch.zeros(len(batch), width, dtype=torch.bool)
-                    keys = torch.full((len(batch), width), -1, dtype=torch.int64)
-                    for b, s in enumerate(batch):
-                        n = len(contexts[s])
-                        ids[b, width - n:] = torch.tensor(contexts[s])
-                        pos[b, width - n:] = torch.arange(n)
-                        key_mask[b, width - n:] = True
-                        keys[b, width - n:] = self.key(s, torch.arange(n))
-                else:
-                    ids = torch.tensor([[contexts[s][-1]] for s in batch])
-                    pos = torch.tensor([[len(contexts[s]) - 1] for s in batch])
-                    key_mask = torch.cat([key_mask, torch.ones(len(batch), 1, dtype=torch.bool)], dim=1)
-                    keys = self.key(torch.tensor(batch)[:, None], pos)
-                last = {s: len(contexts[s]) - 1 for s in batch}
-                new, cache = self._forward(ids, pos, key_mask, cache, keys.flatten(), last)
-                if self.mode == COHERENT:
-                    new = self._sync_tokens(new)
-                for s, t in sorted(new.items()):
-                    contexts[s].append(t)
-                    if s in generated:
-                        generated[s].append(t)
-        finally:
-            self.remove_hooks()
-        elapsed = time.perf_counter() - start
-        return {"generated": {int(s): g for s, g in generated.items()}, "elapsed_s": elapsed,
-                "counters": self.counters.to_dict(),
-                "context": [[k, int(n)] for k, n in self.context_plan] if self.mode == COHERENT else []}
-
     def forward_rows(self, ids, pos, key_mask, cache, keys):
-        """One library forward over rows `keys` [B * S] (-1: padding or a dummy row): (logits [B * S, V],
-        indices of the rows whose forward ended on this rank, the cache to pass next time)."""
+        """One library forward over rows `keys` [B * S] (sequence x stride + position; -1: padding or a
+        dummy row) of ids, pos, key_mask [B, S] (key_mask [B, cache columns + S] with a cache): (logits
+        [B * S, V], indices of the rows whose forward ended on this rank, the cache to pass next time).
+        Every rank calls it for every forward of a step, in the same order (the exchanges pair up);
+        a recording engine keeps the logits of the rows that ended here."""
         dev = self.device
         self.keys = keys
         real = keys >= 0
@@ -156,49 +101,16 @@ class Engine:
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
         flat = logits.reshape(-1, logits.shape[-1])
-        return flat, (self.mine & (keys >= 0)).nonzero().flatten(), cache
-
-    def _forward(self, ids, pos, key_mask, cache, keys, last: dict):
-        """One library forward; records the logits of the rows current here; {seq: next token}."""
-        dev = self.device
-        flat, rows, cache = self.forward_rows(ids, pos, key_mask, cache, keys)
-        self.logit_keys.append(keys[rows])
-        self.logit_rows.append(flat[rows.to(dev)].detach().float().cpu())
-        new = {}
-        for r in rows.tolist():
-            s, p = divmod(int(keys[r]), self.max_len)
-            if p == last[s]:
-                new[s] = int(torch.argmax(flat[r]).item())
-        return new, cache
+        here = (self.mine & (keys >= 0)).nonzero().flatten()
+        if self.records:
+            self.logit_keys.append(keys[here])
+            self.logit_rows.append(flat[here.to(dev)].detach().float().cpu())
+        return flat, here, cache
 
     def real_rows(self) -> torch.Tensor:
         """bool [n]: the forward's rows whose hidden state is real on this rank (own requests in
         standard mode, the rows current here in coherent mode; never padding)."""
         return (self.keys >= 0) & (self.mine if self.mode == COHERENT else True)
-
-    def _sync_prompts(self, prompts: list, own: list) -> dict:
-        """AllGather of the prompts: every rank learns every request's context from its owner."""
-        meta = torch.tensor([[s, p, t] for s in own for p, t in enumerate(prompts[s])], dtype=torch.int64).reshape(-1, 3)
-        rows = pack(torch.zeros(meta.shape[0], 0), meta)
-        contexts = {s: list(prompts[s]) for s in own}
-        for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "prompt_sync"):
-            _, m = unpack(got.cpu(), 0)
-            for s, p, t in m.tolist():
-                contexts.setdefault(s, []).append((p, t))
-        for s, entries in contexts.items():
-            if s not in own:
-                contexts[s] = [t for _, t in sorted(entries)]
-        return {s: contexts[s] for s in sorted(contexts)}
-
-    def _sync_tokens(self, new: dict) -> dict:
-        """AllGather of the tokens just generated on this rank."""
-        meta = torch.tensor(sorted(new.items()), dtype=torch.int64).reshape(-1, 2)
-        rows = pack(torch.zeros(meta.shape[0], 0), meta)
-        merged = dict(new)
-        for got in self.ex.exchange(self._to_all_others(rows), rows.shape[1], None, "token_sync"):
-            _, m = unpack(got.cpu(), 0)
-            merged.update(dict(m.tolist()))
-        return merged
 
     # --- the routed computation (called by the library's MoE blocks) ------------------------
     def route(self, adapter, h, ids, weights):

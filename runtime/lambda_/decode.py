@@ -4,20 +4,26 @@ Why: one Step Functions execution generates all of a request's tokens. Its state
 JSON) carries the request, not the tensors. Step 0 runs every prompt token (the prefill); step t > 0 runs each sequence's last token at
 position len + t - 1. Prompts are left-padded, so the key mask of step t is the prompt's padding
 mask followed by t columns of True. The function that computes the logits picks every sequence's
-next token (greedy at temperature 0; otherwise seeded per token, `serving/sampler.py`), stops a
-sequence on a stop token (not emitted) or at max_tokens, and ends the loop when all have stopped.
+next token (greedy at temperature 0; otherwise seeded per token), stops a sequence on a stop token
+(not emitted) or at max_tokens, and ends the loop when all have stopped.
+
+What it shares with the service's loop (`serving/`): the sampler (`sampler.py`: greedy and the
+per-token seeds), the stop rule (`stop_rule.py`) and the prefill's left-pad key mask
+(`row_cache.left_pad_mask`). What it cannot: the batch worker and its row cache, because an
+execution's step is not one forward in one process. Its dense parts run in separate functions,
+each holding only its own blocks' K/V between steps (`kv.py`: container memory or deltas in
+storage), its experts in other functions invoked per layer. An execution's sequences never join
+or leave, so it has no rows to move, and no process group, so no token sync (the state document
+carries the tokens).
 """
 from __future__ import annotations
 
 import torch
 
-from .state import FINISH_LENGTH, FINISH_STOP, initial_state  # noqa: F401  (re-exported)
-
-
-def prompt_mask(lens: list) -> torch.Tensor:
-    """[B, max(lens)] key mask of left-padded prompts (False on padding)."""
-    width = max(lens)
-    return torch.arange(width)[None, :] >= (width - torch.tensor(lens))[:, None]
+from ..serving.row_cache import left_pad_mask
+from ..serving.sampler import Sampler
+from ..serving.stop_rule import token_outcome
+from .state import initial_state  # noqa: F401  (re-exported)
 
 
 def step_rows(doc: dict) -> dict:
@@ -28,12 +34,12 @@ def step_rows(doc: dict) -> dict:
         ids = torch.tensor([int(t) for p in prompts for t in p], dtype=torch.int64)
         positions = torch.cat([torch.arange(n) for n in lens])
         seq = torch.cat([torch.full((n,), b) for b, n in enumerate(lens)])
-        return {"ids": ids, "positions": positions, "seq": seq, "key_mask": prompt_mask(lens)}
+        return {"ids": ids, "positions": positions, "seq": seq, "key_mask": left_pad_mask(lens)}
     last = [int(t[-1]) if t else 0 for t in doc["tokens"]]  # a sequence that already stopped feeds 0
     return {"ids": torch.tensor(last, dtype=torch.int64),
             "positions": torch.tensor([n + step - 1 for n in lens], dtype=torch.int64),
             "seq": torch.arange(len(lens)),
-            "key_mask": torch.cat([prompt_mask(lens), torch.ones(len(lens), step, dtype=torch.bool)], dim=1)}
+            "key_mask": torch.cat([left_pad_mask(lens), torch.ones(len(lens), step, dtype=torch.bool)], dim=1)}
 
 
 def has_next_step(doc: dict) -> bool:
@@ -56,14 +62,10 @@ def last_rows(state: dict) -> torch.Tensor:
 
 
 def pick(logits: torch.Tensor, gen: dict, index: int) -> list:
-    """Next token of each row of logits [B, V]; `index` is the generated token's index (its seed)."""
-    temperature = float(gen.get("temperature", 0.0))
-    if temperature <= 0.0:
-        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
-    from ..serving.sampler import Sampler
-
-    params = [(temperature, float(gen.get("top_p", 1.0)), int(gen.get("top_k", 0)), int(gen["seed"]) + b)
-              for b in range(logits.shape[0])]
+    """Next token of each row of logits [B, V] (sequence b seeded with the request's seed + b);
+    `index` is the generated token's index (its seed)."""
+    params = [(float(gen.get("temperature", 0.0)), float(gen.get("top_p", 1.0)), int(gen.get("top_k", 0)),
+               int(gen.get("seed", 0)) + b) for b in range(logits.shape[0])]
     return Sampler().sample(logits, params, [index] * logits.shape[0])
 
 
@@ -78,11 +80,8 @@ def advance(doc: dict, state: dict) -> dict:
     for b, t in enumerate(picked):
         if finished[b] is not None:
             continue
-        if t in stops:
-            finished[b] = FINISH_STOP
-            continue
-        tokens[b].append(t)
-        if len(tokens[b]) >= int(gen["max_tokens"]):
-            finished[b] = FINISH_LENGTH
+        emit, finished[b] = token_outcome(t, stops, len(tokens[b]), int(gen["max_tokens"]))
+        if emit:
+            tokens[b].append(t)
     return dict(doc, step=int(doc["step"]) + 1, tokens=tokens, finished=finished,
                 done=all(f is not None for f in finished), active={})

@@ -10,8 +10,6 @@ Functions' 256 KB:
 """
 from __future__ import annotations
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
-
 
 def initial_state(request: str, prompts: list, gen: dict) -> dict:
     """The execution's input for prompts (lists of ids) and generation settings."""

@@ -39,6 +39,7 @@ COLLECTIVE_TIMEOUT_S = 60.0   # a collective waiting longer than this fails (a h
 HEARTBEAT_S = 1.0             # an idle rank 0 broadcasts a heartbeat plan this often
 WATCHDOG_GRACE_S = 5.0        # after an engine failure, the front has this long to return
 DEFAULT_MAX_SEQUENCES = 64    # plans without a capacity decision (compiled before it existed)
+EXPERT_LOG_STEPS = 4096       # MoE steps of the expert cache's request log a service keeps
 
 
 def limits_for(plan: dict, max_positions: int, max_sequences: int | None, max_waiting: int | None) -> Limits:
@@ -112,6 +113,8 @@ def serve_bundle(root: Path, front, mode: str | None = None, context: str = "aut
     engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, modes[0], device,
                     model.top_k, context, record=False)  # a service keeps no logits or routing
     worker = BatchWorker(engine, model.kind, control)
+    if getattr(model, "expert_cache", None) is not None:  # a service runs for days: keep the request log bounded
+        model.expert_cache.keep_steps = EXPERT_LOG_STEPS
     if rank != 0:
         return _follow(worker, rank)
     client = Scheduler(plan["model"].get("name", root.name), limits, codec.vocab_size, world,

@@ -158,15 +158,20 @@ class RowCache:
         self.lengths = [n + columns for n in self.lengths]
 
 
+def left_pad_mask(lens: list) -> torch.Tensor:
+    """bool [n, max(lens)]: True on each row's last lens[b] columns, its tokens (left padding is False).
+    The prefill's key mask here and in a Lambda execution's steps (`lambda_/decode.py`)."""
+    width = max(lens)
+    return torch.arange(width)[None, :] >= (width - torch.tensor(lens))[:, None]
+
+
 def prefill_inputs(prompts: list) -> tuple:
     """Left-padded prompts: ids, positions, key_mask [n, S] (S = the longest prompt)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.int64)
-    pos = torch.zeros(len(prompts), width, dtype=torch.int64)
-    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    mask = left_pad_mask([len(p) for p in prompts])
+    ids = torch.zeros(mask.shape, dtype=torch.int64)
+    pos = torch.zeros(mask.shape, dtype=torch.int64)
     for b, p in enumerate(prompts):
         n = len(p)
-        ids[b, width - n:] = torch.tensor(p, dtype=torch.int64)
-        pos[b, width - n:] = torch.arange(n)
-        mask[b, width - n:] = True
+        ids[b, mask.shape[1] - n:] = torch.tensor(p, dtype=torch.int64)
+        pos[b, mask.shape[1] - n:] = torch.arange(n)
     return ids, pos, mask

@@ -19,9 +19,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .contract import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequest,
+from .contract import (FINISH_ABORT, FINISH_ERROR, GenerationRequest, InvalidRequest,
                        Overloaded, RequestTooLong, TokenEvent, Unavailable)
 from .step_plan import HEARTBEAT, STEP, STOP, Admission, StepPlan
+from .stop_rule import token_outcome
 from .worker import stats_figures
 
 STATS_INTERVAL_S = 1.0  # how often the loop gathers every rank's counters for metrics()
@@ -238,12 +239,9 @@ class Scheduler:
                 raise RuntimeError(f"the step produced no token for sequences {missing[:5]}")
             for seq, live in list(self._running.items()):
                 token, request = tokens[seq], live.request
-                if token in live.stops:
-                    finish, token = FINISH_STOP, -1
-                else:
-                    live.generated += 1
-                    finish = FINISH_LENGTH if live.generated >= request.max_tokens else None
-                events.append((live.sink, TokenEvent(request.request_id, token, finish, time_s=now)))
+                emit, finish = token_outcome(token, live.stops, live.generated, request.max_tokens)
+                live.generated += emit
+                events.append((live.sink, TokenEvent(request.request_id, token if emit else -1, finish, time_s=now)))
                 if finish is not None:
                     self._end_running(live)
                     self._by_id.pop(request.request_id, None)

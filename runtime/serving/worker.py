@@ -1,17 +1,20 @@
 """One rank's share of continuous batching: applies each step plan to its rows of the library's KV
 cache and runs the step's library forwards through the expert-parallel engine (`engine.Engine`).
+The one generation loop: the service's steps come from rank 0's scheduler (`engine_loop.py`), a
+static run's from `static_batch.py`.
 
 A step, on every rank and in the same order:
 1. the plan's departures leave the cache (`RowCache.leave`);
 2. decode: if any sequence was running before this step (anywhere), one forward of one new token
    per row; prefill: if the plan admits sequences, one forward of their prompts (left-padded) into
    a fresh cache, whose rows then join the running ones. In standard mode a rank runs only the
-   sequences it owns and joins a forward it has no row in with a one-row dummy, as the static
-   engine does, so every rank takes part in every exchange; in coherent mode every rank runs every
+   sequences it owns and joins a forward it has no row in with a one-row dummy, so every rank
+   takes part in every exchange; in coherent mode every rank runs every
    sequence (the engine's context exchange keeps every rank's cache whole);
 3. the rank holding a token's last hidden state samples it (`sampler.py`) and the new tokens are
    shared (`token_sync`): with every rank in coherent mode (each feeds every sequence), with rank 0
-   in standard mode (owners feed their own; rank 0 emits the events).
+   in standard mode when rank 0 emits the events (the service; owners feed their own), with nobody
+   in a static run's standard mode (each rank writes its own sequences' results).
 Rows are keyed as the engine keys tokens, sequence x KEY_STRIDE + position.
 """
 from __future__ import annotations
@@ -25,20 +28,18 @@ from .row_cache import RowCache, prefill_inputs
 from .sampler import Sampler
 
 KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far shorter)
-EXPERT_LOG_STEPS = 4096  # MoE steps of the expert cache's request log a service keeps
 
 
 class BatchWorker:
     """Runs step plans on one rank (see module docstring)."""
 
-    def __init__(self, engine, kind: str, control_group=None):
+    def __init__(self, engine, kind: str, control_group=None, tokens_to_rank0: bool = True):
+        """`kind`: the library cache's kind (`row_cache.py`); `control_group`: the process group of
+        `gather_stats`; `tokens_to_rank0`: standard mode sends every new token to rank 0."""
         self.engine, self.kind, self.group = engine, kind, control_group
         self.rank, self.world, self.coherent = engine.rank, engine.world, engine.mode == COHERENT
-        engine.max_len = KEY_STRIDE
+        self.tokens_to_rank0 = tokens_to_rank0
         engine.install_hooks()
-        cache = getattr(engine.model, "expert_cache", None)
-        if cache is not None:  # a service runs for days: keep the expert cache's request log bounded
-            cache.keep_steps = EXPERT_LOG_STEPS
         self.rows = RowCache(kind)
         self.running: set = set()   # every running sequence, on every rank
         self.sampling: dict = {}    # seq -> (temperature, top_p, top_k, seed), sequences run here
@@ -119,8 +120,9 @@ class BatchWorker:
 
     # --- sharing ---------------------------------------------------------------------------------------
     def _share(self, new: dict) -> dict:
-        """token_sync: every rank's new tokens to every rank (coherent) or to rank 0 (standard)."""
-        if self.world == 1:
+        """token_sync: every rank's new tokens to every rank (coherent) or to rank 0 (standard, when
+        `tokens_to_rank0`)."""
+        if self.world == 1 or not (self.coherent or self.tokens_to_rank0):
             return new
         meta = torch.tensor(sorted(new.items()), dtype=torch.int64).reshape(-1, 2)
         rows = pack(torch.zeros(meta.shape[0], 0), meta)
