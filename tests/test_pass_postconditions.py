@@ -102,13 +102,16 @@ def test_every_plan_pass_checks_its_plan_serialises_and_reads_back():
     from moeplan.core.plan import Plan, plan_reads_back
     from moeplan.planner.pipeline.targets import TARGETS
 
-    for target in TARGETS.values():
-        plans = [p for p in target.passes if p.name == "plan"]
-        assert len(plans) == 1 and plans[0].ensures is plan_reads_back, target.name
-
     def plan_with(predicted):
         return lambda f: {"plan": Plan(target="torchrun", model={}, topology={"nodes": 1, "gpus_per_node": 1},
                                        placement={}, communication={}, predicted=predicted)}
+
+    unwritable = plan_with({"loads": np.arange(3)})({})
+    for target in TARGETS.values():
+        plans = [p for p in target.passes if p.name == "plan"]
+        assert len(plans) == 1 and plans[0].ensures is not None, target.name
+        with pytest.raises((ValueError, TypeError)):  # each target's own check, whatever else it adds, reads back
+            plans[0].ensures(unwritable)
 
     good = Pass("plan", (), ("plan",), plan_with({"gpu_local_fraction": 0.5}), ensures=plan_reads_back)
     assert chain(good).run({})["plan"].predicted == {"gpu_local_fraction": 0.5}
