@@ -42,10 +42,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 # tier alone. `make test-all`: ruff, then every test. CI (.ci/run) runs `make test`, then `make test-slow`.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m "not slow"
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m "not slow" -n 2 --dist loadfile
 
 test-slow: $(STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m slow
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest tests -m slow -n 2 --dist loadfile
 
 test-all: $(STAMP)
 	$(BIN)/ruff check .

