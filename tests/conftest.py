@@ -17,7 +17,8 @@ SLOW_LIST = Path(__file__).with_name("slow_tests.txt")
 
 def _listed_slow() -> frozenset[str]:
     lines = SLOW_LIST.read_text().splitlines() if SLOW_LIST.exists() else []
-    return frozenset(line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip())
+    ids = (line.split("#", 1)[0].strip() for line in lines)
+    return frozenset(node_id for node_id in ids if node_id)
 
 
 def pytest_collection_modifyitems(config, items):

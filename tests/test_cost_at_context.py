@@ -27,6 +27,13 @@ def _same_route(workload: Workload, layers: int, top_k: int) -> dict:
     return routing_from_trace(np.tile(np.arange(top_k), (tokens, layers, 1)), workload)
 
 
+def _one_block_shapes() -> tuple[ModelShape, ModelShape]:
+    """One MoE block with no attention or expert FLOPs of its own, priced at a short context and at
+    context (1000 FLOPs per key, 64 KV bytes per cached token): their difference is the context's."""
+    short = ModelShape(hidden=8, top_k=1, num_blocks=1, moe_blocks=(0,), attention_flops=0.0, expert_flops=0.0)
+    return short, dataclasses.replace(short, attention_context=AttentionContext(flops_per_key=1000.0, kv_bytes_per_key=64.0))
+
+
 @pytest.mark.parametrize("flops_per_s, memory_bytes_per_s, bound", [(1e4, 1e6, "flops"), (1e6, 1e3, "bytes")])
 def test_each_step_adds_its_keys_and_cache_reads_as_the_formula_gives(flops_per_s, memory_bytes_per_s, bound):
     """One rank, one MoE block, workload 2 x 3 + 2, 1000 FLOPs per key and 64 KV bytes per cached token.
@@ -35,8 +42,7 @@ def test_each_step_adds_its_keys_and_cache_reads_as_the_formula_gives(flops_per_
     ops x op cost + max(FLOPs / rate, bytes / bandwidth), so with no other FLOPs or bytes in it each step
     grows by exactly max(FLOPs / rate, bytes / bandwidth) over the same step at a short context."""
     profile = dataclasses.replace(load_hardware("cpu-gloo"), flops_per_s=flops_per_s, memory_bytes_per_s=memory_bytes_per_s)
-    short = ModelShape(hidden=8, top_k=1, num_blocks=1, moe_blocks=(0,), attention_flops=0.0, expert_flops=0.0)
-    at_context = dataclasses.replace(short, attention_context=AttentionContext(flops_per_key=1000.0, kv_bytes_per_key=64.0))
+    short, at_context = _one_block_shapes()
     workload = Workload((3, 3), 2)
     routing = _same_route(workload, 1, 1)
     hosts = np.ones((1, 4, 1), dtype=bool)
@@ -52,8 +58,7 @@ def test_two_ranks_each_read_the_caches_of_the_sequences_they_hold():
     only its own sequences' keys (decode: sequence 0 at position 9 on rank 0, 10 keys; sequence 1 at position 1
     on rank 1, 2 keys), so the step, paced by the slowest rank, grows by rank 0's 10 x 1000 FLOPs."""
     profile = dataclasses.replace(load_hardware("cpu-gloo"), flops_per_s=1e4, memory_bytes_per_s=1e12, parallel_ranks=2)
-    short = ModelShape(hidden=8, top_k=1, num_blocks=1, moe_blocks=(0,), attention_flops=0.0, expert_flops=0.0)
-    at_context = dataclasses.replace(short, attention_context=AttentionContext(flops_per_key=1000.0, kv_bytes_per_key=64.0))
+    short, at_context = _one_block_shapes()
     workload = Workload((9, 1), 2)
     routing = _same_route(workload, 1, 1)
     hosts = np.ones((1, 4, 2), dtype=bool)
