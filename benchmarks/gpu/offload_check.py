@@ -176,6 +176,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--wide", default="4,16,4,2048,768", help="layers,experts,top_k,hidden,expert width of the wide model")
+    ap.add_argument("--models", nargs="+", choices=("qwen3_moe", "wide"), default=["qwen3_moe", "wide"],
+                    help="which models to run (a short lease: wide alone, whose copies take real PCIe time)")
     args = ap.parse_args(argv)
     import torch
 
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
     prompts = work / "prompts.txt"
     prompts.write_text("\n".join(p.replace("\n", " ") for p in PROMPTS) + "\n")
     layers, experts, top_k, hidden, width = (int(x) for x in args.wide.split(","))
-    models = [REPO / "examples" / "qwen3_moe", wide_model(work / "wide_qwen3_moe", layers, experts, top_k, hidden, width)]
+    models = ([REPO / "examples" / "qwen3_moe"] if "qwen3_moe" in args.models else []) + \
+        ([wide_model(work / "wide_qwen3_moe", layers, experts, top_k, hidden, width)] if "wide" in args.models else [])
     rows = []
     for model in models:
         trace = work / f"{model.name}.npz"

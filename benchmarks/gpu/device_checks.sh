@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Every GPU check in one call, for a lent GPU machine with a short lease (the device tool: 15 minutes in all, no
+# internet there). Never run in CI. From the repository root on that machine:
+#     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 7 minutes on one H100/H200)
+# Parts, each under its own time limit so that one stuck part leaves the others' figures:
+#   1. op_check.sh: GEMM / grouped GEMM / attention kernels beside aiconfigurator-core's rows;
+#   2. decode_step.py: the runtime's decode step beside the cost model's prediction, CUDA graphs off and on;
+#   3. offload_check.py: the CUDA copy path of the offloading runtime (the wide model only: its copies take real
+#      PCIe time), verified, measured beside the modelled seconds;
+#   4. serving.py through serve_check.sh's steps: qwen3_moe at 1 rank on the GPU, concurrency 1/16/64, beside the
+#      static batch (the transformers peer needs packages the machine lacks).
+# Python packages the machine lacks travel as wheels in .whl/ (built here with `bash benchmarks/gpu/wheels.sh`)
+# and install to /tmp/site; moeplan is imported from this checkout. $OUT gets one .txt per part and
+# figures.tgz with every JSON (the device tool brings back at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:?set OUT to the folder for the figures}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/install.txt" 2>&1 || echo "wheel install failed (see install.txt)" >> "$OUT/install.txt"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PKG="$(mktemp -d)"
+ln -s "$PWD" "$PKG/moeplan"                       # `import moeplan` -> this checkout
+export PYTHONPATH="$PKG:$PYTHONPATH"
+WORK="$(mktemp -d)"
+{
+  date -u; nvidia-smi; uptime
+  "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__)'
+} >> "$OUT/install.txt" 2>&1
+
+part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME.txt, never stop the script
+  local name="$1" limit="$2"
+  shift 2
+  echo "== $name (limit ${limit}s, load $(cut -d' ' -f1 /proc/loadavg)) $(date -u +%T)" | tee -a "$OUT/parts.txt"
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "   rc $? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
+}
+
+part op_check 100 bash benchmarks/gpu/op_check.sh
+part decode_step 170 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
+part offload_check 140 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
+part serving 170 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
+  --threads 1 --keep "$WORK/serving" --json
+tail -n 1 "$OUT/serving.txt" > "$WORK/serving.json" 2>/dev/null || true
+rm -rf "$WORK/serving"
+tar czf "$OUT/figures.tgz" -C "$WORK" . 2>/dev/null
+echo "figures in $OUT" | tee -a "$OUT/parts.txt"
