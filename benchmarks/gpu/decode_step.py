@@ -161,7 +161,7 @@ def static_steps(engine, model, batch: int, context: int, steps: int, vocab: int
         _prepare_engine(engine, batch * context)
         with torch.no_grad():
             out = model(input_ids=prompt, position_ids=torch.arange(context, device=dev).expand(batch, -1),
-                        use_cache=True, **{kwarg: cache})
+                        use_cache=True, logits_to_keep=1, **{kwarg: cache})
         ids = out.logits[:, -1:].argmax(-1)                                       # int64 [B, 1], static
         pos = torch.full((batch, 1), context, dtype=torch.int64, device=dev)       # int64 [B, 1], static
         columns = torch.arange(total, device=dev)

@@ -2,6 +2,7 @@
 # Every GPU check in one call, for a lent GPU machine with a short lease (the device tool: 15 minutes in all, no
 # internet there). Never run in CI. From the repository root on that machine:
 #     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 7 minutes on one H100/H200)
+#     OUT=/some/dir PARTS="op_check decode_step" bash benchmarks/gpu/device_checks.sh      (some parts only)
 # Parts, each under its own time limit so that one stuck part leaves the others' figures:
 #   1. op_check.sh: GEMM / grouped GEMM / attention kernels beside aiconfigurator-core's rows;
 #   2. decode_step.py: the runtime's decode step beside the cost model's prediction, CUDA graphs off and on;
@@ -32,21 +33,23 @@ WORK="$(mktemp -d)"
   "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__)'
 } >> "$OUT/install.txt" 2>&1
 
+PARTS="${PARTS:-op_check decode_step offload_check serving}"
 part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME.txt, never stop the script
   local name="$1" limit="$2"
   shift 2
+  case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
   echo "== $name (limit ${limit}s, load $(cut -d' ' -f1 /proc/loadavg)) $(date -u +%T)" | tee -a "$OUT/parts.txt"
   local start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
   echo "   rc $? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
 }
 
-part op_check 100 bash benchmarks/gpu/op_check.sh
-part decode_step 170 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
-part offload_check 140 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
-part serving 170 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
+part op_check 90 bash benchmarks/gpu/op_check.sh
+part decode_step 160 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
+part offload_check 130 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
+part serving 160 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
   --threads 1 --keep "$WORK/serving" --json
-tail -n 1 "$OUT/serving.txt" > "$WORK/serving.json" 2>/dev/null || true
+[ -f "$OUT/serving.txt" ] && tail -n 1 "$OUT/serving.txt" > "$WORK/serving.json"
 rm -rf "$WORK/serving"
 tar czf "$OUT/figures.tgz" -C "$WORK" . 2>/dev/null
 echo "figures in $OUT" | tee -a "$OUT/parts.txt"
