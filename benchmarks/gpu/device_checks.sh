@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for a lent GPU machine with a short lease (the device tool: 15 minutes in all, no
 # internet there). Never run in CI. From the repository root on that machine:
-#     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 7 minutes on one H100/H200)
+#     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 8 minutes on one H200)
 #     OUT=/some/dir PARTS="op_check decode_step" bash benchmarks/gpu/device_checks.sh      (some parts only)
 # Parts, each under its own time limit so that one stuck part leaves the others' figures:
 #   1. op_check.sh: GEMM / grouped GEMM / attention kernels beside aiconfigurator-core's rows;
@@ -11,7 +11,7 @@
 #   4. serving.py through serve_check.sh's steps: qwen3_moe at 1 rank on the GPU, concurrency 1/16/64, beside the
 #      static batch (the transformers peer needs packages the machine lacks).
 # Python packages the machine lacks travel as wheels in .whl/ (built here with `bash benchmarks/gpu/wheels.sh`)
-# and install to /tmp/site; moeplan is imported from this checkout. $OUT gets one .txt per part and
+# and install into the machine's Python; moeplan is imported from this checkout. $OUT gets one .txt per part and
 # figures.tgz with every JSON (the device tool brings back at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,14 +19,16 @@ OUT="${OUT:?set OUT to the folder for the figures}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
+# Into the machine's own Python, not a --target folder on PYTHONPATH: a bundle's launcher drops PYTHONPATH so that
+# its ranks run the bundle's runtime/ (planner/launch/torchrun_launch.py), and the ranks need transformers 5.24
+# (the bundle's requirements.txt) where the image has 5.17. The machine is lent bare and given back afterwards.
 if compgen -G ".whl/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl \
     > "$OUT/install.txt" 2>&1 || echo "wheel install failed (see install.txt)" >> "$OUT/install.txt"
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 PKG="$(mktemp -d)"
 ln -s "$PWD" "$PKG/moeplan"                       # `import moeplan` -> this checkout
-export PYTHONPATH="$PKG:$PYTHONPATH"
+export PYTHONPATH="$PKG"
 WORK="$(mktemp -d)"
 {
   date -u; nvidia-smi; uptime
@@ -44,9 +46,9 @@ part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME
   echo "   rc $? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
 }
 
-part op_check 90 bash benchmarks/gpu/op_check.sh
-part decode_step 160 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
-part offload_check 130 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
+part op_check 60 bash benchmarks/gpu/op_check.sh
+part decode_step 100 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
+part offload_check 230 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
 part serving 160 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
   --threads 1 --keep "$WORK/serving" --json
 [ -f "$OUT/serving.txt" ] && tail -n 1 "$OUT/serving.txt" > "$WORK/serving.json"
