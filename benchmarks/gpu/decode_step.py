@@ -21,6 +21,10 @@ decode step for the same model, batch, context and GPU profile (passes/cost/cost
 
     python benchmarks/gpu/decode_step.py --out DIR [--layers 16] [--batches 1 16 64] [--context 1024]
     python benchmarks/gpu/decode_step.py --allow-cpu --out DIR   (a dry run with tiny dims: seconds mean nothing)
+    python benchmarks/gpu/decode_step.py --reprice benchmarks/gpu/results/*decode_step*.json   (here, no GPU)
+
+`--reprice` prices the cells of decode_step.json files measured earlier (benchmarks/gpu/results/) with this
+checkout's cost model and prints them beside the measured steps: how a cost-model change meets the GPU's figures.
 
 Writes DIR/decode_step.json and prints a table.
 """
@@ -263,8 +267,26 @@ def predicted_cell(*args) -> dict:
     return {"predicted_step_s": predicted_step(*args)}
 
 
+def reprice(paths: list) -> int:
+    """Measured cells of earlier runs beside this checkout's prediction for them (see module docstring)."""
+    print(f"{'file':<44} {'batch':>5} {'runtime ms':>10} {'graph ms':>9} {'predicted ms':>12} {'runtime/pred':>12} "
+          f"{'graph/pred':>10}  load {os.getloadavg()[0]:.2f}")
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        config = cut_config(REPO / "examples" / "configs" / report["config"], report["layers"], tiny=False)
+        top_k = int(config["num_experts_per_tok"])
+        for cell in report["cells"]:
+            predicted = predicted_step(config, report["profile"], cell["batch"], report["context"], top_k, 0)
+            graph = cell.get("graph_step_s")
+            print(f"{Path(path).name[:44]:<44} {cell['batch']:>5} {cell['step_s'] * 1e3:>10.2f} "
+                  f"{(graph or 0) * 1e3:>9.2f} {predicted * 1e3:>12.2f} {cell['step_s'] / predicted:>12.2f} "
+                  f"{(graph or 0) / predicted:>10.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reprice", nargs="+", default=None, help="decode_step.json files to price again here")
     ap.add_argument("--config", default=str(QWEN3))
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
@@ -274,6 +296,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(REPO / "build" / "gpu_decode_step")))
     ap.add_argument("--allow-cpu", action="store_true", help="dry run without CUDA, tiny dims (seconds mean nothing)")
     args = ap.parse_args(argv)
+    if args.reprice:
+        return reprice(args.reprice)
     import torch
 
     from moeplan.runtime.precision import device_precision
