@@ -76,7 +76,7 @@ def profiles() -> dict:
     from moeplan.core.hardware import load_hardware
 
     h100 = load_hardware(HARDWARE)
-    return {HARDWARE: h100, f"{HARDWARE}, no op overhead": replace(h100, op_overhead_s=0.0)}
+    return {HARDWARE: h100, f"{HARDWARE}, no op overhead": replace(h100, op_overhead_s=0.0, runtime_op_overhead_s=0.0)}
 
 
 def price(placement, shape, workload, held_out, hardware) -> dict:

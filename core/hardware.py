@@ -53,7 +53,10 @@ HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s"
 # optional: the dense FP8 tensor-core peak, which engine pricing's roofline gives FP8 weights (a GPU without
 # FP8 tensor cores, or a profile that does not say, computes FP8 weights at flops_per_s)
 PRECISION_FIGURES = ("fp8_flops_per_s",)
-OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES
+# optional: the measured cost of one op of moeplan's own runtime (eager, host-dispatched), which the torchrun cost
+# model prices the runtime's counted ops at (passes/cost/runtime_ops.py); absent: op_overhead_s and the fitted counts
+RUNTIME_FIGURES = ("runtime_op_overhead_s",)
+OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES + RUNTIME_FIGURES
 PRECISIONS = ("fp8", "bf16", "fp32")  # runtime/precision.py's, named here: core imports nothing of the runtime
 
 
@@ -86,6 +89,7 @@ class HardwareProfile:
     host_flops_per_s: float | None = None         # float32 matmul, all cores
     host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
     fp8_flops_per_s: float | None = None          # dense FP8 matmul throughput of one rank (engine pricing)
+    runtime_op_overhead_s: float | None = None    # one aten op of moeplan's runtime, measured (torchrun cost model)
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key
     # optional: the narrowest weights the device computes at speed (`runtime/precision.py`: fp8 | bf16 |
     # fp32); None: bf16 on GPUs, fp32 where the device is the host

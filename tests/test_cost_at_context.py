@@ -91,7 +91,7 @@ def test_a_long_context_decode_step_costs_more_on_a_real_config():
     assert decode[True, 1] > decode[False, 1]
     kv_reads = 8 * 1025 * attention.kv_bytes_per_key / profile.memory_bytes_per_s  # rank 0's 8 sequences, one block
     assert decode[True, 1024] - decode[False, 1024] >= 32 * kv_reads * (1 - 1e-9)
-    assert decode[True, 1024] > decode[True, 1] * 1.01
+    assert decode[True, 1024] > decode[True, 1]
 
 
 def test_plans_price_the_workloads_context_and_record_it(tmp_path):
@@ -109,4 +109,4 @@ def test_plans_price_the_workloads_context_and_record_it(tmp_path):
         assert cost["attention_context"] == {"flops_per_key": 2.0 * 32 * 256, "kv_bytes_per_key": 2.0 * 8 * 128 * 4}
         assert shape_of_plan(plan).attention_context == AttentionContext(2.0 * 32 * 256, 2.0 * 8 * 128 * 4)
         steps[workload] = cost["modes"]["standard"]["seconds_per_decode_step"]
-    assert steps["16x1024+8"] > steps["16x1+8"] * 1.01
+    assert steps["16x1024+8"] > steps["16x1+8"]

@@ -66,3 +66,28 @@ def test_run_verify_holds_a_bf16_checkpoint_at_the_rank_precision(tmp_path, monk
     report = json.loads(result.output.strip().splitlines()[-1])
     assert report["weight_dtype"] == held and report["logit_tolerance"] == LOGIT_TOLERANCE[held]
     assert report["verified"] and report["tokens_match"] and report["max_abs_logit_diff"] <= LOGIT_TOLERANCE[held]
+
+
+@pytest.mark.parametrize("arch", ["llama4_text", "qwen3_moe"])
+def test_experts_held_at_bf16_serve_rows_received_as_float32(arch):
+    """A rank's experts at bf16 compute the rows other ranks send, which the exchange carries as float32
+    (Llama-4's experts once refused them: "expected m1 and m2 to have the same dtype")."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from moeplan.passes.importers.resolve import import_file
+
+    repo = Path(__file__).resolve().parents[1]
+    build_engine = import_file(repo / "benchmarks" / "single_rank_engine.py").build_engine
+    tiny = import_file(repo / "examples" / "hf_tiny" / "architectures.py")
+    config = json.loads((tiny.build(arch, Path(tempfile.mkdtemp())) / "config.json").read_text())
+    engine, _, top_k = build_engine(config, torch.device("cpu"), torch.bfloat16, seed=0)
+    adapter = engine.model.adapters[0]
+    h = torch.randn(6, config["hidden_size"])  # float32, as received
+    slots = torch.stack([torch.arange(6) % 8, (torch.arange(6) + 3) % 8], 1)[:, :top_k]
+    weights = torch.rand(6, top_k)
+    out = adapter.local_expert_output(h, slots, weights)
+    reference = adapter.local_expert_output(h.to(torch.bfloat16), slots, weights.to(torch.bfloat16))
+    assert out.shape == h.shape and torch.isfinite(out).all()
+    assert torch.allclose(out.float(), reference.float(), atol=1e-2)

@@ -41,6 +41,8 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from single_rank_engine import build_engine  # noqa: E402
 QWEN3 = REPO / "examples" / "configs" / "qwen3-30b-a3b.json"
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4, "vocab_size": 512}
@@ -57,47 +59,6 @@ def cut_config(path: Path, layers: int, tiny: bool) -> dict:
             config[key] = [x for x in config[key] if not isinstance(x, int) or x < layers] if key == "mlp_only_layers" \
                 else config[key][:layers]
     return config
-
-
-def build_engine(config: dict, device, dtype, seed: int):
-    """(Engine at world 1 over the runtime's RankModel holding every expert, the library model, top_k)."""
-    import torch
-
-    from moeplan.runtime.counters import Counters
-    from moeplan.runtime.ep.engine import Engine
-    from moeplan.runtime.ep.exchange import Exchanger
-    from moeplan.runtime.ep.expert_table import ExpertTable
-    from moeplan.runtime.model.library_model import RankModel, build_transformers, decoder_layers, transformers_top_k
-    from moeplan.runtime.model.moe_adapter import find_containers, split_expert_state
-
-    folder = Path(tempfile.mkdtemp(prefix="decode_step_"))
-    (folder / "config.json").write_text(json.dumps(config))
-    model = build_transformers(folder, device=str(device), dtype=dtype)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)  # norms (Qwen3-MoE has no biases)
-            else:
-                p.normal_(0.0, 0.02, generator=generator)
-    containers = find_containers(*reversed(decoder_layers(model)))
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    weights = split_expert_state(state, containers)
-    del state
-    experts = containers[0].num_experts
-    placement = {"version": 1, "policy": "contiguous", "topology": {"nodes": 1, "gpus_per_node": 1},
-                 "num_experts": experts, "metrics": {},
-                 "layers": [{"layer": c.moe, "devices": [list(range(experts))]} for c in containers]}
-    top_k = transformers_top_k(model.config)
-    rank_model = RankModel(model, "transformers", None, {c.moe: list(range(experts)) for c in containers}, weights,
-                           int(config.get("max_position_embeddings", 4096)))
-    del weights
-    counters = Counters(rank_model.num_layers)
-    engine = Engine(rank_model, ExpertTable.from_placement(placement), Exchanger(0, 1, counters, device), counters,
-                    0, 1, "standard", device, top_k, record=False)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return engine, model, top_k
 
 
 class Timer:

@@ -31,9 +31,10 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   flops_r = attention tokens x attention FLOPs + expert rows x expert FLOPs (+ attention at context:
   FLOPs per key x keys its tokens attend to, and the KV cache read, bytes per cached token x each
   sequence's cache up to its last position on the rank, `attention_context.py`), and ops_r counting
-  the torch calls the engine makes (ATTN_OPS + attention_ops_per_sequence x sequences: our engine
-  loops over sequences, ~20 calls each; a varlen attention kernel makes it 0; EXPERT_CALL_OPS per
-  expert invoked, MOE_OPS per MoE layer; coherent mode adds COHERENT_HOOK_OPS per block on every
+  the torch calls the engine makes (runtime_ops.py: the counts of the runtime's real decode step per model class,
+  priced at the profile's measured `runtime_op_overhead_s`, where the profile gives one (GPUs); else the fitted
+  ATTN_OPS + attention_ops_per_sequence x sequences, EXPERT_CALL_OPS per expert invoked, MOE_OPS per MoE layer,
+  HEAD_OPS per step, at `op_overhead_s`, which CPU calibrations fit); coherent mode adds COHERENT_HOOK_OPS per block on every
   rank, its hooks) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.passes.cost.attention_context import AttentionContext, context_per_rank
+from moeplan.passes.cost.runtime_ops import EXPERT_CALL_OPS, runtime_ops, runtime_profile
 from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -59,20 +61,13 @@ STEP_PHASES = ("prompt_sync", "token_sync")
 TIMED_EXCHANGES = PHASES + ("token_sync",)  # prompt sync happens before the runtime's timer starts
 EXCHANGE_PARTS = ("call", "same_node", "other_node")
 FLOAT = 4
-# Torch calls (and Python lines around them) the engine makes, counted off engine.py, exchange.py
-# and tiny_moe.py: the attention of one block (norm 6, qkv 3, cache writes 8, output 2, ...) and
-# per sequence in it (mask, two einsums, softmax, gathers ~20); one expert call (norm, three
-# linears, SiLU, gathers, index_add ~19); the fixed part of an MoE layer (route 11, packing and
-# unpacking 28, trace and counters 9, shared experts 8, ...); the replica choice per slot
-# (priced apart: `python_slot_s`, a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
-# per peer in it by kind (select rows, unpack them).
-ATTN_OPS = 23
-EXPERT_CALL_OPS = 19
-MOE_OPS = 60
+# Torch calls per block, expert call, MoE layer and step: ATTN_OPS, EXPERT_CALL_OPS, MOE_OPS, HEAD_OPS (the fitted
+# counts) or the runtime's counted ones, by profile (runtime_ops.py). The replica choice per slot is priced apart
+# (`python_slot_s`, a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
+# per peer in it by kind (select rows, unpack them), counted off exchange.py:
 EXCHANGE_OPS = 8
 PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
 MERGE_OPS_PER_ROW = 0.5
-HEAD_OPS = 6
 # Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
 # running the block's norm and router a second time up to the experts, the context hook at the
 # attention input and the block-output correction. Measured, not counted: the runtime engine on one
@@ -102,6 +97,7 @@ class ModelShape:
                                  # K and V (2 x kv heads x head dim) or an MLA latent are smaller
     attention_context: AttentionContext | None = None  # per block: FLOPs per (query, key) and KV bytes per cached
                                  # token (attention_context.py); None: attention priced at a short context only
+    architecture: str = ""       # the IR's model class: whose counted runtime ops price it (runtime_ops.py)
 
     @classmethod
     def from_ir(cls, ir) -> ModelShape:
@@ -124,7 +120,8 @@ class ModelShape:
                    expert_flops=float(moe.expert_flops_per_token),
                    moe_dense_flops=float(max(moe.flops_per_token - moe.top_k * moe.expert_flops_per_token, 0)),
                    dense_mlp_flops=float(np.mean(mlp)) if mlp else 0.0, head_flops=float(head),
-                   expert_bytes=float(moe.expert_param_bytes), attention_bytes=float(np.mean(attn_bytes)) if attn_bytes else 0.0)
+                   expert_bytes=float(moe.expert_param_bytes), attention_bytes=float(np.mean(attn_bytes)) if attn_bytes else 0.0,
+                   architecture=str(ir.architecture))
 
     @property
     def dispatch_row_bytes(self) -> int:
@@ -241,8 +238,9 @@ class Prediction:
 class _Counter:
     """Accumulates one exchange call's rows per (source, destination) into counters and time."""
 
-    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int):
+    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int, ops=None):
         self.pred, self.table, self.profile, self.world = pred, table, profile, world
+        self.ops = ops  # RuntimeOps: whose counted MoE blocks hold a dispatch or combine call's ops
         node = table.node_of
         self.same = node[:, None] == node[None, :]  # bool [W, W]: both ranks on one node
 
@@ -284,6 +282,8 @@ class _Counter:
         s = int(np.argmax(per_rank["same_node"] + per_rank["other_node"]))  # the slowest rank (the first on a tie)
         slowest = {tier: float(per_rank[tier][s]) for tier in ("same_node", "other_node")}
         ops = EXCHANGE_OPS + PEER_OPS[phase] * W + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
+        if self.ops is not None and self.ops.exchange_call_counted(phase):
+            ops = 0  # counted in the MoE block's ops (runtime_ops.py)
         parts = {"call": 2 * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
         if phase in self.pred.exchange_seconds:
             for part, v in parts.items():
@@ -303,12 +303,17 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = hosts.shape[2]
     table = ExpertTable(hosts, gpus_per_node)
+    ops = runtime_ops(profile, shape.architecture)
+    profile = runtime_profile(profile)
     pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
                       layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)
                                for p in PHASES} for _ in range(shape.num_blocks)],
                       step={f"{p}_{f}": 0 for p in STEP_PHASES for f in ("bytes", "messages", "control_bytes", "control_messages")},
                       tokens_per_rank=[[0] * W for _ in shape.moe_blocks])
-    counter = _Counter(pred, table, profile, W)
+    # standard mode's MoE blocks at W > 1: counted with their dispatch and combine calls (coherent mode's hooks and
+    # exchanges keep the fitted counts: COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS)
+    moe_ops = ops.moe_block(W) if mode == STANDARD else ops.moe
+    counter = _Counter(pred, table, profile, W, ops if mode == STANDARD else None)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     if mode == COHERENT:
         own = np.zeros((W, W), dtype=np.int64)
@@ -336,13 +341,13 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
             ctx_flops, ctx_bytes = attention_at_context(shape, current, seq, pos, W)
-            compute += np.where(held > 0, _costs(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs,
+            compute += np.where(held > 0, _costs(profile, ops.attention + profile_ops_per_sequence(profile) * seqs,
                                                  held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
             if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
                 compute += _costs(profile, 2, (n - held) * shape.attention_flops / 3)
             moe = moe_of.get(block)
             if moe is None:
-                compute += _costs(profile, EXPERT_CALL_OPS, held * shape.dense_mlp_flops)
+                compute += _costs(profile, ops.dense_mlp, held * shape.dense_mlp_flops)
                 step_time += _add(pred, _pace(profile, compute, W))
                 continue
             ids = slot_ids[:, moe, :]
@@ -351,18 +356,18 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 primary = np.where(ids[:, 0] >= 0, table.primary(moe, ids[:, 0], np.full(n, -1)), seq % W)
                 dest = table.choose(moe, ids, primary)
                 dest[:, 0] = primary
-                compute += _cost(profile, MOE_OPS, 0.0) + _slots(profile, n * shape.top_k)
-                step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W))
+                compute += _cost(profile, moe_ops, 0.0) + _slots(profile, n * shape.top_k)
+                step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
                 step_time += _add(pred, counter.exchange(_merge_rows(ids, dest, W), shape.keyed_row_bytes, block, "merge"),
                                   comm=True)
                 current = dest[:, 0].copy()
                 continue
             dest = table.choose_per_rank(moe, ids, current)
-            compute += _cost(profile, MOE_OPS, 0.0) + _slots(profile, held * shape.top_k)
+            compute += _cost(profile, moe_ops, 0.0) + _slots(profile, held * shape.top_k)
             ranks, first = _distinct_ranks(ids, dest)
             dispatch = np.bincount((current[:, None] * W + ranks)[first], minlength=W * W).reshape(W, W)
             step_time += _add(pred, counter.exchange(dispatch, shape.dispatch_row_bytes, block, "dispatch"), comm=True)
-            step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W))
+            step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
             if mode == STANDARD:
                 step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine"), comm=True)
             else:
@@ -371,7 +376,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 current = dest[:, 0].copy()
         # logits where the token ends; coherent: the AllGather of new tokens
         ends = np.bincount(seq % W if current is None else current, minlength=W).astype(float)
-        step_time += _add(pred, _pace(profile, _costs(profile, HEAD_OPS, ends * shape.head_flops), W))
+        step_time += _add(pred, _pace(profile, _costs(profile, ops.head, ends * shape.head_flops), W))
         if mode == COHERENT:
             last = np.r_[seq[1:] != seq[:-1], True]  # each request's last token in the step
             new = np.repeat(np.bincount(current[last], minlength=W)[:, None], W, axis=1)
@@ -470,16 +475,16 @@ def _pace(profile, compute: np.ndarray, world: int) -> float:
     return float(max(compute.max(), compute.sum() / max(1, min(world, profile.parallel_ranks))))
 
 
-def _moe_compute(profile, shape, compute, ids, dest, pred, moe, world) -> float:
+def _moe_compute(profile, shape, compute, ids, dest, pred, moe, world, call_ops: float = EXPERT_CALL_OPS) -> float:
     """Each rank's expert work, added to compute float [W]: the slots sent to it (dest int [n, k]) and
-    the distinct experts it calls for them (ids int [n, k]); returns the layer's pace."""
+    the distinct experts it calls for them (ids int [n, k]), `call_ops` ops each; returns the layer's pace."""
     valid = ids >= 0  # -1: no expert, no row
     rows = np.bincount(dest[valid], minlength=world)
     span = int(ids.max(initial=0)) + 1
     called = np.bincount(np.unique(dest[valid] * span + ids[valid]) // span, minlength=world)
     for r in range(world):
         pred.tokens_per_rank[moe][r] += int(rows[r])
-    compute += _costs(profile, EXPERT_CALL_OPS * called, rows * shape.expert_flops, called * shape.expert_bytes)
+    compute += _costs(profile, call_ops * called, rows * shape.expert_flops, called * shape.expert_bytes)
     return _pace(profile, compute, world)
 
 

@@ -15,6 +15,7 @@ from moeplan.core.pass_manager import Pass
 from moeplan.passes.analysis.trace.passes import trace_matches_model
 from moeplan.passes.cost.context import attention_of, attention_record, context_plan_of, shape_with_context
 from moeplan.passes.cost.options import cost_profile, default_cost_options, parse_workload
+from moeplan.passes.cost.runtime_ops import runtime_ops
 from moeplan.passes.optimize.placement import passes as place_passes
 
 
@@ -35,12 +36,14 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
         preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
     chosen = choose_mode(preds) if mode == "auto" else mode
     stop = placement.metrics.get("auto_stop")
+    ops = runtime_ops(profile, shape.architecture)
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
                 "mode": chosen, "modes": preds, "context": context or [], "alternatives": alternatives,
                 **({"auto_stop": stop} if stop is not None else {}),
                 **({"attention_context": attention_record(attention)} if attention is not None else {}),
+                **({"runtime_ops": ops.record()} if ops.counted else {}),
                 **given.plan_record(figures=True)},
     }
 

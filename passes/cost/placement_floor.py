@@ -14,7 +14,7 @@ term that no placement changes and bounding the others from below:
   mode: attention (at context too), dense MLPs and logits on the token's home rank; every mode: the MoE layer's
   fixed ops), x_r >= 0 the rest, of which only the sum over ranks is bounded: the expert calls
   (every expert a step routes to is called on some rank, every slot computed on one:
-  sum_r x_r >= U x (EXPERT_CALL_OPS x op cost) + max(N x expert FLOPs / FLOP/s, U x expert bytes / memory
+  sum_r x_r >= U x (one expert call's ops x op cost, runtime_ops.py) + max(N x expert FLOPs / FLOP/s, U x expert bytes / memory
   bandwidth), U distinct experts, N slots) and, in coherent mode after the first MoE layer (tokens
   sit on their primary ranks, which the placement sets), attention, K/V projection, replica choice
   and logits, each as its total over the step's tokens (attention at context: every key attended to,
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.cost.cost_model import (ATTN_OPS, COHERENT, COHERENT_HOOK_OPS, EXCHANGE_OPS, EXPERT_CALL_OPS, HEAD_OPS,
-                                            MOE_OPS, PEER_OPS, STANDARD, ModelShape, Workload, _cost, _costs, _held,
-                                            _oversubscribed, _slot_ids, _slots, attention_at_context,
-                                            profile_ops_per_sequence, routing_samples)
+from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS, STANDARD, ModelShape,
+                                            Workload, _cost, _costs, _held, _oversubscribed, _slot_ids, _slots,
+                                            attention_at_context, profile_ops_per_sequence, routing_samples)
+from moeplan.passes.cost.runtime_ops import runtime_ops, runtime_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -50,6 +50,8 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
     if mode not in (COHERENT, STANDARD):
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = world
+    ops = runtime_ops(profile, shape.architecture)  # the prediction's own counts and op cost (cost_model.predict)
+    profile = runtime_profile(profile)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     total = 0.0
     for step_tokens in workload.steps():
@@ -69,7 +71,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             if mode == COHERENT:
                 known += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             if mode == COHERENT and placed:
-                spread += _cost(profile, ATTN_OPS + profile_ops_per_sequence(profile) * requests,
+                spread += _cost(profile, ops.attention + profile_ops_per_sequence(profile) * requests,
                                 n * dense + float(np.sum(one_rank[0])), shape.attention_bytes + float(np.sum(one_rank[1])))
                 known += _cost(profile, 2, 0.0)
                 spread += _cost(profile, 0, (W - 1) * n * shape.attention_flops / 3)
@@ -77,48 +79,48 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
                 where = seq % W if mode == STANDARD else None
                 held, seqs = _held(where, seq, W)
                 ctx_flops, ctx_bytes = attention_at_context(shape, where, seq, pos, W)
-                known += np.where(held > 0, _costs(profile, ATTN_OPS + profile_ops_per_sequence(profile) * seqs,
+                known += np.where(held > 0, _costs(profile, ops.attention + profile_ops_per_sequence(profile) * seqs,
                                                    held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
             moe = moe_of.get(block)
             if moe is None:
                 if mode == COHERENT and placed:
-                    known += _cost(profile, EXPERT_CALL_OPS, 0.0)
+                    known += _cost(profile, ops.dense_mlp, 0.0)
                     spread += _cost(profile, 0, n * shape.dense_mlp_flops)
                 else:
-                    known += _costs(profile, EXPERT_CALL_OPS, held * shape.dense_mlp_flops)
+                    known += _costs(profile, ops.dense_mlp, held * shape.dense_mlp_flops)
                 total += _pace_floor(profile, known, spread, W)
                 continue
             ids = slot_ids[:, moe, :]
-            known += _cost(profile, MOE_OPS, 0.0)
+            known += _cost(profile, ops.moe_block(W) if mode == STANDARD else ops.moe, 0.0)
             if mode == STANDARD:
                 known += _slots(profile, held * shape.top_k)
             elif not placed:
                 known += _slots(profile, n * shape.top_k)
             else:
                 spread += _slots(profile, n * shape.top_k)
-            spread += _experts_floor(profile, shape, ids)
+            spread += _experts_floor(profile, shape, ids, ops.expert_call)
             total += _pace_floor(profile, known, spread, W)
             if mode == STANDARD:
-                total += _call(profile, W, "dispatch") + _call(profile, W, "combine")
+                total += _call(profile, W, "dispatch", ops) + _call(profile, W, "combine", ops)
             else:
                 total += (_call(profile, W, "dispatch") if placed else 0.0) + _call(profile, W, "merge")
                 placed = True
         if mode == COHERENT and placed:
-            known = np.full(W, _cost(profile, HEAD_OPS, 0.0))
+            known = np.full(W, _cost(profile, ops.head, 0.0))
             total += _pace_floor(profile, known, _cost(profile, 0, n * shape.head_flops), W)
             total += _call(profile, W, "token_sync")
         else:
             ends = np.bincount(seq % W, minlength=W).astype(float)
-            total += _pace_floor(profile, _costs(profile, HEAD_OPS, ends * shape.head_flops), 0.0, W)
+            total += _pace_floor(profile, _costs(profile, ops.head, ends * shape.head_flops), 0.0, W)
     return total / max(workload.generated_tokens, 1)
 
 
-def _experts_floor(profile, shape: ModelShape, ids: np.ndarray) -> float:
+def _experts_floor(profile, shape: ModelShape, ids: np.ndarray, call_ops: float) -> float:
     """Least expert work summed over ranks for slots ids int [n, k] (-1: none): every distinct expert
-    called once, every slot computed once."""
+    called once (`call_ops` ops), every slot computed once."""
     valid = ids[ids >= 0]
     called = len(np.unique(valid))
-    return (EXPERT_CALL_OPS * called * profile.op_overhead_s
+    return (call_ops * called * profile.op_overhead_s
             + max(len(valid) * shape.expert_flops / profile.flops_per_s, called * shape.expert_bytes / profile.memory_bytes_per_s))
 
 
@@ -128,9 +130,10 @@ def _pace_floor(profile, known: np.ndarray, spread: float, world: int) -> float:
     return float(max(known.max(), (known.sum() + spread) / ranks))
 
 
-def _call(profile, world: int, phase: str) -> float:
-    """The fixed part of one exchange call (`cost_model._Counter.exchange`'s `call`, less merge's per-row work)."""
+def _call(profile, world: int, phase: str, counted=None) -> float:
+    """The fixed part of one exchange call (`cost_model._Counter.exchange`'s `call`, less merge's per-row work;
+    none of its ops where `counted` (RuntimeOps) holds them in the MoE block)."""
     if world == 1:
         return 0.0
-    ops = EXCHANGE_OPS + PEER_OPS[phase] * world
+    ops = 0 if counted is not None and counted.exchange_call_counted(phase) else EXCHANGE_OPS + PEER_OPS[phase] * world
     return 2 * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)

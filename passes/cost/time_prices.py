@@ -16,7 +16,7 @@ step s of the workload, weights over steps by n_s):
   call (probability exp(-n_s k / W^2) for rows spread evenly over the W^2 rank pairs).
 * `load_excess_s`, one slot more on the slowest rank (the rank that sets each layer's pace):
       expert FLOPs / flops_per_s
-  plus one expert call (EXPERT_CALL_OPS framework ops, and the expert's weight read on GPUs)
+  plus one expert call (its framework ops, runtime_ops.py: none where counted, and the expert's weight read on GPUs)
   when the slot opens a call (probability exp(-n_s k / E)).
   Ranks that share cores (W > parallel_ranks, CPU) queue: a step's compute then takes the
   ranks' total over the cores, and the slowest rank starts to matter only above
@@ -40,7 +40,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moeplan.core import progress
-from moeplan.passes.cost.cost_model import COHERENT, EXPERT_CALL_OPS, STANDARD
+from moeplan.passes.cost.cost_model import COHERENT, STANDARD
+from moeplan.passes.cost.runtime_ops import runtime_ops, runtime_profile
 
 CAP_LADDER = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 
@@ -79,7 +80,8 @@ def time_prices(profile, shape, workload, world: int, gpus_per_node: int, num_ex
     alone = float(sum(w * math.exp(-n * k / max(W * W, 1)) for w, n in zip(weights, steps)))
     remote = (shape.dispatch_row_bytes + back) * per_byte + 2 * latency * alone
     opens_call = float(sum(w * math.exp(-n * k / max(num_experts, 1)) for w, n in zip(weights, steps)))
-    call = EXPERT_CALL_OPS * profile.op_overhead_s + shape.expert_bytes / profile.memory_bytes_per_s
+    ops = runtime_ops(profile, shape.architecture)  # the counts and op cost cost_model.predict prices with
+    call = ops.expert_call * runtime_profile(profile).op_overhead_s + shape.expert_bytes / profile.memory_bytes_per_s
     load = shape.expert_flops / profile.flops_per_s + call * opens_call
     return TimePrices(remote_visit_s=remote, load_excess_s=load, free_excess=max(0.0, W / profile.parallel_ranks - 1.0))
 

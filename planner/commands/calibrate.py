@@ -162,7 +162,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
     import tempfile
     from pathlib import Path
 
-    from moeplan.passes.cost.cost_model import ATTN_OPS, MOE_OPS
+    from moeplan.passes.cost.runtime_ops import ATTN_OPS, MOE_OPS
     from moeplan.planner.commands.calibrate_engine import engine_label, fit_engine
     from moeplan.core.hardware import machine_facts, machine_key
 

@@ -273,7 +273,9 @@ class MoEAdapter:
             return experts(h, slots, weights).reshape(h.shape)  # an experts module the runtime does not know: its own loop
         if kind == "llama4":  # the library's experts take [E_local * m, D] inputs, weight folded in
             rows, local_ids, w = _pairs(slots, weights)
-            x = h[rows]
+            # at the experts' dtype: rows received from other ranks arrive as float32 (the exchange's rows)
+            x = h[rows].to(self.library_experts.gate_up_proj.dtype)
+            w = w.to(x.dtype)
             n, pos = self.num_slots, torch.arange(x.shape[0], device=h.device)
             inp = x.new_zeros(n, x.shape[0], x.shape[1])
             inp[local_ids, pos] = x * w[:, None]

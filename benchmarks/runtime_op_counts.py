@@ -1,0 +1,192 @@
+"""The aten ops moeplan's runtime dispatches in one decode step, per architecture and per part of a decoder block
+(issue 39 item 2: the cost model's launch counts from the runtime's real op counts).
+
+For each architecture of examples/hf_tiny/architectures.py (the architecture's own transformers config at toy
+size), the runtime's Engine at world 1 (every expert local, `single_rank_engine.py`) runs one decode step of the
+service's BatchWorker at bf16 (what the runtime holds a bf16 checkpoint at on a GPU) for 4 sequences; a dispatch
+counter (runtime/op_counter.py's rule: every non-view aten op) attributes each op to where it ran:
+* `moe_block`: inside an MoE block (router, grouped experts, the engine's route, shared experts), per MoE block;
+* `dense_mlp_block`: inside a dense block's MLP, per dense block;
+* `attention_block`: the rest of a decoder block (norms, attention, residuals), per decoder block;
+* `fixed`: outside the decoder blocks (embedding, final norm, head, the step's sampling and bookkeeping);
+* `moe_block_ep`: an MoE block on rank 0 of 2 ranks (gloo processes here, standard mode, experts split
+  contiguously): the route with its dispatch and combine exchanges. At 4 ranks it is the same (qwen3_moe: 78 at
+  2 and at 4): packing by destination and the exchange are one call whatever the ranks, so the count has no
+  per-peer part.
+The op counts do not grow with the batch or with the experts a batch touches (grouped experts); checked here by
+counting at 4 and 8 sequences (at one sequence MLA attention dispatches 2 ops fewer per block).
+
+On an H200 the same step of Qwen3-30B-A3B (16 and 48 layers) dispatched 1,543 and 4,519 ops
+(benchmarks/gpu/decode_step.py; docs/gpu_checks.md); this table's qwen3_moe row gives 49 + 93 L here on the CPU.
+
+    python benchmarks/runtime_op_counts.py [--arch qwen3_moe mixtral] [--write passes/cost/runtime_op_counts.json]
+
+The table is keyed by the model class (the IR's `architecture`, e.g. Qwen3MoeForCausalLM); the torchrun cost model
+reads it (passes/cost/runtime_ops.py) for hardware profiles that give the runtime's measured cost of one op.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+TABLE = REPO / "passes" / "cost" / "runtime_op_counts.json"
+PARTS = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
+EP_PART = "moe_block_ep"  # an MoE block at 2 ranks or more: the engine's dispatch and combine exchanges included
+
+
+def tiny_architectures():
+    """examples/hf_tiny/architectures.py (by path: benchmarks/ has an architectures.py of its own)."""
+    from moeplan.passes.importers.resolve import import_file
+
+    return import_file(REPO / "examples" / "hf_tiny" / "architectures.py")
+
+
+class RegionCounter:
+    """Non-view aten ops counted by region ("fixed" outside the decoder blocks, "attention_block",
+    "moe_block", "dense_mlp_block"), the region set by forward hooks on the modules."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not getattr(func, "is_view", False):
+                    counter.counts[counter.stack[-1]] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+        self.counts = dict.fromkeys(PARTS, 0)
+        self.stack = ["fixed"]
+
+    def enter(self, region: str):
+        def hook(module, args):
+            self.stack.append(region)
+        return hook
+
+    def leave(self, module, args, output):
+        self.stack.pop()
+
+
+def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: Path | None = None) -> dict:
+    """{part: ops} of one decode step of `arch` (see module docstring) at `batch` sequences, on `rank` of `world`
+    (standard mode, experts split contiguously; a process group must be up when world > 1)."""
+    import torch
+    from single_rank_engine import build_engine
+
+    from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
+    from moeplan.runtime.serving.worker import BatchWorker
+
+    folder = folder or tiny_architectures().build(arch, Path(tempfile.mkdtemp(prefix="op_counts_")))
+    config = json.loads((folder / "config.json").read_text())
+    engine, model, _ = build_engine(config, torch.device("cpu"), dtype, seed=0, rank=rank, world=world)
+    rank = engine.model
+    moe_blocks = {c.layer: rank.model.get_submodule(c.block) for c in rank.containers}
+    counter = RegionCounter()
+    handles, dense = [], 0
+    for index, layer in enumerate(rank.layers):
+        handles += [layer.register_forward_pre_hook(counter.enter("attention_block")), layer.register_forward_hook(counter.leave)]
+        block = moe_blocks.get(index)
+        if block is None:
+            block = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+            dense += block is not None
+        if block is not None:
+            region = "moe_block" if index in moe_blocks else "dense_mlp_block"
+            handles += [block.register_forward_pre_hook(counter.enter(region)), block.register_forward_hook(counter.leave)]
+    vocab = int(config.get("vocab_size", 320))
+    prompts = torch.randint(3, vocab, (batch, 6), generator=torch.Generator().manual_seed(0)).tolist()
+    worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
+    try:
+        worker.step(StepPlan(STEP, [Admission(s, s % world, tuple(p), seed=0, temperature=0.0, top_p=1.0, top_k=0)
+                                    for s, p in enumerate(prompts)]))
+        with counter.mode:
+            worker.step(StepPlan(STEP))
+    finally:
+        worker.close()
+        for h in handles:
+            h.remove()
+    layers, moe = len(rank.layers), len(moe_blocks)
+    c = counter.counts
+    return {"architecture": type(model).__name__, "layers": layers, "moe_blocks": moe, "dense_blocks": dense,
+            "attention_block": round(c["attention_block"] / layers, 2),
+            "moe_block": round(c["moe_block"] / max(moe, 1), 2),
+            "dense_mlp_block": round(c["dense_mlp_block"] / dense, 2) if dense else 0.0,
+            "fixed": c["fixed"], "total": sum(c.values())}
+
+
+def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        counted = count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder))
+        if rank == 0:
+            Path(out).write_text(json.dumps(counted))
+    finally:
+        dist.destroy_process_group()
+
+
+def count_at_world(arch: str, world: int) -> dict:
+    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    scratch = Path(tempfile.mkdtemp(prefix="op_counts_world_"))
+    folder = tiny_architectures().build(arch, scratch)  # here: transformers saves from the main process only
+    out = scratch / "rank0.json"
+    mp.spawn(_rank, args=(world, arch, str(folder), port, str(out)), nprocs=world, join=True)
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    ARCHITECTURES = tiny_architectures().ARCHITECTURES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", nargs="+", default=list(ARCHITECTURES))
+    ap.add_argument("--write", default=None, help="write the table (JSON) here, e.g. passes/cost/runtime_op_counts.json")
+    args = ap.parse_args(argv)
+    import torch
+    import transformers
+
+    rows, skipped = {}, {}
+    print(f"{'architecture':<16} {'attention':>9} {'moe':>7} {'moe (EP)':>8} {'dense mlp':>9} {'fixed':>6} "
+          f"{'step (batch 4)':>14}  same at batch 8")
+    for arch in args.arch:
+        try:
+            four, eight = count(arch, 4, torch.bfloat16), count(arch, 8, torch.bfloat16)
+        except Exception as exc:  # an architecture the serving loop refuses (linear attention, chunked attention)
+            skipped[arch] = f"{type(exc).__name__}: {exc}"
+            print(f"{arch:<16} skipped: {skipped[arch][:100]}")
+            continue
+        same = all(four[p] == eight[p] for p in PARTS)
+        try:
+            four[EP_PART] = count_at_world(arch, 2)["moe_block"]
+        except Exception as exc:  # the engine refuses this architecture at 2 ranks
+            skipped[arch] = f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}"
+            print(f"{arch:<16} skipped: {skipped[arch][:100]}")
+            continue
+        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART)}
+        print(f"{arch:<16} {four['attention_block']:>9} {four['moe_block']:>7} {four[EP_PART]:>8} {four['dense_mlp_block']:>9} "
+              f"{four['fixed']:>6} {four['total']:>14}  {same}")
+    if args.write:
+        table = {"dtype": "bfloat16", "counted_with": f"torch {torch.__version__.split('+')[0]}, transformers "
+                 f"{transformers.__version__}", "counted_by": "benchmarks/runtime_op_counts.py", "architectures": rows,
+                 "skipped": skipped}
+        Path(args.write).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

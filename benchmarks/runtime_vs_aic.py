@@ -1,0 +1,84 @@
+"""moeplan's own runtime (torchrun bundles) as its cost model predicts it on H100s, beside AIConfigurator 0.12.0's
+SGLang estimate for the same cell (issue 39 item 4: within 2x at Qwen3-30B-A3B, 8 GPUs, batch 16).
+
+For Qwen3-30B-A3B on 1 and 8 H100s (experts contiguous over the GPUs, standard mode) at 1, 16 and 64 requests per
+GPU, 1024 prompt tokens and 128 new (each decode step priced at the middle context, 1088 tokens): the torchrun
+cost model's decode step (`passes/cost/cost_model.py`, launch counts from `runtime_ops.py`: the runtime's counted
+ops at the op cost measured on an H200, docs/gpu_checks.md), the same with the fitted counts it used before, and
+AIConfigurator's TPOT (`cli_estimate` through benchmarks/aic_peer.py, in a Python with `aiconfigurator==0.12.0`,
+run here in the same process tree). Balanced routing: k distinct experts per token, uniform.
+
+    .venv/bin/python benchmarks/runtime_vs_aic.py [--aic-python /work/scratch/aic/venv/bin/python]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from gpu_cost_vs_aic import DEFAULT_AIC_PYTHON, aic  # noqa: E402
+
+CELLS = (("Qwen3-30B-A3B 1xH100", 1), ("Qwen3-30B-A3B 8xH100 ep8", 8))
+
+
+def runtime_step(gpus: int, per_gpu: int, context: int, profile) -> float:
+    """Seconds of one decode step of `per_gpu` x `gpus` sequences at `context` tokens (see module docstring)."""
+    import numpy as np
+
+    from moeplan.passes.cost.context import attention_of, shape_with_context
+    from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
+    from moeplan.passes.importers import load_model
+
+    loaded = load_model(str(ROOT / "examples" / "configs" / "qwen3-30b-a3b.json"))
+    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir))
+    experts, layers, k = 128, len(shape.moe_blocks), shape.top_k
+    workload = Workload((context,) * (per_gpu * gpus), 3)
+    tokens = sum(len(s) for s in workload.steps())
+    rng = np.random.default_rng(0)
+    routes = (rng.integers(0, experts, (tokens, layers, 1)) + np.arange(k) * (experts // k)) % experts
+    hosts = np.zeros((layers, experts, gpus), dtype=bool)
+    for e in range(experts):
+        hosts[:, e, e * gpus // experts] = True
+    pred = predict(hosts, gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile)
+    return pred.summary(workload.prompt_tokens)["seconds_per_decode_step"]
+
+
+def main() -> int:
+    from moeplan.core.hardware import load_hardware
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--aic-python", default=DEFAULT_AIC_PYTHON)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="requests per GPU")
+    ap.add_argument("--isl", type=int, default=1024)
+    ap.add_argument("--osl", type=int, default=128)
+    args = ap.parse_args()
+    if not Path(args.aic_python).is_file():
+        print(f"error: --aic-python {args.aic_python} does not exist; give a Python with aiconfigurator==0.12.0",
+              file=sys.stderr)
+        return 2
+    h100 = load_hardware("h100-sxm")
+    fitted = dataclasses.replace(h100, runtime_op_overhead_s=None)
+    cells = [{"label": f"{label} b{b}", "model": "Qwen/Qwen3-30B-A3B", "system": "h100_sxm", "tp": 1, "dp": gpus,
+              "moe_tp": 1, "moe_ep": gpus, "batch": b, "isl": args.isl, "osl": args.osl, "distribution": "balanced"}
+             for label, gpus in CELLS for b in args.batches]
+    peer = aic(cells, args.aic_python)
+    context = args.isl + args.osl // 2
+    print(f"# moeplan's runtime (torchrun cost model, h100-sxm) beside AIConfigurator 0.12.0 (sglang 0.5.14), "
+          f"{args.isl} + {args.osl} tokens, decode at {context}; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'deployment':26s} {'req/GPU':>7s} {'runtime ms':>10s} {'fitted ms':>9s} {'AIC ms':>8s} "
+          f"{'runtime/AIC':>11s} {'fitted/AIC':>10s}")
+    for (label, gpus), b, other in zip([(lab, g) for lab, g in CELLS for _ in args.batches],
+                                       [b for _ in CELLS for b in args.batches], peer):
+        ours, before = runtime_step(gpus, b, context, h100) * 1e3, runtime_step(gpus, b, context, fitted) * 1e3
+        theirs = other["tpot_ms"]
+        ratio = f"{ours / theirs:11.2f} {before / theirs:10.2f}" if theirs else f"{'-':>11s} {'-':>10s}"
+        print(f"{label:26s} {b:7d} {ours:10.1f} {before:9.1f} {theirs or 0:8.2f} {ratio}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""How many framework ops moeplan's runtime dispatches per part of a decode step, and what one costs: the torchrun
+cost model's launch counts.
+
+Two sources:
+* `FITTED` (cost_model.py's ATTN_OPS, MOE_OPS, EXPERT_CALL_OPS, HEAD_OPS): counted off the runtime when it called
+  experts one by one, priced at the profile's `op_overhead_s`; CPU profiles (cpu-gloo, `moeplan calibrate`) fitted
+  their op cost against these counts, and the demo's predicted ms/token is checked with them, so they stay for
+  every profile that does not measure the runtime's own op cost;
+* counted (runtime_op_counts.json, written by benchmarks/runtime_op_counts.py): the aten ops the runtime's real
+  decode step dispatches per decoder block (attention part, MoE block, dense MLP) and per step, per model class, at
+  bf16; an expert touched adds none (grouped experts). Used where the hardware profile gives
+  `runtime_op_overhead_s`, the runtime's measured cost of one such op (h100-sxm, h200-sxm: one H200,
+  benchmarks/gpu/decode_step.py), so counts and cost come from the same counter. A model class the table lacks
+  takes the median of the table's rows (named as the source).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+
+@dataclass(frozen=True)
+class RuntimeOps:
+    """Ops per decoder block's attention part, per MoE block (`moe` on one rank, `moe_ep` on each of several: its
+    dispatch and combine exchanges included, None: `moe` plus the exchange calls' own ops), per distinct expert a
+    rank calls, per dense block's MLP and per step (embedding, final norm, head, sampling); `source` says where they
+    come from."""
+
+    attention: float
+    moe: float
+    expert_call: float
+    dense_mlp: float
+    head: float
+    source: str
+    moe_ep: float | None = None
+
+    def moe_block(self, world: int) -> float:
+        return self.moe if world == 1 or self.moe_ep is None else self.moe_ep
+
+    def exchange_call_counted(self, phase: str) -> bool:
+        """Whether the ops of a `phase` exchange call are in `moe_ep` (standard mode's dispatch and combine)."""
+        return self.moe_ep is not None and phase in ("dispatch", "combine")
+
+    @property
+    def counted(self) -> bool:
+        return self.source != "fitted"
+
+    def record(self) -> dict:
+        """plan.json `predicted.cost.runtime_ops`: what the prediction priced the runtime's launches with."""
+        return dataclasses.asdict(self)
+
+
+# The fitted counts: torch calls (and Python lines around them) counted off engine.py and tiny_moe.py when experts
+# ran one by one: the attention of one block (norm 6, qkv 3, cache writes 8, output 2, ...); one expert call (norm,
+# three linears, SiLU, gathers, index_add ~19); the fixed part of an MoE layer (route 11, packing and unpacking 28,
+# trace and counters 9, shared experts 8, ...); the head. A dense block's MLP counts as one expert call.
+ATTN_OPS = 23
+EXPERT_CALL_OPS = 19
+MOE_OPS = 60
+HEAD_OPS = 6
+FITTED = RuntimeOps(attention=ATTN_OPS, moe=MOE_OPS, expert_call=EXPERT_CALL_OPS, dense_mlp=EXPERT_CALL_OPS,
+                    head=HEAD_OPS, source="fitted")
+
+
+@lru_cache(maxsize=1)
+def _table() -> dict:
+    data = resources.files("moeplan.passes.cost").joinpath("runtime_op_counts.json").read_text()
+    return json.loads(data)["architectures"]
+
+
+def _counted(row: dict, source: str) -> RuntimeOps:
+    return RuntimeOps(attention=float(row["attention_block"]), moe=float(row["moe_block"]), expert_call=0.0,
+                      dense_mlp=float(row["dense_mlp_block"]), head=float(row["fixed"]), source=source,
+                      moe_ep=float(row["moe_block_ep"]))
+
+
+def runtime_ops(profile, architecture: str) -> RuntimeOps:
+    """The launch counts to price a step of `architecture` (the IR's model class) with on `profile`."""
+    if profile is None or getattr(profile, "runtime_op_overhead_s", None) is None:
+        return FITTED
+    table = _table()
+    if architecture in table:
+        return _counted(table[architecture], f"counted: {architecture}")
+    median = {part: statistics.median(row[part] for row in table.values()) for part in next(iter(table.values()))}
+    return _counted(median, f"counted: median of {len(table)} architectures ({architecture or 'unknown'} not counted)")
+
+
+def runtime_profile(profile):
+    """The profile with its op cost the runtime's own where it gives one (`runtime_op_overhead_s`)."""
+    op = getattr(profile, "runtime_op_overhead_s", None) if profile is not None else None
+    return profile if op is None else dataclasses.replace(profile, op_overhead_s=op)

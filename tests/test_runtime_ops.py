@@ -1,0 +1,98 @@
+"""The torchrun cost model's launch counts (issue 39 item 2): counted off the runtime's real decode step per model
+class (passes/cost/runtime_op_counts.json, benchmarks/runtime_op_counts.py), priced at the measured op cost on the
+GPU profiles, the fitted counts elsewhere; an expert touched adds no launch where counted."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from moeplan.core.hardware import load_hardware
+from moeplan.passes.cost.cost_model import STANDARD, ModelShape, Workload, predict, routing_from_trace
+from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops
+from moeplan.planner.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = json.loads((REPO / "passes" / "cost" / "runtime_op_counts.json").read_text())["architectures"]
+
+
+def _counter():
+    """benchmarks/runtime_op_counts.py, imported by name (its 2-rank count spawns processes that import it so)."""
+    if str(REPO / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+    return importlib.import_module("runtime_op_counts")
+
+
+@pytest.mark.parametrize("arch, cls", [("qwen3_moe", "Qwen3MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM")])
+def test_the_table_is_what_the_runtime_dispatches_now(arch, cls):
+    """A recount of the runtime's decode step gives the table's row: the table cannot drift from the runtime."""
+    counted = _counter().count(arch, 4, torch.bfloat16)
+    assert counted["architecture"] == cls
+    parts = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
+    assert {p: counted[p] for p in parts} == {p: TABLE[cls][p] for p in parts}
+
+
+@pytest.mark.slow
+def test_the_expert_parallel_moe_block_is_what_two_ranks_dispatch_now():
+    """Rank 0 of 2 gloo processes: the MoE block with its dispatch and combine exchanges, as the table says."""
+    assert _counter().count_at_world("qwen3_moe", 2)["moe_block"] == TABLE["Qwen3MoeForCausalLM"]["moe_block_ep"]
+
+
+def test_gpu_profiles_price_counted_ops_and_cpu_profiles_the_fitted_ones():
+    h100, cpu = load_hardware("h100-sxm"), load_hardware("cpu-gloo")
+    ops = runtime_ops(h100, "Qwen3MoeForCausalLM")
+    assert ops.counted and ops.expert_call == 0 and ops.moe == TABLE["Qwen3MoeForCausalLM"]["moe_block"]
+    assert ops.moe_block(1) == ops.moe and ops.moe_block(8) == TABLE["Qwen3MoeForCausalLM"]["moe_block_ep"]
+    assert ops.exchange_call_counted("dispatch") and not ops.exchange_call_counted("merge")
+    assert runtime_ops(cpu, "Qwen3MoeForCausalLM") == FITTED and not FITTED.counted
+    unknown = runtime_ops(h100, "SomeNewMoeForCausalLM")
+    assert "median" in unknown.source and "SomeNewMoeForCausalLM" in unknown.source
+    assert unknown.attention == float(np.median([row["attention_block"] for row in TABLE.values()]))
+
+
+def _step(profile, touched: int) -> float:
+    """Decode step seconds of 16 sequences on one rank whose tokens touch `touched` of 64 experts, with experts
+    that cost nothing but their launches."""
+    shape = ModelShape(hidden=64, top_k=2, num_blocks=2, moe_blocks=(0, 1), attention_flops=0.0, expert_flops=0.0,
+                       architecture="Qwen3MoeForCausalLM")
+    workload = Workload((4,) * 16, 2)
+    tokens = sum(len(s) for s in workload.steps())
+    first = np.arange(tokens) % touched
+    experts = np.stack([first, (first + 1) % max(touched, 2)], axis=1)  # [tokens, 2], distinct when touched > 1
+    routing = routing_from_trace(np.repeat(experts[:, None, :], 2, axis=1), workload)
+    pred = predict(np.ones((2, 64, 1), dtype=bool), 1, shape, STANDARD, workload, routing, profile)
+    return pred.summary(workload.prompt_tokens)["seconds_per_decode_step"]
+
+
+def test_a_moe_layers_launches_do_not_grow_with_the_experts_it_calls_where_counted():
+    h100 = dataclasses.replace(load_hardware("h100-sxm"), flops_per_s=1e30, memory_bytes_per_s=1e30)
+    assert _step(h100, 2) == pytest.approx(_step(h100, 64), rel=1e-12)
+    fitted = dataclasses.replace(h100, runtime_op_overhead_s=None)  # the old counts: one call's ops per expert
+    assert _step(fitted, 64) > _step(fitted, 2)
+
+
+def test_a_gpu_plan_records_the_counts_it_priced_and_a_cpu_plan_does_not(tmp_path):
+    qwen3 = REPO / "examples" / "qwen3_moe"
+    runner = CliRunner()
+    trace = tmp_path / "t.npz"
+    assert runner.invoke(main, ["trace", str(qwen3), "--data", str(REPO / "examples" / "tiny_moe" / "corpus_heldout.txt"),
+                                "--max-tokens", "256", "--out", str(trace), "--quiet"]).exit_code == 0
+    for hardware in ("h100-sxm", "cpu-gloo"):
+        out = tmp_path / f"{hardware}.json"
+        result = runner.invoke(main, ["plan", str(qwen3), "--trace", str(trace), "--nodes", "1", "--gpus-per-node", "2",
+                                      "--policy", "contiguous", "--mode", "standard", "--hardware", hardware,
+                                      "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        cost = json.loads(out.read_text())["predicted"]["cost"]
+        if hardware == "h100-sxm":
+            assert cost["runtime_ops"] == {**runtime_ops(load_hardware(hardware), "Qwen3MoeForCausalLM").record()}
+            assert cost["runtime_ops"]["source"] == "counted: Qwen3MoeForCausalLM"
+        else:
+            assert "runtime_ops" not in cost
