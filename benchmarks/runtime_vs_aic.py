@@ -34,7 +34,7 @@ def runtime_step(gpus: int, per_gpu: int, context: int, profile) -> float:
     from moeplan.passes.importers import load_model
 
     loaded = load_model(str(ROOT / "examples" / "configs" / "qwen3-30b-a3b.json"))
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir))
+    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile))
     experts, layers, k = 128, len(shape.moe_blocks), shape.top_k
     workload = Workload((context,) * (per_gpu * gpus), 3)
     tokens = sum(len(s) for s in workload.steps())

@@ -106,7 +106,19 @@ def test_plans_price_the_workloads_context_and_record_it(tmp_path):
         assert result.exit_code == 0, result.output
         plan = json.loads(out.read_text())
         cost = plan["predicted"]["cost"]
-        assert cost["attention_context"] == {"flops_per_key": 2.0 * 32 * 256, "kv_bytes_per_key": 2.0 * 8 * 128 * 4}
-        assert shape_of_plan(plan).attention_context == AttentionContext(2.0 * 32 * 256, 2.0 * 8 * 128 * 4)
+        # K and V of 8 KV heads of 128 at bf16: the runtime holds Mixtral's bf16 checkpoint at bf16 on an H100
+        assert cost["attention_context"] == {"flops_per_key": 2.0 * 32 * 256, "kv_bytes_per_key": 2.0 * 8 * 128 * 2}
+        assert shape_of_plan(plan).attention_context == AttentionContext(2.0 * 32 * 256, 2.0 * 8 * 128 * 2)
         steps[workload] = cost["modes"]["standard"]["seconds_per_decode_step"]
     assert steps["16x1024+8"] > steps["16x1+8"]
+
+
+def test_the_kv_cache_is_priced_at_the_dtype_the_runtime_holds_on_the_plans_hardware():
+    """Mixtral-8x7B (bf16): its KV at bf16 on GPU profiles, at float32 where the device is this CPU."""
+    from moeplan.passes.importers import load_model
+
+    loaded = load_model(str(MIXTRAL))
+    per_key = {name: attention_of(loaded.module, loaded.ir, load_hardware(name)).kv_bytes_per_key
+               for name in ("h100-sxm", "a100-sxm", "cpu-gloo")}
+    assert per_key == {"h100-sxm": 2.0 * 8 * 128 * 2, "a100-sxm": 2.0 * 8 * 128 * 2, "cpu-gloo": 2.0 * 8 * 128 * 4}
+    assert attention_of(loaded.module, loaded.ir).kv_bytes_per_key == per_key["cpu-gloo"]  # no profile: float32

@@ -212,7 +212,8 @@ def predicted_step(config: dict, profile_name: str, batch: int, context: int, to
     folder = Path(tempfile.mkdtemp(prefix="decode_step_ir_"))
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_model(str(folder / "config.json"))
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir))
+    profile = load_hardware(profile_name)
+    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile))
     experts, layers = int(config["num_experts"]), len(shape.moe_blocks)
     workload = Workload((context,) * batch, 3)
     tokens = sum(len(s) for s in workload.steps())
@@ -220,7 +221,7 @@ def predicted_step(config: dict, profile_name: str, batch: int, context: int, to
     routes = (rng.integers(0, experts, (tokens, layers, 1)) + np.arange(top_k) * (experts // top_k)) % experts
     routing = routing_from_trace(routes, workload)
     hosts = np.ones((layers, experts, 1), dtype=bool)
-    pred = predict(hosts, 1, shape, STANDARD, workload, routing, load_hardware(profile_name))
+    pred = predict(hosts, 1, shape, STANDARD, workload, routing, profile)
     return float(pred.summary(workload.prompt_tokens)["seconds_per_decode_step"])
 
 

@@ -33,9 +33,10 @@ class AttentionContext:
     kv_bytes_per_key: float
 
 
-def runtime_attention_context(config, ir) -> AttentionContext:
+def runtime_attention_context(config, ir, kv_dtype: str = "float32") -> AttentionContext:
     """The model's attention at context as the runtime runs it (`config`: the library's config object,
-    None for models without one: then heads x head dim = hidden)."""
+    None for models without one: then heads x head dim = hidden), its KV cache held at `kv_dtype` (the dtype the
+    runtime holds the model's dense weights at on the plan's hardware, `runtime/precision.py`)."""
     from moeplan.passes.cost.capacity import runtime_kv_bytes_per_token
 
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -50,7 +51,7 @@ def runtime_attention_context(config, ir) -> AttentionContext:
         heads, qk_dim, v_dim = 1, ir.hidden_size, ir.hidden_size
     blocks = sum(1 for s in ir.stages if getattr(s, "kind", "") == "attention") or len(ir.moe_stages)
     return AttentionContext(flops_per_key=2.0 * heads * (qk_dim + v_dim),
-                            kv_bytes_per_key=runtime_kv_bytes_per_token(config, ir) / blocks)
+                            kv_bytes_per_key=runtime_kv_bytes_per_token(config, ir, kv_dtype) / blocks)
 
 
 def context_cost(ctx: AttentionContext, tokens) -> tuple:

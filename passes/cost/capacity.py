@@ -45,7 +45,7 @@ def held_weights(ir, profile) -> dict:
 
 def runtime_kv_bytes_per_token(config, ir, dtype: str = "float32") -> int:
     """KV-cache bytes one token adds on a rank that holds its context, at the runtime's `dtype`
-    (`held_weights(...)["dtypes"]["dense"]`; the cost model's attention at context still prices float32)."""
+    (`held_weights(...)["dtypes"]["dense"]`; the cost model's attention at context prices the same, `context.attention_of`)."""
     from moeplan.passes.optimize.offload.cache_plan import kv_bytes_per_token
     from moeplan.core.ir import dtype_bytes
     from moeplan.runtime.precision import ITEMSIZE

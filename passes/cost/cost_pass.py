@@ -73,17 +73,17 @@ def placement_or_auto(facts):
     topo = facts["topology"]
     request = PlacementRequest(topology=Topology(topo["nodes"], topo["gpus_per_node"]),
                                **{k: v for k, v in options.items() if k != "policy"})
-    model = facts["model"]
-    return {"placement": auto_placement(model.ir, facts["trace"], request, facts["mode"],
-                                        default_cost_options(facts.get("cost_options")),
-                                        context_plan_of(model.module), attention_of(model.module, model.ir))}
+    model, cost_options = facts["model"], default_cost_options(facts.get("cost_options"))
+    profile = cost_profile(cost_options, topo["nodes"]).profile
+    return {"placement": auto_placement(model.ir, facts["trace"], request, facts["mode"], cost_options,
+                                        context_plan_of(model.module), attention_of(model.module, model.ir, profile))}
 
 
 def _cost(facts):
-    model = facts["model"]
-    return {"cost": cost_fact(model.ir, facts["trace"], facts["placement"], facts["mode"],
-                              default_cost_options(facts.get("cost_options")), context_plan_of(model.module),
-                              attention_of(model.module, model.ir))}
+    model, cost_options = facts["model"], default_cost_options(facts.get("cost_options"))
+    profile = cost_profile(cost_options, facts["placement"].topology.nodes).profile
+    return {"cost": cost_fact(model.ir, facts["trace"], facts["placement"], facts["mode"], cost_options,
+                              context_plan_of(model.module), attention_of(model.module, model.ir, profile))}
 
 
 COST = Pass("cost", ("model", "trace", "placement", "mode", "cost_options"), ("cost",), _cost)
