@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
@@ -21,30 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_cost_vs_aic import DEFAULT_AIC_PYTHON, aic  # noqa: E402
+from runtime_prediction import predicted_decode_step  # noqa: E402
 
 CELLS = (("Qwen3-30B-A3B 1xH100", 1), ("Qwen3-30B-A3B 8xH100 ep8", 8))
 
 
 def runtime_step(gpus: int, per_gpu: int, context: int, profile) -> float:
     """Seconds of one decode step of `per_gpu` x `gpus` sequences at `context` tokens (see module docstring)."""
-    import numpy as np
-
-    from moeplan.passes.cost.context import attention_of, shape_with_context
-    from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
-    from moeplan.passes.importers import load_model
-
-    loaded = load_model(str(ROOT / "examples" / "configs" / "qwen3-30b-a3b.json"))
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile))
-    experts, layers, k = 128, len(shape.moe_blocks), shape.top_k
-    workload = Workload((context,) * (per_gpu * gpus), 3)
-    tokens = sum(len(s) for s in workload.steps())
-    rng = np.random.default_rng(0)
-    routes = (rng.integers(0, experts, (tokens, layers, 1)) + np.arange(k) * (experts // k)) % experts
-    hosts = np.zeros((layers, experts, gpus), dtype=bool)
-    for e in range(experts):
-        hosts[:, e, e * gpus // experts] = True
-    pred = predict(hosts, gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile)
-    return pred.summary(workload.prompt_tokens)["seconds_per_decode_step"]
+    config = json.loads((ROOT / "examples" / "configs" / "qwen3-30b-a3b.json").read_text())
+    return predicted_decode_step(config, profile, per_gpu * gpus, context, gpus)
 
 
 def main() -> int:

@@ -35,13 +35,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
+from runtime_prediction import predicted_decode_step  # noqa: E402
 from single_rank_engine import build_engine  # noqa: E402
 QWEN3 = REPO / "examples" / "configs" / "qwen3-30b-a3b.json"
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
@@ -199,34 +199,10 @@ def _restore(cache, ids, pos, saved: list) -> None:
         t.copy_(s)
 
 
-def predicted_step(config: dict, profile_name: str, batch: int, context: int, top_k: int, seed: int) -> float:
-    """The torchrun cost model's decode step (seconds) for this model on one GPU of `profile_name`: B sequences
-    at `context` tokens, uniform random routing (the random weights' routing is near uniform)."""
-    import numpy as np
-
+def predicted_cell(config: dict, profile_name: str, batch: int, context: int, seed: int) -> dict:
     from moeplan.core.hardware import load_hardware
-    from moeplan.passes.cost.context import attention_of, shape_with_context
-    from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
-    from moeplan.passes.importers import load_model
 
-    folder = Path(tempfile.mkdtemp(prefix="decode_step_ir_"))
-    (folder / "config.json").write_text(json.dumps(config))
-    loaded = load_model(str(folder / "config.json"))
-    profile = load_hardware(profile_name)
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile))
-    experts, layers = int(config["num_experts"]), len(shape.moe_blocks)
-    workload = Workload((context,) * batch, 3)
-    tokens = sum(len(s) for s in workload.steps())
-    rng = np.random.default_rng(seed)  # k distinct experts per token and layer, each uniform over the E
-    routes = (rng.integers(0, experts, (tokens, layers, 1)) + np.arange(top_k) * (experts // top_k)) % experts
-    routing = routing_from_trace(routes, workload)
-    hosts = np.ones((layers, experts, 1), dtype=bool)
-    pred = predict(hosts, 1, shape, STANDARD, workload, routing, profile)
-    return float(pred.summary(workload.prompt_tokens)["seconds_per_decode_step"])
-
-
-def predicted_cell(*args) -> dict:
-    return {"predicted_step_s": predicted_step(*args)}
+    return {"predicted_step_s": predicted_decode_step(config, load_hardware(profile_name), batch, context, seed=seed)}
 
 
 def reprice(paths: list) -> int:
@@ -236,9 +212,8 @@ def reprice(paths: list) -> int:
     for path in paths:
         report = json.loads(Path(path).read_text())
         config = cut_config(REPO / "examples" / "configs" / report["config"], report["layers"], tiny=False)
-        top_k = int(config["num_experts_per_tok"])
         for cell in report["cells"]:
-            predicted = predicted_step(config, report["profile"], cell["batch"], report["context"], top_k, 0)
+            predicted = predicted_cell(config, report["profile"], cell["batch"], report["context"], 0)["predicted_step_s"]
             graph = cell.get("graph_step_s")
             print(f"{Path(path).name[:44]:<44} {cell['batch']:>5} {cell['step_s'] * 1e3:>10.2f} "
                   f"{(graph or 0) * 1e3:>9.2f} {predicted * 1e3:>12.2f} {cell['step_s'] / predicted:>12.2f} "
@@ -279,7 +254,7 @@ def main(argv=None) -> int:
               "layers": args.layers, "context": args.context, "dtype": str(dtype).replace("torch.", ""),
               "device_precision": device_precision(device), "load_average": os.getloadavg()[0], "cells": []}
     built = time.perf_counter()
-    engine, model, top_k = build_engine(config, device, dtype, args.seed)
+    engine, model, _ = build_engine(config, device, dtype, args.seed)
     report["build_s"] = time.perf_counter() - built
     if cuda:
         report["weights_gib"] = torch.cuda.memory_allocated(device) / 2**30
@@ -289,7 +264,7 @@ def main(argv=None) -> int:
         cell = {"batch": batch}
         parts = (("runtime", runtime_step, (engine, batch, args.context, args.steps, vocab, timer, args.seed)),
                  ("static", static_steps, (engine, model, batch, args.context, args.steps, vocab, timer, args.seed, cuda)),
-                 ("predicted", predicted_cell, (config, profile, batch, args.context, top_k, args.seed)))
+                 ("predicted", predicted_cell, (config, profile, batch, args.context, args.seed)))
         for part, fn, fn_args in parts:
             try:
                 cell.update(fn(*fn_args))

@@ -39,11 +39,9 @@ def shape_with_context(ir, context: list, attention: AttentionContext | None = N
 def attention_of(module, ir, profile=None) -> AttentionContext:
     """The model's attention at context as the runtime runs it, from its library config (none: the IR's), with
     its KV cache at the dtype the runtime holds the model at on `profile` (None: float32)."""
-    kv_dtype = "float32"
-    if profile is not None:
-        from moeplan.runtime.precision import model_weight_bytes
+    from moeplan.passes.cost.capacity import held_weights
 
-        kv_dtype = model_weight_bytes(ir, not profile.device_is_host, profile.precision)["dtypes"]["dense"]
+    kv_dtype = held_weights(ir, profile)["dtypes"]["dense"] if profile is not None else "float32"
     return runtime_attention_context(getattr(module, "config", None) if module is not None else None, ir, kv_dtype)
 
 

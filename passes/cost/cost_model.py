@@ -40,7 +40,7 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   and ranks sharing too few cores (CPU) queue;
 * communication, per exchange call: 2 x collective latency(W) (counts, then rows) +
   per message and tier: latency + bytes / bandwidth of the tier (same node / other node), the
-  slowest rank's sum, + the call's Python work (EXCHANGE_OPS + PEER_OPS[kind] x W ops, times
+  slowest rank's sum, + the call's Python work (runtime_ops.py's `exchange_call`: EXCHANGE_OPS + PEER_OPS[kind] x W ops, none where counted in the MoE block; times
   W / parallel_ranks when ranks outnumber cores).
 The constants come from a hardware profile (`core/hardware_data/*.yaml`, `moeplan calibrate`).
 """
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.passes.cost.attention_context import AttentionContext, context_per_rank
-from moeplan.passes.cost.runtime_ops import EXPERT_CALL_OPS, runtime_ops, runtime_profile
+from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops, runtime_profile
 from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -61,12 +61,10 @@ STEP_PHASES = ("prompt_sync", "token_sync")
 TIMED_EXCHANGES = PHASES + ("token_sync",)  # prompt sync happens before the runtime's timer starts
 EXCHANGE_PARTS = ("call", "same_node", "other_node")
 FLOAT = 4
-# Torch calls per block, expert call, MoE layer and step: ATTN_OPS, EXPERT_CALL_OPS, MOE_OPS, HEAD_OPS (the fitted
-# counts) or the runtime's counted ones, by profile (runtime_ops.py). The replica choice per slot is priced apart
-# (`python_slot_s`, a Python loop step and a tensor store); per exchange call (counts, concatenation, split) and
-# per peer in it by kind (select rows, unpack them), counted off exchange.py:
-EXCHANGE_OPS = 8
-PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
+# Torch calls per block, expert call, MoE layer, step and exchange call: ATTN_OPS, EXPERT_CALL_OPS, MOE_OPS,
+# HEAD_OPS, EXCHANGE_OPS, PEER_OPS (the fitted counts) or the runtime's counted ones, by profile (runtime_ops.py).
+# The replica choice per slot is priced apart (`python_slot_s`, a Python loop step and a tensor store); a merge
+# call adds MERGE_OPS_PER_ROW per row it moves.
 MERGE_OPS_PER_ROW = 0.5
 # Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
 # running the block's norm and router a second time up to the experts, the context hook at the
@@ -238,9 +236,9 @@ class Prediction:
 class _Counter:
     """Accumulates one exchange call's rows per (source, destination) into counters and time."""
 
-    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int, ops=None):
+    def __init__(self, pred: Prediction, table: ExpertTable, profile, world: int, ops=FITTED):
         self.pred, self.table, self.profile, self.world = pred, table, profile, world
-        self.ops = ops  # RuntimeOps: whose counted MoE blocks hold a dispatch or combine call's ops
+        self.ops = ops  # RuntimeOps: the ops of each exchange call (`exchange_call`)
         node = table.node_of
         self.same = node[:, None] == node[None, :]  # bool [W, W]: both ranks on one node
 
@@ -281,9 +279,7 @@ class _Counter:
             per_rank[tier] = np.cumsum(terms, axis=1)[:, -1]
         s = int(np.argmax(per_rank["same_node"] + per_rank["other_node"]))  # the slowest rank (the first on a tie)
         slowest = {tier: float(per_rank[tier][s]) for tier in ("same_node", "other_node")}
-        ops = EXCHANGE_OPS + PEER_OPS[phase] * W + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
-        if self.ops is not None and self.ops.exchange_call_counted(phase):
-            ops = 0  # counted in the MoE block's ops (runtime_ops.py)
+        ops = self.ops.exchange_call(phase, W) + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
         parts = {"call": 2 * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
         if phase in self.pred.exchange_seconds:
             for part, v in parts.items():
@@ -313,7 +309,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     # standard mode's MoE blocks at W > 1: counted with their dispatch and combine calls (coherent mode's hooks and
     # exchanges keep the fitted counts: COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS)
     moe_ops = ops.moe_block(W) if mode == STANDARD else ops.moe
-    counter = _Counter(pred, table, profile, W, ops if mode == STANDARD else None)
+    counter = _Counter(pred, table, profile, W, ops if mode == STANDARD else FITTED)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     if mode == COHERENT:
         own = np.zeros((W, W), dtype=np.int64)
@@ -475,7 +471,7 @@ def _pace(profile, compute: np.ndarray, world: int) -> float:
     return float(max(compute.max(), compute.sum() / max(1, min(world, profile.parallel_ranks))))
 
 
-def _moe_compute(profile, shape, compute, ids, dest, pred, moe, world, call_ops: float = EXPERT_CALL_OPS) -> float:
+def _moe_compute(profile, shape, compute, ids, dest, pred, moe, world, call_ops: float) -> float:
     """Each rank's expert work, added to compute float [W]: the slots sent to it (dest int [n, k]) and
     the distinct experts it calls for them (ids int [n, k]), `call_ops` ops each; returns the layer's pace."""
     valid = ids >= 0  # -1: no expert, no row

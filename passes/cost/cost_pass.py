@@ -19,14 +19,14 @@ from moeplan.passes.cost.runtime_ops import runtime_ops
 from moeplan.passes.optimize.placement import passes as place_passes
 
 
-def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None,
-              attention=None) -> dict:
-    """What compile records under plan.json `predicted.cost` and the mode the bundle runs (`attention`:
-    the model's attention at context, `attention_context.py`)."""
+def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list | None = None, module=None) -> dict:
+    """What compile records under plan.json `predicted.cost` and the mode the bundle runs (`module`: the library
+    model, whose attention at context is priced, `attention_context.py`, at the KV dtype held on the profile)."""
     from moeplan.passes.cost.by_predicted_time import MODES, choose_mode, predict_modes
 
     given = cost_profile(cost_options, placement.topology.nodes)
     profile = given.profile
+    attention = attention_of(module, ir, profile)
     workload = parse_workload(cost_options["workload"])
     shape = shape_with_context(ir, context or [], attention)
     alternatives = placement.metrics.get("auto_predictions", [])
@@ -48,14 +48,14 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
     }
 
 
-def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None, attention=None):
+def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: list | None = None, module=None):
     """--policy auto: the candidate policies priced by the cost model; the fastest, with the table
     of candidates under its metrics (`auto_candidates`) and where the search stopped (`auto_stop`)."""
     from moeplan.passes.cost.by_predicted_time import choose_placement
 
     profile = cost_profile(cost_options, request.topology.nodes).profile
-    placement, rows, stop = choose_placement(trace, request, shape_with_context(ir, context or [], attention), profile,
-                                             parse_workload(cost_options["workload"]), mode)
+    shape = shape_with_context(ir, context or [], attention_of(module, ir, profile))
+    placement, rows, stop = choose_placement(trace, request, shape, profile, parse_workload(cost_options["workload"]), mode)
     placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
     placement.metrics["auto_predictions"] = rows
     placement.metrics["auto_stop"] = stop
@@ -73,17 +73,17 @@ def placement_or_auto(facts):
     topo = facts["topology"]
     request = PlacementRequest(topology=Topology(topo["nodes"], topo["gpus_per_node"]),
                                **{k: v for k, v in options.items() if k != "policy"})
-    model, cost_options = facts["model"], default_cost_options(facts.get("cost_options"))
-    profile = cost_profile(cost_options, topo["nodes"]).profile
-    return {"placement": auto_placement(model.ir, facts["trace"], request, facts["mode"], cost_options,
-                                        context_plan_of(model.module), attention_of(model.module, model.ir, profile))}
+    model = facts["model"]
+    return {"placement": auto_placement(model.ir, facts["trace"], request, facts["mode"],
+                                        default_cost_options(facts.get("cost_options")), context_plan_of(model.module),
+                                        model.module)}
 
 
 def _cost(facts):
-    model, cost_options = facts["model"], default_cost_options(facts.get("cost_options"))
-    profile = cost_profile(cost_options, facts["placement"].topology.nodes).profile
-    return {"cost": cost_fact(model.ir, facts["trace"], facts["placement"], facts["mode"], cost_options,
-                              context_plan_of(model.module), attention_of(model.module, model.ir, profile))}
+    model = facts["model"]
+    return {"cost": cost_fact(model.ir, facts["trace"], facts["placement"], facts["mode"],
+                              default_cost_options(facts.get("cost_options")), context_plan_of(model.module),
+                              model.module)}
 
 
 COST = Pass("cost", ("model", "trace", "placement", "mode", "cost_options"), ("cost",), _cost)

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS, STANDARD, ModelShape,
-                                            Workload, _cost, _costs, _held, _oversubscribed, _slot_ids, _slots,
-                                            attention_at_context, profile_ops_per_sequence, routing_samples)
-from moeplan.passes.cost.runtime_ops import runtime_ops, runtime_profile
+from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDARD, ModelShape, Workload, _cost, _costs,
+                                            _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
+                                            profile_ops_per_sequence, routing_samples)
+from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops, runtime_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -51,6 +51,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = world
     ops = runtime_ops(profile, shape.architecture)  # the prediction's own counts and op cost (cost_model.predict)
+    calls = ops if mode == STANDARD else FITTED  # whose exchange calls' ops (cost_model.predict's counter)
     profile = runtime_profile(profile)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     total = 0.0
@@ -67,7 +68,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
             known, spread = np.zeros(W), 0.0
             if mode == COHERENT and placed:
-                total += _call(profile, W, "context")
+                total += _call(profile, W, "context", calls)
             if mode == COHERENT:
                 known += _cost(profile, COHERENT_HOOK_OPS, 0.0)
             if mode == COHERENT and placed:
@@ -101,14 +102,14 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             spread += _experts_floor(profile, shape, ids, ops.expert_call)
             total += _pace_floor(profile, known, spread, W)
             if mode == STANDARD:
-                total += _call(profile, W, "dispatch", ops) + _call(profile, W, "combine", ops)
+                total += _call(profile, W, "dispatch", calls) + _call(profile, W, "combine", calls)
             else:
-                total += (_call(profile, W, "dispatch") if placed else 0.0) + _call(profile, W, "merge")
+                total += (_call(profile, W, "dispatch", calls) if placed else 0.0) + _call(profile, W, "merge", calls)
                 placed = True
         if mode == COHERENT and placed:
             known = np.full(W, _cost(profile, ops.head, 0.0))
             total += _pace_floor(profile, known, _cost(profile, 0, n * shape.head_flops), W)
-            total += _call(profile, W, "token_sync")
+            total += _call(profile, W, "token_sync", calls)
         else:
             ends = np.bincount(seq % W, minlength=W).astype(float)
             total += _pace_floor(profile, _costs(profile, ops.head, ends * shape.head_flops), 0.0, W)
@@ -130,10 +131,10 @@ def _pace_floor(profile, known: np.ndarray, spread: float, world: int) -> float:
     return float(max(known.max(), (known.sum() + spread) / ranks))
 
 
-def _call(profile, world: int, phase: str, counted=None) -> float:
-    """The fixed part of one exchange call (`cost_model._Counter.exchange`'s `call`, less merge's per-row work;
-    none of its ops where `counted` (RuntimeOps) holds them in the MoE block)."""
+def _call(profile, world: int, phase: str, calls) -> float:
+    """The fixed part of one exchange call (`cost_model._Counter.exchange`'s `call`, less merge's per-row work),
+    its ops `calls.exchange_call` (RuntimeOps)."""
     if world == 1:
         return 0.0
-    ops = 0 if counted is not None and counted.exchange_call_counted(phase) else EXCHANGE_OPS + PEER_OPS[phase] * world
+    ops = calls.exchange_call(phase, world)
     return 2 * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)

@@ -2,7 +2,7 @@
 cost model's launch counts.
 
 Two sources:
-* `FITTED` (cost_model.py's ATTN_OPS, MOE_OPS, EXPERT_CALL_OPS, HEAD_OPS): counted off the runtime when it called
+* `FITTED` (ATTN_OPS, MOE_OPS, EXPERT_CALL_OPS, HEAD_OPS, EXCHANGE_OPS, PEER_OPS below): counted off the runtime when it called
   experts one by one, priced at the profile's `op_overhead_s`; CPU profiles (cpu-gloo, `moeplan calibrate`) fitted
   their op cost against these counts, and the demo's predicted ms/token is checked with them, so they stay for
   every profile that does not measure the runtime's own op cost;
@@ -41,9 +41,12 @@ class RuntimeOps:
     def moe_block(self, world: int) -> float:
         return self.moe if world == 1 or self.moe_ep is None else self.moe_ep
 
-    def exchange_call_counted(self, phase: str) -> bool:
-        """Whether the ops of a `phase` exchange call are in `moe_ep` (standard mode's dispatch and combine)."""
-        return self.moe_ep is not None and phase in ("dispatch", "combine")
+    def exchange_call(self, phase: str, world: int) -> float:
+        """Ops of one `phase` exchange call among `world` ranks: none where `moe_ep` holds them (standard mode's
+        dispatch and combine), else the fitted EXCHANGE_OPS + PEER_OPS per peer."""
+        if self.moe_ep is not None and phase in ("dispatch", "combine"):
+            return 0.0
+        return EXCHANGE_OPS + PEER_OPS[phase] * world
 
     @property
     def counted(self) -> bool:
@@ -62,6 +65,10 @@ ATTN_OPS = 23
 EXPERT_CALL_OPS = 19
 MOE_OPS = 60
 HEAD_OPS = 6
+# per exchange call (counts, concatenation, split) and per peer in it by kind (select rows, unpack them), counted
+# off exchange.py when it sent per peer
+EXCHANGE_OPS = 8
+PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
 FITTED = RuntimeOps(attention=ATTN_OPS, moe=MOE_OPS, expert_call=EXPERT_CALL_OPS, dense_mlp=EXPERT_CALL_OPS,
                     head=HEAD_OPS, source="fitted")
 
