@@ -32,9 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moeplan.runtime.op_counter import OpCounter
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-TABLE = REPO / "passes" / "cost" / "runtime_op_counts.json"
 PARTS = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
 EP_PART = "moe_block_ep"  # an MoE block at 2 ranks or more: the engine's dispatch and combine exchanges included
 
@@ -46,24 +47,18 @@ def tiny_architectures():
     return import_file(REPO / "examples" / "hf_tiny" / "architectures.py")
 
 
-class RegionCounter:
-    """Non-view aten ops counted by region ("fixed" outside the decoder blocks, "attention_block",
+class RegionCounter(OpCounter):
+    """runtime/op_counter.py's ops, also counted by region ("fixed" outside the decoder blocks, "attention_block",
     "moe_block", "dense_mlp_block"), the region set by forward hooks on the modules."""
 
     def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        counter = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if not getattr(func, "is_view", False):
-                    counter.counts[counter.stack[-1]] += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
+        super().__init__()
         self.counts = dict.fromkeys(PARTS, 0)
         self.stack = ["fixed"]
+
+    def count(self, func) -> None:
+        super().count(func)
+        self.counts[self.stack[-1]] += 1
 
     def enter(self, region: str):
         def hook(module, args):
@@ -86,11 +81,11 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
     folder = folder or tiny_architectures().build(arch, Path(tempfile.mkdtemp(prefix="op_counts_")))
     config = json.loads((folder / "config.json").read_text())
     engine, model, _ = build_engine(config, torch.device("cpu"), dtype, seed=0, rank=rank, world=world)
-    rank = engine.model
-    moe_blocks = {c.layer: rank.model.get_submodule(c.block) for c in rank.containers}
+    rank_model = engine.model
+    moe_blocks = {c.layer: rank_model.model.get_submodule(c.block) for c in rank_model.containers}
     counter = RegionCounter()
     handles, dense = [], 0
-    for index, layer in enumerate(rank.layers):
+    for index, layer in enumerate(rank_model.layers):
         handles += [layer.register_forward_pre_hook(counter.enter("attention_block")), layer.register_forward_hook(counter.leave)]
         block = moe_blocks.get(index)
         if block is None:
@@ -105,13 +100,13 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
     try:
         worker.step(StepPlan(STEP, [Admission(s, s % world, tuple(p), seed=0, temperature=0.0, top_p=1.0, top_k=0)
                                     for s, p in enumerate(prompts)]))
-        with counter.mode:
+        with counter:
             worker.step(StepPlan(STEP))
     finally:
         worker.close()
         for h in handles:
             h.remove()
-    layers, moe = len(rank.layers), len(moe_blocks)
+    layers, moe = len(rank_model.layers), len(moe_blocks)
     c = counter.counts
     return {"architecture": type(model).__name__, "layers": layers, "moe_blocks": moe, "dense_blocks": dense,
             "attention_block": round(c["attention_block"] / layers, 2),

@@ -24,8 +24,12 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not getattr(func, "is_view", False):
-            self.by_op[str(func)] += 1
+            self.count(func)
         return func(*args, **(kwargs or {}))
+
+    def count(self, func) -> None:
+        """One kernel of `func` (a subclass may also attribute it, benchmarks/runtime_op_counts.py)."""
+        self.by_op[str(func)] += 1
 
     @property
     def total(self) -> int:

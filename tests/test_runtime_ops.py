@@ -4,7 +4,7 @@ GPU profiles, the fitted counts elsewhere; an expert touched adds no launch wher
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
