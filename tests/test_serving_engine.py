@@ -156,6 +156,7 @@ def test_a_killed_rank_ends_requests_with_errors_and_the_service_exits(small):
     mode = "standard"
     out = root / f"fault-{mode}"
     code, seconds, output = launch(bundles[mode], out, "fault", timeout=120, mode=mode)
+    assert (out / "result.json").exists(), output[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["unhealthy_after_s"] < 10
     assert result["finishes"] == ["error"] * 4 and all(result["errors"])
