@@ -4,7 +4,9 @@ A *recipe* says how one bundle tensor is made from the checkpoint: a list of par
 of one checkpoint file, optionally cut to rows [start, stop) of its first dimension (one expert of
 a fused [E, ...] tensor, or of DBRX's flattened [E * r, D]) and squeezed; several parts are
 concatenated along `cat_dim` (transformers' MergeModulelist + Concatenate for per-expert
-checkpoints, e.g. Mixtral's w1 and w3 into gate_up_proj), then cast to `dtype`:
+checkpoints, e.g. Mixtral's w1 and w3 into gate_up_proj), then cast to `dtype`. A part stored as FP8
+carries its `scale` (the `<name>_scale_inv` tensor and the config's block) and is dequantized as it
+is read (`fp8_blocks.py`), so bundles hold the weights at the precision the runtime computes at:
 
     {"dtype": "F32", "shape": [2I, D], "cat_dim": 0,
      "parts": [{"file": "model-00001-of-00002.safetensors", "tensor": "...experts.3.w1.weight",
@@ -29,8 +31,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .fp8_blocks import FP8_DTYPES, dequantize
+
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, **FP8_DTYPES}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 CHECKPOINT_ENV = "MOEPLAN_CHECKPOINT"
 CHUNK_BYTES = 32 << 20
@@ -103,6 +107,9 @@ def read_part(directory: Path, part: dict, out: torch.Tensor | None = None, file
     until the mapping closes, so a big tensor read in one go would cost twice its size at the peak.
     """
     _, start, stop, shape, dtype, yields = _part_layout(directory, part, files)
+    if part.get("scale") is not None:
+        out = torch.empty(yields, dtype=torch.float32) if out is None else out
+        return _read_fp8_part(part, out, _opener(directory, files), start, stop, shape)
     out = torch.empty(yields, dtype=dtype) if out is None else out
     opener = _opener(directory, files)
     if not shape:
@@ -114,6 +121,34 @@ def read_part(directory: Path, part: dict, out: torch.Tensor | None = None, file
         b = min(stop, a + step)
         with opener(part["file"]) as fh:
             dest[a - start:b - start] = fh.get_slice(part["tensor"])[a:b]
+    return out
+
+
+def _read_fp8_part(part: dict, out: torch.Tensor, opener, start: int, stop: int, shape: list) -> torch.Tensor:
+    """An FP8 part dequantized into `out` (cast as it is copied): a 2-D weight in runs of whole
+    scale blocks of at most about CHUNK_BYTES at float32; one expert of a fused [E, N, K] with its
+    scales' rows [start, stop) of [E, ...]."""
+    scale = part["scale"]
+    block = scale.get("block")
+    dest = out.unsqueeze(0) if part.get("squeeze") else out
+    with opener(scale["file"]) as fh:
+        s = fh.get_slice(scale["tensor"])
+        s = s[start:stop] if len(shape) == 3 and len(s.get_shape()) == 3 else s[:]  # one value per block: small
+    if len(shape) != 2 or block is None:
+        with opener(part["file"]) as fh:
+            q = fh.get_slice(part["tensor"])[start:stop]
+        dest.copy_(dequantize(q, s, block))
+        return out
+    rows = int(block[0])
+    if start % rows:
+        raise CheckpointError(f"rows {start}:{stop} of FP8 tensor {part['tensor']} do not start at a scale block "
+                              f"({rows} rows); recompile the bundle against this checkpoint")
+    step = max(rows, CHUNK_BYTES // max(1, shape[1] * 4) // rows * rows)
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        with opener(part["file"]) as fh:
+            q = fh.get_slice(part["tensor"])[a:b]
+        dest[a - start:b - start] = dequantize(q, s[a // rows:-(-b // rows)], block)
     return out
 
 

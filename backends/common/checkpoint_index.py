@@ -7,6 +7,11 @@ applied per expert: each bundle tensor gets a *recipe* (`runtime/checkpoint_read
 only that expert's tensors. Fused checkpoint tensors ([E, ...], DBRX's [E * r, D]) are cut by
 rows. Only the headers are read here; tensors are read when an entry is loaded.
 
+Fine-grained FP8 checkpoints (DeepSeek-V3, Qwen3 `-FP8`): a weight stored as F8_E4M3/F8_E5M2 is
+read with its `<name>_scale_inv` and the config's `quantization_config.weight_block_size` and
+dequantized to the library model's dtype (`runtime/fp8_blocks.py`); the scale tensors themselves
+map to no library tensor. Followed: transformers 5.24 `integrations/finegrained_fp8.py`.
+
 Followed: transformers 5.23 `core_model_loading.py` (`rename_source_key`, `MergeModulelist`,
 `Concatenate`) and `conversion_mapping.py` for what the operations mean; the ops supported per
 expert are MergeModulelist(dim=0) optionally followed by Concatenate(dim>=1), which covers every
@@ -21,6 +26,7 @@ from pathlib import Path
 from moeplan.backends.common.tensor_entries import TensorEntry, expert_params, expert_shape, per_expert_rows
 from moeplan.runtime.checkpoint_reader import (DTYPE_NAMES, DTYPES, file_sha256, header_sha256,
                                                         read_header, read_recipe)
+from moeplan.runtime.fp8_blocks import FP8_DTYPES, SCALE_SUFFIX
 from moeplan.core.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -107,13 +113,17 @@ def checkpoint_entries(directory: Path, model, containers: list, spec: str) -> t
     """(entries in shard order, {checkpoint tensor: (file, header)}) for the library `model` (on meta)."""
     directory = Path(directory)
     tensors = checkpoint_tensors(directory)
-    plain, fused = _library_names(model, tensors)
+    scales = fp8_scales(directory, tensors)
+    plain, fused = _library_names(model, {k: v for k, v in tensors.items() if k not in scales.values()})
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     per_expert = expert_params(containers)
     entries = []
 
     def part(key, rows=None, squeeze=False):
-        return {"file": tensors[key][0], "tensor": key, "rows": rows, "squeeze": squeeze}
+        out = {"file": tensors[key][0], "tensor": key, "rows": rows, "squeeze": squeeze}
+        if key in scales:
+            out["scale"] = {"file": tensors[scales[key]][0], "tensor": scales[key], "block": scales.block}
+        return out
 
     def add(name, lib, lib_shape, first, shape, dtype, parts, cat_dim=None):
         recipe = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "cat_dim": cat_dim, "parts": parts}
@@ -129,8 +139,11 @@ def checkpoint_entries(directory: Path, model, containers: list, spec: str) -> t
             c, p = per_expert[lib]
             one = expert_shape(shape, c.num_experts)
             if source is not None:  # fused in the checkpoint too: rows of it
-                _check_shape(tensors, source, shape, spec)
+                _check_shape(tensors, source, shape, spec, scales)
                 rows = per_expert_rows(shape, c.num_experts)
+                if source in scales and shape[0] != c.num_experts and scales.block and rows % scales.block[0]:
+                    raise UserError(f"cannot stream '{spec}': an expert's {rows} rows of FP8 tensor {source} do not fall on "
+                                    f"its {scales.block[0]}-row scale blocks")
                 for e in range(c.num_experts):
                     add(f"{c.path}.{e}.{p}", lib, shape, e == 0, one, dtype,
                         [part(source, [e * rows, (e + 1) * rows], squeeze=shape[0] == c.num_experts)])
@@ -150,13 +163,38 @@ def checkpoint_entries(directory: Path, model, containers: list, spec: str) -> t
             what = "a converted tensor" if lib in fused else "no tensor"
             raise UserError(f"the checkpoint in '{directory}' has {what} for {lib}; moeplan streams dense tensors only as "
                             "they are stored (does the checkpoint fit the model in its config?)")
-        _check_shape(tensors, source, shape, spec)
+        _check_shape(tensors, source, shape, spec, scales)
         add(lib, lib, shape, True, shape, dtype, [part(source)])
     return entries, tensors
 
 
-def _check_shape(tensors: dict, key: str, shape: tuple, spec: str) -> None:
+class Scales(dict):
+    """FP8 weight name -> its `_scale_inv` tensor's name, and the block [bn, bk] they share (None: per tensor)."""
+    block: list | None = None
+
+
+def fp8_scales(directory: Path, tensors: dict) -> Scales:
+    """The FP8 weights of a checkpoint and their scales; an FP8 tensor without a scale is refused."""
+    scales = Scales()
+    for key, (_, info) in tensors.items():
+        if info["dtype"] not in FP8_DTYPES:
+            continue
+        if key + SCALE_SUFFIX not in tensors:
+            raise UserError(f"checkpoint tensor {key} in '{directory}' is stored as {info['dtype']} without a "
+                            f"'{key}{SCALE_SUFFIX}' scale; moeplan reads FP8 checkpoints in the fine-grained format "
+                            "(weights with block scales), dequantize it first")
+        scales[key] = key + SCALE_SUFFIX
+    if scales:
+        config = Path(directory) / "config.json"
+        qconfig = (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
+        block = qconfig.get("weight_block_size")
+        scales.block = [int(b) for b in block] if block else None
+    return scales
+
+
+def _check_shape(tensors: dict, key: str, shape: tuple, spec: str, scales: dict) -> None:
     stored = tuple(tensors[key][1]["shape"])
-    if stored != shape or tensors[key][1]["dtype"] not in DTYPES:
+    dtype = tensors[key][1]["dtype"]
+    if stored != shape or dtype not in DTYPES or dtype in FP8_DTYPES and key not in scales:
         raise UserError(f"checkpoint tensor {key} of '{spec}' has shape {list(stored)} ({tensors[key][1]['dtype']}), the "
                         f"model in its config expects {list(shape)}; the checkpoint does not fit its config")

@@ -1,0 +1,39 @@
+"""Fine-grained FP8 weights back to full precision: w = q * scale_inv, one scale per block.
+
+The format of DeepSeek-V3's and Qwen3's `-FP8` checkpoints (transformers 5.24
+`integrations/finegrained_fp8.py`, `Fp8Dequantize` and `_dequantize_fp8_weight`): a weight q
+[..., N, K] stored as float8_e4m3fn (or e5m2), beside `<name>_scale_inv` float32 (or E8M0 exponents
+as uint8, 2 ** (byte - 127)) [..., ceil(N / bn), ceil(K / bk)], where [bn, bk] is the config's
+`quantization_config.weight_block_size`; a checkpoint without blocks has one scale per tensor.
+Edge blocks may be partial (N or K not a multiple of the block). Runtime code: torch only.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+SCALE_SUFFIX = "_scale_inv"
+
+
+def scale_values(scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 scales of a checkpoint's scale tensor (E8M0 exponents stored as uint8 decoded)."""
+    if scale_inv.dtype == torch.uint8:
+        return (scale_inv.to(torch.float32) - 127.0).exp2()
+    return scale_inv.to(torch.float32)
+
+
+def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple | None) -> torch.Tensor:
+    """float32 [..., N, K] of FP8 weights q [..., N, K] with scales [..., ceil(N/bn), ceil(K/bk)]
+    (`block` (bn, bk)), or one scale for the tensor (`block` None, or a scale of one element)."""
+    w = q.to(torch.float32)
+    s = scale_values(scale_inv)
+    if block is None or s.numel() == 1:
+        return w.mul_(s.reshape(()))
+    bn, bk = int(block[0]), int(block[1])
+    n, k = w.shape[-2:]
+    grid = (-(-n // bn), -(-k // bk))
+    if tuple(s.shape[-2:]) != grid or s.shape[:-2] != w.shape[:-2]:
+        raise ValueError(f"FP8 scales of shape {list(s.shape)} do not cover weights {list(w.shape)} in blocks of {bn}x{bk} "
+                         f"(expected [..., {grid[0]}, {grid[1]}])")
+    expanded = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return w.mul_(expanded)
