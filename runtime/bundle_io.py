@@ -22,8 +22,8 @@ import torch
 from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
                                 read_reference_shard)
 from .ep.expert_table import ExpertTable
-from .model.library_model import RankModel, build_tiny_moe, build_transformers, transformers_top_k
-from .precision import device_precision, held_dtypes, torch_dtype
+from .model.library_model import ModelError, RankModel, build_tiny_moe, build_transformers, transformers_top_k
+from .precision import FP8, PRECISION_ENV, device_precision, held_dtypes, torch_dtype
 from .text_codec import TextCodec
 
 ARCHITECTURES = ("tiny_moe", "transformers")
@@ -122,24 +122,32 @@ def weight_dtypes(root: Path, plan: dict, device) -> dict:
         config = read_json(root, plan["model"]["config"])
         stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     device = torch.device(device)
-    dtypes = held_dtypes(stored, ir.get("quantization", ""), device.type == "cuda", device_precision(device))
-    if dtypes["experts"] != dtypes["dense"]:
-        raise BundleError(f"this runtime cannot hold the checkpoint's {ir.get('quantization')} experts as "
-                          f"{dtypes['experts']} yet; plan only, or run it on a device without FP8 (held as {dtypes['dense']})")
-    return dtypes
+    return held_dtypes(stored, ir.get("quantization", ""), device.type == "cuda", device_precision(device))
+
+
+def fp8_block(config: dict) -> tuple:
+    """The FP8 block [rows, columns] experts are held in: the checkpoint's `weight_block_size`
+    (DeepSeek-V3 and Qwen3 FP8: 128 x 128), that grid where a checkpoint has none."""
+    block = (config.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
 
 
 def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     """(RankModel with this rank's experts, TextCodec) for a bundle."""
     arch = architecture(plan)
     offload = plan.get("communication", {}).get("expert_cache")  # issue 13: experts stay in the shard until used
-    dtype = torch_dtype(weight_dtypes(root, plan, device)["dense"])
+    dtypes = weight_dtypes(root, plan, device)
+    dtype = torch_dtype(dtypes["dense"])
     weights = None if offload else read_rank_tensors(root, plan, rank)  # as stored; cast one by one as they load
     local: dict = {}
     for layer, expert in table.experts_on(rank):
         local.setdefault(layer, []).append(expert)
     config_path = root / plan["model"]["config"]
     config = json.loads(config_path.read_text())
+    block = fp8_block(config) if dtypes["experts"] == FP8 else None
+    if block is not None and (arch == "tiny_moe" or offload):
+        raise BundleError(f"this runtime holds FP8 experts for transformers models without an expert cache; on this "
+                          f"FP8 device set {PRECISION_ENV}=bf16 to hold them at bfloat16")
     if arch == "tiny_moe":
         model = build_tiny_moe(config_path, root / plan["model"]["source"]).to(dtype)
         max_positions, vocab, top_k = int(config["max_positions"]), int(config["vocab_size"]), int(config["top_k"])
@@ -158,9 +166,14 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
                                           {l: sorted(e) for l, e in local.items()}, max_positions, device,
                                           checkpoint_dir=checked_checkpoint_directory(root, plan))
     else:
-        rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions)
+        try:
+            rank_model = RankModel(model, arch, None, {l: sorted(e) for l, e in local.items()}, weights, max_positions,
+                                   fp8_block=block)
+        except ModelError as exc:
+            raise BundleError(str(exc)) from None
     rank_model.top_k = top_k
     rank_model.weight_dtype = str(dtype).replace("torch.", "")
+    rank_model.expert_weight_dtype = dtypes["experts"] if block is not None else rank_model.weight_dtype
     model.to(device)
     return rank_model, codec
 

@@ -13,6 +13,7 @@ import torch
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 SCALE_SUFFIX = "_scale_inv"
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def scale_values(scale_inv: torch.Tensor) -> torch.Tensor:
@@ -37,3 +38,19 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple | None) ->
                          f"(expected [..., {grid[0]}, {grid[1]}])")
     expanded = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return w.mul_(expanded)
+
+
+def quantize(w: torch.Tensor, block: tuple) -> tuple:
+    """(q float8_e4m3fn [..., N, K], scale_inv float32 [..., ceil(N/bn), ceil(K/bk)]) of weights
+    w [..., N, K]: each block's scale maps its largest magnitude to FP8_MAX (how DeepSeek-V3's and
+    Qwen3's FP8 checkpoints were made). Weights that are an FP8 checkpoint's dequantized values come
+    back as the checkpoint's FP8 values wherever a block's largest value was FP8_MAX there."""
+    bn, bk = int(block[0]), int(block[1])
+    n, k = w.shape[-2:]
+    rows, cols = -(-n // bn), -(-k // bk)
+    padded = w.new_zeros(*w.shape[:-2], rows * bn, cols * bk, dtype=torch.float32)
+    padded[..., :n, :k] = w
+    blocks = padded.unflatten(-1, (cols, bk)).unflatten(-3, (rows, bn))           # [..., rows, bn, cols, bk]
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX           # [..., rows, cols]
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).flatten(-2).flatten(-3, -2)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn), scale

@@ -31,6 +31,7 @@ import os
 import torch
 
 PRECISIONS = ("fp8", "bf16", "fp32")
+PRECISION_ENV = "MOEPLAN_WEIGHT_PRECISION"
 FP8 = "float8_e4m3fn"
 ITEMSIZE = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, FP8: 1, "float8_e5m2": 1}
 
@@ -39,7 +40,7 @@ def device_precision(device) -> str:
     """The narrowest weights `device` computes at speed: fp8 (CUDA sm89+ with `torch._scaled_mm`),
     bf16 (CUDA sm80+; a CPU with AMX tiles, whose oneDNN GEMMs run bf16 natively), else fp32 (an
     AVX2 or AVX512 CPU converts every bf16 operand: measured slower, docs/models.md)."""
-    forced = os.environ.get("MOEPLAN_WEIGHT_PRECISION")
+    forced = os.environ.get(PRECISION_ENV)
     if forced:
         if forced not in PRECISIONS:
             raise ValueError(f"MOEPLAN_WEIGHT_PRECISION must be one of {', '.join(PRECISIONS)}, got {forced!r}")

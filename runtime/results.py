@@ -23,7 +23,8 @@ def write_rank(out_dir, rank: int, engine, out: dict, mode: str) -> None:
     cache = getattr(engine.model, "expert_cache", None)  # offloading: counters and request log
     extra = {"expert_cache": cache.record()} if cache is not None else {}
     torch.save({"mode": mode, "logit_keys": keys, "logits": logits, "routing": routing,
-                "weight_dtype": getattr(engine.model, "weight_dtype", "float32"), **extra, **out},
+                "weight_dtype": getattr(engine.model, "weight_dtype", "float32"),
+                "expert_weight_dtype": getattr(engine.model, "expert_weight_dtype", None), **extra, **out},
                Path(out_dir) / f"rank-{rank}.pt")
 
 
@@ -97,6 +98,7 @@ def merge(out_dir, world: int, prompts: list, decode) -> dict:
         "mode": ranks[0]["mode"],
         "world_size": world,
         "weight_dtype": ranks[0].get("weight_dtype", "float32"),  # what the ranks held (runtime/precision.py)
+        "expert_weight_dtype": ranks[0].get("expert_weight_dtype") or ranks[0].get("weight_dtype", "float32"),
         "prompts": [decode(p) for p in prompts],
         "prompt_ids": [list(map(int, p)) for p in prompts],
         "texts": [decode(g) for g in gen],

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from moeplan.passes.importers.resolve import import_file
 from moeplan.planner.cli import main
-from moeplan.runtime.fp8_blocks import dequantize
+from moeplan.runtime.fp8_blocks import dequantize, quantize
 from runtime_fixtures import random_trace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ fp8 = import_file(REPO / "examples" / "hf_tiny" / "fp8_checkpoint.py")
 def test_dequantize_scales_each_block_partial_edges_included(n, k, bn, bk, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
-    q, scale = fp8.quantize_blocks(w, (bn, bk))
+    q, scale = quantize(w, (bn, bk))
     out = dequantize(q, scale, (bn, bk))
     expected = torch.empty(n, k)
     for i in range(0, n, bn):
@@ -122,3 +122,53 @@ def test_an_fp8_tensor_without_its_scale_is_refused_in_one_line(tmp_path):
     assert "model.layers.1.self_attn.q_proj.weight in" in result.output
     assert "is stored as F8_E4M3 without a 'model.layers.1.self_attn.q_proj.weight_scale_inv' scale" in result.output
     assert not (tmp_path / "bundle").exists()
+
+
+def test_quantizing_dequantized_bf16_weights_gives_back_the_checkpoints_fp8_values():
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize(torch.randn(4, 64, 96, generator=g) * 0.05, (16, 32))
+    again, scale_again = quantize(dequantize(q, scale, (16, 32)).to(torch.bfloat16).float(), (16, 32))
+    assert torch.equal(again.view(torch.uint8), q.view(torch.uint8))
+    assert ((scale_again - scale).abs() / scale).max() < 2 ** -8  # the block maximum's bf16 rounding
+
+
+def test_an_fp8_device_holds_the_experts_as_fp8_and_verifies_at_two_ranks(tmp_path, monkeypatch):
+    """MOEPLAN_WEIGHT_PRECISION=fp8 stands for an sm89+ GPU: DeepSeek-V3's routed experts are held as
+    FP8 with block scales (one byte per weight), dequantized per call; the run's tokens are the
+    bfloat16-held run's."""
+    from moeplan.runtime.bundle_io import load_bundle
+
+    directory = _fp8_model(tmp_path, "deepseek_v3")
+    bundle = tmp_path / "bundle"
+    assert _compile(directory, bundle).exit_code == 0
+    monkeypatch.setenv("MOEPLAN_WEIGHT_PRECISION", "fp8")
+    model = load_bundle(bundle, 1, 2, torch.device("cpu"), None)[3]
+    held = [a.library_experts for a in model.adapters]
+    assert held and all(m.gate_up_proj.numel() == 0 and m.down_proj.numel() == 0 for m in held)
+    assert all(m.gate_up_proj_fp8.dtype == torch.float8_e4m3fn and m.gate_up_proj_fp8.shape[0] == 4 for m in held)
+    assert model.expert_weight_dtype == "float8_e4m3fn" and model.weight_dtype == "bfloat16"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
+    reports = {}
+    for precision in ("fp8", "bf16"):
+        monkeypatch.setenv("MOEPLAN_WEIGHT_PRECISION", precision)
+        result = CliRunner().invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "4",
+                                           "--prompts", str(prompts), "--json", "--results", str(tmp_path / precision)])
+        assert result.exit_code == 0, result.output
+        reports[precision] = json.loads(result.output.strip().splitlines()[-1])
+    fp8_run, bf16_run = reports["fp8"], reports["bf16"]
+    assert fp8_run["verified"] and fp8_run["expert_weight_dtype"] == "float8_e4m3fn"
+    assert bf16_run["expert_weight_dtype"] == bf16_run["weight_dtype"] == "bfloat16"
+    generated = [json.loads((tmp_path / p / "coherent" / "result.json").read_text())["generated"] for p in reports]
+    assert generated[0] == generated[1]
+
+
+def test_experts_the_runtime_cannot_hold_as_fp8_are_refused_in_one_line(tmp_path, monkeypatch):
+    from moeplan.runtime.bundle_io import BundleError, load_bundle
+
+    directory = _fp8_model(tmp_path, "llama4_text")
+    assert _compile(directory, tmp_path / "bundle").exit_code == 0
+    monkeypatch.setenv("MOEPLAN_WEIGHT_PRECISION", "fp8")
+    with pytest.raises(BundleError, match="holds FP8 experts for transformers' grouped experts modules only, not "
+                                          "Llama4TextExperts; set MOEPLAN_WEIGHT_PRECISION=bf16"):
+        load_bundle(tmp_path / "bundle", 0, 2, torch.device("cpu"), None)

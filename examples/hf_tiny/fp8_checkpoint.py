@@ -18,30 +18,15 @@ import json
 import shutil
 from pathlib import Path
 
-FP8_MAX = 448.0                                   # largest finite float8_e4m3fn
 NOT_CONVERTED = ("lm_head", "mlp.gate", "router", "embed")
-
-
-def quantize_blocks(weight, block: tuple):
-    """(q float8_e4m3fn [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)]) of a weight [N, K]:
-    each block's scale maps its largest magnitude to FP8_MAX."""
-    import torch
-
-    n, k = weight.shape
-    bn, bk = block
-    rows, cols = -(-n // bn), -(-k // bk)
-    padded = torch.zeros(rows * bn, cols * bk, dtype=torch.float32)
-    padded[:n, :k] = weight.float()
-    blocks = padded.view(rows, bn, cols, bk)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX           # [rows, cols]
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(rows * bn, cols * bk)[:n, :k]
-    return q.to(torch.float8_e4m3fn), scale
 
 
 def convert(source: Path, out: Path, block: tuple = (8, 8)) -> Path:
     """Write `source`'s checkpoint into `out` in the FP8 format; returns `out`."""
     import torch
     from safetensors.torch import load_file, save_file
+
+    from moeplan.runtime.fp8_blocks import quantize
 
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -51,7 +36,7 @@ def convert(source: Path, out: Path, block: tuple = (8, 8)) -> Path:
     for name in sorted(tensors):
         t = tensors[name]
         if name.endswith(".weight") and t.dim() == 2 and not any(m in name for m in NOT_CONVERTED):
-            written[name], written[name + "_scale_inv"] = quantize_blocks(t, block)
+            written[name], written[name + "_scale_inv"] = quantize(t.float(), block)
         else:
             written[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
     save_file(written, out / "model.safetensors", metadata={"format": "pt"})

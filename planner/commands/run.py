@@ -57,7 +57,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
             "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache",
             "workload", "plan_workload", "plan_seconds_per_token", "plan_total_bytes_per_token", "plan_gpu_local_fraction",
-            "weight_dtype", "logit_tolerance")
+            "weight_dtype", "expert_weight_dtype", "logit_tolerance")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
         click.echo(json.dumps(as_dicts[modes[0]] if mode != "both" else {"modes": as_dicts}, sort_keys=True))
@@ -160,6 +160,9 @@ def _print(report: dict, verify: bool) -> None:
     if verify:
         verdict = "PASS" if report["verified"] else "FAIL"
         click.echo(f"verify {verdict}: max |logit diff| {report['max_abs_logit_diff']:.2e} (<= {report['logit_tolerance']:g} "
-                   f"at {report['weight_dtype']}), "
+                   f"at {report['weight_dtype']}"
+                   + (f", experts {report['expert_weight_dtype']}"
+                      if report.get("expert_weight_dtype", report["weight_dtype"]) != report["weight_dtype"] else "")
+                   + "), "
                    f"tokens {'identical' if report['tokens_match'] else 'DIFFER'}"
                    + ("" if report["locality_matches_prediction"] else ", gpu_local_fraction differs from the prediction"))

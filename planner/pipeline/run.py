@@ -97,6 +97,7 @@ def _report(root: Path, plan: dict, world: int, mode: str, out_dir: Path, new_to
         "tokens_per_second": summary["tokens_per_second"],
         "per_layer": summary["per_layer"], "totals": summary["totals"],
         "weight_dtype": summary.get("weight_dtype", "float32"),  # what the ranks held (runtime/precision.py)
+        "expert_weight_dtype": summary.get("expert_weight_dtype", summary.get("weight_dtype", "float32")),
     }
     from moeplan.passes.cost.run_check import measured_beside_predicted  # issue 12: the cost model, checked
 

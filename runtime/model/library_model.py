@@ -17,14 +17,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .moe_adapter import MoEAdapter, find_containers
+from .moe_adapter import ModelError, MoEAdapter, find_containers
 
 ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn", "norm_attn_norm.attn")
 FFN_NORM_NAMES = ("post_attention_layernorm", "norm_attn_norm.norm_2", "moe_norm")
-
-
-class ModelError(Exception):
-    """The model cannot run under this runtime: one line naming why."""
 
 
 def transformers_config(config_dir: Path):
@@ -130,7 +126,9 @@ def _first_submodule(layer, names):
 class RankModel:
     """A library model holding this rank's experts, with the engine's hook points."""
 
-    def __init__(self, model, kind: str, route_fn, local_experts: dict, weights: dict, max_positions: int):
+    def __init__(self, model, kind: str, route_fn, local_experts: dict, weights: dict, max_positions: int,
+                 fp8_block: tuple | None = None):
+        """`fp8_block`: hold the routed experts as FP8 in blocks of that size (`fp8_experts.py`)."""
         self.model, self.kind, self.max_positions = model, kind, max_positions
         prefix, self.layers = decoder_layers(model)
         self.containers = find_containers(self.layers, prefix)
@@ -143,7 +141,8 @@ class RankModel:
             raise ModelError(f"shard tensors {unexpected[:3]} are not parameters of {type(model).__name__}")
         if missing:
             raise ModelError(f"shard lacks tensors {missing[:3]} of {type(model).__name__}")
-        self.adapters = [MoEAdapter(model, c, local_experts.get(c.moe, []), weights, route_fn) for c in self.containers]
+        self.adapters = [MoEAdapter(model, c, local_experts.get(c.moe, []), weights, route_fn, fp8_block)
+                         for c in self.containers]
         self.moe_of = {c.layer: c.moe for c in self.containers}
         self.num_layers = len(self.layers)
         self.attention = [_first_submodule(layer, ATTENTION_NAMES) for layer in self.layers]

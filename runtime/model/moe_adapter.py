@@ -31,7 +31,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .fp8_experts import fp8_supported, hold_fp8, holds_fp8, touched_experts
 from .grouped_experts import ExpertGroups, gated_experts, grouped_linear, stacked_expert_weights
+
+
+class ModelError(Exception):
+    """The model cannot run under this runtime: one line naming why."""
 
 
 class Captured(Exception):
@@ -149,8 +154,10 @@ class MoEAdapter:
     """Holds one MoE block's local experts and hands its routing to the engine (not a module:
     the model keeps owning every parameter, so `model.to(device)` moves them all)."""
 
-    def __init__(self, root, container: ExpertContainer, local: list, weights: dict, route_fn):
+    def __init__(self, root, container: ExpertContainer, local: list, weights: dict, route_fn,
+                 fp8_block: tuple | None = None):
         self.container, self.layer, self.moe = container, container.layer, container.moe
+        self.fp8_block = fp8_block  # hold the experts as FP8 in blocks of this size (`fp8_experts.py`)
         self._set_local(local)
         self.route_fn = route_fn
         self.num_slots = len(self.local)  # expert slots of the library module (an expert cache's pool: C)
@@ -211,6 +218,11 @@ class MoEAdapter:
                 stacked = stacked.reshape(n * (shape[0] // c.num_experts), *shape[1:])
             self._set_param(owner, p, stacked)
         self._set_expert_count(owner, n)
+        if self.fp8_block is not None:
+            if not fp8_supported(c, owner):
+                raise ModelError(f"this runtime holds FP8 experts for transformers' grouped experts modules only, not "
+                                 f"{type(owner).__name__}; set MOEPLAN_WEIGHT_PRECISION=bf16 to hold them at bfloat16")
+            hold_fp8(owner, [p for p, shape in c.params if len(shape) == 3], self.fp8_block)
 
     @staticmethod
     def _set_param(owner, p: str, tensor) -> None:
@@ -264,6 +276,9 @@ class MoEAdapter:
             if hasattr(experts, "has_gate"):  # decorated by transformers: the library's own grouped backend
                 from transformers.integrations.moe import grouped_mm_experts_forward
 
+                if holds_fp8(experts):  # the touched experts dequantized for this call
+                    with touched_experts(experts, [p for p, _ in self.container.params], slots) as renumbered:
+                        return grouped_mm_experts_forward(experts, h, renumbered, weights).reshape(h.shape)
                 return grouped_mm_experts_forward(experts, h, slots, weights).reshape(h.shape)
             if type(experts).__name__ == "DbrxExperts":  # [E * ffn, D] slabs, looped over by the library
                 mlp, n = experts.mlp, self.num_slots
