@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for a lent GPU machine with a short lease (the device tool: 15 minutes in all, no
 # internet there). Never run in CI. From the repository root on that machine:
-#     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 8 minutes on one H200)
+#     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 9 minutes on one H200)
 #     OUT=/some/dir PARTS="op_check decode_step" bash benchmarks/gpu/device_checks.sh      (some parts only)
 # Parts, each under its own time limit so that one stuck part leaves the others' figures:
 #   1. op_check.sh: GEMM / grouped GEMM / attention kernels beside aiconfigurator-core's rows;
@@ -9,7 +9,8 @@
 #   3. offload_check.py: the CUDA copy path of the offloading runtime (the wide model only: its copies take real
 #      PCIe time), verified, measured beside the modelled seconds;
 #   4. serving.py through serve_check.sh's steps: qwen3_moe at 1 rank on the GPU, concurrency 1/16/64, beside the
-#      static batch (the transformers peer needs packages the machine lacks).
+#      static batch (the transformers peer needs packages the machine lacks);
+#   5. fp8_experts_check.py: one Qwen3-30B-A3B MoE layer's experts held bf16 and FP8 (weight-only), timed.
 # Python packages the machine lacks travel as wheels in .whl/ (built here with `bash benchmarks/gpu/wheels.sh`)
 # and install into the machine's Python; moeplan is imported from this checkout. $OUT gets one .txt per part and
 # figures.tgz with every JSON (the device tool brings back at most 8 files).
@@ -35,7 +36,7 @@ WORK="$(mktemp -d)"
   "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__)'
 } >> "$OUT/install.txt" 2>&1
 
-PARTS="${PARTS:-op_check decode_step offload_check serving}"
+PARTS="${PARTS:-op_check decode_step offload_check serving fp8_experts}"
 part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME.txt, never stop the script
   local name="$1" limit="$2"
   shift 2
@@ -51,6 +52,7 @@ part decode_step 100 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_ste
 part offload_check 230 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
 part serving 160 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
   --threads 1 --keep "$WORK/serving" --json
+part fp8_experts 60 "$PY" benchmarks/gpu/fp8_experts_check.py --out "$WORK/fp8_experts"
 [ -f "$OUT/serving.txt" ] && tail -n 1 "$OUT/serving.txt" > "$WORK/serving.json"
 rm -rf "$WORK/serving"
 tar czf "$OUT/figures.tgz" -C "$WORK" . 2>/dev/null
