@@ -112,7 +112,7 @@ def check_referenced_checkpoint(root: Path, plan: dict) -> None:
     checked_checkpoint_directory(root, plan, full=True)
 
 
-def weight_dtypes(root: Path, plan: dict, device) -> dict:
+def weight_dtypes(root: Path, plan: dict, device, expert_cache: bool = False) -> dict:
     """{"dense", "experts"}: the dtypes this rank holds the bundle's weights at on `device`
     (`precision.py`: the checkpoint's precision where the device computes at it). The checkpoint's
     dtype is the plan's model description's, else its config's (`dtype`, `torch_dtype`)."""
@@ -122,7 +122,7 @@ def weight_dtypes(root: Path, plan: dict, device) -> dict:
         config = read_json(root, plan["model"]["config"])
         stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     device = torch.device(device)
-    return held_dtypes(stored, ir.get("quantization", ""), device.type == "cuda", device_precision(device))
+    return held_dtypes(stored, ir.get("quantization", ""), device.type == "cuda", device_precision(device), expert_cache)
 
 
 def fp8_block(config: dict) -> tuple:
@@ -136,7 +136,7 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     """(RankModel with this rank's experts, TextCodec) for a bundle."""
     arch = architecture(plan)
     offload = plan.get("communication", {}).get("expert_cache")  # issue 13: experts stay in the shard until used
-    dtypes = weight_dtypes(root, plan, device)
+    dtypes = weight_dtypes(root, plan, device, expert_cache=bool(offload))
     dtype = torch_dtype(dtypes["dense"])
     weights = None if offload else read_rank_tensors(root, plan, rank)  # as stored; cast one by one as they load
     local: dict = {}
@@ -145,9 +145,9 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     config_path = root / plan["model"]["config"]
     config = json.loads(config_path.read_text())
     block = fp8_block(config) if dtypes["experts"] == FP8 else None
-    if block is not None and (arch == "tiny_moe" or offload):
-        raise BundleError(f"this runtime holds FP8 experts for transformers models without an expert cache; on this "
-                          f"FP8 device set {PRECISION_ENV}=bf16 to hold them at bfloat16")
+    if block is not None and arch == "tiny_moe":
+        raise BundleError(f"this runtime holds FP8 experts for transformers models only; on this FP8 device set "
+                          f"{PRECISION_ENV}=bf16 to hold them at bfloat16")
     if arch == "tiny_moe":
         model = build_tiny_moe(config_path, root / plan["model"]["source"]).to(dtype)
         max_positions, vocab, top_k = int(config["max_positions"]), int(config["vocab_size"]), int(config["top_k"])

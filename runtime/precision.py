@@ -55,17 +55,18 @@ def device_precision(device) -> str:
     return "bf16" if amx is not None and amx() else "fp32"
 
 
-def held_dtypes(stored: str, quantization: str, on_gpu: bool, precision: str) -> dict:
+def held_dtypes(stored: str, quantization: str, on_gpu: bool, precision: str, expert_cache: bool = False) -> dict:
     """{"dense": dtype name, "experts": dtype name} the runtime holds for a checkpoint whose weights
     are `stored` (the model's dtype) with `quantization` ("" or the importer's description, e.g.
-    "fp8 blocks 128x128", "mxfp4"), on a GPU or not, at the device's `precision` (table above)."""
+    "fp8 blocks 128x128", "mxfp4"), on a GPU or not, at the device's `precision` (table above).
+    With an `expert_cache` (offloading) FP8 experts are held at bfloat16: the cache's slots are not FP8."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     stored = str(stored).replace("torch.", "")
     if precision == "fp32" or ITEMSIZE.get(stored, 4) >= 4 and not quantization:
         return {"dense": "float32", "experts": "float32"}
     if quantization.startswith("fp8") or stored.startswith("float8"):
-        return {"dense": "bfloat16", "experts": FP8 if precision == "fp8" else "bfloat16"}
+        return {"dense": "bfloat16", "experts": FP8 if precision == "fp8" and not expert_cache else "bfloat16"}
     if stored == "float16" and on_gpu:
         return {"dense": "float16", "experts": "float16"}
     return {"dense": "bfloat16", "experts": "bfloat16"}
@@ -83,11 +84,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
 
-def model_weight_bytes(ir, on_gpu: bool, precision: str) -> dict:
+def model_weight_bytes(ir, on_gpu: bool, precision: str, expert_cache: bool = False) -> dict:
     """What a planned model's weights take as the runtime holds them: {"dense": bytes of the dense
     weights (every rank holds them), "expert": bytes of one routed expert, "dtypes": held_dtypes(...)}.
     `ir` is a ModelIR (read by attribute: dtype, quantization, dense_params, total_param_bytes, moe_stages)."""
-    dtypes = held_dtypes(ir.dtype, ir.quantization, on_gpu, precision)
+    dtypes = held_dtypes(ir.dtype, ir.quantization, on_gpu, precision, expert_cache)
     moe = ir.moe_stages
     routed = sum(s.num_experts * s.expert_param_bytes for s in moe)
     dense = held_bytes(ir.dense_params, ir.total_param_bytes - routed, ir.dtype, ir.quantization, dtypes["dense"])

@@ -172,3 +172,11 @@ def test_experts_the_runtime_cannot_hold_as_fp8_are_refused_in_one_line(tmp_path
     with pytest.raises(BundleError, match="holds FP8 experts for transformers' grouped experts modules only, not "
                                           "Llama4TextExperts; set MOEPLAN_WEIGHT_PRECISION=bf16"):
         load_bundle(tmp_path / "bundle", 0, 2, torch.device("cpu"), None)
+
+
+def test_an_expert_cache_holds_and_plans_fp8_experts_at_bf16():
+    from moeplan.runtime.precision import FP8, held_dtypes
+
+    assert held_dtypes("bfloat16", "fp8 blocks 128x128", True, "fp8")["experts"] == FP8
+    assert held_dtypes("bfloat16", "fp8 blocks 128x128", True, "fp8", expert_cache=True) == \
+        {"dense": "bfloat16", "experts": "bfloat16"}

@@ -89,7 +89,8 @@ def memory_budget(ir, kv_per_token: int, req: OffloadRequest, prefill_tokens: in
     from moeplan.core.ir import dtype_bytes
     from moeplan.runtime.precision import ITEMSIZE, model_weight_bytes
 
-    held = model_weight_bytes(ir, on_gpu=not req.hardware.device_is_host, precision=req.hardware.precision)
+    held = model_weight_bytes(ir, on_gpu=not req.hardware.device_is_host, precision=req.hardware.precision,
+                              expert_cache=True)
     per_element = ITEMSIZE[held["dtypes"]["dense"]] / dtype_bytes(ir.dtype)  # KV and activations at the dense dtype
     moe = ir.moe_stages
     expert_bytes = held["expert"]

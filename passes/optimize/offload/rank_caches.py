@@ -52,7 +52,8 @@ def runtime_expert_bytes(ir, hardware) -> int:
     (`runtime/precision.py: model_weight_bytes`, as the cache's capacity counts it)."""
     from moeplan.runtime.precision import model_weight_bytes
 
-    return model_weight_bytes(ir, on_gpu=not hardware.device_is_host, precision=hardware.precision)["expert"]
+    return model_weight_bytes(ir, on_gpu=not hardware.device_is_host, precision=hardware.precision,
+                              expert_cache=True)["expert"]
 
 
 def rank_keys(hosts: np.ndarray) -> list:
