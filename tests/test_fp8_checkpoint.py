@@ -180,3 +180,19 @@ def test_an_expert_cache_holds_and_plans_fp8_experts_at_bf16():
     assert held_dtypes("bfloat16", "fp8 blocks 128x128", True, "fp8")["experts"] == FP8
     assert held_dtypes("bfloat16", "fp8 blocks 128x128", True, "fp8", expert_cache=True) == \
         {"dense": "bfloat16", "experts": "bfloat16"}
+
+
+def test_e8m0_and_per_tensor_scales_dequantize():
+    q = torch.tensor([[1.0, -2.0], [0.5, 4.0]]).to(torch.float8_e4m3fn)
+    assert torch.equal(dequantize(q, torch.tensor([[130]], dtype=torch.uint8), (2, 2)), q.float() * 8)  # 2 ** (130 - 127)
+    assert torch.equal(dequantize(q, torch.tensor(0.5), None), q.float() * 0.5)
+
+
+def test_scales_that_do_not_fit_the_configs_block_are_refused_in_one_line(tmp_path):
+    directory = _fp8_model(tmp_path, "qwen3_moe")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [16, 16]  # the checkpoint's scales are per 8 x 8
+    (directory / "config.json").write_text(json.dumps(config))
+    result = _compile(directory, tmp_path / "bundle")
+    assert result.exit_code == 2 and result.output.strip().count("\n") == 0
+    assert "not one per 16x16 block; the config's quantization_config.weight_block_size does not fit" in result.output

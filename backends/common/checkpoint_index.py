@@ -20,6 +20,7 @@ MoE architecture the runtime runs. Anything else is refused with the reason.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -189,7 +190,21 @@ def fp8_scales(directory: Path, tensors: dict) -> Scales:
         qconfig = (json.loads(config.read_text()).get("quantization_config") or {}) if config.is_file() else {}
         block = qconfig.get("weight_block_size")
         scales.block = [int(b) for b in block] if block else None
+        for key, scale in scales.items():
+            _check_scale_grid(directory, key, tensors[key][1]["shape"], tensors[scale][1]["shape"], scales.block)
     return scales
+
+
+def _check_scale_grid(directory: Path, key: str, shape: list, scale_shape: list, block: list | None) -> None:
+    """A scale tensor covers its weight: one scale (per tensor), or one per block of `block` over the last two
+    dimensions (leading dimensions, a fused tensor's experts, alike)."""
+    if math.prod(scale_shape) == 1:
+        return
+    grid = None if block is None else [*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1])]
+    if list(scale_shape) != grid:
+        raise UserError(f"checkpoint tensor {key} in '{directory}' has shape {list(shape)} but its scale has "
+                        f"{list(scale_shape)}, not one per {'x'.join(map(str, block)) if block else '(no weight_block_size)'} "
+                        "block; the config's quantization_config.weight_block_size does not fit the checkpoint")
 
 
 def _check_shape(tensors: dict, key: str, shape: tuple, spec: str, scales: dict) -> None:
