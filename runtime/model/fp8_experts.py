@@ -35,7 +35,9 @@ def hold_fp8(module: nn.Module, params: list, block: tuple) -> None:
     module.__dict__["_moeplan_fp8_block"] = tuple(block)
     for p in params:
         w = getattr(module, p)
-        q, s = quantize(w.float(), block)
+        pieces = [quantize(w[e].float(), block) for e in range(w.shape[0])]  # one expert at a time: float32 of one
+        q = torch.stack([piece[0] for piece in pieces]) if pieces else torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+        s = torch.stack([piece[1] for piece in pieces]) if pieces else torch.empty(0, dtype=torch.float32)
         module.register_buffer(p + QUANT, q, persistent=False)
         module.register_buffer(p + SCALE, s, persistent=False)
         setattr(module, p, nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False))
