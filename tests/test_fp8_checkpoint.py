@@ -5,7 +5,10 @@ weights with `weight_scale_inv` block scales). Checked: the dequantization again
 (partial edge blocks included); a compiled bundle's shards hold exactly the weights transformers'
 own FP8 loader dequantizes to (`FineGrainedFP8Config(dequantize=True)`), for Qwen3-MoE and
 DeepSeek-V3; a `--weights reference` bundle reads the FP8 checkpoint at each rank and verifies at 2
-ranks under real torchrun; an FP8 tensor without its scale is refused in one line.
+ranks under real torchrun; an FP8 tensor without its scale, or scales off the config's block grid,
+are refused in one line. On an FP8 device (forced: MOEPLAN_WEIGHT_PRECISION=fp8) the ranks hold the
+experts as FP8 with block scales and generate the bfloat16-held run's tokens; experts the runtime
+cannot hold so are refused in one line, and an expert cache holds them at bfloat16.
 """
 import json
 from pathlib import Path
