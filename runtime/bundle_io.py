@@ -22,7 +22,8 @@ import torch
 from .checkpoint_reader import (CheckpointError, check_checkpoint, checkpoint_directory, read_header, read_part,
                                 read_reference_shard)
 from .ep.expert_table import ExpertTable
-from .model.library_model import ModelError, RankModel, build_tiny_moe, build_transformers, transformers_top_k
+from .model.library_model import (ModelError, RankModel, build_tiny_moe, build_transformers, expert_tensor_names,
+                                  transformers_top_k)
 from .precision import FP8, PRECISION_ENV, device_precision, held_dtypes, torch_dtype
 from .text_codec import TextCodec
 
@@ -75,8 +76,9 @@ def check_library(plan: dict) -> None:
                           f"installed; pip install -r requirements.txt (transformers=={pinned})")
 
 
-def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = False) -> dict:
-    """The tensors of `rank`'s shard or reference index, as stored (dense weights, gates, its experts)."""
+def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = False, keep_fp8=None) -> dict:
+    """The tensors of `rank`'s shard or reference index, as stored (dense weights, gates, its experts);
+    from a reference index, those `keep_fp8(name)` names as the checkpoint's FP8 values and scales."""
     path = root / plan["shards"][rank]
     if not path.is_file():
         raise BundleError(f"shard '{path}' for rank {rank} is missing; re-run 'moeplan compile'")
@@ -87,7 +89,7 @@ def read_rank_tensors(root: Path, plan: dict, rank: int, full_check: bool = Fals
         raise BundleError(f"shard '{path}' is a checkpoint index but plan.json names no checkpoint; recompile the bundle")
     directory = checked_checkpoint_directory(root, plan, full=full_check)
     try:
-        return read_reference_shard(directory, path)
+        return read_reference_shard(directory, path, keep_fp8)
     except CheckpointError as exc:
         raise BundleError(str(exc)) from None
 
@@ -138,7 +140,6 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     offload = plan.get("communication", {}).get("expert_cache")  # issue 13: experts stay in the shard until used
     dtypes = weight_dtypes(root, plan, device, expert_cache=bool(offload))
     dtype = torch_dtype(dtypes["dense"])
-    weights = None if offload else read_rank_tensors(root, plan, rank)  # as stored; cast one by one as they load
     local: dict = {}
     for layer, expert in table.experts_on(rank):
         local.setdefault(layer, []).append(expert)
@@ -148,6 +149,7 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
     if block is not None and arch == "tiny_moe":
         raise BundleError(f"this runtime holds FP8 experts for transformers models only; on this FP8 device set "
                           f"{PRECISION_ENV}=bf16 to hold them at bfloat16")
+    keep_fp8 = None
     if arch == "tiny_moe":
         model = build_tiny_moe(config_path, root / plan["model"]["source"]).to(dtype)
         max_positions, vocab, top_k = int(config["max_positions"]), int(config["vocab_size"]), int(config["top_k"])
@@ -159,6 +161,10 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
         max_positions, vocab = int(getattr(text, "max_position_embeddings", 1 << 30)), int(text.vocab_size)
         top_k = transformers_top_k(text)
         codec = TextCodec(config_path.parent / "tokenizer.json", vocab)
+        if block is not None:  # a reference index gives the checkpoint's own FP8 experts and scales
+            keep_fp8 = set(expert_tensor_names(model))
+            keep_fp8 = keep_fp8.__contains__
+    weights = None if offload else read_rank_tensors(root, plan, rank, keep_fp8=keep_fp8)  # cast one by one as they load
     if offload:
         from .offload.expert_cache import offloaded_rank_model
 

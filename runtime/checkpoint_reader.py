@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .fp8_blocks import FP8_DTYPES, dequantize
+from .fp8_blocks import FP8_DTYPES, SCALE_SUFFIX, dequantize
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, **FP8_DTYPES}
@@ -194,7 +194,41 @@ def check_checkpoint(directory: Path, reference: dict, full: bool) -> None:
                                   "differs); restore it or recompile the bundle with --weights reference")
 
 
-def read_reference_shard(directory: Path, index_path: Path) -> dict:
-    """{bundle tensor name: tensor} of one rank's reference index, read from the checkpoint."""
+def read_recipe_fp8(directory: Path, recipe: dict) -> tuple | None:
+    """(FP8 values, their block scales) of a recipe whose every part is FP8 on one block grid, its parts
+    joined along `cat_dim` on block boundaries: the checkpoint's own bytes and scales; None where that
+    does not hold (then `read_recipe` dequantizes)."""
+    parts = recipe["parts"]
+    blocks = {tuple(p["scale"]["block"]) if p.get("scale") and p["scale"].get("block") else None for p in parts}
+    if len(blocks) != 1 or None in blocks or len(recipe["shape"]) != 2:
+        return None
+    block, dim = next(iter(blocks)), int(recipe.get("cat_dim") or 0)
+    qs, ss = [], []
+    for part in parts:
+        _, start, stop, shape, _, yields = _part_layout(directory, part)
+        if len(yields) != 2 or (len(shape) == 2 and part.get("rows") is not None) \
+                or (len(parts) > 1 and yields[dim] % block[dim]):
+            return None
+        with safe_open(str(Path(directory) / part["file"]), framework="pt") as fh:
+            q = fh.get_slice(part["tensor"])[start:stop]
+        with safe_open(str(Path(directory) / part["scale"]["file"]), framework="pt") as fh:
+            s = fh.get_slice(part["scale"]["tensor"])
+            s = s[start:stop] if len(shape) == 3 else s[:]
+        qs.append(q.reshape(yields))
+        ss.append(s.reshape(s.shape[-2:]))
+    q, s = torch.cat(qs, dim), torch.cat(ss, dim) if len({s.dtype for s in ss}) == 1 else None
+    return (q, s) if s is not None and list(q.shape) == list(recipe["shape"]) else None
+
+
+def read_reference_shard(directory: Path, index_path: Path, keep_fp8=None) -> dict:
+    """{bundle tensor name: tensor} of one rank's reference index, read from the checkpoint; tensors
+    `keep_fp8(name)` names stay FP8 where the checkpoint stores them so, beside `<name>_scale_inv`."""
     index = json.loads(Path(index_path).read_text())
-    return {name: read_recipe(directory, recipe) for name, recipe in sorted(index["tensors"].items())}
+    out = {}
+    for name, recipe in sorted(index["tensors"].items()):
+        pair = read_recipe_fp8(directory, recipe) if keep_fp8 is not None and keep_fp8(name) else None
+        if pair is None:
+            out[name] = read_recipe(directory, recipe)
+        else:
+            out[name], out[name + SCALE_SUFFIX] = pair
+    return out

@@ -7,7 +7,8 @@ own FP8 loader dequantizes to (`FineGrainedFP8Config(dequantize=True)`), for Qwe
 DeepSeek-V3; a `--weights reference` bundle reads the FP8 checkpoint at each rank and verifies at 2
 ranks under real torchrun; an FP8 tensor without its scale, or scales off the config's block grid,
 are refused in one line. On an FP8 device (forced: MOEPLAN_WEIGHT_PRECISION=fp8) the ranks hold the
-experts as FP8 with block scales and generate the bfloat16-held run's tokens; experts the runtime
+experts as FP8 with block scales (from a reference bundle the checkpoint's own bytes and scales)
+and generate the bfloat16-held run's tokens; experts the runtime
 cannot hold so are refused in one line, and an expert cache holds them at bfloat16.
 """
 import json
@@ -199,3 +200,32 @@ def test_scales_that_do_not_fit_the_configs_block_are_refused_in_one_line(tmp_pa
     result = _compile(directory, tmp_path / "bundle")
     assert result.exit_code == 2 and result.output.strip().count("\n") == 0
     assert "not one per 16x16 block; the config's quantization_config.weight_block_size does not fit" in result.output
+
+
+def test_a_reference_bundle_on_an_fp8_device_holds_the_checkpoints_own_fp8_bytes_and_scales(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from moeplan.runtime.bundle_io import load_bundle
+
+    directory = _fp8_model(tmp_path, "qwen3_moe")
+    bundle = tmp_path / "bundle"
+    assert _compile(directory, bundle, "--weights", "reference").exit_code == 0
+    monkeypatch.setenv("MOEPLAN_WEIGHT_PRECISION", "fp8")
+    model = load_bundle(bundle, 1, 2, torch.device("cpu"), None)[3]
+    checkpoint = load_file(directory / "model.safetensors")
+    for adapter in model.adapters:
+        held = adapter.library_experts
+        for i, e in enumerate(adapter.local):
+            name = f"model.layers.{adapter.layer}.mlp.experts.{e}"
+            values = torch.cat([checkpoint[f"{name}.gate_proj.weight"], checkpoint[f"{name}.up_proj.weight"]])
+            scales = torch.cat([checkpoint[f"{name}.gate_proj.weight_scale_inv"], checkpoint[f"{name}.up_proj.weight_scale_inv"]])
+            assert torch.equal(held.gate_up_proj_fp8[i].view(torch.uint8), values.view(torch.uint8))
+            assert torch.equal(held.gate_up_proj_fp8_scale_inv[i], scales)
+            assert torch.equal(held.down_proj_fp8[i].view(torch.uint8), checkpoint[f"{name}.down_proj.weight"].view(torch.uint8))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
+    result = CliRunner().invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "3", "--prompts",
+                                       str(prompts), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert report["verified"] and report["expert_weight_dtype"] == "float8_e4m3fn"

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..fp8_blocks import SCALE_SUFFIX
 from .moe_adapter import ModelError, MoEAdapter, find_containers
 
 ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn", "norm_attn_norm.attn")
@@ -123,6 +124,16 @@ def _first_submodule(layer, names):
     return None
 
 
+def _expert_names(containers: list) -> list:
+    return [f"{c.path}.{e}.{p}" for c in containers for e in range(c.num_experts) for p, _ in c.params]
+
+
+def expert_tensor_names(model) -> list:
+    """Bundle names `<container>.<e>.<param>` of a library model's per-expert tensors (`moe_adapter`)."""
+    prefix, layers = decoder_layers(model)
+    return _expert_names(find_containers(layers, prefix))
+
+
 class RankModel:
     """A library model holding this rank's experts, with the engine's hook points."""
 
@@ -132,9 +143,10 @@ class RankModel:
         self.model, self.kind, self.max_positions = model, kind, max_positions
         prefix, self.layers = decoder_layers(model)
         self.containers = find_containers(self.layers, prefix)
-        expert_names = {f"{c.path}.{e}.{p}" for c in self.containers for e in range(c.num_experts) for p, _ in c.params}
+        expert_names = set(_expert_names(self.containers))
         if kind == "tiny_moe":
             expert_names = {f"{c.path}.{p}" for c in self.containers for p, _ in c.params}
+        expert_names |= {n + SCALE_SUFFIX for n in expert_names}  # an expert's FP8 scales (`fp8_experts.py`)
         dense = {k: v for k, v in weights.items() if k not in expert_names}
         missing, unexpected = _load_dense(model, dense, self.containers, kind)
         if unexpected:

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..fp8_blocks import SCALE_SUFFIX, dequantize
 from .fp8_experts import fp8_supported, hold_fp8, holds_fp8, touched_experts
 from .grouped_experts import ExpertGroups, gated_experts, grouped_linear, stacked_expert_weights
 
@@ -207,8 +208,12 @@ class MoEAdapter:
             self.block.experts = kept
             return
         owner = _module(root, c.path)
+        given = self._fp8_pairs(weights) if self.fp8_block is not None else {}
         for p, shape in c.params:
             dtype = owner.get_parameter(p).dtype  # as the library module was built (`precision.py`)
+            if p in given:  # the checkpoint's own FP8 values and scales (a reference bundle): held as they are
+                self._set_param(owner, p, torch.empty(0, dtype=dtype))
+                continue
             if n:  # each expert cast as it is stacked, then freed
                 stacked = torch.stack([weights.pop(f"{c.path}.{e}.{p}").to(dtype) for e in self.local])
             else:
@@ -222,7 +227,22 @@ class MoEAdapter:
             if not fp8_supported(c, owner):
                 raise ModelError(f"this runtime holds FP8 experts for transformers' grouped experts modules only, not "
                                  f"{type(owner).__name__}; set MOEPLAN_WEIGHT_PRECISION=bf16 to hold them at bfloat16")
-            hold_fp8(owner, [p for p, shape in c.params if len(shape) == 3], self.fp8_block)
+            hold_fp8(owner, [p for p, shape in c.params if len(shape) == 3], self.fp8_block, given)
+
+    def _fp8_pairs(self, weights: dict) -> dict:
+        """{param: (FP8 values [n, N, K], scales [n, ...])} of the params whose every local expert arrived as
+        FP8 beside its scales; a param only some of whose experts did has those dequantized in `weights`."""
+        c, given = self.container, {}
+        for p, _ in c.params:
+            names = [f"{c.path}.{e}.{p}" for e in self.local]
+            if names and all(name + SCALE_SUFFIX in weights for name in names):
+                given[p] = (torch.stack([weights.pop(name) for name in names]),
+                            torch.stack([weights.pop(name + SCALE_SUFFIX) for name in names]))
+                continue
+            for name in names:
+                if name + SCALE_SUFFIX in weights:
+                    weights[name] = dequantize(weights[name], weights.pop(name + SCALE_SUFFIX), self.fp8_block)
+        return given
 
     @staticmethod
     def _set_param(owner, p: str, tensor) -> None:
