@@ -36,6 +36,8 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple | None) ->
     if tuple(s.shape[-2:]) != grid or s.shape[:-2] != w.shape[:-2]:
         raise ValueError(f"FP8 scales of shape {list(s.shape)} do not cover weights {list(w.shape)} in blocks of {bn}x{bk} "
                          f"(expected [..., {grid[0]}, {grid[1]}])")
+    if n % bn == 0 and k % bk == 0:  # whole blocks (real checkpoints): scales broadcast, never expanded
+        return w.view(*w.shape[:-2], grid[0], bn, grid[1], bk).mul_(s[..., :, None, :, None]).view(w.shape)
     expanded = s.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return w.mul_(expanded)
 
