@@ -162,8 +162,7 @@ def build_rank_model(root: Path, plan: dict, rank: int, table, device) -> tuple:
         top_k = transformers_top_k(text)
         codec = TextCodec(config_path.parent / "tokenizer.json", vocab)
         if block is not None:  # a reference index gives the checkpoint's own FP8 experts and scales
-            keep_fp8 = set(expert_tensor_names(model))
-            keep_fp8 = keep_fp8.__contains__
+            keep_fp8 = set(expert_tensor_names(model)).__contains__
     weights = None if offload else read_rank_tensors(root, plan, rank, keep_fp8=keep_fp8)  # cast one by one as they load
     if offload:
         from .offload.expert_cache import offloaded_rank_model

@@ -124,16 +124,20 @@ def read_part(directory: Path, part: dict, out: torch.Tensor | None = None, file
     return out
 
 
+def _read_scale(part: dict, opener, start: int, stop: int, shape: list) -> torch.Tensor:
+    """An FP8 part's scales, whole (one value per block: small); a fused [E, N, K]'s rows [start, stop) of [E, ...]."""
+    with opener(part["scale"]["file"]) as fh:
+        s = fh.get_slice(part["scale"]["tensor"])
+        return s[start:stop] if len(shape) == 3 and len(s.get_shape()) == 3 else s[:]
+
+
 def _read_fp8_part(part: dict, out: torch.Tensor, opener, start: int, stop: int, shape: list) -> torch.Tensor:
     """An FP8 part dequantized into `out` (cast as it is copied): a 2-D weight in runs of whole
     scale blocks of at most about CHUNK_BYTES at float32; one expert of a fused [E, N, K] with its
     scales' rows [start, stop) of [E, ...]."""
-    scale = part["scale"]
-    block = scale.get("block")
+    block = part["scale"].get("block")
     dest = out.unsqueeze(0) if part.get("squeeze") else out
-    with opener(scale["file"]) as fh:
-        s = fh.get_slice(scale["tensor"])
-        s = s[start:stop] if len(shape) == 3 and len(s.get_shape()) == 3 else s[:]  # one value per block: small
+    s = _read_scale(part, opener, start, stop, shape)
     if len(shape) != 2 or block is None:
         with opener(part["file"]) as fh:
             q = fh.get_slice(part["tensor"])[start:stop]
@@ -203,21 +207,21 @@ def read_recipe_fp8(directory: Path, recipe: dict) -> tuple | None:
     if len(blocks) != 1 or None in blocks or len(recipe["shape"]) != 2:
         return None
     block, dim = next(iter(blocks)), int(recipe.get("cat_dim") or 0)
+    opener = _opener(directory, None)
     qs, ss = [], []
     for part in parts:
         _, start, stop, shape, _, yields = _part_layout(directory, part)
         if len(yields) != 2 or (len(shape) == 2 and part.get("rows") is not None) \
                 or (len(parts) > 1 and yields[dim] % block[dim]):
             return None
-        with safe_open(str(Path(directory) / part["file"]), framework="pt") as fh:
-            q = fh.get_slice(part["tensor"])[start:stop]
-        with safe_open(str(Path(directory) / part["scale"]["file"]), framework="pt") as fh:
-            s = fh.get_slice(part["scale"]["tensor"])
-            s = s[start:stop] if len(shape) == 3 else s[:]
-        qs.append(q.reshape(yields))
+        with opener(part["file"]) as fh:
+            qs.append(fh.get_slice(part["tensor"])[start:stop].reshape(yields))
+        s = _read_scale(part, opener, start, stop, shape)
         ss.append(s.reshape(s.shape[-2:]))
-    q, s = torch.cat(qs, dim), torch.cat(ss, dim) if len({s.dtype for s in ss}) == 1 else None
-    return (q, s) if s is not None and list(q.shape) == list(recipe["shape"]) else None
+    if len({s.dtype for s in ss}) != 1:
+        return None
+    q = torch.cat(qs, dim)
+    return (q, torch.cat(ss, dim)) if list(q.shape) == list(recipe["shape"]) else None
 
 
 def read_reference_shard(directory: Path, index_path: Path, keep_fp8=None) -> dict:

@@ -67,6 +67,16 @@ def _compile(model_dir: Path, out: Path, *extra) -> object:
                                      *extra])
 
 
+def _verify(bundle: Path, tmp_path: Path, *extra) -> dict:
+    """`moeplan run --verify` of two prompts at 2 ranks (real torchrun): its JSON report."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
+    result = CliRunner().invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--prompts", str(prompts), "--json",
+                                       *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_an_fp8_bundle_holds_the_weights_transformers_dequantizes_to(tmp_path, arch):
     import transformers
@@ -104,12 +114,7 @@ def test_a_reference_bundle_reads_the_fp8_checkpoint_at_each_rank_and_verifies(t
     assert part["scale"] == {"file": "model.safetensors", "block": [8, 8],
                              "tensor": "model.layers.0.block_sparse_moe.experts.7.w1.weight_scale_inv"}
     assert not list(bundle.rglob("*.safetensors"))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
-    result = CliRunner().invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "3", "--prompts",
-                                       str(prompts), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output.strip().splitlines()[-1])
+    report = _verify(bundle, tmp_path, "--new-tokens", "3")
     assert report["verified"] and report["tokens_match"] and report["max_abs_logit_diff"] <= 1e-4
 
 
@@ -151,15 +156,10 @@ def test_an_fp8_device_holds_the_experts_as_fp8_and_verifies_at_two_ranks(tmp_pa
     assert held and all(m.gate_up_proj.numel() == 0 and m.down_proj.numel() == 0 for m in held)
     assert all(m.gate_up_proj_fp8.dtype == torch.float8_e4m3fn and m.gate_up_proj_fp8.shape[0] == 4 for m in held)
     assert model.expert_weight_dtype == "float8_e4m3fn" and model.weight_dtype == "bfloat16"
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
     reports = {}
     for precision in ("fp8", "bf16"):
         monkeypatch.setenv("MOEPLAN_WEIGHT_PRECISION", precision)
-        result = CliRunner().invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "4",
-                                           "--prompts", str(prompts), "--json", "--results", str(tmp_path / precision)])
-        assert result.exit_code == 0, result.output
-        reports[precision] = json.loads(result.output.strip().splitlines()[-1])
+        reports[precision] = _verify(bundle, tmp_path, "--new-tokens", "4", "--results", str(tmp_path / precision))
     fp8_run, bf16_run = reports["fp8"], reports["bf16"]
     assert fp8_run["verified"] and fp8_run["expert_weight_dtype"] == "float8_e4m3fn"
     assert bf16_run["expert_weight_dtype"] == bf16_run["weight_dtype"] == "bfloat16"
@@ -222,10 +222,5 @@ def test_a_reference_bundle_on_an_fp8_device_holds_the_checkpoints_own_fp8_bytes
             assert torch.equal(held.gate_up_proj_fp8[i].view(torch.uint8), values.view(torch.uint8))
             assert torch.equal(held.gate_up_proj_fp8_scale_inv[i], scales)
             assert torch.equal(held.down_proj_fp8[i].view(torch.uint8), checkpoint[f"{name}.down_proj.weight"].view(torch.uint8))
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("ids: 5 9 11 3\nids: 60 12 33\n")
-    result = CliRunner().invoke(main, ["run", str(bundle), "--verify", "--nproc", "2", "--new-tokens", "3", "--prompts",
-                                       str(prompts), "--json"])
-    assert result.exit_code == 0, result.output
-    report = json.loads(result.output.strip().splitlines()[-1])
+    report = _verify(bundle, tmp_path, "--new-tokens", "3")
     assert report["verified"] and report["expert_weight_dtype"] == "float8_e4m3fn"

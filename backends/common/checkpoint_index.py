@@ -140,7 +140,7 @@ def checkpoint_entries(directory: Path, model, containers: list, spec: str) -> t
             c, p = per_expert[lib]
             one = expert_shape(shape, c.num_experts)
             if source is not None:  # fused in the checkpoint too: rows of it
-                _check_shape(tensors, source, shape, spec, scales)
+                _check_shape(tensors, source, shape, spec)
                 rows = per_expert_rows(shape, c.num_experts)
                 if source in scales and shape[0] != c.num_experts and scales.block and rows % scales.block[0]:
                     raise UserError(f"cannot stream '{spec}': an expert's {rows} rows of FP8 tensor {source} do not fall on "
@@ -164,7 +164,7 @@ def checkpoint_entries(directory: Path, model, containers: list, spec: str) -> t
             what = "a converted tensor" if lib in fused else "no tensor"
             raise UserError(f"the checkpoint in '{directory}' has {what} for {lib}; moeplan streams dense tensors only as "
                             "they are stored (does the checkpoint fit the model in its config?)")
-        _check_shape(tensors, source, shape, spec, scales)
+        _check_shape(tensors, source, shape, spec)
         add(lib, lib, shape, True, shape, dtype, [part(source)])
     return entries, tensors
 
@@ -207,9 +207,8 @@ def _check_scale_grid(directory: Path, key: str, shape: list, scale_shape: list,
                         "block; the config's quantization_config.weight_block_size does not fit the checkpoint")
 
 
-def _check_shape(tensors: dict, key: str, shape: tuple, spec: str, scales: dict) -> None:
+def _check_shape(tensors: dict, key: str, shape: tuple, spec: str) -> None:
     stored = tuple(tensors[key][1]["shape"])
-    dtype = tensors[key][1]["dtype"]
-    if stored != shape or dtype not in DTYPES or dtype in FP8_DTYPES and key not in scales:
+    if stored != shape or tensors[key][1]["dtype"] not in DTYPES:  # FP8 ones have their scales (`fp8_scales`)
         raise UserError(f"checkpoint tensor {key} of '{spec}' has shape {list(stored)} ({tensors[key][1]['dtype']}), the "
                         f"model in its config expects {list(shape)}; the checkpoint does not fit its config")
