@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..fp8_blocks import SCALE_SUFFIX
+from . import grouped_attention
 from .moe_adapter import ModelError, MoEAdapter, find_containers
 
 ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn", "norm_attn_norm.attn")
@@ -29,7 +30,7 @@ def transformers_config(config_dir: Path):
 
     transformers.utils.logging.set_verbosity_error()
     config = transformers.AutoConfig.from_pretrained(str(config_dir))
-    config._attn_implementation = "eager"
+    config._attn_implementation = grouped_attention.register()
     config._experts_implementation = "eager"
     return config
 
