@@ -22,7 +22,7 @@ OPTIONS = dict(a.split("=", 1) for a in sys.argv[4:])
 sys.path.insert(0, str(BUNDLE))
 
 from runtime.serving.contract import GenerationRequest, Overloaded, SamplingParams, Unavailable  # noqa: E402
-import runtime.serving.ranks as ranks  # noqa: E402
+import runtime.serving.engine_start as engine_start  # noqa: E402
 from runtime.serving.ranks import serve_bundle  # noqa: E402
 
 RANK = int(os.environ["RANK"])
@@ -81,8 +81,11 @@ class Collector:
 
 
 def cpu_seconds(pid: int) -> float:
+    """utime + stime of the process and of its child processes (rank 0's engine process)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return own + sum(cpu_seconds(c) for c in children)
 
 
 def request(rid, prompt, max_tokens, temperature=0.0, seed=None, top_p=1.0, top_k=0, stop=(), ignore_eos=False):
@@ -205,7 +208,7 @@ def fault_front(client, plan, codec) -> int:
     return 1
 
 
-class KeptWorker(ranks.BatchWorker):
+class KeptWorker(engine_start.BatchWorker):
     """The service's own worker, kept so that its expert cache's counters and request log can be
     written after the service ends (`cache_log=1`: OUT/expert-cache-RANK.pt, `ExpertCache.record`)."""
     made = []
@@ -218,9 +221,10 @@ class KeptWorker(ranks.BatchWorker):
 if __name__ == "__main__":
     front = {"engine": engine_front, "exact": exact_front, "fault": fault_front}[SCENARIO]
     number = lambda k: int(OPTIONS[k]) if k in OPTIONS else None
-    ranks.BatchWorker = KeptWorker
+    engine_start.BatchWorker = KeptWorker
     code = serve_bundle(BUNDLE, front, mode=OPTIONS.get("mode"), context=OPTIONS.get("context", "auto"),
-                        max_sequences=number("max_sequences"), max_waiting=number("max_waiting"))
+                        max_sequences=number("max_sequences"), max_waiting=number("max_waiting"),
+                        engine_thread=OPTIONS.get("cache_log") == "1")  # rank 0's worker stays in this process
     if OPTIONS.get("cache_log") == "1":
         import torch
         torch.save(KeptWorker.made[0].engine.model.expert_cache.record(), OUT / f"expert-cache-{RANK}.pt")

@@ -19,7 +19,7 @@ from moeplan.runtime.serving.contract import (FINISH_ABORT, FINISH_ERROR, FINISH
                                                        GenerationRequest, InvalidRequest, Overloaded, RequestTooLong,
                                                        SamplingParams, Unavailable)
 from moeplan.runtime.serving.scheduler import Limits, Scheduler
-from moeplan.runtime.serving.ranks import limits_for
+from moeplan.runtime.serving.engine_start import limits_for
 from moeplan.runtime.serving.row_cache import RowCache
 from moeplan.runtime.serving.sampler import Sampler, filtered_probs
 from moeplan.runtime.serving.step_plan import HEARTBEAT, STEP, STOP, Admission, StepPlan

@@ -1,6 +1,6 @@
 """The step loops: rank 0 plans and broadcasts each step, every rank runs it.
 
-Rank 0 (`run_leader`, in a thread beside the HTTP front): `Scheduler.next_plan` (sleeps on a
+Rank 0 (`run_leader`, in rank 0's engine process, `engine_process.py`, or a thread beside the front): `Scheduler.next_plan` (sleeps on a
 condition while idle), broadcast, `BatchWorker.step`, events. Other ranks (`run_follower`, their
 main thread): receive the plan (a blocking gloo broadcast: no spinning while idle), run the step.
 While idle, rank 0 broadcasts a HEARTBEAT every `heartbeat_s` (world > 1), so an idle rank's

@@ -8,7 +8,7 @@ FastAPI's validation layer is not needed: requests are checked by api_request.py
 Lambda front reuses without any framework.
 
 `run_http` is what the rank entry point (`runtime/serve.py --serve`) calls on rank 0, in the main
-thread, while the engine loop runs in another thread. It binds the port at once, prints exactly
+thread, while the engine loop runs in rank 0's engine process (`engine_process.py`). It binds the port at once, prints exactly
 one line `serving on http://HOST:PORT` when the socket listens and the engine is healthy, and owns
 SIGTERM/SIGINT on rank 0:
 * first signal: `client.drain()`; /health and new requests answer 503; the requests in flight

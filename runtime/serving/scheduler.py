@@ -1,8 +1,9 @@
 """Rank 0's scheduler, the `EngineClient` (contract.py) the front talks to: the bounded queue,
 admission, cancellation, the step plans and the token events.
 
-Two threads meet here: the front's (submit, cancel, drain, metrics) and the engine loop's
-(`next_plan` before each step, `on_tokens` after it). They share one lock; the loop sleeps on a
+Two threads meet here: the front's (submit, cancel, drain, metrics) and the engine loop's, or the
+relay of rank 0's engine process (`engine_process.py`) (`next_plan` before each step, `on_tokens`
+after it). They share one lock; the loop sleeps on a
 condition while there is nothing to run (no busy-waiting), and wakes at once on a submit, a
 cancel, a drain or a shutdown, or after `heartbeat_s` to send a heartbeat plan (world > 1).
 Sinks are called from the loop's thread, outside the lock, one event at a time in token order.
@@ -39,11 +40,12 @@ class Limits:
 
 
 class _Live:
-    __slots__ = ("request", "sink", "seq", "owner", "generated", "stops")
+    __slots__ = ("request", "sink", "seq", "owner", "generated", "stops", "plan")
 
     def __init__(self, request: GenerationRequest, sink):
         self.request, self.sink = request, sink
         self.seq, self.owner, self.generated = -1, -1, 0
+        self.plan = 0  # the number of the plan that admits it
         self.stops = frozenset() if request.ignore_eos else frozenset(int(t) for t in request.stop_token_ids)
 
 
@@ -162,13 +164,16 @@ class Scheduler:
         with self._lock:
             self._alive = True
 
-    def next_plan(self, heartbeat_s: float | None) -> StepPlan:
-        """The next step's plan; sleeps while there is nothing to run (a HEARTBEAT after heartbeat_s)."""
+    def next_plan(self, heartbeat_s: float | None, wait: bool = True, pending: list | None = None) -> StepPlan | None:
+        """The next step's plan; sleeps while there is nothing to run (a HEARTBEAT after heartbeat_s).
+        `wait=False`: None at once when there is nothing to run; its events (aborts) are then appended
+        to `pending`, after the events the caller has yet to deliver, when given."""
         while True:
             events, plan = [], None
             with self._lock:
                 plan = self._plan_locked(events)
-                if plan is None and not events and not self._wake.wait(timeout=heartbeat_s) and heartbeat_s is not None:
+                if plan is None and not events and wait and not self._wake.wait(timeout=heartbeat_s) \
+                        and heartbeat_s is not None:
                     plan = StepPlan(HEARTBEAT)
                 if plan is not None:
                     self._plans += 1
@@ -177,8 +182,11 @@ class Scheduler:
                     now = time.monotonic()
                     if now - self._stats_at >= STATS_INTERVAL_S:
                         plan.gather_stats, self._stats_at = True, now
-            self._deliver(events)  # aborts, outside the lock
-            if plan is not None:
+            if pending is not None and not wait:
+                pending.extend(events)
+            else:
+                self.deliver(events)  # aborts, outside the lock
+            if plan is not None or not wait:
                 return plan
 
     def _plan_locked(self, events: list) -> StepPlan | None:
@@ -216,6 +224,7 @@ class Scheduler:
 
     def _admit(self, live: _Live) -> Admission:
         live.seq, self._next_seq = self._next_seq, self._next_seq + 1
+        live.plan = self._plans + 1  # the number next_plan gives the plan being made
         live.owner = 0 if self.coherent else min(range(self.world), key=lambda r: (self._load[r], r))
         self._load[live.owner] += 1
         self._running[live.seq] = live
@@ -223,7 +232,7 @@ class Scheduler:
         seed = s.seed if s.seed is not None else self._seeds.getrandbits(62)
         top_k = int(s.top_k) if s.top_k and s.top_k > 0 else 0
         return Admission(live.seq, live.owner, tuple(int(t) for t in live.request.prompt_ids), int(seed),
-                         float(s.temperature), float(s.top_p), top_k)
+                         float(s.temperature), float(s.top_p), top_k, int(live.request.max_tokens))
 
     def _end_running(self, live: _Live) -> None:
         self._running.pop(live.seq, None)
@@ -231,13 +240,21 @@ class Scheduler:
 
     def on_tokens(self, tokens: dict) -> None:
         """After a step: one new token per running sequence -> events; finished ones leave next step."""
+        self.deliver(self.record_tokens(tokens))
+
+    def record_tokens(self, tokens: dict, applied: int | None = None) -> list:
+        """on_tokens without calling the sinks: the (sink, event) pairs, for `deliver`. `applied`: the
+        number of the last plan the step had applied (the engine process runs ahead of its plans,
+        `engine_process.py`): sequences admitted by later plans had no row in it yet, and tokens of
+        sequences that already left are not theirs any more."""
         now = time.monotonic()
         events = []
         with self._lock:
-            missing = [s for s in self._running if s not in tokens]
+            ran = [(s, l) for s, l in self._running.items() if applied is None or l.plan <= applied]
+            missing = [s for s, _ in ran if s not in tokens]
             if missing:
                 raise RuntimeError(f"the step produced no token for sequences {missing[:5]}")
-            for seq, live in list(self._running.items()):
+            for seq, live in ran:
                 token, request = tokens[seq], live.request
                 emit, finish = token_outcome(token, live.stops, live.generated, request.max_tokens)
                 live.generated += emit
@@ -247,7 +264,7 @@ class Scheduler:
                     self._by_id.pop(request.request_id, None)
                     self._finished.append(seq)
                     self._done_times.append(now)
-        self._deliver(events)
+        return events
 
     def set_stats(self, stats: list) -> None:
         vectors = [v.tolist() for v in stats]
@@ -263,7 +280,7 @@ class Scheduler:
             lives = list(self._running.values()) + list(self._waiting)
             self._running.clear(), self._waiting.clear(), self._by_id.clear()
             self._wake.notify_all()
-        self._deliver([(l.sink, TokenEvent(l.request.request_id, -1, FINISH_ERROR, error=error, time_s=now))
+        self.deliver([(l.sink, TokenEvent(l.request.request_id, -1, FINISH_ERROR, error=error, time_s=now))
                        for l in lives])
 
     @property
@@ -272,7 +289,7 @@ class Scheduler:
             return self._failed
 
     @staticmethod
-    def _deliver(events: list) -> None:
+    def deliver(events: list) -> None:
         for sink, event in events:
             try:
                 sink(event)

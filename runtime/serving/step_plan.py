@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 STEP, HEARTBEAT, STOP = 1, 2, 3
 HEADER = 6  # kind, admissions, departures, gather stats, payload length, plan number
-ADMISSION_FIELDS = 7  # seq, owner, seed, temperature, top_p, top_k, prompt length (then the prompt)
+ADMISSION_FIELDS = 8  # seq, owner, seed, temperature, top_p, top_k, max_tokens, prompt length (then the prompt)
 
 
 def _f2i(x: float) -> int:
@@ -39,6 +39,7 @@ class Admission:
     temperature: float
     top_p: float
     top_k: int
+    max_tokens: int = 0  # the request's token budget (0: not given); rank 0's engine process runs ahead within it
 
     @property
     def sampling(self) -> tuple:
@@ -57,7 +58,8 @@ class StepPlan:
         """(header [HEADER] int64, payload [n] int64)."""
         payload = list(self.depart)
         for a in self.admit:
-            payload += [a.seq, a.owner, a.seed, _f2i(a.temperature), _f2i(a.top_p), a.top_k, len(a.prompt), *a.prompt]
+            payload += [a.seq, a.owner, a.seed, _f2i(a.temperature), _f2i(a.top_p), a.top_k, a.max_tokens, len(a.prompt),
+                        *a.prompt]
         header = [self.kind, len(self.admit), len(self.depart), int(self.gather_stats), len(payload), self.number]
         return torch.tensor(header, dtype=torch.int64), torch.tensor(payload, dtype=torch.int64)
 
@@ -68,9 +70,10 @@ class StepPlan:
         depart, at = values[:n_depart], n_depart
         admit = []
         for _ in range(n_admit):
-            seq, owner, seed, temperature, top_p, top_k, n = values[at:at + ADMISSION_FIELDS]
+            seq, owner, seed, temperature, top_p, top_k, max_tokens, n = values[at:at + ADMISSION_FIELDS]
             at += ADMISSION_FIELDS
-            admit.append(Admission(seq, owner, tuple(values[at:at + n]), seed, _i2f(temperature), _i2f(top_p), top_k))
+            admit.append(Admission(seq, owner, tuple(values[at:at + n]), seed, _i2f(temperature), _i2f(top_p), top_k,
+                                   max_tokens))
             at += n
         return cls(kind, admit, depart, bool(gather), number)
 
