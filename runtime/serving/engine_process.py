@@ -71,7 +71,7 @@ class EngineProcess:
                                       str(there.fileno())], pass_fds=(there.fileno(),), env=env)
         there.close()
         self.conn = Channel(here.detach())
-        self.stopped = False
+        self.relay = Relay(self.conn, lambda: self.why(self.proc.poll())).run
 
     def wait_ready(self):
         """ServiceInfo once the engine has loaded the bundle, else its exit code (it printed why)."""
@@ -85,40 +85,6 @@ class EngineProcess:
         if message[0] == "error":
             return self.proc.wait() or message[1]
         return message[1]
-
-    def relay(self, client) -> None:
-        """Answer the engine's messages with `client`'s calls (a thread) until STOP is sent or the engine is gone."""
-        try:
-            while True:
-                message = self.conn.recv()
-                if message[0] == "step":
-                    self._step(client, *message[1:])
-                    if self.stopped:
-                        return
-                elif message[0] == "stats":
-                    client.set_stats(message[1])
-                elif message[0] == "started":
-                    client.started()
-                elif message[0] == "fail":
-                    client.fail(message[1])
-                    return
-        except (EOFError, OSError):
-            client.fail(f"the engine process ended ({self.why(self.proc.poll())})")
-        except Exception as exc:  # the parent's watchdog then ends the process, and with it the pipe
-            client.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
-
-    def _step(self, client, tokens, heartbeat_s, applied: int, idle: bool) -> None:
-        """A step's tokens in; a plan out where the engine needs one (it waits for one only when idle);
-        the step's events after the plan."""
-        events = client.record_tokens(tokens, applied) if tokens is not None else []
-        plan = client.next_plan(heartbeat_s, wait=False, pending=events)  # its aborts follow the step's tokens
-        if plan is None and idle:  # nothing to run: the events first, then sleep until there is
-            client.deliver(events)
-            events, plan = [], client.next_plan(heartbeat_s)
-        if plan is not None and (idle or plan.kind != STEP or plan.admit or plan.depart or plan.gather_stats):
-            self.conn.send(plan)
-            self.stopped = plan.kind == STOP
-        client.deliver(events)
 
     def wait(self, timeout_s: float):
         """The engine process's exit code, or None if it is still running after `timeout_s`."""
@@ -136,6 +102,48 @@ class EngineProcess:
         if code is None:
             return "it did not finish"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+class Relay:
+    """The parent's end: answers the engine's messages with the scheduler's calls (`run`, a thread)."""
+
+    def __init__(self, conn: Channel, ended):
+        """`ended()`: why the engine's end closed (its exit status)."""
+        self.conn, self.ended, self.stopped = conn, ended, False
+
+    def run(self, client) -> None:
+        """Answer the engine's messages with `client`'s calls (a thread) until STOP is sent or the engine is gone."""
+        try:
+            while True:
+                message = self.conn.recv()
+                if message[0] == "step":
+                    self._step(client, *message[1:])
+                    if self.stopped:
+                        return
+                elif message[0] == "stats":
+                    client.set_stats(message[1])
+                elif message[0] == "started":
+                    client.started()
+                elif message[0] == "fail":
+                    client.fail(message[1])
+                    return
+        except (EOFError, OSError):
+            client.fail(f"the engine process ended ({self.ended()})")
+        except Exception as exc:  # the parent's watchdog then ends the process, and with it the pipe
+            client.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+
+    def _step(self, client, tokens, heartbeat_s, applied: int, idle: bool) -> None:
+        """A step's tokens in; a plan out where the engine needs one (it waits for one only when idle);
+        the step's events after the plan."""
+        events = client.record_tokens(tokens, applied) if tokens is not None else []
+        plan = client.next_plan(heartbeat_s, wait=False, pending=events)  # its aborts follow the step's tokens
+        if plan is None and idle:  # nothing to run: the events first, then sleep until there is
+            client.deliver(events)
+            events, plan = [], client.next_plan(heartbeat_s)
+        if plan is not None and (idle or plan.kind != STEP or plan.admit or plan.depart or plan.gather_stats):
+            self.conn.send(plan)
+            self.stopped = plan.kind == STOP
+        client.deliver(events)
 
 
 class SchedulerLink:
