@@ -259,11 +259,15 @@ def profile(stacks: Path, load) -> dict:
     """Share of rank 0's samples per category (serving_profile.py) while `load` runs again."""
     import serving_profile
 
+    def snapshot() -> dict:  # the front's process and rank 0's engine process (FILE.engine)
+        front, engine = serving_profile.snapshot(stacks), serving_profile.snapshot(f"{stacks}.engine")
+        return {k: front.get(k, 0) + engine.get(k, 0) for k in set(front) | set(engine)}
+
     time.sleep(1.2)  # the sampler writes its counts every second
-    before = serving_profile.snapshot(stacks)
+    before = snapshot()
     load()
     time.sleep(1.2)
-    return serving_profile.shares(before, serving_profile.snapshot(stacks))
+    return serving_profile.shares(before, snapshot())
 
 
 def static_tokens_per_s(bundle: Path, prompts: list, new_tokens: int, scratch: Path) -> float:

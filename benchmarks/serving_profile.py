@@ -27,7 +27,7 @@ ORDER = ("exchange", "attention", "experts", "sampling", "other model compute", 
 FRONT = ("serving/http_server.py", "serving/openai_service.py", "serving/generation.py", "serving/text_stream.py",
          "serving/api_", "serving/prompt_check.py", "serving/prometheus.py", "uvicorn/", "starlette/", "asyncio/",
          "anyio/", "h11/", "json/")
-ENGINE = ("serving/engine_loop.py", "serving/scheduler.py", "serving/step_plan.py", "serving/worker.py",
+ENGINE = ("serving/engine_loop.py", "serving/engine_process.py", "serving/scheduler.py", "serving/step_plan.py", "serving/worker.py",
           "serving/row_cache.py", "serving/ranks.py", "runtime/ep/engine.py", "runtime/counters.py", "runtime/ep/expert_table.py")
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>.*):(?P<line>\d+)\)$")
 

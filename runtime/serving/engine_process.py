@@ -201,6 +201,17 @@ class SchedulerLink:
             pass
 
 
+def _profiler():
+    """The development profiler of `http_server.start_profiler`, when set, writing beside the front's
+    file (`<MOEPLAN_PROFILE>.engine`)."""
+    from .http_server import PROFILE_ENV, start_profiler  # the front's modules load only when profiling
+
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    os.environ[PROFILE_ENV] += ".engine"
+    return start_profiler()
+
+
 def main() -> int:
     options = EngineOptions(**json.loads(sys.argv[1]))
     conn = Channel(int(sys.argv[2]))
@@ -213,8 +224,11 @@ def main() -> int:
         return started
     worker, info = started
     conn.send(("ready", info))
+    sampler = _profiler()
     link = SchedulerLink(conn, worker)
     run_leader(worker, link, options.heartbeat_s)
+    if sampler is not None:
+        sampler.stop()
     if link.failed:
         sys.stdout.flush()
         os._exit(1)  # a peer may be gone: no collective teardown

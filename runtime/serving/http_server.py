@@ -38,6 +38,7 @@ from .served_model import ServedModel
 # A development hook, not shipped: MOEPLAN_PROFILER names a Python file (benchmarks/stack_sampler.py) whose
 # `start_from_env()` rank 0 calls before serving; what it returns is stopped (`.stop()`) when serving ends.
 PROFILER_ENV = "MOEPLAN_PROFILER"
+PROFILE_ENV = "MOEPLAN_PROFILE"  # the file it writes (rank 0's engine process writes FILE.engine)
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
