@@ -7,8 +7,8 @@ Lifecycle:
   heartbeats and metrics travel in a gloo group beside it, so an idle rank sleeps instead of spinning.
 * rank 0: the engine loop in a process of its own (`engine_process.py`: it loads the shard and
   joins the process group as rank 0), relayed to the scheduler by a thread; the front in the main
-  thread until it returns (after SIGTERM/SIGINT: drain, then idle; or when the engine failed). Then the other ranks are told to
-  stop and the process exits with the front's code (non-zero when the engine failed). A watchdog
+  thread until it returns (after SIGTERM/SIGINT: drain, then idle; or when the engine failed).
+  Then the other ranks are told to stop and the process exits with the front's code (non-zero when the engine failed). A watchdog
   exits non-zero WATCHDOG_GRACE_S after an engine failure if the front has not returned by then,
   so a supervisor restarts the service.
 * other ranks: ignore SIGTERM and SIGINT (rank 0 decides when the service stops: in-flight requests

@@ -2,10 +2,10 @@
 admission, cancellation, the step plans and the token events.
 
 Two threads meet here: the front's (submit, cancel, drain, metrics) and the engine loop's, or the
-relay of rank 0's engine process (`engine_process.py`) (`next_plan` before each step, `on_tokens`
-after it). They share one lock; the loop sleeps on a
-condition while there is nothing to run (no busy-waiting), and wakes at once on a submit, a
-cancel, a drain or a shutdown, or after `heartbeat_s` to send a heartbeat plan (world > 1).
+relay of rank 0's engine process (`engine_process.py`): `next_plan` before each step, `on_tokens`
+after it. They share one lock; the loop sleeps on a condition while there is nothing to run (no
+busy-waiting), and wakes at once on a submit, a cancel, a drain or a shutdown, or after
+`heartbeat_s` to send a heartbeat plan (world > 1).
 Sinks are called from the loop's thread, outside the lock, one event at a time in token order.
 
 Admission: FIFO, while fewer than `max_sequences` run (the plan's capacity) and the step's prefill
