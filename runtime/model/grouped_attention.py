@@ -12,9 +12,8 @@ float32 softmax and weighted sums, row by row; only the tensors' layout differs.
 It is registered in transformers' `AttentionInterface` (with the eager mask builder), the library's
 hook for attention kernels; the attention modules, projections, rotary and cache stay the library's.
 A module whose own eager function is not the library's standard one (same bytecode as Mixtral's:
-gpt-oss adds attention sinks, Llama-4 takes its softmax at the input dtype), a module in training,
-or a call with arguments the standard function ignores but another kernel might not, runs its own
-modeling file's eager function unchanged.
+gpt-oss adds attention sinks, Llama-4 takes its softmax at the input dtype) or a module in training
+(dropout) runs its own modeling file's eager function unchanged.
 
 Shapes: query [B, H, Q, d], key [B, G, W, d], value [B, G, W, dv], H = G x n (n query heads per
 K/V head, query head h reads K/V head h // n, as `repeat_kv` lays them out); mask additive
@@ -62,7 +61,7 @@ def own_eager(module_class: type):
 def grouped_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """transformers' attention-function signature; returns (out [B, Q, H, dv], weights [B, H, Q, W])."""
     own, standard = own_eager(type(module))
-    if not standard or module.training or kwargs.get("sinks") is not None or kwargs.get("softcap") is not None:
+    if not standard or module.training:  # dropout in training: the library's own
         if own is None:
             raise RuntimeError(f"{type(module).__name__} has no eager attention function to fall back on")
         return own(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

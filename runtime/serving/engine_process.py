@@ -109,7 +109,7 @@ class Relay:
 
     def __init__(self, conn: Channel, ended):
         """`ended()`: why the engine's end closed (its exit status)."""
-        self.conn, self.ended, self.stopped = conn, ended, False
+        self.conn, self.ended = conn, ended
 
     def run(self, client) -> None:
         """Answer the engine's messages with `client`'s calls (a thread) until STOP is sent or the engine is gone."""
@@ -117,8 +117,7 @@ class Relay:
             while True:
                 message = self.conn.recv()
                 if message[0] == "step":
-                    self._step(client, *message[1:])
-                    if self.stopped:
+                    if self._step(client, *message[1:]):
                         return
                 elif message[0] == "stats":
                     client.set_stats(message[1])
@@ -132,18 +131,19 @@ class Relay:
         except Exception as exc:  # the parent's watchdog then ends the process, and with it the pipe
             client.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
 
-    def _step(self, client, tokens, heartbeat_s, applied: int, idle: bool) -> None:
+    def _step(self, client, tokens, heartbeat_s, applied: int, idle: bool) -> bool:
         """A step's tokens in; a plan out where the engine needs one (it waits for one only when idle);
-        the step's events after the plan."""
+        the step's events after the plan. True once STOP is sent."""
         events = client.record_tokens(tokens, applied) if tokens is not None else []
         plan = client.next_plan(heartbeat_s, wait=False, pending=events)  # its aborts follow the step's tokens
         if plan is None and idle:  # nothing to run: the events first, then sleep until there is
             client.deliver(events)
             events, plan = [], client.next_plan(heartbeat_s)
-        if plan is not None and (idle or plan.kind != STEP or plan.admit or plan.depart or plan.gather_stats):
+        sent = plan is not None and (idle or plan.kind != STEP or plan.admit or plan.depart or plan.gather_stats)
+        if sent:
             self.conn.send(plan)
-            self.stopped = plan.kind == STOP
         client.deliver(events)
+        return sent and plan.kind == STOP
 
 
 class SchedulerLink:

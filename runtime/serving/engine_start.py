@@ -41,6 +41,7 @@ class ServiceInfo:
     """What the parent's scheduler and front need from the loaded bundle."""
 
     name: str
+    plan: dict      # plan.json, as the engine loaded it
     limits: object  # scheduler.Limits
     codec: object   # text_codec.TextCodec
     world: int
@@ -100,6 +101,6 @@ def start_engine(options: EngineOptions):
     worker = BatchWorker(engine, model.kind, control)
     if getattr(model, "expert_cache", None) is not None:  # a service runs for days: keep the request log bounded
         model.expert_cache.keep_steps = EXPERT_LOG_STEPS
-    info = ServiceInfo(plan["model"].get("name", root.name), limits, codec, world, modes[0] == "coherent",
+    info = ServiceInfo(plan["model"].get("name", root.name), plan, limits, codec, world, modes[0] == "coherent",
                        model.num_layers)
     return worker, info

@@ -16,7 +16,6 @@ Lifecycle:
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -69,7 +68,7 @@ def serve_bundle(root: Path, front, mode: str | None = None, context: str = "aut
                             heartbeat_s)
     rank = int(os.environ.get("RANK", 0))
     if rank == 0 and not engine_thread:
-        return _lead(root, front, options)
+        return _lead(front, options)
     torch.set_num_threads(threads)
     started = start_engine(options)
     if isinstance(started, int):
@@ -77,36 +76,40 @@ def serve_bundle(root: Path, front, mode: str | None = None, context: str = "aut
     if rank != 0:
         return _follow(started[0], rank)
     worker, info = started
-    client = Scheduler(info.name, info.limits, info.codec.vocab_size, info.world, info.coherent, info.num_layers)
+    client = _scheduler(info)
     loop = threading.Thread(target=run_leader, args=(worker, client, heartbeat_s), name="engine-loop", daemon=True)
     loop.start()
-    code = _front(root, front, client, info, options, loop)
+    code = _front(front, client, info, options, loop)
     worker.close()
     if info.world > 1:
         dist.destroy_process_group()
     return code
 
 
-def _lead(root: Path, front, options: EngineOptions) -> int:
+def _lead(front, options: EngineOptions) -> int:
     """Rank 0: the engine process, the scheduler relaying its steps, and the front in this main thread."""
     torch.set_num_threads(1)  # this process computes nothing
     engine = EngineProcess(options)
     info = engine.wait_ready()
     if isinstance(info, int):
         return info
-    client = Scheduler(info.name, info.limits, info.codec.vocab_size, info.world, info.coherent, info.num_layers)
+    client = _scheduler(info)
     relay = threading.Thread(target=engine.relay, args=(client,), name="engine-relay", daemon=True)
     relay.start()
-    return _front(root, front, client, info, options, relay, engine)
+    return _front(front, client, info, options, relay, engine)
 
 
-def _front(root: Path, front, client, info, options: EngineOptions, loop, engine=None) -> int:
+def _scheduler(info) -> Scheduler:
+    return Scheduler(info.name, info.limits, info.codec.vocab_size, info.world, info.coherent, info.num_layers)
+
+
+def _front(front, client, info, options: EngineOptions, loop, engine=None) -> int:
     """Run the front until it returns, then stop the engine (`loop`: the thread driving it); exit the
     process at once when the engine failed or did not stop."""
     threading.Thread(target=_watchdog, args=(client,), name="engine-watchdog", daemon=True).start()
     code = 1
     try:
-        code = int(front(client, json.loads((root / "plan.json").read_text()), info.codec) or 0)
+        code = int(front(client, info.plan, info.codec) or 0)
     finally:
         client.shutdown()
         loop.join(timeout=options.collective_timeout_s)
