@@ -53,7 +53,7 @@ test-all: $(STAMP)
 
 # The demo prices its plan for this machine: `moeplan calibrate` measures it once (about two minutes) on the
 # example model's own engine into build/demo/cpu-gloo.yaml, kept while it is this machine's calibration
-# (--reuse: same machine key, same engine model), and compile reads it with --hardware.
+# (--reuse: same machine key, runtime code included, same engine model), and compile reads it with --hardware.
 demo: $(STAMP)
 	$(BIN)/python examples/tiny_moe/train.py --out examples/tiny_moe --if-missing
 	mkdir -p $(DEMO)

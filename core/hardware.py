@@ -21,6 +21,7 @@ import os
 import platform
 import re
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -298,8 +299,29 @@ def calibration_dir() -> Path:
     return Path(base).resolve() / "moeplan" / "hardware"
 
 
+@lru_cache(maxsize=1)
+def runtime_digest() -> str:
+    """The first 8 hex digits of sha256 over the runtime package's Python files (paths and bytes): a
+    calibration fits the cost of the runtime's own calls (`op_overhead_s`, the exchange latency as the
+    engine meets it), so one measured on other runtime code (an upgrade, a faster step) prices the
+    runtime of then, not the one bundles ship now, and is measured again."""
+    digest = hashlib.sha256()
+
+    def walk(folder, prefix: str) -> None:
+        for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+            if entry.is_dir() and entry.name != "__pycache__":
+                walk(entry, f"{prefix}{entry.name}/")
+            elif entry.name.endswith(".py"):
+                digest.update(f"{prefix}{entry.name}\0".encode())
+                digest.update(entry.read_bytes())
+
+    walk(resources.files("moeplan.runtime"), "")
+    return digest.hexdigest()[:8]
+
+
 def machine_facts() -> dict:
-    """What a calibration depends on: CPU model, cores this process may use, memory, torch, method."""
+    """What a calibration depends on: CPU model, cores this process may use, memory, torch, method, and the
+    runtime's code (`runtime_digest`)."""
     cpu = ""
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
@@ -311,14 +333,15 @@ def machine_facts() -> dict:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return {"cpu": cpu or platform.processor() or platform.machine() or "unknown", "cores": cores,
             "memory_gib": round(physical_memory_bytes() / 2**30), "torch": _torch_version(),
-            "method": CALIBRATION_METHOD}
+            "method": CALIBRATION_METHOD, "runtime": runtime_digest()}
 
 
 def machine_key(facts: dict | None = None) -> str:
-    """A readable key for a calibration: e.g. intel-xeon-processor-2c-24g-torch2.13.0-m2."""
+    """A readable key for a calibration: e.g. intel-xeon-processor-2c-24g-torch2.13.0-m4-r1a2b3c4d (the last part:
+    the runtime's code, `runtime_digest`)."""
     f = facts or machine_facts()
     cpu = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\((r|tm)\)", "", f["cpu"].lower())).strip("-")[:48] or "cpu"
-    return f"{cpu}-{f['cores']}c-{f['memory_gib']}g-torch{f['torch']}-m{f['method']}"
+    return f"{cpu}-{f['cores']}c-{f['memory_gib']}g-torch{f['torch']}-m{f['method']}-r{f.get('runtime', 'unknown')}"
 
 
 def calibration_path(key: str | None = None) -> Path:

@@ -127,7 +127,7 @@ def test_a_failed_engine_launch_is_one_line_naming_the_world(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_reuse_keeps_an_out_file_only_while_it_is_this_machines_calibration_of_the_same_engine(tmp_path):
+def test_reuse_keeps_an_out_file_only_while_it_is_this_machines_calibration_of_the_same_engine(tmp_path, monkeypatch):
     """`make demo` calibrates on the example model's engine into build/demo and keeps the file with
     --reuse: kept for this machine's key and the same engine model, measured again for any other."""
     model = str(ROOT / "examples" / "tiny_moe")
@@ -145,6 +145,10 @@ def test_reuse_keeps_an_out_file_only_while_it_is_this_machines_calibration_of_t
     other = data | {"calibration": dict(data["calibration"], machine_key="another-cpu-64c-512g-torch2.13.0-m4")}
     path.write_text(yaml.safe_dump(other, sort_keys=False))
     assert C._this_machines(path, model) is None  # another machine's: measured again
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    monkeypatch.setattr(hardware, "runtime_digest", lambda: "0ther000")
+    assert C._this_machines(path, model) is None  # measured on other runtime code: measured again
+    monkeypatch.undo()
     path.write_text("not: [a profile")
     assert C._this_machines(path, model) is None
     result = CliRunner().invoke(main, ["calibrate", "--reuse"])

@@ -199,7 +199,8 @@ def test_this_machine_is_refused_until_calibrated_then_found_by_its_key(tmp_path
     with pytest.raises(UserError, match="no calibration yet.*moeplan calibrate"):
         load_profile(THIS_MACHINE)
     key = hardware.machine_key()
-    assert key.endswith(f"-m{hardware.CALIBRATION_METHOD}") and f"{hardware.machine_facts()['cores']}c" in key
+    assert key.endswith(f"-m{hardware.CALIBRATION_METHOD}-r{hardware.runtime_digest()}")
+    assert f"{hardware.machine_facts()['cores']}c" in key
     path = _calibration_file(hardware.calibration_path())
     assert path == tmp_path / "cache" / "moeplan" / "hardware" / f"cpu-gloo-{key}.yaml"
     given = load_profile(THIS_MACHINE)
@@ -234,3 +235,33 @@ def test_the_plan_records_the_calibration_and_run_prices_with_its_figures(trace,
     # a built-in profile: nothing recorded beyond its name (plans made with it are as before)
     assert run([*args[:-2], "cpu-gloo", "--quiet", "--out", tmp_path / "c.json"])[0] == 0
     assert "hardware_profile" not in json.loads((tmp_path / "c.json").read_text())["predicted"]["cost"]
+
+
+def test_the_runtime_digest_follows_the_runtime_code_and_keys_the_calibration(tmp_path, monkeypatch):
+    """A calibration fits the runtime's own call cost: another runtime's code gives another key, so this
+    machine's cached calibration of the runtime of then is not found (measured again)."""
+    import shutil
+
+    import moeplan.runtime as runtime_package
+
+    digest = hardware.runtime_digest()
+    assert len(digest) == 8 and int(digest, 16) >= 0
+    copy = tmp_path / "runtime"
+    shutil.copytree(Path(runtime_package.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(hardware.resources, "files", lambda package: copy)
+    hardware.runtime_digest.cache_clear()
+    try:
+        assert hardware.runtime_digest() == digest  # same files, same digest
+        hardware.runtime_digest.cache_clear()
+        (copy / "serving" / "worker.py").write_text((copy / "serving" / "worker.py").read_text() + "\n# faster\n")
+        changed = hardware.runtime_digest()
+    finally:
+        monkeypatch.undo()
+        hardware.runtime_digest.cache_clear()
+    assert changed != digest and hardware.runtime_digest() == digest
+    facts = hardware.machine_facts()
+    assert hardware.machine_key(facts | {"runtime": changed}) != hardware.machine_key(facts)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _calibration_file(hardware.calibration_path(hardware.machine_key(facts | {"runtime": changed})))
+    with pytest.raises(UserError, match="no calibration yet"):
+        load_profile(THIS_MACHINE)
