@@ -7,7 +7,8 @@ For each model and rank count (1 node x R ranks, as one Kubernetes pod holds the
   at concurrency `--concurrency` of `--prompt-tokens` + `--new-tokens` tokens (`ignore_eos`);
 * `moeplan run` it (one static batch of `--concurrency` prompts): each process's peak, polled.
 Per rank: its shard bytes S (as stored) and held bytes F (what the runtime holds: float32 on CPU, runtime/precision.py), the measured
-peak resident set (VmHWM), and VmHWM - (S + F): what a rank holds beyond loading its weights
+peak resident set (VmHWM; serving rank 0 is two processes, the front's torchrun started and the engine's it
+starts, runtime/serving/engine_process.py: the sum of their peaks), and VmHWM - (S + F): what a rank holds beyond loading its weights
 (Python, torch, the process group, the library, the HTTP front on rank 0), which the manifests add
 per rank (`backends/kubernetes/pod_memory.py`: RANK_OVERHEAD_MIB, FRONT_OVERHEAD_MIB, AGENT_MIB).
 Per pod: the memory the manifest requests beside the sum of the pod's measured peaks, as a ratio
@@ -129,19 +130,28 @@ def rank_of(pid: int):
 
 
 def pod_processes(root_pid: int) -> dict:
-    """{"agent": torchrun's pid, rank: pid} under `root_pid` (moeplan serve / run, or torchrun itself)."""
+    """{"agent": torchrun's pid, rank: pid, (rank, "engine"): pid} under `root_pid` (moeplan serve / run, or
+    torchrun itself): a serving rank 0 is two processes, torchrun's (the HTTP front and the scheduler) and the
+    engine's it starts (runtime/serving/engine_process.py, same RANK: it joins the process group as rank 0)."""
     found = {}
     stack = [root_pid]
     while stack:
         pid = stack.pop()
         for child in children(pid):
             rank = rank_of(child)
-            if rank is not None:
-                found[rank] = child
-            else:
+            if rank is None:
                 found.setdefault("agent", child)
-                stack.append(child)
+            elif rank_of(pid) == rank:
+                found[(rank, "engine")] = child
+            else:
+                found[rank] = child
+            stack.append(child)
     return found
+
+
+def rank_total(kib: dict, rank: int) -> int:
+    """KiB of rank `rank`'s processes together (torchrun's and, serving rank 0, its engine's)."""
+    return kib.get(rank, 0) + kib.get((rank, "engine"), 0)
 
 
 class PeakWatcher:
@@ -197,13 +207,17 @@ def measure_run(bundle: Path, prompts: list, new_tokens: int, scratch: Path) -> 
 
 def rows_for(name: str, ranks: int, bundle: Path, serve: dict, run: dict) -> dict:
     per_rank = []
+    def rss(moment: str, r: int) -> int:
+        return rank_total({who: kib.get("VmRSS", 0) for who, kib in serve[moment].items()}, r) * 1024
+
     for r in range(ranks):
         s, f = rank_weight_bytes(bundle, r)
-        hwm = max(serve["peak"].get(r, 0), run["peak"].get(r, 0)) * 1024
+        serve_peak, run_peak = rank_total(serve["peak"], r) * 1024, rank_total(run["peak"], r) * 1024
+        hwm = max(serve_peak, run_peak)
         per_rank.append({"rank": r, "shard_bytes": s, "float32_bytes": f, "peak_bytes": hwm,
-                         "serve_peak_bytes": serve["peak"].get(r, 0) * 1024, "run_peak_bytes": run["peak"].get(r, 0) * 1024,
-                         "idle_rss_bytes": serve["idle"].get(r, {}).get("VmRSS", 0) * 1024,
-                         "loaded_rss_bytes": serve["loaded"].get(r, {}).get("VmRSS", 0) * 1024,
+                         "serve_peak_bytes": serve_peak, "run_peak_bytes": run_peak,
+                         "serve_engine_peak_bytes": serve["peak"].get((r, "engine"), 0) * 1024,
+                         "idle_rss_bytes": rss("idle", r), "loaded_rss_bytes": rss("loaded", r),
                          "beyond_weights_bytes": hwm - (s + f)})
     agent = max(serve["peak"].get("agent", 0), run["peak"].get("agent", 0)) * 1024
     measured = agent + sum(p["peak_bytes"] for p in per_rank)
@@ -266,12 +280,19 @@ def _print(row: dict) -> None:
     for p in row["per_rank"]:
         print(f"{row['model']:>15} ranks {row['ranks']} rank {p['rank']}: S {p['shard_bytes'] / MIB:7.1f} MiB  "
               f"F {p['float32_bytes'] / MIB:7.1f} MiB  peak {p['peak_bytes'] / MIB:7.1f} MiB (serve "
-              f"{p['serve_peak_bytes'] / MIB:.1f}, run {p['run_peak_bytes'] / MIB:.1f}; idle RSS {p['idle_rss_bytes'] / MIB:.1f}, "
+              f"{p['serve_peak_bytes'] / MIB:.1f}{_engine_part(p)}, run {p['run_peak_bytes'] / MIB:.1f}; idle RSS {p['idle_rss_bytes'] / MIB:.1f}, "
               f"loaded RSS {p['loaded_rss_bytes'] / MIB:.1f})  beyond S+F {p['beyond_weights_bytes'] / MIB:7.1f} MiB",
               flush=True)
     print(f"{row['model']:>15} ranks {row['ranks']} pod: agent {row['agent_peak_bytes'] / MIB:.1f} MiB, measured "
           f"{row['pod_measured_bytes'] / MIB:.1f} MiB, requested {row['pod_requested_bytes'] / MIB:.0f} MiB "
           f"({row['ratio']:.2f}x)", flush=True)
+
+
+def _engine_part(p: dict) -> str:
+    engine = p["serve_engine_peak_bytes"]
+    if not engine:
+        return ""
+    return f" = front {(p['serve_peak_bytes'] - engine) / MIB:.1f} + engine {engine / MIB:.1f}"
 
 
 if __name__ == "__main__":

@@ -34,13 +34,12 @@ from pathlib import Path
 
 MIB = 1 << 20
 # Measured by benchmarks/rank_memory.py on CPU (docs/serving.md, "Pod memory": a rank beyond S + F
-# at most 408 MiB, rank 0's front 9 MiB beyond its peers, torchrun's agent 222 MiB), with margin:
+# at most 420 MiB, rank 0's front below, torchrun's agent 222 MiB), with margin:
 RANK_OVERHEAD_MIB = 448   # Python, torch, transformers, the process group, the engine, activations, the KV cache under load
 # rank 0's HTTP front, a process of its own beside its engine's (runtime/serving/engine_process.py): Python, torch's
-# import, uvicorn, starlette, the tokenizer, the scheduler, requests in flight. 2026-11-28, qwen3_moe_hd32 1 rank after
-# 32 requests at c=16: the front's process peaked at 234 MiB (VmHWM) and the pair at 641 MiB, against 413 MiB for
-# the single process before the split (+228 MiB over the 32 measured then: 260, rounded up to 272); not yet re-run
-# through rank_memory.py, which counts one process per rank
+# import, uvicorn, starlette, the tokenizer, the scheduler, requests in flight. benchmarks/rank_memory.py counts both
+# of rank 0's processes (2026-11-28): the front's process peaked at 227-234 MiB, rank 0 at most 231 MiB (241 at
+# concurrency 16) beyond the same bundle's front-less ranks
 FRONT_OVERHEAD_MIB = 272
 AGENT_MIB = 256           # torchrun's agent (it imports torch) and launch.sh
 
