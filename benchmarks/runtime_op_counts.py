@@ -11,13 +11,14 @@ counter (runtime/op_counter.py's rule: every non-view aten op) attributes each o
 * `fixed`: outside the decoder blocks (embedding, final norm, head, the step's sampling and bookkeeping);
 * `moe_block_ep`: an MoE block on rank 0 of 2 ranks (gloo processes here, standard mode, experts split
   contiguously): the route with its dispatch and combine exchanges. At 4 ranks it is the same (qwen3_moe: 78 at
-  2 and at 4): packing by destination and the exchange are one call whatever the ranks, so the count has no
-  per-peer part.
+  2 and at 4, counted before the combine stopped exchanging its row counts; 74 since): packing by destination
+  and the exchange are one call whatever the ranks, so the count has no per-peer part.
 The op counts do not grow with the batch or with the experts a batch touches (grouped experts); checked here by
 counting at 4 and 8 sequences (at one sequence MLA attention dispatches 2 ops fewer per block).
 
 On an H200 the same step of Qwen3-30B-A3B (16 and 48 layers) dispatched 1,543 and 4,519 ops
-(benchmarks/gpu/decode_step.py; docs/gpu_checks.md); this table's qwen3_moe row gives 49 + 93 L here on the CPU.
+(benchmarks/gpu/decode_step.py; docs/gpu_checks.md); this table's qwen3_moe row gave 49 + 93 L here on the CPU
+then (49 + 89 L since the grouped attention).
 
     python benchmarks/runtime_op_counts.py [--arch qwen3_moe mixtral] [--write passes/cost/runtime_op_counts.json]
 

@@ -20,7 +20,8 @@ counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the r
   KV cache stores (K + V = 2 x KV heads x head dim for GQA; latent + rotated key for MLA);
 * prompt sync (coherent, once) = 24 bytes per prompt token and other rank; token sync (coherent,
   per step) = 16 bytes per sequence and other rank;
-* control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts);
+* control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts, a collective
+  of their own), but standard mode's combine, whose counts are the dispatch's (`Exchanger.exchange_sorted`);
 * messages = per rank and call, the number of other ranks it sends at least one row to.
 Replica choice is the runtime's own rule (`runtime/ep/expert_table.py`, run here as in the
 bundle), so with the run's own routing the bytes equal the measured counters.
@@ -242,8 +243,9 @@ class _Counter:
         node = table.node_of
         self.same = node[:, None] == node[None, :]  # bool [W, W]: both ranks on one node
 
-    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
-        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds."""
+    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str, counts_known: bool = False) -> float:
+        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds. `counts_known`:
+        every rank knows what it receives (standard mode's combine), so no counts collective precedes the rows."""
         W = self.world
         if W == 1:
             return 0.0
@@ -251,7 +253,8 @@ class _Counter:
         np.fill_diagonal(off, 0)
         nbytes = int(off.sum()) * row_bytes
         msgs = int((off > 0).sum())
-        ctrl_b, ctrl_m = 8 * (W - 1) * W, (W - 1) * W
+        collectives = 1 if counts_known else 2
+        ctrl_b, ctrl_m = (0, 0) if counts_known else (8 * (W - 1) * W, (W - 1) * W)
         if layer is None:
             for f, v in (("bytes", nbytes), ("messages", msgs), ("control_bytes", ctrl_b), ("control_messages", ctrl_m)):
                 self.pred.step[f"{phase}_{f}"] += v
@@ -280,7 +283,7 @@ class _Counter:
         s = int(np.argmax(per_rank["same_node"] + per_rank["other_node"]))  # the slowest rank (the first on a tie)
         slowest = {tier: float(per_rank[tier][s]) for tier in ("same_node", "other_node")}
         ops = self.ops.exchange_call(phase, W) + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
-        parts = {"call": 2 * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
+        parts = {"call": collectives * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
         if phase in self.pred.exchange_seconds:
             for part, v in parts.items():
                 self.pred.exchange_seconds[phase][part] += v
@@ -365,7 +368,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             step_time += _add(pred, counter.exchange(dispatch, shape.dispatch_row_bytes, block, "dispatch"), comm=True)
             step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
             if mode == STANDARD:
-                step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine"), comm=True)
+                step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine",
+                                                                 counts_known=True), comm=True)
             else:
                 step_time += _add(pred, counter.exchange(_merge_rows(ids, dest, W), shape.keyed_row_bytes, block, "merge"),
                                   comm=True)

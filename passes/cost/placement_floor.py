@@ -137,4 +137,5 @@ def _call(profile, world: int, phase: str, calls) -> float:
     if world == 1:
         return 0.0
     ops = calls.exchange_call(phase, world)
-    return 2 * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
+    collectives = 1 if phase == "combine" else 2  # the combine's row counts are the dispatch's: no counts collective
+    return collectives * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)

@@ -144,7 +144,7 @@ class Engine:
         """Send rows (x [n, D] with weights, keys, ids, dest) to the ranks of their slots, packed in
         rank order in one tensor (`exchange.by_destination`); returns what this rank received:
         (x [m, D], weights [m, k], keys [m], ids [m, k], dest [m, k]; CPU but x and weights), how many
-        rows came from each rank, and the rows sent, in the order they went."""
+        rows came from each rank, the rows sent, in the order they went, and how many went to each rank."""
         k, D = ids.shape[1], x.shape[1]
         order, counts = by_destination(dest, self.world)
         meta = torch.cat([keys[:, None], pack_small(torch.cat([ids, dest], 1))], 1)[order]
@@ -153,7 +153,7 @@ class Engine:
         rx, m = unpack(got, D + k)
         m = m.cpu()
         slots = unpack_small(m[:, 1:], 2 * k)
-        return (rx[:, :D], rx[:, D:], m[:, 0], slots[:, :k], slots[:, k:]), got_counts, order
+        return (rx[:, :D], rx[:, D:], m[:, 0], slots[:, :k], slots[:, k:]), got_counts, order, counts
 
     def _one_rank(self, adapter, h, ids, weights):
         """World of one: every slot is local, nothing to choose, pack or exchange; the routing stays on
@@ -177,10 +177,11 @@ class Engine:
         dest = self._destinations(adapter.moe, a_ids, np.full(active.numel(), self.rank))
         self._count_local(adapter.layer, adapter.moe, int((dest == self.rank).sum()), dest.numel())
         self._record_routing(adapter.moe, keys, a_ids, a_w)
-        (r_h, r_w, _, r_ids, r_dest), got_counts, sent = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
+        (r_h, r_w, _, r_ids, r_dest), got_counts, sent, sent_counts = self._dispatch(adapter, a_h, a_ids, a_w, keys, dest)
         partial = self._serve(adapter, r_h, r_ids, r_w, r_dest)
-        # the partial sums go back to their sources in the order they came; they return in the order sent
-        returned, _ = self.ex.exchange_sorted(partial, got_counts, h.shape[1], adapter.layer, "combine")
+        # the partial sums go back to their sources in the order they came; they return in the order sent,
+        # as many from each rank as went to it (no counts to exchange)
+        returned, _ = self.ex.exchange_sorted(partial, got_counts, h.shape[1], adapter.layer, "combine", sent_counts)
         return torch.zeros_like(h).index_add(0, dev_active[sent.to(h.device)], returned.to(h.dtype))
 
     def _coherent_first(self, adapter, h, ids, weights):
@@ -295,7 +296,7 @@ class Engine:
             dest = self._destinations(adapter.moe, ids, np.full(mine.numel(), self.rank))
             self._count_local(adapter.layer, adapter.moe, int((dest == self.rank).sum()), dest.numel())
             self._record_routing(adapter.moe, self.keys[mine], ids, w)
-            (r_x, r_w, r_keys, r_ids, r_dest), _, _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
+            (r_x, r_w, r_keys, r_ids, r_dest), _, _, _ = self._dispatch(adapter, flat[dev_mine], ids, w, self.keys[mine], dest)
             rows = self._rows_of(r_keys)
             self.received = (rows, r_ids, r_w, r_dest)
             dev_rows = rows.to(flat.device)

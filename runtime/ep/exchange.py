@@ -65,17 +65,23 @@ class Exchanger:
         recv, recv_counts = self.exchange_sorted(send, counts, row_width, layer, phase)
         return list(torch.split(recv, recv_counts, dim=0))
 
-    def exchange_sorted(self, send: torch.Tensor, send_counts: list, row_width: int, layer, phase: str) -> tuple:
+    def exchange_sorted(self, send: torch.Tensor, send_counts: list, row_width: int, layer, phase: str,
+                        recv_counts: list | None = None) -> tuple:
         """Rows already grouped by destination (send [N, row_width]: send_counts[d] rows for rank d,
         in rank order) -> (the rows received [M, row_width], grouped by source, and their counts):
-        one call whatever the number of ranks, no list of per-rank pieces."""
+        one call whatever the number of ranks, no list of per-rank pieces. The row counts travel first
+        (a collective of their own), unless the caller knows what each rank sends it (`recv_counts`: the
+        combine returns each rank the rows its dispatch sent), which saves that round trip."""
         send_counts = [int(c) for c in send_counts]
         if self.world == 1:
             return send, send_counts
-        counts_out = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
-        counts_in = torch.empty_like(counts_out)
-        dist.all_to_all_single(counts_in, counts_out)
-        recv_counts = counts_in.tolist()
+        counted = recv_counts is None
+        if counted:
+            counts_out = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+            counts_in = torch.empty_like(counts_out)
+            dist.all_to_all_single(counts_in, counts_out)
+            recv_counts = counts_in.tolist()
+        recv_counts = [int(c) for c in recv_counts]
         send = send.to(self.device, torch.float32).reshape(-1, row_width)
         recv = torch.empty(sum(recv_counts), row_width, dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
@@ -83,7 +89,7 @@ class Exchanger:
         row_bytes = row_width * 4
         self.counters.add(layer, phase, nbytes=sum(off_rank) * row_bytes,
                           messages=sum(1 for c in off_rank if c > 0),
-                          control_bytes=8 * (self.world - 1), control_messages=self.world - 1)
+                          control_bytes=8 * (self.world - 1) * counted, control_messages=(self.world - 1) * counted)
         # layer None: a once-per-step exchange (prompt or new-token sync), counted under `step`
         return recv, recv_counts
 
