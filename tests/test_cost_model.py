@@ -117,6 +117,11 @@ def test_traffic_formulas(world, prompts, new_tokens, seed):
     std = predict(hosts, 1, SHAPE, STANDARD, workload, routing)
     d, c = (sum(l[p]["bytes"] for l in std.layers) for p in ("dispatch", "combine"))
     assert c * SHAPE.dispatch_row_bytes == d * SHAPE.combine_row_bytes
+    # the row counts precede every dispatch (one 8-byte count per peer and rank); the combine's are the
+    # dispatch's, so it sends none (runtime/ep/exchange.py, `recv_counts`)
+    assert all(l["combine"]["control_bytes"] == l["combine"]["control_messages"] == 0 for l in std.layers)
+    steps = len(workload.steps())
+    assert {l["dispatch"]["control_bytes"] for l in std.layers} - {0} == ({steps * 8 * (world - 1) * world} if world > 1 else set())
     coh = predict(hosts, 1, SHAPE, COHERENT, workload, routing)
     context = sum(l["context"]["bytes"] for l in coh.layers)
     assert context == tokens * (world - 1) * SHAPE.keyed_row_bytes * (SHAPE.num_blocks - 1)
