@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from ..fp8_blocks import SCALE_SUFFIX
 from . import grouped_attention
+from .growable_cache import growable_cache
 from .moe_adapter import ModelError, MoEAdapter, find_containers
 
 ATTENTION_NAMES = ("self_attn", "linear_attn", "self_attention", "attn", "norm_attn_norm.attn")
@@ -142,6 +143,7 @@ class RankModel:
                  fp8_block: tuple | None = None):
         """`fp8_block`: hold the routed experts as FP8 in blocks of that size (`fp8_experts.py`)."""
         self.model, self.kind, self.max_positions = model, kind, max_positions
+        self.cache_columns = max_positions  # at most this many KV cache columns (a service: its max context)
         prefix, self.layers = decoder_layers(model)
         self.containers = find_containers(self.layers, prefix)
         expert_names = set(_expert_names(self.containers))
@@ -175,6 +177,8 @@ class RankModel:
         if self.kind == "tiny_moe":
             cache = [] if cache is None else cache
             return self.model.forward_incremental(ids, positions, cache, key_mask), cache
+        if cache is None:  # the library's cache, its full-attention layers with spare columns (growable_cache.py)
+            cache = growable_cache(self.model.config, self.cache_columns)
         out = self.model(input_ids=ids, attention_mask=key_mask.to(torch.int64), position_ids=positions,
                          use_cache=True, **{self.cache_kwarg: cache})
         return out.logits, getattr(out, self.cache_kwarg)

@@ -19,7 +19,8 @@ Why not transformers' own continuous batching (5.24, `transformers/generation/co
   the token ends on holds its logits;
 * moeplan's own example model (TinyMoE, the throughput target's model) is not a transformers model.
 What stays the library's: the model code (attention, masks, norms, rotary, shared experts), its
-`DynamicCache` (rows moved by batch index and column, `row_cache.py`), and the K/V exchange hook
+`DynamicCache` (rows moved by batch index and column, `row_cache.py`; its full-attention layers write
+into spare columns, `model/growable_cache.py`), and the K/V exchange hook
 on the cache's `update` (which a paged cache's `update(key, value, layer_idx, ...)` would also fit).
 """
 from __future__ import annotations

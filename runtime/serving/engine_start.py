@@ -86,6 +86,7 @@ def start_engine(options: EngineOptions):
             raise BundleError(f"--mode takes coherent or standard, got {modes[0]}")
         check_cache_layers(model.model, model.kind)
         limits = limits_for(plan, model.max_positions, options.max_sequences, options.max_waiting)
+        model.cache_columns = limits.max_context  # the KV cache's spare columns stop at the planned context
     except (BundleError, UnsupportedCache, ValueError, OSError) as exc:
         print(f"error: rank {rank}: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -1,9 +1,9 @@
 """This rank's running sequences as the rows of the library's own KV cache, so that a sequence can
 join or leave a running batch.
 
-The library's cache (transformers' `DynamicCache`, TinyMoE's list of per-block dicts) holds K/V as
-[B, H, W, d] tensors, one row per sequence, columns shared by every row (the library's masks count
-causality in columns). Each row keeps its tokens right-aligned: row b's n_b tokens fill the last
+The library's cache (transformers' `DynamicCache`, its full-attention layers with spare columns,
+`model/growable_cache.py`; TinyMoE's list of per-block dicts) holds K/V as [B, H, W, d] tensors, one row
+per sequence, columns shared by every row (the library's masks count causality in columns). Each row keeps its tokens right-aligned: row b's n_b tokens fill the last
 n_b of the W columns, the columns before them are padding hidden by the key mask (the layout of a
 left-padded batch, which the library's attention already runs: transformers' `generate` pads so).
 Every decode step appends one column to every row, so a row's tokens stay contiguous.
