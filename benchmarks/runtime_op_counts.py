@@ -11,8 +11,11 @@ counter (runtime/op_counter.py's rule: every non-view aten op) attributes each o
 * `fixed`: outside the decoder blocks (embedding, final norm, head, the step's sampling and bookkeeping);
 * `moe_block_ep`: an MoE block on rank 0 of 2 ranks (gloo processes here, standard mode, experts split
   contiguously): the route with its dispatch and combine exchanges. At 4 ranks it is the same (qwen3_moe: 78 at
-  2 and at 4, counted before the combine stopped exchanging its row counts; 74 since): packing by destination
+  2 and at 4, counted before the combine stopped exchanging its row counts; 76 since): packing by destination
   and the exchange are one call whatever the ranks, so the count has no per-peer part.
+The step counted is the second decode step after the prefill: the first moves the prefill's K/V into the cache's
+buffers with spare columns (runtime/model/growable_cache.py, a copy once per 64 columns or more), the steady
+state writes its column (as many ops as the library's concatenation).
 The op counts do not grow with the batch or with the experts a batch touches (grouped experts); checked here by
 counting at 4 and 8 sequences (at one sequence MLA attention dispatches 2 ops fewer per block).
 
@@ -101,6 +104,7 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
     try:
         worker.step(StepPlan(STEP, [Admission(s, s % world, tuple(p), seed=0, temperature=0.0, top_p=1.0, top_k=0)
                                     for s, p in enumerate(prompts)]))
+        worker.step(StepPlan(STEP))  # the first decode step moves the prefill's K/V into buffers with spare columns
         with counter:
             worker.step(StepPlan(STEP))
     finally:
