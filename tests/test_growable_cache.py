@@ -119,3 +119,13 @@ def test_a_library_model_gives_the_same_logits_over_the_growable_cache(arch):
     assert torch.equal(reference, grown)
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert "GrowableLayer" in kinds and (arch != "gpt_oss" or "DynamicSlidingWindowLayer" in kinds)
+
+
+def test_latent_attention_keeps_the_library_layers():
+    """DeepSeek-V3's MLA projects its whole cached latent every step: the library's layers stay."""
+    import transformers
+    from transformers.cache_utils import DynamicLayer
+
+    directory = tiny.build("deepseek_v3", Path(tempfile.mkdtemp()) / "deepseek_v3")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    assert all(type(layer) is DynamicLayer for layer in growable_cache(config, 64).layers)

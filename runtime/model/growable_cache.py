@@ -9,7 +9,10 @@ out (or when the rows were replaced from outside: `row_cache.py` selects, pads a
 sequences join or leave) it moves the rows into a new buffer with a quarter more columns (at least
 `MIN_SPARE`), so the copies are amortised to a fraction of a column per step. Everything else (masks,
 lengths, reordering, cropping) is the library's `DynamicLayer`, reading the views. Sliding-window and
-other layer types stay the library's own.
+other layer types stay the library's own, and so do the layers of multi-head latent attention (DeepSeek-V2/V3,
+configs with `kv_lora_rank`): its cache holds latents that every step projects whole (`kv_b_proj`), and a linear
+layer copies a view of a buffer into a contiguous tensor first, so the concatenation's copy comes back as a
+clone and the spare columns would save nothing (counted: 2 aten ops more per block).
 
 Nothing here imports moeplan: bundles run without it.
 """
@@ -29,6 +32,9 @@ def growable_cache(config, max_columns: int):
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     cache = DynamicCache(config=config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):  # MLA (module docstring): the library's layers
+        return cache
     growable = growable_layer_class()
     cache.layers = [growable(max_columns) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
