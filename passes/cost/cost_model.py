@@ -234,6 +234,12 @@ class Prediction:
         }
 
 
+def collectives_per_call(phase: str) -> int:
+    """Collectives one exchange call makes: the row counts, then the rows; standard mode's combine knows its
+    counts (each rank gets back what its dispatch sent, `Exchanger.exchange_sorted`), so it sends the rows only."""
+    return 1 if phase == "combine" else 2
+
+
 class _Counter:
     """Accumulates one exchange call's rows per (source, destination) into counters and time."""
 
@@ -243,9 +249,8 @@ class _Counter:
         node = table.node_of
         self.same = node[:, None] == node[None, :]  # bool [W, W]: both ranks on one node
 
-    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str, counts_known: bool = False) -> float:
-        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds. `counts_known`:
-        every rank knows what it receives (standard mode's combine), so no counts collective precedes the rows."""
+    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
+        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds."""
         W = self.world
         if W == 1:
             return 0.0
@@ -253,8 +258,8 @@ class _Counter:
         np.fill_diagonal(off, 0)
         nbytes = int(off.sum()) * row_bytes
         msgs = int((off > 0).sum())
-        collectives = 1 if counts_known else 2
-        ctrl_b, ctrl_m = (0, 0) if counts_known else (8 * (W - 1) * W, (W - 1) * W)
+        collectives = collectives_per_call(phase)
+        ctrl_b, ctrl_m = (8 * (W - 1) * W, (W - 1) * W) if collectives == 2 else (0, 0)
         if layer is None:
             for f, v in (("bytes", nbytes), ("messages", msgs), ("control_bytes", ctrl_b), ("control_messages", ctrl_m)):
                 self.pred.step[f"{phase}_{f}"] += v
@@ -368,8 +373,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             step_time += _add(pred, counter.exchange(dispatch, shape.dispatch_row_bytes, block, "dispatch"), comm=True)
             step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
             if mode == STANDARD:
-                step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine",
-                                                                 counts_known=True), comm=True)
+                step_time += _add(pred, counter.exchange(dispatch.T.copy(), shape.combine_row_bytes, block, "combine"), comm=True)
             else:
                 step_time += _add(pred, counter.exchange(_merge_rows(ids, dest, W), shape.keyed_row_bytes, block, "merge"),
                                   comm=True)

@@ -31,7 +31,7 @@ import numpy as np
 
 from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDARD, ModelShape, Workload, _cost, _costs,
                                             _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
-                                            profile_ops_per_sequence, routing_samples)
+                                            collectives_per_call, profile_ops_per_sequence, routing_samples)
 from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops, runtime_profile
 
 
@@ -137,5 +137,4 @@ def _call(profile, world: int, phase: str, calls) -> float:
     if world == 1:
         return 0.0
     ops = calls.exchange_call(phase, world)
-    collectives = 1 if phase == "combine" else 2  # the combine's row counts are the dispatch's: no counts collective
-    return collectives * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
+    return collectives_per_call(phase) * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
