@@ -37,10 +37,9 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 
 from .engine_loop import run_leader
-from .engine_start import EngineOptions, start_engine
+from .engine_start import EngineOptions, close_engine, start_engine
 from .step_plan import STEP, STOP, StepPlan
 
 
@@ -232,9 +231,7 @@ def main() -> int:
     if link.failed:
         sys.stdout.flush()
         os._exit(1)  # a peer may be gone: no collective teardown
-    worker.close()
-    if info.world > 1:
-        dist.destroy_process_group()
+    close_engine(worker)
     return 0
 
 

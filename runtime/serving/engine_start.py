@@ -105,3 +105,10 @@ def start_engine(options: EngineOptions):
     info = ServiceInfo(plan["model"].get("name", root.name), plan, limits, codec, world, modes[0] == "coherent",
                        model.num_layers)
     return worker, info
+
+
+def close_engine(worker) -> None:
+    """After the last step: remove the engine's hooks and leave the process group (world > 1)."""
+    worker.close()
+    if worker.world > 1:
+        dist.destroy_process_group()

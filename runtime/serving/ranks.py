@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..bundle_io import bundle_root
 from .scheduler import Scheduler
 from .engine_loop import run_follower, run_leader
 from .engine_process import EngineProcess
-from .engine_start import EngineOptions, start_engine
+from .engine_start import EngineOptions, close_engine, start_engine
 
 COLLECTIVE_TIMEOUT_S = 60.0   # a collective waiting longer than this fails (a hung peer)
 HEARTBEAT_S = 1.0             # an idle rank 0 broadcasts a heartbeat plan this often
@@ -80,9 +79,7 @@ def serve_bundle(root: Path, front, mode: str | None = None, context: str = "aut
     loop = threading.Thread(target=run_leader, args=(worker, client, heartbeat_s), name="engine-loop", daemon=True)
     loop.start()
     code = _front(front, client, info, options, loop)
-    worker.close()
-    if info.world > 1:
-        dist.destroy_process_group()
+    close_engine(worker)
     return code
 
 
@@ -133,8 +130,7 @@ def _follow(worker, rank: int) -> int:
         print(f"error: rank {rank}: the service stopped: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
               file=sys.stderr, flush=True)
         os._exit(1)
-    worker.close()
-    dist.destroy_process_group()
+    close_engine(worker)
     return 0
 
 
