@@ -81,7 +81,8 @@ class Exchanger:
             counts_in = torch.empty_like(counts_out)
             dist.all_to_all_single(counts_in, counts_out)
             recv_counts = counts_in.tolist()
-        recv_counts = [int(c) for c in recv_counts]
+        else:
+            recv_counts = [int(c) for c in recv_counts]
         send = send.to(self.device, torch.float32).reshape(-1, row_width)
         recv = torch.empty(sum(recv_counts), row_width, dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
