@@ -110,7 +110,8 @@ def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, ra
     counters = Counters(model.num_layers)  # per block; MoE-only counts stay zero on dense blocks
     if getattr(model, "expert_cache", None) is not None:  # offloading: each mode starts from the planned residents
         model.expert_cache.restart()
-    engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, mode, device,
+    exchanger = Exchanger.for_process_group(rank, world, counters, device, dist.default_pg_timeout.total_seconds())
+    engine = Engine(model, table, exchanger, counters, rank, world, mode, device,
                     model.top_k, context)  # recording: logits and routing for results
     worker = BatchWorker(engine, model.kind, tokens_to_rank0=False)
     dist.barrier()
@@ -118,6 +119,7 @@ def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, ra
         generated = run_batch(worker, prompts, new_tokens)
     finally:
         worker.close()
+        exchanger.close()
     os.makedirs(out_dir, exist_ok=True)
     results.write_rank(out_dir, rank, engine, generated, mode)
     dist.barrier()

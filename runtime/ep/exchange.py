@@ -6,12 +6,16 @@ hidden payload followed by int64 metadata reinterpreted bit-for-bit as float32 p
 and its routing travel in one message. Metadata is kept small: a token is one int64 key
 (sequence x max length + position); its k expert ids and destination ranks travel as int16s
 packed four to an int64 word (`pack_small`). gloo implements `all_to_all_single` with split sizes in
-torch >= 2.x (checked on 2.13), as does nccl, so the same code runs on CPU and GPU.
+torch >= 2.x (checked on 2.13), as does nccl, so the same code runs on CPU and GPU. CPU ranks of one
+host exchange through shared memory instead (`host_channel.py`: the counts ride in the rows' slot
+headers, one round instead of two).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .host_channel import open_host_channel
 
 
 def pack(payload: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
@@ -50,11 +54,24 @@ def unpack_small(words: torch.Tensor, count: int) -> torch.Tensor:
 class Exchanger:
     """Variable-size all-to-all over the default process group, counting what leaves the rank."""
 
-    def __init__(self, rank: int, world_size: int, counters, device: torch.device):
+    def __init__(self, rank: int, world_size: int, counters, device: torch.device, channel=None):
+        """`channel`: a `host_channel.HostChannel` (ranks of one host), else gloo's or nccl's collectives."""
         self.rank = rank
         self.world = world_size
         self.counters = counters
         self.device = device
+        self.channel = channel
+
+    @classmethod
+    def for_process_group(cls, rank: int, world_size: int, counters, device: torch.device, timeout_s: float):
+        """An exchanger over the default process group, through shared memory where every rank is on
+        this host (collective: every rank calls it)."""
+        return cls(rank, world_size, counters, device, open_host_channel(rank, world_size, device, timeout_s))
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def exchange(self, rows_by_dest: list, row_width: int, layer, phase: str) -> list:
         """Send rows_by_dest[d] ([n_d, row_width] float32) to rank d; return the rows from each source."""
@@ -76,7 +93,21 @@ class Exchanger:
         if self.world == 1:
             return send, send_counts
         counted = recv_counts is None
-        if counted:
+        if self.channel is not None:  # one round: the counts ride in the slots' headers
+            recv, recv_counts = self.channel.all_to_all(send.to(torch.float32).reshape(-1, row_width), send_counts)
+        else:
+            recv, recv_counts = self._collective(send, send_counts, row_width, recv_counts)
+        off_rank = [c for d, c in enumerate(send_counts) if d != self.rank]
+        row_bytes = row_width * 4
+        self.counters.add(layer, phase, nbytes=sum(off_rank) * row_bytes,
+                          messages=sum(1 for c in off_rank if c > 0),
+                          control_bytes=8 * (self.world - 1) * counted, control_messages=(self.world - 1) * counted)
+        # layer None: a once-per-step exchange (prompt or new-token sync), counted under `step`
+        return recv, recv_counts
+
+    def _collective(self, send: torch.Tensor, send_counts: list, row_width: int, recv_counts: list | None) -> tuple:
+        """The process group's `all_to_all_single`, after one of the counts unless they are given."""
+        if recv_counts is None:
             counts_out = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             counts_in = torch.empty_like(counts_out)
             dist.all_to_all_single(counts_in, counts_out)
@@ -86,12 +117,6 @@ class Exchanger:
         send = send.to(self.device, torch.float32).reshape(-1, row_width)
         recv = torch.empty(sum(recv_counts), row_width, dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
-        off_rank = [c for d, c in enumerate(send_counts) if d != self.rank]
-        row_bytes = row_width * 4
-        self.counters.add(layer, phase, nbytes=sum(off_rank) * row_bytes,
-                          messages=sum(1 for c in off_rank if c > 0),
-                          control_bytes=8 * (self.world - 1) * counted, control_messages=(self.world - 1) * counted)
-        # layer None: a once-per-step exchange (prompt or new-token sync), counted under `step`
         return recv, recv_counts
 
 

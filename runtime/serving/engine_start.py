@@ -97,7 +97,8 @@ def start_engine(options: EngineOptions):
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
         control = dist.new_group(backend="gloo", timeout=timeout) if use_cuda else None
     counters = Counters(model.num_layers)
-    engine = Engine(model, table, Exchanger(rank, world, counters, device), counters, rank, world, modes[0], device,
+    exchanger = Exchanger.for_process_group(rank, world, counters, device, options.collective_timeout_s)
+    engine = Engine(model, table, exchanger, counters, rank, world, modes[0], device,
                     model.top_k, options.context, record=False)  # a service keeps no logits or routing
     worker = BatchWorker(engine, model.kind, control)
     if getattr(model, "expert_cache", None) is not None:  # a service runs for days: keep the request log bounded
@@ -110,5 +111,6 @@ def start_engine(options: EngineOptions):
 def close_engine(worker) -> None:
     """After the last step: remove the engine's hooks and leave the process group (world > 1)."""
     worker.close()
+    worker.engine.ex.close()
     if worker.world > 1:
         dist.destroy_process_group()
