@@ -189,3 +189,26 @@ def test_a_malformed_workload_is_a_user_error(text):
         assert "REQUESTSxPROMPT+NEW" in str(exc)
     else:
         assert w.new_tokens >= 1 and min(w.prompt_lengths) >= 1
+
+
+@pytest.mark.parametrize("profile_name, gpus_per_node, rounds", [
+    ("cpu-gloo", 2, 1),   # CPU ranks of one host: the counts ride with the rows (runtime/ep/host_channel.py)
+    ("cpu-gloo", 1, 2),   # CPU ranks on two hosts: gloo, the counts' collective first
+    ("h100-sxm", 2, 2),   # GPUs: nccl, the counts' collective first
+])
+def test_a_dispatch_call_is_priced_one_round_where_cpu_ranks_share_a_host(profile_name, gpus_per_node, rounds):
+    """The call's fixed part is `rounds` collective latencies (the op overhead set to zero to read it alone);
+    the combine is one round everywhere; the counts are counted as control bytes either way."""
+    import dataclasses
+
+    profile = dataclasses.replace(load_hardware(profile_name), op_overhead_s=0.0)
+    workload = Workload((3, 2), 2)
+    tokens = sum(len(s) for s in workload.steps())
+    experts = np.tile(np.array([[0, 3]] * 3), (tokens, 1, 1))  # every token to an expert on each rank
+    pred = predict(_contiguous(3, 4, 2), gpus_per_node, SHAPE, STANDARD, workload, routing_from_trace(experts, workload),
+                   profile)
+    calls = len(workload.steps()) * SHAPE.num_blocks
+    latency = profile.collective_latency(2)
+    assert pred.exchange_seconds["dispatch"]["call"] == pytest.approx(calls * rounds * latency)
+    assert pred.exchange_seconds["combine"]["call"] == pytest.approx(calls * latency)
+    assert sum(l["dispatch"]["control_bytes"] for l in pred.layers) == calls * 8 * 2

@@ -21,7 +21,8 @@ counters). W ranks, D hidden size, k top-k, one float32 = 4 bytes, rows of the r
 * prompt sync (coherent, once) = 24 bytes per prompt token and other rank; token sync (coherent,
   per step) = 16 bytes per sequence and other rank;
 * control = 8 (W - 1) bytes and W - 1 messages per rank per exchange call (the row counts, a collective
-  of their own), but standard mode's combine, whose counts are the dispatch's (`Exchanger.exchange_sorted`);
+  of their own, or in the rows' slot headers for CPU ranks of one host, `runtime/ep/host_channel.py`), but
+  standard mode's combine, whose counts are the dispatch's (`Exchanger.exchange_sorted`);
 * messages = per rank and call, the number of other ranks it sends at least one row to.
 Replica choice is the runtime's own rule (`runtime/ep/expert_table.py`, run here as in the
 bundle), so with the run's own routing the bytes equal the measured counters.
@@ -39,7 +40,8 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   rank, its hooks) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
-* communication, per exchange call: 2 x collective latency(W) (counts, then rows) +
+* communication, per exchange call: 2 x collective latency(W) (counts, then rows; 1 x for the combine, and
+  for CPU ranks of one host, whose counts ride with the rows) +
   per message and tier: latency + bytes / bandwidth of the tier (same node / other node), the
   slowest rank's sum, + the call's Python work (runtime_ops.py's `exchange_call`: EXCHANGE_OPS + PEER_OPS[kind] x W ops, none where counted in the MoE block; times
   W / parallel_ranks when ranks outnumber cores).
@@ -234,10 +236,17 @@ class Prediction:
         }
 
 
-def collectives_per_call(phase: str) -> int:
+def collectives_per_call(phase: str, host_channel: bool = False) -> int:
     """Collectives one exchange call makes: the row counts, then the rows; standard mode's combine knows its
-    counts (each rank gets back what its dispatch sent, `Exchanger.exchange_sorted`), so it sends the rows only."""
-    return 1 if phase == "combine" else 2
+    counts (each rank gets back what its dispatch sent, `Exchanger.exchange_sorted`), so it sends the rows only.
+    CPU ranks of one host (`host_channel`: `runtime/ep/host_channel.py`) carry the counts in the rows' slot
+    headers: one round whatever the phase."""
+    return 1 if phase == "combine" or host_channel else 2
+
+
+def counts_travel(phase: str) -> bool:
+    """Whether an exchange call sends its row counts (control bytes), in a collective or a slot header."""
+    return phase != "combine"
 
 
 class _Counter:
@@ -248,6 +257,8 @@ class _Counter:
         self.ops = ops  # RuntimeOps: the ops of each exchange call (`exchange_call`)
         node = table.node_of
         self.same = node[:, None] == node[None, :]  # bool [W, W]: both ranks on one node
+        # CPU ranks all on one host exchange through shared memory (runtime/ep/host_channel.py)
+        self.host_channel = profile is not None and profile.device_is_host and bool(self.same.all())
 
     def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
         """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds."""
@@ -258,8 +269,8 @@ class _Counter:
         np.fill_diagonal(off, 0)
         nbytes = int(off.sum()) * row_bytes
         msgs = int((off > 0).sum())
-        collectives = collectives_per_call(phase)
-        ctrl_b, ctrl_m = (8 * (W - 1) * W, (W - 1) * W) if collectives == 2 else (0, 0)
+        collectives = collectives_per_call(phase, self.host_channel)
+        ctrl_b, ctrl_m = (8 * (W - 1) * W, (W - 1) * W) if counts_travel(phase) else (0, 0)
         if layer is None:
             for f, v in (("bytes", nbytes), ("messages", msgs), ("control_bytes", ctrl_b), ("control_messages", ctrl_m)):
                 self.pred.step[f"{phase}_{f}"] += v

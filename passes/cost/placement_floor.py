@@ -137,4 +137,5 @@ def _call(profile, world: int, phase: str, calls) -> float:
     if world == 1:
         return 0.0
     ops = calls.exchange_call(phase, world)
-    return collectives_per_call(phase) * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
+    # one round where CPU ranks may share a host (the optimistic case: a floor)
+    return collectives_per_call(phase, profile.device_is_host) * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
