@@ -6,8 +6,8 @@ this repository is measured on one call took 1.1-2.0 ms whatever its size (4 to 
 round trip 160-420 us, and a 2-rank decode step makes ~15 of them. Here each rank owns an inbox
 file in /dev/shm with a slot per source rank and per round parity; a sender copies its rows into
 the receiver's slot and then writes the slot's sequence number; the receiver spins on that number
-(yielding the core, then sleeping, as the wait grows). No kernel call on the common path, and the
-row counts ride in the slot's header, so the counts collective goes too.
+(yielding the core, then sleeping a twentieth of the time waited so far). No kernel call on the
+common path, and the row counts ride in the slot's header, so the counts collective goes too.
 
 Rounds alternate two parities. A rank writes round s + 2 into a peer's slot only after it has read
 that peer's round s + 1, which the peer posts only after it read round s: a slot is never
@@ -36,8 +36,9 @@ SLOT_BYTES = 1 << 20   # per slot: a decode step's dispatch of 64 tokens at hidd
                        # is 2 x world slots (4 MiB a rank at 2 ranks, 16 at 8), inside the pods' measured rank overhead
 HEADER_WORDS = 8       # int64: sequence number, rows, row width, any-overflow flag, (spare)
 HEADER_BYTES = HEADER_WORDS * 8
-SPIN_S, YIELD_S = 50e-6, 2e-3  # busy-wait, then yield the core, then sleep 100 us per look,
-IDLE_S, IDLE_SLEEP_S = 0.05, 2e-3  # and past 50 ms (an idle service's follower awaiting its plan) 2 ms per look
+SPIN_S, YIELD_S = 50e-6, 2e-3  # busy-wait, then yield the core, then sleep between looks:
+LATE, MAX_SLEEP_S = 0.05, 0.02  # 5% of the time waited so far, at most 20 ms: a long wait (a peer's long prefill)
+                                # looks a few dozen times a second, not thousands (each look costs ~0.1 ms here)
 PEER_CHECK_S = 0.05            # a waiting rank looks this often whether its peer's process still lives
 SHM_DIR = "/dev/shm"
 
@@ -101,17 +102,6 @@ class HostChannel:
         recv = torch.cat(pieces) if pieces else torch.empty(0, width, dtype=torch.float32)  # cat copies out of the slots
         return recv.reshape(-1, width), recv_counts
 
-    def broadcast(self, values: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """int64 [n] (n the same on every rank) -> rank `src`'s values, on every rank: one round in which
-        `src` sends them to every other rank (the serving loop's step plans, `serving/step_plan.py`)."""
-        rows = values.to(torch.int64).contiguous().view(torch.float32).reshape(-1, 2)  # [n, 2]
-        if self.rank == src:
-            others = self.world - 1
-            self.all_to_all(rows.repeat(others, 1), [0 if d == src else rows.shape[0] for d in range(self.world)])
-            return values
-        got, _ = self.all_to_all(rows[:0], [0] * self.world)
-        return got.contiguous().view(torch.int64).reshape(-1)
-
     def _wait(self, header: np.ndarray, s: int, source: int) -> None:
         """Until the source posts round s: spin, then yield the core, then sleep."""
         if header[0] == s:
@@ -134,7 +124,7 @@ class HostChannel:
                 if not _alive(self.pids[source]):
                     raise RuntimeError(f"rank {self.rank}: rank {source}'s process (pid {self.pids[source]}) "
                                        f"exited during an exchange")
-            time.sleep(100e-6 if waited < IDLE_S else IDLE_SLEEP_S)
+            time.sleep(min(MAX_SLEEP_S, max(100e-6, LATE * waited)))
 
     def close(self) -> None:
         """Drop the views, then unmap."""
