@@ -149,3 +149,10 @@ def _dying_peer(rank: int, world: int, port: int, shm_dir: str) -> None:
 
 def test_a_peer_that_dies_fails_the_wait_at_once_not_at_the_timeout(tmp_path):
     mp.spawn(_dying_peer, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+
+
+def test_gpu_ranks_get_no_channel_and_make_no_collective_for_it():
+    """nccl's group takes no CPU tensor: GPU ranks must not even agree (no process group here: a
+    collective would raise)."""
+    assert not dist.is_initialized()
+    assert host_channel.open_host_channel(0, 2, torch.device("cuda", 0), 60.0) is None

@@ -88,7 +88,8 @@ class Exchanger:
         in rank order) -> (the rows received [M, row_width], grouped by source, and their counts):
         one call whatever the number of ranks, no list of per-rank pieces. The row counts travel first
         (a collective of their own), unless the caller knows what each rank sends it (`recv_counts`: the
-        combine returns each rank the rows its dispatch sent), which saves that round trip."""
+        combine returns each rank the rows its dispatch sent), which saves that round trip, or the ranks
+        share a host channel, whose slot headers carry them."""
         send_counts = [int(c) for c in send_counts]
         if self.world == 1:
             return send, send_counts

@@ -184,10 +184,10 @@ def _all_agree(ok: bool, group) -> bool:
 
 def open_host_channel(rank: int, world: int, device: torch.device, timeout_s: float, group=None):
     """A HostChannel when every rank of the (CPU, gloo) process group can map every other's inbox,
-    else None; collective: every rank calls it, and every rank gets the same answer."""
-    if world == 1:
+    else None; collective for CPU ranks: every rank calls it, and every rank gets the same answer."""
+    if world == 1 or device.type != "cpu":  # GPU ranks: nccl's group, no CPU collective to agree with
         return None
-    wanted = (device.type == "cpu" and platform.machine() in ("x86_64", "AMD64")
+    wanted = (platform.machine() in ("x86_64", "AMD64")
               and os.environ.get("MOEPLAN_EXCHANGE", "shm") != "gloo" and os.path.isdir(SHM_DIR))
     if not _all_agree(wanted, group):
         return None
