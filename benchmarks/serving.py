@@ -323,8 +323,7 @@ def main(argv=None) -> int:
             for ranks in args.ranks:
                 bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
                 stacks = scratch / f"stacks-{name}-{ranks}.txt"
-                server = start_ours(bundle, args.threads or max(1, ((os.cpu_count() or 1) - 1) // ranks),
-                                    stacks if args.profile_at else None)
+                server = start_ours(bundle, _threads(args, ranks), stacks if args.profile_at else None)
                 try:
                     extra = OURS_EXTRA
                     for c in args.concurrency:
@@ -351,8 +350,7 @@ def main(argv=None) -> int:
             if args.gloo_peer:  # the same bundles with the ranks' exchanges over gloo (runtime/ep/host_channel.py off)
                 for ranks in [r for r in args.ranks if r > 1]:
                     bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
-                    threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // ranks)
-                    rows += _peer_rows(name, "moeplan-gloo", lambda: start_ours(bundle, threads, env={"MOEPLAN_EXCHANGE": "gloo"}),  # noqa: B023 (called within this iteration)
+                    rows += _peer_rows(name, "moeplan-gloo", lambda: start_ours(bundle, _threads(args, ranks), env={"MOEPLAN_EXCHANGE": "gloo"}),  # noqa: B023 (called within this iteration)
                                        served_name(bundle), prompts, args, OURS_EXTRA, ranks=ranks)
             if args.vllm_python and name == "qwen3_moe_hd32":
                 for tp in [r for r in args.ranks if r in (1, 2)]:
@@ -367,6 +365,11 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def _threads(args, ranks: int) -> int:
+    """Torch threads per rank: `--threads`, else the cores but one over the ranks (at least 1)."""
+    return args.threads or max(1, ((os.cpu_count() or 1) - 1) // ranks)
 
 
 def served_name(bundle: Path) -> str:

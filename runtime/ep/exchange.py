@@ -94,8 +94,9 @@ class Exchanger:
         if self.world == 1:
             return send, send_counts
         counted = recv_counts is None
+        send = send.to(self.device, torch.float32).reshape(-1, row_width)
         if self.channel is not None:  # one round: the counts ride in the slots' headers
-            recv, recv_counts = self.channel.all_to_all(send.to(torch.float32).reshape(-1, row_width), send_counts)
+            recv, recv_counts = self.channel.all_to_all(send, send_counts)
         else:
             recv, recv_counts = self._collective(send, send_counts, row_width, recv_counts)
         off_rank = [c for d, c in enumerate(send_counts) if d != self.rank]
@@ -107,7 +108,8 @@ class Exchanger:
         return recv, recv_counts
 
     def _collective(self, send: torch.Tensor, send_counts: list, row_width: int, recv_counts: list | None) -> tuple:
-        """The process group's `all_to_all_single`, after one of the counts unless they are given."""
+        """The process group's `all_to_all_single` of send [N, row_width] float32, after one of the counts
+        unless they are given."""
         if recv_counts is None:
             counts_out = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
             counts_in = torch.empty_like(counts_out)
@@ -115,7 +117,6 @@ class Exchanger:
             recv_counts = counts_in.tolist()
         else:
             recv_counts = [int(c) for c in recv_counts]
-        send = send.to(self.device, torch.float32).reshape(-1, row_width)
         recv = torch.empty(sum(recv_counts), row_width, dtype=torch.float32, device=self.device)
         dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts)
         return recv, recv_counts

@@ -14,8 +14,8 @@ that peer's round s + 1, which the peer posts only after it read round s: a slot
 overwritten before it is read. A round whose rows do not fit a slot (a long prefill) falls back to
 gloo for every rank: each header says whether its sender overflowed anywhere, so all ranks agree.
 
-Used only where every rank maps every other's inbox (one host, one /dev/shm: torchrun, not
-Kubernetes pods) and on x86-64, whose stores are seen in program order (the header's sequence
+Used only where every rank maps every other's inbox (one host, one /dev/shm: torchrun's ranks of one
+machine or of one Kubernetes pod, not ranks on different nodes) and on x86-64, whose stores are seen in program order (the header's sequence
 number after the rows); elsewhere `open_host_channel` returns None and the exchange stays gloo's.
 MOEPLAN_EXCHANGE=gloo turns it off. Inbox files are unlinked once every rank has mapped them, so a
 killed rank leaves nothing behind.
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 SLOT_BYTES = 1 << 20   # per slot: a decode step's dispatch of 64 tokens at hidden 2048 (float32) fits; an inbox
                        # is 2 x world slots (4 MiB a rank at 2 ranks, 16 at 8), inside the pods' measured rank overhead
-HEADER_WORDS = 8       # int64: sequence number, rows, row width, any-overflow flag, (spare)
+HEADER_WORDS = 8       # int64: sequence number, rows, any-overflow flag, (spare)
 HEADER_BYTES = HEADER_WORDS * 8
 SPIN_S, YIELD_S = 50e-6, 2e-3  # busy-wait, then yield the core, then sleep between looks:
 LATE, MAX_SLEEP_S = 0.05, 0.02  # 5% of the time waited so far, at most 20 ms: a long wait (a peer's long prefill)
@@ -67,7 +67,7 @@ class HostChannel:
         """send [N, W] float32, grouped by destination (send_counts[d] rows for rank d, rank order)
         -> (received [M, W] float32 grouped by source, the counts received from each rank)."""
         self.round += 1
-        s, parity, width = self.round, self.round & 1, int(send.shape[1]) if send.dim() == 2 else 0
+        s, parity, width = self.round, self.round & 1, int(send.shape[1])
         starts = np.concatenate([[0], np.cumsum(send_counts)]).astype(int)
         overflow = any(send_counts[d] * width * 4 > SLOT_BYTES for d in range(self.world) if d != self.rank)
         flat = send.reshape(-1)
@@ -78,7 +78,7 @@ class HostChannel:
             if not overflow and n:
                 self.slots[d][self.rank][parity][:n].copy_(flat[starts[d] * width:starts[d + 1] * width])
             header = self.headers[d][self.rank][parity]
-            header[1], header[2], header[3] = send_counts[d], width, overflow
+            header[1], header[2] = send_counts[d], overflow
             header[0] = s  # last: the rows are in place before the receiver sees the round
         recv_counts, any_overflow = [0] * self.world, overflow
         for q in range(self.world):
@@ -87,7 +87,7 @@ class HostChannel:
                 continue
             header = self.headers[self.rank][q][parity]
             self._wait(header, s, q)
-            recv_counts[q], any_overflow = int(header[1]), any_overflow or bool(header[3])
+            recv_counts[q], any_overflow = int(header[1]), any_overflow or bool(header[2])
         if any_overflow:
             recv = torch.empty(sum(recv_counts), width, dtype=torch.float32)
             dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=recv_counts,
