@@ -100,6 +100,9 @@ class Engine:
         self.replicated = self.mode == COHERENT
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
+        if self.world == 1 and self.mode == STANDARD:  # every slot local; counted here, outside a compiled step
+            for adapter in self.model.adapters:
+                self._count_local(adapter.layer, adapter.moe, self.active.numel() * self.top_k, self.active.numel() * self.top_k)
         flat = logits.reshape(-1, logits.shape[-1])
         here = (self.mine & (keys >= 0)).nonzero().flatten()
         if self.records:
@@ -119,7 +122,8 @@ class Engine:
         others' through the exchanges. `install_hooks` makes every MoE block call it."""
         if self.capture:
             raise Captured(ids.detach().cpu(), weights.detach())
-        if h.shape[0] != self.keys.shape[0]:
+        # (a compiled decode step, `compiled_decode.py`, passes every row; the check there would fix the batch size)
+        if not torch.compiler.is_compiling() and h.shape[0] != self.keys.shape[0]:
             raise RuntimeError(f"MoE block saw {h.shape[0]} rows, the step has {self.keys.shape[0]}")
         if self.mode == STANDARD:
             return self._standard(adapter, h, ids, weights)
@@ -162,8 +166,6 @@ class Engine:
             a_h, a_ids, a_w = h, ids, weights
         else:
             a_h, a_ids, a_w = h[self.dev_active], ids[self.dev_active], weights[self.dev_active]
-        n, k = a_ids.shape
-        self._count_local(adapter.layer, adapter.moe, n * k, n * k)
         if self.records:
             self._record_routing(adapter.moe, self.keys[self.active], a_ids.cpu(), a_w)
         partial = adapter.local_expert_output(a_h, adapter.local_slots(a_ids), a_w).to(h.dtype)

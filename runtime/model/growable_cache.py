@@ -69,6 +69,18 @@ def growable_layer_class():
             self.values = self._value_buffer[..., :n + s, :]
             return self.keys, self.values
 
+        def reserve(self, columns: int) -> tuple:
+            """The layer's buffers (keys, values [B, H, capacity, d]) with room for `columns` columns, the current
+            ones first: where a compiled decode step (`compiled_decode.py`) writes its column itself."""
+            if not self._fits(columns):
+                self._regrow(columns)
+            return self._key_buffer, self._value_buffer
+
+        def advance(self, columns: int) -> None:
+            """The views after a step wrote into the buffers directly: the first `columns` columns."""
+            self.keys = self._key_buffer[..., :columns, :]
+            self.values = self._value_buffer[..., :columns, :]
+
         def _fits(self, columns: int) -> bool:
             """The views are still the first columns of this layer's buffers, which hold `columns`."""
             buffers = getattr(self, "_key_buffer", None), getattr(self, "_value_buffer", None)
@@ -88,6 +100,7 @@ def growable_layer_class():
                 b, h, _, d = view.shape
                 buffer = view.new_empty((b, h, capacity, d))
                 buffer[..., :n, :].copy_(view)
+                buffer[..., n:, :].zero_()  # a compiled step's attention reads the spare columns (masked): finite
                 setattr(self, f"_{name[:-1]}_buffer", buffer)
                 setattr(self, name, buffer[..., :n, :])
 

@@ -171,6 +171,7 @@ class RankModel:
         if any(a is None for a in self.attention):
             raise ModelError(f"a decoder block has no attention module among {ATTENTION_NAMES}")
         self.cache_kwarg = cache_kwarg(model) if kind != "tiny_moe" else "past_key_values"
+        self.compiled_decode = None  # a CompiledDecode (compiled_decode.py) its decode steps run through, once enabled
 
     def forward(self, ids, positions, key_mask, cache):
         """Logits [B, S, V] and the cache to pass next time, for ids/positions [B, S], key_mask [B, P + S]."""
@@ -179,6 +180,8 @@ class RankModel:
             return self.model.forward_incremental(ids, positions, cache, key_mask), cache
         if cache is None:  # the library's cache, its full-attention layers with spare columns (growable_cache.py)
             cache = growable_cache(self.model.config, self.cache_columns)
+        elif ids.shape[1] == 1 and self.compiled_decode is not None and self.compiled_decode.applies(cache):
+            return self.compiled_decode(ids, positions, key_mask, cache), cache
         out = self.model(input_ids=ids, attention_mask=key_mask.to(torch.int64), position_ids=positions,
                          use_cache=True, **{self.cache_kwarg: cache})
         return out.logits, getattr(out, self.cache_kwarg)

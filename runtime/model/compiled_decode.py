@@ -1,0 +1,115 @@
+"""A decode step of the library's model as one compiled graph (torch.compile, inductor) over the KV cache's
+fixed buffers, for ranks that run alone on the CPU.
+
+Why: eager, the runtime's decode step of qwen3_moe_hd32 at batch 1 is ~300 aten ops at ~20 us each on a
+2-core CPU (about 6 ms a token); its tensors are tiny, so the time is dispatch. Compiled, inductor fuses
+the step into a few C++ loops (docs/serving.md "Compiled decode steps" has the figures).
+
+What makes the step one graph of fixed shapes:
+* K/V: the spare-column cache's buffers [B, H, C, d] (`growable_cache.py`, capacity C), handed to the
+  library's own `StaticLayer` (transformers' cache layer built for torch.compile), which writes the step's
+  column in place (`index_copy_` at a 0-d tensor) and returns the whole buffers; attention reads all C
+  columns under an additive mask [B, 1, 1, C] that hides each row's left padding and the spare columns;
+* routing stays on the device (a world of one: `Engine._one_rank`); the engine counts the step's slots
+  after the forward, outside the graph;
+* batch B, columns held W and capacity C are dynamic dimensions: one graph serves every batch and
+  context (a batch of one gets its own, as torch specialises sizes 0 and 1).
+The library's modules run unchanged inside the graph: inductor compiles their own code.
+
+Where it runs (`CompiledDecode.applies`): transformers models whose every cache layer is a plain
+full-attention layer with spare columns (not sliding windows, not MLA), decode steps (one token per row)
+of an engine that records nothing (a service) in a world of one on the CPU, with a C++ compiler at hand
+(inductor builds its kernels with it). Everything else, and `MOEPLAN_COMPILE=0`, stays eager.
+
+Nothing here imports moeplan: bundles run without it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import torch
+import torch.fx.experimental._config  # use_duck_shape (below)
+
+ENV = "MOEPLAN_COMPILE"
+
+
+def compile_wanted() -> bool:
+    """`MOEPLAN_COMPILE` is not 0/false/no/off (default: on)."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compiler_missing() -> str | None:
+    """Why inductor cannot build CPU kernels here (no C++ compiler on PATH), or None."""
+    name = os.environ.get("CXX", "g++")
+    return None if shutil.which(name) else f"no C++ compiler ({name}) on PATH for torch.compile's CPU kernels"
+
+
+class CompiledDecode:
+    """The compiled decode step of one library model (module docstring)."""
+
+    def __init__(self, model, cache_kwarg: str):
+        from transformers import StaticCache
+
+        self.model, self.kwarg = model, cache_kwarg
+        self.dtype = next(model.parameters()).dtype
+        self._static = StaticCache(config=model.config, max_cache_len=1)  # the library's layers, given our buffers
+        # batch, columns and capacity are marked dynamic one by one (`_mark_dynamic`); the other sizes stay constants.
+        # Duck sizing would make equal sizes one symbol (a batch of 2 and 2 K/V heads) and recompile when they part.
+        torch.fx.experimental._config.use_duck_shape = False
+        # grouped_attention's functools caches hold pure functions of a module's class (its eager function's bytecode):
+        # tracing through them, as dynamo warns it does, gives what they hold
+        warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+        self._fn = torch.compile(self._forward)
+        self.steps = 0  # decode steps it ran (a test's and a benchmark's witness)
+
+    def applies(self, cache) -> bool:
+        """Whether `cache` (the library's, after a prefill) is one whose steps this graph can run."""
+        from .growable_cache import growable_layer_class
+
+        layers = getattr(cache, "layers", None)
+        growable = growable_layer_class()
+        return bool(layers) and len(layers) == len(self._static.layers) and all(
+            type(layer) is growable and layer.is_initialized and layer.keys is not None and layer.keys.numel()
+            for layer in layers)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [B, 1, V] of one decode step: ids, positions [B, 1], key_mask bool [B, W + 1] (each row's tokens,
+        right-aligned, and the new one); the cache's layers hold W columns before, W + 1 after."""
+        width = key_mask.shape[1]
+        for mine, layer in zip(self._static.layers, cache.layers):
+            mine.keys, mine.values = layer.reserve(width)
+            mine.device = mine.keys.device
+            mine.cumulative_length = torch.tensor(width - 1, device=mine.device)  # the column this step writes
+            mine.is_initialized = True
+        _mark_dynamic(ids, positions, key_mask, self._static.layers)
+        logits = self._fn(ids, positions, key_mask, self._static)
+        for mine, layer in zip(self._static.layers, cache.layers):
+            layer.advance(width)
+            mine.keys = mine.values = None  # the buffers belong to the cache
+        self.steps += 1
+        return logits
+
+    def _forward(self, ids, positions, key_mask, static):
+        """The traced step: the additive mask over the buffers' C columns, then the library's forward."""
+        capacity = static.layers[0].keys.shape[2]
+        visible = torch.nn.functional.pad(key_mask, (0, capacity - key_mask.shape[1]))            # bool [B, C]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None, None, :]           # [B, 1, 1, C]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.kwarg: static})
+        return out.logits
+
+
+def _mark_dynamic(ids, positions, key_mask, layers) -> None:
+    """Batch (every input's dim 0), columns (key_mask's dim 1) and capacity (the buffers' dim 2) as dynamic sizes;
+    `maybe_`: a batch of one may still get a graph of its own."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for tensor in (ids, positions, key_mask):
+        mark(tensor, 0)
+    mark(key_mask, 1)
+    for layer in layers:
+        for tensor in (layer.keys, layer.values):
+            mark(tensor, 0)
+            mark(tensor, 2)

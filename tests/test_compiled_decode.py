@@ -1,0 +1,167 @@
+"""The compiled decode step (runtime/model/compiled_decode.py, runtime/serving/decode_compile.py): a service's
+worker with it produces the eager worker's logits and tokens through sequences joining and leaving, counts
+the same slots, compiles two graphs (a batch of one, every other batch) and no more, and stays eager where
+it does not apply, saying why."""
+import random
+
+import pytest
+import torch
+
+from moeplan.runtime.model.compiled_decode import ENV, CompiledDecode, compile_wanted, compiler_missing
+from moeplan.runtime.model.growable_cache import MIN_SPARE, growable_layer_class
+from moeplan.runtime.model.library_model import build_transformers, cache_kwarg
+from moeplan.runtime.serving.decode_compile import enable_compiled_decode, why_not_compiled
+from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
+from moeplan.runtime.serving.worker import BatchWorker
+from runtime_fixtures import hf_model_dir, single_rank_engine
+
+
+def _worker(directory, model, compiled: bool):
+    engine = single_rank_engine(model, build_transformers(directory), "transformers", "standard", 2, record=False)
+    worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
+    logits = []
+    forward = engine.forward_rows
+
+    def keep(*args):  # every forward's logits, to compare the two workers step by step
+        out = forward(*args)
+        logits.append(out[0].detach().clone())
+        return out
+    engine.forward_rows = keep
+    if compiled:
+        assert enable_compiled_decode(worker) is None
+    logits.clear()
+    return worker, logits
+
+
+def _schedule(seed: int, steps: int):
+    """Step plans: sequences of 1-20 prompt tokens joining in groups, each leaving after 2-12 tokens."""
+    rng, plans, live, seq = random.Random(seed), [], {}, 100
+    for _ in range(steps):
+        admit = []
+        if rng.random() < 0.35 and len(live) < 9:
+            for _ in range(rng.randint(1, 4)):
+                prompt = tuple(rng.randint(1, 63) for _ in range(rng.randint(1, 20)))
+                admit.append(Admission(seq, 0, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0))
+                live[seq], seq = rng.randint(2, 12), seq + 1
+        depart = sorted(s for s, left in live.items() if left <= 0)
+        for s in depart:
+            live.pop(s)
+        plans.append(StepPlan(STEP, admit, depart))
+        for s in live:
+            live[s] -= 1
+    return plans
+
+
+def test_compiled_decode_steps_match_eager_ones_through_joins_and_departures(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    directory, model = hf_model_dir(tmp_path, "mixtral")
+    eager, eager_logits = _worker(directory, model, compiled=False)
+    fast, fast_logits = _worker(directory, model, compiled=True)
+    compiled = fast.engine.model.compiled_decode
+    graphs, warm_steps = torch._dynamo.utils.counters["stats"]["unique_graphs"], compiled.steps
+    assert warm_steps == 2  # the warm-up's decode steps at batch 2 and 1
+    decode_steps = 0
+    for plan in _schedule(seed=3, steps=40):
+        decode_steps += bool(eager.running)
+        assert fast.step(plan) == eager.step(plan)
+        assert len(fast_logits) == len(eager_logits)
+        torch.testing.assert_close(fast_logits[-1], eager_logits[-1], rtol=1e-4, atol=1e-5)
+    assert decode_steps > 25 and compiled.steps - warm_steps == decode_steps  # every decode step took the compiled path
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile after the warm-up
+    assert fast.engine.counters.to_dict() == eager.engine.counters.to_dict()
+    assert fast.steps == eager.steps == 40  # the warm-up's steps are not counted
+
+
+def test_it_stays_eager_and_says_why_where_it_does_not_apply(tmp_path, monkeypatch):
+    directory, model = hf_model_dir(tmp_path, "mixtral")
+    engine = single_rank_engine(model, build_transformers(directory), "transformers", "standard", 2, record=False)
+    worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
+    monkeypatch.setenv(ENV, "0")
+    assert not compile_wanted() and enable_compiled_decode(worker) == "MOEPLAN_COMPILE is off"
+    assert engine.model.compiled_decode is None
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert compiler_missing() == "no C++ compiler (no-such-compiler) on PATH for torch.compile's CPU kernels"
+    assert why_not_compiled(worker) == compiler_missing()
+    monkeypatch.delenv("CXX")
+    engine.world = 2
+    assert why_not_compiled(worker) == "ranks that exchange rows run eager decode steps"
+    engine.world = 1
+    worker.coherent = True
+    assert why_not_compiled(worker) == "ranks that exchange rows run eager decode steps"
+    worker.coherent = False
+    engine.model.adapters[0].fp8_block = (128, 128)
+    assert why_not_compiled(worker) == "expert caches and FP8 experts run eager decode steps"
+
+
+def test_a_cache_it_cannot_run_keeps_the_eager_step(tmp_path):
+    """Sliding-window layers, the library's own layers (MLA keeps them) and an empty cache are not its."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    directory, _ = hf_model_dir(tmp_path, "mixtral")
+    model = build_transformers(directory)
+    compiled = CompiledDecode(model, cache_kwarg(model))
+    layers = len(model.model.layers)
+    k = torch.zeros(1, 2, 3, 8)
+
+    def cache_of(make):
+        cache = DynamicCache(config=model.config)
+        cache.layers = [make() for _ in range(layers)]
+        for layer in cache.layers:
+            layer.update(k, k)
+        return cache
+    growable = growable_layer_class()
+    assert compiled.applies(cache_of(lambda: growable(64)))
+    assert not compiled.applies(cache_of(DynamicLayer))
+    assert not compiled.applies(cache_of(lambda: DynamicSlidingWindowLayer(sliding_window=4)))
+    empty = DynamicCache(config=model.config)
+    empty.layers = [growable(64) for _ in range(layers)]
+    assert not compiled.applies(empty)
+
+
+def test_reserve_gives_buffers_whose_spare_columns_are_zero(tmp_path):
+    """A compiled step's attention reads the spare columns under its mask: they must be finite."""
+    layer = growable_layer_class()(100)
+    k = torch.full((2, 2, 5, 4), float("nan"))
+    layer.update(k, k)
+    keys, values = layer.reserve(6)
+    assert keys.shape == values.shape == (2, 2, 6 + MIN_SPARE, 4)  # room for 6 columns and the spare ones
+    assert torch.isnan(keys[..., :5, :]).all() and (keys[..., 5:, :] == 0).all() and (values[..., 5:, :] == 0).all()
+    keys[..., 5, :] = 1.0
+    layer.advance(6)
+    assert layer.keys.shape[-2] == 6 and layer.keys.data_ptr() == keys.data_ptr() and (layer.keys[..., 5, :] == 1).all()
+
+
+@pytest.mark.parametrize("value,wanted", [("0", False), ("off", False), ("no", False), ("1", True), ("", True)])
+def test_the_switch_reads_its_environment_variable(monkeypatch, value, wanted):
+    monkeypatch.setenv(ENV, value)
+    assert compile_wanted() is wanted
+
+
+@pytest.mark.slow
+def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_does(tmp_path):
+    """The real CLI serves the examples' Qwen3-MoE at 1 rank with MOEPLAN_COMPILE=1 (the compile and its warm-up
+    before 'serving on'); 16 concurrent greedy requests of different lengths equal transformers' own generation,
+    and the metrics count the service's own work only."""
+    import transformers
+
+    from runtime_fixtures import contiguous_placement, write_hf_bundle
+    from serving_helpers import ServerProcess, metrics
+    from test_serve_e2e import MODEL, MOEPLAN, ROOT, concurrent_greedy, greedy_reference, prompts_of
+
+    source = ROOT / "examples" / "qwen3_moe"
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype="float32")
+    bundle = write_hf_bundle(tmp_path / "bundle", source, model, contiguous_placement(4, 8, 1, 1))
+    server = ServerProcess([MOEPLAN, "serve", str(bundle), "--port", "0", "--mode", "standard"], env={ENV: "1"},
+                           ready_timeout_s=600)
+    try:
+        MODEL[server.url] = "qwen3_moe"
+        assert "decode steps run eager" not in "".join(server.stderr)
+        prompts, lengths = prompts_of(model.config.vocab_size)
+        assert concurrent_greedy(server.url, prompts, lengths) == greedy_reference(bundle, prompts, lengths)
+        figures = metrics(server)
+        assert figures[("moeplan_generation_tokens_total", ())] == sum(lengths)
+        # the warm-up's 4 steps are not the service's: at most one step per generated token, and one per prefill
+        assert 0 < figures[("moeplan_engine_steps_total", ())] <= sum(lengths) + len(prompts)
+    finally:
+        server.kill()
