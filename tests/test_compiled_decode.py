@@ -119,17 +119,17 @@ def test_a_cache_it_cannot_run_keeps_the_eager_step(tmp_path):
     assert not compiled.applies(empty)
 
 
-def test_reserve_gives_buffers_whose_spare_columns_are_zero(tmp_path):
-    """A compiled step's attention reads the spare columns under its mask: they must be finite."""
+def test_reserve_gives_buffers_with_room_and_advance_takes_the_written_column(tmp_path):
     layer = growable_layer_class()(100)
-    k = torch.full((2, 2, 5, 4), float("nan"))
+    k = torch.randn(2, 2, 5, 4)
     layer.update(k, k)
     keys, values = layer.reserve(6)
     assert keys.shape == values.shape == (2, 2, 6 + MIN_SPARE, 4)  # room for 6 columns and the spare ones
-    assert torch.isnan(keys[..., :5, :]).all() and (keys[..., 5:, :] == 0).all() and (values[..., 5:, :] == 0).all()
+    assert torch.equal(keys[..., :5, :], k) and torch.equal(values[..., :5, :], k)
     keys[..., 5, :] = 1.0
     layer.advance(6)
     assert layer.keys.shape[-2] == 6 and layer.keys.data_ptr() == keys.data_ptr() and (layer.keys[..., 5, :] == 1).all()
+    assert layer.reserve(7)[0].data_ptr() == keys.data_ptr()  # still room: the same buffer
 
 
 @pytest.mark.parametrize("value,wanted", [("0", False), ("off", False), ("no", False), ("1", True), ("", True)])

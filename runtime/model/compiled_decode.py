@@ -6,14 +6,15 @@ Why: eager, the runtime's decode step of qwen3_moe_hd32 at batch 1 is ~300 aten 
 the step into a few C++ loops (docs/serving.md "Compiled decode steps" has the figures).
 
 What makes the step one graph of fixed shapes:
-* K/V: the spare-column cache's buffers [B, H, C, d] (`growable_cache.py`, capacity C), handed to the
-  library's own `StaticLayer` (transformers' cache layer built for torch.compile), which writes the step's
-  column in place (`index_copy_` at a 0-d tensor) and returns the whole buffers; attention reads all C
-  columns under an additive mask [B, 1, 1, C] that hides each row's left padding and the spare columns;
+* K/V: views [B, H, W + 1, d] of the spare-column cache's buffers (`growable_cache.py`: W columns held, room
+  for one more), handed to the library's own `StaticLayer` (transformers' cache layer built for
+  torch.compile), which writes the step's column in place (`index_copy_` at a 0-d tensor) and returns them;
+  attention reads them under an additive mask [B, 1, 1, W + 1] hiding each row's left padding;
 * routing stays on the device (a world of one: `Engine._one_rank`); the engine counts the step's slots
   after the forward, outside the graph;
-* batch B, columns held W and capacity C are dynamic dimensions: one graph serves every batch and
-  context (a batch of one gets its own, as torch specialises sizes 0 and 1).
+* batch B and columns W + 1 are dynamic dimensions (so are the buffers' capacities, which set the views'
+  strides): one graph serves every batch and context (a batch of one gets its own, as torch specialises
+  sizes 0 and 1).
 The library's modules run unchanged inside the graph: inductor compiles their own code.
 
 Where it runs (`CompiledDecode.applies`): transformers models whose every cache layer is a plain
@@ -55,7 +56,7 @@ class CompiledDecode:
         self.model, self.kwarg = model, cache_kwarg
         self.dtype = next(model.parameters()).dtype
         self._static = StaticCache(config=model.config, max_cache_len=1)  # the library's layers, given our buffers
-        # batch, columns and capacity are marked dynamic one by one (`_mark_dynamic`); the other sizes stay constants.
+        # batch and columns are marked dynamic one by one (`_mark_dynamic`); the other sizes stay constants.
         # Duck sizing would make equal sizes one symbol (a batch of 2 and 2 K/V heads) and recompile when they part.
         torch.fx.experimental._config.use_duck_shape = False
         # grouped_attention's functools caches hold pure functions of a module's class (its eager function's bytecode):
@@ -79,7 +80,8 @@ class CompiledDecode:
         right-aligned, and the new one); the cache's layers hold W columns before, W + 1 after."""
         width = key_mask.shape[1]
         for mine, layer in zip(self._static.layers, cache.layers):
-            mine.keys, mine.values = layer.reserve(width)
+            keys, values = layer.reserve(width)
+            mine.keys, mine.values = keys[..., :width, :], values[..., :width, :]  # views: attention reads W + 1 columns
             mine.device = mine.keys.device
             mine.cumulative_length = torch.tensor(width - 1, device=mine.device)  # the column this step writes
             mine.is_initialized = True
@@ -92,18 +94,16 @@ class CompiledDecode:
         return logits
 
     def _forward(self, ids, positions, key_mask, static):
-        """The traced step: the additive mask over the buffers' C columns, then the library's forward."""
-        capacity = static.layers[0].keys.shape[2]
-        visible = torch.nn.functional.pad(key_mask, (0, capacity - key_mask.shape[1]))            # bool [B, C]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
-        mask = mask.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None, None, :]           # [B, 1, 1, C]
+        """The traced step: the additive mask of the step's columns, then the library's forward."""
+        mask = torch.zeros(key_mask.shape, dtype=self.dtype, device=key_mask.device)
+        mask = mask.masked_fill(~key_mask, torch.finfo(self.dtype).min)[:, None, None, :]          # [B, 1, 1, W + 1]
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self.kwarg: static})
         return out.logits
 
 
 def _mark_dynamic(ids, positions, key_mask, layers) -> None:
-    """Batch (every input's dim 0), columns (key_mask's dim 1) and capacity (the buffers' dim 2) as dynamic sizes;
+    """Batch (every input's dim 0) and columns (key_mask's dim 1, the K/V views' dim 2) as dynamic sizes;
     `maybe_`: a batch of one may still get a graph of its own."""
     mark = torch._dynamo.maybe_mark_dynamic
     for tensor in (ids, positions, key_mask):

@@ -100,7 +100,6 @@ def growable_layer_class():
                 b, h, _, d = view.shape
                 buffer = view.new_empty((b, h, capacity, d))
                 buffer[..., :n, :].copy_(view)
-                buffer[..., n:, :].zero_()  # a compiled step's attention reads the spare columns (masked): finite
                 setattr(self, f"_{name[:-1]}_buffer", buffer)
                 setattr(self, name, buffer[..., :n, :])
 
