@@ -94,6 +94,23 @@ def test_it_stays_eager_and_says_why_where_it_does_not_apply(tmp_path, monkeypat
     assert why_not_compiled(worker) == "expert caches and FP8 experts run eager decode steps"
 
 
+def test_a_model_the_compiler_fails_on_is_served_by_eager_steps(tmp_path, monkeypatch):
+    """A failure inside the warm-up (here injected into the compiled call) leaves a clean worker serving eagerly."""
+    monkeypatch.setenv(ENV, "1")
+    directory, model = hf_model_dir(tmp_path, "mixtral")
+    worker, _ = _worker(directory, model, compiled=False)
+    eager, _ = _worker(directory, model, compiled=False)
+
+    def refuse(self, *args):
+        raise RuntimeError("inductor refused\nits traceback")
+    monkeypatch.setattr(CompiledDecode, "__call__", refuse)
+    assert enable_compiled_decode(worker) == "torch.compile failed on this model (RuntimeError: inductor refused)"
+    assert worker.engine.model.compiled_decode is None and not worker.running and not len(worker.rows)
+    assert worker.steps == 0 and worker.engine.counters.to_dict() == eager.engine.counters.to_dict()
+    for plan in _schedule(seed=5, steps=12):
+        assert worker.step(plan) == eager.step(plan)
+
+
 def test_a_cache_it_cannot_run_keeps_the_eager_step(tmp_path):
     """Sliding-window layers, the library's own layers (MLA keeps them) and an empty cache are not its."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -165,3 +182,24 @@ def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_doe
         assert 0 < figures[("moeplan_engine_steps_total", ())] <= sum(lengths) + len(prompts)
     finally:
         server.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["dbrx", "jetmoe", "qwen2_moe", "glm4_moe"])
+def test_other_architectures_compiled_steps_match_their_eager_ones(tmp_path, monkeypatch, arch):
+    """benchmarks/compiled_decode.py's comparison as a test, on the experts the runtime groups itself (DBRX's slabs,
+    JetMoE's: the library's fallback op inside the graph), shared experts and a dense block (Qwen2-MoE), and
+    grouped top-k with a score-correction bias (GLM-4.5); its timing is not asserted."""
+    import json
+    from pathlib import Path
+
+    from moeplan.passes.importers.resolve import import_file
+
+    monkeypatch.setenv(ENV, "1")
+    ROOT = Path(__file__).resolve().parents[1]
+    tiny = import_file(ROOT / "examples" / "hf_tiny" / "architectures.py")
+    bench = import_file(ROOT / "benchmarks" / "compiled_decode.py")
+    config = json.loads((tiny.build(arch, tmp_path) / "config.json").read_text())
+    row = bench.measure(arch, config, steps=30)
+    assert row["why_eager"] is None and row["tokens_match"], row
+    assert row["compiled_steps"] == row["decode_steps"] > 15 and row["max_logit_diff"] <= 1e-4, row

@@ -71,6 +71,12 @@ def _upper_bounds(num_experts: int, device) -> torch.Tensor:
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: ExpertGroups, transposed: bool = False) -> torch.Tensor:
     """x [S, in] sorted by expert, weight [E, out, in] (`transposed`: [E, in, out]) -> [S, out]."""
     w = weight if transposed else weight.transpose(-2, -1)
+    if torch.compiler.is_compiling() and w.dtype != torch.bfloat16:
+        # in a compiled step (`compiled_decode.py`, transformers models only): inductor's grouped_mm takes bf16 only,
+        # so the library's own fallback op (registered by transformers.integrations.moe) runs it, as its experts do
+        import transformers.integrations.moe  # noqa: F401
+
+        return torch.ops.transformers.grouped_mm_fallback(x.to(w.dtype), w, offs=groups.offsets)
     if grouped_mm_runs_on(x.device):
         return F.grouped_mm(x.to(w.dtype), w, offs=groups.offsets)
     out = x.new_empty(x.shape[0], w.shape[-1])  # CUDA before sm80: one GEMM per expert

@@ -41,13 +41,20 @@ def enable_compiled_decode(worker) -> str | None:
     seqs = [first, first + 1]
     admit = [Admission(s, worker.rank, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0)
              for s, prompt in zip(seqs, WARM_PROMPTS)]
-    worker.step(StepPlan(STEP, admit))
-    worker.step(StepPlan(STEP))                    # batch 2
-    worker.step(StepPlan(STEP, depart=seqs[1:]))   # batch 1
-    worker.step(StepPlan(STEP, depart=seqs[:1]))
+    try:
+        worker.step(StepPlan(STEP, admit))
+        worker.step(StepPlan(STEP))                    # batch 2
+        worker.step(StepPlan(STEP, depart=seqs[1:]))   # batch 1
+        worker.step(StepPlan(STEP, depart=seqs[:1]))
+    except Exception as exc:  # the compiler refused this model: eager steps serve it
+        model.compiled_decode = None
+        worker.step(StepPlan(STEP, depart=[s for s in seqs if s in worker.running]))
+        _zero_counters(worker)
+        return f"torch.compile failed on this model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
     if model.compiled_decode.steps < 2:
         model.compiled_decode = None
-        return "the warm-up's decode steps did not take the compiled path"
+        return ("this model's KV cache has layers the compiled step does not run (sliding windows, MLA latents, "
+                "linear attention)")
     _zero_counters(worker)
     return None
 
