@@ -206,6 +206,9 @@ def test_the_image_installs_exactly_the_bundles_pinned_requirements(two_nodes, m
     # that file, and nothing else; --cpu-only pods take torch's CPU wheel of the same version
     assert installs == ["pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu "
                         "-r /opt/moeplan/requirements.txt"]
+    # and a C++ compiler for the compiled decode step of a CPU rank (docs/serving.md), pinned to the base's release
+    assert [r for r in by_kind["RUN"] if "pip" not in r] == [
+        "apt-get update && apt-get install -y --no-install-recommends g++=4:12.2.0-3 && rm -rf /var/lib/apt/lists/*"]
     assert by_kind["USER"] == ["10001:10001"] and not (out / "kubernetes" / "requirements.txt").exists()
     assert "kubernetes/Dockerfile" in json.loads((out / "manifest.json").read_text())["files"]
     _hadolint(out / "kubernetes" / "Dockerfile")
@@ -216,7 +219,7 @@ def test_the_image_installs_exactly_the_bundles_pinned_requirements(two_nodes, m
     assert (gpu / "kubernetes" / "requirements.txt").read_text() == pins
     by_kind = _instructions(gpu / "kubernetes" / "Dockerfile")
     assert by_kind["COPY"] == ["requirements.txt /opt/moeplan/requirements.txt"]  # no weights in this image
-    assert [r for r in by_kind["RUN"] if "pip" in r] == ["pip install --no-cache-dir -r /opt/moeplan/requirements.txt"]
+    assert by_kind["RUN"] == ["pip install --no-cache-dir -r /opt/moeplan/requirements.txt"]  # GPU ranks: no g++
     assert "kubernetes/requirements.txt" in json.loads((gpu / "manifest.json").read_text())["files"]
     _hadolint(gpu / "kubernetes" / "Dockerfile")
 
