@@ -12,9 +12,10 @@ What makes the step one graph of fixed shapes:
   attention reads them under an additive mask [B, 1, 1, W + 1] hiding each row's left padding;
 * routing stays on the device (a world of one: `Engine._one_rank`); the engine counts the step's slots
   after the forward, outside the graph;
-* batch B and columns W + 1 are dynamic dimensions (so are the buffers' capacities, which set the views'
-  strides): one graph serves every batch and context (a batch of one gets its own, as torch specialises
-  sizes 0 and 1).
+* batch B and columns W + 1 are dynamic dimensions (the views' strides, which the buffers' capacities set,
+  are symbolic with them): one graph serves every batch and context (a batch of one gets its own, as torch
+  specialises sizes 0 and 1); tests/test_compiled_decode.py checks that joins, departures and regrown
+  buffers recompile nothing.
 The library's modules run unchanged inside the graph: inductor compiles their own code.
 
 Where it runs (`CompiledDecode.applies`): transformers models whose every cache layer is a plain
