@@ -187,9 +187,10 @@ def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_doe
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["dbrx", "jetmoe", "qwen2_moe", "glm4_moe"])
 def test_other_architectures_compiled_steps_match_their_eager_ones(tmp_path, monkeypatch, arch):
-    """benchmarks/compiled_decode.py's comparison as a test, on the experts the runtime groups itself (DBRX's slabs,
-    JetMoE's: the library's fallback op inside the graph), shared experts and a dense block (Qwen2-MoE), and
-    grouped top-k with a score-correction bias (GLM-4.5); its timing is not asserted."""
+    """benchmarks/compiled_decode.py's comparison as a test, on the experts the runtime groups itself (DBRX's slabs:
+    the library's fallback op inside the graph; JetMoE, whose attention experts break the graph, stays eager), shared
+    experts and a dense block (Qwen2-MoE), and grouped top-k with a score-correction bias (GLM-4.5); its timing is
+    not asserted."""
     import json
     from pathlib import Path
 
@@ -201,5 +202,9 @@ def test_other_architectures_compiled_steps_match_their_eager_ones(tmp_path, mon
     bench = import_file(ROOT / "benchmarks" / "compiled_decode.py")
     config = json.loads((tiny.build(arch, tmp_path) / "config.json").read_text())
     row = bench.measure(arch, config, steps=30)
+    if arch == "jetmoe":  # its attention experts break the step into several graphs: served eager
+        assert row["why_eager"] == "the library's code breaks this model's step into several graphs, slower than eager steps"
+        assert row["compiled_steps"] == 0 and row["tokens_match"] and row["max_logit_diff"] == 0, row
+        return
     assert row["why_eager"] is None and row["tokens_match"], row
     assert row["compiled_steps"] == row["decode_steps"] > 15 and row["max_logit_diff"] <= 1e-4, row
