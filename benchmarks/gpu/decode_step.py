@@ -14,7 +14,10 @@ Per batch B (`--batches`), every sequence with a prompt of `--context` tokens, t
 * `static eager`: the same engine and model over transformers' StaticCache (fixed shapes: the precondition of a
   graph), greedy next token on the device;
 * `static graph`: that step captured once as a CUDA graph (torch.cuda.graph) and replayed; its tokens are
-  compared with the eager static step's from the same prefill (`graph_tokens_match`).
+  compared with the eager static step's from the same prefill (`graph_tokens_match`);
+* `compiled`: the service's own step again with its decode step compiled as a CPU rank alone serves it
+  (runtime/model/compiled_decode.py; inductor's default mode, no CUDA graphs; enabled on CPUs only so far: this is
+  its first GPU figure), its tokens against the eager step's (`compiled_tokens_match_runtime`).
 Beside them: the aten ops one runtime step dispatches (runtime/op_counter.py) and the runtime step over them
 (seconds per op, what the cost model's `op_overhead_s` stands for), and the torchrun cost model's predicted
 decode step for the same model, batch, context and GPU profile (passes/cost/cost_model.py, 1 GPU), as a ratio.
@@ -106,6 +109,19 @@ def runtime_step(engine, batch: int, context: int, steps: int, vocab: int, timer
         worker.close()
     return {"prefill_s": prefill, "step_s": statistics.median(times), "ops_per_step": ops.total,
             "top_ops": dict(ops.by_op.most_common(8)), "tokens": [[t[s] for s in range(batch)] for t in tokens]}
+
+
+def compiled_steps(engine, compiled, batch: int, context: int, steps: int, vocab: int, timer, seed: int) -> dict:
+    """The service's step again with its decode step compiled (runtime/model/compiled_decode.py; on a GPU inductor's
+    default mode: fused triton kernels, no CUDA graphs): median seconds and tokens. The first two timed steps
+    (dropped) include the compile. (Its op count is not kept: under the op counter's dispatch mode dynamo runs the
+    step eager.)"""
+    engine.model.compiled_decode = compiled
+    try:
+        out = runtime_step(engine, batch, context, steps, vocab, timer, seed)
+    finally:
+        engine.model.compiled_decode = None
+    return {"compiled_step_s": out["step_s"], "compiled_tokens": out["tokens"]}
 
 
 def static_steps(engine, model, batch: int, context: int, steps: int, vocab: int, timer, seed: int, graphs: bool) -> dict:
@@ -260,9 +276,13 @@ def main(argv=None) -> int:
         report["weights_gib"] = torch.cuda.memory_allocated(device) / 2**30
     timer = Timer(device)
     vocab = int(config["vocab_size"])
+    from moeplan.runtime.model.compiled_decode import CompiledDecode
+
+    compiled = CompiledDecode(engine.model.model, engine.model.cache_kwarg)  # one for every cell: its graphs are kept
     for batch in args.batches:
         cell = {"batch": batch}
         parts = (("runtime", runtime_step, (engine, batch, args.context, args.steps, vocab, timer, args.seed)),
+                 ("compiled", compiled_steps, (engine, compiled, batch, args.context, args.steps, vocab, timer, args.seed)),
                  ("static", static_steps, (engine, model, batch, args.context, args.steps, vocab, timer, args.seed, cuda)),
                  ("predicted", predicted_cell, (config, profile, batch, args.context, args.seed)))
         for part, fn, fn_args in parts:
@@ -277,9 +297,15 @@ def main(argv=None) -> int:
             cell["seconds_per_op"] = cell["step_s"] / max(cell["ops_per_step"], 1)
             if "predicted_step_s" in cell:
                 cell["runtime_over_predicted"] = cell["step_s"] / cell["predicted_step_s"]
+        if "tokens" in cell and "compiled_tokens" in cell:  # the compiled step runs the same model
+            pairs = list(zip(cell["tokens"], cell.pop("compiled_tokens")))
+            cell["compiled_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
+            if "compiled_step_s" in cell and "step_s" in cell:
+                cell["runtime_over_compiled"] = cell["step_s"] / cell["compiled_step_s"]
         if "tokens" in cell and "static_tokens" in cell:  # the static step runs the same model: same greedy tokens
             pairs = list(zip(cell.pop("tokens"), cell.pop("static_tokens")))
             cell["static_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
+        cell.pop("tokens", None)
         if "graph_step_s" in cell:
             cell["eager_over_graph"] = cell["eager_step_s"] / cell["graph_step_s"]
         report["cells"].append(cell)
@@ -287,13 +313,14 @@ def main(argv=None) -> int:
         (out / "decode_step.json").write_text(json.dumps(report, indent=1, sort_keys=True))
     print(f"{name} ({profile}), {Path(args.config).name} cut to {args.layers} layers, context {args.context}, "
           f"{report['dtype']}, load {report['load_average']:.2f}")
-    print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'static ms':>10} {'graph ms':>9} {'eager/graph':>11} "
-          f"{'predicted ms':>12} {'runtime/pred':>12}")
+    print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'compiled ms':>11} {'static ms':>10} {'graph ms':>9} "
+          f"{'eager/graph':>11} {'predicted ms':>12} {'runtime/pred':>12}")
     for c in report["cells"]:
         def ms(key, c=c):
             return f"{c[key] * 1e3:.2f}" if key in c else "-"
         print(f"{c['batch']:>5} {ms('step_s'):>11} {c.get('ops_per_step', '-'):>6} "
-              f"{(c['seconds_per_op'] * 1e6 if 'seconds_per_op' in c else 0):>6.1f} {ms('eager_step_s'):>10} "
+              f"{(c['seconds_per_op'] * 1e6 if 'seconds_per_op' in c else 0):>6.1f} {ms('compiled_step_s'):>11} "
+              f"{ms('eager_step_s'):>10} "
               f"{ms('graph_step_s'):>9} {c.get('eager_over_graph', 0):>11.2f} {ms('predicted_step_s'):>12} "
               f"{c.get('runtime_over_predicted', 0):>12.2f}")
     return 0 if all(not any(k.endswith("_error") for k in c) for c in report["cells"]) else 1
