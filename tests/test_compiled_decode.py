@@ -15,6 +15,10 @@ from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
 from moeplan.runtime.serving.worker import BatchWorker
 from runtime_fixtures import hf_model_dir, single_rank_engine
 
+# torch.compile's CPU kernels are C++: without a compiler the rank stays eager by design (tested below), and the
+# tests that compile have nothing to run
+needs_compiler = pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
+
 
 def _worker(directory, model, compiled: bool):
     engine = single_rank_engine(model, build_transformers(directory), "transformers", "standard", 2, record=False)
@@ -52,6 +56,7 @@ def _schedule(seed: int, steps: int):
     return plans
 
 
+@needs_compiler
 def test_compiled_decode_steps_match_eager_ones_through_joins_and_departures(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, "1")
     directory, model = hf_model_dir(tmp_path, "mixtral")
@@ -97,6 +102,7 @@ def test_it_stays_eager_and_says_why_where_it_does_not_apply(tmp_path, monkeypat
     assert why_not_compiled(worker) == "expert caches and FP8 experts run eager decode steps"
 
 
+@needs_compiler
 def test_a_model_the_compiler_fails_on_is_served_by_eager_steps(tmp_path, monkeypatch):
     """A failure inside the warm-up (here injected into the compiled call) leaves a clean worker serving eagerly."""
     monkeypatch.setenv(ENV, "1")
@@ -159,6 +165,7 @@ def test_the_switch_reads_its_environment_variable(monkeypatch, value, wanted):
 
 
 @pytest.mark.slow
+@needs_compiler
 def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_does(tmp_path):
     """The real CLI serves the examples' Qwen3-MoE at 1 rank with MOEPLAN_COMPILE=1 (the compile and its warm-up
     before 'serving on'); 16 concurrent greedy requests of different lengths equal transformers' own generation,
@@ -188,6 +195,7 @@ def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_doe
 
 
 @pytest.mark.slow
+@needs_compiler
 @pytest.mark.parametrize("arch", ["dbrx", "jetmoe", "qwen2_moe", "glm4_moe"])
 def test_other_architectures_compiled_steps_match_their_eager_ones(tmp_path, monkeypatch, arch):
     """benchmarks/compiled_decode.py's comparison as a test, on the experts the runtime groups itself (DBRX's slabs:
