@@ -58,7 +58,11 @@ def worker_of(config: dict):
     from single_rank_engine import build_engine
 
     engine = build_engine(config, torch.device("cpu"), torch.float32, seed=0)[0]
-    worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
+    return BatchWorker(engine, "transformers", tokens_to_rank0=False), keep_logits(engine)
+
+
+def keep_logits(engine) -> list:
+    """The list the engine's forwards append their logits to from now on (each forward's, in order)."""
     logits, forward = [], engine.forward_rows
 
     def keep(*args):
@@ -66,7 +70,7 @@ def worker_of(config: dict):
         logits.append(out[0].detach().clone())
         return out
     engine.forward_rows = keep
-    return worker, logits
+    return logits
 
 
 def measure(name: str, config: dict, steps: int) -> dict:
@@ -94,7 +98,7 @@ def measure(name: str, config: dict, steps: int) -> dict:
     times = {"eager": [], "compiled": []}
     same, diff, decodes = True, 0.0, 0
     for plan in schedule(0, steps, int(config["vocab_size"])):
-        decoding = bool(eager.running)
+        decoding = bool(eager.running - set(plan.depart))  # a sequence still running after the departures
         decodes += decoding
         ticks = []
         for w in (eager, fast):

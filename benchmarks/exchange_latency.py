@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from serving import free_port  # the script's own folder is on the path
+
 WIDTH = 66
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, rows: list, calls: int, queue) -> None:
@@ -83,7 +78,7 @@ def measure(world: int, rows: list, calls: int) -> dict:
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_rank, args=(world, _free_port(), rows, calls, queue), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank, args=(world, free_port(), rows, calls, queue), nprocs=world, start_method="spawn")
     return queue.get()
 
 

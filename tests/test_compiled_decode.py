@@ -2,16 +2,16 @@
 worker with it produces the eager worker's logits and tokens through sequences joining and leaving, counts
 the same slots, compiles two graphs (a batch of one, every other batch) and no more, and stays eager where
 it does not apply, saying why."""
-import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from moeplan.passes.importers.resolve import import_file
 from moeplan.runtime.model.compiled_decode import ENV, CompiledDecode, compile_wanted, compiler_missing
 from moeplan.runtime.model.growable_cache import MIN_SPARE, growable_layer_class
 from moeplan.runtime.model.library_model import build_transformers, cache_kwarg
 from moeplan.runtime.serving.decode_compile import enable_compiled_decode, why_not_compiled
-from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
 from moeplan.runtime.serving.worker import BatchWorker
 from runtime_fixtures import hf_model_dir, single_rank_engine
 
@@ -20,17 +20,14 @@ from runtime_fixtures import hf_model_dir, single_rank_engine
 needs_compiler = pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 
 
+ROOT = Path(__file__).resolve().parents[1]
+bench = import_file(ROOT / "benchmarks" / "compiled_decode.py")  # its step plans and logits hook
+
+
 def _worker(directory, model, compiled: bool):
     engine = single_rank_engine(model, build_transformers(directory), "transformers", "standard", 2, record=False)
     worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
-    logits = []
-    forward = engine.forward_rows
-
-    def keep(*args):  # every forward's logits, to compare the two workers step by step
-        out = forward(*args)
-        logits.append(out[0].detach().clone())
-        return out
-    engine.forward_rows = keep
+    logits = bench.keep_logits(engine)  # every forward's logits, to compare the two workers step by step
     if compiled:
         assert enable_compiled_decode(worker) is None
     logits.clear()
@@ -38,22 +35,8 @@ def _worker(directory, model, compiled: bool):
 
 
 def _schedule(seed: int, steps: int):
-    """Step plans: sequences of 1-20 prompt tokens joining in groups, each leaving after 2-12 tokens."""
-    rng, plans, live, seq = random.Random(seed), [], {}, 100
-    for _ in range(steps):
-        admit = []
-        if rng.random() < 0.35 and len(live) < 9:
-            for _ in range(rng.randint(1, 4)):
-                prompt = tuple(rng.randint(1, 63) for _ in range(rng.randint(1, 20)))
-                admit.append(Admission(seq, 0, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0))
-                live[seq], seq = rng.randint(2, 12), seq + 1
-        depart = sorted(s for s, left in live.items() if left <= 0)
-        for s in depart:
-            live.pop(s)
-        plans.append(StepPlan(STEP, admit, depart))
-        for s in live:
-            live[s] -= 1
-    return plans
+    """Step plans of sequences joining and leaving (benchmarks/compiled_decode.py), over the fixture's vocabulary."""
+    return bench.schedule(seed, steps, vocab=64)
 
 
 @needs_compiler
@@ -67,7 +50,7 @@ def test_compiled_decode_steps_match_eager_ones_through_joins_and_departures(tmp
     assert warm_steps == 2  # the warm-up's decode steps at batch 2 and 1
     decode_steps = 0
     for plan in _schedule(seed=3, steps=40):
-        decode_steps += bool(eager.running)
+        decode_steps += bool(eager.running - set(plan.depart))  # sequences still running after its departures decode
         assert fast.step(plan) == eager.step(plan)
         assert len(fast_logits) == len(eager_logits)
         for a, b in zip(fast_logits, eager_logits):  # the step's forwards: its decode, then its prefill
@@ -118,6 +101,19 @@ def test_a_model_the_compiler_fails_on_is_served_by_eager_steps(tmp_path, monkey
     assert worker.steps == 0 and worker.engine.counters.to_dict() == eager.engine.counters.to_dict()
     for plan in _schedule(seed=5, steps=12):
         assert worker.step(plan) == eager.step(plan)
+
+
+def test_a_model_whose_cache_it_cannot_run_is_served_eager_and_its_warm_up_not_counted(tmp_path, monkeypatch):
+    """MLA, sliding-window or chunked caches (here: `applies` says no, as it does for them) run the warm-up eagerly;
+    its steps and slots are not the service's either."""
+    monkeypatch.setenv(ENV, "1")
+    directory, model = hf_model_dir(tmp_path, "mixtral")
+    worker, _ = _worker(directory, model, compiled=False)
+    fresh, _ = _worker(directory, model, compiled=False)
+    monkeypatch.setattr(CompiledDecode, "applies", lambda self, cache: False)
+    assert enable_compiled_decode(worker).startswith("this model's KV cache has layers the compiled step does not run")
+    assert worker.engine.model.compiled_decode is None and not worker.running and not len(worker.rows)
+    assert worker.steps == 0 and worker.engine.counters.to_dict() == fresh.engine.counters.to_dict()
 
 
 def test_a_cache_it_cannot_run_keeps_the_eager_step(tmp_path):
@@ -203,14 +199,9 @@ def test_other_architectures_compiled_steps_match_their_eager_ones(tmp_path, mon
     experts and a dense block (Qwen2-MoE), and grouped top-k with a score-correction bias (GLM-4.5); its timing is
     not asserted."""
     import json
-    from pathlib import Path
-
-    from moeplan.passes.importers.resolve import import_file
 
     monkeypatch.setenv(ENV, "1")
-    ROOT = Path(__file__).resolve().parents[1]
     tiny = import_file(ROOT / "examples" / "hf_tiny" / "architectures.py")
-    bench = import_file(ROOT / "benchmarks" / "compiled_decode.py")
     config = json.loads((tiny.build(arch, tmp_path) / "config.json").read_text())
     row = bench.measure(arch, config, steps=30)
     if arch == "jetmoe":  # its attention experts break the step into several graphs: served eager

@@ -101,8 +101,9 @@ class Engine:
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
         if self.world == 1 and self.mode == STANDARD:  # every slot local; counted here, outside a compiled step
+            slots = self.active.numel() * self.top_k
             for adapter in self.model.adapters:
-                self._count_local(adapter.layer, adapter.moe, self.active.numel() * self.top_k, self.active.numel() * self.top_k)
+                self._count_local(adapter.layer, adapter.moe, slots, slots)
         flat = logits.reshape(-1, logits.shape[-1])
         here = (self.mine & (keys >= 0)).nonzero().flatten()
         if self.records:

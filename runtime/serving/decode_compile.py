@@ -51,19 +51,18 @@ def enable_compiled_decode(worker) -> str | None:
     except Exception as exc:  # the compiler refused this model: eager steps serve it
         model.compiled_decode = None
         worker.step(StepPlan(STEP, depart=[s for s in seqs if s in worker.running]))
-        _zero_counters(worker)
-        return f"torch.compile failed on this model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
-    if model.compiled_decode.steps < 2:
+        why = f"torch.compile failed on this model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    else:
+        why = None
+        if model.compiled_decode.steps < 2:
+            why = ("this model's KV cache has layers the compiled step does not run (sliding windows, MLA latents, "
+                   "linear attention)")
+        elif _graph_breaks() > breaks:  # pieces of graphs between eager calls: measured slower than eager (JetMoE 0.84x)
+            why = "the library's code breaks this model's step into several graphs, slower than eager steps"
+    if why is not None:
         model.compiled_decode = None
-        return ("this model's KV cache has layers the compiled step does not run (sliding windows, MLA latents, "
-                "linear attention)")
-    if _graph_breaks() > breaks:  # pieces of graphs between eager calls: measured slower than eager (JetMoE 0.84x)
-        model.compiled_decode = None
-        _zero_counters(worker)
-        return "the library's code breaks this model's step into several graphs, slower than eager steps"
-    _zero_counters(worker)
-    return None
-
+    _zero_counters(worker)  # whatever the outcome, the warm-up's steps are not the service's
+    return why
 
 def _graph_breaks() -> int:
     """Graph breaks torch.compile has met in this process so far."""
