@@ -75,11 +75,11 @@ def test_it_stays_eager_and_says_why_where_it_does_not_apply(tmp_path, monkeypat
     assert compiler_missing() == "no C++ compiler (no-such-compiler) on PATH for torch.compile's CPU kernels"
     assert why_not_compiled(worker) == compiler_missing()
     monkeypatch.delenv("CXX")
-    engine.world = 2
-    assert why_not_compiled(worker) == "ranks that exchange rows run eager decode steps"
-    engine.world = 1
+    engine.world, engine.records = 2, True  # several ranks compile where their steps gather (test_gathered_decode.py)
+    assert why_not_compiled(worker) == "a recording engine reads the routing on the host"
+    engine.world, engine.records = 1, False
     worker.coherent = True
-    assert why_not_compiled(worker) == "ranks that exchange rows run eager decode steps"
+    assert why_not_compiled(worker) == "coherent mode's ranks run eager decode steps"
     worker.coherent = False
     engine.model.adapters[0].fp8_block = (128, 128)
     assert why_not_compiled(worker) == "expert caches and FP8 experts run eager decode steps"
@@ -162,10 +162,12 @@ def test_the_switch_reads_its_environment_variable(monkeypatch, value, wanted):
 
 @pytest.mark.slow
 @needs_compiler
-def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_does(tmp_path):
-    """The real CLI serves the examples' Qwen3-MoE at 1 rank with MOEPLAN_COMPILE=1 (the compile and its warm-up
-    before 'serving on'); 16 concurrent greedy requests of different lengths equal transformers' own generation,
-    and the metrics count the service's own work only."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_served_ranks_answer_with_compiled_steps_as_the_source_model_does(tmp_path, ranks):
+    """The real CLI serves the examples' Qwen3-MoE at 1 rank, and at 2 ranks whose decode steps gather
+    (ep/gathered_moe.py), with MOEPLAN_COMPILE=1 (the compile and its warm-up before 'serving on'); 16 concurrent
+    greedy requests of different lengths equal transformers' own generation, and the metrics count the service's
+    own work only."""
     import transformers
 
     from runtime_fixtures import contiguous_placement, write_hf_bundle
@@ -174,7 +176,7 @@ def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_doe
 
     source = ROOT / "examples" / "qwen3_moe"
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype="float32")
-    bundle = write_hf_bundle(tmp_path / "bundle", source, model, contiguous_placement(4, 8, 1, 1))
+    bundle = write_hf_bundle(tmp_path / "bundle", source, model, contiguous_placement(4, 8, 1, ranks))
     server = ServerProcess([MOEPLAN, "serve", str(bundle), "--port", "0", "--mode", "standard"], env={ENV: "1"},
                            ready_timeout_s=600)
     try:
@@ -184,7 +186,7 @@ def test_a_served_rank_alone_answers_with_compiled_steps_as_the_source_model_doe
         assert concurrent_greedy(server.url, prompts, lengths) == greedy_reference(bundle, prompts, lengths)
         figures = metrics(server)
         assert figures[("moeplan_generation_tokens_total", ())] == sum(lengths)
-        # the warm-up's 4 steps are not the service's: at most one step per generated token, and one per prefill
+        # the warm-up's steps are not the service's: at most one step per generated token, and one per prefill
         assert 0 < figures[("moeplan_engine_steps_total", ())] <= sum(lengths) + len(prompts)
     finally:
         server.kill()

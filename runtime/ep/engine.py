@@ -48,6 +48,7 @@ import torch
 
 from .context_exchange import ContextExchange, context_plan, hidden_size
 from .exchange import by_destination, pack, pack_small, unpack, unpack_small
+from .gathered_moe import gathered_route
 from ..model.moe_adapter import Captured
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -69,6 +70,10 @@ class Engine:
         self.records = bool(record)  # static runs keep every logit row and routing for results; a service keeps none
         self.hooks: list = []  # handles of install_hooks()
         self.capture = False
+        # gathered decode steps (`gathered_moe.py`, turned on by `gathered_moe.enable_gathering`): while a forward
+        # gathers, a tensor [n] whose size is the rows every rank sends (`gather_rows`); None: dynamic gating
+        self.gather_anchor = None
+        self.local_tally = None
         # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
         self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
 
@@ -95,6 +100,7 @@ class Engine:
         self.all_real = bool(real.all())
         self.active = real.nonzero().flatten()          # rows that are tokens (not padding), CPU
         self.dev_active = self.active.to(dev)
+        self.dev_real = real.to(dev)
         self._key_index = None                          # (sorted keys, their rows): `_rows_of`, built when asked
         self.mine = real
         self.replicated = self.mode == COHERENT
@@ -104,12 +110,36 @@ class Engine:
             slots = self.active.numel() * self.top_k
             for adapter in self.model.adapters:
                 self._count_local(adapter.layer, adapter.moe, slots, slots)
+        elif self.gather_anchor is not None:  # the slots served here, tallied on the device (`gathered_moe.py`)
+            local = self.local_tally.tolist()
+            self.local_tally.zero_()
+            slots = self.active.numel() * self.top_k
+            for adapter in self.model.adapters:
+                self._count_local(adapter.layer, adapter.moe, local[adapter.layer], slots)
         flat = logits.reshape(-1, logits.shape[-1])
         here = (self.mine & (keys >= 0)).nonzero().flatten()
         if self.records:
             self.logit_keys.append(keys[here])
             self.logit_rows.append(flat[here.to(dev)].detach().float().cpu())
         return flat, here, cache
+
+    def gather_rows(self, rows: int | None) -> None:
+        """The next forwards gather (`gathered_moe.py`), every rank sending `rows` rows to each; None: they exchange
+        by dynamic gating. Every rank sets the same before a forward."""
+        if rows is None or self.local_tally is None:
+            self.gather_anchor = None
+        elif self.gather_anchor is None or self.gather_anchor.shape[0] != rows:
+            self.gather_anchor = torch.empty(rows, device=self.device)
+            torch._dynamo.maybe_mark_dynamic(self.gather_anchor, 0)  # a compiled step keeps n a symbol
+
+    def stop_gathering(self) -> None:
+        """Back to dynamic gating for every forward (a warm-up that ended eager)."""
+        self.gather_anchor = self.local_tally = None
+
+    @property
+    def gathers(self) -> bool:
+        """Whether `gathered_moe.enable_gathering` turned this engine's gathered decode steps on."""
+        return self.local_tally is not None
 
     def real_rows(self) -> torch.Tensor:
         """bool [n]: the forward's rows whose hidden state is real on this rank (own requests in
@@ -127,6 +157,8 @@ class Engine:
         if not torch.compiler.is_compiling() and h.shape[0] != self.keys.shape[0]:
             raise RuntimeError(f"MoE block saw {h.shape[0]} rows, the step has {self.keys.shape[0]}")
         if self.mode == STANDARD:
+            if self.gather_anchor is not None:
+                return gathered_route(self, adapter, h, ids, weights)
             return self._standard(adapter, h, ids, weights)
         if self.replicated:
             return self._coherent_first(adapter, h, ids.cpu(), weights)

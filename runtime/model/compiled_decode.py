@@ -65,6 +65,7 @@ class CompiledDecode:
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
         self._fn = torch.compile(self._forward)
         self.steps = 0  # decode steps it ran (a test's and a benchmark's witness)
+        self.failure = None  # what the compiler raised, if it did: the steps since run eager
 
     def applies(self, cache) -> bool:
         """Whether `cache` (the library's, after a prefill) is one whose steps this graph can run."""
@@ -87,7 +88,14 @@ class CompiledDecode:
             mine.cumulative_length = torch.tensor(width - 1, device=mine.device)  # the column this step writes
             mine.is_initialized = True
         _mark_dynamic(ids, positions, key_mask, self._static.layers)
-        logits = self._fn(ids, positions, key_mask, self._static)
+        try:
+            logits = self._fn(ids, positions, key_mask, self._static)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            # raised while tracing or compiling, before the step ran: the same step eager, so that ranks whose
+            # exchanges pair up stay in step; the warm-up reads `failure` and turns the compiled step off
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            self._fn = self._forward
+            logits = self._fn(ids, positions, key_mask, self._static)
         for mine, layer in zip(self._static.layers, cache.layers):
             layer.advance(width)
             mine.keys = mine.values = None  # the buffers belong to the cache

@@ -1,14 +1,22 @@
 """Turn on a service's compiled decode step (`model/compiled_decode.py`) where it applies, and compile it
 before the service says it is ready, so that no request waits for the compiler.
 
-It applies to a rank alone on the CPU (world of one, standard mode) running a transformers model with
-no expert cache and no FP8 experts; `MOEPLAN_COMPILE=0` turns it off. The warm-up runs the worker's own
-steps on two throw-away sequences: decode steps at batch 2 (the graph of every batch above one) and at
-batch 1 (its own graph: torch specialises size 1), then puts the worker's counters back to zero. A step the
-library's code breaks into several graphs (JetMoE's attention experts) stays eager: measured slower than eager.
+It applies on the CPU to transformers models with no expert cache and no FP8 experts: a rank alone (world of
+one, standard mode), or ranks of standard mode whose decode steps gather (`ep/gathered_moe.py`: fixed-shape
+exchanges, one graph per step with the exchanges inside). `MOEPLAN_COMPILE=0` turns it off. The warm-up runs
+the worker's own steps on throw-away sequences, two per rank: decode steps at batch 2 (the graph of every batch
+above one), then, rank by rank, at batch 1 beside ranks at 2 (with several ranks: a rank of one row sending
+to ranks of more), then at batch 1 everywhere (torch specialises size 1); then it puts the worker's counters
+back to zero. A step the library's code breaks into several graphs (JetMoE's attention experts) stays eager:
+measured slower than eager. Several ranks agree on the outcome (any rank eager: every rank eager, and dynamic
+gating again), since their exchanges must pair up.
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
+
+from ..ep.gathered_moe import enable_gathering, gather_refusal
 from ..model.compiled_decode import CompiledDecode, compile_wanted, compiler_missing
 from .step_plan import STEP, Admission, StepPlan
 
@@ -20,8 +28,10 @@ def why_not_compiled(worker) -> str | None:
     engine, model = worker.engine, worker.engine.model
     if not compile_wanted():
         return "MOEPLAN_COMPILE is off"
-    if engine.world != 1 or worker.coherent:
-        return "ranks that exchange rows run eager decode steps"
+    if worker.coherent:
+        return "coherent mode's ranks run eager decode steps"
+    if engine.world > 1 and gather_refusal(engine) is not None:
+        return gather_refusal(engine)
     if engine.device.type != "cpu":
         return "GPU decode steps run eager (compiled steps are measured on CPUs only)"
     if model.kind != "transformers":
@@ -32,37 +42,71 @@ def why_not_compiled(worker) -> str | None:
 
 
 def enable_compiled_decode(worker) -> str | None:
-    """Compile the worker's decode step and warm it up (module docstring); returns why it stays eager, or None."""
-    why = why_not_compiled(worker)
+    """Compile the worker's decode step and warm it up (module docstring); returns why it stays eager, or None.
+    Several ranks call it together."""
+    why = _agreed(worker, why_not_compiled(worker), "another rank's decode steps stay eager")
     if why is not None:
         return why
-    model = worker.engine.model
+    engine, model = worker.engine, worker.engine.model
+    if engine.world > 1:
+        enable_gathering(engine)
     model.compiled_decode = CompiledDecode(model.model, model.cache_kwarg)
     breaks = _graph_breaks()
-    first = 1 + max(worker.running, default=-1)
-    seqs = [first, first + 1]
-    admit = [Admission(s, worker.rank, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0)
-             for s, prompt in zip(seqs, WARM_PROMPTS)]
     try:
-        worker.step(StepPlan(STEP, admit))
-        worker.step(StepPlan(STEP))                    # batch 2
-        worker.step(StepPlan(STEP, depart=seqs[1:]))   # batch 1
-        worker.step(StepPlan(STEP, depart=seqs[:1]))
+        _warm_up(worker)
     except Exception as exc:  # the compiler refused this model: eager steps serve it
+        if engine.world > 1:  # the ranks' exchanges no longer pair up: nothing to recover
+            raise
         model.compiled_decode = None
-        worker.step(StepPlan(STEP, depart=[s for s in seqs if s in worker.running]))
+        worker.step(StepPlan(STEP, depart=sorted(worker.running)))
         why = f"torch.compile failed on this model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
     else:
+        compiled = model.compiled_decode
         why = None
-        if model.compiled_decode.steps < 2:
+        if compiled.failure is not None:
+            why = f"torch.compile failed on this model ({compiled.failure})"
+        elif compiled.steps < 2:
             why = ("this model's KV cache has layers the compiled step does not run (sliding windows, MLA latents, "
                    "linear attention)")
         elif _graph_breaks() > breaks:  # pieces of graphs between eager calls: measured slower than eager (JetMoE 0.84x)
             why = "the library's code breaks this model's step into several graphs, slower than eager steps"
+    why = _agreed(worker, why, "another rank's compiled decode step failed its warm-up")
     if why is not None:
         model.compiled_decode = None
+        engine.stop_gathering()
     _zero_counters(worker)  # whatever the outcome, the warm-up's steps are not the service's
     return why
+
+
+def _warm_up(worker) -> None:
+    """The warm-up's step plans (module docstring), the same on every rank."""
+    first, world = 1 + max(worker.running, default=-1), worker.world
+    firsts = [first + 2 * r for r in range(world)]              # rank r's two sequences, then its refill
+    seconds = [s + 1 for s in firsts]
+    refills = [first + 2 * world + r for r in range(world)]
+
+    def admit(seq: int, rank: int, prompt: tuple) -> Admission:
+        return Admission(seq, rank, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    worker.step(StepPlan(STEP, [admit(s, r, WARM_PROMPTS[0]) for r, s in enumerate(firsts)]
+                         + [admit(s, r, WARM_PROMPTS[1]) for r, s in enumerate(seconds)]))
+    worker.step(StepPlan(STEP))                                                    # batch 2 everywhere
+    if world > 1:
+        for r in range(world):  # rank r at batch 1 beside ranks at 2, then a second sequence again
+            worker.step(StepPlan(STEP, [admit(refills[r], r, WARM_PROMPTS[1])], depart=[seconds[r]]))
+            seconds[r] = refills[r]
+    worker.step(StepPlan(STEP, depart=seconds))                                   # batch 1 everywhere
+    worker.step(StepPlan(STEP, depart=firsts))
+
+
+def _agreed(worker, why: str | None, elsewhere: str) -> str | None:
+    """`why`, or `elsewhere` where this rank has no reason but another rank has: every rank of several takes the
+    same path (a collective over the worker's control group)."""
+    if worker.world == 1:
+        return why
+    ok = torch.tensor([0 if why is not None else 1], dtype=torch.int64)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=worker.group)
+    return why if why is not None or int(ok) == 1 else elsewhere
+
 
 def _graph_breaks() -> int:
     """Graph breaks torch.compile has met in this process so far."""

@@ -19,6 +19,8 @@ Rows are keyed as the engine keys tokens, sequence x KEY_STRIDE + position.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,7 @@ class BatchWorker:
         engine.install_hooks()
         self.rows = RowCache(kind)
         self.running: set = set()   # every running sequence, on every rank
+        self.owner: dict = {}       # seq -> the rank that owns it, every running sequence
         self.sampling: dict = {}    # seq -> (temperature, top_p, top_k, seed), sequences run here
         self.prompt_len: dict = {}
         self.last: dict = {}        # seq -> its newest token (the next decode input), sequences run here
@@ -55,6 +58,7 @@ class BatchWorker:
         """Apply one STEP plan; {seq: new token} of every sequence this rank learned (rank 0: all)."""
         for seq in plan.depart:
             self.running.discard(seq)
+            self.owner.pop(seq, None)
             self.sampling.pop(seq, None)
             self.prompt_len.pop(seq, None)
             self.last.pop(seq, None)
@@ -65,6 +69,7 @@ class BatchWorker:
         if plan.admit:
             new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
             self.running.update(a.seq for a in plan.admit)
+            self.owner.update((a.seq, a.owner) for a in plan.admit)
         if self.running:  # every rank agrees: a forward ran this step
             new = self._share(new)
         for seq, token in new.items():
@@ -80,6 +85,16 @@ class BatchWorker:
         self.engine.forward_rows(z, z, torch.ones(1, 1, dtype=torch.bool), None, torch.full((1,), -1))
 
     def _decode(self) -> dict:
+        if not self.engine.gathers:
+            return self._decode_rows()
+        # a gathered decode step (`ep/gathered_moe.py`): every rank sends as many rows as the fullest rank has
+        self.engine.gather_rows(max(1, max(Counter(self.owner[s] for s in self.running).values())))
+        try:
+            return self._decode_rows()
+        finally:
+            self.engine.gather_rows(None)
+
+    def _decode_rows(self) -> dict:
         rows = self.rows
         if not len(rows):
             self._dummy()

@@ -1,0 +1,80 @@
+"""Standard EP's MoE block for decode steps with fixed shapes: every rank sends every other its rows, each runs
+its own experts on the slots that are its, and the partial sums go back: no host sync, no data-dependent size.
+
+Why: the dynamic-gating path (`Engine._standard`) reads the routing on the host to choose replicas, pack rows per
+destination and count them, so a step that runs it cannot be one compiled graph (nor, on a GPU, one CUDA graph).
+A decode step moves one row per sequence; sending each to every rank instead of to its experts' ranks costs
+(W - 1) x n rows where dynamic gating sends (distinct ranks among a row's slots - local) rows, which at decode
+sizes is a few kB per block, and buys a step whose every op has a static shape.
+
+Per MoE block, on every rank, with n the largest decode batch of any rank this step (every rank knows every
+rank's sequences from the step plans; the worker sets it) and R = D + 2k:
+1. rows [n, R] = hidden state, gate weights, expert ids (as float32, exact below 2^24) of this rank's B rows,
+   padded to n with ids -1 (no expert); a dummy or padding row has ids -1 too;
+2. `exchange_equal` (one op, `equal_exchange.py`): the block to every rank, [W * n, R] back, rank order;
+3. the slots whose expert is held here run through the library's grouped experts; every other slot takes the
+   library's expert-parallel sentinel (expert id = the local count, `_is_expert_parallel`: sorted to the tail,
+   skipped by grouped_mm, zeroed): [W * n, D] partial sums;
+4. `exchange_equal` again: block s of the partials goes back to rank s; the W blocks that come back sum to the
+   routed output of this rank's rows.
+The slots served here are counted on the device (`Engine.local_tally`) and read after the forward.
+
+Applies (`gather_refusal`) to standard mode over several ranks, transformers' grouped experts modules (the
+library's sentinel handling), one copy of every expert (with replicas the replica rule, which reads the
+routing on the host, chooses the copy), no expert cache or FP8 experts, and engines that record no routing.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import equal_exchange  # registers torch.ops.moeplan.exchange_equal
+
+
+def gather_refusal(engine) -> str | None:
+    """Why `engine`'s decode steps cannot gather (one line), or None where they can."""
+    if engine.world == 1 or engine.mode != "standard":
+        return "gathered decode steps are for standard mode over several ranks"
+    if engine.records:
+        return "a recording engine reads the routing on the host"
+    if not bool((np.asarray(engine.table.hosts).sum(axis=2) == 1).all()):
+        return "experts with replicas take the replica rule's choice, read on the host"
+    for a in engine.model.adapters:
+        if a.expert_cache is not None or a.fp8_block is not None:
+            return "expert caches and FP8 experts run the dynamic-gating exchange"
+        if a.container.kind != "experts" or not hasattr(a.library_experts, "has_gate"):
+            return f"{a.container.kind} experts modules have no expert-parallel sentinel in the library"
+    return None
+
+
+def enable_gathering(engine) -> None:
+    """Mark the library's experts modules expert-parallel (their sentinel slots cost nothing) and give the engine
+    its exchanger's handle and the per-block tally of slots served here."""
+    for a in engine.model.adapters:
+        a.library_experts._is_expert_parallel = True
+    engine.exchange_handle = equal_exchange.register(engine.ex)
+    engine.local_tally = torch.zeros(engine.num_layers, dtype=torch.int64, device=engine.device)
+
+
+def gathered_route(engine, adapter, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed-expert sum [B, D] of this rank's rows h [B, D] routed to ids / weights [B, k] (module docstring);
+    `engine.gather_anchor` [n] carries n as a size a compiled graph keeps symbolic."""
+    world, rank = engine.world, engine.rank
+    n, (B, D), k = engine.gather_anchor.shape[0], h.shape, ids.shape[1]
+    ids = ids.to(torch.float32)
+    if not engine.all_real:
+        ids = torch.where(engine.dev_real[:, None], ids, -1.0)
+    payload = F.pad(torch.cat([h.to(torch.float32), weights.to(torch.float32)], 1), (0, 0, 0, n - B))
+    rows = torch.cat([payload, F.pad(ids, (0, 0, 0, n - B), value=-1.0)], 1)            # [n, D + 2k]
+    got = torch.ops.moeplan.exchange_equal(rows.repeat(world, 1), engine.exchange_handle, adapter.layer, "dispatch")
+    experts = got[:, D + k:].round().to(torch.int64)                                    # [W n, k]
+    local = adapter.local_slots(experts.clamp(min=0))
+    sentinel = adapter.num_slots
+    local = torch.where((experts < 0) | (local < 0), sentinel, local)
+    own = local[rank * n: rank * n + B]
+    engine.local_tally[adapter.layer] += (own < sentinel).sum()
+    partial = adapter.local_expert_output(got[:, :D].to(h.dtype), local, got[:, D:D + k])     # [W n, D]
+    back = torch.ops.moeplan.exchange_equal(partial.to(torch.float32).contiguous(), engine.exchange_handle,
+                                            adapter.layer, "combine")
+    return back.view(world, n, D).sum(dim=0)[:B].to(h.dtype)
