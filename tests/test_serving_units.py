@@ -180,9 +180,46 @@ def test_standard_mode_owners_balance_and_prefill_stays_within_its_budget():
     for i in range(6):
         c.submit(req(f"r{i}", prompt=(1,) * 30, n=4), lambda e: None)
     plan = c.next_plan(None)
-    assert [a.owner for a in plan.admit] == [0, 1, 2]  # 3 x 30 padded tokens fit in 100, a 4th would not
+    # 3 x 30 padded tokens fit in 100, a 4th would not; a step's admissions stay on one rank while it runs fewer
+    # than PREFILL_SLACK (2) sequences more than the least-loaded one
+    assert [a.owner for a in plan.admit] == [0, 0, 1]
     plan = c.next_plan(None)
-    assert [a.owner for a in plan.admit] == [0, 1, 2]
+    assert [a.owner for a in plan.admit] == [2, 2, 2]  # loads 2, 1, 3: within the slack of each other
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(2, 4), events=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1,
+                                                 max_size=30))
+def test_a_steps_admissions_share_a_rank_while_loads_stay_within_the_slack(world, events):
+    """Any arrivals and finishes: each admission goes to its step's earlier admissions' rank only while that rank
+    runs fewer than PREFILL_SLACK sequences more than the least-loaded one, else to the least-loaded rank; every
+    step's admissions take at most as many ranks as they must."""
+    from moeplan.runtime.serving.scheduler import PREFILL_SLACK
+
+    c = Scheduler("m", Limits(4096, 64, 64), vocab_size=50, world=world, coherent=False, num_layers=1)
+    load, owner_of, n = [0] * world, {}, 0
+    for arrivals, finishing in events:
+        for _ in range(arrivals):
+            c.submit(req(f"r{n}", n=64), lambda e: None)
+            n += 1
+        plan = c.next_plan(0.0)
+        if plan is None or plan.kind != STEP:
+            continue
+        for seq in plan.depart:
+            load[owner_of.pop(seq)] -= 1
+        previous = None
+        for a in plan.admit:
+            least = min(load)
+            if previous is not None and load[previous] < least + PREFILL_SLACK:
+                assert a.owner == previous
+            else:
+                assert load[a.owner] == least
+            load[a.owner] += 1
+            owner_of[a.seq], previous = a.owner, a.owner
+        running = sorted(owner_of)
+        c.on_tokens({seq: 1 for seq in running})
+        for seq in running[:finishing]:  # the oldest finish: cancelled, they leave the next step
+            c.cancel(next(r for r, live in c._by_id.items() if live.seq == seq))
 
 
 def test_an_idle_loop_sleeps_until_a_submit_or_sends_heartbeats():

@@ -123,6 +123,20 @@ class Engine:
             self.logit_rows.append(flat[here.to(dev)].detach().float().cpu())
         return flat, here, cache
 
+    def join_exchanges(self) -> None:
+        """Take part in a forward's exchanges with no row of this rank's own (standard mode, no sequence here this
+        step): each MoE block's route over zero rows, in block order, without the model: the other ranks' rows are
+        served here as in a forward, at the cost of the MoE blocks' exchanges and experts only."""
+        empty = torch.zeros(0, dtype=torch.int64)
+        self.keys, self.active, self.dev_active, self.mine = empty, empty, empty.to(self.device), empty.bool()
+        self.dev_real, self.all_real, self.replicated, self._key_index = self.mine.to(self.device), True, False, None
+        dtype = next(self.model.model.parameters()).dtype
+        h = torch.zeros(0, hidden_size(self.model.model), dtype=dtype, device=self.device)
+        ids = torch.zeros(0, self.top_k, dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            for adapter in self.model.adapters:
+                adapter.routed(h, ids, h.new_zeros(0, self.top_k))
+
     def gather_rows(self, rows: int | None) -> None:
         """The next forwards gather (`gathered_moe.py`), every rank sending `rows` rows to each; None: they exchange
         by dynamic gating. Every rank sets the same before a forward."""

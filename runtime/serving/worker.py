@@ -80,9 +80,8 @@ class BatchWorker:
 
     # --- forwards ----------------------------------------------------------------------------------
     def _dummy(self) -> None:
-        """Join a forward with no sequence here: one padding row (standard mode)."""
-        z = torch.zeros(1, 1, dtype=torch.int64)
-        self.engine.forward_rows(z, z, torch.ones(1, 1, dtype=torch.bool), None, torch.full((1,), -1))
+        """Join a forward with no sequence here (standard mode): its exchanges only (`Engine.join_exchanges`)."""
+        self.engine.join_exchanges()
 
     def _decode(self) -> dict:
         if not self.engine.gathers:
