@@ -217,7 +217,7 @@ def test_a_steps_admissions_share_a_rank_while_loads_stay_within_the_slack(world
             load[a.owner] += 1
             owner_of[a.seq], previous = a.owner, a.owner
         running = sorted(owner_of)
-        c.on_tokens({seq: 1 for seq in running})
+        c.on_tokens(dict.fromkeys(running, 1))
         for seq in running[:finishing]:  # the oldest finish: cancelled, they leave the next step
             c.cancel(next(r for r, live in c._by_id.items() if live.seq == seq))
 
