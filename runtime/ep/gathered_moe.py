@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import equal_exchange  # registers torch.ops.moeplan.exchange_equal
+from . import equal_exchange  # registers the exchange_equal op
 
 
 def gather_refusal(engine) -> str | None:

@@ -1,5 +1,5 @@
 """A decode step of the library's model as one compiled graph (torch.compile, inductor) over the KV cache's
-fixed buffers, for ranks that run alone on the CPU.
+fixed buffers, for CPU ranks: alone, or several whose decode steps gather.
 
 Why: eager, the runtime's decode step of qwen3_moe_hd32 at batch 1 is ~300 aten ops at ~20 us each on a
 2-core CPU (about 6 ms a token); its tensors are tiny, so the time is dispatch. Compiled, inductor fuses
@@ -10,8 +10,8 @@ What makes the step one graph of fixed shapes:
   for one more), handed to the library's own `StaticLayer` (transformers' cache layer built for
   torch.compile), which writes the step's column in place (`index_copy_` at a 0-d tensor) and returns them;
   attention reads them under an additive mask [B, 1, 1, W + 1] hiding each row's left padding;
-* routing stays on the device (a world of one: `Engine._one_rank`); the engine counts the step's slots
-  after the forward, outside the graph;
+* routing stays on the device (a world of one: `Engine._one_rank`; several ranks: `gathered_moe.py`); the
+  engine counts the step's slots after the forward, outside the graph;
 * batch B and columns W + 1 are dynamic dimensions (the views' strides, which the buffers' capacities set,
   are symbolic with them): one graph serves every batch and context (a batch of one gets its own, as torch
   specialises sizes 0 and 1); tests/test_compiled_decode.py checks that joins, departures and regrown
@@ -20,7 +20,8 @@ The library's modules run unchanged inside the graph: inductor compiles their ow
 
 Where it runs (`CompiledDecode.applies`): transformers models whose every cache layer is a plain
 full-attention layer with spare columns (not sliding windows, not MLA), decode steps (one token per row)
-of an engine that records nothing (a service) in a world of one on the CPU, with a C++ compiler at hand
+of an engine that records nothing (a service) on the CPU, alone or over several ranks whose decode steps gather
+(`ep/gathered_moe.py`: their exchanges are one op of fixed shapes inside the graph), with a C++ compiler at hand
 (inductor builds its kernels with it). Everything else, and `MOEPLAN_COMPILE=0`, stays eager.
 
 Nothing here imports moeplan: bundles run without it.
