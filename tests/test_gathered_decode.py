@@ -78,7 +78,8 @@ def _keep_logits(engine) -> list:
     return bench.keep_logits(engine)
 
 
-def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger: str, compile_: str) -> None:
+def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger: str, compile_: str,
+          replicate: tuple = ()) -> None:
     """Rank `rank`: a dynamic-gating worker (gloo) and a gathered one (`exchanger`), stepped alike through the
     schedule; `compile_`: "" (gathered, eager), "service" (`enable_compiled_decode`), "refuse" (this rank has no C++
     compiler), "fail" (this rank's compiler raises while tracing). Writes what it saw to `out`."""
@@ -90,8 +91,8 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     from moeplan.runtime.ep.gathered_moe import enable_gathering
     from moeplan.runtime.serving.decode_compile import enable_compiled_decode
 
-    base_engine = _engine(Path(directory), rank, world)
-    fast_engine = _engine(Path(directory), rank, world, exchanger)
+    base_engine = _engine(Path(directory), rank, world, replicate=replicate)
+    fast_engine = _engine(Path(directory), rank, world, exchanger, replicate=replicate)
     base, fast = BatchWorker(base_engine, "transformers", tokens_to_rank0=False), BatchWorker(
         fast_engine, "transformers", tokens_to_rank0=False)
     why, graphs = None, 0
@@ -134,17 +135,19 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     dist.destroy_process_group()
 
 
-def _run_pair(tmp_path: Path, exchanger: str, compile_: str) -> list:
+def _run_pair(tmp_path: Path, exchanger: str, compile_: str, replicate: tuple = ()) -> list:
     directory, _ = hf_model_dir(tmp_path, "mixtral")
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_pair, args=(2, _free_port(), str(directory), str(out), exchanger, compile_), nprocs=2)
+    mp.spawn(_pair, args=(2, _free_port(), str(directory), str(out), exchanger, compile_, replicate), nprocs=2)
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("exchanger", ["gloo", "shm"])
-def test_gathered_steps_give_dynamic_gatings_tokens_logits_and_slot_counts(tmp_path, exchanger):
-    for rank, seen in enumerate(_run_pair(tmp_path, exchanger, "")):
+@pytest.mark.parametrize("exchanger, replicate", [("gloo", ()), ("shm", ()), ("shm", (1, 3, 6))])
+def test_gathered_steps_give_dynamic_gatings_tokens_logits_and_slot_counts(tmp_path, exchanger, replicate):
+    """With copies of experts 1, 3 and 6 on both ranks too: the device's replica rule picks the host's copies (the
+    slot counts, local against all, match dynamic gating's)."""
+    for rank, seen in enumerate(_run_pair(tmp_path, exchanger, "", replicate)):
         assert seen["same"] and seen["diff"] <= 1e-5, (rank, seen)
         assert seen["decodes"] > 20 and seen["slots_equal"] and seen["gathers"], (rank, seen)
         counted = [(local, total) for local, total in seen["slots"] if total]  # (MoE layer 0's slots are not counted)
@@ -162,8 +165,9 @@ def test_ranks_agree_on_eager_steps_when_one_cannot_compile(tmp_path):
 
 @pytest.mark.slow
 @needs_compiler
-def test_compiled_gathered_steps_match_dynamic_gating_and_compile_nothing_after_the_warm_up(tmp_path):
-    for rank, seen in enumerate(_run_pair(tmp_path, "shm", "service")):
+@pytest.mark.parametrize("replicate", [(), (1, 3, 6)])
+def test_compiled_gathered_steps_match_dynamic_gating_and_compile_nothing_after_the_warm_up(tmp_path, replicate):
+    for rank, seen in enumerate(_run_pair(tmp_path, "shm", "service", replicate)):
         assert seen["why"] is None and seen["gathers"], (rank, seen)
         assert seen["same"] and seen["diff"] <= 1e-4 and seen["slots_equal"], (rank, seen)
         assert seen["compiled_steps"] == seen["own_decodes"] > 15, (rank, seen)  # every decode step with rows here
@@ -196,7 +200,6 @@ def test_engines_it_cannot_gather_say_why(tmp_path, monkeypatch):
     coherent = BatchWorker(_engine(directory, 0, 2, mode="coherent"), "transformers")
     assert why_not_compiled(coherent) == "coherent mode's ranks run eager decode steps"
     assert gather_refusal(_engine(directory, 0, 2, record=True)) == "a recording engine reads the routing on the host"
-    assert (gather_refusal(_engine(directory, 0, 2, replicate=(3,)))
-            == "experts with replicas take the replica rule's choice, read on the host")
+    assert gather_refusal(_engine(directory, 0, 2, replicate=(3,))) is None  # the rule runs on the device
     engine.model.adapters[0].fp8_block = (128, 128)
     assert gather_refusal(engine) == "expert caches and FP8 experts run the dynamic-gating exchange"

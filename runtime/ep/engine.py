@@ -74,6 +74,7 @@ class Engine:
         # gathers, a tensor [n] whose size is the rows every rank sends (`gather_rows`); None: dynamic gating
         self.gather_anchor = None
         self.local_tally = None
+        self.replica_rule = None  # the replica rule on the device, where experts have copies (`device_replicas.py`)
         # coherent mode: per block, ("hidden" | "kv", elements per token) of the context exchange
         self.context_plan = context_plan(model.attention, hidden_size(model.model), context)
 
@@ -148,7 +149,7 @@ class Engine:
 
     def stop_gathering(self) -> None:
         """Back to dynamic gating for every forward (a warm-up that ended eager)."""
-        self.gather_anchor = self.local_tally = None
+        self.gather_anchor = self.local_tally = self.replica_rule = None
 
     @property
     def gathers(self) -> bool:

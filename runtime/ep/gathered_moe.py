@@ -19,9 +19,10 @@ rank's sequences from the step plans; the worker sets it) and R = D + 2k:
    routed output of this rank's rows.
 The slots served here are counted on the device (`Engine.local_tally`) and read after the forward.
 
-Applies (`gather_refusal`) to standard mode over several ranks, transformers' grouped experts modules (the
-library's sentinel handling), one copy of every expert (with replicas the replica rule, which reads the
-routing on the host, chooses the copy), no expert cache or FP8 experts, and engines that record no routing.
+Where experts have several copies, the replica rule chooses which copy serves each slot, on the device
+(`device_replicas.py`: the rule of `expert_table.py`, each source rank's rows taking their turns as that rank
+would on the host). Applies (`gather_refusal`) to standard mode over several ranks, transformers' grouped experts
+modules (the library's sentinel handling), no expert cache or FP8 experts, and engines that record no routing.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import equal_exchange  # registers the exchange_equal op
+from .device_replicas import DeviceReplicaRule
 
 
 def gather_refusal(engine) -> str | None:
@@ -38,8 +40,6 @@ def gather_refusal(engine) -> str | None:
         return "gathered decode steps are for standard mode over several ranks"
     if engine.records:
         return "a recording engine reads the routing on the host"
-    if not bool((np.asarray(engine.table.hosts).sum(axis=2) == 1).all()):
-        return "experts with replicas take the replica rule's choice, read on the host"
     for a in engine.model.adapters:
         if a.expert_cache is not None or a.fp8_block is not None:
             return "expert caches and FP8 experts run the dynamic-gating exchange"
@@ -54,6 +54,8 @@ def enable_gathering(engine) -> None:
     for a in engine.model.adapters:
         a.library_experts._is_expert_parallel = True
     engine.exchange_handle = equal_exchange.register(engine.ex)
+    replicated = bool((np.asarray(engine.table.hosts).sum(axis=2) > 1).any())
+    engine.replica_rule = DeviceReplicaRule(engine.table, engine.device) if replicated else None
     engine.local_tally = torch.zeros(engine.num_layers, dtype=torch.int64, device=engine.device)
 
 
@@ -71,7 +73,11 @@ def gathered_route(engine, adapter, h: torch.Tensor, ids: torch.Tensor, weights:
     experts = got[:, D + k:].round().to(torch.int64)                                    # [W n, k]
     local = adapter.local_slots(experts.clamp(min=0))
     sentinel = adapter.num_slots
-    local = torch.where((experts < 0) | (local < 0), sentinel, local)
+    if engine.replica_rule is None:  # one copy of each expert: the slots served here are those of experts held here
+        local = torch.where((experts < 0) | (local < 0), sentinel, local)
+    else:  # the copy the rule gives each slot, every row's source rank its current one
+        source = torch.arange(world * n, device=h.device) // n
+        local = torch.where(engine.replica_rule.choose(adapter.moe, experts, source) == rank, local, sentinel)
     own = local[rank * n: rank * n + B]
     engine.local_tally[adapter.layer] += (own < sentinel).sum()
     partial = adapter.local_expert_output(got[:, :D].to(h.dtype), local, got[:, D:D + k])     # [W n, D]
