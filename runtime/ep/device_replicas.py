@@ -21,8 +21,8 @@ class DeviceReplicaRule:
 
     def __init__(self, table, device):
         hosts = np.asarray(table.hosts, dtype=bool)
-        copies, count, node_copies, node_count = table._copy_tables()
-        as_tensor = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=device)  # noqa: E731
+        copies, count, node_copies, node_count = table.copy_tables()
+        as_tensor = lambda a: torch.as_tensor(np.ascontiguousarray(a), device=device)
         self.E, self.G = hosts.shape[1], table.gpus_per_node
         self.hosts = as_tensor(hosts)                              # bool [L, E, W]
         self.first_copy = as_tensor(table.first_copy)              # int [L, E]

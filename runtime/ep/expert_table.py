@@ -121,7 +121,7 @@ class ExpertTable:
         out[:, 0] = self.primary(layer, experts[:, 0], current if layer > 0 else np.full(n, -1))
         if k == 1:
             return out
-        copies, count, node_copies, node_count = self._copy_tables()
+        copies, count, node_copies, node_count = self.copy_tables()
         e = experts[:, 1:].ravel()  # token by token, slot by slot: the order turns are taken in
         cur = np.repeat(current, k - 1)
         local = self.hosts[layer][e, cur]
@@ -134,7 +134,7 @@ class ExpertTable:
         out[:, 1:] = np.where(local, cur, pick).reshape(n, k - 1)
         return out
 
-    def _copy_tables(self) -> tuple:
+    def copy_tables(self) -> tuple:
         """(copies int [L, E, R] ranks in order, -1 padded; their count int [L, E]; the same per node:
         int [L, E, N, G] and int [L, E, N]). Built once, on the first `choose`."""
         if self._copies is None:
