@@ -62,12 +62,13 @@ def worker_of(config: dict):
 
 
 def keep_logits(engine) -> list:
-    """The list the engine's forwards append their logits to from now on (each forward's, in order)."""
+    """The list the engine's forwards append their token rows' logits to from now on (each forward's, in order;
+    a left-padded prefill's padding rows hold no token: what they compute is the mask's business)."""
     logits, forward = [], engine.forward_rows
 
-    def keep(*args):
-        out = forward(*args)
-        logits.append(out[0].detach().clone())
+    def keep(ids, pos, key_mask, cache, keys):
+        out = forward(ids, pos, key_mask, cache, keys)
+        logits.append(out[0][(keys >= 0).to(out[0].device)].detach().clone())
         return out
     engine.forward_rows = keep
     return logits

@@ -47,10 +47,13 @@ def test_compiled_decode_steps_match_eager_ones_through_joins_and_departures(tmp
     fast, fast_logits = _worker(directory, model, compiled=True)
     compiled = fast.engine.model.compiled_decode
     graphs, warm_steps = torch._dynamo.utils.counters["stats"]["unique_graphs"], compiled.steps
-    assert warm_steps == 2  # the warm-up's decode steps at batch 2 and 1
+    warm_prefills = compiled.prefills
+    assert warm_steps == 4 and warm_prefills == 2  # the warm-up's decode steps at batch 1, 1, 3, 1; prefills of 2 and 1
+    prefills = 0
     decode_steps = 0
     for plan in _schedule(seed=3, steps=40):
         decode_steps += bool(eager.running - set(plan.depart))  # sequences still running after its departures decode
+        prefills += max((len(a.prompt) for a in plan.admit), default=0) >= 2  # prompts of one token prefill eager
         assert fast.step(plan) == eager.step(plan)
         assert len(fast_logits) == len(eager_logits)
         for a, b in zip(fast_logits, eager_logits):  # the step's forwards: its decode, then its prefill
@@ -58,6 +61,7 @@ def test_compiled_decode_steps_match_eager_ones_through_joins_and_departures(tmp
         fast_logits.clear()
         eager_logits.clear()
     assert decode_steps > 25 and compiled.steps - warm_steps == decode_steps  # every decode step took the compiled path
+    assert prefills > 5 and compiled.prefills - warm_prefills == prefills  # and every prefill of longer prompts
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile after the warm-up
     assert fast.engine.counters.to_dict() == eager.engine.counters.to_dict()
     assert fast.steps == eager.steps == 40  # the warm-up's steps are not counted

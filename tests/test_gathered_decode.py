@@ -127,6 +127,7 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     Path(out).joinpath(f"{rank}.json").write_text(json.dumps({
         "same": same, "diff": diff, "decodes": decodes, "own_decodes": own, "why": why, "gathers": fast_engine.gathers,
         "compiled_steps": (compiled.steps - warm) if compiled is not None else 0,
+        "compiled_prefills": compiled.prefills if compiled is not None else 0,
         "recompiled": dynamo_counters["stats"]["unique_graphs"] - graphs if compile_ else 0,
         "slots_equal": slots[0] == slots[1], "slots": slots[1],
         "dispatch_bytes": [layer["dispatch"]["bytes"] for layer in fast_engine.counters.layers]}))
@@ -171,6 +172,7 @@ def test_compiled_gathered_steps_match_dynamic_gating_and_compile_nothing_after_
         assert seen["why"] is None and seen["gathers"], (rank, seen)
         assert seen["same"] and seen["diff"] <= 1e-4 and seen["slots_equal"], (rank, seen)
         assert seen["compiled_steps"] == seen["own_decodes"] > 15, (rank, seen)  # every decode step with rows here
+        assert seen["compiled_prefills"] > 5, (rank, seen)  # prefills too, gathered
         assert seen["recompiled"] == 0, (rank, seen)
 
 

@@ -98,10 +98,13 @@ class Engine:
         dev = self.device
         self.keys = keys
         real = keys >= 0
-        self.all_real = bool(real.all())
+        # a prefill takes the general path even with no padding, so that a compiled one is one graph for both
+        self.all_real = bool(real.all()) and ids.shape[1] == 1
         self.active = real.nonzero().flatten()          # rows that are tokens (not padding), CPU
         self.dev_active = self.active.to(dev)
         self.dev_real = real.to(dev)
+        for rows in (self.dev_active, self.dev_real):  # sizes a compiled step keeps symbolic
+            torch._dynamo.maybe_mark_dynamic(rows, 0)
         self._key_index = None                          # (sorted keys, their rows): `_rows_of`, built when asked
         self.mine = real
         self.replicated = self.mode == COHERENT

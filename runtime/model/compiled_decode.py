@@ -65,8 +65,11 @@ class CompiledDecode:
         # tracing through them, as dynamo warns it does, gives what they hold
         warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
         self._fn = torch.compile(self._forward)
+        self._prefill_fn = torch.compile(self._prefill_forward)
         self.steps = 0  # decode steps it ran (a test's and a benchmark's witness)
+        self.prefills = 0  # prefills it ran
         self.failure = None  # what the compiler raised, if it did: the steps since run eager
+        self._kv = None  # per layer (K/V heads, key dim, value dim, dtype), read off the first cache it ran
 
     def applies(self, cache) -> bool:
         """Whether `cache` (the library's, after a prefill) is one whose steps this graph can run."""
@@ -74,9 +77,44 @@ class CompiledDecode:
 
         layers = getattr(cache, "layers", None)
         growable = growable_layer_class()
-        return bool(layers) and len(layers) == len(self._static.layers) and all(
+        runs = bool(layers) and len(layers) == len(self._static.layers) and all(
             type(layer) is growable and layer.is_initialized and layer.keys is not None and layer.keys.numel()
             for layer in layers)
+        if runs and self._kv is None:
+            self._kv = [(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3], layer.keys.dtype)
+                        for layer in layers]
+        return runs
+
+    def prefills_into(self, cache, ids: torch.Tensor) -> bool:
+        """Whether a prefill of ids [B, S] into `cache` (a fresh one of the library's) runs compiled: its layers all
+        full-attention ones with spare columns, the K/V shapes known from a cache it ran before, and S >= 2 (a
+        prompt of one token prefills as eager as a decode step of one)."""
+        from .growable_cache import growable_layer_class
+
+        layers = getattr(cache, "layers", None)
+        return (self._kv is not None and ids.shape[1] >= 2 and bool(layers) and len(layers) == len(self._kv)
+                and all(type(layer) is growable_layer_class() and not layer.is_initialized for layer in layers))
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache) -> torch.Tensor:
+        """Logits [B, S, V] of a prefill into the fresh `cache`: ids, positions, key_mask bool [B, S] (prompts
+        right-aligned). Its layers get buffers of S columns and spare ones, which the graph fills through the
+        library's `StaticLayer` from column 0."""
+        B, S = ids.shape
+        for mine, layer, (heads, dk, dv, dtype) in zip(self._static.layers, cache.layers, self._kv):
+            keys, values = layer.adopt(B, heads, dk, dv, dtype, ids.device, S)
+            mine.keys, mine.values = keys[..., :S, :], values[..., :S, :]
+            mine.device = ids.device
+            mine.cumulative_length = torch.tensor(0, device=ids.device)
+            mine.is_initialized = True
+        _mark_dynamic(ids, positions, key_mask, self._static.layers)
+        for tensor in (ids, positions):
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        logits = self._run("_prefill_fn", "_prefill_forward", ids, positions, key_mask)
+        for mine, layer in zip(self._static.layers, cache.layers):
+            layer.advance(S)
+            mine.keys = mine.values = None
+        self.prefills += 1
+        return logits
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, key_mask: torch.Tensor, cache) -> torch.Tensor:
         """Logits [B, 1, V] of one decode step: ids, positions [B, 1], key_mask bool [B, W + 1] (each row's tokens,
@@ -89,19 +127,37 @@ class CompiledDecode:
             mine.cumulative_length = torch.tensor(width - 1, device=mine.device)  # the column this step writes
             mine.is_initialized = True
         _mark_dynamic(ids, positions, key_mask, self._static.layers)
-        try:
-            logits = self._fn(ids, positions, key_mask, self._static)
-        except torch._dynamo.exc.TorchDynamoException as exc:
-            # raised while tracing or compiling, before the step ran: the same step eager, so that ranks whose
-            # exchanges pair up stay in step; the warm-up reads `failure` and turns the compiled step off
-            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            self._fn = self._forward
-            logits = self._fn(ids, positions, key_mask, self._static)
+        logits = self._run("_fn", "_forward", ids, positions, key_mask)
         for mine, layer in zip(self._static.layers, cache.layers):
             layer.advance(width)
             mine.keys = mine.values = None  # the buffers belong to the cache
         self.steps += 1
         return logits
+
+    def _run(self, compiled: str, eager: str, ids, positions, key_mask) -> torch.Tensor:
+        """The compiled function named `compiled` on the step; if the compiler raises (while tracing or compiling,
+        before the step ran) the same step eager, and the eager function from then on, so that ranks whose exchanges
+        pair up stay in step; the warm-up reads `failure` and turns compiled steps off."""
+        try:
+            return getattr(self, compiled)(ids, positions, key_mask, self._static)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            setattr(self, compiled, getattr(self, eager))
+            return getattr(self, compiled)(ids, positions, key_mask, self._static)
+
+    def _prefill_forward(self, ids, positions, key_mask, static):
+        """The traced prefill: the additive causal mask over the prompt's columns, a row with no key to see (left
+        padding) seeing every column, as the library's own mask has it (no row all masked), then the library's
+        forward."""
+        S = ids.shape[1]
+        index = torch.arange(S, device=ids.device)
+        allowed = key_mask[:, None, :] & (index[None, :, None] >= index[None, None, :])          # [B, S, S]
+        allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=ids.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(self.dtype).min)[:, None]                    # [B, 1, S, S]
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.kwarg: static})
+        return out.logits
 
     def _forward(self, ids, positions, key_mask, static):
         """The traced step: the additive mask of the step's columns, then the library's forward."""

@@ -76,6 +76,15 @@ def growable_layer_class():
                 self._regrow(columns)
             return self._key_buffer, self._value_buffer
 
+        def adopt(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype, device, columns: int) -> tuple:
+            """Fresh buffers (keys [B, H, capacity, dk], values [B, H, capacity, dv]) with room for `columns` columns
+            and spare ones, for a compiled prefill (`compiled_decode.py`) to write; `advance` then takes them."""
+            capacity = max(columns, min(columns + _spare_columns(columns), self.max_columns))
+            self._key_buffer = torch.empty(batch, heads, capacity, key_dim, dtype=dtype, device=device)
+            self._value_buffer = torch.empty(batch, heads, capacity, value_dim, dtype=dtype, device=device)
+            self.device, self.is_initialized = device, True
+            return self._key_buffer, self._value_buffer
+
         def advance(self, columns: int) -> None:
             """The views after a step wrote into the buffers directly: the first `columns` columns."""
             self.keys = self._key_buffer[..., :columns, :]

@@ -180,6 +180,8 @@ class RankModel:
             return self.model.forward_incremental(ids, positions, cache, key_mask), cache
         if cache is None:  # the library's cache, its full-attention layers with spare columns (growable_cache.py)
             cache = growable_cache(self.model.config, self.cache_columns)
+            if self.compiled_decode is not None and self.compiled_decode.prefills_into(cache, ids):
+                return self.compiled_decode.prefill(ids, positions, key_mask, cache), cache
         elif ids.shape[1] == 1 and self.compiled_decode is not None and self.compiled_decode.applies(cache):
             return self.compiled_decode(ids, positions, key_mask, cache), cache
         out = self.model(input_ids=ids, attention_mask=key_mask.to(torch.int64), position_ids=positions,

@@ -4,10 +4,12 @@ before the service says it is ready, so that no request waits for the compiler.
 It applies on the CPU to transformers models with no expert cache and no FP8 experts: a rank alone (world of
 one, standard mode), or ranks of standard mode whose decode steps gather (`ep/gathered_moe.py`: fixed-shape
 exchanges, one graph per step with the exchanges inside). `MOEPLAN_COMPILE=0` turns it off. The warm-up runs
-the worker's own steps on throw-away sequences, two per rank: decode steps at batch 2 (the graph of every batch
-above one), then, rank by rank, at batch 1 beside ranks at 2 (with several ranks: a rank of one row sending
-to ranks of more), then at batch 1 everywhere (torch specialises size 1); then it puts the worker's counters
-back to zero. A step the library's code breaks into several graphs (JetMoE's attention experts) stays eager:
+the worker's own steps on throw-away sequences, four per rank: one prefilled eager (the cache's shapes come from
+it), a decode step at batch 1 everywhere (torch specialises size 1: its own graph), a prefill of two prompts
+(the graph of every prefill of several), a decode step at batch 3 (the graph of every batch above one), then,
+rank by rank, a decode step at batch 1 beside ranks at 3 (with several ranks: a rank of one row sending to ranks
+of more) with a prefill of one prompt; then it puts the worker's counters back to zero. Prompts of one token
+prefill eager. A step the library's code breaks into several graphs (JetMoE's attention experts) stays eager:
 measured slower than eager. Several ranks agree on the outcome (any rank eager: every rank eager, and dynamic
 gating again), since their exchanges must pair up.
 """
@@ -81,21 +83,18 @@ def enable_compiled_decode(worker) -> str | None:
 def _warm_up(worker) -> None:
     """The warm-up's step plans (module docstring), the same on every rank."""
     first, world = 1 + max(worker.running, default=-1), worker.world
-    firsts = [first + 2 * r for r in range(world)]              # rank r's two sequences, then its refill
-    seconds = [s + 1 for s in firsts]
-    refills = [first + 2 * world + r for r in range(world)]
+    seqs = [[first + 4 * r + i for i in range(4)] for r in range(world)]    # rank r's four sequences
 
-    def admit(seq: int, rank: int, prompt: tuple) -> Admission:
-        return Admission(seq, rank, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0)
-    worker.step(StepPlan(STEP, [admit(s, r, WARM_PROMPTS[0]) for r, s in enumerate(firsts)]
-                         + [admit(s, r, WARM_PROMPTS[1]) for r, s in enumerate(seconds)]))
-    worker.step(StepPlan(STEP))                                                    # batch 2 everywhere
-    if world > 1:
-        for r in range(world):  # rank r at batch 1 beside ranks at 2, then a second sequence again
-            worker.step(StepPlan(STEP, [admit(refills[r], r, WARM_PROMPTS[1])], depart=[seconds[r]]))
-            seconds[r] = refills[r]
-    worker.step(StepPlan(STEP, depart=seconds))                                   # batch 1 everywhere
-    worker.step(StepPlan(STEP, depart=firsts))
+    def admit(i: int, prompt: tuple) -> list:
+        return [Admission(seqs[r][i], r, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0) for r in range(world)]
+    worker.step(StepPlan(STEP, admit(0, WARM_PROMPTS[0])))        # an eager prefill: the cache's shapes come from it
+    worker.step(StepPlan(STEP))                                    # decode, batch 1 everywhere
+    worker.step(StepPlan(STEP, admit(1, WARM_PROMPTS[1]) + admit(2, WARM_PROMPTS[1])))  # a prefill of two prompts
+    worker.step(StepPlan(STEP))                                    # decode, batch 3 everywhere
+    for r in range(world):  # rank r at batch 1 beside ranks at 3, with a prefill of one prompt
+        worker.step(StepPlan(STEP, [Admission(seqs[r][3], r, WARM_PROMPTS[1], seed=0, temperature=0.0, top_p=1.0,
+                                              top_k=0)], depart=seqs[r][1:3]))
+    worker.step(StepPlan(STEP, depart=[s for r in range(world) for s in seqs[r]]))
 
 
 def _agreed(worker, why: str | None, elsewhere: str) -> str | None:

@@ -32,6 +32,16 @@ from .sampler import Sampler
 KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far shorter)
 
 
+def _prefill_rows(admit: list, world: int) -> int:
+    """The rows of the fullest rank's prefill forward this step: its admissions x their longest prompt (left-padded
+    to it), at least one."""
+    width, count = [0] * world, [0] * world
+    for a in admit:
+        width[a.owner] = max(width[a.owner], len(a.prompt))
+        count[a.owner] += 1
+    return max(1, max(w * c for w, c in zip(width, count)))
+
+
 class BatchWorker:
     """Runs step plans on one rank (see module docstring)."""
 
@@ -67,7 +77,11 @@ class BatchWorker:
         if self.running:
             new.update(self._decode())
         if plan.admit:
-            new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
+            self._gather(_prefill_rows(plan.admit, self.world))
+            try:
+                new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
+            finally:
+                self._gather(None)
             self.running.update(a.seq for a in plan.admit)
             self.owner.update((a.seq, a.owner) for a in plan.admit)
         if self.running:  # every rank agrees: a forward ran this step
@@ -83,15 +97,19 @@ class BatchWorker:
         """Join a forward with no sequence here (standard mode): its exchanges only (`Engine.join_exchanges`)."""
         self.engine.join_exchanges()
 
+    def _gather(self, rows: int | None) -> None:
+        """Gathered forwards (`ep/gathered_moe.py`, where the engine gathers): every rank sends `rows` rows; None:
+        the next forwards exchange by dynamic gating."""
+        if self.engine.gathers:
+            self.engine.gather_rows(rows)
+
     def _decode(self) -> dict:
-        if not self.engine.gathers:
-            return self._decode_rows()
-        # a gathered decode step (`ep/gathered_moe.py`): every rank sends as many rows as the fullest rank has
-        self.engine.gather_rows(max(1, max(Counter(self.owner[s] for s in self.running).values())))
+        if self.engine.gathers:  # every rank sends as many rows as the fullest rank runs
+            self._gather(max(1, max(Counter(self.owner[s] for s in self.running).values())))
         try:
             return self._decode_rows()
         finally:
-            self.engine.gather_rows(None)
+            self._gather(None)
 
     def _decode_rows(self) -> dict:
         rows = self.rows
