@@ -79,7 +79,7 @@ def _keep_logits(engine) -> list:
 
 
 def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger: str, compile_: str,
-          replicate: tuple = ()) -> None:
+          replicate: tuple = (), prefill_cap: int | None = None) -> None:
     """Rank `rank`: a dynamic-gating worker (gloo) and a gathered one (`exchanger`), stepped alike through the
     schedule; `compile_`: "" (gathered, eager), "service" (`enable_compiled_decode`), "refuse" (this rank has no C++
     compiler), "fail" (this rank's compiler raises while tracing). Writes what it saw to `out`."""
@@ -89,7 +89,11 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     from torch._dynamo.utils import counters as dynamo_counters
 
     from moeplan.runtime.ep.gathered_moe import enable_gathering
+    from moeplan.runtime.serving import worker as worker_module
     from moeplan.runtime.serving.decode_compile import enable_compiled_decode
+
+    if prefill_cap is not None:  # longer prefills exchange by dynamic gating, eager
+        worker_module.GATHERED_PREFILL_ROWS = prefill_cap
 
     base_engine = _engine(Path(directory), rank, world, replicate=replicate)
     fast_engine = _engine(Path(directory), rank, world, exchanger, replicate=replicate)
@@ -136,11 +140,12 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     dist.destroy_process_group()
 
 
-def _run_pair(tmp_path: Path, exchanger: str, compile_: str, replicate: tuple = ()) -> list:
+def _run_pair(tmp_path: Path, exchanger: str, compile_: str, replicate: tuple = (), prefill_cap=None) -> list:
     directory, _ = hf_model_dir(tmp_path, "mixtral")
     out = tmp_path / "out"
     out.mkdir()
-    mp.spawn(_pair, args=(2, _free_port(), str(directory), str(out), exchanger, compile_, replicate), nprocs=2)
+    mp.spawn(_pair, args=(2, _free_port(), str(directory), str(out), exchanger, compile_, replicate, prefill_cap),
+             nprocs=2)
     return [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
 
 
@@ -166,13 +171,17 @@ def test_ranks_agree_on_eager_steps_when_one_cannot_compile(tmp_path):
 
 @pytest.mark.slow
 @needs_compiler
-@pytest.mark.parametrize("replicate", [(), (1, 3, 6)])
-def test_compiled_gathered_steps_match_dynamic_gating_and_compile_nothing_after_the_warm_up(tmp_path, replicate):
-    for rank, seen in enumerate(_run_pair(tmp_path, "shm", "service", replicate)):
+@pytest.mark.parametrize("replicate, prefill_cap", [((), 8), ((1, 3, 6), None)])
+def test_compiled_gathered_steps_match_dynamic_gating_and_compile_nothing_after_the_warm_up(tmp_path, replicate,
+                                                                                            prefill_cap):
+    """With copies of three experts; and with prefills of more than 8 rows exchanging by dynamic gating (eager)
+    between gathered ones."""
+    for rank, seen in enumerate(_run_pair(tmp_path, "shm", "service", replicate, prefill_cap)):
         assert seen["why"] is None and seen["gathers"], (rank, seen)
         assert seen["same"] and seen["diff"] <= 1e-4 and seen["slots_equal"], (rank, seen)
         assert seen["compiled_steps"] == seen["own_decodes"] > 15, (rank, seen)  # every decode step with rows here
-        assert seen["compiled_prefills"] > 5, (rank, seen)  # prefills too, gathered
+        if prefill_cap is None:
+            assert seen["compiled_prefills"] > 5, (rank, seen)  # prefills too, gathered
         assert seen["recompiled"] == 0, (rank, seen)
 
 

@@ -108,6 +108,8 @@ class Engine:
         self._key_index = None                          # (sorted keys, their rows): `_rows_of`, built when asked
         self.mine = real
         self.replicated = self.mode == COHERENT
+        # a compiled prefill's MoE blocks must not read the routing on the host: alone, or gathered
+        self.model.prefill_compiles = self.world == 1 or self.gather_anchor is not None
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
         if self.world == 1 and self.mode == STANDARD:  # every slot local; counted here, outside a compiled step

@@ -12,25 +12,23 @@ An op takes tensors and plain values only, so the Exchanger is named by a handle
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
-_EXCHANGERS: dict = {}
+_EXCHANGERS = weakref.WeakValueDictionary()  # handle -> Exchanger, for as long as the exchanger lives
+_HANDLES = itertools.count()
 
 
 def register(exchanger) -> int:
     """A handle for `exchanger` that `exchange_equal` takes (the same exchanger keeps its handle)."""
-    for handle, known in _EXCHANGERS.items():
+    for handle, known in list(_EXCHANGERS.items()):
         if known is exchanger:
             return handle
-    handle = len(_EXCHANGERS)
+    handle = next(_HANDLES)
     _EXCHANGERS[handle] = exchanger
     return handle
-
-
-def forget(exchanger) -> None:
-    """Drop `exchanger`'s handle (its engine is closing)."""
-    for handle in [h for h, known in _EXCHANGERS.items() if known is exchanger]:
-        _EXCHANGERS[handle] = None
 
 
 @torch.library.custom_op("moeplan::exchange_equal", mutates_args=())

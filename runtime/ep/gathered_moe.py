@@ -1,5 +1,6 @@
-"""Standard EP's MoE block for decode steps with fixed shapes: every rank sends every other its rows, each runs
-its own experts on the slots that are its, and the partial sums go back: no host sync, no data-dependent size.
+"""Standard EP's MoE block with fixed shapes, for a service's decode steps and short prefills: every rank sends
+every other its rows, each runs its own experts on the slots that are its, and the partial sums go back: no host
+sync, no data-dependent size.
 
 Why: the dynamic-gating path (`Engine._standard`) reads the routing on the host to choose replicas, pack rows per
 destination and count them, so a step that runs it cannot be one compiled graph (nor, on a GPU, one CUDA graph).
@@ -17,7 +18,9 @@ rank's sequences from the step plans; the worker sets it) and R = D + 2k:
    skipped by grouped_mm, zeroed): [W * n, D] partial sums;
 4. `exchange_equal` again: block s of the partials goes back to rank s; the W blocks that come back sum to the
    routed output of this rank's rows.
-The slots served here are counted on the device (`Engine.local_tally`) and read after the forward.
+The slots served here are counted on the device (`Engine.local_tally`) and read after the forward. A prefill
+gathers where its fullest rank's rows are at most GATHERED_PREFILL_ROWS: a receiver's experts see W x n x k slot
+rows, so a long prompt exchanges by dynamic gating (eager: its compute dwarfs its dispatch).
 
 Where experts have several copies, the replica rule chooses which copy serves each slot, on the device
 (`device_replicas.py`: the rule of `expert_table.py`, each source rank's rows taking their turns as that rank
@@ -32,6 +35,9 @@ import torch.nn.functional as F
 
 from . import equal_exchange  # registers the exchange_equal op
 from .device_replicas import DeviceReplicaRule
+
+
+GATHERED_PREFILL_ROWS = 512
 
 
 def gather_refusal(engine) -> str | None:

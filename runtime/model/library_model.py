@@ -172,6 +172,7 @@ class RankModel:
             raise ModelError(f"a decoder block has no attention module among {ATTENTION_NAMES}")
         self.cache_kwarg = cache_kwarg(model) if kind != "tiny_moe" else "past_key_values"
         self.compiled_decode = None  # a CompiledDecode (compiled_decode.py) its decode steps run through, once enabled
+        self.prefill_compiles = True  # whether the next prefill may run compiled (the engine says, per forward)
 
     def forward(self, ids, positions, key_mask, cache):
         """Logits [B, S, V] and the cache to pass next time, for ids/positions [B, S], key_mask [B, P + S]."""
@@ -180,7 +181,7 @@ class RankModel:
             return self.model.forward_incremental(ids, positions, cache, key_mask), cache
         if cache is None:  # the library's cache, its full-attention layers with spare columns (growable_cache.py)
             cache = growable_cache(self.model.config, self.cache_columns)
-            if self.compiled_decode is not None and self.compiled_decode.prefills_into(cache, ids):
+            if self.compiled_decode is not None and self.prefill_compiles and self.compiled_decode.prefills_into(cache, ids):
                 return self.compiled_decode.prefill(ids, positions, key_mask, cache), cache
         elif ids.shape[1] == 1 and self.compiled_decode is not None and self.compiled_decode.applies(cache):
             return self.compiled_decode(ids, positions, key_mask, cache), cache

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..ep.engine import COHERENT
+from ..ep.gathered_moe import GATHERED_PREFILL_ROWS
 from ..ep.exchange import pack, unpack
 from .row_cache import RowCache, prefill_inputs
 from .sampler import Sampler
@@ -77,7 +78,8 @@ class BatchWorker:
         if self.running:
             new.update(self._decode())
         if plan.admit:
-            self._gather(_prefill_rows(plan.admit, self.world))
+            rows = _prefill_rows(plan.admit, self.world)
+            self._gather(rows if rows <= GATHERED_PREFILL_ROWS else None)
             try:
                 new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
             finally:
