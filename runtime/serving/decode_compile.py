@@ -15,7 +15,6 @@ gating again), since their exchanges must pair up.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ..ep.gathered_moe import enable_gathering, gather_refusal
@@ -32,12 +31,12 @@ def why_not_compiled(worker) -> str | None:
         return "MOEPLAN_COMPILE is off"
     if worker.coherent:
         return "coherent mode's ranks run eager decode steps"
+    if model.kind != "transformers":
+        return f"{model.kind} models run eager decode steps"
     if engine.world > 1 and gather_refusal(engine) is not None:
         return gather_refusal(engine)
     if engine.device.type != "cpu":
         return "GPU decode steps run eager (compiled steps are measured on CPUs only)"
-    if model.kind != "transformers":
-        return f"{model.kind} models run eager decode steps"
     if any(a.expert_cache is not None or a.fp8_block is not None for a in model.adapters):
         return "expert caches and FP8 experts run eager decode steps"
     return compiler_missing()
@@ -46,7 +45,7 @@ def why_not_compiled(worker) -> str | None:
 def enable_compiled_decode(worker) -> str | None:
     """Compile the worker's decode step and warm it up (module docstring); returns why it stays eager, or None.
     Several ranks call it together."""
-    why = _agreed(worker, why_not_compiled(worker), "another rank's decode steps stay eager")
+    why = _agreed(worker, why_not_compiled(worker))
     if why is not None:
         return why
     engine, model = worker.engine, worker.engine.model
@@ -72,7 +71,7 @@ def enable_compiled_decode(worker) -> str | None:
                    "linear attention)")
         elif _graph_breaks() > breaks:  # pieces of graphs between eager calls: measured slower than eager (JetMoE 0.84x)
             why = "the library's code breaks this model's step into several graphs, slower than eager steps"
-    why = _agreed(worker, why, "another rank's compiled decode step failed its warm-up")
+    why = _agreed(worker, why)
     if why is not None:
         model.compiled_decode = None
         engine.stop_gathering()
@@ -97,14 +96,15 @@ def _warm_up(worker) -> None:
     worker.step(StepPlan(STEP, depart=[s for r in range(world) for s in seqs[r]]))
 
 
-def _agreed(worker, why: str | None, elsewhere: str) -> str | None:
-    """`why`, or `elsewhere` where this rank has no reason but another rank has: every rank of several takes the
-    same path (a collective over the worker's control group)."""
+def _agreed(worker, why: str | None) -> str | None:
+    """`why`, or where this rank has no reason but another rank has, the first such rank's, named: every rank of
+    several takes the same path (a collective over the worker's control group)."""
     if worker.world == 1:
         return why
-    ok = torch.tensor([0 if why is not None else 1], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=worker.group)
-    return why if why is not None or int(ok) == 1 else elsewhere
+    reasons = [None] * worker.world
+    dist.all_gather_object(reasons, why, group=worker.group)
+    elsewhere = next((f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason is not None), None)
+    return why if why is not None else elsewhere
 
 
 def _graph_breaks() -> int:

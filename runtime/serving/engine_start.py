@@ -104,7 +104,7 @@ def start_engine(options: EngineOptions):
                     model.top_k, options.context, record=False)  # a service keeps no logits or routing
     worker = BatchWorker(engine, model.kind, control)
     eager = enable_compiled_decode(worker)
-    if eager is not None and compile_wanted():
+    if eager is not None and compile_wanted() and rank == 0:  # the ranks agree: one line says it
         print(f"note: decode steps run eager: {eager}", file=sys.stderr, flush=True)
     if getattr(model, "expert_cache", None) is not None:  # a service runs for days: keep the request log bounded
         model.expert_cache.keep_steps = EXPERT_LOG_STEPS
