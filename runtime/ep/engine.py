@@ -43,6 +43,8 @@ samples the token, and the worker's per-step AllGather of new tokens (`token_syn
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -70,8 +72,8 @@ class Engine:
         self.records = bool(record)  # static runs keep every logit row and routing for results; a service keeps none
         self.hooks: list = []  # handles of install_hooks()
         self.capture = False
-        # gathered decode steps (`gathered_moe.py`, turned on by `gathered_moe.enable_gathering`): while a forward
-        # gathers, a tensor [n] whose size is the rows every rank sends (`gather_rows`); None: dynamic gating
+        # gathered forwards (`gathered_moe.py`, turned on by `gathered_moe.enable_gathering`): while a forward
+        # gathers, a tensor [n] whose size is the rows every rank sends (`gathering`); None: dynamic gating
         self.gather_anchor = None
         self.local_tally = None
         self.replica_rule = None  # the replica rule on the device, where experts have copies (`device_replicas.py`)
@@ -112,14 +114,13 @@ class Engine:
         self.model.prefill_compiles = self.world == 1 or self.gather_anchor is not None
         with torch.no_grad():
             logits, cache = self.model.forward(ids.to(dev), pos.to(dev), key_mask.to(dev), cache)
-        if self.world == 1 and self.mode == STANDARD:  # every slot local; counted here, outside a compiled step
+        # counted here, outside a compiled step: a world of one serves every slot; a gathered forward tallied the
+        # slots it served on the device (`gathered_moe.py`); dynamic gating counted them as it routed
+        if (self.world == 1 and self.mode == STANDARD) or self.gather_anchor is not None:
             slots = self.active.numel() * self.top_k
-            for adapter in self.model.adapters:
-                self._count_local(adapter.layer, adapter.moe, slots, slots)
-        elif self.gather_anchor is not None:  # the slots served here, tallied on the device (`gathered_moe.py`)
-            local = self.local_tally.tolist()
-            self.local_tally.zero_()
-            slots = self.active.numel() * self.top_k
+            local = [slots] * self.num_layers if self.world == 1 else self.local_tally.tolist()
+            if self.world > 1:
+                self.local_tally.zero_()
             for adapter in self.model.adapters:
                 self._count_local(adapter.layer, adapter.moe, local[adapter.layer], slots)
         flat = logits.reshape(-1, logits.shape[-1])
@@ -143,14 +144,18 @@ class Engine:
             for adapter in self.model.adapters:
                 adapter.routed(h, ids, h.new_zeros(0, self.top_k))
 
-    def gather_rows(self, rows: int | None) -> None:
-        """The next forwards gather (`gathered_moe.py`), every rank sending `rows` rows to each; None: they exchange
-        by dynamic gating. Every rank sets the same before a forward."""
-        if rows is None or self.local_tally is None:
-            self.gather_anchor = None
-        elif self.gather_anchor is None or self.gather_anchor.shape[0] != rows:
+    @contextmanager
+    def gathering(self, rows: int | None):
+        """The forwards inside gather (`gathered_moe.py`) where this engine gathers, every rank sending `rows` rows
+        to each; None, or an engine that does not gather: they exchange by dynamic gating. Every rank enters it
+        alike around a forward."""
+        if rows is not None and self.gathers:
             self.gather_anchor = torch.empty(rows, device=self.device)
             torch._dynamo.maybe_mark_dynamic(self.gather_anchor, 0)  # a compiled step keeps n a symbol
+        try:
+            yield
+        finally:
+            self.gather_anchor = None
 
     def stop_gathering(self) -> None:
         """Back to dynamic gating for every forward (a warm-up that ended eager)."""

@@ -100,19 +100,11 @@ class CompiledDecode:
         right-aligned). Its layers get buffers of S columns and spare ones, which the graph fills through the
         library's `StaticLayer` from column 0."""
         B, S = ids.shape
-        for mine, layer, (heads, dk, dv, dtype) in zip(self._static.layers, cache.layers, self._kv):
-            keys, values = layer.adopt(B, heads, dk, dv, dtype, ids.device, S)
-            mine.keys, mine.values = keys[..., :S, :], values[..., :S, :]
-            mine.device = ids.device
-            mine.cumulative_length = torch.tensor(0, device=ids.device)
-            mine.is_initialized = True
-        _mark_dynamic(ids, positions, key_mask, self._static.layers)
+        buffers = [layer.adopt(B, heads, dk, dv, dtype, ids.device, S)
+                   for layer, (heads, dk, dv, dtype) in zip(cache.layers, self._kv)]
         for tensor in (ids, positions):
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        logits = self._run("_prefill_fn", "_prefill_forward", ids, positions, key_mask)
-        for mine, layer in zip(self._static.layers, cache.layers):
-            layer.advance(S)
-            mine.keys = mine.values = None
+        logits = self._through_static(buffers, S, 0, "_prefill_fn", "_prefill_forward", ids, positions, key_mask, cache)
         self.prefills += 1
         return logits
 
@@ -120,18 +112,26 @@ class CompiledDecode:
         """Logits [B, 1, V] of one decode step: ids, positions [B, 1], key_mask bool [B, W + 1] (each row's tokens,
         right-aligned, and the new one); the cache's layers hold W columns before, W + 1 after."""
         width = key_mask.shape[1]
-        for mine, layer in zip(self._static.layers, cache.layers):
-            keys, values = layer.reserve(width)
-            mine.keys, mine.values = keys[..., :width, :], values[..., :width, :]  # views: attention reads W + 1 columns
-            mine.device = mine.keys.device
-            mine.cumulative_length = torch.tensor(width - 1, device=mine.device)  # the column this step writes
+        buffers = [layer.reserve(width) for layer in cache.layers]
+        logits = self._through_static(buffers, width, width - 1, "_fn", "_forward", ids, positions, key_mask, cache)
+        self.steps += 1
+        return logits
+
+    def _through_static(self, buffers: list, columns: int, first: int, compiled: str, eager: str, ids, positions,
+                        key_mask, cache) -> torch.Tensor:
+        """Run `compiled` (`_run`) with the library's `StaticLayer`s reading views of the first `columns` columns of
+        the cache's buffers (per layer keys, values [B, H, capacity, d]) and writing the step's from column `first`;
+        then the cache's layers take the columns written."""
+        for mine, (keys, values) in zip(self._static.layers, buffers):
+            mine.keys, mine.values = keys[..., :columns, :], values[..., :columns, :]  # views: attention reads these
+            mine.device = keys.device
+            mine.cumulative_length = torch.tensor(first, device=keys.device)  # where this step writes
             mine.is_initialized = True
         _mark_dynamic(ids, positions, key_mask, self._static.layers)
-        logits = self._run("_fn", "_forward", ids, positions, key_mask)
+        logits = self._run(compiled, eager, ids, positions, key_mask)
         for mine, layer in zip(self._static.layers, cache.layers):
-            layer.advance(width)
+            layer.advance(columns)
             mine.keys = mine.values = None  # the buffers belong to the cache
-        self.steps += 1
         return logits
 
     def _run(self, compiled: str, eager: str, ids, positions, key_mask) -> torch.Tensor:

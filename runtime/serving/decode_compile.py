@@ -33,8 +33,8 @@ def why_not_compiled(worker) -> str | None:
         return "coherent mode's ranks run eager decode steps"
     if model.kind != "transformers":
         return f"{model.kind} models run eager decode steps"
-    if engine.world > 1 and gather_refusal(engine) is not None:
-        return gather_refusal(engine)
+    if engine.world > 1 and (refusal := gather_refusal(engine)) is not None:
+        return refusal
     if engine.device.type != "cpu":
         return "GPU decode steps run eager (compiled steps are measured on CPUs only)"
     if any(a.expert_cache is not None or a.fp8_block is not None for a in model.adapters):
@@ -84,15 +84,14 @@ def _warm_up(worker) -> None:
     first, world = 1 + max(worker.running, default=-1), worker.world
     seqs = [[first + 4 * r + i for i in range(4)] for r in range(world)]    # rank r's four sequences
 
-    def admit(i: int, prompt: tuple) -> list:
-        return [Admission(seqs[r][i], r, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0) for r in range(world)]
+    def admit(i: int, prompt: tuple, ranks=range(world)) -> list:
+        return [Admission(seqs[r][i], r, prompt, seed=0, temperature=0.0, top_p=1.0, top_k=0) for r in ranks]
     worker.step(StepPlan(STEP, admit(0, WARM_PROMPTS[0])))        # an eager prefill: the cache's shapes come from it
     worker.step(StepPlan(STEP))                                    # decode, batch 1 everywhere
     worker.step(StepPlan(STEP, admit(1, WARM_PROMPTS[1]) + admit(2, WARM_PROMPTS[1])))  # a prefill of two prompts
     worker.step(StepPlan(STEP))                                    # decode, batch 3 everywhere
     for r in range(world):  # rank r at batch 1 beside ranks at 3, with a prefill of one prompt
-        worker.step(StepPlan(STEP, [Admission(seqs[r][3], r, WARM_PROMPTS[1], seed=0, temperature=0.0, top_p=1.0,
-                                              top_k=0)], depart=seqs[r][1:3]))
+        worker.step(StepPlan(STEP, admit(3, WARM_PROMPTS[1], [r]), depart=seqs[r][1:3]))
     worker.step(StepPlan(STEP, depart=[s for r in range(world) for s in seqs[r]]))
 
 

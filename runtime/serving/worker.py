@@ -33,14 +33,15 @@ from .sampler import Sampler
 KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far shorter)
 
 
-def _prefill_rows(admit: list, world: int) -> int:
-    """The rows of the fullest rank's prefill forward this step: its admissions x their longest prompt (left-padded
-    to it), at least one."""
+def _prefill_rows(admit: list, world: int) -> int | None:
+    """The rows every rank sends in this step's gathered prefill: the fullest rank's (its admissions x their longest
+    prompt, left-padded to it; at least one), or None above GATHERED_PREFILL_ROWS (dynamic gating)."""
     width, count = [0] * world, [0] * world
     for a in admit:
         width[a.owner] = max(width[a.owner], len(a.prompt))
         count[a.owner] += 1
-    return max(1, max(w * c for w, c in zip(width, count)))
+    rows = max(1, max(w * c for w, c in zip(width, count)))
+    return rows if rows <= GATHERED_PREFILL_ROWS else None
 
 
 class BatchWorker:
@@ -78,12 +79,8 @@ class BatchWorker:
         if self.running:
             new.update(self._decode())
         if plan.admit:
-            rows = _prefill_rows(plan.admit, self.world)
-            self._gather(rows if rows <= GATHERED_PREFILL_ROWS else None)
-            try:
+            with self.engine.gathering(_prefill_rows(plan.admit, self.world) if self.engine.gathers else None):
                 new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
-            finally:
-                self._gather(None)
             self.running.update(a.seq for a in plan.admit)
             self.owner.update((a.seq, a.owner) for a in plan.admit)
         if self.running:  # every rank agrees: a forward ran this step
@@ -99,19 +96,11 @@ class BatchWorker:
         """Join a forward with no sequence here (standard mode): its exchanges only (`Engine.join_exchanges`)."""
         self.engine.join_exchanges()
 
-    def _gather(self, rows: int | None) -> None:
-        """Gathered forwards (`ep/gathered_moe.py`, where the engine gathers): every rank sends `rows` rows; None:
-        the next forwards exchange by dynamic gating."""
-        if self.engine.gathers:
-            self.engine.gather_rows(rows)
-
     def _decode(self) -> dict:
-        if self.engine.gathers:  # every rank sends as many rows as the fullest rank runs
-            self._gather(max(1, max(Counter(self.owner[s] for s in self.running).values())))
-        try:
+        # gathered (`ep/gathered_moe.py`): every rank sends as many rows as the fullest rank runs
+        fullest = max(Counter(self.owner[s] for s in self.running).values()) if self.engine.gathers else None
+        with self.engine.gathering(fullest):
             return self._decode_rows()
-        finally:
-            self._gather(None)
 
     def _decode_rows(self) -> dict:
         rows = self.rows
