@@ -157,6 +157,19 @@ class Engine:
         finally:
             self.gather_anchor = None
 
+    @contextmanager
+    def padded(self, rows: int):
+        """Inside, a decode forward of this rank alone runs `rows` rows: its own, then padding rows that the MoE
+        blocks compute like the others (a CUDA graph's bucket, `model/graph_decode.py`); the step's slots are still
+        counted from its own rows, after the forward."""
+        keys, all_real = self.keys, self.all_real
+        self.keys = torch.cat([keys, keys.new_full((rows - keys.shape[0],), -1)])
+        self.all_real = True
+        try:
+            yield
+        finally:
+            self.keys, self.all_real = keys, all_real
+
     def stop_gathering(self) -> None:
         """Back to dynamic gating for every forward (a warm-up that ended eager)."""
         self.gather_anchor = self.local_tally = self.replica_rule = None

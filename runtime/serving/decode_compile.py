@@ -12,6 +12,11 @@ of more) with a prefill of one prompt; then it puts the worker's counters back t
 prefill eager. A step the library's code breaks into several graphs (JetMoE's attention experts) stays eager:
 measured slower than eager. Several ranks agree on the outcome (any rank eager: every rank eager, and dynamic
 gating again), since their exchanges must pair up.
+
+On a GPU the same warm-up captures a rank alone's decode steps as CUDA graphs instead (`model/graph_decode.py`,
+over the KV pools of `row_pool.py`, which replace the worker's row cache): the buckets the warm-up's steps need
+are captured there, the others at a step's first need. `MOEPLAN_CUDA_GRAPHS=0` turns it off; GPU ranks of
+several stay eager (dynamic gating).
 """
 from __future__ import annotations
 
@@ -19,36 +24,69 @@ import torch.distributed as dist
 
 from ..ep.gathered_moe import enable_gathering, gather_refusal
 from ..model.compiled_decode import CompiledDecode, compile_wanted, compiler_missing
+from ..model.graph_decode import GraphDecode, graphs_wanted
+from ..model.growable_cache import growable_cache, growable_layer_class
+from .row_cache import RowCache
+from .row_pool import PooledRows
 from .step_plan import STEP, Admission, StepPlan
 
-WARM_PROMPTS = ((1, 2, 3), (4, 5))  # token ids of the two warm-up sequences (any ids the vocabulary has)
+WARM_PROMPTS = ((1, 2, 3), (4, 5))
+DEFAULT_POOL_ROWS = 64  # a GPU rank's KV pool rows when the caller gives no max_sequences  # token ids of the two warm-up sequences (any ids the vocabulary has)
 
 
 def why_not_compiled(worker) -> str | None:
-    """Why this worker's decode steps stay eager (one line), or None where they can compile."""
-    engine, model = worker.engine, worker.engine.model
+    """Why this worker's decode steps stay eager (one line), or None where they compile (CPU) or are captured as
+    CUDA graphs (GPU)."""
+    engine = worker.engine
+    if engine.device.type != "cpu":
+        return _why_not_graphs(worker)
     if not compile_wanted():
         return "MOEPLAN_COMPILE is off"
+    why = _why_not_fixed_shapes(worker)
+    if why is not None:
+        return why
+    if engine.world > 1 and (refusal := gather_refusal(engine)) is not None:
+        return refusal
+    return compiler_missing()
+
+
+def _why_not_fixed_shapes(worker) -> str | None:
+    """What keeps a worker's decode step from being one function of fixed shapes, on any device."""
+    model = worker.engine.model
     if worker.coherent:
         return "coherent mode's ranks run eager decode steps"
     if model.kind != "transformers":
         return f"{model.kind} models run eager decode steps"
-    if engine.world > 1 and (refusal := gather_refusal(engine)) is not None:
-        return refusal
-    if engine.device.type != "cpu":
-        return "GPU decode steps run eager (compiled steps are measured on CPUs only)"
     if any(a.expert_cache is not None or a.fp8_block is not None for a in model.adapters):
         return "expert caches and FP8 experts run eager decode steps"
-    return compiler_missing()
+    return None
 
 
-def enable_compiled_decode(worker) -> str | None:
-    """Compile the worker's decode step and warm it up (module docstring); returns why it stays eager, or None.
-    Several ranks call it together."""
+def _why_not_graphs(worker) -> str | None:
+    """Why a GPU rank's decode steps are not captured as CUDA graphs (`model/graph_decode.py`), or None."""
+    if not graphs_wanted():
+        return "MOEPLAN_CUDA_GRAPHS is off"
+    why = _why_not_fixed_shapes(worker)
+    if why is not None:
+        return why
+    if worker.world > 1:
+        return "GPU ranks of several run eager decode steps (dynamic gating; their exchanges are not captured)"
+    layers = growable_cache(worker.engine.model.model.config, 1).layers
+    if not all(type(layer) is growable_layer_class() for layer in layers):
+        return ("this model's KV cache has layers the captured step does not run (sliding windows, MLA latents, "
+                "linear attention)")
+    return None
+
+
+def enable_compiled_decode(worker, max_sequences: int = DEFAULT_POOL_ROWS) -> str | None:
+    """Compile the worker's decode step (CPU) or capture it as CUDA graphs (GPU, KV pools of `max_sequences` rows)
+    and warm it up (module docstring); returns why it stays eager, or None. Several ranks call it together."""
     why = _agreed(worker, why_not_compiled(worker))
     if why is not None:
         return why
     engine, model = worker.engine, worker.engine.model
+    if engine.device.type != "cpu":
+        return enable_graph_decode(worker, max_sequences)
     if engine.world > 1:
         enable_gathering(engine)
     model.compiled_decode = CompiledDecode(model.model, model.cache_kwarg)
@@ -76,6 +114,28 @@ def enable_compiled_decode(worker) -> str | None:
         model.compiled_decode = None
         engine.stop_gathering()
     _zero_counters(worker)  # whatever the outcome, the warm-up's steps are not the service's
+    return why
+
+
+def enable_graph_decode(worker, max_sequences: int) -> str | None:
+    """A GPU rank alone: the running rows in KV pools (`row_pool.py`), decode steps through `GraphDecode`, warmed
+    up on throw-away sequences (the first buckets captured); any failure leaves the rank eager."""
+    model = worker.engine.model
+    model.compiled_decode = GraphDecode(model.model, model.cache_kwarg, worker.engine.padded)
+    worker.rows = PooledRows(worker.kind, max_sequences, model.cache_columns)
+    why = None
+    try:
+        _warm_up(worker)
+        if model.compiled_decode.steps < 2:
+            why = "the warm-up's decode steps did not run over the KV pools"
+    except Exception as exc:  # a capture the model's code refuses (a host sync inside the step): eager steps serve it
+        why = f"CUDA graph capture failed on this model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    if why is not None:
+        model.compiled_decode = None
+        for held in (worker.running, worker.owner, worker.sampling, worker.prompt_len, worker.last):
+            held.clear()  # the warm-up's sequences, wherever it stopped
+        worker.rows = RowCache(worker.kind)
+    _zero_counters(worker)
     return why
 
 

@@ -16,7 +16,6 @@ from ..bundle_io import BundleError, load_bundle
 from ..counters import Counters
 from ..ep.engine import Engine
 from ..ep.exchange import Exchanger
-from ..model.compiled_decode import compile_wanted
 from .decode_compile import enable_compiled_decode
 from .row_cache import UnsupportedCache, check_cache_layers
 from .scheduler import Limits
@@ -103,8 +102,8 @@ def start_engine(options: EngineOptions):
     engine = Engine(model, table, exchanger, counters, rank, world, modes[0], device,
                     model.top_k, options.context, record=False)  # a service keeps no logits or routing
     worker = BatchWorker(engine, model.kind, control)
-    eager = enable_compiled_decode(worker)
-    if eager is not None and compile_wanted() and rank == 0:  # the ranks agree: one line says it
+    eager = enable_compiled_decode(worker, limits.max_sequences)
+    if eager is not None and not eager.endswith(" is off") and rank == 0:  # the ranks agree: one line says it
         print(f"note: decode steps run eager: {eager}", file=sys.stderr, flush=True)
     if getattr(model, "expert_cache", None) is not None:  # a service runs for days: keep the request log bounded
         model.expert_cache.keep_steps = EXPERT_LOG_STEPS
