@@ -15,6 +15,9 @@ Per batch B (`--batches`), every sequence with a prompt of `--context` tokens, t
   graph), greedy next token on the device;
 * `static graph`: that step captured once as a CUDA graph (torch.cuda.graph) and replayed; its tokens are
   compared with the eager static step's from the same prefill (`graph_tokens_match`);
+* `service graph`: the service's own step with its decode steps captured as CUDA graphs, as a GPU rank alone now
+  serves (runtime/model/graph_decode.py over the KV pools of runtime/serving/row_pool.py); its tokens against the
+  eager step's (`service_graph_tokens_match_runtime`; bf16 sums in another shape may flip near-ties);
 * `compiled`: the service's own step again with its decode step compiled as a CPU rank alone serves it
   (runtime/model/compiled_decode.py; inductor's default mode, no CUDA graphs; enabled on CPUs only so far: this is
   its first GPU figure), its tokens against the eager step's (`compiled_tokens_match_runtime`).
@@ -87,11 +90,14 @@ class Timer:
         return begin.elapsed_time(end) / 1e3
 
 
-def runtime_step(engine, batch: int, context: int, steps: int, vocab: int, timer, seed: int) -> dict:
-    """The service's own decode step (BatchWorker over the engine): median seconds and the ops of one step."""
+def runtime_step(engine, batch: int, context: int, steps: int, vocab: int, timer, seed: int,
+                 graphs: bool = False) -> dict:
+    """The service's own decode step (BatchWorker over the engine): median seconds and the ops of one step;
+    `graphs`: its decode steps captured as CUDA graphs over KV pools of `batch` rows, as a GPU rank alone serves."""
     import torch
 
     from moeplan.runtime.op_counter import OpCounter
+    from moeplan.runtime.serving.decode_compile import enable_graph_decode
     from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
     from moeplan.runtime.serving.worker import BatchWorker
 
@@ -99,6 +105,8 @@ def runtime_step(engine, batch: int, context: int, steps: int, vocab: int, timer
     prompts = torch.randint(0, vocab, (batch, context), generator=g).tolist()
     worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
     try:
+        if graphs and (why := enable_graph_decode(worker, batch)) is not None:
+            raise RuntimeError(why)
         admit = [Admission(s, 0, tuple(p), seed=0, temperature=0.0, top_p=1.0, top_k=0) for s, p in enumerate(prompts)]
         prefill = timer(lambda: worker.step(StepPlan(STEP, admit)))
         tokens = []
@@ -122,6 +130,22 @@ def compiled_steps(engine, compiled, batch: int, context: int, steps: int, vocab
     finally:
         engine.model.compiled_decode = None
     return {"compiled_step_s": out["step_s"], "compiled_tokens": out["tokens"]}
+
+
+def graph_steps(engine, batch: int, context: int, steps: int, vocab: int, timer, seed: int) -> dict:
+    """The service's own step with its decode steps captured as CUDA graphs (runtime/model/graph_decode.py over
+    the KV pools of runtime/serving/row_pool.py, sized here for this cell's context): median seconds, the host's
+    ops per replayed step, the buckets captured (capture included in the prefill's and first steps' time), tokens."""
+    model = engine.model
+    saved = model.cache_columns
+    model.cache_columns = context + 3 * steps + 16
+    try:
+        out = runtime_step(engine, batch, context, steps, vocab, timer, seed, graphs=True)
+        captured = model.compiled_decode.captures
+    finally:
+        model.cache_columns, model.compiled_decode = saved, None
+    return {"service_graph_step_s": out["step_s"], "service_graph_ops": out["ops_per_step"],
+            "service_graph_buckets": captured, "graph_tokens": out["tokens"]}
 
 
 def static_steps(engine, model, batch: int, context: int, steps: int, vocab: int, timer, seed: int, graphs: bool) -> dict:
@@ -282,6 +306,7 @@ def main(argv=None) -> int:
     for batch in args.batches:
         cell = {"batch": batch}
         parts = (("runtime", runtime_step, (engine, batch, args.context, args.steps, vocab, timer, args.seed)),
+                 ("service graph", graph_steps, (engine, batch, args.context, args.steps, vocab, timer, args.seed)),
                  ("compiled", compiled_steps, (engine, compiled, batch, args.context, args.steps, vocab, timer, args.seed)),
                  ("static", static_steps, (engine, model, batch, args.context, args.steps, vocab, timer, args.seed, cuda)),
                  ("predicted", predicted_cell, (config, profile, batch, args.context, args.seed)))
@@ -302,6 +327,11 @@ def main(argv=None) -> int:
             cell["compiled_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
             if "compiled_step_s" in cell and "step_s" in cell:
                 cell["runtime_over_compiled"] = cell["step_s"] / cell["compiled_step_s"]
+        if "tokens" in cell and "graph_tokens" in cell:  # bf16 near-ties may flip between bucket shapes
+            pairs = list(zip(cell["tokens"], cell.pop("graph_tokens")))
+            cell["service_graph_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
+            if "service_graph_step_s" in cell and "step_s" in cell:
+                cell["runtime_over_service_graph"] = cell["step_s"] / cell["service_graph_step_s"]
         if "tokens" in cell and "static_tokens" in cell:  # the static step runs the same model: same greedy tokens
             pairs = list(zip(cell.pop("tokens"), cell.pop("static_tokens")))
             cell["static_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -313,13 +343,15 @@ def main(argv=None) -> int:
         (out / "decode_step.json").write_text(json.dumps(report, indent=1, sort_keys=True))
     print(f"{name} ({profile}), {Path(args.config).name} cut to {args.layers} layers, context {args.context}, "
           f"{report['dtype']}, load {report['load_average']:.2f}")
-    print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'compiled ms':>11} {'static ms':>10} {'graph ms':>9} "
+    print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'svc graph ms':>12} {'compiled ms':>11} "
+          f"{'static ms':>10} {'graph ms':>9} "
           f"{'eager/graph':>11} {'predicted ms':>12} {'runtime/pred':>12}")
     for c in report["cells"]:
         def ms(key, c=c):
             return f"{c[key] * 1e3:.2f}" if key in c else "-"
         print(f"{c['batch']:>5} {ms('step_s'):>11} {c.get('ops_per_step', '-'):>6} "
-              f"{(c['seconds_per_op'] * 1e6 if 'seconds_per_op' in c else 0):>6.1f} {ms('compiled_step_s'):>11} "
+              f"{(c['seconds_per_op'] * 1e6 if 'seconds_per_op' in c else 0):>6.1f} {ms('service_graph_step_s'):>12} "
+              f"{ms('compiled_step_s'):>11} "
               f"{ms('eager_step_s'):>10} "
               f"{ms('graph_step_s'):>9} {c.get('eager_over_graph', 0):>11.2f} {ms('predicted_step_s'):>12} "
               f"{c.get('runtime_over_predicted', 0):>12.2f}")

@@ -31,6 +31,7 @@ from .row_pool import PooledRows
 from .step_plan import STEP, Admission, StepPlan
 
 WARM_PROMPTS = ((1, 2, 3), (4, 5))
+WARM_ROWS = 3  # sequences a rank alone runs at once in the warm-up
 DEFAULT_POOL_ROWS = 64  # a GPU rank's KV pool rows when the caller gives no max_sequences  # token ids of the two warm-up sequences (any ids the vocabulary has)
 
 
@@ -122,7 +123,7 @@ def enable_graph_decode(worker, max_sequences: int) -> str | None:
     up on throw-away sequences (the first buckets captured); any failure leaves the rank eager."""
     model = worker.engine.model
     model.compiled_decode = GraphDecode(model.model, model.cache_kwarg, worker.engine.padded)
-    worker.rows = PooledRows(worker.kind, max_sequences, model.cache_columns)
+    worker.rows = PooledRows(worker.kind, max(max_sequences, WARM_ROWS), model.cache_columns)
     why = None
     try:
         _warm_up(worker)
