@@ -8,19 +8,23 @@ import tempfile
 from pathlib import Path
 
 
-def predicted_decode_step(config: dict, profile, sequences: int, context: int, gpus: int = 1, seed: int = 0) -> float:
+def predicted_decode_step(config: dict, profile, sequences: int, context: int, gpus: int = 1, seed: int = 0,
+                          graphs: bool = True) -> float:
     """Seconds of one decode step of `sequences` sequences at `context` tokens on `profile` (a HardwareProfile),
-    the KV cache at the dtype the runtime holds there."""
+    the KV cache at the dtype the runtime holds there; `graphs` False: priced eager even where a service's GPU rank
+    alone captures its decode steps as CUDA graphs."""
     import numpy as np
 
     from moeplan.passes.cost.context import attention_of, shape_with_context
     from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
+    from moeplan.passes.cost.runtime_ops import decode_graphs_possible
     from moeplan.passes.importers import load_model
 
     folder = Path(tempfile.mkdtemp(prefix="runtime_prediction_"))
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_model(str(folder / "config.json"))
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile))
+    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile),
+                               graphs and decode_graphs_possible(loaded.module, loaded.ir, profile))
     experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
     workload = Workload((context,) * sequences, 3)
     tokens = sum(len(s) for s in workload.steps())

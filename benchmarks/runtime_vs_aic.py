@@ -4,7 +4,9 @@ SGLang estimate for the same cell (issue 39 item 4: within 2x at Qwen3-30B-A3B, 
 For Qwen3-30B-A3B on 1 and 8 H100s (experts contiguous over the GPUs, standard mode) at 1, 16 and 64 requests per
 GPU, 1024 prompt tokens and 128 new (each decode step priced at the middle context, 1088 tokens): the torchrun
 cost model's decode step (`passes/cost/cost_model.py`, launch counts from `runtime_ops.py`: the runtime's counted
-ops at the op cost measured on an H200, docs/gpu_checks.md), the same with the fitted counts it used before, and
+ops at the op cost measured on an H200, docs/gpu_checks.md; a service's GPU rank alone replays its decode steps as
+CUDA graphs, priced at the graph's measured op cost; ranks of several run eager), the same eager, the same with the
+fitted counts it used before, and
 AIConfigurator's TPOT (`cli_estimate` through benchmarks/aic_peer.py, in a Python with `aiconfigurator==0.12.0`,
 run here in the same process tree). Balanced routing: k distinct experts per token, uniform.
 
@@ -27,10 +29,10 @@ from runtime_prediction import predicted_decode_step  # noqa: E402
 CELLS = (("Qwen3-30B-A3B 1xH100", 1), ("Qwen3-30B-A3B 8xH100 ep8", 8))
 
 
-def runtime_step(gpus: int, per_gpu: int, context: int, profile) -> float:
+def runtime_step(gpus: int, per_gpu: int, context: int, profile, graphs: bool = True) -> float:
     """Seconds of one decode step of `per_gpu` x `gpus` sequences at `context` tokens (see module docstring)."""
     config = json.loads((ROOT / "examples" / "configs" / "qwen3-30b-a3b.json").read_text())
-    return predicted_decode_step(config, profile, per_gpu * gpus, context, gpus)
+    return predicted_decode_step(config, profile, per_gpu * gpus, context, gpus, graphs=graphs)
 
 
 def main() -> int:
@@ -47,7 +49,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     h100 = load_hardware("h100-sxm")
-    fitted = dataclasses.replace(h100, runtime_op_overhead_s=None)
+    fitted = dataclasses.replace(h100, runtime_op_overhead_s=None, graph_op_overhead_s=None, graph_op_row_s=None)
     cells = [{"label": f"{label} b{b}", "model": "Qwen/Qwen3-30B-A3B", "system": "h100_sxm", "tp": 1, "dp": gpus,
               "moe_tp": 1, "moe_ep": gpus, "batch": b, "isl": args.isl, "osl": args.osl, "distribution": "balanced"}
              for label, gpus in CELLS for b in args.batches]
@@ -55,14 +57,16 @@ def main() -> int:
     context = args.isl + args.osl // 2
     print(f"# moeplan's runtime (torchrun cost model, h100-sxm) beside AIConfigurator 0.12.0 (sglang 0.5.14), "
           f"{args.isl} + {args.osl} tokens, decode at {context}; load average {os.getloadavg()[0]:.2f}")
-    print(f"{'deployment':26s} {'req/GPU':>7s} {'runtime ms':>10s} {'fitted ms':>9s} {'AIC ms':>8s} "
-          f"{'runtime/AIC':>11s} {'fitted/AIC':>10s}")
+    print(f"{'deployment':26s} {'req/GPU':>7s} {'runtime ms':>10s} {'eager ms':>8s} {'fitted ms':>9s} {'AIC ms':>8s} "
+          f"{'runtime/AIC':>11s} {'eager/AIC':>9s} {'fitted/AIC':>10s}")
     for (label, gpus), b, other in zip([(lab, g) for lab, g in CELLS for _ in args.batches],
                                        [b for _ in CELLS for b in args.batches], peer):
         ours, before = runtime_step(gpus, b, context, h100) * 1e3, runtime_step(gpus, b, context, fitted) * 1e3
+        eager = runtime_step(gpus, b, context, h100, graphs=False) * 1e3
         theirs = other["tpot_ms"]
-        ratio = f"{ours / theirs:11.2f} {before / theirs:10.2f}" if theirs else f"{'-':>11s} {'-':>10s}"
-        print(f"{label:26s} {b:7d} {ours:10.1f} {before:9.1f} {theirs or 0:8.2f} {ratio}")
+        ratio = (f"{ours / theirs:11.2f} {eager / theirs:9.2f} {before / theirs:10.2f}" if theirs
+                 else f"{'-':>11s} {'-':>9s} {'-':>10s}")
+        print(f"{label:26s} {b:7d} {ours:10.1f} {eager:8.1f} {before:9.1f} {theirs or 0:8.2f} {ratio}")
     return 0
 
 

@@ -56,7 +56,9 @@ HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s"
 PRECISION_FIGURES = ("fp8_flops_per_s",)
 # optional: the measured cost of one op of moeplan's own runtime (eager, host-dispatched), which the torchrun cost
 # model prices the runtime's counted ops at (passes/cost/runtime_ops.py); absent: op_overhead_s and the fitted counts
-RUNTIME_FIGURES = ("runtime_op_overhead_s",)
+# optional: one op of a decode step the runtime captures as a CUDA graph (a GPU rank alone,
+# runtime/model/graph_decode.py): a fixed part and a part per row of the step, measured (docs/gpu_checks.md)
+RUNTIME_FIGURES = ("runtime_op_overhead_s", "graph_op_overhead_s", "graph_op_row_s")
 OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES + RUNTIME_FIGURES
 PRECISIONS = ("fp8", "bf16", "fp32")  # runtime/precision.py's, named here: core imports nothing of the runtime
 
@@ -91,6 +93,8 @@ class HardwareProfile:
     host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
     fp8_flops_per_s: float | None = None          # dense FP8 matmul throughput of one rank (engine pricing)
     runtime_op_overhead_s: float | None = None    # one aten op of moeplan's runtime, measured (torchrun cost model)
+    graph_op_overhead_s: float | None = None      # one op of a captured decode step (CUDA graph), fixed part
+    graph_op_row_s: float | None = None           # and per row of the step
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key
     # optional: the narrowest weights the device computes at speed (`runtime/precision.py`: fp8 | bf16 |
     # fp32); None: bf16 on GPUs, fp32 where the device is the host

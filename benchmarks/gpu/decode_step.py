@@ -30,7 +30,8 @@ decode step for the same model, batch, context and GPU profile (passes/cost/cost
     python benchmarks/gpu/decode_step.py --reprice benchmarks/gpu/results/*decode_step*.json   (here, no GPU)
 
 `--reprice` prices the cells of decode_step.json files measured earlier (benchmarks/gpu/results/) with this
-checkout's cost model and prints them beside the measured steps: how a cost-model change meets the GPU's figures.
+checkout's cost model, eager and captured as a graph, and prints them beside the measured steps (the service's
+graph step where the file has it, else the static graph step): how a cost-model change meets the GPU's figures.
 
 Writes DIR/decode_step.json and prints a table.
 """
@@ -240,24 +241,29 @@ def _restore(cache, ids, pos, saved: list) -> None:
 
 
 def predicted_cell(config: dict, profile_name: str, batch: int, context: int, seed: int) -> dict:
+    """The cost model's step for the cell: eager (what `runtime` and `static eager` run) and captured as a CUDA
+    graph (what `service graph` and `static graph` run)."""
     from moeplan.core.hardware import load_hardware
 
-    return {"predicted_step_s": predicted_decode_step(config, load_hardware(profile_name), batch, context, seed=seed)}
+    profile = load_hardware(profile_name)
+    return {"predicted_step_s": predicted_decode_step(config, profile, batch, context, seed=seed, graphs=False),
+            "predicted_graph_step_s": predicted_decode_step(config, profile, batch, context, seed=seed)}
 
 
 def reprice(paths: list) -> int:
-    """Measured cells of earlier runs beside this checkout's prediction for them (see module docstring)."""
-    print(f"{'file':<44} {'batch':>5} {'runtime ms':>10} {'graph ms':>9} {'predicted ms':>12} {'runtime/pred':>12} "
-          f"{'graph/pred':>10}  load {os.getloadavg()[0]:.2f}")
+    """Price the cells of earlier decode_step.json files with this checkout's cost model (module docstring)."""
+    print(f"{'file':<44} {'batch':>5} {'runtime ms':>10} {'predicted':>9} {'ratio':>6} {'graph ms':>9} "
+          f"{'predicted':>9} {'ratio':>6}  load {os.getloadavg()[0]:.2f}")
     for path in paths:
         report = json.loads(Path(path).read_text())
-        config = cut_config(REPO / "examples" / "configs" / report["config"], report["layers"], tiny=False)
+        config = cut_config(QWEN3, report["layers"], tiny=False)
         for cell in report["cells"]:
-            predicted = predicted_cell(config, report["profile"], cell["batch"], report["context"], 0)["predicted_step_s"]
-            graph = cell.get("graph_step_s")
-            print(f"{Path(path).name[:44]:<44} {cell['batch']:>5} {cell['step_s'] * 1e3:>10.2f} "
-                  f"{(graph or 0) * 1e3:>9.2f} {predicted * 1e3:>12.2f} {cell['step_s'] / predicted:>12.2f} "
-                  f"{(graph or 0) / predicted:>10.2f}")
+            priced = predicted_cell(config, report["profile"], cell["batch"], report["context"], seed=0)
+            eager, graph = priced["predicted_step_s"], priced["predicted_graph_step_s"]
+            measured = cell.get("service_graph_step_s", cell.get("graph_step_s"))
+            ratio = f"{measured / graph:>6.2f}" if measured else f"{'-':>6}"
+            print(f"{Path(path).name:<44} {cell['batch']:>5} {cell['step_s'] * 1e3:>10.2f} {eager * 1e3:>9.2f} "
+                  f"{cell['step_s'] / eager:>6.2f} {(measured or 0) * 1e3:>9.2f} {graph * 1e3:>9.2f} {ratio}")
     return 0
 
 
@@ -322,6 +328,8 @@ def main(argv=None) -> int:
             cell["seconds_per_op"] = cell["step_s"] / max(cell["ops_per_step"], 1)
             if "predicted_step_s" in cell:
                 cell["runtime_over_predicted"] = cell["step_s"] / cell["predicted_step_s"]
+        if "service_graph_step_s" in cell and "predicted_graph_step_s" in cell:
+            cell["service_graph_over_predicted"] = cell["service_graph_step_s"] / cell["predicted_graph_step_s"]
         if "tokens" in cell and "compiled_tokens" in cell:  # the compiled step runs the same model
             pairs = list(zip(cell["tokens"], cell.pop("compiled_tokens")))
             cell["compiled_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -345,7 +353,7 @@ def main(argv=None) -> int:
           f"{report['dtype']}, load {report['load_average']:.2f}")
     print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'svc graph ms':>12} {'compiled ms':>11} "
           f"{'static ms':>10} {'graph ms':>9} "
-          f"{'eager/graph':>11} {'predicted ms':>12} {'runtime/pred':>12}")
+          f"{'eager/graph':>11} {'predicted ms':>12} {'runtime/pred':>12} {'pred graph ms':>13} {'svc graph/pred':>14}")
     for c in report["cells"]:
         def ms(key, c=c):
             return f"{c[key] * 1e3:.2f}" if key in c else "-"
@@ -354,7 +362,8 @@ def main(argv=None) -> int:
               f"{ms('compiled_step_s'):>11} "
               f"{ms('eager_step_s'):>10} "
               f"{ms('graph_step_s'):>9} {c.get('eager_over_graph', 0):>11.2f} {ms('predicted_step_s'):>12} "
-              f"{c.get('runtime_over_predicted', 0):>12.2f}")
+              f"{c.get('runtime_over_predicted', 0):>12.2f} {ms('predicted_graph_step_s'):>13} "
+              f"{c.get('service_graph_over_predicted', 0):>14.2f}")
     return 0 if all(not any(k.endswith("_error") for k in c) for c in report["cells"]) else 1
 
 

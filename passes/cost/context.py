@@ -27,10 +27,11 @@ def context_plan_of(module, choice: str = "auto") -> list:
         return []
 
 
-def shape_with_context(ir, context: list, attention: AttentionContext | None = None) -> ModelShape:
-    """The IR's shape with coherent mode's per-block context rows (when they cover every block) and
-    its attention at context (None: priced at a short context)."""
-    shape = replace(ModelShape.from_ir(ir), attention_context=attention)
+def shape_with_context(ir, context: list, attention: AttentionContext | None = None, graphs: bool = False) -> ModelShape:
+    """The IR's shape with coherent mode's per-block context rows (when they cover every block), its attention at
+    context (None: priced at a short context) and whether the runtime can capture its decode steps as CUDA graphs
+    (`runtime_ops.decode_graphs_possible`)."""
+    shape = replace(ModelShape.from_ir(ir), attention_context=attention, decode_graphs=graphs)
     if len(context) != shape.num_blocks:
         return shape
     return replace(shape, context_elements=tuple(n for _, n in context))

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.passes.cost.attention_context import AttentionContext, context_per_rank
-from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops, runtime_profile
+from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile, step_profile
 from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -99,6 +99,8 @@ class ModelShape:
     attention_context: AttentionContext | None = None  # per block: FLOPs per (query, key) and KV bytes per cached
                                  # token (attention_context.py); None: attention priced at a short context only
     architecture: str = ""       # the IR's model class: whose counted runtime ops price it (runtime_ops.py)
+    decode_graphs: bool = False  # the runtime can capture its decode steps as CUDA graphs (runtime_ops.py:
+                                 # `decode_graphs_possible`): a service's GPU rank alone does
 
     @classmethod
     def from_ir(cls, ir) -> ModelShape:
@@ -319,7 +321,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     W = hosts.shape[2]
     table = ExpertTable(hosts, gpus_per_node)
     ops = runtime_ops(profile, shape.architecture)
-    profile = runtime_profile(profile)
+    graphs = captures_decode_graphs(profile, W, mode, shape)
+    eager_profile = profile = runtime_profile(profile)
     pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
                       layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)
                                for p in PHASES} for _ in range(shape.num_blocks)],
@@ -342,6 +345,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         seq = np.array([t[0] for t in keys], dtype=np.int64)  # [n], sorted
         pos = np.array([t[1] for t in keys], dtype=np.int64)  # [n]
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)  # [n, L, k]
+        # a decode step (one token per sequence) of a GPU rank alone replays a CUDA graph: its ops at their device time
+        profile = step_profile(eager_profile, -(-n // W), graphs and len(np.unique(seq)) == n)
         # int [n]: the rank each token is current on; None: every rank holds every token (coherent mode,
         # until the first MoE layer)
         current = seq % W if mode == STANDARD else None

@@ -6,6 +6,14 @@ Two sources:
   experts one by one, priced at the profile's `op_overhead_s`; CPU profiles (cpu-gloo, `moeplan calibrate`) fitted
   their op cost against these counts, and the demo's predicted ms/token is checked with them, so they stay for
   every profile that does not measure the runtime's own op cost;
+* a decode step captured as a CUDA graph (a service's GPU rank alone, `runtime/model/graph_decode.py`): the same
+  counted ops, each at its device time, the profile's `graph_op_overhead_s` + `graph_op_row_s` x the step's rows
+  (its bucket's, `graph_decode.bucket`): `step_profile`. Fitted on one H200 (docs/gpu_checks.md) to the captured
+  step's time less the roofline's compute, at batch 1, 16 and 64 with 16 decoder blocks, and confirmed on the
+  48-block cells held out of the fit. The part per row stands for kernels whose work grows with the rows (attention
+  over the context among them) beyond what the roofline counts; all measured at 1k tokens. Eager, an op costs the
+  larger of its host dispatch (`runtime_op_overhead_s`) and that device time: at batch 64 the kernels outlast the
+  dispatch;
 * counted (runtime_op_counts.json, written by benchmarks/runtime_op_counts.py): the aten ops the runtime's real
   decode step dispatches per decoder block (attention part, MoE block, dense MLP) and per step, per model class, at
   bf16; an expert touched adds none (grouped experts). Used where the hardware profile gives
@@ -94,6 +102,45 @@ def runtime_ops(profile, architecture: str) -> RuntimeOps:
         return _counted(table[architecture], f"counted: {architecture}")
     median = {part: statistics.median(row[part] for row in table.values()) for part in next(iter(table.values()))}
     return _counted(median, f"counted: median of {len(table)} architectures ({architecture or 'unknown'} not counted)")
+
+
+def decode_graphs_possible(module, ir, profile) -> bool:
+    """Whether the runtime can capture this model's decode steps as CUDA graphs on `profile` (`runtime/serving/
+    decode_compile.py`, `_why_not_graphs`): a GPU profile with the graph figures, a library model (`module`) whose
+    every KV cache layer is a full-attention one with spare columns, and routed experts not held in FP8 there. A
+    world of one in standard mode, checked where it is priced (`captures_decode_graphs`)."""
+    if profile is None or getattr(profile, "graph_op_overhead_s", None) is None or profile.device_is_host:
+        return False
+    if module is None or getattr(module, "config", None) is None:
+        return False
+    from moeplan.passes.cost.capacity import held_weights
+    from moeplan.runtime.model.growable_cache import growable_cache, growable_layer_class
+
+    if held_weights(ir, profile)["dtypes"]["experts"].startswith("float8"):
+        return False
+    try:
+        layers = growable_cache(module.config, 1).layers
+    except (TypeError, ValueError, AttributeError):  # a config the library's cache cannot be built from
+        return False
+    return bool(layers) and all(type(layer) is growable_layer_class() for layer in layers)
+
+
+def captures_decode_graphs(profile, world: int, mode: str, shape) -> bool:
+    """Whether the priced deployment's decode steps replay CUDA graphs: one rank, standard mode, a shape that can."""
+    return shape.decode_graphs and world == 1 and mode == "standard" and profile is not None
+
+
+def step_profile(profile, rows: int, graphs: bool):
+    """`profile` (`runtime_profile`'s) with its op cost for a step of `rows` rows on a rank (module docstring):
+    captured (`graphs`), each op's device time at the bucket's rows; eager, the larger of its host dispatch and that
+    device time at the step's rows (the host runs ahead of the GPU until the kernels take longer than it). Profiles
+    without the graph figures unchanged."""
+    if getattr(profile, "graph_op_overhead_s", None) is None:
+        return profile
+    from moeplan.runtime.model.graph_decode import bucket
+
+    device = profile.graph_op_overhead_s + profile.graph_op_row_s * (bucket(rows, 2 * rows) if graphs else rows)
+    return dataclasses.replace(profile, op_overhead_s=device if graphs else max(profile.op_overhead_s, device))
 
 
 def runtime_profile(profile):

@@ -1,0 +1,94 @@
+"""The torchrun cost model's pricing of decode steps captured as CUDA graphs (passes/cost/runtime_ops.py): which
+deployments capture them, what an op costs captured and eager, and the prices against the steps measured on an
+H200 (benchmarks/gpu/results/, docs/gpu_checks.md), the 48-block cells held out of the fit."""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moeplan.core.hardware import load_hardware
+from moeplan.passes.cost.context import attention_of, shape_with_context
+from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
+from moeplan.passes.cost.runtime_ops import decode_graphs_possible, runtime_profile, step_profile
+from moeplan.passes.importers import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+
+
+def _loaded(name: str):
+    return load_model(str(CONFIGS / name))
+
+
+@pytest.mark.parametrize("config, profile, captured", [
+    ("qwen3-30b-a3b.json", "h100-sxm", True),
+    ("qwen3-30b-a3b.json", "h200-sxm", True),
+    ("qwen3-30b-a3b.json", "cpu-gloo", False),        # a CPU rank compiles its steps; no graph figures
+    ("qwen3-30b-a3b.json", "a100-sxm", False),        # no graph figures measured there
+    ("deepseek-v3-fp8.json", "h100-sxm", False),      # MLA latents, FP8 experts
+    ("gpt-oss-20b.json", "h100-sxm", False),          # sliding-window layers
+])
+def test_which_models_capture_their_decode_steps_where(config, profile, captured):
+    loaded = _loaded(config)
+    assert decode_graphs_possible(loaded.module, loaded.ir, load_hardware(profile)) is captured
+
+
+@given(st.integers(1, 512))
+def test_an_eager_op_costs_its_dispatch_or_its_kernel_whichever_is_longer(rows):
+    h100 = runtime_profile(load_hardware("h100-sxm"))
+    eager, graph = step_profile(h100, rows, False), step_profile(h100, rows, True)
+    device = h100.graph_op_overhead_s + h100.graph_op_row_s * rows
+    assert eager.op_overhead_s == pytest.approx(max(h100.runtime_op_overhead_s, device))
+    assert device <= graph.op_overhead_s <= h100.graph_op_overhead_s + h100.graph_op_row_s * 1.5 * rows  # a bucket
+    cpu = runtime_profile(load_hardware("cpu-gloo"))
+    assert step_profile(cpu, rows, True) is cpu  # no graph figures: unchanged
+
+
+def _decode_step(loaded, profile, sequences: int, gpus: int, graphs: bool) -> float:
+    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile), graphs)
+    experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
+    workload = Workload((256,) * sequences, 3)
+    tokens = sum(len(s) for s in workload.steps())
+    routes = (np.random.default_rng(0).integers(0, experts, (tokens, layers, 1)) + np.arange(k) * (experts // k)) % experts
+    hosts = np.zeros((layers, experts, gpus), dtype=bool)
+    hosts[:, np.arange(experts), np.arange(experts) * gpus // experts] = True
+    pred = predict(hosts, gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile)
+    return pred.summary(workload.prompt_tokens)["seconds_per_decode_step"]
+
+
+def test_a_gpu_rank_alone_is_priced_captured_and_ranks_of_several_eager():
+    loaded, h100 = _loaded("qwen3-30b-a3b.json"), load_hardware("h100-sxm")
+    alone = {g: _decode_step(loaded, h100, 4, 1, g) for g in (False, True)}
+    assert alone[True] < alone[False] / 3  # batch 4: the eager step is the host's dispatch
+    several = {g: _decode_step(loaded, h100, 4, 2, g) for g in (False, True)}
+    assert several[True] == several[False]  # two ranks run eager (dynamic gating)
+    cpu = load_hardware("cpu-gloo")
+    assert _decode_step(loaded, cpu, 4, 1, True) == _decode_step(loaded, cpu, 4, 1, False)
+
+
+def test_the_prices_meet_the_steps_measured_on_an_h200():
+    """The graph figures were fitted to the 16-block cells; the 48-block ones were held out."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    from decode_step import QWEN3, cut_config, predicted_cell
+
+    report = json.loads((ROOT / "benchmarks" / "gpu" / "results" / "h200_2026-11-28_decode_step_48_layers.json").read_text())
+    config = cut_config(QWEN3, report["layers"], tiny=False)
+    for cell in report["cells"]:
+        priced = predicted_cell(config, report["profile"], cell["batch"], report["context"], seed=0)
+        assert 0.8 < cell["graph_step_s"] / priced["predicted_graph_step_s"] < 1.25
+        assert 0.8 < cell["step_s"] / priced["predicted_step_s"] < 1.25
+
+
+def test_profiles_without_the_graph_figures_price_as_before():
+    loaded = _loaded("qwen3-30b-a3b.json")
+    h100 = load_hardware("h100-sxm")
+    bare = dataclasses.replace(h100, graph_op_overhead_s=None, graph_op_row_s=None)
+    assert not decode_graphs_possible(loaded.module, loaded.ir, bare)
+    per_op = runtime_profile(bare).op_overhead_s
+    assert step_profile(runtime_profile(bare), 64, False).op_overhead_s == per_op == h100.runtime_op_overhead_s
