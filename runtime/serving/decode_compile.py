@@ -30,9 +30,9 @@ from .row_cache import RowCache
 from .row_pool import PooledRows
 from .step_plan import STEP, Admission, StepPlan
 
-WARM_PROMPTS = ((1, 2, 3), (4, 5))
+WARM_PROMPTS = ((1, 2, 3), (4, 5))  # token ids of the two warm-up sequences (any ids the vocabulary has)
 WARM_ROWS = 3  # sequences a rank alone runs at once in the warm-up
-DEFAULT_POOL_ROWS = 64  # a GPU rank's KV pool rows when the caller gives no max_sequences  # token ids of the two warm-up sequences (any ids the vocabulary has)
+DEFAULT_POOL_ROWS = 64  # a GPU rank's KV pool rows when the caller gives no max_sequences
 
 
 def why_not_compiled(worker) -> str | None:
@@ -43,22 +43,23 @@ def why_not_compiled(worker) -> str | None:
         return _why_not_graphs(worker)
     if not compile_wanted():
         return "MOEPLAN_COMPILE is off"
-    why = _why_not_fixed_shapes(worker)
-    if why is not None:
-        return why
-    if engine.world > 1 and (refusal := gather_refusal(engine)) is not None:
-        return refusal
-    return compiler_missing()
+    why = _why_not_library_step(worker)
+    if why is None and engine.world > 1:
+        why = gather_refusal(engine)
+    return why or _why_not_held_experts(worker) or compiler_missing()
 
 
-def _why_not_fixed_shapes(worker) -> str | None:
-    """What keeps a worker's decode step from being one function of fixed shapes, on any device."""
-    model = worker.engine.model
+def _why_not_library_step(worker) -> str | None:
+    """What keeps a worker's decode step from being the library's forward alone, on any device."""
     if worker.coherent:
         return "coherent mode's ranks run eager decode steps"
-    if model.kind != "transformers":
-        return f"{model.kind} models run eager decode steps"
-    if any(a.expert_cache is not None or a.fp8_block is not None for a in model.adapters):
+    if worker.engine.model.kind != "transformers":
+        return f"{worker.engine.model.kind} models run eager decode steps"
+    return None
+
+
+def _why_not_held_experts(worker) -> str | None:
+    if any(a.expert_cache is not None or a.fp8_block is not None for a in worker.engine.model.adapters):
         return "expert caches and FP8 experts run eager decode steps"
     return None
 
@@ -67,7 +68,7 @@ def _why_not_graphs(worker) -> str | None:
     """Why a GPU rank's decode steps are not captured as CUDA graphs (`model/graph_decode.py`), or None."""
     if not graphs_wanted():
         return "MOEPLAN_CUDA_GRAPHS is off"
-    why = _why_not_fixed_shapes(worker)
+    why = _why_not_library_step(worker) or _why_not_held_experts(worker)
     if why is not None:
         return why
     if worker.world > 1:
