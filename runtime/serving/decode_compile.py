@@ -73,11 +73,17 @@ def _why_not_graphs(worker) -> str | None:
         return why
     if worker.world > 1:
         return "GPU ranks of several run eager decode steps (dynamic gating; their exchanges are not captured)"
-    layers = growable_cache(worker.engine.model.model.config, 1).layers
-    if not all(type(layer) is growable_layer_class() for layer in layers):
+    if not _plain_layers(worker):
         return ("this model's KV cache has layers the captured step does not run (sliding windows, MLA latents, "
                 "linear attention)")
     return None
+
+
+def _plain_layers(worker) -> bool:
+    """Whether every layer of the library cache this worker's model builds is a plain full-attention one with spare
+    columns (`growable_cache.py`): what the KV pools hold."""
+    layers = growable_cache(worker.engine.model.model.config, 1).layers
+    return all(type(layer) is growable_layer_class() for layer in layers)
 
 
 def enable_compiled_decode(worker, max_sequences: int = DEFAULT_POOL_ROWS) -> str | None:
