@@ -150,12 +150,48 @@ def test_reserve_gives_buffers_with_room_and_advance_takes_the_written_column(tm
     k = torch.randn(2, 2, 5, 4)
     layer.update(k, k)
     keys, values = layer.reserve(6)
-    assert keys.shape == values.shape == (2, 2, 6 + MIN_SPARE, 4)  # room for 6 columns and the spare ones
+    assert keys.shape == values.shape == (2, 2, 7 + MIN_SPARE, 4)  # room for 6 columns, one more and the spare ones
     assert torch.equal(keys[..., :5, :], k) and torch.equal(values[..., :5, :], k)
     keys[..., 5, :] = 1.0
     layer.advance(6)
     assert layer.keys.shape[-2] == 6 and layer.keys.data_ptr() == keys.data_ptr() and (layer.keys[..., 5, :] == 1).all()
     assert layer.reserve(7)[0].data_ptr() == keys.data_ptr()  # still room: the same buffer
+    capped = growable_layer_class()(8)  # a service's max context of 8 columns
+    capped.update(torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4))
+    assert capped.reserve(8)[0].shape[-2] == 9  # a step's view is never the whole buffer, even at the cap
+
+
+@needs_compiler
+def test_steps_that_fill_their_buffers_compile_nothing_after_the_warm_up(monkeypatch):
+    """A sequence decoding past its buffers' capacity (a compiled prefill of 32 tokens holds 96 columns) walks its
+    views to the buffers' full width: that must not take a new graph mid-service, at batch 1 nor above (qwen3_moe
+    with 32-dim heads, whose matmul is where dynamo would guard on it)."""
+    import json
+    import sys
+
+    from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from single_rank_engine import build_engine
+
+    monkeypatch.setenv(ENV, "1")
+    config = json.loads((ROOT / "examples" / "qwen3_moe" / "config.json").read_text())
+    config["head_dim"] = 32
+    engine = build_engine(config, torch.device("cpu"), torch.float32, seed=0)[0]
+    worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
+    assert enable_compiled_decode(worker) is None
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    def admit(seq, n):
+        return Admission(seq, 0, tuple(range(3, 3 + n)), seed=0, temperature=0.0, top_p=1.0, top_k=0)
+    worker.step(StepPlan(STEP, [admit(100, 32)]))
+    for _ in range(70):  # batch 1 through 96 columns
+        worker.step(StepPlan(STEP))
+    worker.step(StepPlan(STEP, [admit(101, 32), admit(102, 5)], depart=[100]))
+    for _ in range(70):  # batch 2 through 96 columns
+        worker.step(StepPlan(STEP))
+    assert engine.model.compiled_decode.steps > 140
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("value,wanted", [("0", False), ("off", False), ("no", False), ("1", True), ("", True)])

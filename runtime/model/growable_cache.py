@@ -70,16 +70,20 @@ def growable_layer_class():
             return self.keys, self.values
 
         def reserve(self, columns: int) -> tuple:
-            """The layer's buffers (keys, values [B, H, capacity, d]) with room for `columns` columns, the current
-            ones first: where a compiled decode step (`compiled_decode.py`) writes its column itself."""
-            if not self._fits(columns):
-                self._regrow(columns)
+            """The layer's buffers (keys, values [B, H, capacity, d]) with room for `columns` columns and at least
+            one more, the current ones first: where a compiled decode step (`compiled_decode.py`) writes its column
+            itself. The spare column keeps the step's views [B, H, columns, d] of the buffers never contiguous: a
+            view that is (capacity = columns) takes another path through the library's matmul, which dynamo guards
+            on, and the graph would be compiled again mid-service (1.5-8 s on a 2-core CPU) the first time a step
+            filled its buffers."""
+            if not self._fits(columns + 1):
+                self._regrow(columns + 1)
             return self._key_buffer, self._value_buffer
 
         def adopt(self, batch: int, heads: int, key_dim: int, value_dim: int, dtype, device, columns: int) -> tuple:
             """Fresh buffers (keys [B, H, capacity, dk], values [B, H, capacity, dv]) with room for `columns` columns
             and spare ones, for a compiled prefill (`compiled_decode.py`) to write; `advance` then takes them."""
-            capacity = max(columns, min(columns + _spare_columns(columns), self.max_columns))
+            capacity = max(columns + 1, min(columns + _spare_columns(columns), self.max_columns))  # see `reserve`
             self._key_buffer = torch.empty(batch, heads, capacity, key_dim, dtype=dtype, device=device)
             self._value_buffer = torch.empty(batch, heads, capacity, value_dim, dtype=dtype, device=device)
             self.device, self.is_initialized = device, True
