@@ -4,8 +4,9 @@
 #     OUT=/some/dir bash benchmarks/gpu/device_checks.sh          (about 9 minutes on one H200)
 #     OUT=/some/dir PARTS="op_check decode_step" bash benchmarks/gpu/device_checks.sh      (some parts only)
 # Parts, each under its own time limit so that one stuck part leaves the others' figures:
-#   1. op_check.sh: GEMM / grouped GEMM / attention kernels beside aiconfigurator-core's rows;
-#   2. decode_step.py: the runtime's decode step beside the cost model's prediction, CUDA graphs off and on;
+#   1. decode_step.py: the runtime's decode step beside the cost model's prediction, CUDA graphs off and on (the
+#      service's own step as a GPU rank alone serves it, captured over KV pools, first: not yet run on a GPU);
+#   2. op_check.sh: GEMM / grouped GEMM / attention kernels beside aiconfigurator-core's rows;
 #   3. offload_check.py: the CUDA copy path of the offloading runtime (the wide model only: its copies take real
 #      PCIe time), verified, measured beside the modelled seconds;
 #   4. serving.py through serve_check.sh's steps: qwen3_moe at 1 rank on the GPU, concurrency 1/16/64, beside the
@@ -36,7 +37,7 @@ WORK="$(mktemp -d)"
   "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version(), "transformers", transformers.__version__)'
 } >> "$OUT/install.txt" 2>&1
 
-PARTS="${PARTS:-op_check decode_step offload_check serving fp8_experts}"
+PARTS="${PARTS:-decode_step op_check offload_check serving fp8_experts}"
 part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME.txt, never stop the script
   local name="$1" limit="$2"
   shift 2
@@ -47,9 +48,9 @@ part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME
   echo "   rc $? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
 }
 
+part decode_step 140 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
 part op_check 60 bash benchmarks/gpu/op_check.sh
-part decode_step 100 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
-part offload_check 230 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
+part offload_check 190 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
 part serving 160 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
   --threads 1 --keep "$WORK/serving" --json
 part fp8_experts 60 "$PY" benchmarks/gpu/fp8_experts_check.py --out "$WORK/fp8_experts"
