@@ -15,7 +15,7 @@ from moeplan.core.pass_manager import Pass
 from moeplan.passes.analysis.trace.passes import trace_matches_model
 from moeplan.passes.cost.context import attention_of, attention_record, context_plan_of, shape_with_context
 from moeplan.passes.cost.options import cost_profile, default_cost_options, parse_workload
-from moeplan.passes.cost.runtime_ops import decode_graphs_possible, runtime_ops
+from moeplan.passes.cost.runtime_ops import captures_decode_graphs, decode_graphs_possible, runtime_ops
 from moeplan.passes.optimize.placement import passes as place_passes
 
 
@@ -37,6 +37,8 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
     chosen = choose_mode(preds) if mode == "auto" else mode
     stop = placement.metrics.get("auto_stop")
     ops = runtime_ops(profile, shape.architecture)
+    # priced with its decode steps replayed as CUDA graphs (a service's GPU rank alone, runtime_ops.py)
+    graphs = captures_decode_graphs(profile, placement.hosts().shape[2], chosen, shape)
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,
@@ -44,6 +46,7 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
                 **({"auto_stop": stop} if stop is not None else {}),
                 **({"attention_context": attention_record(attention)} if attention is not None else {}),
                 **({"runtime_ops": ops.record()} if ops.counted else {}),
+                **({"decode_steps": "cuda graphs"} if graphs else {}),
                 **given.plan_record(figures=True)},
     }
 
