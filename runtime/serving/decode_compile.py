@@ -121,7 +121,7 @@ def enable_compiled_decode(worker, max_sequences: int = DEFAULT_POOL_ROWS) -> st
     if why is not None:
         model.compiled_decode = None
         engine.stop_gathering()
-    _zero_counters(worker)  # whatever the outcome, the warm-up's steps are not the service's
+    worker.forget_counts()  # whatever the outcome, the warm-up's steps are not the service's
     return why
 
 
@@ -143,7 +143,7 @@ def enable_graph_decode(worker, max_sequences: int) -> str | None:
         for held in (worker.running, worker.owner, worker.sampling, worker.prompt_len, worker.last):
             held.clear()  # the warm-up's sequences, wherever it stopped
         worker.rows = RowCache(worker.kind)
-    _zero_counters(worker)
+    worker.forget_counts()
     return why
 
 
@@ -179,11 +179,3 @@ def _graph_breaks() -> int:
     import torch._dynamo.utils
 
     return sum(torch._dynamo.utils.counters["graph_break"].values())
-
-
-def _zero_counters(worker) -> None:
-    """The worker's and engine's counts back to a fresh service's (the warm-up is not the service's work)."""
-    worker.steps = 0
-    counters = worker.engine.counters
-    fresh = type(counters)(len(counters.layers))
-    counters.layers, counters.step = fresh.layers, fresh.step

@@ -157,6 +157,18 @@ class BatchWorker:
                 merged.update((int(s), int(t)) for s, t in m.tolist())
         return merged
 
+    def forget_counts(self) -> None:
+        """The worker's and engine's counts, records and expert cache back to a fresh run's: after warm-up steps
+        (`decode_compile.py`'s, `static_batch.py`'s), which are not the run's work."""
+        self.steps = 0
+        engine = self.engine
+        fresh = type(engine.counters)(len(engine.counters.layers))
+        engine.counters.layers, engine.counters.step = fresh.layers, fresh.step  # the exchanger holds this object
+        engine.logit_keys, engine.logit_rows, engine.trace = [], [], []
+        cache = getattr(engine.model, "expert_cache", None)
+        if cache is not None:
+            cache.restart()
+
     # --- figures for rank 0's metrics ----------------------------------------------------------------
     def stats_vector(self) -> torch.Tensor:
         """float64 [L * 6 + 8]: per block the bytes of dispatch, combine, merge, context and the
