@@ -78,21 +78,26 @@ def test_a_moe_layers_launches_do_not_grow_with_the_experts_it_calls_where_count
     assert _step(fitted, 64) > _step(fitted, 2)
 
 
-def test_a_gpu_plan_records_the_counts_it_priced_and_a_cpu_plan_does_not(tmp_path):
+def test_a_gpu_plan_records_the_counts_it_priced_and_whether_it_captured_its_steps_and_a_cpu_plan_neither(tmp_path):
+    """plan.json `predicted.cost`: `runtime_ops` on GPU profiles; `decode_steps: cuda graphs` where a GPU rank alone
+    runs standard mode (runtime_ops.py: `captures_decode_graphs`); neither on a CPU profile."""
     qwen3 = REPO / "examples" / "qwen3_moe"
     runner = CliRunner()
     trace = tmp_path / "t.npz"
     assert runner.invoke(main, ["trace", str(qwen3), "--data", str(REPO / "examples" / "tiny_moe" / "corpus_heldout.txt"),
                                 "--max-tokens", "256", "--out", str(trace), "--quiet"]).exit_code == 0
-    for hardware in ("h100-sxm", "cpu-gloo"):
-        out = tmp_path / f"{hardware}.json"
-        result = runner.invoke(main, ["plan", str(qwen3), "--trace", str(trace), "--nodes", "1", "--gpus-per-node", "2",
-                                      "--policy", "contiguous", "--mode", "standard", "--hardware", hardware,
+    captured = {}
+    for hardware, gpus in (("h100-sxm", 1), ("h100-sxm", 2), ("cpu-gloo", 2)):
+        out = tmp_path / f"{hardware}-{gpus}.json"
+        result = runner.invoke(main, ["plan", str(qwen3), "--trace", str(trace), "--nodes", "1", "--gpus-per-node",
+                                      str(gpus), "--policy", "contiguous", "--mode", "standard", "--hardware", hardware,
                                       "--out", str(out)])
         assert result.exit_code == 0, result.output
         cost = json.loads(out.read_text())["predicted"]["cost"]
+        captured[hardware, gpus] = cost.get("decode_steps")
         if hardware == "h100-sxm":
             assert cost["runtime_ops"] == {**runtime_ops(load_hardware(hardware), "Qwen3MoeForCausalLM").record()}
             assert cost["runtime_ops"]["source"] == "counted: Qwen3MoeForCausalLM"
         else:
             assert "runtime_ops" not in cost
+    assert captured == {("h100-sxm", 1): "cuda graphs", ("h100-sxm", 2): None, ("cpu-gloo", 2): None}

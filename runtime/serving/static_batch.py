@@ -73,11 +73,11 @@ def run_batch(worker, prompts: list, new_tokens: int) -> dict:
     engine = worker.engine
     rank, world, count = worker.rank, worker.world, len(prompts)
     own = {s: list(prompts[s]) for s in range(count) if s % world == rank}
+    warm_up(worker, count)  # first: its counts are forgotten, the prompts' sharing below is the run's
     known = share_prompts(engine.ex, own, rank, world) if worker.coherent else own
     admit = [Admission(s, s % world, tuple(known.get(s, ())), seed=0, temperature=0.0, top_p=1.0, top_k=0)
              for s in range(count)]
     generated = {s: [] for s in own}
-    warm_up(worker, count)
     plan = StepPlan(STEP, admit)
     start = time.perf_counter()
     for _ in range(new_tokens):
