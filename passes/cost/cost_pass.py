@@ -38,7 +38,7 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
     stop = placement.metrics.get("auto_stop")
     ops = runtime_ops(profile, shape.architecture)
     # priced with its decode steps replayed as CUDA graphs (a service's GPU rank alone, runtime_ops.py)
-    graphs = captures_decode_graphs(profile, placement.hosts().shape[2], chosen, shape)
+    graphs = captures_decode_graphs(profile, placement.topology.devices, chosen, shape)
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,

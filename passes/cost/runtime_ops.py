@@ -114,15 +114,14 @@ def decode_graphs_possible(module, ir, profile) -> bool:
     if module is None or getattr(module, "config", None) is None:
         return False
     from moeplan.passes.cost.capacity import held_weights
-    from moeplan.runtime.model.growable_cache import growable_cache, growable_layer_class
+    from moeplan.runtime.model.growable_cache import growable_throughout
 
     if held_weights(ir, profile)["dtypes"]["experts"].startswith("float8"):
         return False
     try:
-        layers = growable_cache(module.config, 1).layers
+        return growable_throughout(module.config)
     except (TypeError, ValueError, AttributeError):  # a config the library's cache cannot be built from
         return False
-    return bool(layers) and all(type(layer) is growable_layer_class() for layer in layers)
 
 
 def captures_decode_graphs(profile, world: int, mode: str, shape) -> bool:

@@ -40,6 +40,13 @@ def growable_cache(config, max_columns: int):
     return cache
 
 
+def growable_throughout(config) -> bool:
+    """Whether every layer of the cache `growable_cache` builds for `config` is a `GrowableLayer` (no sliding
+    windows, MLA latents or linear attention): what KV pools and captured decode steps hold."""
+    growable, layers = growable_layer_class(), growable_cache(config, 1).layers
+    return bool(layers) and all(type(layer) is growable for layer in layers)
+
+
 def _spare_columns(needed: int) -> int:
     return max(MIN_SPARE, needed // 4)
 

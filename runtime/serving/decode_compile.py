@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..ep.gathered_moe import enable_gathering, gather_refusal
 from ..model.compiled_decode import CompiledDecode, compile_wanted, compiler_missing
 from ..model.graph_decode import GraphDecode, graphs_wanted
-from ..model.growable_cache import growable_cache, growable_layer_class
+from ..model.growable_cache import growable_throughout
 from .row_cache import RowCache
 from .row_pool import PooledRows
 from .step_plan import STEP, Admission, StepPlan
@@ -73,17 +73,10 @@ def _why_not_graphs(worker) -> str | None:
         return why
     if worker.world > 1:
         return "GPU ranks of several run eager decode steps (dynamic gating; their exchanges are not captured)"
-    if not _plain_layers(worker):
+    if not growable_throughout(worker.engine.model.model.config):
         return ("this model's KV cache has layers the captured step does not run (sliding windows, MLA latents, "
                 "linear attention)")
     return None
-
-
-def _plain_layers(worker) -> bool:
-    """Whether every layer of the library cache this worker's model builds is a plain full-attention one with spare
-    columns (`growable_cache.py`): what the KV pools hold."""
-    layers = growable_cache(worker.engine.model.model.config, 1).layers
-    return all(type(layer) is growable_layer_class() for layer in layers)
 
 
 def enable_compiled_decode(worker, max_sequences: int = DEFAULT_POOL_ROWS) -> str | None:
