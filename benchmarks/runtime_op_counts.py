@@ -12,7 +12,11 @@ counter (runtime/op_counter.py's rule: every non-view aten op) attributes each o
 * `moe_block_ep`: an MoE block on rank 0 of 2 ranks (gloo processes here, standard mode, experts split
   contiguously): the route with its dispatch and combine exchanges. At 4 ranks it is the same (qwen3_moe: 78 at
   2 and at 4, counted before the combine stopped exchanging its row counts; 76 since): packing by destination
-  and the exchange are one call whatever the ranks, so the count has no per-peer part.
+  and the exchange are one call whatever the ranks, so the count has no per-peer part;
+* `moe_block_gathered`: the same block where the decode step gathers (runtime/ep/gathered_moe.py: every rank
+  sends every other its rows, two exchanges of fixed shape, the replica rule on the device), as GPU ranks of several
+  capture it in a CUDA graph (runtime/model/graph_decode.py); None where the engine cannot gather (its refusal in
+  `skipped_gathered`).
 The step counted is the second decode step after the prefill: the first moves the prefill's K/V into the cache's
 buffers with spare columns (runtime/model/growable_cache.py, a copy once per 64 columns or more), the steady
 state writes its column (as many ops as the library's concatenation).
@@ -42,6 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 PARTS = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
 EP_PART = "moe_block_ep"  # an MoE block at 2 ranks or more: the engine's dispatch and combine exchanges included
+GATHERED_PART = "moe_block_gathered"  # the same, gathered (fixed-shape exchanges: a captured step's)
 
 
 def tiny_architectures():
@@ -73,11 +78,15 @@ class RegionCounter(OpCounter):
         self.stack.pop()
 
 
-def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: Path | None = None) -> dict:
+def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: Path | None = None,
+          gathered: bool = False) -> dict:
     """{part: ops} of one decode step of `arch` (see module docstring) at `batch` sequences, on `rank` of `world`
-    (standard mode, experts split contiguously; a process group must be up when world > 1)."""
+    (standard mode, experts split contiguously; a process group must be up when world > 1); `gathered`: the decode
+    steps gather (`gathered_moe.py`), or {"refused": why} where the engine cannot."""
     import torch
     from single_rank_engine import build_engine
+
+    from moeplan.runtime.ep.gathered_moe import enable_gathering, gather_refusal
 
     from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
     from moeplan.runtime.serving.worker import BatchWorker
@@ -85,6 +94,10 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
     folder = folder or tiny_architectures().build(arch, Path(tempfile.mkdtemp(prefix="op_counts_")))
     config = json.loads((folder / "config.json").read_text())
     engine, model, _ = build_engine(config, torch.device("cpu"), dtype, seed=0, rank=rank, world=world)
+    if gathered:
+        if gather_refusal(engine) is not None:
+            return {"refused": gather_refusal(engine)}
+        enable_gathering(engine)
     rank_model = engine.model
     moe_blocks = {c.layer: rank_model.model.get_submodule(c.block) for c in rank_model.containers}
     counter = RegionCounter()
@@ -126,15 +139,17 @@ def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str) ->
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        counted = count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder))
+        counted = [count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder), gathered)
+                   for gathered in (False, True)]
         if rank == 0:
             Path(out).write_text(json.dumps(counted))
     finally:
         dist.destroy_process_group()
 
 
-def count_at_world(arch: str, world: int) -> dict:
-    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank."""
+def count_at_world(arch: str, world: int) -> list:
+    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank: by
+    dynamic gating, then gathered."""
     import socket
 
     import torch.multiprocessing as mp
@@ -159,9 +174,9 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    rows, skipped = {}, {}
-    print(f"{'architecture':<16} {'attention':>9} {'moe':>7} {'moe (EP)':>8} {'dense mlp':>9} {'fixed':>6} "
-          f"{'step (batch 4)':>14}  same at batch 8")
+    rows, skipped, refused = {}, {}, {}
+    print(f"{'architecture':<16} {'attention':>9} {'moe':>7} {'moe (EP)':>8} {'gathered':>8} {'dense mlp':>9} "
+          f"{'fixed':>6} {'step (batch 4)':>14}  same at batch 8")
     for arch in args.arch:
         try:
             four, eight = count(arch, 4, torch.bfloat16), count(arch, 8, torch.bfloat16)
@@ -171,18 +186,22 @@ def main(argv=None) -> int:
             continue
         same = all(four[p] == eight[p] for p in PARTS)
         try:
-            four[EP_PART] = count_at_world(arch, 2)["moe_block"]
+            dynamic, gathered = count_at_world(arch, 2)
         except Exception as exc:  # the engine refuses this architecture at 2 ranks
             skipped[arch] = f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}"
             print(f"{arch:<16} skipped: {skipped[arch][:100]}")
             continue
-        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART)}
-        print(f"{arch:<16} {four['attention_block']:>9} {four['moe_block']:>7} {four[EP_PART]:>8} {four['dense_mlp_block']:>9} "
-              f"{four['fixed']:>6} {four['total']:>14}  {same}")
+        four[EP_PART] = dynamic["moe_block"]
+        four[GATHERED_PART] = gathered.get("moe_block")
+        if "refused" in gathered:
+            refused[four["architecture"]] = gathered["refused"]
+        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART)}
+        print(f"{arch:<16} {four['attention_block']:>9} {four['moe_block']:>7} {four[EP_PART]:>8} "
+              f"{str(four[GATHERED_PART]):>8} {four['dense_mlp_block']:>9} {four['fixed']:>6} {four['total']:>14}  {same}")
     if args.write:
         table = {"dtype": "bfloat16", "counted_with": f"torch {torch.__version__.split('+')[0]}, transformers "
                  f"{transformers.__version__}", "counted_by": "benchmarks/runtime_op_counts.py", "architectures": rows,
-                 "skipped": skipped}
+                 "skipped": skipped, "skipped_gathered": refused}
         Path(args.write).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.write}")
     return 0

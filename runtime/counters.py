@@ -44,6 +44,32 @@ class Counters:
     def to_dict(self) -> dict:
         return {"layers": self.layers, "step": self.step}
 
+    def snapshot(self) -> dict:
+        """A copy of the counts now, for `since`."""
+        return copy.deepcopy(self.to_dict())
+
+    def since(self, before: dict) -> dict:
+        """What was counted after the `snapshot` `before`, in `to_dict`'s form (a CUDA graph's exchanges, counted
+        once at its capture: `model/graph_decode.py` adds them again at each replay with `add_counts`)."""
+        return sum_counters([self.to_dict(), _negated(before)])
+
+    def add_counts(self, counts: dict) -> None:
+        """Add counts in `to_dict`'s form (`since`'s) to these, in place (the exchanger holds this object)."""
+        self.restore(sum_counters([self.to_dict(), counts]))
+
+    def restore(self, counts: dict) -> None:
+        """Set these counts to `counts` (`to_dict`'s form), in place."""
+        counts = copy.deepcopy(counts)
+        for mine, theirs in zip(self.layers, counts["layers"]):
+            mine.update(theirs)
+        self.step.update(counts["step"])
+
+
+def _negated(counts: dict) -> dict:
+    neg = lambda v: {f: -x for f, x in v.items()} if isinstance(v, dict) else -v
+    return {"layers": [{key: neg(value) for key, value in layer.items()} for layer in counts["layers"]],
+            "step": {key: -value for key, value in counts["step"].items()}}
+
 
 def sum_counters(dicts: list) -> dict:
     """Element-wise sum of several ranks' `Counters.to_dict()`."""

@@ -25,6 +25,7 @@ from moeplan.runtime.serving.worker import BatchWorker
 from runtime_fixtures import contiguous_placement, hf_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
+GRAPH_SEQUENCES = 24  # the service's sequences a "graphs" pair's pools are sized for (12 rows a rank)
 needs_compiler = pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
 
 
@@ -90,7 +91,7 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
 
     from moeplan.runtime.ep.gathered_moe import enable_gathering
     from moeplan.runtime.serving import worker as worker_module
-    from moeplan.runtime.serving.decode_compile import enable_compiled_decode
+    from moeplan.runtime.serving.decode_compile import enable_compiled_decode, enable_graph_decode
 
     if prefill_cap is not None:  # longer prefills exchange by dynamic gating, eager
         worker_module.GATHERED_PREFILL_ROWS = prefill_cap
@@ -112,7 +113,7 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
                     raise torch._dynamo.exc.TorchRuntimeError("injected: the tracer met an op it cannot run")
                 return raise_
             torch.compile = failing
-        why = enable_compiled_decode(fast)
+        why = enable_graph_decode(fast, GRAPH_SEQUENCES) if compile_ == "graphs" else enable_compiled_decode(fast)
         graphs = dynamo_counters["stats"]["unique_graphs"]
     compiled = fast_engine.model.compiled_decode
     warm = compiled.steps if compiled is not None else 0
@@ -134,6 +135,7 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
         "compiled_prefills": compiled.prefills if compiled is not None else 0,
         "recompiled": dynamo_counters["stats"]["unique_graphs"] - graphs if compile_ else 0,
         "slots_equal": slots[0] == slots[1], "slots": slots[1],
+        "buckets": sorted(getattr(compiled, "buckets", {})), "pool_rows": getattr(fast.rows, "capacity_rows", None),
         "dispatch_bytes": [layer["dispatch"]["bytes"] for layer in fast_engine.counters.layers]}))
     for e in (base_engine, fast_engine):
         e.ex.close()
@@ -195,6 +197,22 @@ def test_a_rank_whose_compiler_fails_mid_warm_up_keeps_the_exchanges_paired_and_
     assert second["why"].startswith("torch.compile failed on this model (TorchRuntimeError: injected")
     for seen in (first, second):
         assert not seen["gathers"] and seen["compiled_steps"] == 0 and seen["same"] and seen["diff"] == 0, seen
+
+
+def test_bucketed_gathered_steps_over_the_pools_match_dynamic_gating_in_step_on_both_ranks(tmp_path):
+    """The path GPU ranks of several capture as CUDA graphs (model/graph_decode.py), uncaptured on CPU: both ranks'
+    decode steps run in the same buckets (the fullest rank's rows, the longest context), padding rows routing nowhere;
+    a rank with no row joins the exchanges at the bucket's rows. Tokens, logits and slot counts are dynamic
+    gating's."""
+    first, second = _run_pair(tmp_path, "gloo", "graphs")
+    for rank, seen in enumerate((first, second)):
+        assert seen["why"] is None and seen["gathers"] and seen["pool_rows"] == GRAPH_SEQUENCES // 2, (rank, seen)
+        assert seen["same"] and seen["diff"] <= 1e-5 and seen["slots_equal"], (rank, seen)
+        assert seen["compiled_steps"] == seen["own_decodes"] > 15, (rank, seen)  # every decode step with rows here
+    assert first["buckets"] == second["buckets"] and len(first["buckets"]) >= 3  # the same buckets, in step
+    assert first["decodes"] == second["decodes"]
+    assert first["own_decodes"] + second["own_decodes"] > first["decodes"]  # some steps had rows on both ranks
+    assert min(first["own_decodes"], second["own_decodes"]) < first["decodes"]  # a rank with none joined them
 
 
 def test_engines_it_cannot_gather_say_why(tmp_path, monkeypatch):

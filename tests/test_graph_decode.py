@@ -156,7 +156,9 @@ def test_a_gpu_rank_says_why_its_steps_are_not_captured(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV, "0")
     assert why_not_compiled(worker) == "MOEPLAN_CUDA_GRAPHS is off"
     monkeypatch.setenv(ENV, "1")
-    worker.world = 2
-    assert why_not_compiled(worker).startswith("GPU ranks of several run eager decode steps")
+    worker.world = engine.world = 2  # ranks of several capture where their steps can gather (gathered_moe.py)
+    assert why_not_compiled(worker) is None
+    engine.records = True
+    assert why_not_compiled(worker) == "a recording engine reads the routing on the host"
     worker.world, worker.coherent = 1, True
     assert why_not_compiled(worker) == "coherent mode's ranks run eager decode steps"

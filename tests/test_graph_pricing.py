@@ -49,26 +49,48 @@ def test_an_eager_op_costs_its_dispatch_or_its_kernel_whichever_is_longer(rows):
     assert step_profile(cpu, rows, True) is cpu  # no graph figures: unchanged
 
 
-def _decode_step(loaded, profile, sequences: int, gpus: int, graphs: bool) -> float:
+def _predicted(loaded, profile, sequences: int, gpus: int, graphs: bool, new_tokens: int = 3, service: bool = True):
     shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile), graphs)
     experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
-    workload = Workload((256,) * sequences, 3)
+    workload = Workload((256,) * sequences, new_tokens)
     tokens = sum(len(s) for s in workload.steps())
     routes = (np.random.default_rng(0).integers(0, experts, (tokens, layers, 1)) + np.arange(k) * (experts // k)) % experts
     hosts = np.zeros((layers, experts, gpus), dtype=bool)
     hosts[:, np.arange(experts), np.arange(experts) * gpus // experts] = True
-    pred = predict(hosts, gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile)
+    pred = predict(hosts, gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile, service)
+    return pred, shape, workload
+
+
+def _decode_step(loaded, profile, sequences: int, gpus: int, graphs: bool, service: bool = True) -> float:
+    pred, _, workload = _predicted(loaded, profile, sequences, gpus, graphs, service=service)
     return pred.summary(workload.prompt_tokens)["seconds_per_decode_step"]
 
 
-def test_a_gpu_rank_alone_is_priced_captured_and_ranks_of_several_eager():
+def test_a_services_gpu_ranks_are_priced_captured_alone_and_several_and_a_static_run_eager():
     loaded, h100 = _loaded("qwen3-30b-a3b.json"), load_hardware("h100-sxm")
-    alone = {g: _decode_step(loaded, h100, 4, 1, g) for g in (False, True)}
-    assert alone[True] < alone[False] / 3  # batch 4: the eager step is the host's dispatch
-    several = {g: _decode_step(loaded, h100, 4, 2, g) for g in (False, True)}
-    assert several[True] == several[False]  # two ranks run eager (dynamic gating)
+    for gpus in (1, 2):
+        steps = {g: _decode_step(loaded, h100, 4, gpus, g) for g in (False, True)}
+        assert steps[True] < steps[False] / 3, gpus  # batch 4: the eager step is the host's dispatch
+        assert _decode_step(loaded, h100, 4, gpus, True, service=False) == steps[False]  # `moeplan run`: eager
     cpu = load_hardware("cpu-gloo")
     assert _decode_step(loaded, cpu, 4, 1, True) == _decode_step(loaded, cpu, 4, 1, False)
+
+
+def test_captured_steps_of_several_ranks_exchange_the_gathered_rows():
+    """Two H100s, 4 sequences (2 a rank): each decode step's MoE block sends the other rank its bucket of 2 rows,
+    hidden state + gate weights + ids in float32 out, the hidden state back, with no row counts; the prefill exchanges
+    by dynamic gating (compared with a workload that stops after it)."""
+    loaded, h100 = _loaded("qwen3-30b-a3b.json"), load_hardware("h100-sxm")
+    whole, shape, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3)
+    prefill, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=1)
+    decode_steps, moe = 2, shape.moe_blocks
+    for phase, row_bytes in (("dispatch", 4 * (shape.hidden + 2 * shape.top_k)), ("combine", 4 * shape.hidden)):
+        got = sum(whole.layers[b][phase]["bytes"] - prefill.layers[b][phase]["bytes"] for b in moe)
+        assert got == decode_steps * len(moe) * 2 * 2 * row_bytes, phase  # 2 ranks send 2 rows each
+        assert sum(whole.layers[b][phase]["control_bytes"] - prefill.layers[b][phase]["control_bytes"] for b in moe) == 0
+    static, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3, service=False)
+    assert sum(static.layers[b]["dispatch"]["control_bytes"] for b in moe) > sum(
+        prefill.layers[b]["dispatch"]["control_bytes"] for b in moe)  # dynamic gating sends its counts every step
 
 
 def test_the_prices_meet_the_steps_measured_on_an_h200():

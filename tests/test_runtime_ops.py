@@ -41,8 +41,11 @@ def test_the_table_is_what_the_runtime_dispatches_now(arch, cls):
 
 @pytest.mark.slow
 def test_the_expert_parallel_moe_block_is_what_two_ranks_dispatch_now():
-    """Rank 0 of 2 gloo processes: the MoE block with its dispatch and combine exchanges, as the table says."""
-    assert _counter().count_at_world("qwen3_moe", 2)["moe_block"] == TABLE["Qwen3MoeForCausalLM"]["moe_block_ep"]
+    """Rank 0 of 2 gloo processes: the MoE block with its dispatch and combine exchanges, by dynamic gating and
+    gathered, as the table says."""
+    dynamic, gathered = _counter().count_at_world("qwen3_moe", 2)
+    assert dynamic["moe_block"] == TABLE["Qwen3MoeForCausalLM"]["moe_block_ep"]
+    assert gathered["moe_block"] == TABLE["Qwen3MoeForCausalLM"]["moe_block_gathered"] < dynamic["moe_block"]
 
 
 def test_gpu_profiles_price_counted_ops_and_cpu_profiles_the_fitted_ones():
@@ -79,8 +82,9 @@ def test_a_moe_layers_launches_do_not_grow_with_the_experts_it_calls_where_count
 
 
 def test_a_gpu_plan_records_the_counts_it_priced_and_whether_it_captured_its_steps_and_a_cpu_plan_neither(tmp_path):
-    """plan.json `predicted.cost`: `runtime_ops` on GPU profiles; `decode_steps: cuda graphs` where a GPU rank alone
-    runs standard mode (runtime_ops.py: `captures_decode_graphs`); neither on a CPU profile."""
+    """plan.json `predicted.cost`: `runtime_ops` on GPU profiles; `decode_steps: cuda graphs` where GPU ranks run
+    standard mode, alone or several whose MoE blocks gather (runtime_ops.py: `captures_decode_graphs`); neither on a
+    CPU profile."""
     qwen3 = REPO / "examples" / "qwen3_moe"
     runner = CliRunner()
     trace = tmp_path / "t.npz"
@@ -100,4 +104,4 @@ def test_a_gpu_plan_records_the_counts_it_priced_and_whether_it_captured_its_ste
             assert cost["runtime_ops"]["source"] == "counted: Qwen3MoeForCausalLM"
         else:
             assert "runtime_ops" not in cost
-    assert captured == {("h100-sxm", 1): "cuda graphs", ("h100-sxm", 2): None, ("cpu-gloo", 2): None}
+    assert captured == {("h100-sxm", 1): "cuda graphs", ("h100-sxm", 2): "cuda graphs", ("cpu-gloo", 2): None}

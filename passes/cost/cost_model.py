@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplan.passes.cost.attention_context import AttentionContext, context_per_rank
-from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile, step_profile
+from moeplan.passes.cost.runtime_ops import (FITTED, captures_decode_graphs, graph_rows, runtime_ops, runtime_profile,
+                                             step_profile)
 from moeplan.runtime.ep.expert_table import ExpertTable
 
 COHERENT, STANDARD = "coherent", "standard"
@@ -133,6 +134,12 @@ class ModelShape:
     @property
     def combine_row_bytes(self) -> int:
         return self.element_bytes * self.hidden
+
+    @property
+    def gathered_row_bytes(self) -> int:
+        """A gathered decode step's dispatch row (runtime/ep/gathered_moe.py): hidden state, gate weights and
+        expert ids, float32; its combine row is `combine_row_bytes`."""
+        return FLOAT * (self.hidden + 2 * self.top_k)
 
     def context_elements_at(self, block: int) -> int:
         """Elements per token of block `block`'s context row (the hidden state unless set)."""
@@ -262,8 +269,9 @@ class _Counter:
         # CPU ranks all on one host exchange through shared memory (runtime/ep/host_channel.py)
         self.host_channel = profile is not None and profile.device_is_host and bool(self.same.all())
 
-    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str) -> float:
-        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds."""
+    def exchange(self, rows: np.ndarray, row_bytes: int, layer, phase: str, known_counts: bool = False) -> float:
+        """rows int [W, W]: rows rank s sends rank d; returns the call's predicted seconds. `known_counts`: every
+        rank knows what it receives (a gathered step's fixed-shape exchange): one collective, no counts."""
         W = self.world
         if W == 1:
             return 0.0
@@ -271,8 +279,8 @@ class _Counter:
         np.fill_diagonal(off, 0)
         nbytes = int(off.sum()) * row_bytes
         msgs = int((off > 0).sum())
-        collectives = collectives_per_call(phase, self.host_channel)
-        ctrl_b, ctrl_m = (8 * (W - 1) * W, (W - 1) * W) if counts_travel(phase) else (0, 0)
+        collectives = 1 if known_counts else collectives_per_call(phase, self.host_channel)
+        ctrl_b, ctrl_m = (8 * (W - 1) * W, (W - 1) * W) if counts_travel(phase) and not known_counts else (0, 0)
         if layer is None:
             for f, v in (("bytes", nbytes), ("messages", msgs), ("control_bytes", ctrl_b), ("control_messages", ctrl_m)):
                 self.pred.step[f"{phase}_{f}"] += v
@@ -309,9 +317,11 @@ class _Counter:
 
 
 def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str, workload: Workload,
-            routing: dict, profile=None) -> Prediction:
+            routing: dict, profile=None, service: bool = True) -> Prediction:
     """Replay one run: routing {(seq, pos): int [L, k] expert ids, heaviest first} for every token
     the workload processes; hosts bool [L, E, W]. Returns counters (and time with a profile).
+    `service`: the steps are a service's, whose GPU ranks replay their decode steps as CUDA graphs where the
+    runtime can (`runtime_ops.captures_decode_graphs`); False: a static run's (`moeplan run`), eager throughout.
 
     Vectorised over a step's tokens (numpy); per rank the figures are those of the runtime's own
     loop: each rank chooses the replicas of the tokens current on it, in key order
@@ -321,7 +331,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     W = hosts.shape[2]
     table = ExpertTable(hosts, gpus_per_node)
     ops = runtime_ops(profile, shape.architecture)
-    graphs = captures_decode_graphs(profile, W, mode, shape)
+    graphs = service and captures_decode_graphs(profile, W, mode, shape, ops)
     eager_profile = profile = runtime_profile(profile)
     pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
                       layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)
@@ -345,8 +355,13 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         seq = np.array([t[0] for t in keys], dtype=np.int64)  # [n], sorted
         pos = np.array([t[1] for t in keys], dtype=np.int64)  # [n]
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)  # [n, L, k]
-        # a decode step (one token per sequence) of a GPU rank alone replays a CUDA graph: its ops at their device time
-        profile = step_profile(eager_profile, -(-n // W), graphs and len(np.unique(seq)) == n)
+        # a service's decode step (one token per sequence) on GPU ranks replays a CUDA graph: its ops at their device
+        # time; with several ranks the step gathers (`gathered`: every rank sends every other the fullest rank's
+        # bucket of rows, runtime/ep/gathered_moe.py, its MoE block's ops counted that way)
+        captured = graphs and len(np.unique(seq)) == n
+        profile = step_profile(eager_profile, -(-n // W), captured)
+        gathered = captured and W > 1
+        step_moe_ops = ops.moe_gathered if gathered else moe_ops
         # int [n]: the rank each token is current on; None: every rank holds every token (coherent mode,
         # until the first MoE layer)
         current = seq % W if mode == STANDARD else None
@@ -383,7 +398,13 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 current = dest[:, 0].copy()
                 continue
             dest = table.choose_per_rank(moe, ids, current)
-            compute += _cost(profile, moe_ops, 0.0) + _slots(profile, held * shape.top_k)
+            compute += _cost(profile, step_moe_ops, 0.0) + _slots(profile, 0 if gathered else held * shape.top_k)
+            if gathered:
+                rows = np.full((W, W), graph_rows(int(held.max())))
+                step_time += _add(pred, counter.exchange(rows, shape.gathered_row_bytes, block, "dispatch", True), comm=True)
+                step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
+                step_time += _add(pred, counter.exchange(rows, shape.combine_row_bytes, block, "combine", True), comm=True)
+                continue
             ranks, first = _distinct_ranks(ids, dest)
             dispatch = np.bincount((current[:, None] * W + ranks)[first], minlength=W * W).reshape(W, W)
             step_time += _add(pred, counter.exchange(dispatch, shape.dispatch_row_bytes, block, "dispatch"), comm=True)

@@ -37,8 +37,8 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
     chosen = choose_mode(preds) if mode == "auto" else mode
     stop = placement.metrics.get("auto_stop")
     ops = runtime_ops(profile, shape.architecture)
-    # priced with its decode steps replayed as CUDA graphs (a service's GPU rank alone, runtime_ops.py)
-    graphs = captures_decode_graphs(profile, placement.topology.devices, chosen, shape)
+    # priced with its decode steps replayed as CUDA graphs (a service's GPU ranks, runtime_ops.py)
+    graphs = captures_decode_graphs(profile, placement.topology.devices, chosen, shape, ops)
     return {
         "mode": chosen,
         "doc": {"hardware": profile.name, "workload": cost_options["workload"], "mode_requested": mode,

@@ -30,7 +30,8 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
     workload = Workload(prompt_lengths=tuple(len(p) for p in result["prompt_ids"]), new_tokens=new_tokens)
     served = routing_from_keys(routing["keys"].numpy(), routing["experts"].numpy(), int(routing["max_len"]))
     shape = shape_of_plan(plan, bundle_context_plan(root, plan, context))
-    pred = predict(placement.hosts(), placement.topology.gpus_per_node, shape, mode, workload, served, profile)
+    pred = predict(placement.hosts(), placement.topology.gpus_per_node, shape, mode, workload, served, profile,
+                   service=False)  # a static run: eager steps, dynamic gating
     return pred.summary(workload.prompt_tokens) | {"context": [shape.context_elements_at(b) for b in range(shape.num_blocks)],
                                                    "workload": workload_label(workload)}
 

@@ -45,6 +45,8 @@ class RuntimeOps:
     head: float
     source: str
     moe_ep: float | None = None
+    moe_gathered: float | None = None  # an MoE block at several ranks whose decode step gathers (captured on GPUs);
+                                       # None: the runtime cannot gather this model's blocks
 
     def moe_block(self, world: int) -> float:
         return self.moe if world == 1 or self.moe_ep is None else self.moe_ep
@@ -90,7 +92,8 @@ def _table() -> dict:
 def _counted(row: dict, source: str) -> RuntimeOps:
     return RuntimeOps(attention=float(row["attention_block"]), moe=float(row["moe_block"]), expert_call=0.0,
                       dense_mlp=float(row["dense_mlp_block"]), head=float(row["fixed"]), source=source,
-                      moe_ep=float(row["moe_block_ep"]))
+                      moe_ep=float(row["moe_block_ep"]),
+                      moe_gathered=None if row.get("moe_block_gathered") is None else float(row["moe_block_gathered"]))
 
 
 def runtime_ops(profile, architecture: str) -> RuntimeOps:
@@ -100,7 +103,8 @@ def runtime_ops(profile, architecture: str) -> RuntimeOps:
     table = _table()
     if architecture in table:
         return _counted(table[architecture], f"counted: {architecture}")
-    median = {part: statistics.median(row[part] for row in table.values()) for part in next(iter(table.values()))}
+    median = {part: statistics.median(row[part] for row in table.values() if row.get(part) is not None)
+              for part in next(iter(table.values()))}
     return _counted(median, f"counted: median of {len(table)} architectures ({architecture or 'unknown'} not counted)")
 
 
@@ -124,9 +128,20 @@ def decode_graphs_possible(module, ir, profile) -> bool:
         return False
 
 
-def captures_decode_graphs(profile, world: int, mode: str, shape) -> bool:
-    """Whether the priced deployment's decode steps replay CUDA graphs: one rank, standard mode, a shape that can."""
-    return shape.decode_graphs and world == 1 and mode == "standard" and profile is not None
+def captures_decode_graphs(profile, world: int, mode: str, shape, ops: RuntimeOps) -> bool:
+    """Whether the priced service's decode steps replay CUDA graphs: standard mode, a shape that can, and at several
+    ranks a model whose MoE blocks gather (`ops.moe_gathered`, counted where `gathered_moe.gather_refusal` lets
+    them)."""
+    if not (shape.decode_graphs and mode == "standard" and profile is not None):
+        return False
+    return world == 1 or ops.moe_gathered is not None
+
+
+def graph_rows(rows: int) -> int:
+    """The rows a captured step of `rows` rows on its fullest rank runs (its bucket, `graph_decode.bucket`)."""
+    from moeplan.runtime.model.graph_decode import bucket
+
+    return bucket(rows, 2 * rows)
 
 
 def step_profile(profile, rows: int, graphs: bool):
@@ -136,9 +151,7 @@ def step_profile(profile, rows: int, graphs: bool):
     without the graph figures unchanged."""
     if getattr(profile, "graph_op_overhead_s", None) is None:
         return profile
-    from moeplan.runtime.model.graph_decode import bucket
-
-    device = profile.graph_op_overhead_s + profile.graph_op_row_s * (bucket(rows, 2 * rows) if graphs else rows)
+    device = profile.graph_op_overhead_s + profile.graph_op_row_s * (graph_rows(rows) if graphs else rows)
     return dataclasses.replace(profile, op_overhead_s=device if graphs else max(profile.op_overhead_s, device))
 
 

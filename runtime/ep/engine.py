@@ -158,17 +158,20 @@ class Engine:
             self.gather_anchor = None
 
     @contextmanager
-    def padded(self, rows: int):
-        """Inside, a decode forward of this rank alone runs `rows` rows: its own, then padding rows that the MoE
-        blocks compute like the others (a CUDA graph's bucket, `model/graph_decode.py`); the step's slots are still
-        counted from its own rows, after the forward."""
-        keys, all_real = self.keys, self.all_real
+    def padded(self, rows: int, real: torch.Tensor):
+        """Inside, a decode forward runs `rows` rows, its own then padding rows (a CUDA graph's bucket,
+        `model/graph_decode.py`); `real` bool [rows] (on the device, the bucket's own tensor) says which are its own.
+        A rank alone computes the padding rows like the others (no row is selected: fixed shapes); a gathered step
+        routes them nowhere (`gathered_moe.py` reads `real`). The step's slots are still counted from its own rows,
+        after the forward."""
+        keys, all_real, dev_real = self.keys, self.all_real, self.dev_real
         self.keys = torch.cat([keys, keys.new_full((rows - keys.shape[0],), -1)])
-        self.all_real = True
+        self.all_real = self.gather_anchor is None
+        self.dev_real = real
         try:
             yield
         finally:
-            self.keys, self.all_real = keys, all_real
+            self.keys, self.all_real, self.dev_real = keys, all_real, dev_real
 
     def stop_gathering(self) -> None:
         """Back to dynamic gating for every forward (a warm-up that ended eager)."""

@@ -13,10 +13,12 @@ prefill eager. A step the library's code breaks into several graphs (JetMoE's at
 measured slower than eager. Several ranks agree on the outcome (any rank eager: every rank eager, and dynamic
 gating again), since their exchanges must pair up.
 
-On a GPU the same warm-up captures a rank alone's decode steps as CUDA graphs instead (`model/graph_decode.py`,
-over the KV pools of `row_pool.py`, which replace the worker's row cache): the buckets the warm-up's steps need
-are captured there, the others at a step's first need. `MOEPLAN_CUDA_GRAPHS=0` turns it off; GPU ranks of
-several stay eager (dynamic gating).
+On a GPU the same warm-up captures the decode steps as CUDA graphs instead (`model/graph_decode.py`, over the KV
+pools of `row_pool.py`, which replace the worker's row cache), for a rank alone and for ranks of several whose steps
+gather (their exchanges inside the graph): the buckets the warm-up's steps need are captured there, by every rank
+together, the others at a step's first need. A rank's pools hold its share of the service's sequences (the
+scheduler gives no rank more, `scheduler.py`). `MOEPLAN_CUDA_GRAPHS=0` turns it off. A capture that fails in the
+warm-up on any rank leaves every rank eager (and, with several, exchanging by dynamic gating).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ..model.graph_decode import GraphDecode, graphs_wanted
 from ..model.growable_cache import growable_throughout
 from .row_cache import RowCache
 from .row_pool import PooledRows
+from .scheduler import rank_rows
 from .step_plan import STEP, Admission, StepPlan
 
 WARM_PROMPTS = ((1, 2, 3), (4, 5))  # token ids of the two warm-up sequences (any ids the vocabulary has)
@@ -71,8 +74,8 @@ def _why_not_graphs(worker) -> str | None:
     why = _why_not_library_step(worker) or _why_not_held_experts(worker)
     if why is not None:
         return why
-    if worker.world > 1:
-        return "GPU ranks of several run eager decode steps (dynamic gating; their exchanges are not captured)"
+    if worker.world > 1 and gather_refusal(worker.engine) is not None:
+        return gather_refusal(worker.engine)
     if not growable_throughout(worker.engine.model.model.config):
         return ("this model's KV cache has layers the captured step does not run (sliding windows, MLA latents, "
                 "linear attention)")
@@ -119,23 +122,34 @@ def enable_compiled_decode(worker, max_sequences: int = DEFAULT_POOL_ROWS) -> st
 
 
 def enable_graph_decode(worker, max_sequences: int) -> str | None:
-    """A GPU rank alone: the running rows in KV pools (`row_pool.py`), decode steps through `GraphDecode`, warmed
-    up on throw-away sequences (the first buckets captured); any failure leaves the rank eager."""
-    model = worker.engine.model
-    model.compiled_decode = GraphDecode(model.model, model.cache_kwarg, worker.engine.padded)
-    worker.rows = PooledRows(worker.kind, max(max_sequences, WARM_ROWS), model.cache_columns)
+    """GPU ranks (alone, or several whose steps then gather): the running rows in KV pools (`row_pool.py`) of this
+    rank's share of `max_sequences`, decode steps through `GraphDecode`, warmed up on throw-away sequences (the
+    first buckets captured, every rank together); a failure on any rank leaves every rank eager."""
+    engine, model = worker.engine, worker.engine.model
+    if engine.world > 1:
+        enable_gathering(engine)
+    graphs = model.compiled_decode = GraphDecode(model.model, model.cache_kwarg, engine.padded, engine.counters)
+    worker.rows = PooledRows(worker.kind, max(rank_rows(max_sequences, engine.world), WARM_ROWS), model.cache_columns)
     why = None
     try:
         _warm_up(worker)
-        if model.compiled_decode.steps < 2:
+        if graphs.failure is not None:
+            why = f"CUDA graph capture failed on this model ({graphs.failure})"
+        elif graphs.steps < 2:
             why = "the warm-up's decode steps did not run over the KV pools"
-    except Exception as exc:  # a capture the model's code refuses (a host sync inside the step): eager steps serve it
+    except Exception as exc:  # a rank alone whose model's code the warm-up refuses: eager steps serve it
+        if engine.world > 1:  # the ranks' exchanges no longer pair up: nothing to recover
+            raise
         why = f"CUDA graph capture failed on this model ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})"
+    why = _agreed(worker, why)
     if why is not None:
         model.compiled_decode = None
-        for held in (worker.running, worker.owner, worker.sampling, worker.prompt_len, worker.last):
+        engine.stop_gathering()
+        for held in (worker.running, worker.owner, worker.sampling, worker.prompt_len, worker.last, worker.context):
             held.clear()  # the warm-up's sequences, wherever it stopped
         worker.rows = RowCache(worker.kind)
+    elif engine.world > 1:
+        graphs.warm_runs = 0  # later captures: one forward's exchanges on every rank, whoever captures (graph_decode.py)
     worker.forget_counts()
     return why
 

@@ -34,6 +34,13 @@ STATS_INTERVAL_S = 1.0  # how often the loop gathers every rank's counters for m
 PREFILL_SLACK = 2
 
 
+def rank_rows(max_sequences: int, world: int) -> int:
+    """The most sequences one rank of `world` runs at once when the service runs `max_sequences` in standard mode:
+    `_admit` gives each new sequence to the least-loaded rank, whose load is under this share while the service is
+    under `max_sequences`, and lets a step's admissions stay on one rank only below it."""
+    return -(-int(max_sequences) // int(world))
+
+
 @dataclass
 class Limits:
     """What the service holds: the plan's capacity decision and the queue bound."""
@@ -229,13 +236,15 @@ class Scheduler:
 
     def _admit(self, live: _Live, step_owner: int | None) -> Admission:
         """Admit `live` on the least-loaded rank, or on `step_owner` (the rank of this step's admissions so far)
-        while it runs fewer than PREFILL_SLACK sequences more than that rank."""
+        while it runs fewer than PREFILL_SLACK sequences more than that rank and fewer than its share (`rank_rows`:
+        a GPU rank's KV pools hold that many rows; the least-loaded rank is always under it)."""
         live.seq, self._next_seq = self._next_seq, self._next_seq + 1
         live.plan = self._plans + 1  # the number next_plan gives the plan being made
         least = min(range(self.world), key=lambda r: (self._load[r], r))
         if self.coherent:
             live.owner = 0
-        elif step_owner is not None and self._load[step_owner] < self._load[least] + PREFILL_SLACK:
+        elif (step_owner is not None and self._load[step_owner] < self._load[least] + PREFILL_SLACK
+              and self._load[step_owner] < rank_rows(self.limits.max_sequences, self.world)):
             live.owner = step_owner
         else:
             live.owner = least

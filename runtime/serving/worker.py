@@ -28,6 +28,7 @@ from ..ep.engine import COHERENT
 from ..ep.gathered_moe import GATHERED_PREFILL_ROWS
 from ..ep.exchange import pack, unpack
 from .row_cache import RowCache, prefill_inputs
+from .row_pool import PooledRows
 from .sampler import Sampler
 
 KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far shorter)
@@ -60,6 +61,7 @@ class BatchWorker:
         self.sampling: dict = {}    # seq -> (temperature, top_p, top_k, seed), sequences run here
         self.prompt_len: dict = {}
         self.last: dict = {}        # seq -> its newest token (the next decode input), sequences run here
+        self.context: dict = {}     # seq -> the tokens its cache holds, every running sequence (whoever runs it)
         self.sampler = Sampler()
         self.steps = 0
 
@@ -74,15 +76,19 @@ class BatchWorker:
             self.sampling.pop(seq, None)
             self.prompt_len.pop(seq, None)
             self.last.pop(seq, None)
+            self.context.pop(seq, None)
         self.rows.leave(plan.depart)
         new = {}
         if self.running:
             new.update(self._decode())
+            for seq in self.running:
+                self.context[seq] += 1
         if plan.admit:
             with self.engine.gathering(_prefill_rows(plan.admit, self.world) if self.engine.gathers else None):
                 new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
             self.running.update(a.seq for a in plan.admit)
             self.owner.update((a.seq, a.owner) for a in plan.admit)
+            self.context.update((a.seq, len(a.prompt)) for a in plan.admit)
         if self.running:  # every rank agrees: a forward ran this step
             new = self._share(new)
         for seq, token in new.items():
@@ -97,8 +103,13 @@ class BatchWorker:
         self.engine.join_exchanges()
 
     def _decode(self) -> dict:
-        # gathered (`ep/gathered_moe.py`): every rank sends as many rows as the fullest rank runs
+        # gathered (`ep/gathered_moe.py`): every rank sends as many rows as the fullest rank runs; where the steps
+        # replay CUDA graphs (`model/graph_decode.py`), as many as that rank's bucket, the same bucket on every rank
         fullest = max(Counter(self.owner[s] for s in self.running).values()) if self.engine.gathers else None
+        graphs = self.engine.model.compiled_decode
+        if fullest is not None and isinstance(self.rows, PooledRows) and hasattr(graphs, "share"):
+            widest = max(self.context[s] for s in self.running)
+            fullest = graphs.share(fullest, widest + 1, self.rows.capacity_rows, self.rows.capacity_columns)
         with self.engine.gathering(fullest):
             return self._decode_rows()
 
