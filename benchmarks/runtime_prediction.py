@@ -11,8 +11,8 @@ from pathlib import Path
 def predicted_decode_step(config: dict, profile, sequences: int, context: int, gpus: int = 1, seed: int = 0,
                           graphs: bool = True) -> float:
     """Seconds of one decode step of `sequences` sequences at `context` tokens on `profile` (a HardwareProfile),
-    the KV cache at the dtype the runtime holds there; `graphs` False: priced eager even where a service's GPU rank
-    alone captures its decode steps as CUDA graphs."""
+    the KV cache at the dtype the runtime holds there; `graphs` False: priced eager even where a service's GPU ranks
+    capture their decode steps as CUDA graphs."""
     import numpy as np
 
     from moeplan.passes.cost.context import attention_of, shape_with_context

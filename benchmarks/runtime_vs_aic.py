@@ -4,8 +4,8 @@ SGLang estimate for the same cell (issue 39 item 4: within 2x at Qwen3-30B-A3B, 
 For Qwen3-30B-A3B on 1 and 8 H100s (experts contiguous over the GPUs, standard mode) at 1, 16 and 64 requests per
 GPU, 1024 prompt tokens and 128 new (each decode step priced at the middle context, 1088 tokens): the torchrun
 cost model's decode step (`passes/cost/cost_model.py`, launch counts from `runtime_ops.py`: the runtime's counted
-ops at the op cost measured on an H200, docs/gpu_checks.md; a service's GPU rank alone replays its decode steps as
-CUDA graphs, priced at the graph's measured op cost; ranks of several run eager), the same eager, the same with the
+ops at the op cost measured on an H200, docs/gpu_checks.md; a service's GPU ranks replay their decode steps as
+CUDA graphs, priced at the graph's measured op cost, ranks of several gathered), the same eager, the same with the
 fitted counts it used before, and
 AIConfigurator's TPOT (`cli_estimate` through benchmarks/aic_peer.py, in a Python with `aiconfigurator==0.12.0`,
 run here in the same process tree). Balanced routing: k distinct experts per token, uniform.

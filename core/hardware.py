@@ -56,7 +56,7 @@ HOST_FIGURES = ("host_memory_bytes_per_s", "host_flops_per_s", "host_overhead_s"
 PRECISION_FIGURES = ("fp8_flops_per_s",)
 # optional: the measured cost of one op of moeplan's own runtime (eager, host-dispatched), which the torchrun cost
 # model prices the runtime's counted ops at (passes/cost/runtime_ops.py); absent: op_overhead_s and the fitted counts
-# optional: one op of a decode step the runtime captures as a CUDA graph (a GPU rank alone,
+# optional: one op of a decode step the runtime captures as a CUDA graph (GPU ranks,
 # runtime/model/graph_decode.py): a fixed part and a part per row of the step, measured (docs/gpu_checks.md)
 RUNTIME_FIGURES = ("runtime_op_overhead_s", "graph_op_overhead_s", "graph_op_row_s")
 OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES + RUNTIME_FIGURES

@@ -101,7 +101,7 @@ class ModelShape:
                                  # token (attention_context.py); None: attention priced at a short context only
     architecture: str = ""       # the IR's model class: whose counted runtime ops price it (runtime_ops.py)
     decode_graphs: bool = False  # the runtime can capture its decode steps as CUDA graphs (runtime_ops.py:
-                                 # `decode_graphs_possible`): a service's GPU rank alone does
+                                 # `decode_graphs_possible`): a service's GPU ranks do
 
     @classmethod
     def from_ir(cls, ir) -> ModelShape:

@@ -6,7 +6,7 @@ Two sources:
   experts one by one, priced at the profile's `op_overhead_s`; CPU profiles (cpu-gloo, `moeplan calibrate`) fitted
   their op cost against these counts, and the demo's predicted ms/token is checked with them, so they stay for
   every profile that does not measure the runtime's own op cost;
-* a decode step captured as a CUDA graph (a service's GPU rank alone, `runtime/model/graph_decode.py`): the same
+* a decode step captured as a CUDA graph (a service's GPU ranks, `runtime/model/graph_decode.py`): the same
   counted ops, each at its device time, the profile's `graph_op_overhead_s` + `graph_op_row_s` x the step's rows
   (its bucket's, `graph_decode.bucket`): `step_profile`. Fitted on one H200 (docs/gpu_checks.md) to the captured
   step's time less the roofline's compute, at batch 1, 16 and 64 with 16 decoder blocks, and confirmed on the
