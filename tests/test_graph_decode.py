@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplan.passes.importers.resolve import import_file
-from moeplan.runtime.model.graph_decode import ENV, GraphDecode, bucket
+from moeplan.runtime.model.compiled_decode import compiler_missing
+from moeplan.runtime.model.graph_decode import ENV, FUSED_ENV, GraphDecode, bucket
 from moeplan.runtime.model.growable_cache import growable_cache
 from moeplan.runtime.model.library_model import build_transformers
 from moeplan.runtime.serving.decode_compile import enable_graph_decode, why_not_compiled
@@ -144,6 +145,27 @@ def test_bucketed_steps_over_the_pools_match_the_eager_worker_through_joins_and_
     assert fast.engine.counters.to_dict() == eager.engine.counters.to_dict()  # padding rows' slots are not counted
     assert graphs.captures == len(graphs.buckets) <= 6  # rows 1-16 in buckets 1, 2, 3, 4, 6, 8, 12, 16; columns 64
     assert all(columns == 64 for _, columns in graphs.buckets)
+
+
+@pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))
+def test_fused_bucket_steps_run_one_compiled_graph_for_every_bucket_and_match_the_eager_worker(tmp_path, monkeypatch):
+    """MOEPLAN_GRAPH_INDUCTOR=1: each bucket's step is inductor's (a GPU would capture its fused kernels); rows and
+    columns are dynamic, so after the warm-up no bucket compiles a graph of its own."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv(FUSED_ENV, "1")
+    (eager, eager_logits), (fast, fast_logits) = _workers(tmp_path, rows=16)
+    graphs = fast.engine.model.compiled_decode
+    assert graphs.fused and graphs.failure is None
+    compiled = counters["stats"]["unique_graphs"]
+    for plan in bench.schedule(seed=5, steps=40, vocab=64):
+        assert fast.step(plan) == eager.step(plan)
+        for a, b in zip(fast_logits, eager_logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        fast_logits.clear()
+        eager_logits.clear()
+    assert graphs.fused and len(graphs.buckets) >= 4
+    assert counters["stats"]["unique_graphs"] == compiled  # no graph compiled after the warm-up
 
 
 def test_a_gpu_rank_says_why_its_steps_are_not_captured(tmp_path, monkeypatch):

@@ -18,6 +18,10 @@ Per batch B (`--batches`), every sequence with a prompt of `--context` tokens, t
 * `service graph`: the service's own step with its decode steps captured as CUDA graphs, as a GPU rank alone now
   serves (runtime/model/graph_decode.py over the KV pools of runtime/serving/row_pool.py); its tokens against the
   eager step's (`service_graph_tokens_match_runtime`; bf16 sums in another shape may flip near-ties);
+* `fused graph`: `service graph` with inductor's fused kernels captured instead of the eager ones
+  (`MOEPLAN_GRAPH_INDUCTOR=1`: off by default until this measures it), its tokens against the eager step's
+  (`fused_graph_tokens_match_runtime`). Both graph parts count the GPU kernels one replayed step launches
+  (`*_kernels`, torch.profiler over one step): what a captured step's price is per kernel;
 * `compiled`: the service's own step again with its decode step compiled as a CPU rank alone serves it
   (runtime/model/compiled_decode.py; inductor's default mode, no CUDA graphs; enabled on CPUs only so far: this is
   its first GPU figure), its tokens against the eager step's (`compiled_tokens_match_runtime`).
@@ -25,7 +29,7 @@ Beside them: the aten ops one runtime step dispatches (runtime/op_counter.py) an
 (seconds per op, what the cost model's `op_overhead_s` stands for), and the torchrun cost model's predicted
 decode step for the same model, batch, context and GPU profile (passes/cost/cost_model.py, 1 GPU), as a ratio.
 
-    python benchmarks/gpu/decode_step.py --out DIR [--layers 16] [--batches 1 16 64] [--context 1024]
+    python benchmarks/gpu/decode_step.py --out DIR [--layers 16] [--batches 1 16 64] [--context 1024] [--parts ...]
     python benchmarks/gpu/decode_step.py --allow-cpu --out DIR   (a dry run with tiny dims: seconds mean nothing)
     python benchmarks/gpu/decode_step.py --reprice benchmarks/gpu/results/*decode_step*.json   (here, no GPU)
 
@@ -51,6 +55,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from runtime_prediction import predicted_decode_step  # noqa: E402
 from single_rank_engine import build_engine  # noqa: E402
 QWEN3 = REPO / "examples" / "configs" / "qwen3-30b-a3b.json"
+PARTS = ("runtime", "service graph", "static", "predicted", "fused graph", "compiled")
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "num_experts": 16, "num_experts_per_tok": 4, "vocab_size": 512}
 
@@ -91,6 +96,19 @@ class Timer:
         return begin.elapsed_time(end) / 1e3
 
 
+def device_kernels(fn) -> int | None:
+    """GPU kernels launched while `fn()` runs (torch.profiler's CUDA activities; None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def runtime_step(engine, batch: int, context: int, steps: int, vocab: int, timer, seed: int,
                  graphs: bool = False) -> dict:
     """The service's own decode step (BatchWorker over the engine): median seconds and the ops of one step;
@@ -114,10 +132,12 @@ def runtime_step(engine, batch: int, context: int, steps: int, vocab: int, timer
         times = [timer(lambda: tokens.append(worker.step(StepPlan(STEP)))) for _ in range(steps + 2)][2:]
         with OpCounter() as ops:
             worker.step(StepPlan(STEP))
+        kernels = device_kernels(lambda: worker.step(StepPlan(STEP))) if graphs else None
     finally:
         worker.close()
     return {"prefill_s": prefill, "step_s": statistics.median(times), "ops_per_step": ops.total,
-            "top_ops": dict(ops.by_op.most_common(8)), "tokens": [[t[s] for s in range(batch)] for t in tokens]}
+            "top_ops": dict(ops.by_op.most_common(8)), "tokens": [[t[s] for s in range(batch)] for t in tokens],
+            **({"kernels": kernels} if graphs else {})}
 
 
 def compiled_steps(engine, compiled, batch: int, context: int, steps: int, vocab: int, timer, seed: int) -> dict:
@@ -133,20 +153,28 @@ def compiled_steps(engine, compiled, batch: int, context: int, steps: int, vocab
     return {"compiled_step_s": out["step_s"], "compiled_tokens": out["tokens"]}
 
 
-def graph_steps(engine, batch: int, context: int, steps: int, vocab: int, timer, seed: int) -> dict:
+def graph_steps(engine, batch: int, context: int, steps: int, vocab: int, timer, seed: int, fused: bool = False) -> dict:
     """The service's own step with its decode steps captured as CUDA graphs (runtime/model/graph_decode.py over
-    the KV pools of runtime/serving/row_pool.py, sized here for this cell's context): median seconds, the host's
-    ops per replayed step, the buckets captured (capture included in the prefill's and first steps' time), tokens."""
+    the KV pools of runtime/serving/row_pool.py, sized here for this cell's context; `fused`: inductor's kernels
+    captured, MOEPLAN_GRAPH_INDUCTOR=1): median seconds, the host's ops and the GPU's kernels per replayed step, the
+    buckets captured (capture included in the prefill's and first steps' time), tokens."""
+    from moeplan.runtime.model.graph_decode import FUSED_ENV
+
     model = engine.model
-    saved = model.cache_columns
+    saved, saved_env = model.cache_columns, os.environ.get(FUSED_ENV)
     model.cache_columns = context + 3 * steps + 16
+    os.environ[FUSED_ENV] = "1" if fused else "0"
     try:
         out = runtime_step(engine, batch, context, steps, vocab, timer, seed, graphs=True)
-        captured = model.compiled_decode.captures
+        graphs = model.compiled_decode
+        if fused and not graphs.fused:
+            raise RuntimeError(f"inductor refused the step: {graphs.failure}")
     finally:
         model.cache_columns, model.compiled_decode = saved, None
-    return {"service_graph_step_s": out["step_s"], "service_graph_ops": out["ops_per_step"],
-            "service_graph_buckets": captured, "graph_tokens": out["tokens"]}
+        os.environ.pop(FUSED_ENV) if saved_env is None else os.environ.update({FUSED_ENV: saved_env})
+    key = "fused_graph" if fused else "service_graph"
+    return {f"{key}_step_s": out["step_s"], f"{key}_ops": out["ops_per_step"], f"{key}_kernels": out["kernels"],
+            f"{key}_buckets": graphs.captures, f"{key}_tokens": out["tokens"]}
 
 
 def static_steps(engine, model, batch: int, context: int, steps: int, vocab: int, timer, seed: int, graphs: bool) -> dict:
@@ -278,6 +306,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT", str(REPO / "build" / "gpu_decode_step")))
     ap.add_argument("--allow-cpu", action="store_true", help="dry run without CUDA, tiny dims (seconds mean nothing)")
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                    help="the parts to run per cell (default: all; the inductor ones compile for minutes)")
     args = ap.parse_args(argv)
     if args.reprice:
         return reprice(args.reprice)
@@ -315,9 +345,12 @@ def main(argv=None) -> int:
                  ("service graph", graph_steps, (engine, batch, args.context, args.steps, vocab, timer, args.seed)),
                  ("static", static_steps, (engine, model, batch, args.context, args.steps, vocab, timer, args.seed, cuda)),
                  ("predicted", predicted_cell, (config, profile, batch, args.context, args.seed)),
-                 # last: its first cell compiles triton kernels (a minute or more), which a short lease may cut off
+                 # last: their first cell compiles triton kernels (a minute or more), which a short lease may cut off
+                 ("fused graph", graph_steps, (engine, batch, args.context, args.steps, vocab, timer, args.seed, True)),
                  ("compiled", compiled_steps, (engine, compiled, batch, args.context, args.steps, vocab, timer, args.seed)))
         for part, fn, fn_args in parts:
+            if part not in args.parts:
+                continue
             try:
                 cell.update(fn(*fn_args))
             except Exception as exc:  # one part failing must not lose the others' figures
@@ -336,11 +369,12 @@ def main(argv=None) -> int:
             cell["compiled_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
             if "compiled_step_s" in cell and "step_s" in cell:
                 cell["runtime_over_compiled"] = cell["step_s"] / cell["compiled_step_s"]
-        if "tokens" in cell and "graph_tokens" in cell:  # bf16 near-ties may flip between bucket shapes
-            pairs = list(zip(cell["tokens"], cell.pop("graph_tokens")))
-            cell["service_graph_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
-            if "service_graph_step_s" in cell and "step_s" in cell:
-                cell["runtime_over_service_graph"] = cell["step_s"] / cell["service_graph_step_s"]
+        for key in ("service_graph", "fused_graph"):  # bf16 near-ties may flip between bucket shapes
+            if "tokens" in cell and f"{key}_tokens" in cell:
+                pairs = list(zip(cell["tokens"], cell.pop(f"{key}_tokens")))
+                cell[f"{key}_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
+                if f"{key}_step_s" in cell and "step_s" in cell:
+                    cell[f"runtime_over_{key}"] = cell["step_s"] / cell[f"{key}_step_s"]
         if "tokens" in cell and "static_tokens" in cell:  # the static step runs the same model: same greedy tokens
             pairs = list(zip(cell.pop("tokens"), cell.pop("static_tokens")))
             cell["static_tokens_match_runtime"] = sum(a == b for a, b in pairs) / len(pairs)
@@ -352,7 +386,8 @@ def main(argv=None) -> int:
         (out / "decode_step.json").write_text(json.dumps(report, indent=1, sort_keys=True))
     print(f"{name} ({profile}), {Path(args.config).name} cut to {args.layers} layers, context {args.context}, "
           f"{report['dtype']}, load {report['load_average']:.2f}")
-    print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'svc graph ms':>12} {'compiled ms':>11} "
+    print(f"{'batch':>5} {'runtime ms':>11} {'ops':>6} {'us/op':>6} {'svc graph ms':>12} {'fused graph ms':>14} "
+          f"{'kernels':>7} {'compiled ms':>11} "
           f"{'static ms':>10} {'graph ms':>9} "
           f"{'eager/graph':>11} {'predicted ms':>12} {'runtime/pred':>12} {'pred graph ms':>13} {'svc graph/pred':>14}")
     for c in report["cells"]:
@@ -360,7 +395,7 @@ def main(argv=None) -> int:
             return f"{c[key] * 1e3:.2f}" if key in c else "-"
         print(f"{c['batch']:>5} {ms('step_s'):>11} {c.get('ops_per_step', '-'):>6} "
               f"{(c['seconds_per_op'] * 1e6 if 'seconds_per_op' in c else 0):>6.1f} {ms('service_graph_step_s'):>12} "
-              f"{ms('compiled_step_s'):>11} "
+              f"{ms('fused_graph_step_s'):>14} {str(c.get('fused_graph_kernels', '-')):>7} {ms('compiled_step_s'):>11} "
               f"{ms('eager_step_s'):>10} "
               f"{ms('graph_step_s'):>9} {c.get('eager_over_graph', 0):>11.2f} {ms('predicted_step_s'):>12} "
               f"{c.get('runtime_over_predicted', 0):>12.2f} {ms('predicted_graph_step_s'):>13} "

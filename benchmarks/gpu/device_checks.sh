@@ -11,7 +11,11 @@
 #      PCIe time), verified, measured beside the modelled seconds;
 #   4. serving.py through serve_check.sh's steps: qwen3_moe at 1 rank on the GPU, concurrency 1/16/64, beside the
 #      static batch (the transformers peer needs packages the machine lacks);
-#   5. fp8_experts_check.py: one Qwen3-30B-A3B MoE layer's experts held bf16 and FP8 (weight-only), timed.
+#   5. fp8_experts_check.py: one Qwen3-30B-A3B MoE layer's experts held bf16 and FP8 (weight-only), timed;
+#   6. decode_fused (not in the default PARTS: a second call, `PARTS=decode_fused`, as triton compiles for minutes):
+#      decode_step.py's inductor parts at batch 16, the fused kernels captured as CUDA graphs (MOEPLAN_GRAPH_INDUCTOR)
+#      and compiled uncaptured, with the kernels one captured step launches: whether fusion can bring the runtime's
+#      step within 2x of AIConfigurator (docs/cost_model.md).
 # Python packages the machine lacks travel as wheels in .whl/ (built here with `bash benchmarks/gpu/wheels.sh`)
 # and install into the machine's Python; moeplan is imported from this checkout. $OUT gets one .txt per part and
 # figures.tgz with every JSON (the device tool brings back at most 8 files).
@@ -48,12 +52,15 @@ part() {  # part NAME SECONDS COMMAND...: run under a limit, output to $OUT/NAME
   echo "   rc $? in $((SECONDS - start)) s" | tee -a "$OUT/parts.txt"
 }
 
-part decode_step 140 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step"
+part decode_step 140 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_step" \
+  --parts runtime "service graph" static predicted
 part op_check 60 bash benchmarks/gpu/op_check.sh
 part offload_check 190 "$PY" benchmarks/gpu/offload_check.py --out "$WORK/offload_check" --models wide
 part serving 160 "$PY" benchmarks/serving.py --models qwen3_moe --ranks 1 --concurrency 1 16 64 --peers static \
   --threads 1 --keep "$WORK/serving" --json
 part fp8_experts 60 "$PY" benchmarks/gpu/fp8_experts_check.py --out "$WORK/fp8_experts"
+part decode_fused 420 "$PY" benchmarks/gpu/decode_step.py --out "$WORK/decode_fused" --batches 16 \
+  --parts runtime "service graph" predicted "fused graph" compiled
 [ -f "$OUT/serving.txt" ] && tail -n 1 "$OUT/serving.txt" > "$WORK/serving.json"
 rm -rf "$WORK/serving"
 tar czf "$OUT/figures.tgz" -C "$WORK" . 2>/dev/null

@@ -38,9 +38,10 @@ import sys
 
 import torch
 
-from .compiled_decode import CompiledDecode
+from .compiled_decode import CompiledDecode, _mark_dynamic
 
 ENV = "MOEPLAN_CUDA_GRAPHS"
+FUSED_ENV = "MOEPLAN_GRAPH_INDUCTOR"  # 1: capture inductor's fused kernels instead of the eager ones (not yet measured)
 WARM_RUNS = 2  # eager runs of a bucket's step before its capture (on a side stream, as torch.cuda.graph asks)
 MIN_COLUMNS = 64
 
@@ -48,6 +49,11 @@ MIN_COLUMNS = 64
 def graphs_wanted() -> bool:
     """`MOEPLAN_CUDA_GRAPHS` is not 0/false/no/off (default: on)."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fused_wanted() -> bool:
+    """`MOEPLAN_GRAPH_INDUCTOR` is 1/true/yes/on (default: off, until a GPU has measured it)."""
+    return os.environ.get(FUSED_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def bucket(n: int, cap: int, least: int = 1) -> int:
@@ -103,6 +109,7 @@ class GraphDecode(CompiledDecode):
         self.buckets: dict = {}
         self.captures = 0  # graphs captured (or, without CUDA, buckets built)
         self.warm_runs = WARM_RUNS
+        self.fused = fused_wanted()  # the step's function: inductor's (`_fn`, one graph for every bucket) or eager
         self.shared = None  # (rows, columns) of the bucket every rank's step runs in, where ranks exchange in it
         self._mempool = None
 
@@ -139,11 +146,23 @@ class GraphDecode(CompiledDecode):
                 self.counters.add_counts(step.counts)
         else:
             with self.padded(step.rows, step.real):
-                step.logits = self._forward(step.ids, step.positions, step.key_mask, step.static)
+                step.logits = self._step(step)
         for layer in cache.layers:
             layer.advance(width)
         self.steps += 1
         return step.logits[:B].clone()
+
+    def _step(self, step: _BucketStep) -> torch.Tensor:
+        """The bucket's forward over its static tensors: inductor's (`fused`; rows and columns dynamic, so one graph
+        serves every bucket) or eager. A compiler that raises leaves this step, and every later one, eager."""
+        if self.fused:
+            _mark_dynamic(step.ids, step.positions, step.key_mask, step.static.layers)
+            try:
+                return self._fn(step.ids, step.positions, step.key_mask, step.static)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                self.failure = self.failure or f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                self.fused = False
+        return self._forward(step.ids, step.positions, step.key_mask, step.static)
 
     def _build(self, rows: int, columns: int, pools: list, device) -> _BucketStep:
         from transformers import StaticCache
@@ -165,7 +184,7 @@ class GraphDecode(CompiledDecode):
             with torch.cuda.stream(side):
                 for _ in range(self.warm_runs):
                     step.fill(ids, positions, key_mask, write_column)
-                    self._forward(step.ids, step.positions, step.key_mask, step.static)
+                    self._step(step)
             torch.cuda.current_stream().wait_stream(side)
             step.fill(ids, positions, key_mask, write_column)
             if self._mempool is None:
@@ -174,7 +193,7 @@ class GraphDecode(CompiledDecode):
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self._mempool):
-                    step.logits = self._forward(step.ids, step.positions, step.key_mask, step.static)
+                    step.logits = self._step(step)
             except Exception as exc:  # this bucket runs uncaptured: the same exchanges, so ranks stay paired
                 if before is not None:
                     self.counters.restore(before)  # what the failed tracing counted moved nothing
