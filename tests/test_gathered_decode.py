@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from moeplan.passes.importers.resolve import import_file
 from moeplan.runtime.ep.gathered_moe import gather_refusal
 from moeplan.runtime.model.compiled_decode import ENV, compiler_missing
+from moeplan.runtime.model.graph_decode import FUSED_ENV
 from moeplan.runtime.serving.decode_compile import why_not_compiled
 from moeplan.runtime.serving.step_plan import StepPlan
 from moeplan.runtime.serving.worker import BatchWorker
@@ -136,6 +137,7 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
         "recompiled": dynamo_counters["stats"]["unique_graphs"] - graphs if compile_ else 0,
         "slots_equal": slots[0] == slots[1], "slots": slots[1],
         "buckets": sorted(getattr(compiled, "buckets", {})), "pool_rows": getattr(fast.rows, "capacity_rows", None),
+        "fused": getattr(compiled, "fused", None),
         "dispatch_bytes": [layer["dispatch"]["bytes"] for layer in fast_engine.counters.layers]}))
     for e in (base_engine, fast_engine):
         e.ex.close()
@@ -199,14 +201,18 @@ def test_a_rank_whose_compiler_fails_mid_warm_up_keeps_the_exchanges_paired_and_
         assert not seen["gathers"] and seen["compiled_steps"] == 0 and seen["same"] and seen["diff"] == 0, seen
 
 
-def test_bucketed_gathered_steps_over_the_pools_match_dynamic_gating_in_step_on_both_ranks(tmp_path):
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=[pytest.mark.slow, needs_compiler])])
+def test_bucketed_gathered_steps_over_the_pools_match_dynamic_gating_in_step_on_both_ranks(tmp_path, monkeypatch, fused):
     """The path GPU ranks of several capture as CUDA graphs (model/graph_decode.py), uncaptured on CPU: both ranks'
     decode steps run in the same buckets (the fullest rank's rows, the longest context), padding rows routing nowhere;
     a rank with no row joins the exchanges at the bucket's rows. Tokens, logits and slot counts are dynamic
-    gating's."""
+    gating's; `fused` (MOEPLAN_GRAPH_INDUCTOR=1): inductor's step with its exchanges inside, no graph compiled after
+    the warm-up."""
+    monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")  # the spawned ranks inherit it
     first, second = _run_pair(tmp_path, "gloo", "graphs")
     for rank, seen in enumerate((first, second)):
         assert seen["why"] is None and seen["gathers"] and seen["pool_rows"] == GRAPH_SEQUENCES // 2, (rank, seen)
+        assert seen["fused"] is fused and seen["recompiled"] == 0, (rank, seen)
         assert seen["same"] and seen["diff"] <= 1e-5 and seen["slots_equal"], (rank, seen)
         assert seen["compiled_steps"] == seen["own_decodes"] > 15, (rank, seen)  # every decode step with rows here
     assert first["buckets"] == second["buckets"] and len(first["buckets"]) >= 3  # the same buckets, in step
