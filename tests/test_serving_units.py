@@ -189,14 +189,16 @@ def test_standard_mode_owners_balance_and_prefill_stays_within_its_budget():
 
 @settings(max_examples=60, deadline=None)
 @given(world=st.integers(2, 4), events=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1,
-                                                 max_size=30))
-def test_a_steps_admissions_share_a_rank_while_loads_stay_within_the_slack(world, events):
+                                                 max_size=30), sequences=st.sampled_from([2, 5, 9, 64]))
+def test_a_steps_admissions_share_a_rank_while_loads_stay_within_the_slack(world, events, sequences):
     """Any arrivals and finishes: each admission goes to its step's earlier admissions' rank only while that rank
-    runs fewer than PREFILL_SLACK sequences more than the least-loaded one, else to the least-loaded rank; every
-    step's admissions take at most as many ranks as they must."""
-    from moeplan.runtime.serving.scheduler import PREFILL_SLACK
+    runs fewer than PREFILL_SLACK sequences more than the least-loaded one and fewer than its share of the service's
+    sequences, else to the least-loaded rank; no rank ever runs more than its share (a GPU rank's KV pools hold
+    that many rows)."""
+    from moeplan.runtime.serving.scheduler import PREFILL_SLACK, rank_rows
 
-    c = Scheduler("m", Limits(4096, 64, 64), vocab_size=50, world=world, coherent=False, num_layers=1)
+    share = rank_rows(sequences, world)
+    c = Scheduler("m", Limits(4096, sequences, 64), vocab_size=50, world=world, coherent=False, num_layers=1)
     load, owner_of, n = [0] * world, {}, 0
     for arrivals, finishing in events:
         for _ in range(arrivals):
@@ -210,11 +212,12 @@ def test_a_steps_admissions_share_a_rank_while_loads_stay_within_the_slack(world
         previous = None
         for a in plan.admit:
             least = min(load)
-            if previous is not None and load[previous] < least + PREFILL_SLACK:
+            if previous is not None and load[previous] < least + PREFILL_SLACK and load[previous] < share:
                 assert a.owner == previous
             else:
                 assert load[a.owner] == least
             load[a.owner] += 1
+            assert load[a.owner] <= share
             owner_of[a.seq], previous = a.owner, a.owner
         running = sorted(owner_of)
         c.on_tokens(dict.fromkeys(running, 1))

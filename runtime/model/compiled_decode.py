@@ -58,7 +58,7 @@ class CompiledDecode:
         self.model, self.kwarg = model, cache_kwarg
         self.dtype = next(model.parameters()).dtype
         self._static = StaticCache(config=model.config, max_cache_len=1)  # the library's layers, given our buffers
-        # batch and columns are marked dynamic one by one (`_mark_dynamic`); the other sizes stay constants.
+        # batch and columns are marked dynamic one by one (`mark_dynamic`); the other sizes stay constants.
         # Duck sizing would make equal sizes one symbol (a batch of 2 and 2 K/V heads) and recompile when they part.
         torch.fx.experimental._config.use_duck_shape = False
         # grouped_attention's functools caches hold pure functions of a module's class (its eager function's bytecode):
@@ -127,7 +127,7 @@ class CompiledDecode:
             mine.device = keys.device
             mine.cumulative_length = torch.tensor(first, device=keys.device)  # where this step writes
             mine.is_initialized = True
-        _mark_dynamic(ids, positions, key_mask, self._static.layers)
+        mark_dynamic(ids, positions, key_mask, self._static.layers)
         logits = self._run(compiled, eager, ids, positions, key_mask)
         for mine, layer in zip(self._static.layers, cache.layers):
             layer.advance(columns)
@@ -168,7 +168,7 @@ class CompiledDecode:
         return out.logits
 
 
-def _mark_dynamic(ids, positions, key_mask, layers) -> None:
+def mark_dynamic(ids, positions, key_mask, layers) -> None:
     """Batch (every input's dim 0) and columns (key_mask's dim 1, the K/V views' dim 2) as dynamic sizes;
     `maybe_`: a batch of one may still get a graph of its own."""
     mark = torch._dynamo.maybe_mark_dynamic

@@ -38,7 +38,7 @@ import sys
 
 import torch
 
-from .compiled_decode import CompiledDecode, _mark_dynamic
+from .compiled_decode import CompiledDecode, mark_dynamic
 
 ENV = "MOEPLAN_CUDA_GRAPHS"
 FUSED_ENV = "MOEPLAN_GRAPH_INDUCTOR"  # 1: capture inductor's fused kernels instead of the eager ones (not yet measured)
@@ -156,7 +156,7 @@ class GraphDecode(CompiledDecode):
         """The bucket's forward over its static tensors: inductor's (`fused`; rows and columns dynamic, so one graph
         serves every bucket) or eager. A compiler that raises leaves this step, and every later one, eager."""
         if self.fused:
-            _mark_dynamic(step.ids, step.positions, step.key_mask, step.static.layers)
+            mark_dynamic(step.ids, step.positions, step.key_mask, step.static.layers)
             try:
                 return self._fn(step.ids, step.positions, step.key_mask, step.static)
             except torch._dynamo.exc.TorchDynamoException as exc:
@@ -204,4 +204,3 @@ class GraphDecode(CompiledDecode):
             if before is not None:
                 step.counts = self.counters.since(before)
             step.graph = graph
-

@@ -74,8 +74,9 @@ def _why_not_graphs(worker) -> str | None:
     why = _why_not_library_step(worker) or _why_not_held_experts(worker)
     if why is not None:
         return why
-    if worker.world > 1 and gather_refusal(worker.engine) is not None:
-        return gather_refusal(worker.engine)
+    why = gather_refusal(worker.engine) if worker.world > 1 else None
+    if why is not None:
+        return why
     if not growable_throughout(worker.engine.model.model.config):
         return ("this model's KV cache has layers the captured step does not run (sliding windows, MLA latents, "
                 "linear attention)")
