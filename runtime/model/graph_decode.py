@@ -13,7 +13,10 @@ kernels it captured at the addresses and shapes it captured, so here:
   pools' sizes), captured the first time a step needs it; padding rows (token 0, no key) run and are dropped,
   padding columns are masked;
 * inputs are copied into the graph's own tensors (ids, positions [Bb, 1], key_mask [Bb, Wb], real [Bb]: which rows
-  are the step's) and the logits out of its output [Bb, 1, V].
+  are the step's); every graph writes its logits into the first Bb rows of one buffer [R, 1, V], so no graph keeps
+  an output of its own: the buckets' graphs share one memory pool, which holds one step's working set at a time,
+  and however many buckets a service captures, their memory is that pool and the buffer (R x V x 2 bytes at bf16:
+  19 MB at 64 rows of Qwen3's 151,936 tokens).
 The captured function is `CompiledDecode._forward` run eager: the library's forward under the additive mask
 (inductor's kernels inside a graph are not measured on a GPU yet). While a bucket's step runs, the engine lets the
 MoE blocks see the padding rows (`Engine.padded`); after each step it counts the real rows' slots.
@@ -66,7 +69,7 @@ def bucket(n: int, cap: int, least: int = 1) -> int:
 
 
 class _BucketStep:
-    """One bucket's static inputs, its library StaticCache over the pools' views, and its graph and logits."""
+    """One bucket's static inputs, its library StaticCache over the pools' views, and its graph."""
 
     def __init__(self, rows: int, columns: int, pools: list, static_cache, column: torch.Tensor, device):
         self.rows, self.columns = rows, columns
@@ -81,7 +84,6 @@ class _BucketStep:
             layer.device, layer.is_initialized = keys.device, True
             layer.cumulative_length = column[l]  # a view: one fill sets every layer's write column
         self.graph = None
-        self.logits = None
         self.counts = None  # the exchanges' counts of one step (counted at the capture), added at each later replay
 
     def fill(self, ids, positions, key_mask, write_column: int) -> None:
@@ -112,6 +114,7 @@ class GraphDecode(CompiledDecode):
         self.fused = fused_wanted()  # the step's function: inductor's (`_fn`, one graph for every bucket) or eager
         self.shared = None  # (rows, columns) of the bucket every rank's step runs in, where ranks exchange in it
         self._mempool = None
+        self._logits = None  # [R, 1, V]: every bucket's step writes its rows' logits here (module docstring)
 
     def applies(self, cache) -> bool:
         layers = getattr(cache, "layers", None)
@@ -134,6 +137,7 @@ class GraphDecode(CompiledDecode):
         pools = [layer.pool for layer in cache.layers]
         R, C = pools[0][0].shape[0], pools[0][0].shape[2]
         key, self.shared = self.shared or (bucket(B, R), bucket(width, C, MIN_COLUMNS)), None
+        self._rows = R
         step = self.buckets.get(key)
         captured_now = step is None
         if captured_now:
@@ -146,11 +150,18 @@ class GraphDecode(CompiledDecode):
                 self.counters.add_counts(step.counts)
         else:
             with self.padded(step.rows, step.real):
-                step.logits = self._step(step)
+                self._step_into_logits(step)
         for layer in cache.layers:
             layer.advance(width)
         self.steps += 1
-        return step.logits[:B].clone()
+        return self._logits[:B].clone()
+
+    def _step_into_logits(self, step: _BucketStep) -> None:
+        """The bucket's step, its logits [Bb, 1, V] copied into the shared buffer (made at the first step)."""
+        logits = self._step(step)
+        if self._logits is None:
+            self._logits = logits.new_empty((self._rows, *logits.shape[1:]))
+        self._logits[:step.rows].copy_(logits)
 
     def _step(self, step: _BucketStep) -> torch.Tensor:
         """The bucket's forward over its static tensors: inductor's (`fused`; rows and columns dynamic, so one graph
@@ -184,7 +195,7 @@ class GraphDecode(CompiledDecode):
             with torch.cuda.stream(side):
                 for _ in range(self.warm_runs):
                     step.fill(ids, positions, key_mask, write_column)
-                    self._step(step)
+                    self._step_into_logits(step)
             torch.cuda.current_stream().wait_stream(side)
             step.fill(ids, positions, key_mask, write_column)
             if self._mempool is None:
@@ -193,7 +204,7 @@ class GraphDecode(CompiledDecode):
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self._mempool):
-                    step.logits = self._step(step)
+                    self._step_into_logits(step)
             except Exception as exc:  # this bucket runs uncaptured: the same exchanges, so ranks stay paired
                 if before is not None:
                     self.counters.restore(before)  # what the failed tracing counted moved nothing
