@@ -52,7 +52,11 @@ def test_no_placement_is_predicted_below_the_floor(name, per_node, nodes, expert
                        moe_dense_flops=float(10 ** rng.uniform(2, 8)), expert_bytes=float(10 ** rng.uniform(3, 9)),
                        attention_bytes=float(10 ** rng.uniform(3, 9)),
                        attention_context=AttentionContext(float(10 ** rng.uniform(1, 7)), float(10 ** rng.uniform(0, 6)))
-                       if rng.random() < 0.7 else None)
+                       if rng.random() < 0.7 else None,
+                       # a service's GPU ranks replay captured decode steps (gathered where the architecture's MoE
+                       # blocks can: not DBRX's), as `predict` prices them
+                       architecture=str(rng.choice(["", "Qwen3MoeForCausalLM", "DbrxForCausalLM"])),
+                       decode_graphs=bool(rng.random() < 0.5))
     workload = Workload(tuple(prompts), new)
     routing = _routing(rng, workload, layers, experts, k, none_share)
     hosts = _hosts(rng, layers, experts, world, density)

@@ -21,6 +21,9 @@ term that no placement changes and bounding the others from below:
   and each sequence's cache read once, on one rank);
 * the block's pace max(max_r c_r, sum_r c_r / p) (p ranks compute at once) is then at least
   max(max_r known_r, (sum_r known_r + sum_r x_r) / p).
+A service's decode steps that replay CUDA graphs (`runtime_ops.captures_decode_graphs`) are floored at the prices
+`predict` gives them: their ops at the device's op cost, gathered MoE blocks' counts at several ranks, one
+collective per exchange call and no replica choice on the host.
 Each of these is at most the term `predict` charges, so the floor is at most every placement's
 prediction (tests/test_cost_floor.py checks it on random placements). It is placement-free: one
 figure per mode for a topology, whatever the policy or redundant slots.
@@ -32,7 +35,7 @@ import numpy as np
 from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDARD, ModelShape, Workload, _cost, _costs,
                                             _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
                                             collectives_per_call, profile_ops_per_sequence, routing_samples)
-from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops, runtime_profile
+from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile, step_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -52,7 +55,8 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
     W = world
     ops = runtime_ops(profile, shape.architecture)  # the prediction's own counts and op cost (cost_model.predict)
     calls = ops if mode == STANDARD else FITTED  # whose exchange calls' ops (cost_model.predict's counter)
-    profile = runtime_profile(profile)
+    graphs = captures_decode_graphs(profile, W, mode, shape, ops)
+    eager_profile = runtime_profile(profile)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     total = 0.0
     for step_tokens in workload.steps():
@@ -63,6 +67,10 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         one_rank = attention_at_context(shape, np.zeros_like(seq), seq, pos, 1)  # every key, each cache read once
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)
         requests = len(np.unique(seq))
+        captured = graphs and requests == n  # as `predict` prices the step
+        profile = step_profile(eager_profile, -(-n // W), captured)
+        gathered = captured and W > 1
+        moe_ops = ops.moe_gathered if gathered else (ops.moe_block(W) if mode == STANDARD else ops.moe)
         placed = False  # coherent mode: tokens sit where the placement put them (after the first MoE layer)
         for block in range(shape.num_blocks):
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
@@ -92,9 +100,9 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
                 total += _pace_floor(profile, known, spread, W)
                 continue
             ids = slot_ids[:, moe, :]
-            known += _cost(profile, ops.moe_block(W) if mode == STANDARD else ops.moe, 0.0)
+            known += _cost(profile, moe_ops, 0.0)
             if mode == STANDARD:
-                known += _slots(profile, held * shape.top_k)
+                known += _slots(profile, 0 if gathered else held * shape.top_k)
             elif not placed:
                 known += _slots(profile, n * shape.top_k)
             else:
@@ -102,7 +110,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             spread += _experts_floor(profile, shape, ids, ops.expert_call)
             total += _pace_floor(profile, known, spread, W)
             if mode == STANDARD:
-                total += _call(profile, W, "dispatch", calls) + _call(profile, W, "combine", calls)
+                total += _call(profile, W, "dispatch", calls, gathered) + _call(profile, W, "combine", calls, gathered)
             else:
                 total += (_call(profile, W, "dispatch", calls) if placed else 0.0) + _call(profile, W, "merge", calls)
                 placed = True
@@ -131,11 +139,12 @@ def _pace_floor(profile, known: np.ndarray, spread: float, world: int) -> float:
     return float(max(known.max(), (known.sum() + spread) / ranks))
 
 
-def _call(profile, world: int, phase: str, calls) -> float:
+def _call(profile, world: int, phase: str, calls, known_counts: bool = False) -> float:
     """The fixed part of one exchange call (`cost_model._Counter.exchange`'s `call`, less merge's per-row work),
-    its ops `calls.exchange_call` (RuntimeOps)."""
+    its ops `calls.exchange_call` (RuntimeOps); `known_counts`: a gathered step's call, one collective."""
     if world == 1:
         return 0.0
     ops = calls.exchange_call(phase, world)
     # one round where CPU ranks may share a host (the optimistic case: a floor)
-    return collectives_per_call(phase, profile.device_is_host) * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
+    collectives = 1 if known_counts else collectives_per_call(phase, profile.device_is_host)
+    return collectives * profile.collective_latency(world) + ops * profile.op_overhead_s * _oversubscribed(profile, world)
