@@ -63,6 +63,10 @@ def test_every_time_figure_names_its_workload_and_routing(two_rank_run, capsys):
         assert (f"the plan's figure, for another workload: {cost['modes'][mode]['seconds_per_token'] * 1e3:.2f} ms/token"
                 in printed and "for 8x32+8 (8 requests of 32 prompt tokens, 8 new tokens each) on the planning trace" in printed)
         assert f"the plan's {plan['predicted']['gpu_local_fraction']:.4f} is on the planning trace" in printed
+        assert r["plan_decode_steps"] is None  # a CPU plan: nothing captured
+        run_command._print({**r, "texts": [], "plan_decode_steps": "cuda graphs"}, verify=False)  # a GPU plan's
+        assert ("the plan's figure, for another workload and for a service (its decode steps replayed as CUDA graphs; "
+                "this run's are eager):") in capsys.readouterr().out
     compiled = (Path(plan["inputs"]["model"]).parent / "compile.out").read_text()
     assert f"on the planning trace ({plan['inputs']['trace_tokens']:,} tokens): gpu_local_fraction" in compiled
     assert "predicted for workload 8x32+8 (8 requests of 32 prompt tokens, 8 new tokens each; routing sampled from the " \

@@ -52,6 +52,7 @@ def measured_beside_predicted(root: Path, plan: dict, out_dir: Path, mode: str, 
         # what each prediction is for: this run's prompts and routing, beside the plan's workload and trace
         "workload": pred["workload"], "plan_workload": cost.get("workload"),
         "plan_seconds_per_token": planned.get("seconds_per_token"),
+        "plan_decode_steps": cost.get("decode_steps"),  # "cuda graphs": the plan priced a service's captured steps
         "plan_total_bytes_per_token": planned.get("total_bytes_per_token"),
         "predicted_bytes_per_token": pred["bytes_per_token"],
         "predicted_total_bytes_per_token": pred["total_bytes_per_token"],

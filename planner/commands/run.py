@@ -57,6 +57,7 @@ def run(bundle, verify, nproc, prompts_path, new_tokens, mode, results, timeout,
             "predicted_messages_per_token", "seconds_per_token", "predicted_seconds_per_token", "bytes_match_prediction",
             "predicted_hardware", "load_average", "calibration_load_average", "prompt_encoding", "expert_cache",
             "workload", "plan_workload", "plan_seconds_per_token", "plan_total_bytes_per_token", "plan_gpu_local_fraction",
+            "plan_decode_steps",
             "weight_dtype", "expert_weight_dtype", "logit_tolerance")
     as_dicts = {m: {k: r[k] for k in keys if k in r} | {"per_layer": r["per_layer"]} for m, r in reports.items()}
     if as_json:
@@ -103,6 +104,15 @@ def _run_lambda(bundle, verify, prompts_path, new_tokens, as_json):
         sys.exit(1)
 
 
+def plan_figure_basis(report: dict) -> str:
+    """What the plan's own figure was priced for, beside this run's: another workload, and on GPU profiles a
+    service whose decode steps replay CUDA graphs (plan.json `predicted.cost.decode_steps`), which a static run's
+    eager steps are not."""
+    if report.get("plan_decode_steps") == "cuda graphs":
+        return "for another workload and for a service (its decode steps replayed as CUDA graphs; this run's are eager)"
+    return "for another workload"
+
+
 def _loads(report: dict) -> str:
     """', load average L; calibrated at load C' where known: a CPU's measured time follows its load."""
     text = "" if report.get("load_average") is None else f", load average {report['load_average']:.1f}"
@@ -129,7 +139,7 @@ def _print(report: dict, verify: bool) -> None:
                    f"{report['predicted_seconds_per_token'] * 1e3:.2f} ms/token on {report['predicted_hardware']} "
                    f"(measured {report['seconds_per_token'] * 1e3:.2f}{_loads(report)})")
         if report.get("plan_seconds_per_token") is not None:
-            click.echo(f"  the plan's figure, for another workload: {report['plan_seconds_per_token'] * 1e3:.2f} ms/token, "
+            click.echo(f"  the plan's figure, {plan_figure_basis(report)}: {report['plan_seconds_per_token'] * 1e3:.2f} ms/token, "
                        f"{report['plan_total_bytes_per_token']:.0f} B/token in {report['mode']} mode for "
                        f"{report['plan_workload']} ({workload_words(report['plan_workload'])}) on the planning trace's routing")
     plan_text = ("" if report.get("plan_gpu_local_fraction") is None else
