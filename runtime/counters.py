@@ -51,11 +51,13 @@ class Counters:
     def since(self, before: dict) -> dict:
         """What was counted after the `snapshot` `before`, in `to_dict`'s form (a CUDA graph's exchanges, counted
         once at its capture: `model/graph_decode.py` adds them again at each replay with `add_counts`)."""
-        return sum_counters([self.to_dict(), _negated(before)])
+        delta = self.snapshot()
+        _add_into(delta, before, sign=-1)
+        return delta
 
     def add_counts(self, counts: dict) -> None:
         """Add counts in `to_dict`'s form (`since`'s) to these, in place (the exchanger holds this object)."""
-        self.restore(sum_counters([self.to_dict(), counts]))
+        _add_into(self.to_dict(), counts)
 
     def restore(self, counts: dict) -> None:
         """Set these counts to `counts` (`to_dict`'s form), in place."""
@@ -65,23 +67,22 @@ class Counters:
         self.step.update(counts["step"])
 
 
-def _negated(counts: dict) -> dict:
-    neg = lambda v: {f: -x for f, x in v.items()} if isinstance(v, dict) else -v
-    return {"layers": [{key: neg(value) for key, value in layer.items()} for layer in counts["layers"]],
-            "step": {key: -value for key, value in counts["step"].items()}}
+def _add_into(total: dict, other: dict, sign: int = 1) -> None:
+    """`other`'s counts (`to_dict`'s form) added into `total`'s in place (`sign` -1: subtracted)."""
+    for mine, theirs in zip(total["layers"], other["layers"]):
+        for key, value in theirs.items():
+            if isinstance(value, dict):
+                for f, v in value.items():
+                    mine[key][f] += sign * v
+            else:
+                mine[key] += sign * value
+    for key, value in other["step"].items():
+        total["step"][key] += sign * value
 
 
 def sum_counters(dicts: list) -> dict:
     """Element-wise sum of several ranks' `Counters.to_dict()`."""
     total = copy.deepcopy(dicts[0])
     for other in dicts[1:]:
-        for mine, theirs in zip(total["layers"], other["layers"]):
-            for key, value in theirs.items():
-                if isinstance(value, dict):
-                    for f, v in value.items():
-                        mine[key][f] += v
-                else:
-                    mine[key] += value
-        for key, value in other["step"].items():
-            total["step"][key] += value
+        _add_into(total, other)
     return total

@@ -169,6 +169,28 @@ def test_counters_sum_across_ranks():
     assert total["step"]["token_sync_bytes"] == 16
 
 
+_EXCHANGES = st.lists(st.tuples(st.sampled_from([(0, "dispatch"), (1, "combine"), (None, "token_sync")]),
+                                st.integers(0, 10 ** 6), st.integers(0, 8)), max_size=12)
+
+
+@given(_EXCHANGES, _EXCHANGES)
+def test_what_a_capture_counted_is_what_each_replay_adds(before, traced):
+    """runtime/model/graph_decode.py: the counts traced after a snapshot (`since`), added once more (`add_counts`),
+    equal counting those exchanges twice; `restore` puts the snapshot back."""
+    def count(counters, exchanges):
+        for (layer, phase), nbytes, messages in exchanges:
+            counters.add(layer, phase, nbytes, messages, 8, 1)
+
+    replayed, twice = Counters(2), Counters(2)
+    count(replayed, before), count(twice, before)
+    snap = replayed.snapshot()
+    count(replayed, traced), count(twice, traced), count(twice, traced)
+    replayed.add_counts(replayed.since(snap))
+    assert replayed.to_dict() == twice.to_dict()
+    replayed.restore(snap)
+    assert replayed.to_dict() == snap and replayed.to_dict() is not snap
+
+
 def test_small_ints_pack_four_to_a_word():
     from moeplan.runtime.ep.exchange import pack_small, unpack_small
 

@@ -171,7 +171,10 @@ def graph_steps(engine, batch: int, context: int, steps: int, vocab: int, timer,
             raise RuntimeError(f"inductor refused the step: {graphs.failure}")
     finally:
         model.cache_columns, model.compiled_decode = saved, None
-        os.environ.pop(FUSED_ENV) if saved_env is None else os.environ.update({FUSED_ENV: saved_env})
+        if saved_env is None:
+            del os.environ[FUSED_ENV]
+        else:
+            os.environ[FUSED_ENV] = saved_env
     key = "fused_graph" if fused else "service_graph"
     return {f"{key}_step_s": out["step_s"], f"{key}_ops": out["ops_per_step"], f"{key}_kernels": out["kernels"],
             f"{key}_buckets": graphs.captures, f"{key}_tokens": out["tokens"]}

@@ -339,8 +339,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                       step={f"{p}_{f}": 0 for p in STEP_PHASES for f in ("bytes", "messages", "control_bytes", "control_messages")},
                       tokens_per_rank=[[0] * W for _ in shape.moe_blocks])
     # standard mode's MoE blocks at W > 1: counted with their dispatch and combine calls (coherent mode's hooks and
-    # exchanges keep the fitted counts: COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS)
-    moe_ops = ops.moe_block(W) if mode == STANDARD else ops.moe
+    # exchanges keep the fitted counts: COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS); `step_pricing` per step
     counter = _Counter(pred, table, profile, W, ops if mode == STANDARD else FITTED)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     if mode == COHERENT:
@@ -355,13 +354,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         seq = np.array([t[0] for t in keys], dtype=np.int64)  # [n], sorted
         pos = np.array([t[1] for t in keys], dtype=np.int64)  # [n]
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)  # [n, L, k]
-        # a service's decode step (one token per sequence) on GPU ranks replays a CUDA graph: its ops at their device
-        # time; with several ranks the step gathers (`gathered`: every rank sends every other the fullest rank's
-        # bucket of rows, runtime/ep/gathered_moe.py, its MoE block's ops counted that way)
-        captured = graphs and len(np.unique(seq)) == n
-        profile = step_profile(eager_profile, -(-n // W), captured)
-        gathered = captured and W > 1
-        step_moe_ops = ops.moe_gathered if gathered else moe_ops
+        profile, gathered, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, n, len(np.unique(seq)))
         # int [n]: the rank each token is current on; None: every rank holds every token (coherent mode,
         # until the first MoE layer)
         current = seq % W if mode == STANDARD else None
@@ -398,7 +391,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 current = dest[:, 0].copy()
                 continue
             dest = table.choose_per_rank(moe, ids, current)
-            compute += _cost(profile, step_moe_ops, 0.0) + _slots(profile, 0 if gathered else held * shape.top_k)
+            compute += _cost(profile, moe_ops, 0.0) + _slots(profile, 0 if gathered else held * shape.top_k)
             if gathered:
                 rows = np.full((W, W), graph_rows(int(held.max())))
                 step_time += _add(pred, counter.exchange(rows, shape.gathered_row_bytes, block, "dispatch", True), comm=True)
@@ -424,6 +417,17 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             step_time += _add(pred, counter.exchange(new, 16, None, "token_sync"), comm=True)
         pred.step_seconds.append(step_time)
     return pred
+
+
+def step_pricing(eager_profile, ops, graphs: bool, world: int, mode: str, tokens: int, requests: int) -> tuple:
+    """(profile, gathered, MoE block ops) a step of `tokens` tokens of `requests` sequences is priced with: a
+    service's decode step (one token per sequence) on GPU ranks (`graphs`) replays a CUDA graph, its ops at their
+    device time (`step_profile`); with several ranks it gathers (`gathered`: every rank sends every other the fullest
+    rank's bucket of rows, runtime/ep/gathered_moe.py), its MoE block's ops counted that way."""
+    captured = graphs and requests == tokens
+    gathered = captured and world > 1
+    moe_ops = ops.moe_gathered if gathered else (ops.moe_block(world) if mode == STANDARD else ops.moe)
+    return step_profile(eager_profile, -(-tokens // world), captured), gathered, moe_ops
 
 
 def _held(current, seq: np.ndarray, world: int) -> tuple:

@@ -34,8 +34,9 @@ import numpy as np
 
 from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDARD, ModelShape, Workload, _cost, _costs,
                                             _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
-                                            collectives_per_call, profile_ops_per_sequence, routing_samples)
-from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile, step_profile
+                                            collectives_per_call, profile_ops_per_sequence, routing_samples,
+                                            step_pricing)
+from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -67,10 +68,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         one_rank = attention_at_context(shape, np.zeros_like(seq), seq, pos, 1)  # every key, each cache read once
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)
         requests = len(np.unique(seq))
-        captured = graphs and requests == n  # as `predict` prices the step
-        profile = step_profile(eager_profile, -(-n // W), captured)
-        gathered = captured and W > 1
-        moe_ops = ops.moe_gathered if gathered else (ops.moe_block(W) if mode == STANDARD else ops.moe)
+        profile, gathered, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, n, requests)  # as `predict`
         placed = False  # coherent mode: tokens sit where the placement put them (after the first MoE layer)
         for block in range(shape.num_blocks):
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)

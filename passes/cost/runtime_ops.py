@@ -111,8 +111,8 @@ def runtime_ops(profile, architecture: str) -> RuntimeOps:
 def decode_graphs_possible(module, ir, profile) -> bool:
     """Whether the runtime can capture this model's decode steps as CUDA graphs on `profile` (`runtime/serving/
     decode_compile.py`, `_why_not_graphs`): a GPU profile with the graph figures, a library model (`module`) whose
-    every KV cache layer is a full-attention one with spare columns, and routed experts not held in FP8 there. A
-    world of one in standard mode, checked where it is priced (`captures_decode_graphs`)."""
+    every KV cache layer is a full-attention one with spare columns, and routed experts not held in FP8 there. Standard
+    mode, and at several ranks MoE blocks that gather, are checked where it is priced (`captures_decode_graphs`)."""
     if profile is None or getattr(profile, "graph_op_overhead_s", None) is None or profile.device_is_host:
         return False
     if module is None or getattr(module, "config", None) is None:

@@ -77,6 +77,7 @@ class _BucketStep:
         self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
         self.key_mask = torch.zeros(rows, columns, dtype=torch.bool, device=device)
         self.real = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.pool_rows = pools[0][0].shape[0]
         self.column = column
         self.static = static_cache
         for l, (layer, (keys, values)) in enumerate(zip(static_cache.layers, pools)):
@@ -103,7 +104,7 @@ class _BucketStep:
 class GraphDecode(CompiledDecode):
     """Decode steps over the KV pools, one graph per bucket (module docstring); `padded(rows, real)`: the engine's
     context in which the MoE blocks accept `rows` rows, `real` [rows] saying which are the step's (`Engine.padded`);
-    `counters`: the engine's exchange counters (`runtime/counters.py`)."""
+    `counters`: the engine's exchange counters (`runtime/counters.py`), where the step exchanges (ranks of several)."""
 
     def __init__(self, model, cache_kwarg: str, padded, counters=None):
         super().__init__(model, cache_kwarg)
@@ -137,7 +138,6 @@ class GraphDecode(CompiledDecode):
         pools = [layer.pool for layer in cache.layers]
         R, C = pools[0][0].shape[0], pools[0][0].shape[2]
         key, self.shared = self.shared or (bucket(B, R), bucket(width, C, MIN_COLUMNS)), None
-        self._rows = R
         step = self.buckets.get(key)
         captured_now = step is None
         if captured_now:
@@ -160,7 +160,7 @@ class GraphDecode(CompiledDecode):
         """The bucket's step, its logits [Bb, 1, V] copied into the shared buffer (made at the first step)."""
         logits = self._step(step)
         if self._logits is None:
-            self._logits = logits.new_empty((self._rows, *logits.shape[1:]))
+            self._logits = logits.new_empty((step.pool_rows, *logits.shape[1:]))
         self._logits[:step.rows].copy_(logits)
 
     def _step(self, step: _BucketStep) -> torch.Tensor:

@@ -129,7 +129,8 @@ def enable_graph_decode(worker, max_sequences: int) -> str | None:
     engine, model = worker.engine, worker.engine.model
     if engine.world > 1:
         enable_gathering(engine)
-    graphs = model.compiled_decode = GraphDecode(model.model, model.cache_kwarg, engine.padded, engine.counters)
+    counters = engine.counters if engine.world > 1 else None  # a rank alone exchanges nothing a replay must count
+    graphs = model.compiled_decode = GraphDecode(model.model, model.cache_kwarg, engine.padded, counters)
     worker.rows = PooledRows(worker.kind, max(rank_rows(max_sequences, engine.world), WARM_ROWS), model.cache_columns)
     why = None
     try:
@@ -146,7 +147,7 @@ def enable_graph_decode(worker, max_sequences: int) -> str | None:
     if why is not None:
         model.compiled_decode = None
         engine.stop_gathering()
-        for held in (worker.running, worker.owner, worker.sampling, worker.prompt_len, worker.last, worker.context):
+        for held in (worker.running, worker.owner, worker.sampling, worker.prompt_len, worker.last, worker.context_base):
             held.clear()  # the warm-up's sequences, wherever it stopped
         worker.rows = RowCache(worker.kind)
     elif engine.world > 1:

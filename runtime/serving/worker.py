@@ -61,7 +61,9 @@ class BatchWorker:
         self.sampling: dict = {}    # seq -> (temperature, top_p, top_k, seed), sequences run here
         self.prompt_len: dict = {}
         self.last: dict = {}        # seq -> its newest token (the next decode input), sequences run here
-        self.context: dict = {}     # seq -> the tokens its cache holds, every running sequence (whoever runs it)
+        self.decodes = 0            # decode steps run (each gives every running sequence one token)
+        self.context_base: dict = {}  # seq -> its prompt's length less the decode steps before it joined, every
+                                      # running sequence (whoever runs it): its cache holds base + decodes tokens
         self.sampler = Sampler()
         self.steps = 0
 
@@ -76,19 +78,18 @@ class BatchWorker:
             self.sampling.pop(seq, None)
             self.prompt_len.pop(seq, None)
             self.last.pop(seq, None)
-            self.context.pop(seq, None)
+            self.context_base.pop(seq, None)
         self.rows.leave(plan.depart)
         new = {}
         if self.running:
             new.update(self._decode())
-            for seq in self.running:
-                self.context[seq] += 1
+            self.decodes += 1
         if plan.admit:
             with self.engine.gathering(_prefill_rows(plan.admit, self.world) if self.engine.gathers else None):
                 new.update(self._prefill([a for a in plan.admit if self.coherent or a.owner == self.rank]))
             self.running.update(a.seq for a in plan.admit)
             self.owner.update((a.seq, a.owner) for a in plan.admit)
-            self.context.update((a.seq, len(a.prompt)) for a in plan.admit)
+            self.context_base.update((a.seq, len(a.prompt) - self.decodes) for a in plan.admit)
         if self.running:  # every rank agrees: a forward ran this step
             new = self._share(new)
         for seq, token in new.items():
@@ -108,7 +109,7 @@ class BatchWorker:
         fullest = max(Counter(self.owner[s] for s in self.running).values()) if self.engine.gathers else None
         graphs = self.engine.model.compiled_decode
         if fullest is not None and isinstance(self.rows, PooledRows) and hasattr(graphs, "share"):
-            widest = max(self.context[s] for s in self.running)
+            widest = self.decodes + max(self.context_base[s] for s in self.running)
             fullest = graphs.share(fullest, widest + 1, self.rows.capacity_rows, self.rows.capacity_columns)
         with self.engine.gathering(fullest):
             return self._decode_rows()
