@@ -26,6 +26,9 @@ bundle of a Hugging Face model a second time with eager decode steps (`MOEPLAN_C
 `MOEPLAN_CUDA_GRAPHS=0`: runtime/model/compiled_decode.py and, on a GPU, graph_decode.py off; several ranks then
 exchange by dynamic gating, not gathered) as the peer
 `moeplan-eager`, at the same rank count.
+`--pair-peer` serves each model's 1-rank bundle twice side by side (two services of one rank each, a thread each,
+no exchange at all) and splits each level's requests between them, as the peer `moeplan-2x1` at 2 ranks: what two
+ranks of no communication serve on this machine's cores, a ceiling for the 2-rank service's ratio to 1 rank.
 `--profile-at C` runs level C a second time with rank 0's own stack sampler on
 (benchmarks/serving_profile.py) and prints where its time goes (exchange, attention, experts, sampling, other model compute, HTTP front, engine Python).
 Ratios are ours / peer at the same concurrency. Peers are given the same prompts as text and told
@@ -34,7 +37,8 @@ min_new_tokens; vLLM: ignore_eos).
 
     python benchmarks/serving.py [--models tiny_moe qwen3_moe qwen3_moe_hd32] [--ranks 1 2 4]
         [--concurrency 1 4 16 64] [--prompt-tokens 32] [--new-tokens 32] [--requests-per-level 2]
-        [--peers static transformers] [--vllm-python PATH] [--gloo-peer] [--eager-peer] [--profile-at 16] [--json]
+        [--peers static transformers] [--vllm-python PATH] [--gloo-peer] [--eager-peer] [--pair-peer]
+        [--profile-at 16] [--json]
         [--keep DIR]
 With --json the last line is {"rows": [...], "ratios": [...], "targets": {...}}. Where GPUs are
 visible the ranks use them with nccl (benchmarks/gpu/serve_check.sh).
@@ -309,6 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gloo-peer", action="store_true",
                     help="serve every multi-rank bundle again with MOEPLAN_EXCHANGE=gloo (the process group's collectives "
                          "in place of the shared-memory channel of ranks on one host) as the peer `moeplan-gloo`")
+    ap.add_argument("--pair-peer", action="store_true",
+                    help="serve each model's 1-rank bundle twice side by side, each level's requests split between "
+                         "them, as the peer `moeplan-2x1` (two ranks with no exchange: the 2-rank service's ceiling here)")
     ap.add_argument("--trace-tokens", type=int, default=4096)
     ap.add_argument("--time-limit", type=float, default=30.0, help="compile's ILP time limit")
     ap.add_argument("--threads", type=int, default=None,
@@ -366,6 +373,8 @@ def main(argv=None) -> int:
                     bundle = compile_bundle(model, ranks, scratch, args.trace_tokens, args.time_limit)
                     rows += _peer_rows(name, "moeplan-eager", lambda: start_ours(bundle, _threads(args, ranks), env=EAGER_ENV),  # noqa: B023 (called within this iteration)
                                        served_name(bundle), prompts, args, OURS_EXTRA, ranks=ranks)
+            if args.pair_peer:
+                rows += _pair_rows(name, compile_bundle(model, 1, scratch, args.trace_tokens, args.time_limit), prompts, args)
             if args.vllm_python and name == "qwen3_moe_hd32":
                 for tp in [r for r in args.ranks if r in (1, 2)]:
                     rows += _peer_rows(name, "vllm", lambda: start_vllm(args.vllm_python, model, tp), str(model),  # noqa: B023 (called within this iteration)
@@ -408,6 +417,38 @@ def _peer_rows(name, peer, start, served_name, prompts, args, extra, ranks: int 
     return rows
 
 
+def _pair_rows(name: str, bundle: Path, prompts: list, args) -> list:
+    """Two 1-rank services of `bundle` side by side, a thread each; at every level half the requests (and half
+    the concurrency, at least one) go to each, at once: tokens of both over the longer wall time."""
+    servers = []
+    try:
+        for _ in range(2):
+            servers.append(start_ours(bundle, _threads(args, 2)))
+        rows = []
+        for c in args.concurrency:
+            half = max(1, c // 2)
+            asyncio.run(_pair_load(servers, served_name(bundle), prompts, 1, 2, args.new_tokens))  # warm-up
+            row = {"model": name, "server": "moeplan-2x1", "ranks": 2, "concurrency": c,
+                   **asyncio.run(_pair_load(servers, served_name(bundle), prompts, half,
+                                            max(4, args.requests_per_level * half), args.new_tokens))}
+            rows.append(row)
+            _print(row, args.json)
+        return rows
+    finally:
+        for server in servers:
+            server.stop()
+
+
+async def _pair_load(servers: list, model: str, prompts: list, concurrency: int, total: int, new_tokens: int) -> dict:
+    halves = await asyncio.gather(*(_load(s.url, model, prompts[i::2] or prompts, concurrency, total, new_tokens,
+                                          OURS_EXTRA) for i, s in enumerate(servers)))
+    wall = max(h["wall_s"] for h in halves)
+    tokens = sum(h["output_tokens"] for h in halves)
+    return {"requests": sum(h["requests"] for h in halves), "output_tokens": tokens, "wall_s": wall,
+            "tokens_per_s": tokens / wall, "load_average": os.getloadavg()[0],
+            **{k: max(h[k] for h in halves) for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")}}
+
+
 def ratios(rows: list) -> list:
     """ours / peer tokens/s at the same model and concurrency; the static batch and vLLM at the same rank
     count, transformers (one process) against every rank count."""
@@ -443,6 +484,9 @@ def targets(rows: list) -> dict:
         one, two = tps(model, "moeplan", 1, 64), tps(model, "moeplan", 2, 64)
         if one and two:
             out[f"{model}_2ranks_over_1rank_c64"] = {"value": two / one, "target": 0.8}
+        pair = tps(model, "moeplan-2x1", 2, 64)
+        if one and pair:  # not a target: what two ranks with no exchange at all reach on these cores
+            out[f"{model}_2x1_no_exchange_over_1rank_c64"] = {"value": pair / one, "target": None}
     return out
 
 
@@ -469,6 +513,9 @@ def _summary(report: dict) -> None:
         print(f"  {r['model']:>15} ranks {r['ranks']} c={r['concurrency']:>3}: {shares}")
     print("targets:")
     for key, t in report["targets"].items():
+        if t["target"] is None:
+            print(f"  {key}: {t['value']:.2f}x (a ceiling, no target)")
+            continue
         print(f"  {key}: {t['value']:.2f}x (target {t['target']:.1f}x) {'met' if t['value'] >= t['target'] else 'NOT met'}")
 
 
