@@ -234,12 +234,12 @@ def test_served_ranks_answer_with_compiled_steps_as_the_source_model_does(tmp_pa
 
 @pytest.mark.slow
 @needs_compiler
-@pytest.mark.parametrize("arch", ["dbrx", "jetmoe", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["dbrx", "jetmoe", "qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_other_architectures_compiled_steps_match_their_eager_ones(tmp_path, monkeypatch, arch):
     """benchmarks/compiled_decode.py's comparison as a test, on the experts the runtime groups itself (DBRX's slabs:
     the library's fallback op inside the graph; JetMoE, whose attention experts break the graph, stays eager), shared
-    experts and a dense block (Qwen2-MoE), and grouped top-k with a score-correction bias (GLM-4.5); its timing is
-    not asserted."""
+    experts and a dense block (Qwen2-MoE), grouped top-k with a score-correction bias (GLM-4.5), and MLA's latents in
+    spare-column layers (DeepSeek-V3); its timing is not asserted."""
     import json
 
     monkeypatch.setenv(ENV, "1")

@@ -4,6 +4,7 @@ that never change; a worker stepping through them produces the eager worker's to
 buckets are few and bounded; a GPU rank says why it stays eager where it does. (The capture itself needs a GPU:
 benchmarks/gpu/decode_step.py measures it there; here each bucket's step runs uncaptured, the same function over
 the same tensors.)"""
+import json
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from runtime_fixtures import hf_model_dir, single_rank_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 bench = import_file(ROOT / "benchmarks" / "compiled_decode.py")  # its step plans and logits hook
+tiny = import_file(ROOT / "examples" / "hf_tiny" / "architectures.py")
 
 
 @given(st.integers(1, 5000), st.sampled_from([1, 64]))
@@ -145,6 +147,32 @@ def test_bucketed_steps_over_the_pools_match_the_eager_worker_through_joins_and_
     assert fast.engine.counters.to_dict() == eager.engine.counters.to_dict()  # padding rows' slots are not counted
     assert graphs.captures == len(graphs.buckets) <= 6  # rows 1-16 in buckets 1, 2, 3, 4, 6, 8, 12, 16; columns 64
     assert all(columns == 64 for _, columns in graphs.buckets)
+
+
+def test_latent_attention_steps_over_the_pools_match_the_eager_worker(tmp_path):
+    """DeepSeek-V3 (MLA: the cache holds the latent and the rotary key, of different widths): the pools hold them
+    where the eager worker keeps the library's own layers, and the bucketed steps give its tokens and logits."""
+    from transformers.cache_utils import DynamicLayer
+
+    config = json.loads((tiny.build("deepseek_v3", tmp_path) / "config.json").read_text())
+    eager, eager_logits = bench.worker_of(config)
+    fast, fast_logits = bench.worker_of(config)
+    assert enable_graph_decode(fast, 16) is None
+    fast_logits.clear()
+    graphs, decode_steps = fast.engine.model.compiled_decode, 0
+    warm_steps = graphs.steps
+    for plan in bench.schedule(seed=3, steps=30, vocab=config["vocab_size"]):
+        decode_steps += bool(eager.running - set(plan.depart))
+        assert fast.step(plan) == eager.step(plan)
+        for a, b in zip(fast_logits, eager_logits, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        fast_logits.clear()
+        eager_logits.clear()
+        if len(eager.rows):
+            assert all(type(layer) is DynamicLayer for layer in eager.rows.cache.layers)
+    assert decode_steps > 15 and graphs.steps - warm_steps == decode_steps
+    widths = {(keys.shape[-1], values.shape[-1]) for keys, values in fast.rows.pools}
+    assert widths == {(config["kv_lora_rank"], config["qk_rope_head_dim"])}
 
 
 @pytest.mark.skipif(compiler_missing() is not None, reason=str(compiler_missing()))

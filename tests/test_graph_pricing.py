@@ -30,7 +30,9 @@ def _loaded(name: str):
     ("qwen3-30b-a3b.json", "h200-sxm", True),
     ("qwen3-30b-a3b.json", "cpu-gloo", False),        # a CPU rank compiles its steps; no graph figures
     ("qwen3-30b-a3b.json", "a100-sxm", False),        # no graph figures measured there
-    ("deepseek-v3-fp8.json", "h100-sxm", False),      # MLA latents, FP8 experts
+    ("deepseek-v3.json", "h100-sxm", True),           # MLA: its latents in spare-column layers (growable_cache.py)
+    ("deepseek-v2-lite.json", "h200-sxm", True),
+    ("deepseek-v3-fp8.json", "h100-sxm", False),      # FP8 experts
     ("gpt-oss-20b.json", "h100-sxm", False),          # sliding-window layers
 ])
 def test_which_models_capture_their_decode_steps_where(config, profile, captured):

@@ -89,10 +89,11 @@ def test_the_spare_columns_stop_at_the_allowed_columns():
     assert layer.keys.shape[-2] == 13 and layer._key_buffer.shape[-2] == 13
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_a_library_model_gives_the_same_logits_over_the_growable_cache(arch):
     """Prefill and 6 decode steps of a left-padded batch: logits over the growable cache equal those over the
-    library's own DynamicCache, bit for bit; gpt-oss's sliding-window layers stay the library's."""
+    library's own DynamicCache, bit for bit; gpt-oss's sliding-window layers stay the library's; DeepSeek-V3's
+    latents (MLA) held as compiled and captured steps hold them."""
     import transformers
 
     directory = tiny.build(arch, Path(tempfile.mkdtemp()) / arch)
@@ -115,17 +116,19 @@ def test_a_library_model_gives_the_same_logits_over_the_growable_cache(arch):
         return torch.stack(logits), cache
 
     reference, _ = run(None)
-    grown, cache = run(growable_cache(model.config, 64))
+    grown, cache = run(growable_cache(model.config, 64, latents=True))
     assert torch.equal(reference, grown)
     kinds = {type(layer).__name__ for layer in cache.layers}
     assert "GrowableLayer" in kinds and (arch != "gpt_oss" or "DynamicSlidingWindowLayer" in kinds)
 
 
-def test_latent_attention_keeps_the_library_layers():
-    """DeepSeek-V3's MLA projects its whole cached latent every step: the library's layers stay."""
+def test_latent_attention_keeps_the_library_layers_in_eager_steps():
+    """DeepSeek-V3's MLA projects its whole cached latent every step: in eager steps the library's layers stay
+    (spare columns save nothing there); compiled and captured steps hold the latents in spare-column layers."""
     import transformers
     from transformers.cache_utils import DynamicLayer
 
     directory = tiny.build("deepseek_v3", Path(tempfile.mkdtemp()) / "deepseek_v3")
     config = transformers.AutoConfig.from_pretrained(directory)
     assert all(type(layer) is DynamicLayer for layer in growable_cache(config, 64).layers)
+    assert all(type(layer) is growable_layer_class() for layer in growable_cache(config, 64, latents=True).layers)

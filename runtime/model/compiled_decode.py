@@ -19,10 +19,10 @@ What makes the step one graph of fixed shapes:
 The library's modules run unchanged inside the graph: inductor compiles their own code.
 
 Where it runs (`CompiledDecode.applies`): transformers models whose every cache layer is a plain
-full-attention layer with spare columns (not sliding windows, not MLA), decode steps (one token per row)
-of an engine that records nothing (a service) on the CPU, alone or over several ranks whose decode steps gather
-(`ep/gathered_moe.py`: their exchanges are one op of fixed shapes inside the graph), with a C++ compiler at hand
-(inductor builds its kernels with it). Everything else, and `MOEPLAN_COMPILE=0`, stays eager.
+full-attention layer with spare columns (MLA's latents too, `growable_cache.py`; not sliding windows), decode
+steps (one token per row) of an engine that records nothing (a service) on the CPU, alone or over several ranks
+whose decode steps gather (`ep/gathered_moe.py`: their exchanges are one op of fixed shapes inside the graph),
+with a C++ compiler at hand (inductor builds its kernels with it). Everything else, and `MOEPLAN_COMPILE=0`, stays eager.
 
 Nothing here imports moeplan: bundles run without it.
 """

@@ -9,10 +9,13 @@ out (or when the rows were replaced from outside: `row_cache.py` selects, pads a
 sequences join or leave) it moves the rows into a new buffer with a quarter more columns (at least
 `MIN_SPARE`), so the copies are amortised to a fraction of a column per step. Everything else (masks,
 lengths, reordering, cropping) is the library's `DynamicLayer`, reading the views. Sliding-window and
-other layer types stay the library's own, and so do the layers of multi-head latent attention (DeepSeek-V2/V3,
-configs with `kv_lora_rank`): its cache holds latents that every step projects whole (`kv_b_proj`), and a linear
-layer copies a view of a buffer into a contiguous tensor first, so the concatenation's copy comes back as a
-clone and the spare columns would save nothing (counted: 2 aten ops more per block).
+other layer types stay the library's own. The layers of multi-head latent attention (DeepSeek-V2/V3, configs with
+`kv_lora_rank`: transformers 5 caches the latent [B, 1, n, kv_lora_rank] as keys and the rotary key
+[B, 1, n, rope dim] as values) stay the library's in eager steps: every step projects the whole latent
+(`kv_b_proj`), and a linear layer copies a view of a buffer into a contiguous tensor first, so the concatenation's
+copy comes back as a clone and the spare columns save nothing (counted: 2 aten ops more per block). Where decode
+steps are compiled or captured (`latents=True`: a service's `compiled_decode.py` / `graph_decode.py`), they are
+spare-column layers too: those steps need K/V at fixed addresses, which the library's concatenation never gives.
 
 Nothing here imports moeplan: bundles run without it.
 """
@@ -25,15 +28,16 @@ import torch
 MIN_SPARE = 64  # columns added at least when a buffer grows
 
 
-def growable_cache(config, max_columns: int):
+def growable_cache(config, max_columns: int, latents: bool = False):
     """transformers' `DynamicCache` for `config` with every plain full-attention layer a `GrowableLayer` whose
     buffers hold at most `max_columns` columns (more only when the rows themselves need them): a service passes
-    its planned max context, so the spare columns never take memory the plan's capacity did not count."""
+    its planned max context, so the spare columns never take memory the plan's capacity did not count.
+    `latents`: MLA's layers too (module docstring), for compiled or captured decode steps."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     cache = DynamicCache(config=config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "kv_lora_rank", None):  # MLA (module docstring): the library's layers
+    if getattr(text, "kv_lora_rank", None) and not latents:  # MLA in eager steps (module docstring): the library's
         return cache
     growable = growable_layer_class()
     cache.layers = [growable(max_columns) if type(layer) is DynamicLayer else layer for layer in cache.layers]
@@ -41,9 +45,9 @@ def growable_cache(config, max_columns: int):
 
 
 def growable_throughout(config) -> bool:
-    """Whether every layer of the cache `growable_cache` builds for `config` is a `GrowableLayer` (no sliding
-    windows, MLA latents or linear attention): what KV pools and captured decode steps hold."""
-    growable, layers = growable_layer_class(), growable_cache(config, 1).layers
+    """Whether every layer of the cache `growable_cache` builds for `config`'s compiled or captured decode steps is a
+    `GrowableLayer` (no sliding windows, chunked or linear attention): what KV pools and those steps hold."""
+    growable, layers = growable_layer_class(), growable_cache(config, 1, latents=True).layers
     return bool(layers) and all(type(layer) is growable for layer in layers)
 
 

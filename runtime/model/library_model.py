@@ -180,7 +180,7 @@ class RankModel:
             cache = [] if cache is None else cache
             return self.model.forward_incremental(ids, positions, cache, key_mask), cache
         if cache is None:  # the library's cache, its full-attention layers with spare columns (growable_cache.py)
-            cache = growable_cache(self.model.config, self.cache_columns)
+            cache = growable_cache(self.model.config, self.cache_columns, latents=self.compiled_decode is not None)
             if self.compiled_decode is not None and self.prefill_compiles and self.compiled_decode.prefills_into(cache, ids):
                 return self.compiled_decode.prefill(ids, positions, key_mask, cache), cache
         elif ids.shape[1] == 1 and self.compiled_decode is not None and self.compiled_decode.applies(cache):

@@ -78,7 +78,7 @@ def _why_not_graphs(worker) -> str | None:
     if why is not None:
         return why
     if not growable_throughout(worker.engine.model.model.config):
-        return ("this model's KV cache has layers the captured step does not run (sliding windows, MLA latents, "
+        return ("this model's KV cache has layers the captured step does not run (sliding windows, chunked or "
                 "linear attention)")
     return None
 
@@ -110,7 +110,7 @@ def enable_compiled_decode(worker, max_sequences: int = DEFAULT_POOL_ROWS) -> st
         if compiled.failure is not None:
             why = f"torch.compile failed on this model ({compiled.failure})"
         elif compiled.steps < 2:
-            why = ("this model's KV cache has layers the compiled step does not run (sliding windows, MLA latents, "
+            why = ("this model's KV cache has layers the compiled step does not run (sliding windows, chunked or "
                    "linear attention)")
         elif _graph_breaks() > breaks:  # pieces of graphs between eager calls: measured slower than eager (JetMoE 0.84x)
             why = "the library's code breaks this model's step into several graphs, slower than eager steps"
