@@ -61,7 +61,7 @@ def test_no_placement_is_predicted_below_the_floor(name, per_node, nodes, expert
     routing = _routing(rng, workload, layers, experts, k, none_share)
     hosts = _hosts(rng, layers, experts, world, density)
     for mode in (STANDARD, COHERENT):
-        floor = floor_seconds_per_token(world, shape, mode, workload, routing, profile)
+        floor = floor_seconds_per_token(world, shape, mode, workload, routing, profile, per_node)
         predicted = predict(hosts, per_node, shape, mode, workload, routing, profile).summary(workload.prompt_tokens)
         assert 0 < floor <= predicted["seconds_per_token"] * (1 + 1e-12), mode
 

@@ -115,7 +115,8 @@ def choose_placement(trace, request, shape, profile, workload, mode: str, error:
 
     modes = MODES if mode == "auto" else (mode,)
     topo = request.topology
-    floor = min(expected_floor(topo.devices, shape, m, workload, trace.experts, profile) for m in modes)
+    floor = min(expected_floor(topo.devices, shape, m, workload, trace.experts, profile, gpus_per_node=topo.gpus_per_node)
+                for m in modes)
     prices = None
     rows, best, skipped, failures = [], None, [], []
     todo = candidates(request, trace.num_experts)

@@ -296,24 +296,30 @@ class _Counter:
         if self.profile is None:
             return 0.0
         p = self.profile
-        # per sending rank and tier: its messages' latency + bytes / bandwidth, summed over destinations
-        # in rank order (a running sum: the same figures as a loop over destinations)
-        per_rank = {}
-        for tier, mask in (("same_node", same), ("other_node", ~same)):
-            sent = mask & (off > 0)
-            if not sent.any():  # a tier no message takes (its figures may be unknown: one node)
-                per_rank[tier] = np.zeros(W)
-                continue
-            terms = np.where(sent, p.message_latency_s[tier] + off * row_bytes / p.bandwidth_bytes_per_s[tier], 0.0)
-            per_rank[tier] = np.cumsum(terms, axis=1)[:, -1]
-        s = int(np.argmax(per_rank["same_node"] + per_rank["other_node"]))  # the slowest rank (the first on a tie)
-        slowest = {tier: float(per_rank[tier][s]) for tier in ("same_node", "other_node")}
+        slowest = slowest_messages(p, same, off, row_bytes)
         ops = self.ops.exchange_call(phase, W) + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
         parts = {"call": collectives * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
         if phase in self.pred.exchange_seconds:
             for part, v in parts.items():
                 self.pred.exchange_seconds[phase][part] += v
         return parts["call"] + slowest["same_node"] + slowest["other_node"]
+
+
+def slowest_messages(profile, same: np.ndarray, off: np.ndarray, row_bytes: int) -> dict:
+    """{tier: seconds} of the slowest sending rank's messages, off int [W, W] the rows rank s sends rank d (none to
+    itself), same bool [W, W] both on one node: per rank and tier its messages' latency + bytes / bandwidth, summed
+    over destinations in rank order (a running sum: the same figures as a loop over destinations)."""
+    W = off.shape[0]
+    per_rank = {}
+    for tier, mask in (("same_node", same), ("other_node", ~same)):
+        sent = mask & (off > 0)
+        if not sent.any():  # a tier no message takes (its figures may be unknown: one node)
+            per_rank[tier] = np.zeros(W)
+            continue
+        terms = np.where(sent, profile.message_latency_s[tier] + off * row_bytes / profile.bandwidth_bytes_per_s[tier], 0.0)
+        per_rank[tier] = np.cumsum(terms, axis=1)[:, -1]
+    s = int(np.argmax(per_rank["same_node"] + per_rank["other_node"]))  # the slowest rank (the first on a tie)
+    return {tier: float(per_rank[tier][s]) for tier in ("same_node", "other_node")}
 
 
 def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str, workload: Workload,

@@ -23,7 +23,10 @@ term that no placement changes and bounding the others from below:
   max(max_r known_r, (sum_r known_r + sum_r x_r) / p).
 A service's decode steps that replay CUDA graphs (`runtime_ops.captures_decode_graphs`) are floored at the prices
 `predict` gives them: their ops at the device's op cost, gathered MoE blocks' counts at several ranks, one
-collective per exchange call and no replica choice on the host.
+collective per exchange call and no replica choice on the host. A gathered exchange's messages are the same for
+every placement too (every rank sends every other the fullest rank's bucket of rows, `gathered_moe.py`): given the
+topology's GPUs per node they are floored at their full price (at DeepSeek-V3's 64 ranks they are ~40 % of a
+captured step, and a floor without them let `--policy auto` solve for minutes candidates all within 1 %).
 Each of these is at most the term `predict` charges, so the floor is at most every placement's
 prediction (tests/test_cost_floor.py checks it on random placements). It is placement-free: one
 figure per mode for a topology, whatever the policy or redundant slots.
@@ -35,22 +38,23 @@ import numpy as np
 from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDARD, ModelShape, Workload, _cost, _costs,
                                             _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
                                             collectives_per_call, profile_ops_per_sequence, routing_samples,
-                                            step_pricing)
-from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile
+                                            slowest_messages, step_pricing)
+from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, graph_rows, runtime_ops, runtime_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
-                   samples: int = 4) -> float:
+                   samples: int = 4, gpus_per_node: int | None = None) -> float:
     """Seconds per generated token no placement over `world` ranks is predicted below under `mode`:
     the mean floor over the routing samples `cost_model.expected` prices."""
-    floors = [floor_seconds_per_token(world, shape, mode, workload, routing, profile)
+    floors = [floor_seconds_per_token(world, shape, mode, workload, routing, profile, gpus_per_node)
               for routing in routing_samples(workload, trace_experts, samples)]
     return float(sum(floors) / len(floors))
 
 
 def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: Workload, routing: dict,
-                            profile) -> float:
-    """The floor (module docstring) for one routing {(seq, pos): int [L, k]} of the workload's tokens."""
+                            profile, gpus_per_node: int | None = None) -> float:
+    """The floor (module docstring) for one routing {(seq, pos): int [L, k]} of the workload's tokens; without
+    `gpus_per_node` a gathered exchange's messages are floored at 0."""
     if mode not in (COHERENT, STANDARD):
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = world
@@ -109,6 +113,8 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             total += _pace_floor(profile, known, spread, W)
             if mode == STANDARD:
                 total += _call(profile, W, "dispatch", calls, gathered) + _call(profile, W, "combine", calls, gathered)
+                if gathered and gpus_per_node:
+                    total += _gathered_messages(profile, shape, W, gpus_per_node, int(held.max()))
             else:
                 total += (_call(profile, W, "dispatch", calls) if placed else 0.0) + _call(profile, W, "merge", calls)
                 placed = True
@@ -120,6 +126,17 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             ends = np.bincount(seq % W, minlength=W).astype(float)
             total += _pace_floor(profile, _costs(profile, ops.head, ends * shape.head_flops), 0.0, W)
     return total / max(workload.generated_tokens, 1)
+
+
+def _gathered_messages(profile, shape: ModelShape, world: int, gpus_per_node: int, fullest: int) -> float:
+    """A gathered MoE block's dispatch and combine messages (`predict`'s): every rank sends every other the bucket
+    of the fullest rank's `fullest` rows, whatever the placement."""
+    node = np.arange(world) // gpus_per_node
+    rows = np.full((world, world), graph_rows(fullest))
+    np.fill_diagonal(rows, 0)
+    same = node[:, None] == node[None, :]
+    return sum(sum(slowest_messages(profile, same, rows, row_bytes).values())
+               for row_bytes in (shape.gathered_row_bytes, shape.combine_row_bytes))
 
 
 def _experts_floor(profile, shape: ModelShape, ids: np.ndarray, call_ops: float) -> float:
