@@ -61,7 +61,8 @@ def _engine(directory: Path, rank: int, world: int, exchanger: str = "gloo", mod
     cpu = torch.device("cpu")
     ex = (Exchanger.for_process_group(rank, world, counters, cpu, 60.0) if exchanger == "shm"
           else Exchanger(rank, world, counters, cpu))
-    return Engine(rank_model, table, ex, counters, rank, world, mode, cpu, 2, record=record)
+    top_k = model.config.num_experts_per_tok  # the routing's k (the engine's join rows are that wide)
+    return Engine(rank_model, table, ex, counters, rank, world, mode, cpu, top_k, record=record)
 
 
 def _schedule(world: int, seed: int, steps: int) -> list:
@@ -144,8 +145,12 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     dist.destroy_process_group()
 
 
-def _run_pair(tmp_path: Path, exchanger: str, compile_: str, replicate: tuple = (), prefill_cap=None) -> list:
-    directory, _ = hf_model_dir(tmp_path, "mixtral")
+def _run_pair(tmp_path: Path, exchanger: str, compile_: str, replicate: tuple = (), prefill_cap=None,
+              arch: str = "mixtral") -> list:
+    if arch == "mixtral":
+        directory, _ = hf_model_dir(tmp_path, "mixtral")
+    else:  # examples/hf_tiny's config of that architecture (vocabulary 320: the schedule's ids fit)
+        directory = import_file(ROOT / "examples" / "hf_tiny" / "architectures.py").build(arch, tmp_path / arch)
     out = tmp_path / "out"
     out.mkdir()
     mp.spawn(_pair, args=(2, _free_port(), str(directory), str(out), exchanger, compile_, replicate, prefill_cap),
@@ -175,12 +180,13 @@ def test_ranks_agree_on_eager_steps_when_one_cannot_compile(tmp_path):
 
 @pytest.mark.slow
 @needs_compiler
-@pytest.mark.parametrize("replicate, prefill_cap", [((), 8), ((1, 3, 6), None)])
+@pytest.mark.parametrize("replicate, prefill_cap, arch", [((), 8, "mixtral"), ((1, 3, 6), None, "mixtral"),
+                                                         ((), None, "deepseek_v3")])
 def test_compiled_gathered_steps_match_dynamic_gating_and_compile_nothing_after_the_warm_up(tmp_path, replicate,
-                                                                                            prefill_cap):
-    """With copies of three experts; and with prefills of more than 8 rows exchanging by dynamic gating (eager)
-    between gathered ones."""
-    for rank, seen in enumerate(_run_pair(tmp_path, "shm", "service", replicate, prefill_cap)):
+                                                                                            prefill_cap, arch):
+    """With copies of three experts; with prefills of more than 8 rows exchanging by dynamic gating (eager)
+    between gathered ones; and DeepSeek-V3 (MLA's latents in spare-column layers, a dense block, shared experts)."""
+    for rank, seen in enumerate(_run_pair(tmp_path, "shm", "service", replicate, prefill_cap, arch)):
         assert seen["why"] is None and seen["gathers"], (rank, seen)
         assert seen["same"] and seen["diff"] <= 1e-4 and seen["slots_equal"], (rank, seen)
         assert seen["compiled_steps"] == seen["own_decodes"] > 15, (rank, seen)  # every decode step with rows here
@@ -201,15 +207,17 @@ def test_a_rank_whose_compiler_fails_mid_warm_up_keeps_the_exchanges_paired_and_
         assert not seen["gathers"] and seen["compiled_steps"] == 0 and seen["same"] and seen["diff"] == 0, seen
 
 
-@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=[pytest.mark.slow, needs_compiler])])
-def test_bucketed_gathered_steps_over_the_pools_match_dynamic_gating_in_step_on_both_ranks(tmp_path, monkeypatch, fused):
+@pytest.mark.parametrize("fused, arch", [(False, "mixtral"), (False, "deepseek_v3"),
+                                         pytest.param(True, "mixtral", marks=[pytest.mark.slow, needs_compiler])])
+def test_bucketed_gathered_steps_over_the_pools_match_dynamic_gating_in_step_on_both_ranks(tmp_path, monkeypatch, fused,
+                                                                                           arch):
     """The path GPU ranks of several capture as CUDA graphs (model/graph_decode.py), uncaptured on CPU: both ranks'
     decode steps run in the same buckets (the fullest rank's rows, the longest context), padding rows routing nowhere;
     a rank with no row joins the exchanges at the bucket's rows. Tokens, logits and slot counts are dynamic
     gating's; `fused` (MOEPLAN_GRAPH_INDUCTOR=1): inductor's step with its exchanges inside, no graph compiled after
-    the warm-up."""
+    the warm-up; DeepSeek-V3: MLA's latents in the pools, a dense first block, shared experts, grouped top-k."""
     monkeypatch.setenv(FUSED_ENV, "1" if fused else "0")  # the spawned ranks inherit it
-    first, second = _run_pair(tmp_path, "gloo", "graphs")
+    first, second = _run_pair(tmp_path, "gloo", "graphs", arch=arch)
     for rank, seen in enumerate((first, second)):
         assert seen["why"] is None and seen["gathers"] and seen["pool_rows"] == GRAPH_SEQUENCES // 2, (rank, seen)
         assert seen["fused"] is fused and seen["recompiled"] == 0, (rank, seen)
