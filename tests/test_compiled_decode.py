@@ -202,25 +202,32 @@ def test_the_switch_reads_its_environment_variable(monkeypatch, value, wanted):
 
 @pytest.mark.slow
 @needs_compiler
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_served_ranks_answer_with_compiled_steps_as_the_source_model_does(tmp_path, ranks):
+@pytest.mark.parametrize("arch, ranks", [("qwen3_moe", 1), ("qwen3_moe", 2), ("deepseek_v3", 2)])
+def test_served_ranks_answer_with_compiled_steps_as_the_source_model_does(tmp_path, arch, ranks):
     """The real CLI serves the examples' Qwen3-MoE at 1 rank, and at 2 ranks whose decode steps gather
     (ep/gathered_moe.py), with MOEPLAN_COMPILE=1 (the compile and its warm-up before 'serving on'); 16 concurrent
     greedy requests of different lengths equal transformers' own generation, and the metrics count the service's
-    own work only."""
+    own work only. DeepSeek-V3 (examples/hf_tiny's): MLA's latents in spare-column layers, compiled and gathered."""
     import transformers
 
+    from moeplan.runtime.model.library_model import decoder_layers
+    from moeplan.runtime.model.moe_adapter import find_containers
     from runtime_fixtures import contiguous_placement, write_hf_bundle
     from serving_helpers import ServerProcess, metrics
     from test_serve_e2e import MODEL, MOEPLAN, ROOT, concurrent_greedy, greedy_reference, prompts_of
 
-    source = ROOT / "examples" / "qwen3_moe"
+    if arch == "qwen3_moe":
+        source = ROOT / "examples" / "qwen3_moe"
+    else:
+        source = import_file(ROOT / "examples" / "hf_tiny" / "architectures.py").build(arch, tmp_path / arch)
     model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype="float32")
-    bundle = write_hf_bundle(tmp_path / "bundle", source, model, contiguous_placement(4, 8, 1, ranks))
+    containers = find_containers(*reversed(decoder_layers(model)))
+    placement = contiguous_placement(len(containers), containers[0].num_experts, 1, ranks)
+    bundle = write_hf_bundle(tmp_path / "bundle", source, model, placement)
     server = ServerProcess([MOEPLAN, "serve", str(bundle), "--port", "0", "--mode", "standard"], env={ENV: "1"},
                            ready_timeout_s=600)
     try:
-        MODEL[server.url] = "qwen3_moe"
+        MODEL[server.url] = arch
         assert "decode steps run eager" not in "".join(server.stderr)
         prompts, lengths = prompts_of(model.config.vocab_size)
         assert concurrent_greedy(server.url, prompts, lengths) == greedy_reference(bundle, prompts, lengths)
