@@ -9,10 +9,10 @@ from pathlib import Path
 
 
 def predicted_decode_step(config: dict, profile, sequences: int, context: int, gpus: int = 1, seed: int = 0,
-                          graphs: bool = True) -> float:
+                          graphs: bool = True, gpus_per_node: int | None = None) -> float:
     """Seconds of one decode step of `sequences` sequences at `context` tokens on `profile` (a HardwareProfile),
     the KV cache at the dtype the runtime holds there; `graphs` False: priced eager even where a service's GPU ranks
-    capture their decode steps as CUDA graphs."""
+    capture their decode steps as CUDA graphs; `gpus_per_node` (default: all on one node)."""
     import numpy as np
 
     from moeplan.passes.cost.context import attention_of, shape_with_context
@@ -32,5 +32,5 @@ def predicted_decode_step(config: dict, profile, sequences: int, context: int, g
     routes = (rng.integers(0, experts, (tokens, layers, 1)) + np.arange(k) * (experts // k)) % experts
     hosts = np.zeros((layers, experts, gpus), dtype=bool)
     hosts[:, np.arange(experts), np.arange(experts) * gpus // experts] = True
-    pred = predict(hosts, gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile)
+    pred = predict(hosts, gpus_per_node or gpus, shape, STANDARD, workload, routing_from_trace(routes, workload), profile)
     return float(pred.summary(workload.prompt_tokens)["seconds_per_decode_step"])
