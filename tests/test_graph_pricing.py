@@ -51,10 +51,11 @@ def test_an_eager_op_costs_its_dispatch_or_its_kernel_whichever_is_longer(rows):
     assert step_profile(cpu, rows, True) is cpu  # no graph figures: unchanged
 
 
-def _predicted(loaded, profile, sequences: int, gpus: int, graphs: bool, new_tokens: int = 3, service: bool = True):
+def _predicted(loaded, profile, sequences: int, gpus: int, graphs: bool, new_tokens: int = 3, service: bool = True,
+               prompt: int = 256):
     shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile), graphs)
     experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
-    workload = Workload((256,) * sequences, new_tokens)
+    workload = Workload((prompt,) * sequences, new_tokens)
     tokens = sum(len(s) for s in workload.steps())
     routes = (np.random.default_rng(0).integers(0, experts, (tokens, layers, 1)) + np.arange(k) * (experts // k)) % experts
     hosts = np.zeros((layers, experts, gpus), dtype=bool)
@@ -80,17 +81,23 @@ def test_a_services_gpu_ranks_are_priced_captured_alone_and_several_and_a_static
 
 def test_captured_steps_of_several_ranks_exchange_the_gathered_rows():
     """Two H100s, 4 sequences (2 a rank): each decode step's MoE block sends the other rank its bucket of 2 rows,
-    hidden state + gate weights + ids in float32 out, the hidden state back, with no row counts; the prefill exchanges
-    by dynamic gating (compared with a workload that stops after it)."""
+    hidden state + gate weights + ids in float32 out, the hidden state back, with no row counts; the prefill of
+    128-token prompts (2 x 128 = 256 left-padded rows on each rank, 512 received) gathers too, eager (worker.py's
+    `_prefill_rows`); of 129-token prompts (516 rows received, above GATHERED_PREFILL_ROWS) it exchanges by dynamic
+    gating."""
     loaded, h100 = _loaded("qwen3-30b-a3b.json"), load_hardware("h100-sxm")
-    whole, shape, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3)
-    prefill, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=1)
+    whole, shape, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3, prompt=128)
+    prefill, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=1, prompt=128)
     decode_steps, moe = 2, shape.moe_blocks
     for phase, row_bytes in (("dispatch", 4 * (shape.hidden + 2 * shape.top_k)), ("combine", 4 * shape.hidden)):
         got = sum(whole.layers[b][phase]["bytes"] - prefill.layers[b][phase]["bytes"] for b in moe)
         assert got == decode_steps * len(moe) * 2 * 2 * row_bytes, phase  # 2 ranks send 2 rows each
         assert sum(whole.layers[b][phase]["control_bytes"] - prefill.layers[b][phase]["control_bytes"] for b in moe) == 0
-    static, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3, service=False)
+        assert sum(prefill.layers[b][phase]["bytes"] for b in moe) == len(moe) * 2 * 256 * row_bytes, phase
+        assert sum(prefill.layers[b][phase]["control_bytes"] for b in moe) == 0
+    longer, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=1, prompt=129)
+    assert sum(longer.layers[b]["dispatch"]["control_bytes"] for b in moe) > 0  # dynamic gating sends its counts
+    static, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3, service=False, prompt=128)
     assert sum(static.layers[b]["dispatch"]["control_bytes"] for b in moe) > sum(
         prefill.layers[b]["dispatch"]["control_bytes"] for b in moe)  # dynamic gating sends its counts every step
 

@@ -360,7 +360,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         seq = np.array([t[0] for t in keys], dtype=np.int64)  # [n], sorted
         pos = np.array([t[1] for t in keys], dtype=np.int64)  # [n]
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)  # [n, L, k]
-        profile, gathered, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, n, len(np.unique(seq)))
+        profile, gathered_rows, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, seq)
+        gathered = gathered_rows is not None
         # int [n]: the rank each token is current on; None: every rank holds every token (coherent mode,
         # until the first MoE layer)
         current = seq % W if mode == STANDARD else None
@@ -399,7 +400,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
             dest = table.choose_per_rank(moe, ids, current)
             compute += _cost(profile, moe_ops, 0.0) + _slots(profile, 0 if gathered else held * shape.top_k)
             if gathered:
-                rows = np.full((W, W), graph_rows(int(held.max())))
+                rows = np.full((W, W), gathered_rows)
                 step_time += _add(pred, counter.exchange(rows, shape.gathered_row_bytes, block, "dispatch", True), comm=True)
                 step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
                 step_time += _add(pred, counter.exchange(rows, shape.combine_row_bytes, block, "combine", True), comm=True)
@@ -425,15 +426,33 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     return pred
 
 
-def step_pricing(eager_profile, ops, graphs: bool, world: int, mode: str, tokens: int, requests: int) -> tuple:
-    """(profile, gathered, MoE block ops) a step of `tokens` tokens of `requests` sequences is priced with: a
-    service's decode step (one token per sequence) on GPU ranks (`graphs`) replays a CUDA graph, its ops at their
-    device time (`step_profile`); with several ranks it gathers (`gathered`: every rank sends every other the fullest
-    rank's bucket of rows, runtime/ep/gathered_moe.py), its MoE block's ops counted that way."""
-    captured = graphs and requests == tokens
-    gathered = captured and world > 1
-    moe_ops = ops.moe_gathered if gathered else (ops.moe_block(world) if mode == STANDARD else ops.moe)
-    return step_profile(eager_profile, -(-tokens // world), captured), gathered, moe_ops
+def step_pricing(eager_profile, ops, graphs: bool, world: int, mode: str, seq: np.ndarray) -> tuple:
+    """(profile, gathered rows, MoE block ops) a step whose tokens belong to sequences seq int [n] (sorted; standard
+    mode: sequence s on rank s % W) is priced with, for a service whose GPU ranks capture their decode steps
+    (`graphs`): a decode step (one token per sequence) replays a CUDA graph, its ops at their device time
+    (`step_profile`); with several ranks the runtime gathers (runtime/ep/gathered_moe.py: every rank sends every other
+    the same rows, `gathered rows`, None where it exchanges by dynamic gating) its decode steps, at the bucket of the
+    fullest rank's rows, and its prefills, eager, where the ranks x the fullest rank's left-padded rows (its prompts x
+    their longest) are at most GATHERED_PREFILL_ROWS (runtime/serving/worker.py's `_prefill_rows`); its MoE blocks'
+    ops are then counted that way."""
+    from moeplan.runtime.ep.gathered_moe import GATHERED_PREFILL_ROWS
+
+    tokens = np.bincount(seq)
+    tokens = tokens[tokens > 0]  # [requests]: tokens of each sequence in the step
+    owner = np.unique(seq) % world
+    captured = graphs and len(tokens) == len(seq)
+    rows = None
+    if graphs and world > 1:  # `graphs` at several ranks: the MoE blocks gather (`captures_decode_graphs`)
+        held = np.bincount(owner, minlength=world)
+        if captured:
+            rows = graph_rows(int(held.max()))
+        else:
+            longest = np.zeros(world, dtype=np.int64)
+            np.maximum.at(longest, owner, tokens)
+            fullest = max(1, int((held * longest).max()))
+            rows = fullest if world * fullest <= GATHERED_PREFILL_ROWS else None
+    moe_ops = ops.moe_gathered if rows is not None else (ops.moe_block(world) if mode == STANDARD else ops.moe)
+    return step_profile(eager_profile, -(-len(seq) // world), captured), rows, moe_ops
 
 
 def _held(current, seq: np.ndarray, world: int) -> tuple:

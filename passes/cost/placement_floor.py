@@ -39,7 +39,7 @@ from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDAR
                                             _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
                                             collectives_per_call, profile_ops_per_sequence, routing_samples,
                                             slowest_messages, step_pricing)
-from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, graph_rows, runtime_ops, runtime_profile
+from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -72,7 +72,8 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         one_rank = attention_at_context(shape, np.zeros_like(seq), seq, pos, 1)  # every key, each cache read once
         slot_ids = _slot_ids(routing, keys, len(shape.moe_blocks), shape.top_k)
         requests = len(np.unique(seq))
-        profile, gathered, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, n, requests)  # as `predict`
+        profile, gathered_rows, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, seq)  # as `predict`
+        gathered = gathered_rows is not None
         placed = False  # coherent mode: tokens sit where the placement put them (after the first MoE layer)
         for block in range(shape.num_blocks):
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
@@ -114,7 +115,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             if mode == STANDARD:
                 total += _call(profile, W, "dispatch", calls, gathered) + _call(profile, W, "combine", calls, gathered)
                 if gathered and gpus_per_node:
-                    total += _gathered_messages(profile, shape, W, gpus_per_node, int(held.max()))
+                    total += _gathered_messages(profile, shape, W, gpus_per_node, gathered_rows)
             else:
                 total += (_call(profile, W, "dispatch", calls) if placed else 0.0) + _call(profile, W, "merge", calls)
                 placed = True
@@ -128,11 +129,11 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
     return total / max(workload.generated_tokens, 1)
 
 
-def _gathered_messages(profile, shape: ModelShape, world: int, gpus_per_node: int, fullest: int) -> float:
-    """A gathered MoE block's dispatch and combine messages (`predict`'s): every rank sends every other the bucket
-    of the fullest rank's `fullest` rows, whatever the placement."""
+def _gathered_messages(profile, shape: ModelShape, world: int, gpus_per_node: int, gathered_rows: int) -> float:
+    """A gathered MoE block's dispatch and combine messages (`predict`'s): every rank sends every other
+    `gathered_rows` rows (`step_pricing`'s), whatever the placement."""
     node = np.arange(world) // gpus_per_node
-    rows = np.full((world, world), graph_rows(fullest))
+    rows = np.full((world, world), gathered_rows)
     np.fill_diagonal(rows, 0)
     same = node[:, None] == node[None, :]
     return sum(sum(slowest_messages(profile, same, rows, row_bytes).values())

@@ -19,8 +19,11 @@ rank's sequences from the step plans; the worker sets it) and R = D + 2k:
 4. `exchange_equal` again: block s of the partials goes back to rank s; the W blocks that come back sum to the
    routed output of this rank's rows.
 The slots served here are counted on the device (`Engine.local_tally`) and read after the forward. A prefill
-gathers where its fullest rank's rows are at most GATHERED_PREFILL_ROWS: a receiver's experts see W x n x k slot
-rows, so a long prompt exchanges by dynamic gating (eager: its compute dwarfs its dispatch).
+gathers where the rows every rank receives, W x n, are at most GATHERED_PREFILL_ROWS: a receiver's experts see
+W x n x k slot rows and every rank sends every other n, padding included, so a long prompt, or a prefill over
+many ranks, exchanges by dynamic gating (eager: its compute dwarfs its dispatch). (Until 2026-11-29 the cap was on
+n alone: at 64 ranks a prefill of one 32-token prompt sent 64 x 63 x 32 rows a block, 5x the decode steps' bytes
+per token of DeepSeek-V3 on 8 x 8 H100s as the cost model priced it.)
 
 Where experts have several copies, the replica rule chooses which copy serves each slot, on the device
 (`device_replicas.py`: the rule of `expert_table.py`, each source rank's rows taking their turns as that rank
@@ -37,7 +40,7 @@ from . import equal_exchange  # registers the exchange_equal op
 from .device_replicas import DeviceReplicaRule
 
 
-GATHERED_PREFILL_ROWS = 512
+GATHERED_PREFILL_ROWS = 512  # ranks x the fullest rank's rows a prefill gathers at most
 
 
 def gather_refusal(engine) -> str | None:

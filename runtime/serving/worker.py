@@ -36,13 +36,14 @@ KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far sh
 
 def _prefill_rows(admit: list, world: int) -> int | None:
     """The rows every rank sends in this step's gathered prefill: the fullest rank's (its admissions x their longest
-    prompt, left-padded to it; at least one), or None above GATHERED_PREFILL_ROWS (dynamic gating)."""
+    prompt, left-padded to it; at least one), or None where the ranks x those rows exceed GATHERED_PREFILL_ROWS
+    (dynamic gating)."""
     width, count = [0] * world, [0] * world
     for a in admit:
         width[a.owner] = max(width[a.owner], len(a.prompt))
         count[a.owner] += 1
     rows = max(1, max(w * c for w, c in zip(width, count)))
-    return rows if rows <= GATHERED_PREFILL_ROWS else None
+    return rows if world * rows <= GATHERED_PREFILL_ROWS else None
 
 
 class BatchWorker:
