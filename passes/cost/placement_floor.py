@@ -24,7 +24,7 @@ term that no placement changes and bounding the others from below:
 A service's decode steps that replay CUDA graphs (`runtime_ops.captures_decode_graphs`) are floored at the prices
 `predict` gives them: their ops at the device's op cost, gathered MoE blocks' counts at several ranks, one
 collective per exchange call and no replica choice on the host. A gathered exchange's messages are the same for
-every placement too (every rank sends every other the fullest rank's bucket of rows, `gathered_moe.py`): given the
+every placement too (every rank sends every other the same rows, `step_pricing`'s, `gathered_moe.py`): given the
 topology's GPUs per node they are floored at their full price (at DeepSeek-V3's 64 ranks they are ~40 % of a
 captured step, and a floor without them let `--policy auto` solve for minutes candidates all within 1 %).
 Each of these is at most the term `predict` charges, so the floor is at most every placement's

@@ -22,8 +22,8 @@ The slots served here are counted on the device (`Engine.local_tally`) and read 
 gathers where the rows every rank receives, W x n, are at most GATHERED_PREFILL_ROWS: a receiver's experts see
 W x n x k slot rows and every rank sends every other n, padding included, so a long prompt, or a prefill over
 many ranks, exchanges by dynamic gating (eager: its compute dwarfs its dispatch). (Until 2026-11-29 the cap was on
-n alone: at 64 ranks a prefill of one 32-token prompt sent 64 x 63 x 32 rows a block, 5x the decode steps' bytes
-per token of DeepSeek-V3 on 8 x 8 H100s as the cost model priced it.)
+n alone: at 64 ranks a prefill of one 32-token prompt a rank sent 64 x 63 x 32 rows a block; DeepSeek-V3 on 8 x 8
+H100s, 8 prompts of 32 tokens and 8 new each, was priced 8.2 GB a token that way against 1.57 with the cap.)
 
 Where experts have several copies, the replica rule chooses which copy serves each slot, on the device
 (`device_replicas.py`: the rule of `expert_table.py`, each source rank's rows taking their turns as that rank
