@@ -3,8 +3,8 @@ SGLang estimate for the same cell (issue 39 item 4: within 2x at Qwen3-30B-A3B, 
 
 For Qwen3-30B-A3B on 1 and 8 H100s (experts contiguous over the GPUs, standard mode) at 1, 16 and 64 requests per
 GPU, and DeepSeek-V3 on 64 H100s (8 nodes of 8, EP 64; at bf16 it fits no fewer) at 1 and 16 (`--deepseek`; its
-prediction replays every prompt token, minutes at 64 per GPU), 1024 prompt tokens and 128 new (each decode step priced at the middle context, 1088 tokens): the torchrun
-cost model's decode step (`passes/cost/cost_model.py`, launch counts from `runtime_ops.py`: the runtime's counted
+prediction replays every prompt token, minutes at 64 per GPU), 1024 prompt tokens and 128 new (each decode step
+priced at the middle context, 1088 tokens): the torchrun cost model's decode step (`passes/cost/cost_model.py`, launch counts from `runtime_ops.py`: the runtime's counted
 ops at the op cost measured on an H200, docs/gpu_checks.md; a service's GPU ranks replay their decode steps as
 CUDA graphs, priced at the graph's measured op cost, ranks of several gathered), the same eager, the same with the
 fitted counts it used before, and

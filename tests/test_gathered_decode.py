@@ -91,12 +91,12 @@ def _pair(rank: int, world: int, port: int, directory: str, out: str, exchanger:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch._dynamo.utils import counters as dynamo_counters
 
+    from moeplan.runtime.ep import gathered_moe
     from moeplan.runtime.ep.gathered_moe import enable_gathering
-    from moeplan.runtime.serving import worker as worker_module
     from moeplan.runtime.serving.decode_compile import enable_compiled_decode, enable_graph_decode
 
     if prefill_cap is not None:  # longer prefills exchange by dynamic gating, eager
-        worker_module.GATHERED_PREFILL_ROWS = prefill_cap
+        gathered_moe.GATHERED_PREFILL_ROWS = prefill_cap
 
     base_engine = _engine(Path(directory), rank, world, replicate=replicate)
     fast_engine = _engine(Path(directory), rank, world, exchanger, replicate=replicate)

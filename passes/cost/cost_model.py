@@ -432,10 +432,10 @@ def step_pricing(eager_profile, ops, graphs: bool, world: int, mode: str, seq: n
     (`graphs`): a decode step (one token per sequence) replays a CUDA graph, its ops at their device time
     (`step_profile`); with several ranks the runtime gathers (runtime/ep/gathered_moe.py: every rank sends every other
     the same rows, `gathered rows`, None where it exchanges by dynamic gating) its decode steps, at the bucket of the
-    fullest rank's rows, and its prefills, eager, where the ranks x the fullest rank's left-padded rows (its prompts x
-    their longest) are at most GATHERED_PREFILL_ROWS (runtime/serving/worker.py's `_prefill_rows`); its MoE blocks'
-    ops are then counted that way."""
-    from moeplan.runtime.ep.gathered_moe import GATHERED_PREFILL_ROWS
+    fullest rank's rows, and its prefills, eager, where the runtime's rule lets them (`gathered_prefill_rows`: the
+    ranks x the fullest rank's left-padded rows, its prompts x their longest, at most 512); its MoE blocks' ops are
+    then counted that way."""
+    from moeplan.runtime.ep.gathered_moe import gathered_prefill_rows
 
     tokens = np.bincount(seq)
     tokens = tokens[tokens > 0]  # [requests]: tokens of each sequence in the step
@@ -449,8 +449,7 @@ def step_pricing(eager_profile, ops, graphs: bool, world: int, mode: str, seq: n
         else:
             longest = np.zeros(world, dtype=np.int64)
             np.maximum.at(longest, owner, tokens)
-            fullest = max(1, int((held * longest).max()))
-            rows = fullest if world * fullest <= GATHERED_PREFILL_ROWS else None
+            rows = gathered_prefill_rows(longest, held)
     moe_ops = ops.moe_gathered if rows is not None else (ops.moe_block(world) if mode == STANDARD else ops.moe)
     return step_profile(eager_profile, -(-len(seq) // world), captured), rows, moe_ops
 

@@ -74,6 +74,8 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         requests = len(np.unique(seq))
         profile, gathered_rows, moe_ops = step_pricing(eager_profile, ops, graphs, W, mode, seq)  # as `predict`
         gathered = gathered_rows is not None
+        # a gathered MoE block's messages: the same for every block of the step (none where the topology is not given)
+        messages = _gathered_messages(profile, shape, W, gpus_per_node, gathered_rows) if gathered and gpus_per_node else 0.0
         placed = False  # coherent mode: tokens sit where the placement put them (after the first MoE layer)
         for block in range(shape.num_blocks):
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
@@ -114,8 +116,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             total += _pace_floor(profile, known, spread, W)
             if mode == STANDARD:
                 total += _call(profile, W, "dispatch", calls, gathered) + _call(profile, W, "combine", calls, gathered)
-                if gathered and gpus_per_node:
-                    total += _gathered_messages(profile, shape, W, gpus_per_node, gathered_rows)
+                total += messages
             else:
                 total += (_call(profile, W, "dispatch", calls) if placed else 0.0) + _call(profile, W, "merge", calls)
                 placed = True

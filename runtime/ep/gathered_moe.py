@@ -43,6 +43,14 @@ from .device_replicas import DeviceReplicaRule
 GATHERED_PREFILL_ROWS = 512  # ranks x the fullest rank's rows a prefill gathers at most
 
 
+def gathered_prefill_rows(widths, counts) -> int | None:
+    """The rows every rank sends in a gathered prefill where rank r prefills counts[r] prompts left-padded to
+    widths[r] tokens: the fullest rank's (at least one), or None where the ranks x those rows exceed
+    GATHERED_PREFILL_ROWS (dynamic gating). The worker's rule, and the cost model's (`cost_model.step_pricing`)."""
+    rows = max(1, max(int(w) * int(c) for w, c in zip(widths, counts)))
+    return rows if len(widths) * rows <= GATHERED_PREFILL_ROWS else None
+
+
 def gather_refusal(engine) -> str | None:
     """Why `engine`'s decode steps cannot gather (one line), or None where they can."""
     if engine.world == 1 or engine.mode != "standard":

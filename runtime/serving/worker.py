@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..ep.engine import COHERENT
-from ..ep.gathered_moe import GATHERED_PREFILL_ROWS
+from ..ep.gathered_moe import gathered_prefill_rows
 from ..ep.exchange import pack, unpack
 from .row_cache import RowCache, prefill_inputs
 from .row_pool import PooledRows
@@ -35,15 +35,13 @@ KEY_STRIDE = 1 << 24  # positions per sequence in a row key (contexts are far sh
 
 
 def _prefill_rows(admit: list, world: int) -> int | None:
-    """The rows every rank sends in this step's gathered prefill: the fullest rank's (its admissions x their longest
-    prompt, left-padded to it; at least one), or None where the ranks x those rows exceed GATHERED_PREFILL_ROWS
-    (dynamic gating)."""
+    """The rows every rank sends in this step's gathered prefill (`gathered_moe.gathered_prefill_rows`: each rank's
+    admissions left-padded to their longest prompt), or None (dynamic gating)."""
     width, count = [0] * world, [0] * world
     for a in admit:
         width[a.owner] = max(width[a.owner], len(a.prompt))
         count[a.owner] += 1
-    rows = max(1, max(w * c for w, c in zip(width, count)))
-    return rows if world * rows <= GATHERED_PREFILL_ROWS else None
+    return gathered_prefill_rows(width, count)
 
 
 class BatchWorker:
