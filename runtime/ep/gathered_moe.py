@@ -84,15 +84,13 @@ def gathered_route(engine, adapter, h: torch.Tensor, ids: torch.Tensor, weights:
     ids = ids.to(torch.float32)
     if not engine.all_real:
         ids = torch.where(engine.dev_real[:, None], ids, -1.0)
-    payload = F.pad(torch.cat([h.to(torch.float32), weights.to(torch.float32)], 1), (0, 0, 0, n - B))
-    rows = torch.cat([payload, F.pad(ids, (0, 0, 0, n - B), value=-1.0)], 1)            # [n, D + 2k]
+    rows = F.pad(torch.cat([h.to(torch.float32), weights.to(torch.float32), ids], 1), (0, 0, 0, n - B),
+                 value=-1.0)                                                            # [n, D + 2k], pads: ids -1
     got = torch.ops.moeplan.exchange_equal(rows.repeat(world, 1), engine.exchange_handle, adapter.layer, "dispatch")
-    experts = got[:, D + k:].round().to(torch.int64)                                    # [W n, k]
-    local = adapter.local_slots(experts.clamp(min=0))
+    experts = got[:, D + k:].to(torch.int64)                  # [W n, k]: exact, whole numbers below 2^24 as float32
+    local = adapter.served_slots(experts)                     # held here: local index; else (or -1) the sentinel
     sentinel = adapter.num_slots
-    if engine.replica_rule is None:  # one copy of each expert: the slots served here are those of experts held here
-        local = torch.where((experts < 0) | (local < 0), sentinel, local)
-    else:  # the copy the rule gives each slot, every row's source rank its current one
+    if engine.replica_rule is not None:  # the copy the rule gives each slot, every row's source rank its current one
         source = torch.arange(world * n, device=h.device) // n
         local = torch.where(engine.replica_rule.choose(adapter.moe, experts, source) == rank, local, sentinel)
     own = local[rank * n: rank * n + B]
