@@ -174,6 +174,44 @@ def test_tokens_become_events_in_order_and_finished_sequences_leave_next_step():
     assert c.idle()
 
 
+def _pieces(tokens, stops=(), n=4, ahead=True):
+    """(pieces a Generation yields, events) for a request whose tokens the engine sends: all of them before the
+    front reads any (`ahead`), or each read before the next is sent."""
+    import asyncio
+
+    from moeplan.runtime.serving.generation import Generation
+
+    async def run():
+        c = client(max_sequences=1, max_waiting=1)
+        generation = Generation(c, req("a", n=n), lambda ids: "".join(chr(97 + i) for i in ids), stops)
+        generation.submit()
+        c.next_plan(None)
+        pieces, stream = [], generation.pieces()
+        for t in tokens:
+            c.on_tokens({0: t})
+            if not ahead:
+                piece = await anext(stream, None)
+                if piece is None:  # a stop string ended it
+                    return pieces
+                pieces.append(piece)
+        async for piece in stream:
+            pieces.append(piece)
+        return pieces
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("tokens, stops, text, reason", [((1, 2, 3, 4), (), "bcde", FINISH_LENGTH),
+                                                         ((1, 2, 3, 4), ("cd",), "b", FINISH_STOP)])
+def test_events_the_engine_sent_ahead_of_the_front_make_one_piece_saying_what_each_would(tokens, stops, text, reason):
+    ahead, in_step = _pieces(tokens, stops), _pieces(tokens, stops, ahead=False)
+    assert len(ahead) == 1 and len(in_step) == len(tokens) - (reason == FINISH_STOP)  # the stop's token ends it
+    assert ahead[0].text == "".join(p.text for p in in_step) == text
+    assert ahead[0].token_ids == [i for p in in_step for i in p.token_ids]
+    assert ahead[0].finish_reason == in_step[-1].finish_reason == reason
+    assert ahead[0].stop_reason == in_step[-1].stop_reason == (stops[0] if stops else None)
+
+
 def test_standard_mode_owners_balance_and_prefill_stays_within_its_budget():
     c = Scheduler("m", Limits(4096, 8, 8, max_prefill_tokens=100), vocab_size=50, world=3, coherent=False,
                       num_layers=1)

@@ -3,6 +3,9 @@
 The engine calls the request's sink from its own thread; the sink hands each event to the front's
 event loop (`call_soon_threadsafe`), where `pieces()` reads them in order and yields Pieces: new
 text (cut at stop strings, text_stream.py), the new token ids, and at the end the finish reason.
+Where the engine got ahead of the consumer (several events queued when it reads), they make one
+piece, so a stream under load writes and its client parses one chunk per turn of the front, not
+one per token (vLLM 0.32 merges so too: `RequestOutputCollector`, vllm/v1/engine/output_processor.py).
 A stop string, a consumer that stops reading (client gone) or `close()` cancels the engine's
 request (`EngineClient.cancel`), so its batch slot is freed by the next step.
 
@@ -83,6 +86,8 @@ class Generation:
                         yield self._end(Piece("", error="the engine stopped (a rank is down); the request did not finish"))
                     continue
                 piece = self._on_event(event)
+                while not self.done and not self.events.empty():  # the engine got ahead of the consumer
+                    piece = _merged(piece, self._on_event(self.events.get_nowait()))
                 if piece is not None:
                     yield piece
         finally:
@@ -126,6 +131,14 @@ class Generation:
             self.metrics.request_finished(piece.finish_reason or "error")
             self.metrics.e2e.observe(time.monotonic() - self.arrival_s)
         return piece
+
+
+def _merged(first: Piece | None, then: Piece | None) -> Piece | None:
+    """One piece saying what `first` and then `then` say (either may be None: nothing to say)."""
+    if first is None or then is None:
+        return first or then
+    return Piece(first.text + then.text, first.token_ids + then.token_ids, then.finish_reason, then.stop_reason,
+                 then.error)
 
 
 __all__ = ["ApiError", "Generation", "Piece"]
