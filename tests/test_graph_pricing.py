@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moeplan.core.hardware import load_hardware
-from moeplan.passes.cost.context import attention_of, shape_with_context
+from moeplan.passes.cost.context import attention_of, gathered_wire_bytes, shape_with_context
 from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
 from moeplan.passes.cost.runtime_ops import decode_graphs_possible, runtime_profile, step_profile
 from moeplan.passes.importers import load_model
@@ -53,7 +53,8 @@ def test_an_eager_op_costs_its_dispatch_or_its_kernel_whichever_is_longer(rows):
 
 def _predicted(loaded, profile, sequences: int, gpus: int, graphs: bool, new_tokens: int = 3, service: bool = True,
                prompt: int = 256):
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile), graphs)
+    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile), graphs,
+                               gathered_wire_bytes(loaded.ir, profile))
     experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
     workload = Workload((prompt,) * sequences, new_tokens)
     tokens = sum(len(s) for s in workload.steps())
@@ -81,7 +82,8 @@ def test_a_services_gpu_ranks_are_priced_captured_alone_and_several_and_a_static
 
 def test_captured_steps_of_several_ranks_exchange_the_gathered_rows():
     """Two H100s, 4 sequences (2 a rank): each decode step's MoE block sends the other rank its bucket of 2 rows,
-    hidden state + gate weights + ids in float32 out, the hidden state back, with no row counts; the prefill of
+    hidden state + gate weights + ids out, the hidden state back, at bfloat16 (the checkpoint's, which the GPU
+    holds; gathered_moe.py `wire_dtype`), with no row counts; the prefill of
     128-token prompts (2 x 128 = 256 left-padded rows on each rank, 512 received) gathers too, eager (worker.py's
     `_prefill_rows`); of 129-token prompts (516 rows received, above GATHERED_PREFILL_ROWS) it exchanges by dynamic
     gating."""
@@ -89,7 +91,8 @@ def test_captured_steps_of_several_ranks_exchange_the_gathered_rows():
     whole, shape, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=3, prompt=128)
     prefill, _, _ = _predicted(loaded, h100, 4, 2, True, new_tokens=1, prompt=128)
     decode_steps, moe = 2, shape.moe_blocks
-    for phase, row_bytes in (("dispatch", 4 * (shape.hidden + 2 * shape.top_k)), ("combine", 4 * shape.hidden)):
+    assert shape.wire_bytes == 2 and gathered_wire_bytes(loaded.ir, load_hardware("cpu-gloo")) == 4  # fp32 CPU
+    for phase, row_bytes in (("dispatch", 2 * (shape.hidden + 2 * shape.top_k)), ("combine", 2 * shape.hidden)):
         got = sum(whole.layers[b][phase]["bytes"] - prefill.layers[b][phase]["bytes"] for b in moe)
         assert got == decode_steps * len(moe) * 2 * 2 * row_bytes, phase  # 2 ranks send 2 rows each
         assert sum(whole.layers[b][phase]["control_bytes"] - prefill.layers[b][phase]["control_bytes"] for b in moe) == 0

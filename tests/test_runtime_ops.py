@@ -98,10 +98,12 @@ def test_a_gpu_plan_records_the_counts_it_priced_and_whether_it_captured_its_ste
                                       "--out", str(out)])
         assert result.exit_code == 0, result.output
         cost = json.loads(out.read_text())["predicted"]["cost"]
-        captured[hardware, gpus] = cost.get("decode_steps")
+        captured[hardware, gpus] = cost.get("decode_steps"), cost.get("gathered_wire_bytes")
         if hardware == "h100-sxm":
             assert cost["runtime_ops"] == {**runtime_ops(load_hardware(hardware), "Qwen3MoeForCausalLM").record()}
             assert cost["runtime_ops"]["source"] == "counted: Qwen3MoeForCausalLM"
         else:
             assert "runtime_ops" not in cost
-    assert captured == {("h100-sxm", 1): "cuda graphs", ("h100-sxm", 2): "cuda graphs", ("cpu-gloo", 2): None}
+    # a float32 checkpoint: its gathered rows travel as float32 (a bf16 one's as bf16: test_graph_pricing.py)
+    assert captured == {("h100-sxm", 1): ("cuda graphs", 4), ("h100-sxm", 2): ("cuda graphs", 4),
+                        ("cpu-gloo", 2): (None, None)}

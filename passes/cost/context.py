@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from moeplan.passes.cost.attention_context import AttentionContext, runtime_attention_context
-from moeplan.passes.cost.cost_model import ModelShape
+from moeplan.passes.cost.cost_model import FLOAT, ModelShape
 
 
 def context_plan_of(module, choice: str = "auto") -> list:
@@ -27,11 +27,12 @@ def context_plan_of(module, choice: str = "auto") -> list:
         return []
 
 
-def shape_with_context(ir, context: list, attention: AttentionContext | None = None, graphs: bool = False) -> ModelShape:
+def shape_with_context(ir, context: list, attention: AttentionContext | None = None, graphs: bool = False,
+                       wire_bytes: int = FLOAT) -> ModelShape:
     """The IR's shape with coherent mode's per-block context rows (when they cover every block), its attention at
-    context (None: priced at a short context) and whether the runtime can capture its decode steps as CUDA graphs
-    (`runtime_ops.decode_graphs_possible`)."""
-    shape = replace(ModelShape.from_ir(ir), attention_context=attention, decode_graphs=graphs)
+    context (None: priced at a short context), whether the runtime can capture its decode steps as CUDA graphs
+    (`runtime_ops.decode_graphs_possible`) and the bytes of a gathered exchange's element (`gathered_wire_bytes`)."""
+    shape = replace(ModelShape.from_ir(ir), attention_context=attention, decode_graphs=graphs, wire_bytes=wire_bytes)
     if len(context) != shape.num_blocks:
         return shape
     return replace(shape, context_elements=tuple(n for _, n in context))
@@ -46,6 +47,17 @@ def attention_of(module, ir, profile=None) -> AttentionContext:
     return runtime_attention_context(getattr(module, "config", None) if module is not None else None, ir, kv_dtype)
 
 
+def gathered_wire_bytes(ir, profile) -> int:
+    """Bytes of one element of a gathered exchange's rows on `profile` (runtime/ep/gathered_moe.py `wire_dtype`, at
+    the dtype the runtime holds the model's dense weights, and so its hidden state, at there)."""
+    from moeplan.passes.cost.capacity import held_weights
+    from moeplan.runtime.ep.gathered_moe import wire_dtype
+    from moeplan.runtime.precision import torch_dtype
+
+    dense = torch_dtype(held_weights(ir, profile)["dtypes"]["dense"])
+    return wire_dtype(dense, int(ir.moe_stages[0].hidden_size), int(ir.moe_stages[0].num_experts)).itemsize
+
+
 def attention_record(attention: AttentionContext | None) -> dict:
     """plan.json `predicted.cost.attention_context`: what the cost model priced attention at context with."""
     return {} if attention is None else {"flops_per_key": attention.flops_per_key, "kv_bytes_per_key": attention.kv_bytes_per_key}
@@ -54,8 +66,10 @@ def attention_record(attention: AttentionContext | None) -> dict:
 def shape_of_plan(plan: dict, context: list | None = None) -> ModelShape:
     """The shape a plan was priced with: its context rows and its recorded attention at context (plans
     written before it was recorded: a short context, as they were priced)."""
-    recorded = plan.get("predicted", {}).get("cost", {}).get("attention_context")
-    return shape_with_context(_ir(plan), context or [], AttentionContext(**recorded) if recorded else None)
+    cost = plan.get("predicted", {}).get("cost", {})
+    recorded = cost.get("attention_context")
+    return shape_with_context(_ir(plan), context or [], AttentionContext(**recorded) if recorded else None,
+                              wire_bytes=int(cost.get("gathered_wire_bytes", FLOAT)))
 
 
 def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:

@@ -94,6 +94,8 @@ class ModelShape:
     expert_bytes: float = 0.0    # weights one expert call reads
     attention_bytes: float = 0.0  # weights one block's attention reads
     element_bytes: int = FLOAT   # hidden-state element on the wire (the runtime sends float32)
+    wire_bytes: int = FLOAT      # an element of a gathered exchange's rows (runtime/ep/gathered_moe.py `wire_dtype`:
+                                 # 2 where the runtime holds the hidden state at bf16 / fp16, `gathered_wire_bytes`)
     context_elements: int | tuple = 0  # coherent context row per token: one int for every block, or one per
                                  # block (the runtime's `context_exchange` plan); 0: the hidden state.
                                  # K and V (2 x kv heads x head dim) or an MLA latent are smaller
@@ -137,9 +139,14 @@ class ModelShape:
 
     @property
     def gathered_row_bytes(self) -> int:
-        """A gathered decode step's dispatch row (runtime/ep/gathered_moe.py): hidden state, gate weights and
-        expert ids, float32; its combine row is `combine_row_bytes`."""
-        return FLOAT * (self.hidden + 2 * self.top_k)
+        """A gathered step's dispatch row (runtime/ep/gathered_moe.py): hidden state, gate weights and expert ids,
+        `wire_bytes` each."""
+        return self.wire_bytes * (self.hidden + 2 * self.top_k)
+
+    @property
+    def gathered_combine_row_bytes(self) -> int:
+        """A gathered step's combine row: the hidden state's partial sum, `wire_bytes` an element."""
+        return self.wire_bytes * self.hidden
 
     def context_elements_at(self, block: int) -> int:
         """Elements per token of block `block`'s context row (the hidden state unless set)."""
@@ -403,7 +410,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 rows = np.full((W, W), gathered_rows)
                 step_time += _add(pred, counter.exchange(rows, shape.gathered_row_bytes, block, "dispatch", True), comm=True)
                 step_time += _add(pred, _moe_compute(profile, shape, compute, ids, dest, pred, moe, W, ops.expert_call))
-                step_time += _add(pred, counter.exchange(rows, shape.combine_row_bytes, block, "combine", True), comm=True)
+                step_time += _add(pred, counter.exchange(rows, shape.gathered_combine_row_bytes, block, "combine", True),
+                                  comm=True)
                 continue
             ranks, first = _distinct_ranks(ids, dest)
             dispatch = np.bincount((current[:, None] * W + ranks)[first], minlength=W * W).reshape(W, W)

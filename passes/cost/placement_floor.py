@@ -138,7 +138,7 @@ def _gathered_messages(profile, shape: ModelShape, world: int, gpus_per_node: in
     np.fill_diagonal(rows, 0)
     same = node[:, None] == node[None, :]
     return sum(sum(slowest_messages(profile, same, rows, row_bytes).values())
-               for row_bytes in (shape.gathered_row_bytes, shape.combine_row_bytes))
+               for row_bytes in (shape.gathered_row_bytes, shape.gathered_combine_row_bytes))
 
 
 def _experts_floor(profile, shape: ModelShape, ids: np.ndarray, call_ops: float) -> float:

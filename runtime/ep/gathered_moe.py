@@ -10,14 +10,16 @@ sizes is a few kB per block, and buys a step whose every op has a static shape.
 
 Per MoE block, on every rank, with n the largest decode batch of any rank this step (every rank knows every
 rank's sequences from the step plans; the worker sets it) and R = D + 2k:
-1. rows [n, R] = hidden state, gate weights, expert ids (as float32, exact below 2^24) of this rank's B rows,
-   padded to n with ids -1 (no expert); a dummy or padding row has ids -1 too;
+1. rows [n, R] = hidden state, gate weights, expert ids + 1 of this rank's B rows, padded to n with zeros (0: no
+   expert; a dummy row's ids are 0 too), at `wire_dtype`: a bf16 / fp16 hidden state's own dtype, ids as int16
+   bit patterns (float32 otherwise, ids exact below 2^24; float32 for every dtype until the twelfth session: a
+   bf16 block sent twice the bytes and cast five times);
 2. `exchange_equal` (one op, `equal_exchange.py`): the block to every rank, [W * n, R] back, rank order;
 3. the slots whose expert is held here run through the library's grouped experts; every other slot takes the
    library's expert-parallel sentinel (expert id = the local count, `_is_expert_parallel`: sorted to the tail,
    skipped by grouped_mm, zeroed): [W * n, D] partial sums;
-4. `exchange_equal` again: block s of the partials goes back to rank s; the W blocks that come back sum to the
-   routed output of this rank's rows.
+4. `exchange_equal` again: block s of the partials (at `wire_dtype`) goes back to rank s; the W blocks that come
+   back sum, in float32, to the routed output of this rank's rows.
 The slots served here are counted on the device (`Engine.local_tally`) and read after the forward. A prefill
 gathers where the rows every rank receives, W x n, are at most GATHERED_PREFILL_ROWS: a receiver's experts see
 W x n x k slot rows and every rank sends every other n, padding included, so a long prompt, or a prefill over
@@ -76,26 +78,40 @@ def enable_gathering(engine) -> None:
     engine.local_tally = torch.zeros(engine.num_layers, dtype=torch.int64, device=engine.device)
 
 
+def wire_dtype(dtype: torch.dtype, hidden: int, num_experts: int) -> torch.dtype:
+    """What a gathered exchange's rows travel as for a hidden state of `dtype`: the hidden state's own 2-byte dtype
+    (half float32's bytes and no casts; gate weights in it, expert ids as int16 bit patterns) where a row pairs into
+    float32 words (`hidden` even) and the ids fit int16, else float32. The runtime's rule and the cost model's."""
+    two_bytes = dtype.is_floating_point and dtype.itemsize == 2
+    return dtype if two_bytes and hidden % 2 == 0 and num_experts < 2 ** 15 else torch.float32
+
+
 def gathered_route(engine, adapter, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The routed-expert sum [B, D] of this rank's rows h [B, D] routed to ids / weights [B, k] (module docstring);
-    `engine.gather_anchor` [n] carries n as a size a compiled graph keeps symbolic."""
+    `engine.gather_anchor` [n] carries n as a size a compiled graph keeps symbolic. Rows travel at `wire_dtype`,
+    viewed as float32 words (the exchange moves words; the bits arrive as sent); an expert id travels as id + 1, so
+    that a padding row, all zeros, routes nowhere."""
     world, rank = engine.world, engine.rank
     n, (B, D), k = engine.gather_anchor.shape[0], h.shape, ids.shape[1]
-    ids = ids.to(torch.float32)
+    wire = wire_dtype(h.dtype, D, adapter.container.num_experts)
+    tags = ids + 1                                                                      # [B, k]; 0: no expert
     if not engine.all_real:
-        ids = torch.where(engine.dev_real[:, None], ids, -1.0)
-    rows = F.pad(torch.cat([h.to(torch.float32), weights.to(torch.float32), ids], 1), (0, 0, 0, n - B),
-                 value=-1.0)                                                            # [n, D + 2k], pads: ids -1
-    got = torch.ops.moeplan.exchange_equal(rows.repeat(world, 1), engine.exchange_handle, adapter.layer, "dispatch")
-    experts = got[:, D + k:].to(torch.int64)                  # [W n, k]: exact, whole numbers below 2^24 as float32
-    local = adapter.served_slots(experts)                     # held here: local index; else (or -1) the sentinel
+        tags = torch.where(engine.dev_real[:, None], tags, 0)
+    tags = tags.to(torch.int16).view(wire) if wire.itemsize == 2 else tags.to(wire)
+    rows = F.pad(torch.cat([h.to(wire), weights.to(wire), tags], 1), (0, 0, 0, n - B))  # [n, D + 2k]
+    got = torch.ops.moeplan.exchange_equal(rows.repeat(world, 1).view(torch.float32), engine.exchange_handle,
+                                           adapter.layer, "dispatch").view(wire)        # [W n, D + 2k]
+    tags = got[:, D + k:]
+    tags = (tags.view(torch.int16) if wire.itemsize == 2 else tags).to(torch.int64)   # [W n, k]: exact
+    local = adapter.served_slots(tags)                        # held here: local index; else (or none) the sentinel
     sentinel = adapter.num_slots
     if engine.replica_rule is not None:  # the copy the rule gives each slot, every row's source rank its current one
         source = torch.arange(world * n, device=h.device) // n
-        local = torch.where(engine.replica_rule.choose(adapter.moe, experts, source) == rank, local, sentinel)
+        local = torch.where(engine.replica_rule.choose(adapter.moe, tags - 1, source) == rank, local, sentinel)
     own = local[rank * n: rank * n + B]
     engine.local_tally[adapter.layer] += (own < sentinel).sum()
-    partial = adapter.local_expert_output(got[:, :D].to(h.dtype), local, got[:, D:D + k])     # [W n, D]
-    back = torch.ops.moeplan.exchange_equal(partial.to(torch.float32).contiguous(), engine.exchange_handle,
-                                            adapter.layer, "combine")
-    return back.view(world, n, D).sum(dim=0)[:B].to(h.dtype)
+    hidden = got[:, :D].to(h.dtype, memory_format=torch.contiguous_format)           # one copy whatever the wire
+    partial = adapter.local_expert_output(hidden, local, got[:, D:D + k].contiguous())   # [W n, D]
+    back = torch.ops.moeplan.exchange_equal(partial.to(wire).contiguous().view(torch.float32), engine.exchange_handle,
+                                            adapter.layer, "combine").view(wire)
+    return back.view(world, n, D).sum(dim=0, dtype=torch.float32)[:B].to(h.dtype)

@@ -195,15 +195,15 @@ class MoEAdapter:
             self._luts[ids.device] = self._lut.to(ids.device)
         return self._luts[ids.device][ids]
 
-    def served_slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """Slots of the library module for expert ids [M, K] (-1: no expert): an expert held here its local
-        index, any other id the library's expert-parallel sentinel (`num_slots`, a slot grouped_mm skips). One
-        lookup kernel (a gathered block's, `gathered_moe.py`): the table's last entry, sentinel, is id -1's."""
-        key = ("served", ids.device)
+    def served_slots(self, tags: torch.Tensor) -> torch.Tensor:
+        """Slots of the library module for expert tags [M, K] (expert id + 1; 0: no expert): an expert held here
+        its local index, any other the library's expert-parallel sentinel (`num_slots`, a slot grouped_mm skips).
+        One lookup kernel (a gathered block's, `gathered_moe.py`) in an [E + 1] table whose entry 0 is sentinel."""
+        key = ("served", tags.device)
         if key not in self._luts:
             table = torch.where(self._lut < 0, self.num_slots, self._lut)
-            self._luts[key] = torch.cat([table, table.new_tensor([self.num_slots])]).to(ids.device)  # [E + 1]
-        return self._luts[key][ids]
+            self._luts[key] = torch.cat([table.new_tensor([self.num_slots]), table]).to(tags.device)  # [E + 1]
+        return self._luts[key][tags]
 
     # --- weights ---------------------------------------------------------------------------
     def _install_local_weights(self, root, weights: dict) -> None:
