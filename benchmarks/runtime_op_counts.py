@@ -13,6 +13,9 @@ counter (runtime/op_counter.py's rule: every non-view aten op) attributes each o
   contiguously): the route with its dispatch and combine exchanges. At 4 ranks it is the same (qwen3_moe: 78 at
   2 and at 4, counted before the combine stopped exchanging its row counts; 76 since): packing by destination
   and the exchange are one call whatever the ranks, so the count has no per-peer part;
+* `attention_block_captured`: `attention_block` over the caches a service whose steps compile or are captured
+  builds (every layer with spare columns; MLA's latents too, which eager steps keep in the library's layers:
+  runtime/model/growable_cache.py), what the cost model prices such a service's attention with;
 * `moe_block_gathered`: the same block where the decode step gathers (runtime/ep/gathered_moe.py: every rank
   sends every other its rows, two exchanges of fixed shape, the replica rule on the device), as GPU ranks of several
   capture it in a CUDA graph (runtime/model/graph_decode.py); None where the engine cannot gather (its refusal in
@@ -47,6 +50,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 PARTS = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
 EP_PART = "moe_block_ep"  # an MoE block at 2 ranks or more: the engine's dispatch and combine exchanges included
 GATHERED_PART = "moe_block_gathered"  # the same, gathered (fixed-shape exchanges: a captured step's)
+CAPTURED_PART = "attention_block_captured"  # the attention part over a compiled or captured service's caches
 
 
 def tiny_architectures():
@@ -79,10 +83,20 @@ class RegionCounter(OpCounter):
 
 
 def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: Path | None = None,
-          gathered: bool = False) -> dict:
+          gathered: bool = False, captured: bool = False) -> dict:
     """{part: ops} of one decode step of `arch` (see module docstring) at `batch` sequences, on `rank` of `world`
     (standard mode, experts split contiguously; a process group must be up when world > 1); `gathered`: the decode
-    steps gather (`gathered_moe.py`), or {"refused": why} where the engine cannot."""
+    steps gather (`gathered_moe.py`), or {"refused": why} where the engine cannot; `captured`: over the caches a
+    service whose steps compile or are captured builds (every layer with spare columns, MLA's latents too)."""
+    if captured:
+        from moeplan.runtime.model import library_model
+
+        library = library_model.growable_cache
+        library_model.growable_cache = lambda config, columns, latents=False: library(config, columns, latents=True)
+        try:
+            return count(arch, batch, dtype, rank, world, folder, gathered)
+        finally:
+            library_model.growable_cache = library
     import torch
     from single_rank_engine import build_engine
 
@@ -175,7 +189,7 @@ def main(argv=None) -> int:
     import transformers
 
     rows, skipped, refused = {}, {}, {}
-    print(f"{'architecture':<16} {'attention':>9} {'moe':>7} {'moe (EP)':>8} {'gathered':>8} {'dense mlp':>9} "
+    print(f"{'architecture':<16} {'attention':>9} {'captured':>8} {'moe':>7} {'moe (EP)':>8} {'gathered':>8} {'dense mlp':>9} "
           f"{'fixed':>6} {'step (batch 4)':>14}  same at batch 8")
     for arch in args.arch:
         try:
@@ -185,6 +199,7 @@ def main(argv=None) -> int:
             print(f"{arch:<16} skipped: {skipped[arch][:100]}")
             continue
         same = all(four[p] == eight[p] for p in PARTS)
+        four[CAPTURED_PART] = count(arch, 4, torch.bfloat16, captured=True)["attention_block"]
         try:
             dynamic, gathered = count_at_world(arch, 2)
         except Exception as exc:  # the engine refuses this architecture at 2 ranks
@@ -195,8 +210,8 @@ def main(argv=None) -> int:
         four[GATHERED_PART] = gathered.get("moe_block")
         if "refused" in gathered:
             refused[four["architecture"]] = gathered["refused"]
-        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART)}
-        print(f"{arch:<16} {four['attention_block']:>9} {four['moe_block']:>7} {four[EP_PART]:>8} "
+        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART, CAPTURED_PART)}
+        print(f"{arch:<16} {four['attention_block']:>9} {four[CAPTURED_PART]:>8} {four['moe_block']:>7} {four[EP_PART]:>8} "
               f"{str(four[GATHERED_PART]):>8} {four['dense_mlp_block']:>9} {four['fixed']:>6} {four['total']:>14}  {same}")
     if args.write:
         table = {"dtype": "bfloat16", "counted_with": f"torch {torch.__version__.split('+')[0]}, transformers "

@@ -126,3 +126,24 @@ def test_profiles_without_the_graph_figures_price_as_before():
     assert not decode_graphs_possible(loaded.module, loaded.ir, bare)
     per_op = runtime_profile(bare).op_overhead_s
     assert step_profile(runtime_profile(bare), 64, False).op_overhead_s == per_op == h100.runtime_op_overhead_s
+
+
+def test_a_captured_service_prices_its_attention_over_the_caches_it_builds(monkeypatch):
+    """A service whose steps are captured builds every cache layer with spare columns (MLA's latents too, 2 ops a
+    block more than the library's layers its eager steps keep): its attention takes the table's captured count,
+    an eager static run the eager one."""
+    from moeplan.passes.cost import runtime_ops as ops_module
+
+    h100 = load_hardware("h100-sxm")
+    table = ops_module._table()
+    for name in ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
+        ops = ops_module.runtime_ops(h100, name)
+        assert ops.captured().attention == table[name]["attention_block_captured"]
+        assert ops.attention == table[name]["attention_block"]
+    assert table["DeepseekV3ForCausalLM"]["attention_block_captured"] > table["DeepseekV3ForCausalLM"]["attention_block"]
+    loaded = _loaded("qwen3-30b-a3b.json")
+    before = {service: _decode_step(loaded, h100, 4, 2, True, service) for service in (True, False)}
+    row = dict(table["Qwen3MoeForCausalLM"], attention_block_captured=table["Qwen3MoeForCausalLM"]["attention_block"] + 10)
+    monkeypatch.setattr(ops_module, "_table", lambda: {**table, "Qwen3MoeForCausalLM": row})
+    after = {service: _decode_step(loaded, h100, 4, 2, True, service) for service in (True, False)}
+    assert after[True] > before[True] and after[False] == before[False]

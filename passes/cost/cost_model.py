@@ -345,6 +345,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
     table = ExpertTable(hosts, gpus_per_node)
     ops = runtime_ops(profile, shape.architecture)
     graphs = service and captures_decode_graphs(profile, W, mode, shape, ops)
+    ops = ops.captured() if graphs else ops  # a captured service's caches hold every layer with spare columns
     eager_profile = profile = runtime_profile(profile)
     pred = Prediction(mode=mode, world=W, generated_tokens=workload.generated_tokens,
                       layers=[{p: dict.fromkeys(("bytes", "messages", "control_bytes", "control_messages"), 0)

@@ -61,6 +61,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
     ops = runtime_ops(profile, shape.architecture)  # the prediction's own counts and op cost (cost_model.predict)
     calls = ops if mode == STANDARD else FITTED  # whose exchange calls' ops (cost_model.predict's counter)
     graphs = captures_decode_graphs(profile, W, mode, shape, ops)
+    ops = ops.captured() if graphs else ops  # as `predict`
     eager_profile = runtime_profile(profile)
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     total = 0.0

@@ -47,6 +47,15 @@ class RuntimeOps:
     moe_ep: float | None = None
     moe_gathered: float | None = None  # an MoE block at several ranks whose decode step gathers (captured on GPUs);
                                        # None: the runtime cannot gather this model's blocks
+    attention_captured: float | None = None  # the attention part in a service whose steps are captured: its
+                                             # caches' layers all spare-column ones (MLA's latents too,
+                                             # growable_cache.py); None: `attention`
+
+    def captured(self) -> RuntimeOps:
+        """The counts of a service whose decode steps are captured (its prefills build the same caches)."""
+        if self.attention_captured is None:
+            return self
+        return dataclasses.replace(self, attention=self.attention_captured)
 
     def moe_block(self, world: int) -> float:
         return self.moe if world == 1 or self.moe_ep is None else self.moe_ep
@@ -93,7 +102,9 @@ def _counted(row: dict, source: str) -> RuntimeOps:
     return RuntimeOps(attention=float(row["attention_block"]), moe=float(row["moe_block"]), expert_call=0.0,
                       dense_mlp=float(row["dense_mlp_block"]), head=float(row["fixed"]), source=source,
                       moe_ep=float(row["moe_block_ep"]),
-                      moe_gathered=None if row.get("moe_block_gathered") is None else float(row["moe_block_gathered"]))
+                      moe_gathered=None if row.get("moe_block_gathered") is None else float(row["moe_block_gathered"]),
+                      attention_captured=None if row.get("attention_block_captured") is None
+                      else float(row["attention_block_captured"]))
 
 
 def runtime_ops(profile, architecture: str) -> RuntimeOps:
