@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import results
 from .bundle_io import BundleError, bundle_root, load_bundle
 from .counters import Counters
+from .process_exit import leave
 from .ep.engine import Engine
 from .ep.exchange import Exchanger
 from .serving.static_batch import check_fits, run_batch
@@ -132,4 +133,4 @@ def serve_mode(model, codec, table, prompts, mode, new_tokens, out_dir: Path, ra
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from ..process_exit import leave
 from .engine_loop import run_leader
 from .engine_start import EngineOptions, close_engine, start_engine
 from .step_plan import STEP, STOP, StepPlan
@@ -236,4 +237,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
