@@ -15,17 +15,14 @@ def predicted_decode_step(config: dict, profile, sequences: int, context: int, g
     capture their decode steps as CUDA graphs; `gpus_per_node` (default: all on one node)."""
     import numpy as np
 
-    from moeplan.passes.cost.context import attention_of, gathered_wire_bytes, shape_with_context
+    from moeplan.passes.cost.context import priced_shape
     from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
-    from moeplan.passes.cost.runtime_ops import decode_graphs_possible
     from moeplan.passes.importers import load_model
 
     folder = Path(tempfile.mkdtemp(prefix="runtime_prediction_"))
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_model(str(folder / "config.json"))
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile),
-                               graphs and decode_graphs_possible(loaded.module, loaded.ir, profile),
-                               gathered_wire_bytes(loaded.ir, profile))
+    shape = priced_shape(loaded.ir, loaded.module, profile, graphs=graphs)
     experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
     workload = Workload((context,) * sequences, 3)
     tokens = sum(len(s) for s in workload.steps())

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moeplan.core.hardware import load_hardware
-from moeplan.passes.cost.context import attention_of, gathered_wire_bytes, shape_with_context
+from moeplan.passes.cost.context import gathered_wire_bytes, priced_shape
 from moeplan.passes.cost.cost_model import STANDARD, Workload, predict, routing_from_trace
 from moeplan.passes.cost.runtime_ops import decode_graphs_possible, runtime_profile, step_profile
 from moeplan.passes.importers import load_model
@@ -53,8 +53,7 @@ def test_an_eager_op_costs_its_dispatch_or_its_kernel_whichever_is_longer(rows):
 
 def _predicted(loaded, profile, sequences: int, gpus: int, graphs: bool, new_tokens: int = 3, service: bool = True,
                prompt: int = 256):
-    shape = shape_with_context(loaded.ir, [], attention_of(loaded.module, loaded.ir, profile), graphs,
-                               gathered_wire_bytes(loaded.ir, profile))
+    shape = priced_shape(loaded.ir, loaded.module, profile, graphs=graphs)
     experts, layers, k = int(loaded.ir.moe_stages[0].num_experts), len(shape.moe_blocks), shape.top_k
     workload = Workload((prompt,) * sequences, new_tokens)
     tokens = sum(len(s) for s in workload.steps())

@@ -38,6 +38,17 @@ def shape_with_context(ir, context: list, attention: AttentionContext | None = N
     return replace(shape, context_elements=tuple(n for _, n in context))
 
 
+def priced_shape(ir, module, profile, context: list | None = None, graphs: bool = True) -> ModelShape:
+    """The shape a plan on `profile` is priced with: the model's attention at context at the KV dtype held there
+    (`attention_of`), whether its decode steps can be captured there (`runtime_ops.decode_graphs_possible`; never
+    with `graphs` False) and the bytes of its gathered rows (`gathered_wire_bytes`), with coherent mode's context
+    rows."""
+    from moeplan.passes.cost.runtime_ops import decode_graphs_possible
+
+    return shape_with_context(ir, context or [], attention_of(module, ir, profile),
+                              graphs and decode_graphs_possible(module, ir, profile), gathered_wire_bytes(ir, profile))
+
+
 def attention_of(module, ir, profile=None) -> AttentionContext:
     """The model's attention at context as the runtime runs it, from its library config (none: the IR's), with
     its KV cache at the dtype the runtime holds the model at on `profile` (None: float32)."""

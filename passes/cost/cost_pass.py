@@ -13,10 +13,9 @@ import dataclasses
 
 from moeplan.core.pass_manager import Pass
 from moeplan.passes.analysis.trace.passes import trace_matches_model
-from moeplan.passes.cost.context import (attention_of, attention_record, context_plan_of, gathered_wire_bytes,
-                                         shape_with_context)
+from moeplan.passes.cost.context import attention_record, context_plan_of, priced_shape
 from moeplan.passes.cost.options import cost_profile, default_cost_options, parse_workload
-from moeplan.passes.cost.runtime_ops import captures_decode_graphs, decode_graphs_possible, runtime_ops
+from moeplan.passes.cost.runtime_ops import captures_decode_graphs, runtime_ops
 from moeplan.passes.optimize.placement import passes as place_passes
 
 
@@ -27,10 +26,9 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
 
     given = cost_profile(cost_options, placement.topology.nodes)
     profile = given.profile
-    attention = attention_of(module, ir, profile)
     workload = parse_workload(cost_options["workload"])
-    shape = shape_with_context(ir, context or [], attention, decode_graphs_possible(module, ir, profile),
-                               gathered_wire_bytes(ir, profile))
+    shape = priced_shape(ir, module, profile, context)
+    attention = shape.attention_context
     alternatives = placement.metrics.get("auto_predictions", [])
     # --policy auto priced the chosen placement already (under both modes unless --mode named one)
     preds = next((row["modes"] for row in alternatives if row["chosen"] and set(row["modes"]) == set(MODES)), None)
@@ -59,8 +57,7 @@ def auto_placement(ir, trace, request, mode: str, cost_options: dict, context: l
     from moeplan.passes.cost.by_predicted_time import choose_placement
 
     profile = cost_profile(cost_options, request.topology.nodes).profile
-    shape = shape_with_context(ir, context or [], attention_of(module, ir, profile),
-                               decode_graphs_possible(module, ir, profile), gathered_wire_bytes(ir, profile))
+    shape = priced_shape(ir, module, profile, context)
     placement, rows, stop = choose_placement(trace, request, shape, profile, parse_workload(cost_options["workload"]), mode)
     placement.metrics["auto_candidates"] = [{k: v for k, v in r.items() if k != "modes"} for r in rows]
     placement.metrics["auto_predictions"] = rows
