@@ -2,9 +2,10 @@
 (issue 39 item 2: the cost model's launch counts from the runtime's real op counts).
 
 For each architecture of examples/hf_tiny/architectures.py (the architecture's own transformers config at toy
-size), the runtime's Engine at world 1 (every expert local, `single_rank_engine.py`) runs one decode step of the
-service's BatchWorker at bf16 (what the runtime holds a bf16 checkpoint at on a GPU) for 4 sequences; a dispatch
-counter (runtime/op_counter.py's rule: every non-view aten op) attributes each op to where it ran:
+size) and the demo's own model (examples/tiny_moe, `tiny_moe`), the runtime's Engine at world 1 (every expert
+local, `single_rank_engine.py`) runs one decode step of the service's BatchWorker at bf16 (what the runtime holds a
+bf16 checkpoint at on a GPU) for 4 sequences; a dispatch counter (runtime/op_counter.py's rule: every non-view aten
+op) attributes each op to where it ran (a module's forward hooks included):
 * `moe_block`: inside an MoE block (router, grouped experts, the engine's route, shared experts), per MoE block;
 * `dense_mlp_block`: inside a dense block's MLP, per dense block;
 * `attention_block`: the rest of a decoder block (norms, attention, residuals), per decoder block;
@@ -16,6 +17,11 @@ counter (runtime/op_counter.py's rule: every non-view aten op) attributes each o
 * `attention_block_captured`: `attention_block` over the caches a service whose steps compile or are captured
   builds (every layer with spare columns; MLA's latents too, which eager steps keep in the library's layers:
   runtime/model/growable_cache.py), what the cost model prices such a service's attention with;
+* `coherent_block`, `coherent_block_ep`, `coherent_step_ep`: what coherent mode's step dispatches beyond standard
+  mode's (`coherent_excess`), per decoder block at 1 and at 2 ranks and per step at 2 (its routing pass, context and
+  block-output hooks, its context, dispatch and merge exchanges, its token sync); `coherent_block_per_rank` and
+  `coherent_step_per_rank`: what each rank beyond 2 adds, from the count at 4 ranks (qwen3_moe: 50, 56 and 68 ops a
+  block at 2, 4 and 8 ranks; 9, 13 and 21 a step: linear);
 * `moe_block_gathered`: the same block where the decode step gathers (runtime/ep/gathered_moe.py: every rank
   sends every other its rows, two exchanges of fixed shape, the replica rule on the device), as GPU ranks of several
   capture it in a CUDA graph (runtime/model/graph_decode.py); None where the engine cannot gather (its refusal in
@@ -44,13 +50,21 @@ import tempfile
 from pathlib import Path
 
 from moeplan.runtime.op_counter import OpCounter
+from moeplan.runtime.process_exit import leave
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
+TINY_MOE = "tiny_moe"  # the demo's own model (examples/tiny_moe), counted beside the library's architectures
 PARTS = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
 EP_PART = "moe_block_ep"  # an MoE block at 2 ranks or more: the engine's dispatch and combine exchanges included
 GATHERED_PART = "moe_block_gathered"  # the same, gathered (fixed-shape exchanges: a captured step's)
 CAPTURED_PART = "attention_block_captured"  # the attention part over a compiled or captured service's caches
+COHERENT_PART = "coherent_block"  # coherent mode's ops a decoder block beyond standard mode's, at one rank
+COHERENT_EP_PART = "coherent_block_ep"  # the same at 2 ranks (its exchanges included)
+COHERENT_STEP_PART = "coherent_step_ep"  # coherent mode's ops a step beyond standard mode's, at 2 ranks (token sync)
+COHERENT_PEER_PART = "coherent_block_per_rank"  # what each rank beyond 2 adds to COHERENT_EP_PART (from 4 ranks)
+COHERENT_STEP_PEER_PART = "coherent_step_per_rank"  # and to COHERENT_STEP_PART
+COHERENT_PARTS = (COHERENT_PART, COHERENT_EP_PART, COHERENT_STEP_PART, COHERENT_PEER_PART, COHERENT_STEP_PEER_PART)
 
 
 def tiny_architectures():
@@ -62,7 +76,7 @@ def tiny_architectures():
 
 class RegionCounter(OpCounter):
     """runtime/op_counter.py's ops, also counted by region ("fixed" outside the decoder blocks, "attention_block",
-    "moe_block", "dense_mlp_block"), the region set by forward hooks on the modules."""
+    "moe_block", "dense_mlp_block"), the region set while a module runs: `watch`."""
 
     def __init__(self):
         super().__init__()
@@ -73,19 +87,41 @@ class RegionCounter(OpCounter):
         super().count(func)
         self.counts[self.stack[-1]] += 1
 
-    def enter(self, region: str):
-        def hook(module, args):
-            self.stack.append(region)
-        return hook
+    def watch(self, module, region: str) -> list:
+        """Count what `module` runs as `region`, its forward hooks included (coherent mode's block-output hook
+        among them: these hooks run after every hook registered before them), even where it raises (coherent
+        mode's routing pass stops an MoE block at its experts, runtime/ep/engine.py). Handles to remove."""
+        forward = module.forward
 
-    def leave(self, module, args, output):
-        self.stack.pop()
+        def regional(*args, **kwargs):
+            self.stack.append(region)
+            try:
+                return forward(*args, **kwargs)
+            except BaseException:
+                self.stack.pop()
+                raise
+
+        def leave(module, args, output):
+            self.stack.pop()
+
+        module.forward = regional
+        return [_Restore(module), module.register_forward_hook(leave)]
+
+
+class _Restore:
+    """A handle putting a module's own forward back (`RegionCounter.watch`)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def remove(self) -> None:
+        del self.module.forward
 
 
 def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: Path | None = None,
-          gathered: bool = False, captured: bool = False) -> dict:
+          gathered: bool = False, captured: bool = False, mode: str = "standard") -> dict:
     """{part: ops} of one decode step of `arch` (see module docstring) at `batch` sequences, on `rank` of `world`
-    (standard mode, experts split contiguously; a process group must be up when world > 1); `gathered`: the decode
+    (experts split contiguously; a process group must be up when world > 1), in `mode`; `gathered`: the decode
     steps gather (`gathered_moe.py`), or {"refused": why} where the engine cannot; `captured`: over the caches a
     service whose steps compile or are captured builds (every layer with spare columns, MLA's latents too)."""
     if captured:
@@ -94,7 +130,7 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
         library = library_model.growable_cache
         library_model.growable_cache = lambda config, columns, latents=False: library(config, columns, latents=True)
         try:
-            return count(arch, batch, dtype, rank, world, folder, gathered)
+            return count(arch, batch, dtype, rank, world, folder, gathered, mode=mode)
         finally:
             library_model.growable_cache = library
     import torch
@@ -105,29 +141,28 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
     from moeplan.runtime.serving.step_plan import STEP, Admission, StepPlan
     from moeplan.runtime.serving.worker import BatchWorker
 
-    folder = folder or tiny_architectures().build(arch, Path(tempfile.mkdtemp(prefix="op_counts_")))
+    folder = folder or build_architecture(arch, Path(tempfile.mkdtemp(prefix="op_counts_")))
     config = json.loads((folder / "config.json").read_text())
-    engine, model, _ = build_engine(config, torch.device("cpu"), dtype, seed=0, rank=rank, world=world)
+    engine, model, _ = build_engine(config, torch.device("cpu"), dtype, seed=0, rank=rank, world=world, mode=mode)
     if gathered:
         if gather_refusal(engine) is not None:
             return {"refused": gather_refusal(engine)}
         enable_gathering(engine)
     rank_model = engine.model
+    vocab = int(config.get("vocab_size", 320))
+    prompts = torch.randint(3, vocab, (batch, 6), generator=torch.Generator().manual_seed(0)).tolist()
+    worker = BatchWorker(engine, rank_model.kind, tokens_to_rank0=False)  # installs the engine's hooks: before ours
     moe_blocks = {c.layer: rank_model.model.get_submodule(c.block) for c in rank_model.containers}
     counter = RegionCounter()
     handles, dense = [], 0
     for index, layer in enumerate(rank_model.layers):
-        handles += [layer.register_forward_pre_hook(counter.enter("attention_block")), layer.register_forward_hook(counter.leave)]
+        handles += counter.watch(layer, "attention_block")
         block = moe_blocks.get(index)
         if block is None:
             block = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
             dense += block is not None
         if block is not None:
-            region = "moe_block" if index in moe_blocks else "dense_mlp_block"
-            handles += [block.register_forward_pre_hook(counter.enter(region)), block.register_forward_hook(counter.leave)]
-    vocab = int(config.get("vocab_size", 320))
-    prompts = torch.randint(3, vocab, (batch, 6), generator=torch.Generator().manual_seed(0)).tolist()
-    worker = BatchWorker(engine, "transformers", tokens_to_rank0=False)
+            handles += counter.watch(block, "moe_block" if index in moe_blocks else "dense_mlp_block")
     try:
         worker.step(StepPlan(STEP, [Admission(s, s % world, tuple(p), seed=0, temperature=0.0, top_p=1.0, top_k=0)
                                     for s, p in enumerate(prompts)]))
@@ -147,6 +182,24 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
             "fixed": c["fixed"], "total": sum(c.values())}
 
 
+def coherent_excess(coherent: dict, standard: dict) -> tuple:
+    """(ops a decoder block, ops a step) that coherent mode's step (`count`'s) dispatches beyond standard mode's at
+    the same ranks: its hooks, context and merge exchanges, its first MoE block's replicated routing, spread evenly
+    over the decoder blocks; the step's own part apart (the token sync)."""
+    blocks = (coherent["total"] - coherent["fixed"]) - (standard["total"] - standard["fixed"])
+    return round(blocks / coherent["layers"], 2), coherent["fixed"] - standard["fixed"]
+
+
+def build_architecture(arch: str, folder: Path) -> Path:
+    """The model directory `count` builds from: examples/hf_tiny's architecture `arch` at toy size, or for
+    "tiny_moe" the demo's own model's config (examples/tiny_moe: its weights are drawn anew)."""
+    if arch == TINY_MOE:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text((REPO / "examples" / "tiny_moe" / "config.json").read_text())
+        return folder
+    return tiny_architectures().build(arch, folder)
+
+
 def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -155,15 +208,17 @@ def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str) ->
     try:
         counted = [count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder), gathered)
                    for gathered in (False, True)]
+        counted.append(count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder), mode="coherent"))
         if rank == 0:
             Path(out).write_text(json.dumps(counted))
     finally:
         dist.destroy_process_group()
+    leave(0)  # without the interpreter's teardown, which a spawned gloo rank can abort in (runtime/process_exit.py)
 
 
 def count_at_world(arch: str, world: int) -> list:
-    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank: by
-    dynamic gating, then gathered."""
+    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank: standard
+    mode by dynamic gating, then gathered, then coherent mode."""
     import socket
 
     import torch.multiprocessing as mp
@@ -172,7 +227,7 @@ def count_at_world(arch: str, world: int) -> list:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     scratch = Path(tempfile.mkdtemp(prefix="op_counts_world_"))
-    folder = tiny_architectures().build(arch, scratch)  # here: transformers saves from the main process only
+    folder = build_architecture(arch, scratch)  # here: transformers saves from the main process only
     out = scratch / "rank0.json"
     mp.spawn(_rank, args=(world, arch, str(folder), port, str(out)), nprocs=world, join=True)
     return json.loads(out.read_text())
@@ -182,7 +237,7 @@ def main(argv=None) -> int:
     ARCHITECTURES = tiny_architectures().ARCHITECTURES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", nargs="+", default=list(ARCHITECTURES))
+    ap.add_argument("--arch", nargs="+", default=[*ARCHITECTURES, TINY_MOE])
     ap.add_argument("--write", default=None, help="write the table (JSON) here, e.g. passes/cost/runtime_op_counts.json")
     args = ap.parse_args(argv)
     import torch
@@ -190,7 +245,8 @@ def main(argv=None) -> int:
 
     rows, skipped, refused = {}, {}, {}
     print(f"{'architecture':<16} {'attention':>9} {'captured':>8} {'moe':>7} {'moe (EP)':>8} {'gathered':>8} {'dense mlp':>9} "
-          f"{'fixed':>6} {'step (batch 4)':>14}  same at batch 8")
+          f"{'fixed':>6} {'step (batch 4)':>14}  same at batch 8   {'coherent':>9} {'coherent (EP)':>12} "
+          f"{'+ per step':>10} {'+ per rank':>10} {'(per step)':>10}")
     for arch in args.arch:
         try:
             four, eight = count(arch, 4, torch.bfloat16), count(arch, 8, torch.bfloat16)
@@ -201,18 +257,27 @@ def main(argv=None) -> int:
         same = all(four[p] == eight[p] for p in PARTS)
         four[CAPTURED_PART] = count(arch, 4, torch.bfloat16, captured=True)["attention_block"]
         try:
-            dynamic, gathered = count_at_world(arch, 2)
+            dynamic, gathered, coherent = count_at_world(arch, 2)
         except Exception as exc:  # the engine refuses this architecture at 2 ranks
             skipped[arch] = f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}"
             print(f"{arch:<16} skipped: {skipped[arch][:100]}")
             continue
         four[EP_PART] = dynamic["moe_block"]
+        four[COHERENT_PART], _ = coherent_excess(count(arch, 4, torch.bfloat16, mode="coherent"), four)
+        four[COHERENT_EP_PART], four[COHERENT_STEP_PART] = coherent_excess(coherent, dynamic)
+        dynamic4, _, coherent4 = count_at_world(arch, 4)
+        block4, step4 = coherent_excess(coherent4, dynamic4)  # its exchanges' few ops per peer: the slope to 4 ranks
+        # never below zero: where a rank of 4 received no rows a path or two did not run (phimoe -6.25 a block)
+        four[COHERENT_PEER_PART] = max(round((block4 - four[COHERENT_EP_PART]) / 2, 2), 0.0)
+        four[COHERENT_STEP_PEER_PART] = max(round((step4 - four[COHERENT_STEP_PART]) / 2, 2), 0.0)
         four[GATHERED_PART] = gathered.get("moe_block")
         if "refused" in gathered:
             refused[four["architecture"]] = gathered["refused"]
-        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART, CAPTURED_PART)}
+        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART, CAPTURED_PART, *COHERENT_PARTS)}
         print(f"{arch:<16} {four['attention_block']:>9} {four[CAPTURED_PART]:>8} {four['moe_block']:>7} {four[EP_PART]:>8} "
-              f"{str(four[GATHERED_PART]):>8} {four['dense_mlp_block']:>9} {four['fixed']:>6} {four['total']:>14}  {same}")
+              f"{str(four[GATHERED_PART]):>8} {four['dense_mlp_block']:>9} {four['fixed']:>6} {four['total']:>14}  {same}   "
+              f"{four[COHERENT_PART]:>9} {four[COHERENT_EP_PART]:>12} {four[COHERENT_STEP_PART]:>10} "
+              f"{four[COHERENT_PEER_PART]:>10} {four[COHERENT_STEP_PEER_PART]:>10}")
     if args.write:
         table = {"dtype": "bfloat16", "counted_with": f"torch {torch.__version__.split('+')[0]}, transformers "
                  f"{transformers.__version__}", "counted_by": "benchmarks/runtime_op_counts.py", "architectures": rows,

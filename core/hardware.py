@@ -36,7 +36,8 @@ THIS_MACHINE = "this-machine"
 DEFAULT_HARDWARE = "cpu-gloo"
 DEFAULT_OFFLOAD_HARDWARE = "rtx4090-pcie4"
 # Bump when `moeplan calibrate` measures differently, so older cached calibrations are not reused.
-CALIBRATION_METHOD = 4  # 3: also the host's expert rates (host compute on a miss); 4: multi-rank engine under torchrun
+CALIBRATION_METHOD = 5  # 3: also the host's expert rates (host compute on a miss); 4: multi-rank engine under torchrun;
+                        # 5: the op cost fitted over the runtime's counted ops (runtime_op_overhead_s)
 
 COST_FIGURES = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "attention_ops_per_sequence",
                 "parallel_ranks", "collective_latency_base_s", "collective_latency_per_peer_s")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from moeplan.core.hardware import load_hardware
 from moeplan.passes.cost.cost_model import STANDARD, ModelShape, Workload, predict, routing_from_trace
-from moeplan.passes.cost.runtime_ops import FITTED, runtime_ops
+from moeplan.passes.cost.runtime_ops import COHERENT_HOOK_OPS, FITTED, runtime_ops
 from moeplan.planner.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,22 +30,30 @@ def _counter():
     return importlib.import_module("runtime_op_counts")
 
 
-@pytest.mark.parametrize("arch, cls", [("qwen3_moe", "Qwen3MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM")])
+@pytest.mark.parametrize("arch, cls", [("qwen3_moe", "Qwen3MoeForCausalLM"), ("deepseek_v3", "DeepseekV3ForCausalLM"),
+                                       ("tiny_moe", "TinyMoE")])
 def test_the_table_is_what_the_runtime_dispatches_now(arch, cls):
-    """A recount of the runtime's decode step gives the table's row: the table cannot drift from the runtime."""
-    counted = _counter().count(arch, 4, torch.bfloat16)
+    """A recount of the runtime's decode step gives the table's row, coherent mode's extra ops at one rank too: the
+    table cannot drift from the runtime."""
+    counter = _counter()
+    counted = counter.count(arch, 4, torch.bfloat16)
     assert counted["architecture"] == cls
     parts = ("attention_block", "moe_block", "dense_mlp_block", "fixed")
     assert {p: counted[p] for p in parts} == {p: TABLE[cls][p] for p in parts}
+    coherent = counter.count(arch, 4, torch.bfloat16, mode="coherent")
+    assert counter.coherent_excess(coherent, counted) == (TABLE[cls]["coherent_block"], 0)
+    assert TABLE[cls]["coherent_block"] > 0  # its hooks: the routing pass, the context and block-output hooks
 
 
 @pytest.mark.slow
 def test_the_expert_parallel_moe_block_is_what_two_ranks_dispatch_now():
     """Rank 0 of 2 gloo processes: the MoE block with its dispatch and combine exchanges, by dynamic gating and
     gathered, as the table says."""
-    dynamic, gathered = _counter().count_at_world("qwen3_moe", 2)
-    assert dynamic["moe_block"] == TABLE["Qwen3MoeForCausalLM"]["moe_block_ep"]
-    assert gathered["moe_block"] == TABLE["Qwen3MoeForCausalLM"]["moe_block_gathered"] < dynamic["moe_block"]
+    dynamic, gathered, coherent = _counter().count_at_world("qwen3_moe", 2)
+    row = TABLE["Qwen3MoeForCausalLM"]
+    assert dynamic["moe_block"] == row["moe_block_ep"]
+    assert gathered["moe_block"] == row["moe_block_gathered"] < dynamic["moe_block"]
+    assert _counter().coherent_excess(coherent, dynamic) == (row["coherent_block_ep"], row["coherent_step_ep"])
 
 
 def test_gpu_profiles_price_counted_ops_and_cpu_profiles_the_fitted_ones():
@@ -54,6 +62,14 @@ def test_gpu_profiles_price_counted_ops_and_cpu_profiles_the_fitted_ones():
     assert ops.counted and ops.expert_call == 0 and ops.moe == TABLE["Qwen3MoeForCausalLM"]["moe_block"]
     assert ops.moe_block(1) == ops.moe and ops.moe_block(8) == TABLE["Qwen3MoeForCausalLM"]["moe_block_ep"]
     assert ops.exchange_call("dispatch", 8) == 0 and ops.exchange_call("merge", 8) == FITTED.exchange_call("merge", 8) > 0
+    # coherent mode: its hooks and every exchange of it in the counted excess over standard mode's step
+    row = TABLE["Qwen3MoeForCausalLM"]
+    assert (ops.coherent_hooks(1), ops.coherent_hooks(2), ops.coherent_step(2)) == (
+        row["coherent_block"], row["coherent_block_ep"], row["coherent_step_ep"])
+    # a few ops per peer beyond 2 ranks (counted at 4); 68 and 21 were counted at 8 ranks too
+    assert (ops.coherent_hooks(8), ops.coherent_step(8)) == (68.0, 21.0)
+    assert all(ops.exchange_calls("coherent").exchange_call(p, 8) == 0 for p in ("dispatch", "merge", "context", "token_sync"))
+    assert FITTED.coherent_hooks(8) == COHERENT_HOOK_OPS and FITTED.exchange_calls("coherent") is FITTED
     assert runtime_ops(cpu, "Qwen3MoeForCausalLM") == FITTED and not FITTED.counted
     unknown = runtime_ops(h100, "SomeNewMoeForCausalLM")
     assert "median" in unknown.source and "SomeNewMoeForCausalLM" in unknown.source
@@ -107,3 +123,31 @@ def test_a_gpu_plan_records_the_counts_it_priced_and_whether_it_captured_its_ste
     # a float32 checkpoint: its gathered rows travel as float32 (a bf16 one's as bf16: test_graph_pricing.py)
     assert captured == {("h100-sxm", 1): ("cuda graphs", 4), ("h100-sxm", 2): ("cuda graphs", 4),
                         ("cpu-gloo", 2): (None, None)}
+
+
+def _one_rank_step(profile, mode: str) -> float:
+    """Decode step seconds of 16 sequences of a 2-block Qwen3-MoE on one rank in `mode`, nothing but launches."""
+    shape = ModelShape(hidden=64, top_k=2, num_blocks=2, moe_blocks=(0, 1), attention_flops=0.0, expert_flops=0.0,
+                       architecture="Qwen3MoeForCausalLM")
+    workload = Workload((4,) * 16, 2)
+    tokens = sum(len(s) for s in workload.steps())
+    experts = np.stack([np.arange(tokens) % 64, (np.arange(tokens) + 1) % 64], axis=1)
+    routing = routing_from_trace(np.repeat(experts[:, None, :], 2, axis=1), workload)
+    pred = predict(np.ones((2, 64, 1), dtype=bool), 1, shape, mode, workload, routing, profile)
+    return pred.summary(workload.prompt_tokens)["seconds_per_decode_step"]
+
+
+def test_a_calibrated_cpu_profile_prices_coherent_modes_counted_hooks():
+    """A CPU calibration (`moeplan calibrate` fits `runtime_op_overhead_s`) prices the counted ops, coherent mode's
+    hooks included: at one rank coherent mode's step costs the table's `coherent_block` ops a block more than standard
+    mode's (the fitted counts priced 36, whatever the model)."""
+    cpu = load_hardware("cpu-gloo")
+    op = 1e-5
+    calibrated = dataclasses.replace(cpu, runtime_op_overhead_s=op, op_overhead_s=op, python_slot_s=0.0,
+                                     flops_per_s=1e30, memory_bytes_per_s=1e30)
+    assert runtime_ops(calibrated, "Qwen3MoeForCausalLM").counted
+    extra = _one_rank_step(calibrated, "coherent") - _one_rank_step(calibrated, STANDARD)
+    assert extra == pytest.approx(2 * TABLE["Qwen3MoeForCausalLM"]["coherent_block"] * op, rel=1e-9)
+    fitted = dataclasses.replace(calibrated, runtime_op_overhead_s=None)
+    fitted_extra = _one_rank_step(fitted, "coherent") - _one_rank_step(fitted, STANDARD)
+    assert fitted_extra == pytest.approx((2 * COHERENT_HOOK_OPS + 2) * op, rel=1e-9)  # + the second block's K/V ops

@@ -34,10 +34,11 @@ Time (per step, then per generated token = sum of steps / generated tokens):
   FLOPs per key x keys its tokens attend to, and the KV cache read, bytes per cached token x each
   sequence's cache up to its last position on the rank, `attention_context.py`), and ops_r counting
   the torch calls the engine makes (runtime_ops.py: the counts of the runtime's real decode step per model class,
-  priced at the profile's measured `runtime_op_overhead_s`, where the profile gives one (GPUs); else the fitted
-  ATTN_OPS + attention_ops_per_sequence x sequences, EXPERT_CALL_OPS per expert invoked, MOE_OPS per MoE layer,
-  HEAD_OPS per step, at `op_overhead_s`, which CPU calibrations fit); coherent mode adds COHERENT_HOOK_OPS per block on every
-  rank, its hooks) + slots x python_slot_s (the replica choice, a Python loop);
+  priced at the profile's measured `runtime_op_overhead_s`, where the profile gives one (GPUs, and CPU calibrations
+  since method 5, which fit it); else the fitted ATTN_OPS + attention_ops_per_sequence x sequences, EXPERT_CALL_OPS
+  per expert invoked, MOE_OPS per MoE layer, HEAD_OPS per step, at `op_overhead_s`); coherent mode adds its hooks'
+  ops per block on every rank (counted: coherent mode's step less standard mode's, its exchanges' ops included;
+  fitted: COHERENT_HOOK_OPS) + slots x python_slot_s (the replica choice, a Python loop);
   the block takes max(max_r c_r, sum_r c_r / parallel_ranks): the slowest rank sets the pace,
   and ranks sharing too few cores (CPU) queue;
 * communication, per exchange call: 2 x collective latency(W) (counts, then rows; 1 x for the combine, and
@@ -70,12 +71,6 @@ FLOAT = 4
 # The replica choice per slot is priced apart (`python_slot_s`, a Python loop step and a tensor store); a merge
 # call adds MERGE_OPS_PER_ROW per row it moves.
 MERGE_OPS_PER_ROW = 0.5
-# Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
-# running the block's norm and router a second time up to the experts, the context hook at the
-# attention input and the block-output correction. Measured, not counted: the runtime engine on one
-# rank in coherent mode less standard mode, over the fitted op cost, per block and step: 35.6
-# (examples/tiny_moe) and 37.3 (examples/qwen3_moe), median of 7 interleaved runs each.
-COHERENT_HOOK_OPS = 36
 
 
 @dataclass(frozen=True)
@@ -304,7 +299,8 @@ class _Counter:
             return 0.0
         p = self.profile
         slowest = slowest_messages(p, same, off, row_bytes)
-        ops = self.ops.exchange_call(phase, W) + (MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" else 0)
+        per_row = MERGE_OPS_PER_ROW * rows.sum() / W if phase == "merge" and not self.ops.counts_exchange(phase) else 0
+        ops = self.ops.exchange_call(phase, W) + per_row
         parts = {"call": collectives * p.collective_latency(W) + ops * p.op_overhead_s * _oversubscribed(p, W), **slowest}
         if phase in self.pred.exchange_seconds:
             for part, v in parts.items():
@@ -352,9 +348,9 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                                for p in PHASES} for _ in range(shape.num_blocks)],
                       step={f"{p}_{f}": 0 for p in STEP_PHASES for f in ("bytes", "messages", "control_bytes", "control_messages")},
                       tokens_per_rank=[[0] * W for _ in shape.moe_blocks])
-    # standard mode's MoE blocks at W > 1: counted with their dispatch and combine calls (coherent mode's hooks and
-    # exchanges keep the fitted counts: COHERENT_HOOK_OPS, EXCHANGE_OPS, PEER_OPS); `step_pricing` per step
-    counter = _Counter(pred, table, profile, W, ops if mode == STANDARD else FITTED)
+    # standard mode's MoE blocks at W > 1: counted with their dispatch and combine calls; coherent mode's hooks with
+    # its exchanges where counted (`RuntimeOps.coherent_hooks`), else the fitted counts; `step_pricing` per step
+    counter = _Counter(pred, table, profile, W, ops.exchange_calls(mode))
     moe_of = {b: m for m, b in enumerate(shape.moe_blocks)}
     if mode == COHERENT:
         own = np.zeros((W, W), dtype=np.int64)
@@ -381,13 +377,13 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 counts = np.repeat(held[:, None], W, axis=1)
                 step_time += _add(pred, counter.exchange(counts, shape.context_row_bytes_at(block), block, "context"), comm=True)
             if mode == COHERENT:
-                compute += _cost(profile, COHERENT_HOOK_OPS, 0.0)
+                compute += _cost(profile, ops.coherent_hooks(W), 0.0)
             dense = shape.attention_flops + (shape.moe_dense_flops if block in moe_of else 0.0)
             ctx_flops, ctx_bytes = attention_at_context(shape, current, seq, pos, W)
             compute += np.where(held > 0, _costs(profile, ops.attention + profile_ops_per_sequence(profile) * seqs,
                                                  held * dense + ctx_flops, shape.attention_bytes + ctx_bytes), 0.0)
             if mode == COHERENT and current is not None:  # K/V projection of the other ranks' tokens
-                compute += _costs(profile, 2, (n - held) * shape.attention_flops / 3)
+                compute += _costs(profile, ops.coherent_kv_ops(), (n - held) * shape.attention_flops / 3)
             moe = moe_of.get(block)
             if moe is None:
                 compute += _costs(profile, ops.dense_mlp, held * shape.dense_mlp_flops)
@@ -426,7 +422,8 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
                 current = dest[:, 0].copy()
         # logits where the token ends; coherent: the AllGather of new tokens
         ends = np.bincount(seq % W if current is None else current, minlength=W).astype(float)
-        step_time += _add(pred, _pace(profile, _costs(profile, ops.head, ends * shape.head_flops), W))
+        head = ops.head + (ops.coherent_step(W) if mode == COHERENT else 0.0)
+        step_time += _add(pred, _pace(profile, _costs(profile, head, ends * shape.head_flops), W))
         if mode == COHERENT:
             last = np.r_[seq[1:] != seq[:-1], True]  # each request's last token in the step
             new = np.repeat(np.bincount(current[last], minlength=W)[:, None], W, axis=1)

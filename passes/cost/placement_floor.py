@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplan.passes.cost.cost_model import (COHERENT, COHERENT_HOOK_OPS, STANDARD, ModelShape, Workload, _cost, _costs,
+from moeplan.passes.cost.cost_model import (COHERENT, STANDARD, ModelShape, Workload, _cost, _costs,
                                             _held, _oversubscribed, _slot_ids, _slots, attention_at_context,
                                             collectives_per_call, profile_ops_per_sequence, routing_samples,
                                             slowest_messages, step_pricing)
-from moeplan.passes.cost.runtime_ops import FITTED, captures_decode_graphs, runtime_ops, runtime_profile
+from moeplan.passes.cost.runtime_ops import captures_decode_graphs, runtime_ops, runtime_profile
 
 
 def expected_floor(world: int, shape: ModelShape, mode: str, workload: Workload, trace_experts: np.ndarray, profile,
@@ -59,7 +59,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = world
     ops = runtime_ops(profile, shape.architecture)  # the prediction's own counts and op cost (cost_model.predict)
-    calls = ops if mode == STANDARD else FITTED  # whose exchange calls' ops (cost_model.predict's counter)
+    calls = ops.exchange_calls(mode)  # whose exchange calls' ops (cost_model.predict's counter)
     graphs = captures_decode_graphs(profile, W, mode, shape, ops)
     ops = ops.captured() if graphs else ops  # as `predict`
     eager_profile = runtime_profile(profile)
@@ -84,11 +84,11 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
             if mode == COHERENT and placed:
                 total += _call(profile, W, "context", calls)
             if mode == COHERENT:
-                known += _cost(profile, COHERENT_HOOK_OPS, 0.0)
+                known += _cost(profile, ops.coherent_hooks(W), 0.0)
             if mode == COHERENT and placed:
                 spread += _cost(profile, ops.attention + profile_ops_per_sequence(profile) * requests,
                                 n * dense + float(np.sum(one_rank[0])), shape.attention_bytes + float(np.sum(one_rank[1])))
-                known += _cost(profile, 2, 0.0)
+                known += _cost(profile, ops.coherent_kv_ops(), 0.0)
                 spread += _cost(profile, 0, (W - 1) * n * shape.attention_flops / 3)
             else:
                 where = seq % W if mode == STANDARD else None
@@ -122,7 +122,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
                 total += (_call(profile, W, "dispatch", calls) if placed else 0.0) + _call(profile, W, "merge", calls)
                 placed = True
         if mode == COHERENT and placed:
-            known = np.full(W, _cost(profile, ops.head, 0.0))
+            known = np.full(W, _cost(profile, ops.head + ops.coherent_step(W), 0.0))
             total += _pace_floor(profile, known, _cost(profile, 0, n * shape.head_flops), W)
             total += _call(profile, W, "token_sync", calls)
         else:

@@ -16,10 +16,13 @@ Two sources:
   dispatch;
 * counted (runtime_op_counts.json, written by benchmarks/runtime_op_counts.py): the aten ops the runtime's real
   decode step dispatches per decoder block (attention part, MoE block, dense MLP) and per step, per model class, at
-  bf16; an expert touched adds none (grouped experts). Used where the hardware profile gives
-  `runtime_op_overhead_s`, the runtime's measured cost of one such op (h100-sxm, h200-sxm: one H200,
-  benchmarks/gpu/decode_step.py), so counts and cost come from the same counter. A model class the table lacks
-  takes the median of the table's rows (named as the source).
+  bf16; an expert touched adds none (grouped experts). Coherent mode's step is counted too, as what it dispatches
+  beyond standard mode's step at the same ranks (its hooks, its context, dispatch and merge exchanges, its token sync:
+  per decoder block at 1 and at 2 ranks, plus a few ops per rank beyond 2, counted at 4). Used where the hardware
+  profile gives `runtime_op_overhead_s`, the runtime's measured cost of one such op (h100-sxm, h200-sxm: one H200,
+  benchmarks/gpu/decode_step.py; CPU calibrations, `moeplan calibrate` since its method 5: the op cost fitted to
+  `moeplan run`'s measured runs over these counts), so counts and cost come from the same counter. A model class the
+  table lacks takes the median of the table's rows (named as the source).
 """
 from __future__ import annotations
 
@@ -50,6 +53,13 @@ class RuntimeOps:
     attention_captured: float | None = None  # the attention part in a service whose steps are captured: its
                                              # caches' layers all spare-column ones (MLA's latents too,
                                              # growable_cache.py); None: `attention`
+    coherent_block: float | None = None  # coherent mode's ops a decoder block beyond standard mode's at one rank;
+                                         # None: the fitted COHERENT_HOOK_OPS (and coherent exchanges' fitted ops)
+    coherent_block_ep: float | None = None  # the same at 2 ranks, its exchanges' own ops included
+    coherent_step_ep: float = 0.0  # coherent mode's ops a step beyond standard mode's at 2 ranks (its token sync)
+    coherent_block_per_rank: float = 0.0  # what each rank beyond 2 adds to coherent_block_ep (its exchanges' peers)
+    coherent_step_per_rank: float = 0.0  # and to coherent_step_ep
+    counted_exchanges: tuple = ("dispatch", "combine")  # exchanges whose calls' ops these counts hold (with `moe_ep`)
 
     def captured(self) -> RuntimeOps:
         """The counts of a service whose decode steps are captured (its prefills build the same caches)."""
@@ -60,10 +70,40 @@ class RuntimeOps:
     def moe_block(self, world: int) -> float:
         return self.moe if world == 1 or self.moe_ep is None else self.moe_ep
 
+    def coherent_hooks(self, world: int) -> float:
+        """Ops coherent mode adds to a decoder block on each rank (its hooks; counted: its exchanges' too)."""
+        if self.coherent_block is None:
+            return COHERENT_HOOK_OPS
+        return self.coherent_block if world == 1 else self.coherent_block_ep + self.coherent_block_per_rank * (world - 2)
+
+    def coherent_kv_ops(self) -> float:
+        """Ops a coherent block spends projecting the other ranks' tokens' K/V: in the counted excess, else 2."""
+        return 0.0 if self.coherent_block is not None else 2.0
+
+    def coherent_step(self, world: int) -> float:
+        """Ops coherent mode adds to a step on each rank beyond standard mode's (counted: its token sync)."""
+        if world == 1 or self.coherent_block is None:
+            return 0.0
+        return self.coherent_step_ep + self.coherent_step_per_rank * (world - 2)
+
+    def exchange_calls(self, mode: str) -> RuntimeOps:
+        """The counts whose `exchange_call` prices `mode`'s exchange calls' ops: standard mode's dispatch and
+        combine are in `moe_ep`; coherent mode's every exchange in `coherent_block_ep` where counted, else FITTED."""
+        if mode == "standard":
+            return self
+        if self.coherent_block is None:
+            return FITTED
+        return dataclasses.replace(self, counted_exchanges=("dispatch", "combine", "merge", "context", "prompt_sync",
+                                                            "token_sync"))
+
+    def counts_exchange(self, phase: str) -> bool:
+        """Whether a `phase` call's ops are in these counts (priced with its block's or step's ops, not apart)."""
+        return self.moe_ep is not None and phase in self.counted_exchanges
+
     def exchange_call(self, phase: str, world: int) -> float:
-        """Ops of one `phase` exchange call among `world` ranks: none where `moe_ep` holds them (standard mode's
-        dispatch and combine), else the fitted EXCHANGE_OPS + PEER_OPS per peer."""
-        if self.moe_ep is not None and phase in ("dispatch", "combine"):
+        """Ops of one `phase` exchange call among `world` ranks: none where the counts hold them
+        (`counts_exchange`), else the fitted EXCHANGE_OPS + PEER_OPS per peer."""
+        if self.counts_exchange(phase):
             return 0.0
         return EXCHANGE_OPS + PEER_OPS[phase] * world
 
@@ -73,7 +113,9 @@ class RuntimeOps:
 
     def record(self) -> dict:
         """plan.json `predicted.cost.runtime_ops`: what the prediction priced the runtime's launches with."""
-        return dataclasses.asdict(self)
+        record = dataclasses.asdict(self)
+        del record["counted_exchanges"]  # which mode priced them, not a count
+        return record
 
 
 # The fitted counts: torch calls (and Python lines around them) counted off engine.py and tiny_moe.py when experts
@@ -88,6 +130,12 @@ HEAD_OPS = 6
 # off exchange.py when it sent per peer
 EXCHANGE_OPS = 8
 PEER_OPS = {"dispatch": 12, "combine": 9, "merge": 18, "context": 6, "prompt_sync": 6, "token_sync": 6}
+# Coherent mode's hooks, per block and rank (every rank runs every block): the routing captured by
+# running the block's norm and router a second time up to the experts, the context hook at the
+# attention input and the block-output correction. Measured, not counted: the runtime engine on one
+# rank in coherent mode less standard mode, over the fitted op cost, per block and step: 35.6
+# (examples/tiny_moe) and 37.3 (examples/qwen3_moe), median of 7 interleaved runs each.
+COHERENT_HOOK_OPS = 36
 FITTED = RuntimeOps(attention=ATTN_OPS, moe=MOE_OPS, expert_call=EXPERT_CALL_OPS, dense_mlp=EXPERT_CALL_OPS,
                     head=HEAD_OPS, source="fitted")
 
@@ -104,7 +152,15 @@ def _counted(row: dict, source: str) -> RuntimeOps:
                       moe_ep=float(row["moe_block_ep"]),
                       moe_gathered=None if row.get("moe_block_gathered") is None else float(row["moe_block_gathered"]),
                       attention_captured=None if row.get("attention_block_captured") is None
-                      else float(row["attention_block_captured"]))
+                      else float(row["attention_block_captured"]),
+                      coherent_block=_part(row, "coherent_block"), coherent_block_ep=_part(row, "coherent_block_ep"),
+                      coherent_step_ep=float(row.get("coherent_step_ep") or 0.0),
+                      coherent_block_per_rank=float(row.get("coherent_block_per_rank") or 0.0),
+                      coherent_step_per_rank=float(row.get("coherent_step_per_rank") or 0.0))
+
+
+def _part(row: dict, part: str) -> float | None:
+    return None if row.get(part) is None else float(row[part])
 
 
 def runtime_ops(profile, architecture: str) -> RuntimeOps:

@@ -181,7 +181,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
         partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
                    "python_slot_s": compute["python_slot_s"], "parallel_ranks": cores,
-                   "attention_ops_per_sequence": 0, "op_overhead_s": 1e-6,
+                   "attention_ops_per_sequence": 0, "op_overhead_s": 1e-6, "runtime_op_overhead_s": 1e-6,
                    "collective_latency_base_s": 1.0, "collective_latency_per_peer_s": 1.0,
                    "bandwidth_bytes_per_s": {"same_node": bandwidth, "other_node": bandwidth},
                    "message_latency_s": {"same_node": message, "other_node": message},
@@ -200,6 +200,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         "flops_per_s": _g4(compute["flops_per_s"]),
         "memory_bytes_per_s": _g4(compute["memory_bytes_per_s"]),
         "op_overhead_s": op,
+        "runtime_op_overhead_s": op,
         "python_slot_s": _g4(compute["python_slot_s"]),
         "attention_ops_per_sequence": 0,
         "parallel_ranks": cores,
@@ -222,7 +223,9 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
             "op_overhead_s": f"moeplan calibrate on this machine: the least-squares fit of `moeplan run`'s prediction "
                              f"to its measurement of a 1-rank torchrun bundle of {engine_model} (8 x 32 prompt tokens "
-                             f"+ 8 new, both modes, median of 5 launches)",
+                             f"+ 8 new, both modes, median of 5 launches), the prediction pricing the runtime's "
+                             f"counted ops (passes/cost/runtime_op_counts.json) at it",
+            "runtime_op_overhead_s": "the same fit: one op the runtime dispatches, as counted",
             "attention_ops_per_sequence": "zero: the runtime runs one batched library forward per step "
                                           "(runtime/ep/engine.py), no loop over sequences",
             "python_slot_s": f"{measured}, the runtime's replica choice (ExpertTable.choose) on 256 tokens x top-2, per slot",

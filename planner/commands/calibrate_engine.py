@@ -146,17 +146,24 @@ def fit(root: Path, runs: dict, profile_at) -> float:
     return num / den
 
 
+def op_cost(seconds: float) -> dict:
+    """A profile's cost of one op of the runtime: `runtime_op_overhead_s`, at which the cost model prices the
+    runtime's counted ops (passes/cost/runtime_op_counts.json), and `op_overhead_s`, the same, for what it still
+    prices with fitted counts (exchange calls of models the table lacks, the offload timing)."""
+    return {"op_overhead_s": seconds, "runtime_op_overhead_s": seconds}
+
+
 def fit_engine(partial: dict, scratch: Path, model_dir=None, runs: int = 5) -> dict:
-    """{"op_overhead_s", "latency": {world: one exchange call's latency}}: the 1-rank runs fix
-    op_overhead_s, then each multi-rank world's runs fix its exchange-call latency."""
+    """{"op_overhead_s", "latency": {world: one exchange call's latency}}: the 1-rank runs fix the cost of one
+    op (`op_cost`), then each multi-rank world's runs fix its exchange-call latency."""
     directory = engine_model(scratch, model_dir)
     prompts, trace = prompt_file(directory, scratch), _trace(directory, scratch)
     roots = {w: compile_bundle(directory, trace, w, scratch) for w in WORLDS}
     one = measure_bundle(roots[1], 1, prompts, scratch, runs)
-    op = max(fit(roots[1], one, lambda v: dict(partial, op_overhead_s=max(v, 1e-12))), 1e-9)
+    op = max(fit(roots[1], one, lambda v: dict(partial, **op_cost(max(v, 1e-12)))), 1e-9)
     latency = {}
     for w in WORLDS[1:]:
         run = measure_bundle(roots[w], w, prompts, scratch, runs)
-        latency[w] = max(fit(roots[w], run, lambda v: dict(partial, op_overhead_s=op, collective_latency_base_s=max(v, 1e-12),
+        latency[w] = max(fit(roots[w], run, lambda v: dict(partial, **op_cost(op), collective_latency_base_s=max(v, 1e-12),
                                                            collective_latency_per_peer_s=1e-12)), 1e-7)
     return {"op_overhead_s": op, "latency": latency}
