@@ -18,10 +18,10 @@ op) attributes each op to where it ran (a module's forward hooks included):
   builds (every layer with spare columns; MLA's latents too, which eager steps keep in the library's layers:
   runtime/model/growable_cache.py), what the cost model prices such a service's attention with;
 * `coherent_block`, `coherent_block_ep`, `coherent_step_ep`: what coherent mode's step dispatches beyond standard
-  mode's (`coherent_excess`), per decoder block at 1 and at 2 ranks and per step at 2 (its routing pass, context and
-  block-output hooks, its context, dispatch and merge exchanges, its token sync); `coherent_block_per_rank` and
-  `coherent_step_per_rank`: what each rank beyond 2 adds, from the count at 4 ranks (qwen3_moe: 50, 56 and 68 ops a
-  block at 2, 4 and 8 ranks; 9, 13 and 21 a step: linear);
+  mode's at one rank (`coherent_excess`), per decoder block at 1 and at 2 ranks and per step at 2 (its routing pass,
+  context and block-output hooks, its context, dispatch and merge exchanges, its token sync); `coherent_block_per_rank`
+  and `coherent_step_per_rank`: what each rank beyond 2 adds, from the count at 4 ranks (qwen3_moe: 100, 106 and 118
+  ops a block at 2, 4 and 8 ranks; 9, 13 and 21 a step: linear);
 * `moe_block_gathered`: the same block where the decode step gathers (runtime/ep/gathered_moe.py: every rank
   sends every other its rows, two exchanges of fixed shape, the replica rule on the device), as GPU ranks of several
   capture it in a CUDA graph (runtime/model/graph_decode.py); None where the engine cannot gather (its refusal in
@@ -183,9 +183,9 @@ def count(arch: str, batch: int, dtype, rank: int = 0, world: int = 1, folder: P
 
 
 def coherent_excess(coherent: dict, standard: dict) -> tuple:
-    """(ops a decoder block, ops a step) that coherent mode's step (`count`'s) dispatches beyond standard mode's at
-    the same ranks: its hooks, context and merge exchanges, its first MoE block's replicated routing, spread evenly
-    over the decoder blocks; the step's own part apart (the token sync)."""
+    """(ops a decoder block, ops a step) that coherent mode's step (`count`'s, at any ranks) dispatches beyond
+    standard mode's at one rank (`standard`): its hooks, its context, dispatch and merge exchanges, its first MoE
+    block's replicated routing, spread evenly over the decoder blocks; the step's own part apart (the token sync)."""
     blocks = (coherent["total"] - coherent["fixed"]) - (standard["total"] - standard["fixed"])
     return round(blocks / coherent["layers"], 2), coherent["fixed"] - standard["fixed"]
 
@@ -264,9 +264,11 @@ def main(argv=None) -> int:
             continue
         four[EP_PART] = dynamic["moe_block"]
         four[COHERENT_PART], _ = coherent_excess(count(arch, 4, torch.bfloat16, mode="coherent"), four)
-        four[COHERENT_EP_PART], four[COHERENT_STEP_PART] = coherent_excess(coherent, dynamic)
-        dynamic4, _, coherent4 = count_at_world(arch, 4)
-        block4, step4 = coherent_excess(coherent4, dynamic4)  # its exchanges' few ops per peer: the slope to 4 ranks
+        # over one rank's standard step at any world: the cost model prices a coherent block's library MoE block with
+        # `moe_block` (its routed experts go through coherent mode's own exchanges, in the excess)
+        four[COHERENT_EP_PART], four[COHERENT_STEP_PART] = coherent_excess(coherent, four)
+        _, _, coherent4 = count_at_world(arch, 4)
+        block4, step4 = coherent_excess(coherent4, four)  # its exchanges' few ops per peer: the slope to 4 ranks
         # never below zero: where a rank of 4 received no rows a path or two did not run (phimoe -6.25 a block)
         four[COHERENT_PEER_PART] = max(round((block4 - four[COHERENT_EP_PART]) / 2, 2), 0.0)
         four[COHERENT_STEP_PEER_PART] = max(round((step4 - four[COHERENT_STEP_PART]) / 2, 2), 0.0)

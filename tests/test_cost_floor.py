@@ -134,10 +134,7 @@ def test_the_early_stop_loses_at_most_the_models_error(hardware):
             assert chosen["label"] == next(r["label"] for r in every if r["chosen"])
         else:  # the rule: a stop once the floor is within the error of the best so far (contiguous, tried first)
             assert bool(stop["skipped"]) == (stop["floor_seconds_per_token"] >= rows[0]["seconds_per_token"] * (1 - error))
-            # cpu-gloo: the floor is within 10 % of contiguous, nothing else is tried; h100-sxm: coherent mode's floor
-            # (its hooks and exchanges counted, runtime_op_counts.json; fitted before: 36 + ops per peer) lies
-            # 10.3 % below contiguous, so every candidate is priced
-            assert bool(stop["skipped"]) == (hardware == "cpu-gloo")
+            assert stop["skipped"]  # on this trace the floor is within 10 % of contiguous: nothing else is tried
         for m in (STANDARD, COHERENT):  # the floor holds for the placement chosen too
             floor = expected_floor(request.topology.devices, shape, m, workload, trace.experts, profile)
             assert floor <= expected(choice.hosts(), 2, shape, m, workload, trace.experts, profile)["seconds_per_token"]
