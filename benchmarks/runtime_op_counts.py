@@ -64,6 +64,7 @@ COHERENT_EP_PART = "coherent_block_ep"  # the same at 2 ranks (its exchanges inc
 COHERENT_STEP_PART = "coherent_step_ep"  # coherent mode's ops a step beyond standard mode's, at 2 ranks (token sync)
 COHERENT_PEER_PART = "coherent_block_per_rank"  # what each rank beyond 2 adds to COHERENT_EP_PART (from 4 ranks)
 COHERENT_STEP_PEER_PART = "coherent_step_per_rank"  # and to COHERENT_STEP_PART
+DTYPES = ("bfloat16", "float32")  # "architectures" at bf16 (a GPU's, an AMX CPU's), "architectures_float32" (other CPUs)
 COHERENT_PARTS = (COHERENT_PART, COHERENT_EP_PART, COHERENT_STEP_PART, COHERENT_PEER_PART, COHERENT_STEP_PEER_PART)
 
 
@@ -200,15 +201,15 @@ def build_architecture(arch: str, folder: Path) -> Path:
     return tiny_architectures().build(arch, folder)
 
 
-def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str) -> None:
+def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str, dtype: str) -> None:
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        counted = [count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder), gathered)
-                   for gathered in (False, True)]
-        counted.append(count(arch, 4 * world, torch.bfloat16, rank, world, Path(folder), mode="coherent"))
+        held = getattr(torch, dtype)
+        counted = [count(arch, 4 * world, held, rank, world, Path(folder), gathered) for gathered in (False, True)]
+        counted.append(count(arch, 4 * world, held, rank, world, Path(folder), mode="coherent"))
         if rank == 0:
             Path(out).write_text(json.dumps(counted))
     finally:
@@ -216,9 +217,9 @@ def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str) ->
     leave(0)  # without the interpreter's teardown, which a spawned gloo rank can abort in (runtime/process_exit.py)
 
 
-def count_at_world(arch: str, world: int) -> list:
-    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank: standard
-    mode by dynamic gating, then gathered, then coherent mode."""
+def count_at_world(arch: str, world: int, dtype: str = "bfloat16") -> list:
+    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank, at `dtype`:
+    standard mode by dynamic gating, then gathered, then coherent mode."""
     import socket
 
     import torch.multiprocessing as mp
@@ -229,8 +230,36 @@ def count_at_world(arch: str, world: int) -> list:
     scratch = Path(tempfile.mkdtemp(prefix="op_counts_world_"))
     folder = build_architecture(arch, scratch)  # here: transformers saves from the main process only
     out = scratch / "rank0.json"
-    mp.spawn(_rank, args=(world, arch, str(folder), port, str(out)), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, arch, str(folder), port, str(out), dtype), nprocs=world, join=True)
     return json.loads(out.read_text())
+
+
+def count_row(arch: str, dtype: str) -> tuple:
+    """(the table's row for `arch` at `dtype`, with its step's total and whether batch 8 counts the same, why the
+    engine does not gather it or None); raises where the serving loop or the engine at 2 ranks refuses it."""
+    import torch
+
+    held = getattr(torch, dtype)
+    four, eight = count(arch, 4, held), count(arch, 8, held)
+    four[CAPTURED_PART] = count(arch, 4, held, captured=True)["attention_block"]
+    try:
+        dynamic, gathered, coherent = count_at_world(arch, 2, dtype)
+    except Exception as exc:
+        raise RuntimeError(f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}") from exc
+    four[EP_PART] = dynamic["moe_block"]
+    four[GATHERED_PART] = gathered.get("moe_block")
+    four[COHERENT_PART], _ = coherent_excess(count(arch, 4, held, mode="coherent"), four)
+    # over one rank's standard step at any world: the cost model prices a coherent block's library MoE block with
+    # `moe_block` (its routed experts go through coherent mode's own exchanges, in the excess)
+    four[COHERENT_EP_PART], four[COHERENT_STEP_PART] = coherent_excess(coherent, four)
+    _, _, coherent4 = count_at_world(arch, 4, dtype)
+    block4, step4 = coherent_excess(coherent4, four)  # its exchanges' few ops per peer: the slope to 4 ranks
+    # never below zero: where a rank of 4 received no rows a path or two did not run (phimoe -6.25 a block)
+    four[COHERENT_PEER_PART] = max(round((block4 - four[COHERENT_EP_PART]) / 2, 2), 0.0)
+    four[COHERENT_STEP_PEER_PART] = max(round((step4 - four[COHERENT_STEP_PART]) / 2, 2), 0.0)
+    row = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART, CAPTURED_PART, *COHERENT_PARTS)}
+    return row | {"architecture": four["architecture"], "total": four["total"],
+                  "same": all(four[p] == eight[p] for p in PARTS)}, gathered.get("refused")
 
 
 def main(argv=None) -> int:
@@ -243,46 +272,32 @@ def main(argv=None) -> int:
     import torch
     import transformers
 
-    rows, skipped, refused = {}, {}, {}
-    print(f"{'architecture':<16} {'attention':>9} {'captured':>8} {'moe':>7} {'moe (EP)':>8} {'gathered':>8} {'dense mlp':>9} "
-          f"{'fixed':>6} {'step (batch 4)':>14}  same at batch 8   {'coherent':>9} {'coherent (EP)':>12} "
-          f"{'+ per step':>10} {'+ per rank':>10} {'(per step)':>10}")
-    for arch in args.arch:
-        try:
-            four, eight = count(arch, 4, torch.bfloat16), count(arch, 8, torch.bfloat16)
-        except Exception as exc:  # an architecture the serving loop refuses (linear attention, chunked attention)
-            skipped[arch] = f"{type(exc).__name__}: {exc}"
-            print(f"{arch:<16} skipped: {skipped[arch][:100]}")
-            continue
-        same = all(four[p] == eight[p] for p in PARTS)
-        four[CAPTURED_PART] = count(arch, 4, torch.bfloat16, captured=True)["attention_block"]
-        try:
-            dynamic, gathered, coherent = count_at_world(arch, 2)
-        except Exception as exc:  # the engine refuses this architecture at 2 ranks
-            skipped[arch] = f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}"
-            print(f"{arch:<16} skipped: {skipped[arch][:100]}")
-            continue
-        four[EP_PART] = dynamic["moe_block"]
-        four[COHERENT_PART], _ = coherent_excess(count(arch, 4, torch.bfloat16, mode="coherent"), four)
-        # over one rank's standard step at any world: the cost model prices a coherent block's library MoE block with
-        # `moe_block` (its routed experts go through coherent mode's own exchanges, in the excess)
-        four[COHERENT_EP_PART], four[COHERENT_STEP_PART] = coherent_excess(coherent, four)
-        _, _, coherent4 = count_at_world(arch, 4)
-        block4, step4 = coherent_excess(coherent4, four)  # its exchanges' few ops per peer: the slope to 4 ranks
-        # never below zero: where a rank of 4 received no rows a path or two did not run (phimoe -6.25 a block)
-        four[COHERENT_PEER_PART] = max(round((block4 - four[COHERENT_EP_PART]) / 2, 2), 0.0)
-        four[COHERENT_STEP_PEER_PART] = max(round((step4 - four[COHERENT_STEP_PART]) / 2, 2), 0.0)
-        four[GATHERED_PART] = gathered.get("moe_block")
-        if "refused" in gathered:
-            refused[four["architecture"]] = gathered["refused"]
-        rows[four["architecture"]] = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART, CAPTURED_PART, *COHERENT_PARTS)}
-        print(f"{arch:<16} {four['attention_block']:>9} {four[CAPTURED_PART]:>8} {four['moe_block']:>7} {four[EP_PART]:>8} "
-              f"{str(four[GATHERED_PART]):>8} {four['dense_mlp_block']:>9} {four['fixed']:>6} {four['total']:>14}  {same}   "
-              f"{four[COHERENT_PART]:>9} {four[COHERENT_EP_PART]:>12} {four[COHERENT_STEP_PART]:>10} "
-              f"{four[COHERENT_PEER_PART]:>10} {four[COHERENT_STEP_PEER_PART]:>10}")
+    tables, skipped, refused = {dtype: {} for dtype in DTYPES}, {}, {}
+    for dtype in DTYPES:
+        print(f"{'at ' + dtype:<16} {'attention':>9} {'captured':>8} {'moe':>7} {'moe (EP)':>8} {'gathered':>8} "
+              f"{'dense mlp':>9} {'fixed':>6} {'step (batch 4)':>14}  same at batch 8   {'coherent':>9} "
+              f"{'coherent (EP)':>12} {'+ per step':>10} {'+ per rank':>10} {'(per step)':>10}")
+        for arch in args.arch:
+            if arch in skipped:
+                continue
+            try:
+                row, refusal = count_row(arch, dtype)
+            except Exception as exc:  # the serving loop refuses it (linear or chunked attention), or 2 ranks do
+                skipped[arch] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
+                print(f"{arch:<16} skipped: {skipped[arch][:100]}")
+                continue
+            cls, total, same = row.pop("architecture"), row.pop("total"), row.pop("same")
+            tables[dtype][cls] = row
+            if refusal is not None:
+                refused[cls] = refusal
+            print(f"{arch:<16} {row['attention_block']:>9} {row[CAPTURED_PART]:>8} {row['moe_block']:>7} "
+                  f"{row[EP_PART]:>8} {str(row[GATHERED_PART]):>8} {row['dense_mlp_block']:>9} {row['fixed']:>6} "
+                  f"{total:>14}  {same}   {row[COHERENT_PART]:>9} {row[COHERENT_EP_PART]:>12} "
+                  f"{row[COHERENT_STEP_PART]:>10} {row[COHERENT_PEER_PART]:>10} {row[COHERENT_STEP_PEER_PART]:>10}")
     if args.write:
         table = {"dtype": "bfloat16", "counted_with": f"torch {torch.__version__.split('+')[0]}, transformers "
-                 f"{transformers.__version__}", "counted_by": "benchmarks/runtime_op_counts.py", "architectures": rows,
+                 f"{transformers.__version__}", "counted_by": "benchmarks/runtime_op_counts.py",
+                 "architectures": tables["bfloat16"], "architectures_float32": tables["float32"],
                  "skipped": skipped, "skipped_gathered": refused}
         Path(args.write).write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.write}")

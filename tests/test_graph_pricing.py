@@ -143,6 +143,6 @@ def test_a_captured_service_prices_its_attention_over_the_caches_it_builds(monke
     loaded = _loaded("qwen3-30b-a3b.json")
     before = {service: _decode_step(loaded, h100, 4, 2, True, service) for service in (True, False)}
     row = dict(table["Qwen3MoeForCausalLM"], attention_block_captured=table["Qwen3MoeForCausalLM"]["attention_block"] + 10)
-    monkeypatch.setattr(ops_module, "_table", lambda: {**table, "Qwen3MoeForCausalLM": row})
+    monkeypatch.setattr(ops_module, "_table", lambda dtype="bfloat16": {**table, "Qwen3MoeForCausalLM": row})
     after = {service: _decode_step(loaded, h100, 4, 2, True, service) for service in (True, False)}
     assert after[True] > before[True] and after[False] == before[False]

@@ -15,12 +15,14 @@ import torch
 from click.testing import CliRunner
 
 from moeplan.core.hardware import load_hardware
+from moeplan.passes.cost.context import shape_of_plan
 from moeplan.passes.cost.cost_model import STANDARD, ModelShape, Workload, predict, routing_from_trace
 from moeplan.passes.cost.runtime_ops import COHERENT_HOOK_OPS, FITTED, runtime_ops
 from moeplan.planner.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-TABLE = json.loads((REPO / "passes" / "cost" / "runtime_op_counts.json").read_text())["architectures"]
+TABLES = json.loads((REPO / "passes" / "cost" / "runtime_op_counts.json").read_text())
+TABLE, TABLE_FLOAT32 = TABLES["architectures"], TABLES["architectures_float32"]
 
 
 def _counter():
@@ -43,6 +45,22 @@ def test_the_table_is_what_the_runtime_dispatches_now(arch, cls):
     coherent = counter.count(arch, 4, torch.bfloat16, mode="coherent")
     assert counter.coherent_excess(coherent, counted) == (TABLE[cls]["coherent_block"], 0)
     assert TABLE[cls]["coherent_block"] > 0  # its hooks: the routing pass, the context and block-output hooks
+
+
+def test_a_float32_step_is_priced_with_the_float32_counts():
+    """The runtime holds a float32 checkpoint at float32 (and every model on a CPU without AMX): its step casts
+    nothing, and the table's float32 rows are what it dispatches (recounted here for Qwen3-MoE); bf16 and fp16 take
+    the bf16 rows; a plan records which (`shape_of_plan` reads it back: the GPU plan test below)."""
+    counted = _counter().count("qwen3_moe", 4, torch.float32)
+    row = TABLE_FLOAT32["Qwen3MoeForCausalLM"]
+    assert {p: counted[p] for p in ("attention_block", "moe_block", "fixed")} == {
+        p: row[p] for p in ("attention_block", "moe_block", "fixed")}
+    assert row["attention_block"] < TABLE["Qwen3MoeForCausalLM"]["attention_block"]  # no casts around the norms
+    h100 = load_hardware("h100-sxm")
+    assert runtime_ops(h100, "Qwen3MoeForCausalLM", "float32").attention == row["attention_block"]
+    for dtype in ("bfloat16", "float16"):
+        assert runtime_ops(h100, "Qwen3MoeForCausalLM", dtype).attention == TABLE["Qwen3MoeForCausalLM"]["attention_block"]
+    assert runtime_ops(h100, "Qwen3MoeForCausalLM", "float32").record()["dtype"] == "float32"
 
 
 @pytest.mark.slow
@@ -117,7 +135,10 @@ def test_a_gpu_plan_records_the_counts_it_priced_and_whether_it_captured_its_ste
         cost = json.loads(out.read_text())["predicted"]["cost"]
         captured[hardware, gpus] = cost.get("decode_steps"), cost.get("gathered_wire_bytes")
         if hardware == "h100-sxm":
-            assert cost["runtime_ops"] == {**runtime_ops(load_hardware(hardware), "Qwen3MoeForCausalLM").record()}
+            # a float32 checkpoint, held at float32 on a GPU too: the counts of a float32 step
+            assert cost["runtime_ops"] == runtime_ops(load_hardware(hardware), "Qwen3MoeForCausalLM", "float32").record()
+            assert cost["runtime_ops"]["dtype"] == "float32"
+            assert shape_of_plan(json.loads(out.read_text())).held_dtype == "float32"  # what a check of it prices with
             assert cost["runtime_ops"]["source"] == "counted: Qwen3MoeForCausalLM"
         else:
             assert "runtime_ops" not in cost

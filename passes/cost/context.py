@@ -28,11 +28,13 @@ def context_plan_of(module, choice: str = "auto") -> list:
 
 
 def shape_with_context(ir, context: list, attention: AttentionContext | None = None, graphs: bool = False,
-                       wire_bytes: int = FLOAT) -> ModelShape:
+                       wire_bytes: int = FLOAT, held_dtype: str = "bfloat16") -> ModelShape:
     """The IR's shape with coherent mode's per-block context rows (when they cover every block), its attention at
     context (None: priced at a short context), whether the runtime can capture its decode steps as CUDA graphs
-    (`runtime_ops.decode_graphs_possible`) and the bytes of a gathered exchange's element (`gathered_wire_bytes`)."""
-    shape = replace(ModelShape.from_ir(ir), attention_context=attention, decode_graphs=graphs, wire_bytes=wire_bytes)
+    (`runtime_ops.decode_graphs_possible`), the bytes of a gathered exchange's element (`gathered_wire_bytes`) and the
+    dtype the runtime holds its dense weights at (whose op counts price it)."""
+    shape = replace(ModelShape.from_ir(ir), attention_context=attention, decode_graphs=graphs, wire_bytes=wire_bytes,
+                    held_dtype=held_dtype)
     if len(context) != shape.num_blocks:
         return shape
     return replace(shape, context_elements=tuple(n for _, n in context))
@@ -41,12 +43,15 @@ def shape_with_context(ir, context: list, attention: AttentionContext | None = N
 def priced_shape(ir, module, profile, context: list | None = None, graphs: bool = True) -> ModelShape:
     """The shape a plan on `profile` is priced with: the model's attention at context at the KV dtype held there
     (`attention_of`), whether its decode steps can be captured there (`runtime_ops.decode_graphs_possible`; never
-    with `graphs` False) and the bytes of its gathered rows (`gathered_wire_bytes`), with coherent mode's context
-    rows."""
+    with `graphs` False), the bytes of its gathered rows (`gathered_wire_bytes`) and the dtype its dense weights are
+    held at there, with coherent mode's context rows."""
+    from moeplan.passes.cost.capacity import held_weights
     from moeplan.passes.cost.runtime_ops import decode_graphs_possible
 
+    held = held_weights(ir, profile)["dtypes"]["dense"] if profile is not None else "bfloat16"
     return shape_with_context(ir, context or [], attention_of(module, ir, profile),
-                              graphs and decode_graphs_possible(module, ir, profile), gathered_wire_bytes(ir, profile))
+                              graphs and decode_graphs_possible(module, ir, profile), gathered_wire_bytes(ir, profile),
+                              held)
 
 
 def attention_of(module, ir, profile=None) -> AttentionContext:
@@ -75,12 +80,14 @@ def attention_record(attention: AttentionContext | None) -> dict:
 
 
 def shape_of_plan(plan: dict, context: list | None = None) -> ModelShape:
-    """The shape a plan was priced with: its context rows and its recorded attention at context (plans
-    written before it was recorded: a short context, as they were priced)."""
+    """The shape a plan was priced with: its context rows, its recorded attention at context (plans written before
+    it was recorded: a short context, as they were priced) and the dtype its counted ops were taken at (plans priced
+    with the fitted counts, or before it was recorded: bf16's)."""
     cost = plan.get("predicted", {}).get("cost", {})
     recorded = cost.get("attention_context")
     return shape_with_context(_ir(plan), context or [], AttentionContext(**recorded) if recorded else None,
-                              wire_bytes=int(cost.get("gathered_wire_bytes", FLOAT)))
+                              wire_bytes=int(cost.get("gathered_wire_bytes", FLOAT)),
+                              held_dtype=(cost.get("runtime_ops") or {}).get("dtype") or "bfloat16")
 
 
 def bundle_context_plan(root: Path, plan: dict, choice: str = "auto") -> list:

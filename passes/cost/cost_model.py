@@ -97,6 +97,8 @@ class ModelShape:
     attention_context: AttentionContext | None = None  # per block: FLOPs per (query, key) and KV bytes per cached
                                  # token (attention_context.py); None: attention priced at a short context only
     architecture: str = ""       # the IR's model class: whose counted runtime ops price it (runtime_ops.py)
+    held_dtype: str = "bfloat16"  # the dtype the runtime holds its dense weights at: the counts' (runtime_ops.py;
+                                  # `context.priced_shape` from the profile, a run's check from what its ranks held)
     decode_graphs: bool = False  # the runtime can capture its decode steps as CUDA graphs (runtime_ops.py:
                                  # `decode_graphs_possible`): a service's GPU ranks do
 
@@ -339,7 +341,7 @@ def predict(hosts: np.ndarray, gpus_per_node: int, shape: ModelShape, mode: str,
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = hosts.shape[2]
     table = ExpertTable(hosts, gpus_per_node)
-    ops = runtime_ops(profile, shape.architecture)
+    ops = runtime_ops(profile, shape.architecture, shape.held_dtype)
     graphs = service and captures_decode_graphs(profile, W, mode, shape, ops)
     ops = ops.captured() if graphs else ops  # a captured service's caches hold every layer with spare columns
     eager_profile = profile = runtime_profile(profile)

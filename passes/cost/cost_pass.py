@@ -36,7 +36,7 @@ def cost_fact(ir, trace, placement, mode: str, cost_options: dict, context: list
         preds = predict_modes(placement.hosts(), placement.topology.gpus_per_node, shape, workload, trace.experts, profile)
     chosen = choose_mode(preds) if mode == "auto" else mode
     stop = placement.metrics.get("auto_stop")
-    ops = runtime_ops(profile, shape.architecture)
+    ops = runtime_ops(profile, shape.architecture, shape.held_dtype)
     # priced with its decode steps replayed as CUDA graphs (a service's GPU ranks, runtime_ops.py)
     graphs = captures_decode_graphs(profile, placement.topology.devices, chosen, shape, ops)
     return {

@@ -58,7 +58,7 @@ def floor_seconds_per_token(world: int, shape: ModelShape, mode: str, workload: 
     if mode not in (COHERENT, STANDARD):
         raise ValueError(f"mode must be {COHERENT!r} or {STANDARD!r}, got {mode!r}")
     W = world
-    ops = runtime_ops(profile, shape.architecture)  # the prediction's own counts and op cost (cost_model.predict)
+    ops = runtime_ops(profile, shape.architecture, shape.held_dtype)  # the prediction's own counts and op cost (cost_model.predict)
     calls = ops.exchange_calls(mode)  # whose exchange calls' ops (cost_model.predict's counter)
     graphs = captures_decode_graphs(profile, W, mode, shape, ops)
     ops = ops.captured() if graphs else ops  # as `predict`

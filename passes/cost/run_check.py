@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from moeplan.passes.cost.context import bundle_context_plan, shape_of_plan
@@ -29,7 +30,9 @@ def predict_run(root: Path, out_dir: Path, mode: str, profile=None, context: str
     new_tokens = len(result["generated"][0]) if result["generated"] else 0
     workload = Workload(prompt_lengths=tuple(len(p) for p in result["prompt_ids"]), new_tokens=new_tokens)
     served = routing_from_keys(routing["keys"].numpy(), routing["experts"].numpy(), int(routing["max_len"]))
-    shape = shape_of_plan(plan, bundle_context_plan(root, plan, context))
+    # priced with the op counts of what its ranks held (a plan for one device, checked on another, may differ)
+    shape = replace(shape_of_plan(plan, bundle_context_plan(root, plan, context)),
+                    held_dtype=result.get("weight_dtype") or "float32")
     pred = predict(placement.hosts(), placement.topology.gpus_per_node, shape, mode, workload, served, profile,
                    service=False)  # a static run: eager steps, dynamic gating
     return pred.summary(workload.prompt_tokens) | {"context": [shape.context_elements_at(b) for b in range(shape.num_blocks)],

@@ -60,6 +60,7 @@ class RuntimeOps:
     coherent_block_per_rank: float = 0.0  # what each rank beyond 2 adds to coherent_block_ep (its exchanges' peers)
     coherent_step_per_rank: float = 0.0  # and to coherent_step_ep
     counted_exchanges: tuple = ("dispatch", "combine")  # exchanges whose calls' ops these counts hold (with `moe_ep`)
+    dtype: str | None = None  # the dtype the runtime's step was counted at (bfloat16 | float32); None: fitted
 
     def captured(self) -> RuntimeOps:
         """The counts of a service whose decode steps are captured (its prefills build the same caches)."""
@@ -140,15 +141,17 @@ FITTED = RuntimeOps(attention=ATTN_OPS, moe=MOE_OPS, expert_call=EXPERT_CALL_OPS
                     head=HEAD_OPS, source="fitted")
 
 
-@lru_cache(maxsize=1)
-def _table() -> dict:
-    data = resources.files("moeplan.passes.cost").joinpath("runtime_op_counts.json").read_text()
-    return json.loads(data)["architectures"]
+@lru_cache(maxsize=2)
+def _table(dtype: str = "bfloat16") -> dict:
+    """The counts at `dtype` (float32: "architectures_float32"; any other dtype the runtime holds a model's dense
+    weights at, bf16 or fp16, the bf16 counts: the same ops, casts aside)."""
+    data = json.loads(resources.files("moeplan.passes.cost").joinpath("runtime_op_counts.json").read_text())
+    return data["architectures_float32"] if dtype == "float32" else data["architectures"]
 
 
-def _counted(row: dict, source: str) -> RuntimeOps:
+def _counted(row: dict, source: str, dtype: str) -> RuntimeOps:
     return RuntimeOps(attention=float(row["attention_block"]), moe=float(row["moe_block"]), expert_call=0.0,
-                      dense_mlp=float(row["dense_mlp_block"]), head=float(row["fixed"]), source=source,
+                      dense_mlp=float(row["dense_mlp_block"]), head=float(row["fixed"]), source=source, dtype=dtype,
                       moe_ep=float(row["moe_block_ep"]),
                       moe_gathered=None if row.get("moe_block_gathered") is None else float(row["moe_block_gathered"]),
                       attention_captured=None if row.get("attention_block_captured") is None
@@ -163,16 +166,20 @@ def _part(row: dict, part: str) -> float | None:
     return None if row.get(part) is None else float(row[part])
 
 
-def runtime_ops(profile, architecture: str) -> RuntimeOps:
-    """The launch counts to price a step of `architecture` (the IR's model class) with on `profile`."""
+def runtime_ops(profile, architecture: str, dtype: str = "bfloat16") -> RuntimeOps:
+    """The launch counts to price a step of `architecture` (the IR's model class) with on `profile`, its dense weights
+    held at `dtype` there (`ModelShape.held_dtype`: a float32 step casts nothing, a bf16 one casts its norms' and
+    router's inputs to float32 and back)."""
     if profile is None or getattr(profile, "runtime_op_overhead_s", None) is None:
         return FITTED
-    table = _table()
+    counted_at = "float32" if dtype == "float32" else "bfloat16"
+    table = _table(counted_at)
     if architecture in table:
-        return _counted(table[architecture], f"counted: {architecture}")
+        return _counted(table[architecture], f"counted: {architecture}", counted_at)
     median = {part: statistics.median(row[part] for row in table.values() if row.get(part) is not None)
               for part in next(iter(table.values()))}
-    return _counted(median, f"counted: median of {len(table)} architectures ({architecture or 'unknown'} not counted)")
+    return _counted(median, f"counted: median of {len(table)} architectures ({architecture or 'unknown'} not counted)",
+                    counted_at)
 
 
 def decode_graphs_possible(module, ir, profile) -> bool:

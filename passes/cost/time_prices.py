@@ -80,7 +80,7 @@ def time_prices(profile, shape, workload, world: int, gpus_per_node: int, num_ex
     alone = float(sum(w * math.exp(-n * k / max(W * W, 1)) for w, n in zip(weights, steps)))
     remote = (shape.dispatch_row_bytes + back) * per_byte + 2 * latency * alone
     opens_call = float(sum(w * math.exp(-n * k / max(num_experts, 1)) for w, n in zip(weights, steps)))
-    ops = runtime_ops(profile, shape.architecture)  # the counts and op cost cost_model.predict prices with
+    ops = runtime_ops(profile, shape.architecture, shape.held_dtype)  # the counts and op cost cost_model.predict prices with
     call = ops.expert_call * runtime_profile(profile).op_overhead_s + shape.expert_bytes / profile.memory_bytes_per_s
     load = shape.expert_flops / profile.flops_per_s + call * opens_call
     return TimePrices(remote_visit_s=remote, load_excess_s=load, free_excess=max(0.0, W / profile.parallel_ranks - 1.0))
