@@ -16,9 +16,10 @@ Two sources:
   dispatch;
 * counted (runtime_op_counts.json, written by benchmarks/runtime_op_counts.py): the aten ops the runtime's real
   decode step dispatches per decoder block (attention part, MoE block, dense MLP) and per step, per model class, at
-  bf16; an expert touched adds none (grouped experts). Coherent mode's step is counted too, as what it dispatches
-  beyond standard mode's step at the same ranks (its hooks, its context, dispatch and merge exchanges, its token sync:
-  per decoder block at 1 and at 2 ranks, plus a few ops per rank beyond 2, counted at 4). Used where the hardware
+  bf16 and at float32 (the dtype the runtime holds the dense weights at: `ModelShape.held_dtype`); an expert touched
+  adds none (grouped experts). Coherent mode's step is counted too, as what it dispatches beyond standard mode's step
+  at one rank (its hooks, its context, dispatch and merge exchanges, its token sync: per decoder block at 1 and at 2
+  ranks, plus a few ops per rank beyond 2, counted at 4). Used where the hardware
   profile gives `runtime_op_overhead_s`, the runtime's measured cost of one such op (h100-sxm, h200-sxm: one H200,
   benchmarks/gpu/decode_step.py; CPU calibrations, `moeplan calibrate` since its method 5: the op cost fitted to
   `moeplan run`'s measured runs over these counts), so counts and cost come from the same counter. A model class the
