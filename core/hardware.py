@@ -36,15 +36,16 @@ THIS_MACHINE = "this-machine"
 DEFAULT_HARDWARE = "cpu-gloo"
 DEFAULT_OFFLOAD_HARDWARE = "rtx4090-pcie4"
 # Bump when `moeplan calibrate` measures differently, so older cached calibrations are not reused.
-CALIBRATION_METHOD = 5  # 3: also the host's expert rates (host compute on a miss); 4: multi-rank engine under torchrun;
-                        # 5: the op cost fitted over the runtime's counted ops (runtime_op_overhead_s)
+CALIBRATION_METHOD = 6  # 3: also the host's expert rates (host compute on a miss); 4: multi-rank engine under torchrun;
+                        # 5: the op cost fitted over the runtime's counted ops (runtime_op_overhead_s);
+                        # 6: and its part per row (runtime_op_row_s)
 
 COST_FIGURES = ("flops_per_s", "memory_bytes_per_s", "op_overhead_s", "python_slot_s", "attention_ops_per_sequence",
                 "parallel_ranks", "collective_latency_base_s", "collective_latency_per_peer_s")
 MEMORY_FIGURES = ("device_memory_bytes", "host_memory_bytes", "host_to_device_bytes_per_s", "disk_read_bytes_per_s",
                   "memory_efficiency", "layer_overhead_s", "copy_latency_s")
 TIERED = ("bandwidth_bytes_per_s", "message_latency_s")
-_MAY_BE_ZERO = ("python_slot_s", "attention_ops_per_sequence")
+_MAY_BE_ZERO = ("python_slot_s", "attention_ops_per_sequence", "runtime_op_row_s")
 # the intercept of the exchange call's latency line, only ever priced at 2 ranks or more: `moeplan calibrate`
 # fits the line through its 2- and 4-rank runs, and where 4 ranks share 2 cores the calls slow down faster
 # than linearly from one rank, so the line's value at 1 rank (the intercept) can be negative
@@ -59,7 +60,7 @@ PRECISION_FIGURES = ("fp8_flops_per_s",)
 # model prices the runtime's counted ops at (passes/cost/runtime_ops.py); absent: op_overhead_s and the fitted counts
 # optional: one op of a decode step the runtime captures as a CUDA graph (GPU ranks,
 # runtime/model/graph_decode.py): a fixed part and a part per row of the step, measured (docs/gpu_checks.md)
-RUNTIME_FIGURES = ("runtime_op_overhead_s", "graph_op_overhead_s", "graph_op_row_s")
+RUNTIME_FIGURES = ("runtime_op_overhead_s", "runtime_op_row_s", "graph_op_overhead_s", "graph_op_row_s")
 OPTIONAL_FIGURES = HOST_FIGURES + PRECISION_FIGURES + RUNTIME_FIGURES
 PRECISIONS = ("fp8", "bf16", "fp32")  # runtime/precision.py's, named here: core imports nothing of the runtime
 
@@ -94,6 +95,7 @@ class HardwareProfile:
     host_overhead_s: float | None = None          # per host-computed expert: activations there and back, launch
     fp8_flops_per_s: float | None = None          # dense FP8 matmul throughput of one rank (engine pricing)
     runtime_op_overhead_s: float | None = None    # one aten op of moeplan's runtime, measured (torchrun cost model)
+    runtime_op_row_s: float | None = None         # and per row of its step on a host device (CPU calibrations)
     graph_op_overhead_s: float | None = None      # one op of a captured decode step (CUDA graph), fixed part
     graph_op_row_s: float | None = None           # and per row of the step
     calibration: dict | None = field(default=None, compare=False)  # `moeplan calibrate`: date, machine, key

@@ -72,6 +72,30 @@ def test_the_one_rank_fit_is_the_least_squares_op_cost_of_the_bundle_runs_it_mea
     assert sum(terms) == pytest.approx(0.0, abs=1e-4 * sum(abs(t) for t in terms))
 
 
+def test_the_op_cost_and_its_part_per_row_are_the_least_squares_fit_of_two_workloads(tmp_path):
+    """calibrate's 1-rank fit (method 6): the runtime's op cost and its part per row of the step are the pair that
+    best predicts the bundle's runs of 8 and of 2 prompts in both modes over the counted ops; moving either
+    predicts worse. Real torchrun launches of a compiled bundle of the demo's model."""
+    root, runs = _bundle_runs(tmp_path, str(ROOT / "examples" / "tiny_moe"), 1)
+    directory = ROOT / "examples" / "tiny_moe"
+    small = CE.measure_bundle(root, 1, CE.prompt_file(directory, tmp_path, CE.SMALL_REQUESTS), tmp_path, runs=1)
+    partial = {k: v for k, v in load_hardware("cpu-gloo").to_dict().items() if k != "sources"}
+
+    def profile(op: float, row: float) -> dict:
+        return dict(partial, **CE.op_cost(op, row))
+
+    op, row = CE.fit_op(root, [runs, small], profile)
+    assert finite_positive(op) and row >= 0
+
+    def loss(o: float, r: float) -> float:
+        return sum(e * e for each in (runs, small) for e in _relative_errors(root, each, profile(o, r)).values())
+
+    best = loss(op, row)
+    assert best <= min(loss(op * 0.9, row), loss(op * 1.1, row), loss(op, row * 1.1 + 1e-9))
+    if row > 0:
+        assert best <= loss(op, row * 0.9)
+
+
 def test_a_cached_calibration_is_reused_and_model_needs_out(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     data = load_hardware("cpu-gloo").to_dict()

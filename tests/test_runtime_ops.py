@@ -173,3 +173,22 @@ def test_a_calibrated_cpu_profile_prices_coherent_modes_counted_hooks():
     fitted = dataclasses.replace(calibrated, runtime_op_overhead_s=None)
     fitted_extra = _one_rank_step(fitted, "coherent") - _one_rank_step(fitted, STANDARD)
     assert fitted_extra == pytest.approx((2 * COHERENT_HOOK_OPS + 2) * op, rel=1e-9)  # + the second block's K/V ops
+
+
+def test_a_cpu_calibrations_op_costs_more_the_more_rows_its_step_runs_on_the_rank():
+    """`runtime_op_row_s` (CPU calibrations, method 6): a step's op costs the fixed part + the part per row x the rows
+    it runs on the rank (standard mode: its share, coherent mode: every row); GPU profiles keep their device time."""
+    from moeplan.passes.cost.cost_model import step_pricing
+    from moeplan.passes.cost.runtime_ops import runtime_profile, step_profile
+
+    cpu = dataclasses.replace(load_hardware("cpu-gloo"), runtime_op_overhead_s=1e-5, runtime_op_row_s=1e-7)
+    eager = runtime_profile(cpu)
+    assert step_profile(eager, 10, False).op_overhead_s == pytest.approx(1e-5 + 10 * 1e-7)
+    ops = runtime_ops(cpu, "Qwen3MoeForCausalLM")
+    seq = np.arange(8)  # 8 sequences, one token each, over 2 ranks
+    standard, _, _ = step_pricing(eager, ops, False, 2, STANDARD, seq)
+    coherent, _, _ = step_pricing(eager, ops, False, 2, "coherent", seq)
+    assert standard.op_overhead_s == pytest.approx(1e-5 + 4 * 1e-7)
+    assert coherent.op_overhead_s == pytest.approx(1e-5 + 8 * 1e-7)
+    assert step_profile(runtime_profile(load_hardware("cpu-gloo")), 10, False).op_overhead_s == load_hardware(
+        "cpu-gloo").op_overhead_s

@@ -459,7 +459,8 @@ def step_pricing(eager_profile, ops, graphs: bool, world: int, mode: str, seq: n
             np.maximum.at(longest, owner, tokens)
             rows = gathered_prefill_rows(longest, held)
     moe_ops = ops.moe_gathered if rows is not None else (ops.moe_block(world) if mode == STANDARD else ops.moe)
-    return step_profile(eager_profile, -(-len(seq) // world), captured), rows, moe_ops
+    rank_rows = len(seq) if mode == COHERENT else -(-len(seq) // world)  # coherent: every rank runs every row
+    return step_profile(eager_profile, rank_rows, captured), rows, moe_ops
 
 
 def _held(current, seq: np.ndarray, world: int) -> tuple:

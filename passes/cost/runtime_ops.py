@@ -222,10 +222,12 @@ def graph_rows(rows: int) -> int:
 def step_profile(profile, rows: int, graphs: bool):
     """`profile` (`runtime_profile`'s) with its op cost for a step of `rows` rows on a rank (module docstring):
     captured (`graphs`), each op's device time at the bucket's rows; eager, the larger of its host dispatch and that
-    device time at the step's rows (the host runs ahead of the GPU until the kernels take longer than it). Profiles
-    without the graph figures unchanged."""
+    device time at the step's rows (the host runs ahead of the GPU until the kernels take longer than it). A profile
+    without the graph figures: its op cost plus `runtime_op_row_s` x rows where it gives one (CPU calibrations), else
+    unchanged."""
     if getattr(profile, "graph_op_overhead_s", None) is None:
-        return profile
+        row = getattr(profile, "runtime_op_row_s", None)  # a CPU's op: dispatch and work on one thread, one after the other
+        return profile if row is None else dataclasses.replace(profile, op_overhead_s=profile.op_overhead_s + row * rows)
     device = profile.graph_op_overhead_s + profile.graph_op_row_s * (graph_rows(rows) if graphs else rows)
     return dataclasses.replace(profile, op_overhead_s=device if graphs else max(profile.op_overhead_s, device))
 

@@ -181,7 +181,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         bandwidth = LARGE_BYTES * (lo - 1) / max(gloo[lo]["large"] - gloo[lo]["small"], 1e-9)
         partial = {"name": "cpu-gloo", "flops_per_s": compute["flops_per_s"], "memory_bytes_per_s": compute["memory_bytes_per_s"],
                    "python_slot_s": compute["python_slot_s"], "parallel_ranks": cores,
-                   "attention_ops_per_sequence": 0, "op_overhead_s": 1e-6, "runtime_op_overhead_s": 1e-6,
+                   "attention_ops_per_sequence": 0, "op_overhead_s": 1e-6, "runtime_op_overhead_s": 1e-6, "runtime_op_row_s": 0.0,
                    "collective_latency_base_s": 1.0, "collective_latency_per_peer_s": 1.0,
                    "bandwidth_bytes_per_s": {"same_node": bandwidth, "other_node": bandwidth},
                    "message_latency_s": {"same_node": message, "other_node": message},
@@ -201,6 +201,7 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
         "memory_bytes_per_s": _g4(compute["memory_bytes_per_s"]),
         "op_overhead_s": op,
         "runtime_op_overhead_s": op,
+        "runtime_op_row_s": _g4(engine["op_row_s"]),
         "python_slot_s": _g4(compute["python_slot_s"]),
         "attention_ops_per_sequence": 0,
         "parallel_ranks": cores,
@@ -223,9 +224,11 @@ def calibrate(model_dir=None, now: datetime | None = None) -> dict:
             "memory_bytes_per_s": f"{measured}, clone of 16 MiB",
             "op_overhead_s": f"moeplan calibrate on this machine: the least-squares fit of `moeplan run`'s prediction "
                              f"to its measurement of a 1-rank torchrun bundle of {engine_model} (8 x 32 prompt tokens "
-                             f"+ 8 new, both modes, median of 5 launches), the prediction pricing the runtime's "
-                             f"counted ops (passes/cost/runtime_op_counts.json) at it",
+                             f"+ 8 new, both modes, median of 5 launches; and of 2 prompts), the prediction pricing the "
+                             f"runtime's counted ops (passes/cost/runtime_op_counts.json) at it + runtime_op_row_s x rows",
             "runtime_op_overhead_s": "the same fit: one op the runtime dispatches, as counted",
+            "runtime_op_row_s": "the same fit, over the 1-rank runs of 8 and of 2 prompts (the rows a step runs on the "
+                                "rank): what one op adds per row",
             "attention_ops_per_sequence": "zero: the runtime runs one batched library forward per step "
                                           "(runtime/ep/engine.py), no loop over sequences",
             "python_slot_s": f"{measured}, the runtime's replica choice (ExpertTable.choose) on 256 tokens x top-2, per slot",

@@ -25,6 +25,7 @@ from moeplan.core.errors import UserError
 WORLDS = (1, 2, 4)
 MODES = ("coherent", "standard")  # `moeplan run --mode both`'s order
 WORKLOAD = (8, 32, 8)  # requests, prompt tokens, new tokens
+SMALL_REQUESTS = 2  # a second 1-rank workload of few rows a step: parts an op's fixed cost from its cost per row
 QWEN3 = {"vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 2,
          "moe_intermediate_size": 64, "intermediate_size": 128, "max_position_embeddings": 256,
@@ -68,11 +69,11 @@ def engine_label(model_dir=None) -> str:
             f"top-{q['num_experts_per_tok']})")
 
 
-def prompt_file(directory: Path, scratch: Path) -> Path:
-    """The workload's prompts as `ids:` lines (any model reads them, tokenizer or not)."""
+def prompt_file(directory: Path, scratch: Path, requests: int = WORKLOAD[0]) -> Path:
+    """The workload's prompts (`requests` of them) as `ids:` lines (any model reads them, tokenizer or not)."""
     vocab = int(json.loads((directory / "config.json").read_text()).get("vocab_size", 256))
-    requests, length, _ = WORKLOAD
-    path = scratch / "prompts.txt"
+    _, length, _ = WORKLOAD
+    path = scratch / f"prompts-{requests}.txt"
     path.write_text("".join("ids: " + " ".join(str((7 * i + 3 * j) % vocab) for j in range(length)) + "\n"
                             for i in range(requests)))
     return path
@@ -114,7 +115,7 @@ def measure_bundle(root: Path, world: int, prompts: Path, scratch: Path, runs: i
 
     done = {mode: [] for mode in MODES}
     for i in range(runs):
-        out = scratch / f"run-{world}-{i}"
+        out = scratch / f"run-{world}-{prompts.stem}-{i}"
         proc = launch(root, world, prompts, WORKLOAD[2], ",".join(MODES), out, LAUNCH_TIMEOUT_S)
         if proc.returncode != 0:
             reason = failure_reason(proc.stderr + "\n" + proc.stdout)
@@ -146,24 +147,55 @@ def fit(root: Path, runs: dict, profile_at) -> float:
     return num / den
 
 
-def op_cost(seconds: float) -> dict:
-    """A profile's cost of one op of the runtime: `runtime_op_overhead_s`, at which the cost model prices the
-    runtime's counted ops (passes/cost/runtime_op_counts.json), and `op_overhead_s`, the same, for what it still
-    prices with fitted counts (exchange calls of models the table lacks, the offload timing)."""
-    return {"op_overhead_s": seconds, "runtime_op_overhead_s": seconds}
+def op_cost(seconds: float, per_row: float) -> dict:
+    """A profile's cost of one op of the runtime: `runtime_op_overhead_s` + `runtime_op_row_s` x the step's rows on
+    the rank, at which the cost model prices the runtime's counted ops (passes/cost/runtime_op_counts.json), and
+    `op_overhead_s`, the fixed part, for what it still prices with fitted counts (exchange calls' fitted ops, the
+    offload timing)."""
+    return {"op_overhead_s": seconds, "runtime_op_overhead_s": seconds, "runtime_op_row_s": per_row}
+
+
+def fit_op(root: Path, runs: list, profile_at) -> tuple:
+    """(seconds, per_row) that best predict every run of `runs` (`measure_bundle`'s, of several workloads) in both
+    modes when the profile is `profile_at(seconds, per_row)`: least squares on the relative errors; each prediction
+    is linear in both (a + b seconds + c per_row). A per-row part below zero is refused: then per_row = 0 and the
+    fixed part alone is fitted."""
+    import numpy as np
+
+    from moeplan.core.hardware import profile_from_dict
+    from moeplan.passes.cost.run_check import predict_run
+
+    def predicted(mode: str, results, seconds: float, per_row: float) -> float:
+        profile = profile_from_dict(profile_at(seconds, per_row), "calibration")
+        return predict_run(root, results, mode, profile)["seconds_per_token"]
+
+    rows = []  # per run and mode: (1 - a / y, b / y, c / y)
+    for run in runs:
+        for mode, measured in run.items():
+            y, results = measured["seconds_per_token"], measured["results"]
+            a = predicted(mode, results, 1e-12, 0.0)
+            rows.append((1 - a / y, (predicted(mode, results, 1.0, 0.0) - a) / y,
+                         (predicted(mode, results, 1e-12, 1.0) - a) / y))
+    target, fixed, per_row = (np.array(column) for column in zip(*rows))
+    (seconds, row), *_ = np.linalg.lstsq(np.stack([fixed, per_row], axis=1), target, rcond=None)
+    if row < 0:
+        seconds, row = float(fixed @ target / (fixed @ fixed)), 0.0
+    return max(float(seconds), 1e-9), float(row)
 
 
 def fit_engine(partial: dict, scratch: Path, model_dir=None, runs: int = 5) -> dict:
-    """{"op_overhead_s", "latency": {world: one exchange call's latency}}: the 1-rank runs fix the cost of one
-    op (`op_cost`), then each multi-rank world's runs fix its exchange-call latency."""
+    """{"op_overhead_s", "op_row_s", "latency": {world: one exchange call's latency}}: the 1-rank runs of the
+    workload and of SMALL_REQUESTS prompts fix the cost of one op and its part per row (`op_cost`), then each
+    multi-rank world's runs fix its exchange-call latency."""
     directory = engine_model(scratch, model_dir)
     prompts, trace = prompt_file(directory, scratch), _trace(directory, scratch)
     roots = {w: compile_bundle(directory, trace, w, scratch) for w in WORLDS}
-    one = measure_bundle(roots[1], 1, prompts, scratch, runs)
-    op = max(fit(roots[1], one, lambda v: dict(partial, **op_cost(max(v, 1e-12)))), 1e-9)
+    one = [measure_bundle(roots[1], 1, p, scratch, runs)
+           for p in (prompts, prompt_file(directory, scratch, SMALL_REQUESTS))]
+    op, row = fit_op(roots[1], one, lambda v, r: dict(partial, **op_cost(v, r)))
     latency = {}
     for w in WORLDS[1:]:
         run = measure_bundle(roots[w], w, prompts, scratch, runs)
-        latency[w] = max(fit(roots[w], run, lambda v: dict(partial, **op_cost(op), collective_latency_base_s=max(v, 1e-12),
+        latency[w] = max(fit(roots[w], run, lambda v: dict(partial, **op_cost(op, row), collective_latency_base_s=max(v, 1e-12),
                                                            collective_latency_per_peer_s=1e-12)), 1e-7)
-    return {"op_overhead_s": op, "latency": latency}
+    return {"op_overhead_s": op, "op_row_s": row, "latency": latency}
