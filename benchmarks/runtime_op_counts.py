@@ -201,15 +201,17 @@ def build_architecture(arch: str, folder: Path) -> Path:
     return tiny_architectures().build(arch, folder)
 
 
-def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str, dtype: str) -> None:
+STEPS = {"dynamic": {}, "gathered": {"gathered": True}, "coherent": {"mode": "coherent"}}  # `count`'s, by name
+
+
+def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str, dtype: str, steps: tuple) -> None:
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         held = getattr(torch, dtype)
-        counted = [count(arch, 4 * world, held, rank, world, Path(folder), gathered) for gathered in (False, True)]
-        counted.append(count(arch, 4 * world, held, rank, world, Path(folder), mode="coherent"))
+        counted = [count(arch, 4 * world, held, rank, world, Path(folder), **STEPS[step]) for step in steps]
         if rank == 0:
             Path(out).write_text(json.dumps(counted))
     finally:
@@ -217,9 +219,9 @@ def _rank(rank: int, world: int, arch: str, folder: str, port: int, out: str, dt
     leave(0)  # without the interpreter's teardown, which a spawned gloo rank can abort in (runtime/process_exit.py)
 
 
-def count_at_world(arch: str, world: int, dtype: str = "bfloat16") -> list:
-    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank, at `dtype`:
-    standard mode by dynamic gating, then gathered, then coherent mode."""
+def count_at_world(arch: str, world: int, dtype: str = "bfloat16", steps: tuple = tuple(STEPS)) -> list:
+    """Rank 0's `count` in a world of `world` ranks (gloo processes on this machine), 4 sequences per rank, at `dtype`,
+    of each of `steps` (STEPS: standard mode by dynamic gating, gathered, coherent mode)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -230,13 +232,18 @@ def count_at_world(arch: str, world: int, dtype: str = "bfloat16") -> list:
     scratch = Path(tempfile.mkdtemp(prefix="op_counts_world_"))
     folder = build_architecture(arch, scratch)  # here: transformers saves from the main process only
     out = scratch / "rank0.json"
-    mp.spawn(_rank, args=(world, arch, str(folder), port, str(out), dtype), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, arch, str(folder), port, str(out), dtype, steps), nprocs=world, join=True)
     return json.loads(out.read_text())
 
 
+class TwoRanksRefused(RuntimeError):
+    """The engine at 2 ranks refused an architecture (`count_row`)."""
+
+
 def count_row(arch: str, dtype: str) -> tuple:
-    """(the table's row for `arch` at `dtype`, with its step's total and whether batch 8 counts the same, why the
-    engine does not gather it or None); raises where the serving loop or the engine at 2 ranks refuses it."""
+    """(model class, the table's row for `arch` at `dtype`, its step's total, whether batch 8 counts the same, why
+    the engine does not gather it or None); raises where the serving loop refuses it, TwoRanksRefused where the
+    engine at 2 ranks does."""
     import torch
 
     held = getattr(torch, dtype)
@@ -245,21 +252,21 @@ def count_row(arch: str, dtype: str) -> tuple:
     try:
         dynamic, gathered, coherent = count_at_world(arch, 2, dtype)
     except Exception as exc:
-        raise RuntimeError(f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}") from exc
+        raise TwoRanksRefused(f"2 ranks: {type(exc).__name__}: {str(exc)[:200]}") from exc
     four[EP_PART] = dynamic["moe_block"]
     four[GATHERED_PART] = gathered.get("moe_block")
     four[COHERENT_PART], _ = coherent_excess(count(arch, 4, held, mode="coherent"), four)
     # over one rank's standard step at any world: the cost model prices a coherent block's library MoE block with
     # `moe_block` (its routed experts go through coherent mode's own exchanges, in the excess)
     four[COHERENT_EP_PART], four[COHERENT_STEP_PART] = coherent_excess(coherent, four)
-    _, _, coherent4 = count_at_world(arch, 4, dtype)
+    coherent4, = count_at_world(arch, 4, dtype, ("coherent",))
     block4, step4 = coherent_excess(coherent4, four)  # its exchanges' few ops per peer: the slope to 4 ranks
     # never below zero: where a rank of 4 received no rows a path or two did not run (phimoe -6.25 a block)
     four[COHERENT_PEER_PART] = max(round((block4 - four[COHERENT_EP_PART]) / 2, 2), 0.0)
     four[COHERENT_STEP_PEER_PART] = max(round((step4 - four[COHERENT_STEP_PART]) / 2, 2), 0.0)
     row = {p: four[p] for p in (*PARTS, EP_PART, GATHERED_PART, CAPTURED_PART, *COHERENT_PARTS)}
-    return row | {"architecture": four["architecture"], "total": four["total"],
-                  "same": all(four[p] == eight[p] for p in PARTS)}, gathered.get("refused")
+    return (four["architecture"], row, four["total"], all(four[p] == eight[p] for p in PARTS),
+            gathered.get("refused"))
 
 
 def main(argv=None) -> int:
@@ -281,12 +288,11 @@ def main(argv=None) -> int:
             if arch in skipped:
                 continue
             try:
-                row, refusal = count_row(arch, dtype)
+                cls, row, total, same, refusal = count_row(arch, dtype)
             except Exception as exc:  # the serving loop refuses it (linear or chunked attention), or 2 ranks do
-                skipped[arch] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RuntimeError) else str(exc)
+                skipped[arch] = str(exc) if isinstance(exc, TwoRanksRefused) else f"{type(exc).__name__}: {exc}"
                 print(f"{arch:<16} skipped: {skipped[arch][:100]}")
                 continue
-            cls, total, same = row.pop("architecture"), row.pop("total"), row.pop("same")
             tables[dtype][cls] = row
             if refusal is not None:
                 refused[cls] = refusal

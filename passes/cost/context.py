@@ -45,32 +45,35 @@ def priced_shape(ir, module, profile, context: list | None = None, graphs: bool 
     (`attention_of`), whether its decode steps can be captured there (`runtime_ops.decode_graphs_possible`; never
     with `graphs` False), the bytes of its gathered rows (`gathered_wire_bytes`) and the dtype its dense weights are
     held at there, with coherent mode's context rows."""
-    from moeplan.passes.cost.capacity import held_weights
     from moeplan.passes.cost.runtime_ops import decode_graphs_possible
 
-    held = held_weights(ir, profile)["dtypes"]["dense"] if profile is not None else "bfloat16"
     return shape_with_context(ir, context or [], attention_of(module, ir, profile),
                               graphs and decode_graphs_possible(module, ir, profile), gathered_wire_bytes(ir, profile),
-                              held)
+                              held_dense_dtype(ir, profile))
+
+
+def held_dense_dtype(ir, profile) -> str:
+    """The dtype the runtime holds the model's dense weights (and so its hidden state and KV cache) at on `profile`
+    (`capacity.held_weights`; None: float32)."""
+    from moeplan.passes.cost.capacity import held_weights
+
+    return held_weights(ir, profile)["dtypes"]["dense"] if profile is not None else "float32"
 
 
 def attention_of(module, ir, profile=None) -> AttentionContext:
     """The model's attention at context as the runtime runs it, from its library config (none: the IR's), with
     its KV cache at the dtype the runtime holds the model at on `profile` (None: float32)."""
-    from moeplan.passes.cost.capacity import held_weights
-
-    kv_dtype = held_weights(ir, profile)["dtypes"]["dense"] if profile is not None else "float32"
-    return runtime_attention_context(getattr(module, "config", None) if module is not None else None, ir, kv_dtype)
+    config = getattr(module, "config", None) if module is not None else None
+    return runtime_attention_context(config, ir, held_dense_dtype(ir, profile))
 
 
 def gathered_wire_bytes(ir, profile) -> int:
     """Bytes of one element of a gathered exchange's rows on `profile` (runtime/ep/gathered_moe.py `wire_dtype`, at
     the dtype the runtime holds the model's dense weights, and so its hidden state, at there)."""
-    from moeplan.passes.cost.capacity import held_weights
     from moeplan.runtime.ep.gathered_moe import wire_dtype
     from moeplan.runtime.precision import torch_dtype
 
-    dense = torch_dtype(held_weights(ir, profile)["dtypes"]["dense"])
+    dense = torch_dtype(held_dense_dtype(ir, profile))
     return wire_dtype(dense, int(ir.moe_stages[0].hidden_size), int(ir.moe_stages[0].num_experts)).itemsize
 
 

@@ -126,25 +126,36 @@ def measure_bundle(root: Path, world: int, prompts: Path, scratch: Path, runs: i
     return {mode: dict(zip(("seconds_per_token", "results"), sorted(d)[len(d) // 2])) for mode, d in done.items()}
 
 
+def relative_design(root: Path, runs: list, profile_at, zero: tuple, units: list) -> tuple:
+    """The least squares on relative errors of `moeplan run`'s predictions of `runs` (`measure_bundle`'s, every
+    mode of each) against their measurements y, when the profile is `profile_at(*x)` and each prediction is linear
+    in the parameters x (a + sum_j c_j x_j): (target [m] 1 - a / y, design [m, p] c_j / y), a priced at `zero` and
+    c_j at `units[j]` less a (parameters of a profile must be positive: `zero` stands in for 0 where they must)."""
+    import numpy as np
+
+    from moeplan.core.hardware import profile_from_dict
+    from moeplan.passes.cost.run_check import predict_run
+
+    def predicted(mode: str, results, x: tuple) -> float:
+        return predict_run(root, results, mode, profile_from_dict(profile_at(*x), "calibration"))["seconds_per_token"]
+
+    target, design = [], []
+    for run in runs:
+        for mode, measured in run.items():
+            y, results = measured["seconds_per_token"], measured["results"]
+            a = predicted(mode, results, zero)
+            target.append(1 - a / y)
+            design.append([(predicted(mode, results, unit) - a) / y for unit in units])
+    return np.array(target), np.array(design)
+
+
 def fit(root: Path, runs: dict, profile_at) -> float:
     """The value v that best predicts both modes' runs when the profile is `profile_at(v)` (a profile
     dict): least squares on the relative errors. Each prediction is linear in v (a_m + b_m v), so
     v = sum (b_m / y_m)(1 - a_m / y_m) / sum (b_m / y_m)^2, y_m the measured seconds per token."""
-    from moeplan.core.hardware import profile_from_dict
-    from moeplan.passes.cost.run_check import predict_run
-
-    def predicted(mode: str, v: float) -> float:
-        profile = profile_from_dict(profile_at(v), "calibration")
-        return predict_run(root, runs[mode]["results"], mode, profile)["seconds_per_token"]
-
-    num = den = 0.0
-    for mode, run in runs.items():
-        y = run["seconds_per_token"]
-        a = predicted(mode, 1e-12)
-        b = predicted(mode, 1.0) - a
-        num += (b / y) * (1 - a / y)
-        den += (b / y) ** 2
-    return num / den
+    target, design = relative_design(root, [runs], profile_at, (1e-12,), [(1.0,)])
+    b = design[:, 0]
+    return float(b @ target / (b @ b))
 
 
 def op_cost(seconds: float, per_row: float) -> dict:
@@ -157,28 +168,14 @@ def op_cost(seconds: float, per_row: float) -> dict:
 
 def fit_op(root: Path, runs: list, profile_at) -> tuple:
     """(seconds, per_row) that best predict every run of `runs` (`measure_bundle`'s, of several workloads) in both
-    modes when the profile is `profile_at(seconds, per_row)`: least squares on the relative errors; each prediction
-    is linear in both (a + b seconds + c per_row). A per-row part below zero is refused: then per_row = 0 and the
-    fixed part alone is fitted."""
+    modes when the profile is `profile_at(seconds, per_row)`: least squares on the relative errors
+    (`relative_design`). A per-row part below zero is refused: then per_row = 0 and the fixed part alone is fitted."""
     import numpy as np
 
-    from moeplan.core.hardware import profile_from_dict
-    from moeplan.passes.cost.run_check import predict_run
-
-    def predicted(mode: str, results, seconds: float, per_row: float) -> float:
-        profile = profile_from_dict(profile_at(seconds, per_row), "calibration")
-        return predict_run(root, results, mode, profile)["seconds_per_token"]
-
-    rows = []  # per run and mode: (1 - a / y, b / y, c / y)
-    for run in runs:
-        for mode, measured in run.items():
-            y, results = measured["seconds_per_token"], measured["results"]
-            a = predicted(mode, results, 1e-12, 0.0)
-            rows.append((1 - a / y, (predicted(mode, results, 1.0, 0.0) - a) / y,
-                         (predicted(mode, results, 1e-12, 1.0) - a) / y))
-    target, fixed, per_row = (np.array(column) for column in zip(*rows))
-    (seconds, row), *_ = np.linalg.lstsq(np.stack([fixed, per_row], axis=1), target, rcond=None)
+    target, design = relative_design(root, runs, profile_at, (1e-12, 0.0), [(1.0, 0.0), (1e-12, 1.0)])
+    (seconds, row), *_ = np.linalg.lstsq(design, target, rcond=None)
     if row < 0:
+        fixed = design[:, 0]
         seconds, row = float(fixed @ target / (fixed @ fixed)), 0.0
     return max(float(seconds), 1e-9), float(row)
 
